@@ -1,0 +1,101 @@
+"""Generated tokens/s of `tandem serve` at 1, 8 and 64 concurrent requests vs transformers' `generate()`.
+
+Both sides get the same prompts (built-in arithmetic chats) and the same output lengths (varied,
+EOS ignored so the lengths are exact), sampling at temperature 1.0 on the same model and threads.
+`generate()` runs static batches of the concurrency's size: each batch lasts as long as its longest
+request, which is what continuous batching avoids. Only the requested tokens count on both sides.
+
+    python benchmarks/serve_throughput.py [--requests 64] [--min-tokens 16] [--max-tokens 128]
+"""
+
+import argparse
+import asyncio
+import random
+import re
+import subprocess
+import sys
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tandem.generation.client import ControlClient, GenerationClient
+from tandem.tasks import TINY_MODEL_PATH, arithmetic
+
+
+def workload(tokenizer, n: int, min_tokens: int, max_tokens: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    rows = arithmetic.make_rows(n, seed=seed)
+    prompts = [list(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)) for r in rows]
+    return [(p, rng.randint(min_tokens, max_tokens)) for p in prompts]
+
+
+def start_server() -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "tandem.cli", "serve", "tiny", "--port", "0", "--logprobs-mode", "processed_logprobs"]
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    for line in process.stdout:
+        if match := re.search(r"on (http://\S+)", line):
+            return process, match.group(1)
+    raise RuntimeError("tandem serve exited before it was ready")
+
+
+async def serve_rate(url: str, jobs, concurrency: int) -> float:
+    """Tokens/s with at most `concurrency` requests in flight (a new one starts as soon as one ends)."""
+    semaphore = asyncio.Semaphore(concurrency)
+    async with GenerationClient(url) as client:
+        async def one(i, prompt, length):
+            async with semaphore:
+                [c] = await client.complete(prompt, max_tokens=length, seed=i, ignore_eos=True)
+                return len(c.token_ids)
+
+        await one(0, jobs[0][0], 4)  # warm-up
+        start = time.perf_counter()
+        tokens = await asyncio.gather(*[one(i, p, n) for i, (p, n) in enumerate(jobs)])
+        return sum(tokens) / (time.perf_counter() - start)
+
+
+@torch.inference_mode()
+def generate_rate(model, tokenizer, jobs, batch_size: int) -> float:
+    tokenizer.padding_side = "left"
+    useful, start = 0, time.perf_counter()
+    for i in range(0, len(jobs), batch_size):
+        batch = jobs[i : i + batch_size]
+        width = max(len(p) for p, _ in batch)
+        ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p, _ in batch])
+        mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p, _ in batch])[:, None]).long()
+        longest = max(n for _, n in batch)
+        model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                       max_new_tokens=longest, min_new_tokens=longest, pad_token_id=tokenizer.pad_token_id)
+        useful += sum(n for _, n in batch)
+    return useful / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=64, help="requests per concurrency level (16 at concurrency 1)")
+    parser.add_argument("--min-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    args = parser.parse_args()
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32, attn_implementation="sdpa").eval()
+    process, url = start_server()
+    rows = []
+    try:
+        asyncio.run(ControlClient(url).wait_healthy(60))
+        for concurrency in (1, 8, 64):
+            jobs = workload(tokenizer, 16 if concurrency == 1 else args.requests, args.min_tokens, args.max_tokens, seed=concurrency)
+            served = asyncio.run(serve_rate(url, jobs, concurrency))
+            generated = generate_rate(model, tokenizer, jobs, concurrency)
+            rows.append((concurrency, served, generated))
+            print(f"concurrency {concurrency:3d}: tandem serve {served:8.1f} tok/s   generate() {generated:8.1f} tok/s   ratio {served / generated:5.2f}x", flush=True)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    print("\n| concurrent requests | tandem serve (tok/s) | transformers generate(), static batches (tok/s) | ratio |")
+    print("|---:|---:|---:|---:|")
+    for concurrency, served, generated in rows:
+        print(f"| {concurrency} | {served:.0f} | {generated:.0f} | {served / generated:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""The `tandem` command line: `tandem serve MODEL [...]` (more subcommands arrive with the trainer and proxy)."""
+
+import argparse
+import sys
+
+from tandem.tasks import TINY_MODEL_PATH
+
+
+def serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="generation server speaking vLLM's HTTP protocol (CPU or GPU)",
+                       description="Serve MODEL over vLLM 0.33's HTTP protocol. MODEL is a local path or 'tiny' for the built-in model.")
+    p.add_argument("model", help="model directory (safetensors) or 'tiny'")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default 8000)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's max_position_embeddings)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto: the checkpoint's)")
+    p.add_argument("--seed", type=int, default=None, help="seed for requests that send none")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1, /inference")
+    p.add_argument("--served-model-name", nargs="+", default=[], help="names the model answers to (default: MODEL)")
+    p.add_argument("--enable-lora", action="store_true", help="allow /v1/load_lora_adapter and adapter names in `model`")
+    p.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one batch (default 1)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted (default 16)")
+    p.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept loaded (default: --max-loras)")
+    p.add_argument("--max-logprobs", type=int, default=20, help="cap on logprobs / prompt_logprobs; -1 = vocabulary (default 20)")
+    p.add_argument("--logprobs-mode", default="raw_logprobs",
+                   choices=["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"],
+                   help="what logprob fields hold; RL needs processed_logprobs (default raw_logprobs, as vLLM)")
+    p.add_argument("--enable-scale-out", action="store_true", help="enable /inference/v1/generate")
+    p.add_argument("--return-sampling-mask", action="store_true", help="return each token's kept vocabulary ids (needs top_k > 0)")
+    p.add_argument("--generation-config", default="auto", help="auto (model's generation_config.json) | vllm (neutral) | a folder")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences decoded together at most (default 256)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default auto)")
+    p.add_argument("--decode-mode", default="auto", choices=["auto", "exact", "fast"],
+                   help="exact: log-probs bitwise equal to a full forward (re-forwards a 16-token window per step, eager "
+                        "attention); fast: one token per step with SDPA (default auto: exact on CPU, fast on GPU)")
+
+
+def run_serve(ns: argparse.Namespace) -> None:
+    from tandem.generation.server import ServeArgs, serve
+
+    if ns.return_sampling_mask and ns.logprobs_mode != "processed_logprobs":
+        sys.exit("tandem serve: --return-sampling-mask needs --logprobs-mode processed_logprobs (as in vLLM).")
+    args = ServeArgs(**{k: v for k, v in vars(ns).items() if k != "command"})
+    if args.model == "tiny":
+        args.model = TINY_MODEL_PATH
+    serve(args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="tandem", description="Asynchronous RL for language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_parser(sub)
+    ns = parser.parse_args(argv)
+    {"serve": run_serve}[ns.command](ns)
+
+
+if __name__ == "__main__":
+    main()

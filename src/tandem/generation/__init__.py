@@ -1,0 +1,1 @@
+"""Generation: the vLLM-protocol client, and `tandem serve` (server, batching engine, sampling)."""

@@ -1,0 +1,261 @@
+"""Async clients for vLLM-protocol servers (`vllm serve`, `tandem serve`, `tandem proxy`).
+
+`GenerationClient` sends token ids and reads back token ids with their sampler log-probs;
+`ControlClient` drives the server around weight syncs (health, pause/resume, reload, LoRA,
+`/metrics`). Both use only protocol facts from reference/vllm_protocol.md, so they work unchanged
+against real vLLM. Transport errors and 502/503/504 are retried with exponential backoff; a 4xx
+is the caller's mistake and is raised at once.
+"""
+
+import asyncio
+import json
+import random
+import re
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+RETRY_STATUSES = (502, 503, 504)
+
+
+class ServerError(Exception):
+    """A non-2xx answer: `status` and the server's own error message."""
+
+    def __init__(self, status: int, message: str, url: str):
+        super().__init__(f"{url} answered {status}: {message}")
+        self.status, self.message, self.url = status, message, url
+
+
+@dataclass
+class Completion:
+    """One generated sequence as the trainer needs it."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    sampling_mask: list[list[int]] | None = None
+
+
+@dataclass
+class ServerMetrics:
+    """The values of `/metrics` the pacing logic uses, summed over engines (KV usage: capacity-weighted)."""
+
+    kv_cache_usage: float
+    running: int
+    waiting: int
+    preemptions: int
+    kv_capacity_tokens: int | None
+
+
+class _Http:
+    def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 600.0,
+                 max_retries: int = 5, backoff_s: float = 0.5, max_backoff_s: float = 8.0, connections: int = 0):
+        self.base_url = base_url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
+        self.connections = connections
+        self.retries = 0
+        """Requests re-sent after a transport error or a 502/503/504 (the trainer logs it as rollout/vllm_retry_count)."""
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *_):
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self.connections)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout, headers=self.headers)
+        return self._session
+
+    async def request(self, method: str, path: str, *, body: dict | None = None, params: dict | None = None,
+                      retry: bool = True, timeout_s: float | None = None) -> tuple[int, str]:
+        """Send one request (retrying transient failures); returns (status, text) of a 2xx, raises ServerError otherwise."""
+        url = f"{self.base_url}{path}"
+        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None
+        attempt = 0
+        while True:
+            try:
+                async with self._client().request(method, url, json=body, params=params, timeout=timeout) as response:
+                    text = await response.text()
+                    if response.status < 300:
+                        return response.status, text
+                    if not (retry and response.status in RETRY_STATUSES and attempt < self.max_retries):
+                        raise ServerError(response.status, _error_message(text), url)
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                if not retry or attempt >= self.max_retries:
+                    raise ConnectionError(f"{url} could not be reached after {attempt + 1} attempt(s): {exc!r}") from exc
+            attempt += 1
+            self.retries += 1
+            delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
+            await asyncio.sleep(delay * (0.5 + random.random() / 2))
+
+    async def get_json(self, path: str, **kw) -> dict:
+        _, text = await self.request("GET", path, **kw)
+        return json.loads(text)
+
+    async def post_json(self, path: str, body: dict | None = None, **kw) -> dict:
+        _, text = await self.request("POST", path, body=body, **kw)
+        return json.loads(text) if text.strip() else {}
+
+
+def _error_message(text: str) -> str:
+    try:
+        error = json.loads(text).get("error")
+    except (json.JSONDecodeError, AttributeError):
+        return text.strip()[:500]
+    return error.get("message", str(error)) if isinstance(error, dict) else str(error)
+
+
+class GenerationClient(_Http):
+    """Token-in, token-out generation with sampler log-probs."""
+
+    async def complete(self, prompt_ids: list[int], *, max_tokens: int, model: str | None = None, n: int = 1,
+                       temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                       repetition_penalty: float = 1.0, seed: int | None = None, logprobs: int = 0,
+                       stop_token_ids: list[int] | None = None, **extra) -> list[Completion]:
+        """`/v1/completions` with a token-id prompt. Every sampling field is sent, so server defaults never apply."""
+        body = {
+            "prompt": list(prompt_ids), "max_tokens": max_tokens, "n": n, "temperature": temperature, "top_p": top_p,
+            "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty, "seed": seed,
+            "logprobs": logprobs, "return_token_ids": True, "return_tokens_as_token_ids": True,
+            "stop_token_ids": stop_token_ids or [], "skip_special_tokens": False, **extra,
+        }
+        if model is not None:
+            body["model"] = model
+        data = await self.post_json("/v1/completions", body)
+        return [_completion_choice(c, logprobs) for c in data["choices"]]
+
+    async def generate(self, prompt_ids: list[int], *, sampling_params: dict, model: str | None = None) -> list[Completion]:
+        """`/inference/v1/generate` (needs `--enable-scale-out`); returns sampling masks when the server sends them."""
+        body = {"token_ids": list(prompt_ids), "sampling_params": sampling_params, "model": model, "return_token_ids": True}
+        data = await self.post_json("/inference/v1/generate", body)
+        completions = []
+        for choice in data["choices"]:
+            content = (choice.get("logprobs") or {}).get("content") or []
+            completions.append(Completion(
+                token_ids=choice["token_ids"], logprobs=[e["logprob"] for e in content],
+                finish_reason=choice.get("finish_reason"), stop_reason=choice.get("stop_reason"),
+                top_logprobs=[{t["token_id"]: t["logprob"] for t in e.get("top_logprobs") or []} for e in content] or None,
+                sampling_mask=choice.get("sampling_mask"),
+            ))
+        return completions
+
+
+def _completion_choice(choice: dict, logprobs: int) -> Completion:
+    lp = choice.get("logprobs") or {}
+    top = None
+    if logprobs and lp.get("top_logprobs") is not None:
+        top = [{int(k.removeprefix("token_id:")): v for k, v in entry.items()} for entry in lp["top_logprobs"]]
+    return Completion(
+        token_ids=choice["token_ids"], logprobs=lp.get("token_logprobs") or [], finish_reason=choice.get("finish_reason"),
+        stop_reason=choice.get("stop_reason"), top_logprobs=top,
+    )
+
+
+class ControlClient(_Http):
+    """The control plane: readiness, server facts, pause/resume, weight reload, LoRA adapters, load metrics."""
+
+    async def wait_healthy(self, deadline_s: float = 240.0, interval_s: float = 0.5) -> None:
+        """Poll `/health` until it answers 200; raise TimeoutError naming the URL after `deadline_s`."""
+        end = time.monotonic() + deadline_s
+        last = "no answer"
+        while time.monotonic() < end:
+            try:
+                await self.request("GET", "/health", retry=False, timeout_s=5)
+                return
+            except (ServerError, ConnectionError) as exc:
+                last = str(exc)
+            await asyncio.sleep(interval_s)
+        raise TimeoutError(f"{self.base_url}/health did not answer 200 within {deadline_s:.0f}s (last: {last}). "
+                           "Is the generation server running and is the URL right?")
+
+    async def models(self) -> list[dict]:
+        return (await self.get_json("/v1/models"))["data"]
+
+    async def max_model_len(self) -> int:
+        return int((await self.models())[0]["max_model_len"])
+
+    async def server_info(self) -> dict:
+        return await self.get_json("/server_info", params={"config_format": "json"})
+
+    async def world_size(self) -> int:
+        return int((await self.get_json("/get_world_size"))["world_size"])
+
+    async def pause(self, mode: str = "keep") -> None:
+        await self.request("POST", "/pause", params={"mode": mode})
+
+    async def resume(self) -> None:
+        await self.request("POST", "/resume")
+
+    async def is_paused(self) -> bool:
+        return bool((await self.get_json("/is_paused"))["is_paused"])
+
+    async def reload_weights(self, weights_path: str) -> None:
+        body = {"method": "reload_weights", "kwargs": {"weights_path": weights_path, "is_checkpoint_format": True}}
+        await self.request("POST", "/collective_rpc", body=body)
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool((await self.post_json("/reset_prefix_cache")).get("success", True))
+
+    async def load_lora(self, name: str, path: str) -> None:
+        await self.request("POST", "/v1/load_lora_adapter", body={"lora_name": name, "lora_path": path, "load_inplace": False})
+
+    async def unload_lora(self, name: str) -> None:
+        await self.request("POST", "/v1/unload_lora_adapter", body={"lora_name": name})
+
+    async def metrics(self) -> ServerMetrics:
+        _, text = await self.request("GET", "/metrics")
+        return parse_metrics(text)
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) for every sample line of a Prometheus text exposition."""
+    samples = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = _SAMPLE.match(line)
+        if match:
+            name, labels, value = match.groups()
+            samples.append((name, dict(_LABEL.findall(labels or "")), float(value)))
+    return samples
+
+
+def parse_metrics(text: str) -> ServerMetrics:
+    sums: dict[str, float] = {}
+    usage: dict[str, float] = {}
+    capacity: dict[str, float] = {}
+    for name, labels, value in parse_prometheus(text):
+        engine = labels.get("engine", "0") + labels.get("replica", "")
+        if name == "vllm:kv_cache_usage_perc":
+            usage[engine] = value
+        elif name == "vllm:cache_config_info" and "kv_cache_size_tokens" in labels:
+            capacity[engine] = float(labels["kv_cache_size_tokens"])
+        elif name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_preemptions_total"):
+            sums[name] = sums.get(name, 0.0) + value
+    total_capacity = sum(capacity.values()) or None
+    if total_capacity and set(usage) <= set(capacity):
+        kv_usage = sum(usage[e] * capacity[e] for e in usage) / total_capacity
+    else:
+        kv_usage = sum(usage.values()) / len(usage) if usage else 0.0
+    return ServerMetrics(
+        kv_cache_usage=kv_usage, running=int(sums.get("vllm:num_requests_running", 0)),
+        waiting=int(sums.get("vllm:num_requests_waiting", 0)), preemptions=int(sums.get("vllm:num_preemptions_total", 0)),
+        kv_capacity_tokens=int(total_capacity) if total_capacity else None,
+    )

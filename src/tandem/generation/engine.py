@@ -1,0 +1,442 @@
+"""Continuous batching for `tandem serve`: requests join and leave the running batch between steps.
+
+One engine thread owns the model. Each step it admits waiting requests into free KV slots
+(prefilling each prompt once, then copying its KV to the request's `n` sequences), decodes one
+token for every running sequence, and retires the finished ones. Everything that changes the
+model (weight reloads, adapter loads) runs on that thread between steps through `call()`, so a
+forward pass never sees half-loaded weights.
+"""
+
+import collections
+import concurrent.futures
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from tandem.generation.kv_cache import SlotKVCache
+from tandem.generation.lora import AdapterSet
+from tandem.generation.sampling import SamplingParams, apply_penalties, process_logits, sample
+
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+EXACT_WINDOW = 16
+"""Tokens re-forwarded per decode step in exact mode: CPU matmuls with fewer rows take a differently rounded path."""
+MAX_PREFILL_TOKENS = 8192
+"""Prompt tokens prefilled in one step at most, so running sequences keep decoding while many arrive."""
+
+
+@dataclass
+class Sequence:
+    """One generated continuation: tokens, their log-probs, and why it ended."""
+
+    index: int
+    generator: torch.Generator
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float, int]]] = field(default_factory=list)
+    sampling_masks: list[list[int]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class EngineRequest:
+    """A prompt and `n` sequences to sample from it. `notify` is called (on the engine thread) after each step."""
+
+    prompt: list[int]
+    params: SamplingParams
+    n: int = 1
+    adapter: str | None = None
+    return_sampling_mask: bool = False
+    stop_check: Callable[[list[int]], str | None] | None = None
+    notify: Callable[[], None] = lambda: None
+    sequences: list[Sequence] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
+    aborted: bool = False
+
+    def __post_init__(self):
+        if not self.sequences:
+            self.sequences = [Sequence(i, _generator(self.params.seed, i)) for i in range(self.n)]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences)
+
+
+def _generator(seed: int | None, child: int) -> torch.Generator:
+    """Child i of a seeded request uses seed + i (as vLLM does); unseeded ones draw from the OS."""
+    generator = torch.Generator()
+    generator.manual_seed((seed + child) if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+    return generator
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    kv_used_tokens: int
+    kv_capacity_tokens: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    preemptions_total: int
+    finished_total: dict[str, int]
+
+
+class Engine:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_model_len: int,
+        eos_token_id: int | None,
+        extra_stop_token_ids: list[int] = (),
+        max_num_seqs: int = 256,
+        logprobs_mode: str = "raw_logprobs",
+        adapters: AdapterSet | None = None,
+        exact: bool = False,
+    ):
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode={logprobs_mode!r} is not one of {LOGPROBS_MODES}")
+        self.model = model
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self.extra_stop_token_ids = set(extra_stop_token_ids)
+        self.max_num_seqs = max_num_seqs
+        self.logprobs_mode = logprobs_mode
+        self.adapters = adapters
+        self.exact = exact
+        self.window = EXACT_WINDOW if exact else 1
+        if exact and model.config._attn_implementation != "eager":
+            raise ValueError("exact decoding needs the model loaded with attn_implementation='eager'")
+        config = model.config
+        self.vocab_size = config.vocab_size
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        param = next(model.parameters())
+        self.device = param.device
+        self.cache = SlotKVCache(config.num_hidden_layers, config.num_key_value_heads, head_dim, max_model_len, param.dtype, param.device)
+        self.layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+        self.sliding_window = getattr(config, "sliding_window", None)
+
+        self.waiting: collections.deque[EngineRequest] = collections.deque()
+        self.rows: list[tuple[EngineRequest, Sequence]] = []
+        self.lengths: list[int] = []
+        self.paused = False
+        self.counters = collections.Counter()
+        self.finished_total: collections.Counter = collections.Counter()
+        self._lock = threading.Condition()
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    # ---- public, thread-safe -------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def submit(self, request: EngineRequest) -> None:
+        with self._lock:
+            self.waiting.append(request)
+            self._lock.notify_all()
+
+    def abort(self, request: EngineRequest) -> None:
+        """End the request's sequences with finish_reason 'abort' at the next step boundary."""
+        with self._lock:
+            request.aborted = True
+            self._lock.notify_all()
+
+    def abort_all(self) -> None:
+        with self._lock:
+            for request in list(self.waiting) + [r for r, _ in self.rows]:
+                request.aborted = True
+            self._lock.notify_all()
+
+    def set_paused(self, paused: bool) -> None:
+        with self._lock:
+            self.paused = paused
+            self._lock.notify_all()
+
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run `fn` on the engine thread between two steps; returns a future of its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._calls.put((fn, future))
+            self._lock.notify_all()
+        return future
+
+    def idle(self) -> bool:
+        with self._lock:
+            return not self.waiting and not self.rows
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return EngineStats(
+                running=len(self.rows),
+                waiting=sum(r.n for r in self.waiting),
+                kv_used_tokens=sum(self.lengths),
+                kv_capacity_tokens=self.max_num_seqs * self.max_model_len,
+                prompt_tokens_total=self.counters["prompt_tokens"],
+                generation_tokens_total=self.counters["generation_tokens"],
+                preemptions_total=0,
+                finished_total=dict(self.finished_total),
+            )
+
+    # ---- engine thread -------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._stopping and self._calls.empty() and not self._has_work():
+                        self._lock.wait(timeout=0.5)
+                    if self._stopping:
+                        return
+                with torch.no_grad():
+                    self._run_calls()
+                    self._retire_aborted()
+                    if not self.paused:
+                        self.step()
+        except BaseException as exc:  # the server reports a dead engine through /health
+            self.error = exc
+            with self._lock:
+                for request in list(self.waiting) + [r for r, _ in self.rows]:
+                    for seq in request.sequences:
+                        seq.finish_reason = seq.finish_reason or "error"
+                    request.notify()
+            raise
+
+    def _has_work(self) -> bool:
+        aborted = any(r.aborted for r in self.waiting) or any(r.aborted for r, _ in self.rows)
+        return aborted or (not self.paused and bool(self.waiting or self.rows))
+
+    def _run_calls(self) -> None:
+        while not self._calls.empty():
+            fn, future = self._calls.get()
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def step(self) -> None:
+        """Admit and prefill new requests, then decode one token for every running row."""
+        admitted = self._admit()
+        if admitted:
+            self._prefill(admitted)
+        if self.rows:
+            self._decode()
+
+    def _retire_aborted(self) -> None:
+        with self._lock:
+            dropped = [r for r in self.waiting if r.aborted]
+            self.waiting = collections.deque(r for r in self.waiting if not r.aborted)
+        for request in dropped:
+            self._finish_request(request, "abort")
+        finished = {i for i, (request, _) in enumerate(self.rows) if request.aborted}
+        for i in finished:
+            self._finish_request(self.rows[i][0], "abort")
+        self._compact(finished)
+
+    def _finish_request(self, request: EngineRequest, reason: str) -> None:
+        for seq in request.sequences:
+            if seq.finish_reason is None:
+                seq.finish_reason = reason
+                self.finished_total[reason] += 1
+        request.notify()
+
+    def _admit(self) -> list[EngineRequest]:
+        """FIFO into free slots; a request whose adapter would exceed max_loras waits (deferred)."""
+        admitted, free, budget = [], self.max_num_seqs - len(self.rows), MAX_PREFILL_TOKENS
+        active_adapters = {r.adapter for r, _ in self.rows if r.adapter}
+        with self._lock:
+            for request in list(self.waiting):
+                if request.n > free or (admitted and len(request.prompt) > budget):
+                    break
+                if self.adapters and request.adapter and not self.adapters.can_join(active_adapters, request.adapter):
+                    continue
+                self.waiting.remove(request)
+                admitted.append(request)
+                free -= request.n
+                budget -= len(request.prompt)
+                if request.adapter:
+                    active_adapters.add(request.adapter)
+        return admitted
+
+    def _forward(self, input_ids, write_pos, kv_len, mask, rows: slice, adapters: list[str | None], all_logits: bool) -> torch.Tensor:
+        """One model forward over cache rows `rows`; float32 logits of every position, or of the last `window`
+        (the lm_head matmul too needs >= 16 rows to round as in a full forward)."""
+        self.cache.begin(rows, write_pos, kv_len)
+        masks = {"full_attention": mask}
+        if "sliding_attention" in self.layer_types:
+            query_pos = write_pos[:, None, :, None]
+            masks["sliding_attention"] = mask & (query_pos - torch.arange(kv_len, device=self.device) < self.sliding_window)
+        if self.model.config._attn_implementation == "eager":  # eager attention adds its mask to the scores
+            dtype = next(self.model.parameters()).dtype
+            masks = {k: torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min) for k, m in masks.items()}
+        kwargs = {}
+        wanted = {a for a in adapters if a}
+        if self.adapters is not None and (wanted or self.adapters.active):
+            in_use = {r.adapter for r, _ in self.rows if r.adapter}
+            self.model = self.adapters.ensure_loaded(self.model, wanted, in_use)
+            kwargs["adapter_names"] = self.adapters.names_for(adapters)
+        out = self.model(
+            input_ids=input_ids, position_ids=write_pos, attention_mask=masks, cache=self.cache,
+            use_cache=True, logits_to_keep=0 if all_logits else self.window, **kwargs,
+        )
+        return out.logits.float()
+
+    def _prefill(self, requests: list[EngineRequest]) -> None:
+        # A request asking for prompt log-probs needs logits at every prompt position: prefill it alone.
+        alone = [r for r in requests if r.params.prompt_logprobs is not None]
+        together = [r for r in requests if r.params.prompt_logprobs is None]
+        for group in [together] * bool(together) + [[r] for r in alone]:
+            self._prefill_group(group)
+
+    def _window_forward(self, windows: list[list[int]], totals: list[int], rows: slice, adapters, all_logits=False) -> torch.Tensor:
+        """Forward the last tokens of several sequences at once, left-padded to a common width.
+
+        `windows[b]` are the final tokens of a sequence `totals[b]` tokens long, written to cache positions
+        totals[b]-len .. totals[b]-1 of row rows.start+b. Pad columns write to scratch positions past the
+        sequence (overwritten later, never attended), so padded batches need no special layout.
+        """
+        width = max(max(len(w) for w in windows), self.window)
+        input_ids = torch.zeros(len(windows), width, dtype=torch.long)
+        write_pos = torch.zeros(len(windows), width, dtype=torch.long)
+        for b, (tokens, total) in enumerate(zip(windows, totals)):
+            pad = width - len(tokens)
+            input_ids[b, pad:] = torch.tensor(tokens)
+            write_pos[b] = torch.cat([torch.arange(total, total + pad), torch.arange(total - len(tokens), total)])
+        kv_len = int(write_pos.max()) + 1
+        keys = torch.arange(kv_len)
+        mask = (keys[None, None, :] <= write_pos[:, :, None]) & (keys[None, None, :] < torch.tensor(totals)[:, None, None])
+        return self._forward(input_ids.to(self.device), write_pos.to(self.device), kv_len, mask[:, None].to(self.device),
+                             rows, adapters, all_logits)
+
+    def _prefill_group(self, requests: list[EngineRequest]) -> None:
+        """Prefill each prompt once (batched); a request's other sequences get copies of its KV row."""
+        base, n = len(self.rows), len(requests)
+        lengths = [len(r.prompt) for r in requests]
+        self.cache.ensure_rows(base + sum(r.n for r in requests))
+        all_logits = requests[0].params.prompt_logprobs is not None
+        logits = self._window_forward([r.prompt for r in requests], lengths, slice(base, base + n), [r.adapter for r in requests], all_logits)
+        if all_logits:
+            requests[0].prompt_logprobs = self._prompt_logprobs(logits[0, -lengths[0]:], requests[0].prompt, requests[0].params.prompt_logprobs)
+        self.counters["prompt_tokens"] += sum(lengths)
+
+        new_rows = [(request, request.sequences[0]) for request in requests]
+        new_lengths = list(lengths)
+        last_logits = [logits[j, -1] for j in range(n)]
+        for j, request in enumerate(requests):
+            for seq in request.sequences[1:]:
+                self.cache.copy_row(base + j, base + len(new_rows), lengths[j])
+                new_rows.append((request, seq))
+                new_lengths.append(lengths[j])
+                last_logits.append(logits[j, -1])
+        self.rows += new_rows
+        self.lengths += new_lengths
+        self._emit(range(base, len(self.rows)), torch.stack(last_logits))
+
+    def _decode(self) -> None:
+        """One new token per running sequence. In exact mode each step re-forwards the last `window` tokens,
+        so every matmul has at least 16 rows and rounds exactly as a full forward over the sequence does."""
+        windows = [(request.prompt + seq.output)[-self.window:] for request, seq in self.rows]
+        totals = [length + 1 for length in self.lengths]
+        logits = self._window_forward(windows, totals, slice(0, len(self.rows)), [r.adapter for r, _ in self.rows])
+        self.lengths = totals
+        self._emit(range(len(self.rows)), logits[:, -1])
+
+    def _emit(self, rows: range, logits: torch.Tensor) -> None:
+        """Sample one token for each of `rows` from its logits, record log-probs, retire finished rows."""
+        rows = list(rows)
+        entries = [self.rows[i] for i in rows]
+        params = [request.params for request, _ in entries]
+        raw = logits.clone()
+        for b, (request, seq) in enumerate(entries):
+            p = request.params
+            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+                apply_penalties(logits[b], p, request.prompt, seq.output)
+            if len(seq.output) < p.min_tokens:
+                blocked = set(p.stop_token_ids) | self.extra_stop_token_ids | ({self.eos_token_id} - {None})
+                logits[b, sorted(blocked)] = float("-inf")
+        processed = process_logits(logits, params)
+        tokens = sample(processed, params, [seq.generator for _, seq in entries])
+        reported = {
+            "raw_logprobs": lambda: raw.log_softmax(-1),
+            "processed_logprobs": lambda: processed.log_softmax(-1),
+            "raw_logits": lambda: raw,
+            "processed_logits": lambda: processed,
+        }[self.logprobs_mode]()
+        finished = set()
+        for b, (i, (request, seq)) in enumerate(zip(rows, entries)):
+            token = int(tokens[b])
+            seq.output.append(token)
+            seq.logprobs.append(float(reported[b, token]))
+            if request.params.logprobs is not None:
+                seq.top_logprobs.append(self._top_entries(reported[b], token, request.params.logprobs))
+            if request.return_sampling_mask:
+                seq.sampling_masks.append(torch.isfinite(processed[b]).nonzero().flatten().tolist())
+            if self._check_finished(request, seq, self.lengths[i] + 1):
+                finished.add(i)
+        self.counters["generation_tokens"] += len(rows)
+        for request in {id(r): r for r, _ in entries}.values():
+            request.notify()
+        self._compact(finished)
+
+    def _top_entries(self, values: torch.Tensor, token: int, k: int) -> list[tuple[int, float, int]]:
+        """(id, value, rank): the sampled token first, then the top-k by value, duplicates merged.
+        Rank is 1 + the number of strictly larger values, so ties share a rank."""
+        k = self.vocab_size if k < 0 else min(k, self.vocab_size)
+        top = values.topk(k)
+        descending = -top.values
+        ranks = torch.searchsorted(descending, descending, side="left") + 1
+        rank = int((values > values[token]).sum()) + 1
+        entries = [(token, float(values[token]), rank)]
+        entries += [(int(t), float(v), int(r)) for v, t, r in zip(top.values, top.indices, ranks) if int(t) != token]
+        return entries
+
+    def _prompt_logprobs(self, logits: torch.Tensor, prompt: list[int], k: int) -> list:
+        """Entry 0 is None; entry j holds prompt token j and the top-k at that position (raw log-probs)."""
+        logprobs = logits.log_softmax(-1)
+        result: list = [None]
+        for j in range(1, len(prompt)):
+            result.append({t: (v, r) for t, v, r in self._top_entries(logprobs[j - 1], prompt[j], k)})
+        return result
+
+    def _check_finished(self, request: EngineRequest, seq: Sequence, total_len: int) -> bool:
+        token, p = seq.output[-1], request.params
+        reason, stop_reason = None, None
+        if token == self.eos_token_id and not p.ignore_eos:
+            reason = "stop"
+        elif token in p.stop_token_ids or (token in self.extra_stop_token_ids and not p.ignore_eos):
+            reason, stop_reason = "stop", token
+        elif request.stop_check and (matched := request.stop_check(seq.output)) is not None:
+            reason, stop_reason = "stop", matched
+        elif len(seq.output) >= p.max_tokens or total_len >= self.max_model_len:
+            reason = "length"
+        if reason is None:
+            return False
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.finished_total[reason] += 1
+        return True
+
+    def _compact(self, finished: set[int]) -> None:
+        """Drop finished rows, moving live rows from the tail into the holes so rows 0..n-1 stay live."""
+        if not finished:
+            return
+        keep = len(self.rows) - len(finished)
+        holes = sorted(i for i in finished if i < keep)
+        movers = [i for i in range(keep, len(self.rows)) if i not in finished]
+        for src, dst in zip(movers, holes):
+            self.cache.copy_row(src, dst, self.lengths[src])
+            self.rows[dst], self.lengths[dst] = self.rows[src], self.lengths[src]
+        del self.rows[keep:], self.lengths[keep:]

@@ -1,0 +1,223 @@
+"""vLLM 0.33 request bodies and error shapes, as `tandem serve` accepts and answers them.
+
+Request models ignore unknown fields (vLLM's `extra="allow"`). Validation failures become
+`ApiError`s, which the server turns into `{"error": {"message", "type", "param", "code"}}` with the
+HTTP status equal to `code` (reference/vllm_protocol.md §1).
+"""
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tandem.generation.sampling import SamplingParams
+
+INT64_MAX = 2**63 - 1
+MAX_STOP_STRINGS = 4
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class ApiError(Exception):
+    """An error answered in vLLM's JSON shape."""
+
+    def __init__(self, status: int, message: str, type: str = "BadRequestError", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, sanitize(message), type, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+def bad_request(message: str, param: str | None = None, value: Any = None) -> ApiError:
+    """A 400 like vLLM's VLLMValidationError: the message names the parameter and its value."""
+    if param is not None:
+        message = f"{message} (parameter={param}, value={value})"
+    return ApiError(400, message, "BadRequestError", param)
+
+
+def validation_error(exc: ValidationError) -> ApiError:
+    errors = exc.errors()
+    lines = [f"  {'.'.join(str(part) for part in e['loc'])}: {e['msg']}" for e in errors]
+    plural = "s" if len(errors) > 1 else ""
+    return ApiError(400, f"{len(errors)} validation error{plural}:\n" + "\n".join(lines), "Bad Request")
+
+
+_PATH = re.compile(r"(?:/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[^\s'\"]*)?|(?:/[^\s/'\"]+){2,}\.\w+)")
+
+
+def sanitize(message: str) -> str:
+    """vLLM hides file paths in error messages: they become `<path>`."""
+    return _PATH.sub("<path>", message)
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class SamplingFields(Request):
+    """Sampling fields shared by completions and chat; None means "the server default"."""
+
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=INT64_MAX)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+    request_id: str | None = None
+
+
+class CompletionRequest(SamplingFields):
+    model: str | None = None
+    prompt: list[TokenId] | list[list[TokenId]] | str | list[str]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatCompletionRequest(SamplingFields):
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    max_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = 0
+    prompt_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class GenerateRequest(Request):
+    """`/inference/v1/generate`: token ids in, token ids out; `sampling_params` is vLLM's raw struct."""
+
+    request_id: str | None = None
+    token_ids: list[TokenId]
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    model: str | None = None
+    return_token_ids: bool = True
+    output_mode: Literal["tokens", "text"] = "tokens"
+    stream: bool = False
+
+
+class TokenizeRequest(Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class DetokenizeRequest(Request):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class LoadLoRARequest(Request):
+    lora_name: str = ""
+    lora_path: str = ""
+    load_inplace: bool = False
+
+
+class UnloadLoRARequest(Request):
+    lora_name: str = ""
+    lora_int_id: int | None = None
+
+
+class CollectiveRpcRequest(Request):
+    method: str | None = None
+    args: list = Field(default_factory=list)
+    kwargs: dict = Field(default_factory=dict)
+    timeout: float | None = None
+
+
+def parse(model: type[BaseModel], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise ApiError(400, f"1 validation error:\n  body: Input should be a valid dictionary, got {type(body).__name__}", "Bad Request")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def sampling_params(
+    fields: dict[str, Any], defaults: dict[str, Any], *, max_tokens: int, max_logprobs: int, vocab_size: int,
+    logprobs: int | None, prompt_logprobs: int | None, stop_token_ids: list[int],
+) -> SamplingParams:
+    """Resolve request fields over the server's defaults and check them as vLLM's SamplingParams does."""
+
+    def pick(name: str, neutral: Any) -> Any:
+        value = fields.get(name)
+        return value if value is not None else defaults.get(name, neutral)
+
+    params = SamplingParams(
+        temperature=float(pick("temperature", 1.0)), top_p=float(pick("top_p", 1.0)), top_k=int(pick("top_k", 0)),
+        min_p=float(pick("min_p", 0.0)), repetition_penalty=float(pick("repetition_penalty", 1.0)),
+        presence_penalty=float(pick("presence_penalty", 0.0)), frequency_penalty=float(pick("frequency_penalty", 0.0)),
+        max_tokens=max_tokens, min_tokens=int(fields.get("min_tokens") or 0), stop_token_ids=list(stop_token_ids),
+        ignore_eos=bool(fields.get("ignore_eos") or False), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        seed=fields.get("seed"),
+    )
+    checks = [
+        ("temperature", 0.0 <= params.temperature <= 2.0, "temperature must be in [0, 2]"),
+        ("top_p", 0.0 < params.top_p <= 1.0, "top_p must be in (0, 1]"),
+        ("top_k", params.top_k >= -1, "top_k must be 0 (disable), or at least 1"),
+        ("min_p", 0.0 <= params.min_p <= 1.0, "min_p must be in [0, 1]"),
+        ("repetition_penalty", params.repetition_penalty > 0 and params.repetition_penalty != float("inf"),
+         "repetition_penalty must be greater than zero"),
+        ("presence_penalty", -2.0 <= params.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
+        ("frequency_penalty", -2.0 <= params.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+        ("min_tokens", 0 <= params.min_tokens <= max(params.max_tokens, 0), "min_tokens must be in [0, max_tokens]"),
+    ]
+    for name, ok, message in checks:
+        if not ok:
+            value = getattr(params, name)
+            raise bad_request(f"{message}, got {value}.", name, value)
+    if params.greedy:
+        params.top_p, params.top_k, params.min_p = 1.0, 0, 0.0
+    for name, value, kind in (("logprobs", logprobs, "sample"), ("prompt_logprobs", prompt_logprobs, "prompt")):
+        if value is None:
+            continue
+        requested = vocab_size if value == -1 else value
+        if value < -1 or (max_logprobs != -1 and requested > max_logprobs):
+            raise bad_request(f"Requested {kind} logprobs of {value}, which is greater than max allowed: {max_logprobs}", name, value)
+    out_of_vocab = [t for t in params.stop_token_ids if t >= vocab_size]
+    if out_of_vocab:
+        raise bad_request(f"Token id {out_of_vocab[0]} is out of vocabulary", "stop_token_ids", out_of_vocab[0])
+    return params
+
+
+def check_n(n: int, params: SamplingParams) -> None:
+    if n < 1:
+        raise bad_request(f"n must be at least 1, got {n}.", "n", n)
+    if n > 1 and params.greedy:
+        raise bad_request(f"n must be 1 when using greedy sampling, got {n}.", "n", n)
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    strings = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(strings) > MAX_STOP_STRINGS:
+        raise bad_request(f"At most {MAX_STOP_STRINGS} stop strings are allowed, got {len(strings)}.", "stop", len(strings))
+    if any(s == "" for s in strings):
+        raise bad_request("Empty strings are not allowed in stop.", "stop", strings)
+    return strings

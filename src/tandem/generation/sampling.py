@@ -1,0 +1,104 @@
+"""Sampling parameters and the processed distribution every generated token is drawn from.
+
+The order follows vLLM's sampler (reference/vllm_protocol.md §4): penalties and min_tokens masking,
+then ÷temperature, then min_p, then top-k, then top-p. The log-softmax of the result is what
+`--logprobs-mode processed_logprobs` returns, so the trainer's importance ratio divides by the exact
+probability the token was sampled with. Tokens outside the kept support get -inf.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+GREEDY_TEMPERATURE = 1e-5
+LOGPROB_FLOOR = -9999.0
+"""vLLM floors -inf log-probs to this value in JSON."""
+
+
+@dataclass
+class SamplingParams:
+    """One sequence's sampling settings (vLLM's SamplingParams subset that tandem serve implements)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """Repetition (prompt and output tokens), presence and frequency (output tokens) penalties, in place."""
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=logits.device)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if output and (params.presence_penalty or params.frequency_penalty):
+        ids, counts = torch.tensor(output, device=logits.device).unique(return_counts=True)
+        logits[ids] -= params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
+    return logits
+
+
+def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, min_p, top-k and top-p for a batch of rows: [B, V] logits -> processed logits.
+
+    Greedy rows (temperature ~0) are left unscaled and unmasked, as in vLLM.
+    """
+    device = logits.device
+    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device, dtype=logits.dtype)
+    logits = logits / temperature[:, None]
+
+    min_p = torch.tensor([0.0 if p.greedy else p.min_p for p in params], device=device, dtype=logits.dtype)
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(-1)
+        too_small = probs < min_p[:, None] * probs.max(-1, keepdim=True).values
+        logits = logits.masked_fill(too_small, float("-inf"))
+
+    top_k = torch.tensor([0 if p.greedy or p.top_k <= 0 else p.top_k for p in params], device=device)
+    top_p = torch.tensor([1.0 if p.greedy else p.top_p for p in params], device=device, dtype=logits.dtype)
+    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+        logits = _top_k_top_p(logits, top_k, top_p)
+    return logits
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """vLLM's rule: keep the k largest (ties at the k-th value kept), then the smallest top set of mass >= p."""
+    vocab = logits.shape[-1]
+    ascending, order = logits.sort(dim=-1)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    kth_value = ascending.gather(-1, (vocab - k)[:, None])
+    ascending = ascending.masked_fill(ascending < kth_value, float("-inf"))
+    cumulative = ascending.softmax(-1).cumsum(-1)
+    drop = cumulative <= (1 - top_p)[:, None]
+    drop[:, -1] = False
+    ascending = ascending.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, ascending)
+
+
+def sample(processed: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row from its processed logits, with the row's own generator (argmax when greedy)."""
+    probs = processed.softmax(-1)
+    tokens = []
+    for row, (p, generator) in enumerate(zip(params, generators)):
+        if p.greedy:
+            tokens.append(int(processed[row].argmax()))
+        else:
+            tokens.append(int(torch.multinomial(probs[row], 1, generator=generator)))
+    return torch.tensor(tokens, device=processed.device)
+
+
+def floor_logprob(value: float) -> float:
+    """JSON-safe log-prob: -inf (and anything below) becomes -9999.0."""
+    return max(value, LOGPROB_FLOOR)

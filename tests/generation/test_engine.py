@@ -1,0 +1,203 @@
+"""The batching engine: log-prob fidelity, determinism, stopping, aborts, alone and inside busy batches."""
+
+import random
+import time
+
+import pytest
+import torch
+
+from tandem.generation.engine import Engine, EngineRequest
+from tandem.generation.sampling import SamplingParams
+from tandem.tasks import TINY_MODEL_PATH
+from transformers import AutoModelForCausalLM
+
+SETTINGS = {
+    "temperature 0.7": SamplingParams(temperature=0.7),
+    "temperature 1.0": SamplingParams(temperature=1.0),
+    "top-k": SamplingParams(temperature=1.0, top_k=8),
+    "top-p": SamplingParams(temperature=1.0, top_p=0.85),
+    "min-p": SamplingParams(temperature=1.0, min_p=0.05),
+}
+
+
+def make_engine(attention: str = "eager", **kwargs) -> Engine:
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32, attn_implementation=attention).eval()
+    kwargs.setdefault("logprobs_mode", "processed_logprobs")
+    kwargs.setdefault("exact", attention == "eager")
+    engine = Engine(model, max_model_len=256, eos_token_id=2, **kwargs)
+    engine.start()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = make_engine()
+    yield e
+    e.stop()
+
+
+def run(engine: Engine, requests: list[EngineRequest], timeout: float = 60) -> None:
+    for r in requests:
+        engine.submit(r)
+    wait(requests, timeout)
+
+
+def wait(requests: list[EngineRequest], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(r.finished for r in requests):
+        assert time.monotonic() < deadline, "engine did not finish in time"
+        time.sleep(0.005)
+
+
+def random_prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(3, 384) for _ in range(length)]
+
+
+def teacher_forced(model, prompt: list[int], output: list[int], params: SamplingParams) -> torch.Tensor:
+    """Processed log-probs of `output` from one plain forward over prompt + output (no cache, no batching).
+
+    Sequences shorter than 16 tokens are right-padded to 16: causal attention makes that a no-op for every
+    real position, and it keeps the reference's own matmuls on the path every longer forward takes.
+    """
+    tokens = prompt + output + [0] * max(0, 16 - len(prompt) - len(output))
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0, len(prompt) - 1 : len(prompt) + len(output) - 1].float()
+    scaled = logits / params.temperature
+    if params.min_p > 0:
+        probs = scaled.softmax(-1)
+        scaled = scaled.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
+    if params.top_k > 0:
+        kth = scaled.topk(params.top_k).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if params.top_p < 1:
+        probs = scaled.softmax(-1)
+        sorted_probs, order = probs.sort(-1)
+        drop_sorted = sorted_probs.cumsum(-1) <= 1 - params.top_p
+        drop_sorted[:, -1] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled.log_softmax(-1)
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_logprobs_equal_a_teacher_forced_forward_alone_and_in_a_busy_batch(engine, tiny_model, name):
+    rng = random.Random(hash(name) % 1000)
+    params = SETTINGS[name]
+    alone = EngineRequest(prompt=random_prompt(rng, 11), params=SamplingParams(**{**params.__dict__, "max_tokens": 24, "seed": 5, "logprobs": 3}))
+    run(engine, [alone])
+    busy = [
+        EngineRequest(prompt=random_prompt(rng, rng.randrange(2, 40)), n=rng.choice([1, 3]),
+                      params=SamplingParams(**{**params.__dict__, "max_tokens": rng.randrange(4, 30), "seed": i, "logprobs": 3}))
+        for i in range(12)
+    ]
+    run(engine, busy)
+    for request in [alone] + busy:
+        for seq in request.sequences:
+            expected = teacher_forced(tiny_model, request.prompt, seq.output, request.params)
+            got = torch.tensor(seq.logprobs)
+            picked = expected[torch.arange(len(seq.output)), torch.tensor(seq.output)]
+            assert torch.allclose(got, picked, atol=1e-5), f"{name}: sampled-token log-probs drift by {(got - picked).abs().max():.2e}"
+            for position, entries in enumerate(seq.top_logprobs):
+                for token, value, rank in entries:
+                    reference = float(expected[position, token])
+                    assert value == reference or abs(value - reference) < 1e-5, f"{name}: top-N entry for token {token} differs"
+                    assert rank == int((expected[position] > expected[position, token]).sum()) + 1
+
+
+def test_the_same_seed_gives_the_same_tokens_alone_and_in_a_busy_batch(engine):
+    rng = random.Random(7)
+    prompt = random_prompt(rng, 9)
+    params = SamplingParams(temperature=1.0, max_tokens=32, seed=1234)
+    first, second = EngineRequest(prompt=prompt, params=params), EngineRequest(prompt=prompt, params=params)
+    run(engine, [first])
+    noise = [EngineRequest(prompt=random_prompt(rng, rng.randrange(2, 60)), params=SamplingParams(max_tokens=40)) for _ in range(20)]
+    run(engine, noise[:10] + [second] + noise[10:])
+    assert first.sequences[0].output == second.sequences[0].output
+
+
+def test_children_of_a_seeded_request_use_seed_plus_index(engine):
+    prompt = [1, 50, 60, 70]
+    group = EngineRequest(prompt=prompt, params=SamplingParams(max_tokens=16, seed=100), n=3)
+    third = EngineRequest(prompt=prompt, params=SamplingParams(max_tokens=16, seed=102))
+    run(engine, [group, third])
+    assert group.sequences[2].output == third.sequences[0].output
+    assert len({tuple(s.output) for s in group.sequences}) > 1, "children must not all be identical"
+
+
+def test_sampling_masks_list_exactly_the_kept_support(engine, tiny_model):
+    params = SamplingParams(temperature=0.9, top_k=12, top_p=0.9, max_tokens=10, seed=3)
+    request = EngineRequest(prompt=[1, 274, 205, 277], params=params, return_sampling_mask=True)
+    run(engine, [request])
+    seq = request.sequences[0]
+    expected = teacher_forced(tiny_model, request.prompt, seq.output, params)
+    for position, mask in enumerate(seq.sampling_masks):
+        assert mask == torch.isfinite(expected[position]).nonzero().flatten().tolist()
+        assert seq.output[position] in mask
+
+
+def test_prompt_logprobs_are_raw_and_start_with_none(engine, tiny_model):
+    prompt = [1, 274, 205, 277, 275, 227]
+    request = EngineRequest(prompt=prompt, params=SamplingParams(max_tokens=2, prompt_logprobs=2))
+    run(engine, [request])
+    with torch.no_grad():
+        reference = tiny_model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    assert request.prompt_logprobs[0] is None
+    for j in range(1, len(prompt)):
+        entry = request.prompt_logprobs[j]
+        assert prompt[j] in entry
+        assert abs(entry[prompt[j]][0] - float(reference[j - 1, prompt[j]])) < 1e-5
+
+
+def test_stop_conditions_and_reasons(engine):
+    base = dict(temperature=1.0, seed=0)
+    length = EngineRequest(prompt=[1, 5, 6], params=SamplingParams(max_tokens=5, ignore_eos=True, **base))
+    run(engine, [length])
+    assert (length.sequences[0].finish_reason, len(length.sequences[0].output)) == ("length", 5)
+
+    first_token = length.sequences[0].output[0]
+    by_id = EngineRequest(prompt=[1, 5, 6], params=SamplingParams(max_tokens=5, stop_token_ids=[first_token], **base))
+    run(engine, [by_id])
+    assert by_id.sequences[0].output == [first_token]
+    assert (by_id.sequences[0].finish_reason, by_id.sequences[0].stop_reason) == ("stop", first_token)
+
+    min_tokens = EngineRequest(prompt=[1, 5, 6], params=SamplingParams(max_tokens=6, min_tokens=6, stop_token_ids=[first_token], **base))
+    run(engine, [min_tokens])
+    assert first_token not in min_tokens.sequences[0].output[:5]
+
+
+def test_context_length_ends_a_sequence_with_length():
+    engine = make_engine()
+    try:
+        request = EngineRequest(prompt=list(range(3, 250)), params=SamplingParams(max_tokens=100, ignore_eos=True))
+        run(engine, [request])
+        assert len(request.prompt) + len(request.sequences[0].output) == 256
+        assert request.sequences[0].finish_reason == "length"
+    finally:
+        engine.stop()
+
+
+def test_abort_frees_the_slot_and_the_others_continue(engine):
+    long = EngineRequest(prompt=[1, 9, 9], params=SamplingParams(max_tokens=200, ignore_eos=True))
+    short = EngineRequest(prompt=[1, 8, 8], params=SamplingParams(max_tokens=30, ignore_eos=True, seed=4))
+    engine.submit(long)
+    engine.submit(short)
+    time.sleep(0.05)
+    engine.abort(long)
+    wait([short])
+    deadline = time.monotonic() + 10
+    while not (long.finished and engine.idle()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert long.sequences[0].finish_reason == "abort"
+    assert len(short.sequences[0].output) == 30
+    assert engine.idle() and engine.stats().running == 0 and engine.stats().kv_used_tokens == 0
+
+
+def test_requests_beyond_max_num_seqs_wait_for_a_free_slot():
+    engine = make_engine(max_num_seqs=4)
+    try:
+        requests = [EngineRequest(prompt=[1, 7, i + 3], params=SamplingParams(max_tokens=8, ignore_eos=True)) for i in range(10)]
+        run(engine, requests)
+        assert all(len(r.sequences[0].output) == 8 for r in requests)
+        assert engine.stats().kv_capacity_tokens == 4 * 256
+    finally:
+        engine.stop()

@@ -1,0 +1,72 @@
+"""End to end through HTTP: served log-probs, top-N entries and sampling masks equal a teacher-forced forward."""
+
+import concurrent.futures
+import random
+
+import torch
+
+from tandem.generation.sampling import SamplingParams
+from tests.conftest import chat_prompt
+from tests.generation.test_engine import make_engine, run, teacher_forced
+from tandem.generation.engine import EngineRequest
+
+
+def test_completion_logprobs_and_top_entries_match_inside_a_busy_batch(server, tiny_model, tokenizer):
+    prompts = [chat_prompt(tokenizer, f"What is {a} + {b}?") for a, b in [(3, 4), (55, 21), (90, 9), (12, 70)] * 4]
+    bodies = [{"prompt": p, "max_tokens": 10, "temperature": 0.8, "top_p": 0.95, "logprobs": 5, "seed": i,
+               "return_token_ids": True, "return_tokens_as_token_ids": True} for i, p in enumerate(prompts)]
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(lambda b: server.post("/v1/completions", b), bodies))
+    for body, (status, answer) in zip(bodies, answers):
+        assert status == 200
+        choice = answer["choices"][0]
+        expected = teacher_forced(tiny_model, body["prompt"], choice["token_ids"], SamplingParams(temperature=0.8, top_p=0.95))
+        for position, (token, entries) in enumerate(zip(choice["token_ids"], choice["logprobs"]["top_logprobs"])):
+            for key, value in entries.items():
+                reference = max(float(expected[position, int(key.removeprefix("token_id:"))]), -9999.0)
+                assert abs(value - reference) < 1e-5, f"position {position}, {key}: served {value}, forward {reference}"
+
+
+def test_generate_sampling_masks_match_the_kept_support(mask_server, tiny_model, tokenizer):
+    prompt = chat_prompt(tokenizer, "What is 40 + 2?")
+    status, answer = mask_server.post("/inference/v1/generate", {"token_ids": prompt, "sampling_params": {
+        "max_tokens": 8, "temperature": 1.0, "top_k": 6, "top_p": 0.9, "logprobs": 0, "seed": 5, "ignore_eos": True}})
+    assert status == 200
+    choice = answer["choices"][0]
+    expected = teacher_forced(tiny_model, prompt, choice["token_ids"], SamplingParams(top_k=6, top_p=0.9))
+    for position, (mask, entry) in enumerate(zip(choice["sampling_mask"], choice["logprobs"]["content"])):
+        assert mask == torch.isfinite(expected[position]).nonzero().flatten().tolist()
+        assert abs(entry["logprob"] - float(expected[position, entry["token_id"]])) < 1e-5
+
+
+def test_same_seed_same_tokens_alone_and_inside_a_busy_batch(server, tokenizer):
+    body = {"prompt": chat_prompt(tokenizer, "What is 17 + 25?"), "max_tokens": 12, "seed": 77, "return_token_ids": True, "ignore_eos": True}
+    alone = server.post("/v1/completions", body)[1]["choices"][0]["token_ids"]
+    rng = random.Random(0)
+    noise = [{"prompt": [rng.randrange(3, 384) for _ in range(rng.randrange(5, 60))], "max_tokens": rng.randrange(5, 40)} for _ in range(24)]
+    with concurrent.futures.ThreadPoolExecutor(25) as pool:
+        futures = [pool.submit(server.post, "/v1/completions", b) for b in noise[:12] + [body] + noise[12:]]
+        busy = futures[12].result()[1]["choices"][0]["token_ids"]
+    assert busy == alone
+
+
+def test_fast_mode_stays_within_fp32_noise_of_the_forward():
+    """Fast mode (SDPA, one query row per step) rounds differently from a full forward; it must stay close."""
+    from transformers import AutoModelForCausalLM
+
+    from tandem.tasks import TINY_MODEL_PATH
+
+    engine = make_engine(attention="sdpa")
+    reference = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32, attn_implementation="sdpa").eval()
+    try:
+        rng = random.Random(3)
+        requests = [EngineRequest(prompt=[rng.randrange(3, 384) for _ in range(20)], params=SamplingParams(max_tokens=16, seed=i)) for i in range(8)]
+        run(engine, requests)
+    finally:
+        engine.stop()
+    worst = max(
+        float((torch.tensor(r.sequences[0].logprobs) - teacher_forced(reference, r.prompt, r.sequences[0].output, r.params)[
+            torch.arange(len(r.sequences[0].output)), torch.tensor(r.sequences[0].output)]).abs().max())
+        for r in requests
+    )
+    assert worst < 1e-4, f"fast mode drifts {worst:.2e} from the forward"

@@ -1,0 +1,51 @@
+"""Malformed bodies to every endpoint: each answer is a 4xx JSON error, and the server keeps serving."""
+
+import json
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+POST_ENDPOINTS = [
+    "/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/tokenize", "/detokenize",
+    "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/collective_rpc",
+]
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    max_leaves=12,
+)
+field_names = st.sampled_from([
+    "prompt", "messages", "token_ids", "tokens", "sampling_params", "max_tokens", "n", "temperature", "top_p", "top_k",
+    "min_p", "logprobs", "prompt_logprobs", "seed", "stop", "stop_token_ids", "model", "lora_name", "lora_path",
+    "method", "kwargs", "top_logprobs", "stream", "repetition_penalty", "max_completion_tokens",
+])
+bodies = st.dictionaries(field_names, json_values, max_size=6) | json_values
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(endpoint=st.sampled_from(POST_ENDPOINTS), body=bodies)
+def test_malformed_json_bodies_get_a_4xx_json_error(server, endpoint, body):
+    status, answer = server.post(endpoint, body)
+    if status == 200:
+        return  # a body can be valid by chance; it must then have been served
+    assert 400 <= status < 500, f"{endpoint} answered {status} to {json.dumps(body)[:200]}: {answer}"
+    assert isinstance(answer, dict) and "error" in answer, answer
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(endpoint=st.sampled_from(POST_ENDPOINTS), raw=st.binary(max_size=64))
+def test_bytes_that_are_not_json_get_a_400(server, endpoint, raw):
+    try:
+        json.loads(raw)
+        return
+    except (ValueError, UnicodeDecodeError):
+        pass
+    status, answer = server.request("POST", endpoint, raw=raw)
+    assert status == 400 and "error" in answer, (endpoint, raw, answer)
+
+
+def test_the_server_still_serves_after_the_fuzzing(server):
+    assert server.get("/health")[0] == 200
+    status, body = server.post("/v1/completions", {"prompt": [1, 5, 6], "max_tokens": 2})
+    assert status == 200 and len(body["choices"]) == 1
