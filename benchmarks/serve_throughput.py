@@ -4,6 +4,8 @@ Both sides get the same prompts (built-in arithmetic chats) and the same output 
 EOS ignored so the lengths are exact), sampling at temperature 1.0 on the same model and threads.
 `generate()` runs static batches of the concurrency's size: each batch lasts as long as its longest
 request, which is what continuous batching avoids. Only the requested tokens count on both sides.
+The server runs in both decode modes: `exact` (log-probs bitwise equal to a full forward, the CPU
+default) and `fast` (SDPA, one query row per step).
 
     python benchmarks/serve_throughput.py [--requests 64] [--min-tokens 16] [--max-tokens 128]
 """
@@ -30,8 +32,9 @@ def workload(tokenizer, n: int, min_tokens: int, max_tokens: int, seed: int = 0)
     return [(p, rng.randint(min_tokens, max_tokens)) for p in prompts]
 
 
-def start_server() -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "tandem.cli", "serve", "tiny", "--port", "0", "--logprobs-mode", "processed_logprobs"]
+def start_server(decode_mode: str) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "tandem.cli", "serve", "tiny", "--port", "0", "--logprobs-mode", "processed_logprobs",
+           "--decode-mode", decode_mode]
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     for line in process.stdout:
         if match := re.search(r"on (http://\S+)", line):
@@ -78,23 +81,28 @@ def main() -> None:
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32, attn_implementation="sdpa").eval()
-    process, url = start_server()
-    rows = []
-    try:
-        asyncio.run(ControlClient(url).wait_healthy(60))
-        for concurrency in (1, 8, 64):
-            jobs = workload(tokenizer, 16 if concurrency == 1 else args.requests, args.min_tokens, args.max_tokens, seed=concurrency)
-            served = asyncio.run(serve_rate(url, jobs, concurrency))
-            generated = generate_rate(model, tokenizer, jobs, concurrency)
-            rows.append((concurrency, served, generated))
-            print(f"concurrency {concurrency:3d}: tandem serve {served:8.1f} tok/s   generate() {generated:8.1f} tok/s   ratio {served / generated:5.2f}x", flush=True)
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-    print("\n| concurrent requests | tandem serve (tok/s) | transformers generate(), static batches (tok/s) | ratio |")
-    print("|---:|---:|---:|---:|")
-    for concurrency, served, generated in rows:
-        print(f"| {concurrency} | {served:.0f} | {generated:.0f} | {served / generated:.2f}x |")
+    levels = (1, 8, 64)
+    jobs = {c: workload(tokenizer, 16 if c == 1 else args.requests, args.min_tokens, args.max_tokens, seed=c) for c in levels}
+    served = {}
+    for mode in ("exact", "fast"):
+        process, url = start_server(mode)
+        try:
+            asyncio.run(ControlClient(url).wait_healthy(60))
+            for c in levels:
+                served[mode, c] = asyncio.run(serve_rate(url, jobs[c], c))
+                print(f"tandem serve --decode-mode {mode}, concurrency {c:3d}: {served[mode, c]:8.1f} tok/s", flush=True)
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+    baseline = {}
+    for c in levels:
+        baseline[c] = generate_rate(model, tokenizer, jobs[c], c)
+        print(f"transformers generate(), static batches of {c:3d}: {baseline[c]:8.1f} tok/s", flush=True)
+    print("\n| concurrent requests | tandem serve exact (tok/s) | tandem serve fast (tok/s) | `generate()` static batches (tok/s) | exact / generate | fast / generate |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for c in levels:
+        e, f, g = served["exact", c], served["fast", c], baseline[c]
+        print(f"| {c} | {e:.0f} | {f:.0f} | {g:.0f} | {e / g:.2f}x | {f / g:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -17,13 +17,12 @@ from typing import Callable
 
 import torch
 
+from tandem.generation import attention as exact_attention
 from tandem.generation.kv_cache import SlotKVCache
 from tandem.generation.lora import AdapterSet
 from tandem.generation.sampling import SamplingParams, apply_penalties, process_logits, sample
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
-EXACT_WINDOW = 16
-"""Tokens re-forwarded per decode step in exact mode: CPU matmuls with fewer rows take a differently rounded path."""
 MAX_PREFILL_TOKENS = 8192
 """Prompt tokens prefilled in one step at most, so running sequences keep decoding while many arrive."""
 
@@ -108,9 +107,8 @@ class Engine:
         self.logprobs_mode = logprobs_mode
         self.adapters = adapters
         self.exact = exact
-        self.window = EXACT_WINDOW if exact else 1
-        if exact and model.config._attn_implementation != "eager":
-            raise ValueError("exact decoding needs the model loaded with attn_implementation='eager'")
+        if exact:
+            model.set_attn_implementation(exact_attention.NAME)
         config = model.config
         self.vocab_size = config.vocab_size
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -273,14 +271,13 @@ class Engine:
         return admitted
 
     def _forward(self, input_ids, write_pos, kv_len, mask, rows: slice, adapters: list[str | None], all_logits: bool) -> torch.Tensor:
-        """One model forward over cache rows `rows`; float32 logits of every position, or of the last `window`
-        (the lm_head matmul too needs >= 16 rows to round as in a full forward)."""
+        """One model forward over cache rows `rows`; float32 logits of every position or of the last one(s)."""
         self.cache.begin(rows, write_pos, kv_len)
         masks = {"full_attention": mask}
         if "sliding_attention" in self.layer_types:
             query_pos = write_pos[:, None, :, None]
             masks["sliding_attention"] = mask & (query_pos - torch.arange(kv_len, device=self.device) < self.sliding_window)
-        if self.model.config._attn_implementation == "eager":  # eager attention adds its mask to the scores
+        if self.model.config._attn_implementation in ("eager", exact_attention.NAME):  # these add the mask to the scores
             dtype = next(self.model.parameters()).dtype
             masks = {k: torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min) for k, m in masks.items()}
         kwargs = {}
@@ -291,7 +288,7 @@ class Engine:
             kwargs["adapter_names"] = self.adapters.names_for(adapters)
         out = self.model(
             input_ids=input_ids, position_ids=write_pos, attention_mask=masks, cache=self.cache,
-            use_cache=True, logits_to_keep=0 if all_logits else self.window, **kwargs,
+            use_cache=True, logits_to_keep=0 if all_logits else self._positions_to_keep(input_ids.shape[0]), **kwargs,
         )
         return out.logits.float()
 
@@ -302,6 +299,11 @@ class Engine:
         for group in [together] * bool(together) + [[r] for r in alone]:
             self._prefill_group(group)
 
+    def _positions_to_keep(self, rows: int) -> int:
+        """Positions whose logits we compute: the last one, or in exact mode enough for the lm_head matmul
+        to have 16 rows (the caller guarantees rows x width >= 16)."""
+        return -(-exact_attention.MIN_ROWS // rows) if self.exact else 1
+
     def _window_forward(self, windows: list[list[int]], totals: list[int], rows: slice, adapters, all_logits=False) -> torch.Tensor:
         """Forward the last tokens of several sequences at once, left-padded to a common width.
 
@@ -309,13 +311,19 @@ class Engine:
         totals[b]-len .. totals[b]-1 of row rows.start+b. Pad columns write to scratch positions past the
         sequence (overwritten later, never attended), so padded batches need no special layout.
         """
-        width = max(max(len(w) for w in windows), self.window)
-        input_ids = torch.zeros(len(windows), width, dtype=torch.long)
-        write_pos = torch.zeros(len(windows), width, dtype=torch.long)
-        for b, (tokens, total) in enumerate(zip(windows, totals)):
+        width = max(len(w) for w in windows)
+        if self.exact and len(windows) * width < exact_attention.MIN_ROWS:
+            # Too few rows for the long-forward matmul path: add filler sequences in free cache rows.
+            fillers = -(-exact_attention.MIN_ROWS // width) - len(windows)
+            self.cache.ensure_rows(rows.stop + fillers)
+            windows, totals = windows + [[0]] * fillers, totals + [1] * fillers
+            rows, adapters = slice(rows.start, rows.stop + fillers), adapters + [None] * fillers
+        ids, positions = [], []
+        for tokens, total in zip(windows, totals):
             pad = width - len(tokens)
-            input_ids[b, pad:] = torch.tensor(tokens)
-            write_pos[b] = torch.cat([torch.arange(total, total + pad), torch.arange(total - len(tokens), total)])
+            ids.append([0] * pad + tokens)
+            positions.append(list(range(total, total + pad)) + list(range(total - len(tokens), total)))
+        input_ids, write_pos = torch.tensor(ids), torch.tensor(positions)
         kv_len = int(write_pos.max()) + 1
         keys = torch.arange(kv_len)
         mask = (keys[None, None, :] <= write_pos[:, :, None]) & (keys[None, None, :] < torch.tensor(totals)[:, None, None])
@@ -328,7 +336,7 @@ class Engine:
         lengths = [len(r.prompt) for r in requests]
         self.cache.ensure_rows(base + sum(r.n for r in requests))
         all_logits = requests[0].params.prompt_logprobs is not None
-        logits = self._window_forward([r.prompt for r in requests], lengths, slice(base, base + n), [r.adapter for r in requests], all_logits)
+        logits = self._window_forward([r.prompt for r in requests], lengths, slice(base, base + n), [r.adapter for r in requests], all_logits)[:n]
         if all_logits:
             requests[0].prompt_logprobs = self._prompt_logprobs(logits[0, -lengths[0]:], requests[0].prompt, requests[0].params.prompt_logprobs)
         self.counters["prompt_tokens"] += sum(lengths)
@@ -347,13 +355,12 @@ class Engine:
         self._emit(range(base, len(self.rows)), torch.stack(last_logits))
 
     def _decode(self) -> None:
-        """One new token per running sequence. In exact mode each step re-forwards the last `window` tokens,
-        so every matmul has at least 16 rows and rounds exactly as a full forward over the sequence does."""
-        windows = [(request.prompt + seq.output)[-self.window:] for request, seq in self.rows]
+        """One new token per running sequence."""
         totals = [length + 1 for length in self.lengths]
+        windows = [[seq.output[-1]] for _, seq in self.rows]
         logits = self._window_forward(windows, totals, slice(0, len(self.rows)), [r.adapter for r, _ in self.rows])
         self.lengths = totals
-        self._emit(range(len(self.rows)), logits[:, -1])
+        self._emit(range(len(self.rows)), logits[: len(self.rows), -1])
 
     def _emit(self, rows: range, logits: torch.Tensor) -> None:
         """Sample one token for each of `rows` from its logits, record log-probs, retire finished rows."""
@@ -376,13 +383,16 @@ class Engine:
             "raw_logits": lambda: raw,
             "processed_logits": lambda: processed,
         }[self.logprobs_mode]()
+        chosen = reported.gather(1, tokens[:, None])[:, 0]
+        ranks = ((reported > chosen[:, None]).sum(-1) + 1).tolist()
+        k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        top = reported.topk(self.vocab_size if k < 0 else min(k, self.vocab_size)) if k else None
         finished = set()
-        for b, (i, (request, seq)) in enumerate(zip(rows, entries)):
-            token = int(tokens[b])
+        for b, (i, (request, seq), token, value) in enumerate(zip(rows, entries, tokens.tolist(), chosen.tolist())):
             seq.output.append(token)
-            seq.logprobs.append(float(reported[b, token]))
+            seq.logprobs.append(value)
             if request.params.logprobs is not None:
-                seq.top_logprobs.append(self._top_entries(reported[b], token, request.params.logprobs))
+                seq.top_logprobs.append(self._top_entries(top, b, token, value, ranks[b], request.params.logprobs))
             if request.return_sampling_mask:
                 seq.sampling_masks.append(torch.isfinite(processed[b]).nonzero().flatten().tolist())
             if self._check_finished(request, seq, self.lengths[i] + 1):
@@ -392,24 +402,27 @@ class Engine:
             request.notify()
         self._compact(finished)
 
-    def _top_entries(self, values: torch.Tensor, token: int, k: int) -> list[tuple[int, float, int]]:
-        """(id, value, rank): the sampled token first, then the top-k by value, duplicates merged.
+    def _top_entries(self, top, row: int, token: int, value: float, rank: int, k: int) -> list[tuple[int, float, int]]:
+        """(id, value, rank): the sampled token first, then the row's top-k by value, duplicates merged.
         Rank is 1 + the number of strictly larger values, so ties share a rank."""
-        k = self.vocab_size if k < 0 else min(k, self.vocab_size)
-        top = values.topk(k)
-        descending = -top.values
-        ranks = torch.searchsorted(descending, descending, side="left") + 1
-        rank = int((values > values[token]).sum()) + 1
-        entries = [(token, float(values[token]), rank)]
-        entries += [(int(t), float(v), int(r)) for v, t, r in zip(top.values, top.indices, ranks) if int(t) != token]
-        return entries
+        entries = [(token, value, rank)]
+        if top is None or k == 0:
+            return entries
+        k = top.values.shape[1] if k < 0 else k
+        values, ids = top.values[row, :k], top.indices[row, :k]
+        ranks = torch.searchsorted(-values, -values, side="left") + 1
+        return entries + [(t, v, r) for t, v, r in zip(ids.tolist(), values.tolist(), ranks.tolist()) if t != token]
 
     def _prompt_logprobs(self, logits: torch.Tensor, prompt: list[int], k: int) -> list:
         """Entry 0 is None; entry j holds prompt token j and the top-k at that position (raw log-probs)."""
         logprobs = logits.log_softmax(-1)
+        targets = torch.tensor(prompt[1:], device=logprobs.device)
+        chosen = logprobs[:-1].gather(1, targets[:, None])[:, 0]
+        ranks = ((logprobs[:-1] > chosen[:, None]).sum(-1) + 1).tolist()
+        top = logprobs[:-1].topk(self.vocab_size if k < 0 else min(k, self.vocab_size)) if k else None
         result: list = [None]
-        for j in range(1, len(prompt)):
-            result.append({t: (v, r) for t, v, r in self._top_entries(logprobs[j - 1], prompt[j], k)})
+        for j, (token, value) in enumerate(zip(prompt[1:], chosen.tolist())):
+            result.append({t: (v, r) for t, v, r in self._top_entries(top, j, token, value, ranks[j], k)})
         return result
 
     def _check_finished(self, request: EngineRequest, seq: Sequence, total_len: int) -> bool:
