@@ -42,6 +42,11 @@ def start_server(decode_mode: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("tandem serve exited before it was ready")
 
 
+async def wait_ready(url: str) -> None:
+    async with ControlClient(url) as control:
+        await control.wait_healthy(60)
+
+
 async def serve_rate(url: str, jobs, concurrency: int) -> float:
     """Tokens/s with at most `concurrency` requests in flight (a new one starts as soon as one ends)."""
     semaphore = asyncio.Semaphore(concurrency)
@@ -87,7 +92,7 @@ def main() -> None:
     for mode in ("exact", "fast"):
         process, url = start_server(mode)
         try:
-            asyncio.run(ControlClient(url).wait_healthy(60))
+            asyncio.run(wait_ready(url))
             for c in levels:
                 served[mode, c] = asyncio.run(serve_rate(url, jobs[c], c))
                 print(f"tandem serve --decode-mode {mode}, concurrency {c:3d}: {served[mode, c]:8.1f} tok/s", flush=True)

@@ -29,8 +29,8 @@ def tiny_model():
 class ServerThread:
     """`tandem serve` in a thread with its own event loop; `url` is ready when the constructor returns."""
 
-    def __init__(self, **kwargs):
-        self.args = ServeArgs(model=TINY_MODEL_PATH, port=0, **kwargs)
+    def __init__(self, model_path: str = TINY_MODEL_PATH, **kwargs):
+        self.args = ServeArgs(model=model_path, port=0, **kwargs)
         self.loop = asyncio.new_event_loop()
         started = threading.Event()
 

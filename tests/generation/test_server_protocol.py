@@ -304,3 +304,23 @@ def test_lora_errors_follow_vllm(server, plain_server):
     assert_error(status, body, 400, "InvalidUserInput")
     status, body = plain_server.post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/tmp/x"})
     assert_error(status, body, 500, "InternalServerError", "LoRA is not enabled")
+
+
+def test_generation_config_supplies_defaults_unless_told_vllm(tmp_path):
+    import json
+    import shutil
+
+    from tandem.tasks import TINY_MODEL_PATH
+    from tests.conftest import ServerThread
+
+    model = tmp_path / "model"
+    shutil.copytree(TINY_MODEL_PATH, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "max_new_tokens": 3}))
+    for mode, expected in (("auto", 3), ("vllm", 16)):
+        s = ServerThread(model_path=str(model), generation_config=mode)
+        try:
+            _, body = s.post("/v1/completions", {"prompt": PROMPT, "ignore_eos": True, "return_token_ids": True})
+            assert len(body["choices"][0]["token_ids"]) == expected, mode
+        finally:
+            s.close()
