@@ -13,15 +13,13 @@ default) and `fast` (SDPA, one query row per step).
 import argparse
 import asyncio
 import random
-import re
-import subprocess
-import sys
 import time
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tandem.generation.client import ControlClient, GenerationClient
+from tandem.generation.launcher import EmbeddedServer
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
 
 
@@ -30,16 +28,6 @@ def workload(tokenizer, n: int, min_tokens: int, max_tokens: int, seed: int = 0)
     rows = arithmetic.make_rows(n, seed=seed)
     prompts = [list(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)) for r in rows]
     return [(p, rng.randint(min_tokens, max_tokens)) for p in prompts]
-
-
-def start_server(decode_mode: str) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "tandem.cli", "serve", "tiny", "--port", "0", "--logprobs-mode", "processed_logprobs",
-           "--decode-mode", decode_mode]
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    for line in process.stdout:
-        if match := re.search(r"on (http://\S+)", line):
-            return process, match.group(1)
-    raise RuntimeError("tandem serve exited before it was ready")
 
 
 async def wait_ready(url: str) -> None:
@@ -90,15 +78,11 @@ def main() -> None:
     jobs = {c: workload(tokenizer, 16 if c == 1 else args.requests, args.min_tokens, args.max_tokens, seed=c) for c in levels}
     served = {}
     for mode in ("exact", "fast"):
-        process, url = start_server(mode)
-        try:
-            asyncio.run(wait_ready(url))
+        with EmbeddedServer("tiny", extra_args=["--logprobs-mode", "processed_logprobs", "--decode-mode", mode]) as server:
+            asyncio.run(wait_ready(server.url))
             for c in levels:
-                served[mode, c] = asyncio.run(serve_rate(url, jobs[c], c))
+                served[mode, c] = asyncio.run(serve_rate(server.url, jobs[c], c))
                 print(f"tandem serve --decode-mode {mode}, concurrency {c:3d}: {served[mode, c]:8.1f} tok/s", flush=True)
-        finally:
-            process.terminate()
-            process.wait(timeout=30)
     baseline = {}
     for c in levels:
         baseline[c] = generate_rate(model, tokenizer, jobs[c], c)

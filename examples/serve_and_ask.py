@@ -7,24 +7,13 @@ The same client code talks to `vllm serve`: only the URL changes.
 
 import argparse
 import asyncio
-import re
-import subprocess
-import sys
 import time
 
 from transformers import AutoTokenizer
 
 from tandem.generation.client import ControlClient, GenerationClient
+from tandem.generation.launcher import EmbeddedServer
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
-
-
-def start_server() -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "tandem.cli", "serve", "tiny", "--port", "0", "--logprobs-mode", "processed_logprobs"]
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    for line in process.stdout:
-        if match := re.search(r"on (http://\S+)", line):
-            return process, match.group(1)
-    raise RuntimeError(f"tandem serve exited with code {process.wait()} before it was ready")
 
 
 async def ask(url: str, n: int) -> None:
@@ -40,7 +29,7 @@ async def ask(url: str, n: int) -> None:
     correct = 0
     for row, [completion] in zip(rows, results):
         text = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-        ok = arithmetic.is_correct(text, row["answer"])
+        ok = arithmetic.is_correct(text, row["solution"])
         correct += ok
         logprob = sum(completion.logprobs)
         print(f"{row['prompt'][0]['content']:<22} -> {text:<6} {'ok ' if ok else 'bad'}  log p = {logprob:7.3f}")
@@ -53,13 +42,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--questions", type=int, default=32)
     args = parser.parse_args()
-    process, url = start_server()
-    print(f"tandem serve is up at {url}\n")
-    try:
-        asyncio.run(ask(url, args.questions))
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    with EmbeddedServer("tiny", extra_args=["--logprobs-mode", "processed_logprobs"]) as server:
+        print(f"tandem serve is up at {server.url}\n")
+        asyncio.run(ask(server.url, args.questions))
 
 
 if __name__ == "__main__":

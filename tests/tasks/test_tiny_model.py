@@ -67,5 +67,5 @@ def test_held_out_pass_rate_leaves_room_to_learn(server, tokenizer):
             ])
 
     results = asyncio.run(ask())
-    correct = sum(arithmetic.is_correct(tokenizer.decode(c.token_ids, skip_special_tokens=True), r["answer"]) for r, [c] in zip(rows, results))
+    correct = sum(arithmetic.is_correct(tokenizer.decode(c.token_ids, skip_special_tokens=True), r["solution"]) for r, [c] in zip(rows, results))
     assert 0.2 <= correct / len(rows) <= 0.8, f"pass rate {correct / len(rows):.2f}"

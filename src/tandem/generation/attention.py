@@ -27,3 +27,14 @@ def exact_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 
 AttentionInterface.register(NAME, exact_attention)
+
+ADDITIVE_MASK_IMPLEMENTATIONS = ("eager", NAME)
+
+
+def model_mask(mask: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
+    """A boolean [B, 1, Q, K] mask (True = attend) in the form the model's attention implementation takes:
+    eager-style implementations add the mask to the scores, SDPA takes it as booleans."""
+    if model.config._attn_implementation not in ADDITIVE_MASK_IMPLEMENTATIONS:
+        return mask
+    dtype = next(model.parameters()).dtype
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)

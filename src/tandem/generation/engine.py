@@ -277,9 +277,7 @@ class Engine:
         if "sliding_attention" in self.layer_types:
             query_pos = write_pos[:, None, :, None]
             masks["sliding_attention"] = mask & (query_pos - torch.arange(kv_len, device=self.device) < self.sliding_window)
-        if self.model.config._attn_implementation in ("eager", exact_attention.NAME):  # these add the mask to the scores
-            dtype = next(self.model.parameters()).dtype
-            masks = {k: torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min) for k, m in masks.items()}
+        masks = {kind: exact_attention.model_mask(m, self.model) for kind, m in masks.items()}
         kwargs = {}
         wanted = {a for a in adapters if a}
         if self.adapters is not None and (wanted or self.adapters.active):
@@ -325,6 +323,8 @@ class Engine:
             positions.append(list(range(total, total + pad)) + list(range(total - len(tokens), total)))
         input_ids, write_pos = torch.tensor(ids), torch.tensor(positions)
         kv_len = int(write_pos.max()) + 1
+        if self.exact:  # short key blocks take another matmul path too; the extra keys are masked out
+            kv_len = min(max(kv_len, exact_attention.MIN_ROWS), self.max_model_len)
         keys = torch.arange(kv_len)
         mask = (keys[None, None, :] <= write_pos[:, :, None]) & (keys[None, None, :] < torch.tensor(totals)[:, None, None])
         return self._forward(input_ids.to(self.device), write_pos.to(self.device), kv_len, mask[:, None].to(self.device),

@@ -32,12 +32,12 @@ def answer(problem: tuple[int, str, int]) -> int:
 
 
 def make_rows(n: int, *, split: str = "test", seed: int = 0) -> list[dict]:
-    """`n` dataset rows: a conversational `prompt` and the `answer` as a string."""
+    """`n` dataset rows: a conversational `prompt` and the `solution` as a string."""
     pool = [p for p in all_problems() if split_of(p) == split]
     rng = random.Random(seed)
     picked = [pool[rng.randrange(len(pool))] for _ in range(n)]
     return [
-        {"prompt": [{"role": "user", "content": question(p)}], "answer": str(answer(p))}
+        {"prompt": [{"role": "user", "content": question(p)}], "solution": str(answer(p))}
         for p in picked
     ]
 

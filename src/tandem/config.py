@@ -1,0 +1,207 @@
+"""`AsyncGRPOConfig`: every knob of a run as plain values, with the spec's names and defaults.
+
+Fields that tandem does not implement are absent (passing one is a TypeError naming it), and every
+value is checked up front so a bad one fails before any process starts, with the fix in the message.
+`load_recipe` reads the YAML recipes of `tandem train`: config fields plus `model`, `dataset` and
+`reward_funcs`.
+"""
+
+import dataclasses
+import importlib
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ALGORITHMS = ("grpo", "flash_reinforce")
+
+
+@dataclass
+class AsyncGRPOConfig:
+    # ---- run and optimisation ----
+    output_dir: str = "runs/tandem"
+    num_train_epochs: float = 3.0
+    """Passes over the prompt dataset (filtered and dropped prompts count). Ignored when max_steps > 0."""
+    max_steps: int = -1
+    learning_rate: float = 1e-6
+    lr_scheduler_type: str = "constant"
+    """constant | linear | cosine | constant_with_warmup (decaying schedules need max_steps)."""
+    lr_scheduler_kwargs: dict | None = None
+    warmup_steps: float = 0
+    """Steps of linear warm-up; a value below 1 is a fraction of max_steps."""
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    gradient_accumulation_steps: int = 1
+    max_grad_norm: float = 1.0
+    bf16: bool | None = None
+    """Autocast the trainer's forward to bfloat16. Default: on with CUDA, off on CPU (where it is slow)."""
+    gradient_checkpointing: bool = True
+    logging_steps: int = 1
+    report_to: str | list[str] = "none"
+    """Extra metric sinks: trackio, tensorboard, wandb (offline). metrics.jsonl is always written."""
+    run_name: str | None = None
+    save_strategy: str = "steps"
+    """steps | no. Checkpoints are also written at the end of training unless 'no'."""
+    save_steps: int = 500
+    save_total_limit: int | None = None
+    seed: int = 42
+    model_init_kwargs: dict | None = None
+    dtype: str = "float32"
+    router_aux_loss_coef: float | None = None
+
+    # ---- generation ----
+    num_generations: int = 8
+    max_completion_length: int = 2048
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    chat_template_kwargs: dict | None = None
+    max_tool_calling_iterations: int | None = None
+
+    # ---- the generation server ----
+    vllm_server_base_url: str | None = None
+    """URL of `vllm serve` / `tandem serve` / `tandem proxy`. None: start `tandem serve` for the model."""
+    vllm_server_timeout: float = 1800.0
+
+    # ---- the loss ----
+    algorithm: str = "grpo"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    score_centering: bool = True
+    vllm_importance_sampling_clip_min: float = 0.5
+    vllm_importance_sampling_clip_max: float = 5.0
+    num_sampler_logprobs: int = 8
+    token_budget: int | None = None
+
+    # ---- the asynchronous pipeline ----
+    max_concurrent_rollouts: int = 512
+    max_staleness: int = 4
+    weight_sync_steps: int = 1
+    rollout_worker_timeout: float = 300.0
+    log_completions: bool = False
+    num_completions_to_print: int | None = None
+
+    def __post_init__(self):
+        checks = [
+            ("num_generations", self.num_generations >= 2 or self.algorithm != "grpo",
+             "GRPO needs at least 2 generations per prompt to compare them"),
+            ("max_completion_length", self.max_completion_length >= 1, "must be at least 1"),
+            ("temperature", 0 < self.temperature <= 2, "must be in (0, 2]: RL needs sampling, not greedy decoding"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", self.top_k >= 0, "must be 0 (off) or positive"),
+            ("learning_rate", self.learning_rate >= 0, "must be >= 0"),
+            ("gradient_accumulation_steps", self.gradient_accumulation_steps >= 1, "must be at least 1"),
+            ("max_staleness", self.max_staleness >= 0, "must be >= 0"),
+            ("weight_sync_steps", self.weight_sync_steps >= 1, "must be at least 1"),
+            ("max_concurrent_rollouts", self.max_concurrent_rollouts >= 1, "must be at least 1"),
+            ("vllm_importance_sampling_clip_min", 0 <= self.vllm_importance_sampling_clip_min <= 1,
+             "must be in [0, 1] (a ratio of 1 must never be masked)"),
+            ("vllm_importance_sampling_clip_max", self.vllm_importance_sampling_clip_max >= 1,
+             "must be >= 1 (a ratio of 1 must never be masked)"),
+            ("epsilon", self.epsilon >= 0, "must be >= 0"),
+            ("logging_steps", self.logging_steps >= 1, "must be at least 1"),
+            ("save_strategy", self.save_strategy in ("steps", "no"), "must be 'steps' or 'no'"),
+            ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"), "must be auto, float32, bfloat16 or float16"),
+            ("algorithm", self.algorithm in ALGORITHMS, f"must be one of {ALGORITHMS}"),
+            ("lr_scheduler_type", self.lr_scheduler_type in ("constant", "constant_with_warmup", "linear", "cosine"),
+             "must be constant, constant_with_warmup, linear or cosine"),
+            ("token_budget", self.token_budget is None or self.token_budget >= 2, "must be at least 2 tokens"),
+        ]
+        for name, ok, message in checks:
+            if not ok:
+                raise ValueError(f"AsyncGRPOConfig.{name}={getattr(self, name)!r}: {message}.")
+        if self.lr_scheduler_type in ("linear", "cosine") and self.max_steps <= 0:
+            raise ValueError(f"AsyncGRPOConfig.lr_scheduler_type={self.lr_scheduler_type!r} decays over max_steps, "
+                             "but max_steps is not set: set max_steps, or use 'constant'.")
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        if self.min_p == 0:
+            self.min_p = None
+
+    @property
+    def uses_truncated_sampling(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1 or self.min_p is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Recipe:
+    """A `tandem train` recipe: the config plus what the trainer is built from."""
+
+    config: AsyncGRPOConfig
+    model: str
+    dataset: str
+    reward_funcs: list[str] = field(default_factory=list)
+
+
+RECIPE_KEYS = ("model", "dataset", "reward_funcs")
+
+
+def _field_types() -> dict[str, Any]:
+    return {f.name: f.type for f in dataclasses.fields(AsyncGRPOConfig)}
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """`--field value` pairs from the command line; values are read as YAML (numbers, booleans, lists)."""
+    result, i = {}, 0
+    while i < len(pairs):
+        key = pairs[i]
+        if not key.startswith("--"):
+            raise ValueError(f"expected --field value, got {key!r}")
+        key = key[2:].replace("-", "_")
+        if "=" in key:
+            key, value = key.split("=", 1)
+        else:
+            if i + 1 >= len(pairs):
+                raise ValueError(f"--{key} needs a value")
+            i += 1
+            value = pairs[i]
+        result[key] = yaml.safe_load(value)
+        i += 1
+    return result
+
+
+def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
+    """Read a YAML recipe and apply command-line overrides; unknown keys fail with the valid ones listed."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: a recipe is a YAML mapping of config fields, got {type(raw).__name__}")
+    raw.update(parse_overrides(list(overrides)))
+    known = set(_field_types()) | set(RECIPE_KEYS)
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"unknown recipe key(s) {unknown}. Valid keys: {', '.join(sorted(known))}")
+    if "model" not in raw:
+        raise ValueError("the recipe has no 'model': give a model folder, a hub id, or 'tiny' for the built-in model")
+    funcs = raw.pop("reward_funcs", [])
+    recipe = Recipe(model=raw.pop("model"), dataset=raw.pop("dataset", "arithmetic"),
+                    reward_funcs=[funcs] if isinstance(funcs, str) else list(funcs), config=AsyncGRPOConfig(**raw))
+    return recipe
+
+
+def import_object(path: str):
+    """`package.module:name` or `package.module.name` -> the object."""
+    module_name, _, name = path.replace(":", ".").rpartition(".")
+    if not module_name:
+        raise ValueError(f"{path!r} is not an import path: write it as package.module:function")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot import {path!r}: {exc}") from exc
+
+
+def warn_unimplemented(config: AsyncGRPOConfig) -> None:
+    """Settings that tandem accepts but whose full behaviour lands later: say what happens instead."""
+    if config.score_centering:
+        warnings.warn("score_centering=True is not implemented yet: training with the clipped surrogate and masked "
+                      "importance sampling (score_centering=False). Set score_centering=False to silence this.", stacklevel=3)

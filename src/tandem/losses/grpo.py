@@ -1,0 +1,35 @@
+"""The GRPO objective with masked importance sampling (spec 000, 손실 계산, score_centering=False).
+
+    r_t = π_θ(o_t) / π_sampler(o_t)                      (the sampler's log-probs are the behaviour policy)
+    L   = -Σ_t 1[C_min ≤ r_t ≤ C_max] · min(r_t·A, clip(r_t, 1-ε_low, 1+ε_high)·A)
+
+Tokens whose ratio falls outside [C_min, C_max] are masked out (MIS); the sum is normalised by the
+caller (trained tokens of the micro-batch across ranks, then averaged over accumulation steps).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TokenStats:
+    ratio: torch.Tensor          # before masking, detached
+    in_bounds: torch.Tensor      # the MIS mask
+    low_clipped: torch.Tensor
+    high_clipped: torch.Tensor
+
+
+def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, *,
+                      epsilon_low: float, epsilon_high: float, clip_min: float, clip_max: float) -> tuple[torch.Tensor, TokenStats]:
+    """Per-token losses (to be summed and normalised) and detached per-token statistics."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    detached = ratio.detach()
+    in_bounds = (detached >= clip_min) & (detached <= clip_max)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * advantages
+    losses = -torch.minimum(unclipped, clipped) * in_bounds
+    stats = TokenStats(ratio=detached, in_bounds=in_bounds,
+                       low_clipped=(detached < 1 - epsilon_low) & (advantages < 0),
+                       high_clipped=(detached > 1 + epsilon_high) & (advantages > 0))
+    return losses, stats

@@ -1,0 +1,1 @@
+"""Metric windows and where they are written."""

@@ -1,0 +1,1 @@
+"""The rollout side: the worker process, the rollout loop, records, pacing, scoring."""

@@ -1,0 +1,24 @@
+"""What crosses the process boundary between the trainer and the rollout worker.
+
+The worker puts tagged messages on `out`: ("samples", [Sample]), ("skip", position), ("metrics",
+{name: [values]}), ("end", None) and ("error", traceback text). The trainer publishes the policy
+version and its token consumption in shared values; the worker beats `heartbeat` twice a second.
+"""
+
+import multiprocessing as mp
+from dataclasses import dataclass
+
+
+@dataclass
+class Channels:
+    out: mp.Queue
+    model_version: "mp.sharedctypes.Synchronized"
+    tokens_per_step: "mp.sharedctypes.Synchronized"
+    consumed_tokens: "mp.sharedctypes.Synchronized"
+    heartbeat: "mp.sharedctypes.Synchronized"
+    stop: mp.Event
+
+    @classmethod
+    def create(cls, context) -> "Channels":
+        return cls(out=context.Queue(), model_version=context.Value("q", 0), tokens_per_step=context.Value("d", 0.0),
+                   consumed_tokens=context.Value("d", 0.0), heartbeat=context.Value("d", 0.0), stop=context.Event())

@@ -1,0 +1,363 @@
+"""`AsyncRolloutLoop`: generates and scores rollouts in the worker process (spec: 롤아웃 루프 사용자 정의).
+
+For each prompt, in dataset order from `dataset_start_index`: `filter_prompt`, then `num_generations`
+rollouts (`generate_one`, which calls `generate_one_turn` per sampling request), then the group is
+scored (reward functions + environment / rollout rewards, summed), `compute_advantages` runs, groups
+without reward variance are dropped, and the rest become samples on the trainer's queue. Subclass it
+and override the hooks; set the subclass as the trainer's `loop_cls`.
+"""
+
+import asyncio
+import math
+import random
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from tandem.config import AsyncGRPOConfig
+from tandem.generation.client import ControlClient, GenerationClient
+from tandem.rollout import rewards as scoring
+from tandem.rollout.channels import Channels
+from tandem.rollout.pacing import METRICS_POLL_S, ConcurrencyCap, TokenAllowance
+from tandem.rollout.reconcile import reconcile
+from tandem.rollout.records import Rollout, RolloutGroup, Sample, TurnRecord
+
+SCORE_QUEUE_MAXSIZE = 16
+REPORT_EVERY_S = 1.0
+
+
+class AsyncRolloutLoop:
+    def __init__(self, *, config: AsyncGRPOConfig, model_name: str, dataset, reward_funcs: list, processing_class,
+                 eos_token_ids: list[int], channels: Channels, base_url: str, api_key: str | None = None,
+                 tools: list | None = None, environment_factory=None, dataset_start_index: int = 0,
+                 full_step_tokens: float, num_positions: int | None):
+        if tools or environment_factory:
+            raise NotImplementedError("tools and environment_factory are not implemented in tandem yet: "
+                                      "train without them, or override generate_one in a loop_cls")
+        self.config = config
+        self.model_name = model_name
+        self.dataset = dataset
+        self.reward_funcs = list(reward_funcs)
+        self.tokenizer = processing_class
+        self.eos_token_ids = list(eos_token_ids)
+        self.channels = channels
+        self.base_url, self.api_key = base_url, api_key
+        self.tools = tools or []
+        self.start = dataset_start_index
+        self.num_positions = num_positions
+        self.allowance = TokenAllowance(config.max_staleness, full_step_tokens)
+        self.rng = random.Random(config.seed + dataset_start_index)
+        self.records: dict[str, list] = defaultdict(list)
+        self.produced_tokens = 0.0
+        self.in_flight_tokens = 0.0
+        self.groups_in_flight = self.groups_finished = self.rollouts_in_flight = 0
+        self.generated_tokens = 0
+        self.slot = asyncio.Condition()
+        self._failure: BaseException | None = None
+
+    # ---- hooks ------------------------------------------------------------------------------------
+    def filter_prompt(self, row_index: int, row: dict, epoch: int) -> bool:
+        """Whether to generate for this prompt (default: all). Rejected prompts count as consumed."""
+        return True
+
+    async def setup(self) -> None:
+        """Create resources the other hooks need (runs on the loop's event loop before the first prompt)."""
+
+    async def close(self) -> None:
+        """Release what setup() created (runs when the loop ends, failures included)."""
+
+    async def generate_one(self, prompt: list[dict], tools: list, group_id: int = 0) -> Rollout:
+        """One rollout: render the conversation, sample one reply."""
+        prompt_ids = self.render(prompt)
+        turn = await self.generate_one_turn(prompt_ids)
+        text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
+        return Rollout(completion=[{"role": "assistant", "content": text}], completion_ids=list(turn.output_ids), turns=[turn])
+
+    async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
+        """One request to the server with the config's sampling settings."""
+        c = self.config
+        [completion] = await self.client.complete(
+            prompt_ids, model=self.model_name, max_tokens=c.max_completion_length, temperature=c.temperature,
+            top_p=c.top_p, top_k=c.top_k, min_p=c.min_p or 0.0, repetition_penalty=c.repetition_penalty,
+            seed=self.rng.getrandbits(63), logprobs=0, stop_token_ids=self.eos_token_ids,
+        )
+        self.generated_tokens += len(completion.token_ids)
+        return TurnRecord(prompt_ids=list(prompt_ids), output_ids=completion.token_ids,
+                          output_log_probs=completion.logprobs, finish_reason=completion.finish_reason)
+
+    def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
+        """One advantage per rollout: rewards standardised within the group (unscored rollouts get 0)."""
+        return scoring.group_advantages(group.rewards)
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    def render(self, messages: list[dict]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                                 **(self.config.chat_template_kwargs or {}))
+        return list(ids)
+
+    def _note_failure(self, task: asyncio.Task) -> None:
+        """A failed group or scorer task must stop the worker, not vanish."""
+        if not task.cancelled() and task.exception() is not None and self._failure is None:
+            self._failure = task.exception()
+
+    def _check_failed(self) -> bool:
+        if self._failure is not None:
+            raise self._failure
+        return False
+
+    def record(self, name: str, *values) -> None:
+        self.records[name].extend(values)
+
+    def emit(self, kind: str, payload) -> None:
+        self.channels.out.put((kind, payload))
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    async def run(self) -> None:
+        self.client = GenerationClient(self.base_url, api_key=self.api_key, timeout_s=self.config.vllm_server_timeout)
+        self.control = ControlClient(self.base_url, api_key=self.api_key, timeout_s=30)
+        await self.setup()
+        background = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._report())]
+        try:
+            await self._init_cap()
+            background.append(asyncio.create_task(self._poll_server()))
+            self.score_queue: asyncio.Queue = asyncio.Queue(maxsize=SCORE_QUEUE_MAXSIZE)
+            scorer = asyncio.create_task(self._scorer())
+            scorer.add_done_callback(self._note_failure)
+            await self._dispatch_all()
+            while self.score_queue._unfinished_tasks:  # drain, but stop at once if scoring failed
+                self._check_failed()
+                await asyncio.sleep(0.01)
+            self._check_failed()
+            scorer.cancel()
+            self._flush_records()
+            self.emit("end", None)
+        finally:
+            for task in background:
+                task.cancel()
+            await self.close()
+            await self.client.close()
+            await self.control.close()
+
+    async def _dispatch_all(self) -> None:
+        n = len(self.dataset)
+        groups: set[asyncio.Task] = set()
+        position, accepted_in_epoch = self.start, 0
+        group_id = 0
+        while self.num_positions is None or position < self.num_positions:
+            if self.channels.stop.is_set():
+                break
+            epoch, row_index = divmod(position, n)
+            if row_index == 0:
+                accepted_in_epoch = 0
+            row = self.dataset[row_index]
+            if not self.filter_prompt(row_index, row, epoch):
+                self.emit("skip", position)
+            else:
+                accepted_in_epoch += 1
+                prompt = row["prompt"]
+                reservation = self.config.num_generations * (len(self.render(prompt)) + self.config.max_completion_length)
+                await self._wait_for_allowance(reservation)
+                task = asyncio.create_task(self._run_group(prompt, row, row_index, position, group_id, reservation))
+                groups.add(task)
+                task.add_done_callback(groups.discard)
+                task.add_done_callback(self._note_failure)
+                group_id += 1
+            position += 1
+            if position % n == 0 and accepted_in_epoch == 0:
+                raise ValueError(f"filter_prompt rejected every prompt of epoch {epoch}: no sample can reach the trainer")
+        while groups:
+            self._check_failed()
+            await asyncio.sleep(0.01)
+        self._check_failed()
+
+    def _queued_tokens(self) -> float:
+        return self.produced_tokens - self.channels.consumed_tokens.value
+
+    async def _wait_for_allowance(self, reservation: float) -> None:
+        start = time.monotonic()
+        while not self._check_failed() and not self.allowance.may_start(self._queued_tokens(), self.in_flight_tokens, reservation,
+                                           self.channels.tokens_per_step.value, self.groups_in_flight, self.groups_finished):
+            await asyncio.sleep(0.01)
+        self.record("rollout/backpressure_s", time.monotonic() - start)
+        limit = self.allowance.limit(self.channels.tokens_per_step.value)
+        used = self._queued_tokens() + self.in_flight_tokens + reservation
+        if self.groups_finished:  # the allowance binds once the first group has finished
+            self.record("rollout/allowance_used_max", used / limit)
+
+    async def _run_group(self, prompt, row, row_index, position, group_id, reservation) -> None:
+        self.groups_in_flight += 1
+        self.in_flight_tokens += reservation
+        version = self.channels.model_version.value
+        try:
+            rollouts = await asyncio.gather(*[self._one_rollout(prompt, group_id) for _ in range(self.config.num_generations)])
+        finally:
+            self.groups_in_flight -= 1
+            self.in_flight_tokens -= reservation
+        group = self._group(prompt, row, row_index, group_id, version, rollouts)
+        block = time.monotonic()
+        await self.score_queue.put((group, rollouts, position))
+        self.record("rollout/score_block_s", time.monotonic() - block)
+
+    async def _one_rollout(self, prompt, group_id) -> Rollout:
+        async with self.slot:
+            await self.slot.wait_for(lambda: self.rollouts_in_flight < self.cap.value)
+            self.rollouts_in_flight += 1
+        start = time.monotonic()
+        try:
+            return await self.generate_one(prompt, self.tools, group_id)
+        finally:
+            self.record("rollout/duration_s", time.monotonic() - start)
+            self.cap.rollout_finished()
+            async with self.slot:
+                self.rollouts_in_flight -= 1
+                self.slot.notify_all()
+
+    def _group(self, prompt, row, row_index, group_id, version, rollouts: list[Rollout]) -> RolloutGroup:
+        g = len(rollouts)
+        extra = {k: [v] * g for k, v in row.items() if k != "prompt"}
+        sequences = []
+        for rollout in rollouts:
+            seqs, stats = reconcile(rollout.turns)
+            sequences.append(seqs)
+            self.record("rollout/samples_per_rollout", len(seqs))
+            self.record("rollout/turns_mean", len(rollout.turns))
+            self.record("rollout/turns_max", len(rollout.turns))
+            if stats.transitions:
+                self.record("rollout/fork_frac", *([1.0] * stats.forks + [0.0] * (stats.transitions - stats.forks)))
+                self.record("rollout/drift_tokens_mean", *stats.drift_tokens)
+                self.record("rollout/drift_tokens_max", *stats.drift_tokens)
+        return RolloutGroup(
+            prompts=[prompt] * g, reward_kwargs=extra, completions=[r.completion for r in rollouts],
+            completions_ids=[r.completion_ids for r in rollouts], completions_sequences=sequences,
+            tool_call_counts=[r.tool_call_count for r in rollouts], tool_failure_counts=[r.tool_failure_count for r in rollouts],
+            model_version=version, group_id=group_id, row_index=row_index, env_rewards=[None] * g,
+            rollout_rewards=[r.reward for r in rollouts], queued_at=time.monotonic(),
+        )
+
+    async def _scorer(self) -> None:
+        while True:
+            group, rollouts, position = await self.score_queue.get()
+            try:
+                await self._score(group, rollouts, position)
+            finally:
+                self.score_queue.task_done()
+
+    async def _score(self, group: RolloutGroup, rollouts: list[Rollout], position: int) -> None:
+        g = len(rollouts)
+        self.record("rollout/score_wait_s", time.monotonic() - group.queued_at)
+        start = time.monotonic()
+        kwargs = {"prompts": group.prompts, "completions": group.completions, "completion_ids": group.completions_ids,
+                  **group.reward_kwargs}
+        columns = await scoring.score(self.reward_funcs, kwargs, g)
+        sources = list(columns.values())
+        if any(r is not None for r in group.rollout_rewards):
+            sources.append(np.array([math.nan if r is None else float(r) for r in group.rollout_rewards]))
+        group.rewards = scoring.total_reward(sources, g)
+        advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
+        if advantages.shape != (g,):
+            raise ValueError(f"compute_advantages returned shape {advantages.shape}; it must return one advantage per rollout ({g})")
+        self.record("rollout/score_s", time.monotonic() - start)
+        self.groups_finished += 1
+        kept = scoring.keeps_signal(group.rewards)
+        self._record_group(group, columns, kept)
+        if not kept:
+            self.emit("skip", position)
+            return
+        samples = [
+            Sample(input_ids=s.input_ids, trained=s.trained, logprobs=s.logprobs, advantage=float(a),
+                   model_version=group.model_version, group_id=group.group_id, position=position,
+                   group_samples=sum(len(seqs) for seqs in group.completions_sequences),
+                   rollout_id=rollout.rollout_id, created_at=time.time(), sampler_top=s.sampler_top, sampling_mask=s.sampling_mask)
+            for rollout, seqs, a in zip(rollouts, group.completions_sequences, advantages) for s in seqs
+        ]
+        if not samples:
+            self.emit("skip", position)
+            return
+        self.produced_tokens += sum(s.num_tokens for s in samples)
+        self.emit("samples", samples)
+
+    def _record_group(self, group: RolloutGroup, columns: dict, kept: bool) -> None:
+        rewards = group.rewards
+        scored = rewards[~np.isnan(rewards)]
+        self.record("reward", *scored.tolist())
+        self.record("frac_reward_zero_std", 0.0 if kept else 1.0)
+        if kept:
+            self.record("reward_kept", *scored.tolist())
+            self.record("reward_group_std", float(scored.std()))
+        elif len(scored):
+            self.record("reward_dropped", *scored.tolist())
+        for name, values in columns.items():
+            valid = values[~np.isnan(values)]
+            self.record(f"rewards/{name}/mean", *valid.tolist())
+            if kept and len(valid):
+                self.record(f"rewards/{name}/group_std", float(valid.std()))
+        lengths = [len(ids) for ids in group.completions_ids]
+        eos = set(self.eos_token_ids)
+        terminated = [len(ids) for ids in group.completions_ids if ids and ids[-1] in eos]
+        self.record("completions/mean_length", *lengths)
+        self.record("completions/min_length", *lengths)
+        self.record("completions/max_length", *lengths)
+        if terminated:
+            self.record("completions/mean_terminated_length", *terminated)
+            self.record("completions/min_terminated_length", *terminated)
+            self.record("completions/max_terminated_length", *terminated)
+        self.record("completions/clipped_ratio", *[0.0 if ids and ids[-1] in eos else 1.0 for ids in group.completions_ids])
+        seen = set()
+        for ids in group.completions_ids:
+            key = tuple(ids)
+            self.record("completions/duplicate_frac", 1.0 if key in seen else 0.0)
+            seen.add(key)
+        if self.config.log_completions:
+            self.record("completions/examples", *[(group.prompts[0], c[0]["content"] if c else "", float(r))
+                                                  for c, r in zip(group.completions, rewards)])
+
+    # ---- background tasks -------------------------------------------------------------------------
+    async def _init_cap(self) -> None:
+        try:
+            metrics = await self.control.metrics()
+            max_len = await self.control.max_model_len()
+            self.cap = ConcurrencyCap(self.config.max_concurrent_rollouts, metrics.kv_capacity_tokens, max_len)
+            self.has_metrics = True
+        except Exception:  # a server without /metrics: the cap is max_concurrent_rollouts
+            self.cap = ConcurrencyCap(self.config.max_concurrent_rollouts)
+            self.has_metrics = False
+
+    async def _poll_server(self) -> None:
+        while self.has_metrics:
+            await asyncio.sleep(METRICS_POLL_S)
+            try:
+                metrics = await self.control.metrics()
+            except Exception:
+                continue
+            async with self.slot:
+                self.cap.update(metrics.kv_cache_usage, metrics.waiting)
+                self.slot.notify_all()
+            self.record("rollout/vllm_kv_cache_usage_frac", metrics.kv_cache_usage)
+            self.record("rollout/vllm_running_requests", metrics.running)
+            self.record("rollout/vllm_queued_requests", metrics.waiting)
+            self.record("rollout/vllm_preemption_count", metrics.preemptions - getattr(self, "_last_preemptions", metrics.preemptions))
+            self._last_preemptions = metrics.preemptions
+
+    async def _heartbeat(self) -> None:
+        while True:
+            self.channels.heartbeat.value = time.time()
+            await asyncio.sleep(0.5)
+
+    async def _report(self) -> None:
+        last, last_tokens, last_retries = time.monotonic(), 0, 0
+        while True:
+            await asyncio.sleep(REPORT_EVERY_S)
+            now = time.monotonic()
+            self.record("rollout/generated_tokens_per_s", (self.generated_tokens - last_tokens, now - last))
+            self.record("rollout/concurrency", self.rollouts_in_flight)
+            self.record("rollout/concurrency_cap", self.cap.value if hasattr(self, "cap") else 0)
+            self.record("rollout/score_queue_size", self.score_queue.qsize() if hasattr(self, "score_queue") else 0)
+            self.record("rollout/vllm_retry_count", self.client.retries - last_retries)
+            last, last_tokens, last_retries = now, self.generated_tokens, self.client.retries
+            self._flush_records()
+
+    def _flush_records(self) -> None:
+        if self.records:
+            records, self.records = dict(self.records), defaultdict(list)
+            self.emit("metrics", records)

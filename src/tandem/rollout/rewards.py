@@ -1,0 +1,60 @@
+"""Scoring a group: every reward function runs concurrently (async awaited, sync in threads), the
+results are summed per rollout, and `None` means "this function does not score this rollout"."""
+
+import asyncio
+import inspect
+import math
+
+import numpy as np
+
+
+def reward_name(func) -> str:
+    return getattr(func, "__name__", None) or type(func).__name__
+
+
+async def _call(func, kwargs: dict) -> list:
+    if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None)):
+        return await func(**kwargs)
+    return await asyncio.to_thread(func, **kwargs)
+
+
+async def score(reward_funcs: list, kwargs: dict, size: int) -> dict[str, np.ndarray]:
+    """One float array per reward function (NaN where it returned None), in `reward_funcs` order."""
+    results = await asyncio.gather(*[_call(f, kwargs) for f in reward_funcs])
+    columns = {}
+    for func, values in zip(reward_funcs, results):
+        name = reward_name(func)
+        if not isinstance(values, (list, tuple, np.ndarray)) or len(values) != size:
+            got = f"{len(values)} values" if hasattr(values, "__len__") else repr(type(values).__name__)
+            raise ValueError(f"reward function {name!r} returned {got} for a group of {size} completions: "
+                             "it must return one float (or None) per completion, in order")
+        columns[name] = np.array([math.nan if v is None else float(v) for v in values], dtype=np.float64)
+    return columns
+
+
+def total_reward(columns: list[np.ndarray], size: int) -> np.ndarray:
+    """Sum over sources; NaN only where every source is NaN (nobody scored that rollout)."""
+    if not columns:
+        return np.full(size, math.nan)
+    stacked = np.stack(columns)
+    total = np.nansum(stacked, axis=0)
+    total[np.all(np.isnan(stacked), axis=0)] = math.nan
+    return total
+
+
+def group_advantages(rewards: np.ndarray) -> np.ndarray:
+    """(r - mean) / std over the scorable rollouts (population std); unscorable rollouts get 0."""
+    advantages = np.zeros_like(rewards)
+    scored = ~np.isnan(rewards)
+    if scored.sum() >= 2:
+        values = rewards[scored]
+        std = values.std()
+        if std > 0:
+            advantages[scored] = (values - values.mean()) / std
+    return advantages
+
+
+def keeps_signal(rewards: np.ndarray) -> bool:
+    """A group trains only with two or more scorable rollouts whose rewards differ."""
+    scored = rewards[~np.isnan(rewards)]
+    return len(scored) >= 2 and float(scored.std()) > 0

@@ -1,0 +1,1 @@
+"""The training side: the loop, batching, weight sync, checkpoints."""
