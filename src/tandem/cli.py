@@ -1,7 +1,11 @@
-"""The `tandem` command line: `tandem serve MODEL [...]` (more subcommands arrive with the trainer and proxy)."""
+"""The `tandem` command line: `tandem train RECIPE.yaml [--field value ...] [--dry-run]` and `tandem serve MODEL`."""
 
 import argparse
+import json
+import shlex
 import sys
+
+import yaml
 
 from tandem.tasks import TINY_MODEL_PATH
 
@@ -46,12 +50,77 @@ def run_serve(ns: argparse.Namespace) -> None:
     serve(args)
 
 
+def train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train with async GRPO from a YAML recipe",
+                       description="Train from RECIPE.yaml: AsyncGRPOConfig fields plus model, dataset (a built-in task "
+                                   "or a local file) and reward_funcs (import paths). Any field can be overridden "
+                                   "with --field value.")
+    p.add_argument("recipe", help="YAML recipe")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved recipe and the vllm serve command; start nothing")
+
+
+def serve_command(recipe, max_model_len: int) -> str:
+    """The `vllm serve` command line this recipe needs (spec: vLLM 서버 구성)."""
+    config = recipe.config
+    model = TINY_MODEL_PATH if recipe.model == "tiny" else recipe.model
+    parts = ["VLLM_SERVER_DEV_MODE=1", "vllm", "serve", model, "--logprobs-mode", "processed_logprobs",
+             "--max-model-len", str(max_model_len), "--weight-transfer-config", json.dumps({"backend": "nccl"}),
+             "--dtype", config.dtype, "--api-server-count", "8"]
+    if config.num_sampler_logprobs > 20:
+        parts += ["--max-logprobs", str(config.num_sampler_logprobs)]
+    if config.uses_truncated_sampling:
+        parts += ["--return-sampling-mask", "--enable-scale-out"]
+    return " ".join(shlex.quote(p) if i > 1 else p for i, p in enumerate(parts))
+
+
+def longest_prompt(recipe) -> int:
+    from transformers import AutoTokenizer
+
+    from tandem.tasks import datasets
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_PATH if recipe.model == "tiny" else recipe.model)
+    kwargs = recipe.config.chat_template_kwargs or {}
+    return max(len(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs))
+               for row in datasets.load(recipe.dataset))
+
+
+def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
+    from tandem.config import import_object, load_recipe
+
+    recipe = load_recipe(ns.recipe, overrides)
+    if ns.dry_run:
+        needed = longest_prompt(recipe) + recipe.config.max_completion_length
+        print(yaml.safe_dump({"model": recipe.model, "dataset": recipe.dataset, "reward_funcs": recipe.reward_funcs,
+                              **recipe.config.to_dict()}, sort_keys=False))
+        print("# Generation server for this recipe (the default without vllm_server_base_url is an embedded tandem serve):")
+        print(serve_command(recipe, recipe.config.token_budget or needed))
+        return
+    from tandem import AsyncGRPOTrainer
+    from tandem.tasks import datasets
+
+    trainer = AsyncGRPOTrainer(model=recipe.model, reward_funcs=[import_object(f) for f in recipe.reward_funcs],
+                               args=recipe.config, train_dataset=datasets.load(recipe.dataset))
+    output = trainer.train()
+    history = trainer.reward_history
+    print(f"\ntrained {output.global_step} steps; checkpoints in {recipe.config.output_dir}, "
+          f"metrics in {recipe.config.output_dir}/metrics.jsonl")
+    if history:
+        head, tail = history[:20], history[-20:]
+        print(f"mean reward, first {len(head)} steps: {sum(head) / len(head):.3f}   last {len(tail)} steps: {sum(tail) / len(tail):.3f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tandem", description="Asynchronous RL for language models.")
     sub = parser.add_subparsers(dest="command", required=True)
+    train_parser(sub)
     serve_parser(sub)
-    ns = parser.parse_args(argv)
-    {"serve": run_serve}[ns.command](ns)
+    ns, rest = parser.parse_known_args(argv)
+    if ns.command == "train":
+        run_train(ns, rest)
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    else:
+        run_serve(ns)
 
 
 if __name__ == "__main__":

@@ -164,9 +164,20 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
                 raise ValueError(f"--{key} needs a value")
             i += 1
             value = pairs[i]
-        result[key] = yaml.safe_load(value)
+        result[key] = _coerce(key, yaml.safe_load(value))
         i += 1
     return result
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """YAML reads `1e-3` as a string; a float field takes it as the number it means."""
+    annotation = str(_field_types().get(key, ""))
+    if isinstance(value, str) and "float" in annotation:
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
 
 
 def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
@@ -176,6 +187,7 @@ def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
         raw = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: a recipe is a YAML mapping of config fields, got {type(raw).__name__}")
+    raw = {key: _coerce(key, value) for key, value in raw.items()}
     raw.update(parse_overrides(list(overrides)))
     known = set(_field_types()) | set(RECIPE_KEYS)
     unknown = sorted(set(raw) - known)

@@ -9,6 +9,7 @@ log-probs bitwise equal to a teacher-forced forward with eager attention.
 
 import torch
 from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
 
 MIN_ROWS = 16
@@ -27,6 +28,7 @@ def exact_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 
 AttentionInterface.register(NAME, exact_attention)
+AttentionMaskInterface.register(NAME, eager_mask)  # plain forwards build the additive mask eager attention takes
 
 ADDITIVE_MASK_IMPLEMENTATIONS = ("eager", NAME)
 

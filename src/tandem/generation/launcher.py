@@ -4,6 +4,7 @@ Used by the trainer's embedded default (no `vllm_server_base_url`), the examples
 The server's output goes to a log file, whose tail is shown if the server dies.
 """
 
+import os
 import re
 import subprocess
 import sys
@@ -18,7 +19,8 @@ class EmbeddedServer:
     def __init__(self, model: str, *, log_path: Path | None = None, startup_timeout_s: float = 300, extra_args: list[str] = ()):
         self.log_path = Path(log_path) if log_path else None
         cmd = [sys.executable, "-m", "tandem.cli", "serve", model, "--port", "0", *extra_args]
-        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}  # see tandem/__init__.py
+        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
         self.lines: list[str] = []
         self.url = self._wait_ready(startup_timeout_s)
         threading.Thread(target=self._drain, daemon=True).start()

@@ -158,12 +158,15 @@ class AsyncRolloutLoop:
                 prompt = row["prompt"]
                 reservation = self.config.num_generations * (len(self.render(prompt)) + self.config.max_completion_length)
                 await self._wait_for_allowance(reservation)
+                self.groups_in_flight += 1  # counted now, not when the task first runs
+                self.in_flight_tokens += reservation
                 task = asyncio.create_task(self._run_group(prompt, row, row_index, position, group_id, reservation))
                 groups.add(task)
                 task.add_done_callback(groups.discard)
                 task.add_done_callback(self._note_failure)
                 group_id += 1
             position += 1
+            await asyncio.sleep(0)  # let started groups run before deciding on the next prompt
             if position % n == 0 and accepted_in_epoch == 0:
                 raise ValueError(f"filter_prompt rejected every prompt of epoch {epoch}: no sample can reach the trainer")
         while groups:
@@ -186,8 +189,6 @@ class AsyncRolloutLoop:
             self.record("rollout/allowance_used_max", used / limit)
 
     async def _run_group(self, prompt, row, row_index, position, group_id, reservation) -> None:
-        self.groups_in_flight += 1
-        self.in_flight_tokens += reservation
         version = self.channels.model_version.value
         try:
             rollouts = await asyncio.gather(*[self._one_rollout(prompt, group_id) for _ in range(self.config.num_generations)])
@@ -262,6 +263,7 @@ class AsyncRolloutLoop:
         kept = scoring.keeps_signal(group.rewards)
         self._record_group(group, columns, kept)
         if not kept:
+            self._flush_records()
             self.emit("skip", position)
             return
         samples = [
@@ -275,6 +277,7 @@ class AsyncRolloutLoop:
             self.emit("skip", position)
             return
         self.produced_tokens += sum(s.num_tokens for s in samples)
+        self._flush_records()  # the group's metrics travel with its samples, ahead of them
         self.emit("samples", samples)
 
     def _record_group(self, group: RolloutGroup, columns: dict, kept: bool) -> None:

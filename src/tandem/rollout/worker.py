@@ -54,7 +54,6 @@ def check_picklable(objects: dict[str, object]) -> None:
 
 
 def worker_main(spec: WorkerSpec, channels: Channels) -> None:
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the worker never touches a GPU
     import asyncio
 
     from transformers import AutoTokenizer
@@ -84,7 +83,15 @@ class RolloutWorker:
 
     def start(self) -> None:
         self.channels.heartbeat.value = time.time()
-        self.process.start()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the spawned process inherits this: no GPU for the worker
+        try:
+            self.process.start()
+        finally:
+            if visible is None:
+                del os.environ["CUDA_VISIBLE_DEVICES"]
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = visible
 
     def stop(self) -> None:
         self.channels.stop.set()

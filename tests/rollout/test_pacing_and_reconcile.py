@@ -1,0 +1,72 @@
+"""Pacing rules, the metric window rules, and turn reconciliation, on hand-made numbers."""
+
+from tandem.metrics.window import MetricWindow
+from tandem.rollout.pacing import ConcurrencyCap, TokenAllowance
+from tandem.rollout.reconcile import reconcile
+from tandem.rollout.records import TurnRecord
+
+
+def test_allowance_is_max_staleness_steps_of_consumption():
+    allowance = TokenAllowance(max_staleness=2, full_step_tokens=1000)
+    assert allowance.limit(0) == 2000, "before the first step, every row counts as full"
+    assert allowance.limit(300) == 600
+    assert TokenAllowance(max_staleness=0, full_step_tokens=1000).limit(300) == 300
+
+
+def test_one_group_at_a_time_until_the_first_finishes():
+    allowance = TokenAllowance(max_staleness=4, full_step_tokens=10_000)
+    assert allowance.may_start(0, 0, 100, 0, groups_in_flight=0, groups_finished=0)
+    assert not allowance.may_start(0, 100, 100, 0, groups_in_flight=1, groups_finished=0)
+    assert allowance.may_start(0, 100, 100, 0, groups_in_flight=1, groups_finished=1)
+
+
+def test_allowance_blocks_when_queued_plus_in_flight_would_exceed_it():
+    allowance = TokenAllowance(max_staleness=1, full_step_tokens=1000)
+    assert allowance.may_start(queued=500, in_flight=300, reservation=200, tokens_per_step=1000, groups_in_flight=1, groups_finished=3)
+    assert not allowance.may_start(queued=500, in_flight=300, reservation=201, tokens_per_step=1000, groups_in_flight=1, groups_finished=3)
+    assert allowance.may_start(queued=0, in_flight=0, reservation=5000, tokens_per_step=1000, groups_in_flight=0, groups_finished=3), \
+        "an idle pipeline always starts a group, even one larger than the allowance"
+
+
+def test_concurrency_cap_starts_at_what_fits_and_follows_kv_usage():
+    cap = ConcurrencyCap(maximum=512, kv_cache_tokens=64 * 1024, max_model_len=1024)
+    assert cap.value == 64
+    for _ in range(40):
+        cap.rollout_finished()
+    assert cap.update(kv_cache_usage=0.3, waiting=0) == 80, "+25% at most"
+    cap.rollout_finished()
+    assert cap.update(kv_cache_usage=0.3, waiting=0) == 81, "+1: only one rollout finished since the last poll"
+    assert cap.update(kv_cache_usage=0.3, waiting=2) == 81, "no raise while requests wait"
+    assert cap.update(kv_cache_usage=0.9, waiting=0) == 56, "-30% above 80% usage"
+    assert ConcurrencyCap(maximum=12).value == 12, "without /metrics the cap is max_concurrent_rollouts"
+
+
+def test_window_reduces_by_name():
+    window = MetricWindow()
+    window.add("sample/dropped_stale_count", 2, 3)
+    window.add("sample/staleness_max", 1, 4, 2)
+    window.add("clip_ratio/low_min", 0.3, 0.1)
+    window.add("rollout/generated_tokens_per_s", (100, 1.0), (300, 3.0))
+    window.add("reward", 0.0, 1.0, 1.0, 0.0)
+    assert window.flush() == {"sample/dropped_stale_count": 5.0, "sample/staleness_max": 4.0, "clip_ratio/low_min": 0.1,
+                              "rollout/generated_tokens_per_s": 100.0, "reward": 0.5}
+    assert window.flush() == {}
+
+
+def test_turns_that_extend_the_held_tokens_make_one_sample():
+    first = TurnRecord(prompt_ids=[1, 2], output_ids=[3, 4], output_log_probs=[-0.1, -0.2])
+    second = TurnRecord(prompt_ids=[1, 2, 3, 4, 9, 9], output_ids=[5], output_log_probs=[-0.3])
+    [seq], stats = reconcile([first, second])
+    assert seq.input_ids == [1, 2, 3, 4, 9, 9, 5]
+    assert seq.trained == [False, False, True, True, False, False, True], "tool results are context, never trained"
+    assert seq.logprobs == [0.0, 0.0, -0.1, -0.2, 0.0, 0.0, -0.3]
+    assert (stats.transitions, stats.forks) == (1, 0)
+
+
+def test_a_re_rendered_history_forks_a_new_sample():
+    first = TurnRecord(prompt_ids=[1, 2], output_ids=[3, 4], output_log_probs=[-0.1, -0.2])
+    second = TurnRecord(prompt_ids=[1, 2, 7, 9], output_ids=[5], output_log_probs=[-0.3])
+    seqs, stats = reconcile([first, second])
+    assert [s.input_ids for s in seqs] == [[1, 2, 3, 4], [1, 2, 7, 9, 5]]
+    assert sum(sum(s.trained) for s in seqs) == 3, "every generated token is trained exactly once"
+    assert (stats.forks, stats.drift_tokens) == (1, [2])

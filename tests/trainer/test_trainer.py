@@ -1,0 +1,177 @@
+"""The trainer end to end: a real spawned rollout worker and an embedded `tandem serve` with the tiny model."""
+
+import json
+import os
+import signal
+import socket
+import time
+
+import pytest
+from datasets import Dataset
+
+from tandem import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop
+from tandem.rewards import accuracy_reward
+from tandem.rollout.worker import WorkerError
+from tandem.tasks import arithmetic
+
+pytestmark = pytest.mark.slow
+
+
+def small_dataset(n=24, seed=3) -> Dataset:
+    return Dataset.from_list(arithmetic.make_rows(n, split="train", seed=seed))
+
+
+def config(tmp_path, **overrides) -> AsyncGRPOConfig:
+    values = dict(output_dir=str(tmp_path / "run"), num_generations=4, max_completion_length=6, token_budget=256,
+                  learning_rate=1e-4, gradient_checkpointing=False, score_centering=False, save_strategy="no",
+                  logging_steps=1, max_steps=4, vllm_server_timeout=120, rollout_worker_timeout=60)
+    values.update(overrides)
+    return AsyncGRPOConfig(**values)
+
+
+def logged(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+
+
+def test_at_staleness_zero_the_importance_ratio_is_one(tmp_path):
+    args = config(tmp_path, max_staleness=0, weight_sync_steps=1, max_steps=4)
+    AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=small_dataset()).train()
+    rows = [r for r in logged(tmp_path) if "sampling/importance_sampling_ratio/mean" in r]
+    assert len(rows) == 4
+    for r in rows:
+        assert r["sample/staleness_max"] == 0
+        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4, r["sampling/importance_sampling_ratio/mean"]
+        assert r["sampling/sampling_logp_difference/max"] < 1e-4
+
+
+class SlowTrainer(AsyncGRPOTrainer):
+    def _train_step(self, rows, step_start):
+        time.sleep(0.3)
+        super()._train_step(rows, step_start)
+
+
+class SlowLoop(AsyncRolloutLoop):
+    async def generate_one(self, prompt, tools, group_id=0):
+        import asyncio
+
+        await asyncio.sleep(0.15)
+        return await super().generate_one(prompt, tools, group_id)
+
+
+class SlowLoopTrainer(SlowTrainer):
+    loop_cls = SlowLoop
+
+
+def test_staleness_is_bounded_stale_samples_are_dropped_and_the_allowance_holds(tmp_path):
+    args = config(tmp_path, max_staleness=0, max_steps=6, num_generations=4)
+    SlowLoopTrainer("tiny", accuracy_reward, args=args, train_dataset=small_dataset(48)).train()
+    rows = logged(tmp_path)
+    assert max(r.get("sample/staleness_max", 0) for r in rows) <= 0
+    assert sum(r.get("sample/dropped_stale_count", 0) for r in rows) > 0, "groups that straddle a sync must be dropped"
+    used = [r["rollout/allowance_used_max"] for r in rows if "rollout/allowance_used_max" in r]
+    assert used and max(used) <= 1.0 + 1e-9, f"queued + in-flight tokens exceeded the allowance: {max(used)}"
+
+
+class CrashAfterThree(AsyncGRPOTrainer):
+    def _train_step(self, rows, step_start):
+        super()._train_step(rows, step_start)
+        if self.state.step == 3:
+            raise KeyboardInterrupt("simulated crash after step 3")
+
+
+def test_resume_trains_every_prompt_of_the_epoch(tmp_path):
+    data = small_dataset(24)
+    args = config(tmp_path, max_steps=-1, num_train_epochs=1, save_strategy="steps", save_steps=2, max_staleness=1)
+    first = CrashAfterThree("tiny", accuracy_reward, args=args, train_dataset=data)
+    with pytest.raises(KeyboardInterrupt):
+        first.train()
+    before = set(first.ledger.finished)
+    resumed = AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=data)
+    resumed.train(resume_from_checkpoint=True)
+    start = json.loads((tmp_path / "run" / "checkpoint-2" / "rollout_state.json").read_text())["dataset_start_index"]
+    assert set(resumed.ledger.finished) >= set(range(start, 24)), "the resumed run covers everything from the watermark"
+    assert before | set(resumed.ledger.finished) == set(range(24)), "no prompt of the epoch is skipped"
+
+    full = AsyncGRPOTrainer("tiny", accuracy_reward, args=config(tmp_path / "full", max_steps=-1, num_train_epochs=1, max_staleness=1),
+                            train_dataset=data)
+    full.train()
+    assert set(full.ledger.finished) == set(range(24))
+
+
+def test_errors_before_any_training_work(tmp_path):
+    with pytest.raises(ValueError, match="no 'prompt' column"):
+        AsyncGRPOTrainer("tiny", accuracy_reward, args=config(tmp_path), train_dataset=Dataset.from_list([{"question": "hi"}]))
+    with pytest.raises(ValueError, match="must be conversational"):
+        AsyncGRPOTrainer("tiny", accuracy_reward, args=config(tmp_path), train_dataset=Dataset.from_list([{"prompt": "What is 1 + 1?"}]))
+    trainer = AsyncGRPOTrainer("tiny", lambda completions, **kw: [1.0] * len(completions), args=config(tmp_path), train_dataset=small_dataset())
+    with pytest.raises(TypeError, match="not picklable.*module-level function"):
+        trainer.train()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def wrong_count(completions, **kwargs):
+    return [1.0]
+
+
+def test_a_reward_returning_the_wrong_count_stops_training_with_its_name(tmp_path):
+    trainer = AsyncGRPOTrainer("tiny", wrong_count, args=config(tmp_path), train_dataset=small_dataset())
+    with pytest.raises(WorkerError, match="reward function 'wrong_count' returned 1 values for a group of 4"):
+        trainer.train()
+    assert trainer.state.step == 0
+
+
+def test_unreachable_server_is_named(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = config(tmp_path, vllm_server_base_url=f"http://127.0.0.1:{port}", vllm_server_timeout=1.5)
+    with pytest.raises(TimeoutError, match=f"127.0.0.1:{port}/health did not answer"):
+        AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=small_dataset()).train()
+
+
+def test_a_prompt_too_long_for_the_server_is_named(tmp_path):
+    rows = arithmetic.make_rows(4, seed=0) + [{"prompt": [{"role": "user", "content": "1 " * 1200}], "solution": "1"}]
+    with pytest.raises(ValueError, match="row 4: the prompt renders to .* max_model_len is 1024"):
+        AsyncGRPOTrainer("tiny", accuracy_reward, args=config(tmp_path), train_dataset=Dataset.from_list(rows)).train()
+
+
+class CrashingLoop(AsyncRolloutLoop):
+    async def generate_one(self, prompt, tools, group_id=0):
+        raise RuntimeError("boom from the rollout loop")
+
+
+class CrashingTrainer(AsyncGRPOTrainer):
+    loop_cls = CrashingLoop
+
+
+class HangingLoop(AsyncRolloutLoop):
+    async def generate_one(self, prompt, tools, group_id=0):
+        time.sleep(30)  # blocks the event loop: no heartbeat
+
+
+class HangingTrainer(AsyncGRPOTrainer):
+    loop_cls = HangingLoop
+
+
+def test_a_crashed_worker_stops_training_with_its_traceback(tmp_path):
+    with pytest.raises(WorkerError, match="(?s)boom from the rollout loop.*Traceback|Traceback.*boom from the rollout loop"):
+        CrashingTrainer("tiny", accuracy_reward, args=config(tmp_path), train_dataset=small_dataset()).train()
+
+
+def test_a_hung_worker_is_detected_by_its_heartbeat(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="no heartbeat"):
+        HangingTrainer("tiny", accuracy_reward, args=config(tmp_path, rollout_worker_timeout=3), train_dataset=small_dataset()).train()
+    assert time.monotonic() - start < 25
+
+
+class KillServerTrainer(AsyncGRPOTrainer):
+    def _train_step(self, rows, step_start):
+        super()._train_step(rows, step_start)
+        if self.state.step == 1:
+            os.kill(self.server.process.pid, signal.SIGKILL)
+
+
+def test_the_embedded_servers_death_is_reported(tmp_path):
+    with pytest.raises(Exception, match="exited|could not be reached|Connection"):
+        KillServerTrainer("tiny", accuracy_reward, args=config(tmp_path, max_steps=20), train_dataset=small_dataset()).train()
