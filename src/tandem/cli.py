@@ -37,6 +37,7 @@ def serve_parser(sub) -> None:
     p.add_argument("--decode-mode", default="auto", choices=["auto", "exact", "fast"],
                    help="exact: log-probs bitwise equal to a full forward (re-forwards a 16-token window per step, eager "
                         "attention); fast: one token per step with SDPA (default auto: exact on CPU, fast on GPU)")
+    p.add_argument("--step-delay-s", type=float, default=0.0, help="benchmarks: sleep this long after every decode step")
 
 
 def run_serve(ns: argparse.Namespace) -> None:

@@ -12,6 +12,7 @@ import concurrent.futures
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -96,6 +97,7 @@ class Engine:
         logprobs_mode: str = "raw_logprobs",
         adapters: AdapterSet | None = None,
         exact: bool = False,
+        step_delay_s: float = 0.0,
     ):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={logprobs_mode!r} is not one of {LOGPROBS_MODES}")
@@ -107,6 +109,8 @@ class Engine:
         self.logprobs_mode = logprobs_mode
         self.adapters = adapters
         self.exact = exact
+        self.step_delay_s = step_delay_s
+        """Extra seconds per decode step: lets benchmarks stand in a slower (GPU-sized) server."""
         if exact:
             model.set_attn_implementation(exact_attention.NAME)
         config = model.config
@@ -361,6 +365,8 @@ class Engine:
         logits = self._window_forward(windows, totals, slice(0, len(self.rows)), [r.adapter for r, _ in self.rows])
         self.lengths = totals
         self._emit(range(len(self.rows)), logits[: len(self.rows), -1])
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
 
     def _emit(self, rows: range, logits: torch.Tensor) -> None:
         """Sample one token for each of `rows` from its logits, record log-probs, retire finished rows."""

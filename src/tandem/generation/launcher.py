@@ -16,10 +16,11 @@ READY = re.compile(r"tandem serve: .* on (http://\S+) ")
 
 
 class EmbeddedServer:
-    def __init__(self, model: str, *, log_path: Path | None = None, startup_timeout_s: float = 300, extra_args: list[str] = ()):
+    def __init__(self, model: str, *, log_path: Path | None = None, startup_timeout_s: float = 300, extra_args: list[str] = (),
+                 env: dict[str, str] | None = None):
         self.log_path = Path(log_path) if log_path else None
         cmd = [sys.executable, "-m", "tandem.cli", "serve", model, "--port", "0", *extra_args]
-        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}  # see tandem/__init__.py
+        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), **(env or {})}  # see tandem/__init__.py
         self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
         self.lines: list[str] = []
         self.url = self._wait_ready(startup_timeout_s)

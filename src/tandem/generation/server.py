@@ -61,6 +61,7 @@ class ServeArgs:
     max_num_seqs: int = 256
     device: str = "auto"
     decode_mode: str = "auto"
+    step_delay_s: float = 0.0
 
 
 SERVER_KEY = web.AppKey("tandem_server", object)
@@ -136,6 +137,7 @@ class Server:
         self.engine = Engine(
             model, max_model_len=self.max_model_len, eos_token_id=self.eos, extra_stop_token_ids=sorted(extra),
             max_num_seqs=args.max_num_seqs, logprobs_mode=args.logprobs_mode, adapters=self.adapters, exact=exact,
+            step_delay_s=args.step_delay_s,
         )
         self.text = responses.TokenText(self.tokenizer)
         self.pause_mode: str | None = None

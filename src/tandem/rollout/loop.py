@@ -8,6 +8,7 @@ and override the hooks; set the subclass as the trainer's `loop_cls`.
 """
 
 import asyncio
+import json
 import math
 import random
 import time
@@ -24,6 +25,7 @@ from tandem.rollout.reconcile import reconcile
 from tandem.rollout.records import Rollout, RolloutGroup, Sample, TurnRecord
 
 SCORE_QUEUE_MAXSIZE = 16
+RENDER_CACHE_SIZE = 4096
 REPORT_EVERY_S = 1.0
 
 
@@ -55,6 +57,7 @@ class AsyncRolloutLoop:
         self.generated_tokens = 0
         self.slot = asyncio.Condition()
         self._failure: BaseException | None = None
+        self._rendered: dict[str, list[int]] = {}
 
     # ---- hooks ------------------------------------------------------------------------------------
     def filter_prompt(self, row_index: int, row: dict, epoch: int) -> bool:
@@ -76,15 +79,20 @@ class AsyncRolloutLoop:
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
         """One request to the server with the config's sampling settings."""
+        [turn] = await self._sample(prompt_ids, n=1)
+        return turn
+
+    async def _sample(self, prompt_ids: list[int], n: int) -> list[TurnRecord]:
+        """`n` samples of one prompt in one request; the server seeds child i with seed + i."""
         c = self.config
-        [completion] = await self.client.complete(
-            prompt_ids, model=self.model_name, max_tokens=c.max_completion_length, temperature=c.temperature,
+        completions = await self.client.complete(
+            prompt_ids, model=self.model_name, max_tokens=c.max_completion_length, n=n, temperature=c.temperature,
             top_p=c.top_p, top_k=c.top_k, min_p=c.min_p or 0.0, repetition_penalty=c.repetition_penalty,
-            seed=self.rng.getrandbits(63), logprobs=0, stop_token_ids=self.eos_token_ids,
+            seed=self.rng.getrandbits(62), logprobs=0, stop_token_ids=self.eos_token_ids,
         )
-        self.generated_tokens += len(completion.token_ids)
-        return TurnRecord(prompt_ids=list(prompt_ids), output_ids=completion.token_ids,
-                          output_log_probs=completion.logprobs, finish_reason=completion.finish_reason)
+        self.generated_tokens += sum(len(x.token_ids) for x in completions)
+        return [TurnRecord(prompt_ids=list(prompt_ids), output_ids=x.token_ids, output_log_probs=x.logprobs,
+                           finish_reason=x.finish_reason) for x in completions]
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         """One advantage per rollout: rewards standardised within the group (unscored rollouts get 0)."""
@@ -92,9 +100,14 @@ class AsyncRolloutLoop:
 
     # ---- helpers ----------------------------------------------------------------------------------
     def render(self, messages: list[dict]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
-                                                 **(self.config.chat_template_kwargs or {}))
-        return list(ids)
+        """Token ids of a conversation with the generation prompt; a group's rollouts share one rendering."""
+        key = json.dumps(messages, sort_keys=True)
+        if key not in self._rendered:
+            if len(self._rendered) > RENDER_CACHE_SIZE:
+                self._rendered.clear()
+            self._rendered[key] = list(self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False, **(self.config.chat_template_kwargs or {})))
+        return self._rendered[key]
 
     def _note_failure(self, task: asyncio.Task) -> None:
         """A failed group or scorer task must stop the worker, not vanish."""
@@ -191,7 +204,10 @@ class AsyncRolloutLoop:
     async def _run_group(self, prompt, row, row_index, position, group_id, reservation) -> None:
         version = self.channels.model_version.value
         try:
-            rollouts = await asyncio.gather(*[self._one_rollout(prompt, group_id) for _ in range(self.config.num_generations)])
+            if self._single_request_groups():
+                rollouts = await self._whole_group(prompt)
+            else:
+                rollouts = await asyncio.gather(*[self._one_rollout(prompt, group_id) for _ in range(self.config.num_generations)])
         finally:
             self.groups_in_flight -= 1
             self.in_flight_tokens -= reservation
@@ -200,19 +216,45 @@ class AsyncRolloutLoop:
         await self.score_queue.put((group, rollouts, position))
         self.record("rollout/score_block_s", time.monotonic() - block)
 
+    def _single_request_groups(self) -> bool:
+        """Single-turn rollouts with the default hooks: the whole group is one request with n = num_generations
+        (one prefill and one HTTP round trip instead of G). A subclass overriding a generation hook keeps
+        one call per rollout."""
+        cls = type(self)
+        return (cls.generate_one is AsyncRolloutLoop.generate_one and cls.generate_one_turn is AsyncRolloutLoop.generate_one_turn
+                and not self.tools)
+
+    async def _whole_group(self, prompt) -> list[Rollout]:
+        g = self.config.num_generations
+        await self._acquire(g)
+        start = time.monotonic()
+        try:
+            turns = await self._sample(self.render(prompt), n=g)
+        finally:
+            await self._release(g, time.monotonic() - start)
+        return [Rollout(completion=[{"role": "assistant", "content": self.tokenizer.decode(t.output_ids, skip_special_tokens=True)}],
+                        completion_ids=list(t.output_ids), turns=[t]) for t in turns]
+
     async def _one_rollout(self, prompt, group_id) -> Rollout:
-        async with self.slot:
-            await self.slot.wait_for(lambda: self.rollouts_in_flight < self.cap.value)
-            self.rollouts_in_flight += 1
+        await self._acquire(1)
         start = time.monotonic()
         try:
             return await self.generate_one(prompt, self.tools, group_id)
         finally:
-            self.record("rollout/duration_s", time.monotonic() - start)
+            await self._release(1, time.monotonic() - start)
+
+    async def _acquire(self, slots: int) -> None:
+        async with self.slot:
+            await self.slot.wait_for(lambda: self.rollouts_in_flight == 0 or self.rollouts_in_flight + slots <= self.cap.value)
+            self.rollouts_in_flight += slots
+
+    async def _release(self, slots: int, duration_s: float) -> None:
+        self.record("rollout/duration_s", *[duration_s] * slots)
+        for _ in range(slots):
             self.cap.rollout_finished()
-            async with self.slot:
-                self.rollouts_in_flight -= 1
-                self.slot.notify_all()
+        async with self.slot:
+            self.rollouts_in_flight -= slots
+            self.slot.notify_all()
 
     def _group(self, prompt, row, row_index, group_id, version, rollouts: list[Rollout]) -> RolloutGroup:
         g = len(rollouts)

@@ -49,3 +49,9 @@ def is_correct(completion_text: str, expected: str) -> bool:
     """True when the first integer in the completion equals the expected answer."""
     found = _INTEGER.search(completion_text)
     return found is not None and found.group() == expected.strip()
+
+
+def correctness_reward(completions, solution, **kwargs) -> list[float]:
+    """The task's own reward: 1.0 when the first integer of the completion is the solution. Much cheaper
+    than math-verify, for runs where the worker's CPU time matters (benchmarks)."""
+    return [float(is_correct("".join(m.get("content") or "" for m in c), s)) for c, s in zip(completions, solution)]

@@ -1,0 +1,51 @@
+"""AsyncGRPOConfig validation and `tandem train` recipes, overrides and the dry run."""
+
+import pytest
+
+from tandem.cli import main
+from tandem.config import AsyncGRPOConfig, load_recipe
+
+
+def test_defaults_follow_the_spec():
+    c = AsyncGRPOConfig()
+    assert (c.num_generations, c.max_staleness, c.max_concurrent_rollouts, c.learning_rate, c.lr_scheduler_type) == (8, 4, 512, 1e-6, "constant")
+    assert (c.vllm_importance_sampling_clip_min, c.vllm_importance_sampling_clip_max, c.num_sampler_logprobs) == (0.5, 5.0, 8)
+    assert c.epsilon_high == c.epsilon == 0.2
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("temperature", 0.0, "temperature=0.0"), ("num_generations", 1, "at least 2 generations"),
+    ("vllm_importance_sampling_clip_max", 0.5, "never be masked"), ("algorithm", "ppo", "must be one of"),
+])
+def test_bad_values_name_the_field_and_the_fix(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        AsyncGRPOConfig(**{field: value})
+
+
+def test_a_decaying_schedule_needs_max_steps():
+    with pytest.raises(ValueError, match="set max_steps"):
+        AsyncGRPOConfig(lr_scheduler_type="cosine")
+
+
+def test_unknown_fields_are_refused():
+    with pytest.raises(TypeError):
+        AsyncGRPOConfig(per_device_train_batch_size=8)
+
+
+def test_recipe_overrides_are_typed(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: tiny\nlearning_rate: 1e-5\nreward_funcs: tandem.rewards.accuracy_reward\n")
+    r = load_recipe(str(recipe), ["--learning_rate", "3e-4", "--max-steps=7", "--report_to", "[tensorboard]"])
+    assert r.config.learning_rate == 3e-4 and r.config.max_steps == 7 and r.config.report_to == ["tensorboard"]
+    assert r.reward_funcs == ["tandem.rewards.accuracy_reward"] and r.dataset == "arithmetic"
+    with pytest.raises(ValueError, match="unknown recipe key.*'lr'"):
+        load_recipe(str(recipe), ["--lr", "1"])
+
+
+def test_dry_run_prints_the_recipe_and_the_server_command(capsys):
+    main(["train", "examples/demo.yaml", "--dry-run", "--max_completion_length", "16"])
+    out = capsys.readouterr().out
+    assert "max_completion_length: 16" in out
+    command = next(line for line in out.splitlines() if "vllm serve" in line)
+    assert "--logprobs-mode processed_logprobs" in command and "--max-model-len 640" in command
+    assert "--weight-transfer-config" in command and "VLLM_SERVER_DEV_MODE=1" in command
