@@ -5,6 +5,9 @@ import os
 import signal
 import socket
 import time
+from dataclasses import dataclass
+
+import numpy as np
 
 import pytest
 from datasets import Dataset
@@ -175,3 +178,48 @@ class KillServerTrainer(AsyncGRPOTrainer):
 def test_the_embedded_servers_death_is_reported(tmp_path):
     with pytest.raises(Exception, match="exited|could not be reached|Connection"):
         KillServerTrainer("tiny", accuracy_reward, args=config(tmp_path, max_steps=20), train_dataset=small_dataset()).train()
+
+
+@dataclass
+class CurriculumConfig(AsyncGRPOConfig):
+    pass_rate_cap: float = 0.9
+
+
+class CurriculumRolloutLoop(AsyncRolloutLoop):
+    """The spec's curriculum example, as written there."""
+
+    def filter_prompt(self, row_index, row, epoch):
+        return self.pass_rates.get(row_index, 0.0) < self.config.pass_rate_cap
+
+    async def setup(self):
+        self.pass_rates = {}
+
+    def compute_advantages(self, group):
+        scored = group.rewards[~np.isnan(group.rewards)]
+        if len(scored):
+            self.pass_rates[group.row_index] = float(np.mean(scored > 0))
+        return super().compute_advantages(group)
+
+
+class CurriculumTrainer(AsyncGRPOTrainer):
+    loop_cls = CurriculumRolloutLoop
+
+
+def test_the_spec_curriculum_loop_runs(tmp_path):
+    values = {k: v for k, v in vars(config(tmp_path, max_steps=3)).items()}
+    trainer = CurriculumTrainer("tiny", accuracy_reward, args=CurriculumConfig(**values, pass_rate_cap=0.5), train_dataset=small_dataset())
+    assert trainer.train().global_step == 3
+
+
+class RejectEverything(AsyncRolloutLoop):
+    def filter_prompt(self, row_index, row, epoch):
+        return False
+
+
+class RejectingTrainer(AsyncGRPOTrainer):
+    loop_cls = RejectEverything
+
+
+def test_rejecting_a_whole_epoch_raises(tmp_path):
+    with pytest.raises(WorkerError, match="rejected every prompt of epoch 0"):
+        RejectingTrainer("tiny", accuracy_reward, args=config(tmp_path), train_dataset=small_dataset()).train()
