@@ -7,7 +7,7 @@ trainer as it is. Both train the same number of steps from the same weights; pri
 the speed-up, and the ideal (G + T) / max(G, T) from the synchronous run's own G and T. The reward is
 the task's own integer check (math-verify would cost the worker CPU time the trainer then misses).
 
-    python benchmarks/pipeline_overlap.py [--steps 60] [--step-delay-s 0.06]
+    python benchmarks/pipeline_overlap.py [--steps 60] [--step-delay-s 0.15] [--max-staleness 2]
 """
 
 import argparse
@@ -35,13 +35,13 @@ class SynchronousTrainer(AsyncGRPOTrainer):
             self.runner.run(self.control.resume())
 
 
-def run(trainer_cls, steps: int, delay: float, folder: Path) -> dict:
+def run(trainer_cls, steps: int, delay: float, args_staleness: int, folder: Path) -> dict:
     extra = ["--logprobs-mode", "processed_logprobs", "--served-model-name", TINY_MODEL_PATH, "--step-delay-s", str(delay)]
     # One CPU thread for the server: it stands in for a GPU, so its own compute should not take the trainer's cores.
     with EmbeddedServer("tiny", extra_args=extra, env={"OMP_NUM_THREADS": "1"}) as server:
         args = AsyncGRPOConfig(output_dir=str(folder), vllm_server_base_url=server.url, max_steps=steps, learning_rate=2e-4,
                                num_generations=8, max_completion_length=8, token_budget=640, gradient_accumulation_steps=2,
-                               max_staleness=2, gradient_checkpointing=False, score_centering=False, save_strategy="no")
+                               max_staleness=args_staleness, gradient_checkpointing=False, score_centering=False, save_strategy="no")
         data = Dataset.from_list(arithmetic.make_rows(128, split="train", seed=1))
         trainer_cls("tiny", arithmetic.correctness_reward, args=args, train_dataset=data).train()
     rows = [json.loads(line) for line in open(folder / "metrics.jsonl")]
@@ -54,15 +54,17 @@ def run(trainer_cls, steps: int, delay: float, folder: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--step-delay-s", type=float, default=0.06, help="sleep after every decode step of the server")
+    parser.add_argument("--step-delay-s", type=float, default=0.15, help="sleep after every decode step of the server")
+    parser.add_argument("--max-staleness", type=int, default=2,
+                        help="how far generation may run ahead: with slow rollouts it must cover their latency")
     args = parser.parse_args()
     # On a CPU-only machine the server, the worker and the trainer share the cores. A trainer that spreads
     # one matmul over every core stalls whenever another process runs; one thread each keeps them apart.
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        sync = run(SynchronousTrainer, args.steps, args.step_delay_s, Path(tmp) / "sync")
+        sync = run(SynchronousTrainer, args.steps, args.step_delay_s, args.max_staleness, Path(tmp) / "sync")
         print(f"synchronous : {sync['wall']:.1f}s wall ({sync['train']:.1f}s training)", flush=True)
-        overlapped = run(AsyncGRPOTrainer, args.steps, args.step_delay_s, Path(tmp) / "async")
+        overlapped = run(AsyncGRPOTrainer, args.steps, args.step_delay_s, args.max_staleness, Path(tmp) / "async")
         print(f"asynchronous: {overlapped['wall']:.1f}s wall ({overlapped['wait']:.1f}s waiting for samples)", flush=True)
     train = sync["train"]
     generate = sync["wall"] - train

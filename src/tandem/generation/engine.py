@@ -110,7 +110,9 @@ class Engine:
         self.adapters = adapters
         self.exact = exact
         self.step_delay_s = step_delay_s
-        """Extra seconds per decode step: lets benchmarks stand in a slower (GPU-sized) server."""
+        """Extra seconds per decode step: lets benchmarks stand in a slower (GPU-sized) server. The wait comes
+        between steps, so pauses and weight reloads do not sit behind it."""
+        self._next_step_at = 0.0
         if exact:
             model.set_attn_implementation(exact_attention.NAME)
         config = model.config
@@ -204,10 +206,14 @@ class Engine:
                         self._lock.wait(timeout=0.5)
                     if self._stopping:
                         return
+                    rest = self._next_step_at - time.monotonic()
+                    if rest > 0 and self._calls.empty():  # a simulated slow step; control calls cut it short
+                        self._lock.wait(timeout=rest)
+                        continue
                 with torch.no_grad():
                     self._run_calls()
                     self._retire_aborted()
-                    if not self.paused:
+                    if not self.paused and time.monotonic() >= self._next_step_at:
                         self.step()
         except BaseException as exc:  # the server reports a dead engine through /health
             self.error = exc
@@ -365,8 +371,7 @@ class Engine:
         logits = self._window_forward(windows, totals, slice(0, len(self.rows)), [r.adapter for r, _ in self.rows])
         self.lengths = totals
         self._emit(range(len(self.rows)), logits[: len(self.rows), -1])
-        if self.step_delay_s:
-            time.sleep(self.step_delay_s)
+        self._next_step_at = time.monotonic() + self.step_delay_s
 
     def _emit(self, rows: range, logits: torch.Tensor) -> None:
         """Sample one token for each of `rows` from its logits, record log-probs, retire finished rows."""
