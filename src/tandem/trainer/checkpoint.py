@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from tandem.trainer.weight_sync import quiet_progress
+
 PATTERN = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -28,7 +30,8 @@ def save(folder: Path, model, tokenizer, optimizer, scheduler, state: TrainerSta
     target = folder / f"checkpoint-{state.step}"
     staging = folder / f".checkpoint-{state.step}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging, safe_serialization=True)
+    with quiet_progress():
+        model.save_pretrained(staging, safe_serialization=True)
     tokenizer.save_pretrained(staging)
     torch.save(optimizer.state_dict(), staging / "optimizer.pt")
     torch.save(scheduler.state_dict(), staging / "scheduler.pt")

@@ -8,11 +8,25 @@ keeping in-flight requests, reloads, drops the prefix cache and resumes. Older v
 import asyncio
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from transformers.utils import logging as hf_logging
 
 from tandem.generation.client import ControlClient
+
+
+@contextmanager
+def quiet_progress():
+    """transformers draws a progress bar per save; a save every step would bury the training progress line."""
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 class ReloadSync:
@@ -26,7 +40,8 @@ class ReloadSync:
         target = self.folder / f"v{version}"
         staging = self.folder / f".v{version}.tmp"
         shutil.rmtree(staging, ignore_errors=True)
-        model.save_pretrained(staging, safe_serialization=True)
+        with quiet_progress():
+            model.save_pretrained(staging, safe_serialization=True)
         staging.rename(target)
         written = time.perf_counter()
         self.run.run(self.control.pause("keep"))
