@@ -13,7 +13,6 @@ the task's own integer check (math-verify would cost the worker CPU time the tra
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
 import torch

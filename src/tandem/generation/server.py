@@ -80,15 +80,17 @@ def pick_dtype(name: str) -> torch.dtype | str:
     return dtypes[name]
 
 
+def read_generation_config(folder: str) -> dict:
+    """The keys a model folder's generation_config.json sets explicitly ({} when it has none)."""
+    config_file = Path(folder) / "generation_config.json"
+    return json.loads(config_file.read_text()) if config_file.is_file() else {}
+
+
 def sampling_defaults(args: ServeArgs) -> dict:
     """Server-side sampling defaults: generation_config.json's explicit values ('auto'), or none ('vllm')."""
     if args.generation_config == "vllm":
         return {}
-    folder = Path(args.model if args.generation_config == "auto" else args.generation_config)
-    config_file = folder / "generation_config.json"
-    if not config_file.is_file():
-        return {}
-    config = json.loads(config_file.read_text())
+    config = read_generation_config(args.model if args.generation_config == "auto" else args.generation_config)
     return {ours: config[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items() if theirs in config}
 
 
@@ -147,10 +149,7 @@ class Server:
         self.dtype = str(next(model.parameters()).dtype)
 
     def _generation_config_eos(self) -> set[int]:
-        config_file = Path(self.args.model) / "generation_config.json"
-        if not config_file.is_file():
-            return set()
-        eos = json.loads(config_file.read_text()).get("eos_token_id")
+        eos = read_generation_config(self.args.model).get("eos_token_id")
         return set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
     # ---- app ---------------------------------------------------------------------------------
