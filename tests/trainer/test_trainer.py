@@ -84,7 +84,8 @@ class CrashAfterThree(AsyncGRPOTrainer):
 
 def test_resume_trains_every_prompt_of_the_epoch(tmp_path):
     data = small_dataset(24)
-    args = config(tmp_path, max_steps=-1, num_train_epochs=1, save_strategy="steps", save_steps=2, max_staleness=1)
+    # A small budget (about two groups a row) so the epoch takes more than the three steps before the crash.
+    args = config(tmp_path, max_steps=-1, num_train_epochs=1, save_strategy="steps", save_steps=2, max_staleness=1, token_budget=100)
     first = CrashAfterThree("tiny", accuracy_reward, args=args, train_dataset=data)
     with pytest.raises(KeyboardInterrupt):
         first.train()

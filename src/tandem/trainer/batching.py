@@ -1,64 +1,51 @@
-"""Rows: samples packed padding-free into one sequence, in the layout tree packing generalises.
+"""The token-budget batcher: which samples go into which row of a micro-batch (DESIGN.md §4).
 
-Every token carries `end[j]`, the last packed index of its segment; query q may attend key k iff
-k <= q <= end[k] (DESIGN.md §4). With one segment per sample that is exactly "causal within the
-sample", and the same rule covers shared-prefix tries. Each trained token is predicted at the index
-of the token before it.
+A micro-batch has one row per rank. A row holds at most `token_budget` unique tokens (a prefix shared
+by several samples counts once) and as many loss terms. A sample goes to the least-loaded row that
+already holds its group (so its prompt is shared) when it fits there; when it does not, to another row
+only if that row is empty or would stay under the most loaded row, which sets the micro-batch's time;
+a sample of a new group goes to the least-loaded row it fits. When nothing fits, the micro-batch closes.
 """
 
-from dataclasses import dataclass
-
-import torch
-
+from tandem.packing import PackedRow, TrieRow
 from tandem.rollout.records import Sample
 
 
-@dataclass
-class Row:
-    input_ids: torch.Tensor        # [T]
-    position_ids: torch.Tensor     # [T]
-    end: torch.Tensor              # [T] last index of each token's segment
-    predict_index: torch.Tensor    # [N] index whose logits predict trained token n
-    targets: torch.Tensor          # [N]
-    old_logprobs: torch.Tensor     # [N] sampler log-probs
-    advantages: torch.Tensor       # [N]
-    term_sample: torch.Tensor      # [N] which sample of the row each trained token belongs to
-    samples: list[Sample]
+class TokenBudgetBatcher:
+    def __init__(self, token_budget: int, num_rows: int = 1, share_prefixes: bool = True):
+        if token_budget < 1:
+            raise ValueError(f"token_budget={token_budget}: a row must hold at least one token")
+        self.token_budget = token_budget
+        self.num_rows = num_rows
+        self.share_prefixes = share_prefixes
+        self.rows = self._fresh_rows()
+
+    def _fresh_rows(self) -> list[TrieRow]:
+        return [TrieRow(self.share_prefixes) for _ in range(self.num_rows)]
 
     @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.numel())
+    def empty(self) -> bool:
+        return not any(row.samples for row in self.rows)
 
-    @property
-    def num_trained(self) -> int:
-        return int(self.targets.numel())
+    def offer(self, sample: Sample) -> bool:
+        """Place `sample` in a row and return True, or return False: it fits nowhere, close the micro-batch first."""
+        costs = [row.cost(sample) for row in self.rows]
+        fitting = [i for i, (row, cost) in enumerate(zip(self.rows, costs))
+                   if row.num_tokens + cost.new_tokens <= self.token_budget and row.num_terms + cost.new_terms <= self.token_budget]
+        home = [i for i, row in enumerate(self.rows) if sample.group_id in row.groups]
+        candidates = [i for i in home if i in fitting]
+        if home and not candidates:  # its group's row is full: move only where it does not slow the micro-batch
+            heaviest = max(row.load for row in self.rows)
+            candidates = [i for i in fitting if not self.rows[i].samples or self.rows[i].load + costs[i].new_load <= heaviest]
+        elif not home:
+            candidates = fitting
+        if not candidates:
+            return False
+        self.rows[min(candidates, key=lambda i: self.rows[i].load)].add(sample)
+        return True
 
-
-def pack_row(samples: list[Sample]) -> Row:
-    ids, positions, ends, predict, targets, old, adv, owner = [], [], [], [], [], [], [], []
-    for s_index, sample in enumerate(samples):
-        start = len(ids)
-        n = sample.num_tokens
-        ids += sample.input_ids
-        positions += range(n)
-        ends += [start + n - 1] * n
-        for j in range(1, n):
-            if sample.trained[j]:
-                predict.append(start + j - 1)
-                targets.append(sample.input_ids[j])
-                old.append(sample.logprobs[j])
-                adv.append(sample.advantage)
-                owner.append(s_index)
-    return Row(
-        input_ids=torch.tensor(ids), position_ids=torch.tensor(positions), end=torch.tensor(ends),
-        predict_index=torch.tensor(predict, dtype=torch.long), targets=torch.tensor(targets, dtype=torch.long),
-        old_logprobs=torch.tensor(old, dtype=torch.float32), advantages=torch.tensor(adv, dtype=torch.float32),
-        term_sample=torch.tensor(owner, dtype=torch.long), samples=list(samples),
-    )
-
-
-def attention_mask(end: torch.Tensor) -> torch.Tensor:
-    """[1, 1, T, T] boolean: query q sees key k iff k <= q <= end[k]."""
-    index = torch.arange(end.numel(), device=end.device)
-    q, k = index[:, None], index[None, :]
-    return ((k <= q) & (q <= end[None, :]))[None, None]
+    def close(self) -> list[PackedRow]:
+        """The micro-batch's packed rows (empty ones left out), and fresh rows for the next one."""
+        rows = [row.pack() for row in self.rows if row.samples]
+        self.rows = self._fresh_rows()
+        return rows

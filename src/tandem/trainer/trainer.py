@@ -19,18 +19,20 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from tandem.config import AsyncGRPOConfig, warn_unimplemented
-from tandem.generation import attention as exact_attention
 from tandem.generation.client import ControlClient
 from tandem.generation.launcher import EmbeddedServer
 from tandem.losses.grpo import clipped_surrogate
 from tandem.metrics.sinks import ProgressLine, make_sinks
 from tandem.metrics.window import MetricWindow
+from tandem.packing import PackedRow
+from tandem.packing import attention as tree_attention
+from tandem.packing.logprobs import check_head, row_logprobs
 from tandem.rollout.loop import AsyncRolloutLoop
 from tandem.rollout.records import Sample
 from tandem.rollout.worker import RolloutWorker, WorkerSpec, check_picklable
 from tandem.tasks import TINY_MODEL_PATH
 from tandem.trainer import checkpoint
-from tandem.trainer.batching import Row, attention_mask, pack_row
+from tandem.trainer.batching import TokenBudgetBatcher
 from tandem.trainer.weight_sync import ReloadSync
 
 POLL_S = 0.05
@@ -97,6 +99,7 @@ class AsyncGRPOTrainer:
         self.tools, self.environment_factory = tools, environment_factory
         self.optimizer, self.scheduler = optimizers
         self.device = next(self.model.parameters()).device
+        self.kernel = tree_attention.default_kernel(self.device)
 
     # ---- public ---------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None) -> TrainOutput:
@@ -126,6 +129,7 @@ class AsyncGRPOTrainer:
             self.runner.run(self.control.wait_healthy(args.vllm_server_timeout))
             max_model_len = self.runner.run(self.control.max_model_len())
             self.token_budget = args.token_budget or max_model_len
+            self.batcher = TokenBudgetBatcher(self.token_budget)
             self._check_prompt_lengths(max_model_len)
             self.sync = ReloadSync(self.control, self.output_dir, self.runner)
             self.served_name = self._served_name()
@@ -290,23 +294,34 @@ class AsyncGRPOTrainer:
         """The sample left the queue for good: the worker may generate its tokens again."""
         self.worker.channels.consumed_tokens.value += sample.num_tokens
 
-    def _take_rows(self) -> list[Row]:
-        """gradient_accumulation_steps rows, each filled with samples until the next one would not fit."""
+    def _take_rows(self) -> list[PackedRow]:
+        """gradient_accumulation_steps micro-batches (one row each, one process), each closed by the token-budget
+        batcher when the next sample fits nowhere. A sample counts as consumed once it is placed in a row."""
         rows = []
         self.waited = 0.0
         self.window.add("rollout/queue_size", len(self.buffer) + self.worker.channels.out.qsize())
         for _ in range(self.args.gradient_accumulation_steps):
-            chosen, tokens = [], 0
-            while (sample := self._next_sample()) is not None and tokens + sample.num_tokens <= self.token_budget:
-                chosen.append(self.buffer.popleft())
-                self._consumed(sample)
-                tokens += sample.num_tokens
-            if not chosen:
+            while (sample := self._next_sample()) is not None and self.batcher.offer(sample):
+                self._consumed(self.buffer.popleft())
+            micro_batch = self.batcher.close()
+            if not micro_batch:
                 break
-            rows.append(pack_row(chosen))
+            self._record_micro_batch(micro_batch)
+            rows += micro_batch
         return rows
 
-    def _train_step(self, rows: list[Row], step_start: float) -> None:
+    def _record_micro_batch(self, rows: list[PackedRow]) -> None:
+        """Row metrics: each row, and the balance of the micro-batch's rows across ranks."""
+        w, lengths, loads = self.window, [r.num_tokens for r in rows], [r.load for r in rows]
+        w.add("batch/samples_per_row", *[len(r.samples) for r in rows])
+        w.add("batch/row_tokens_mean", *lengths)
+        w.add("batch/row_tokens_max", *lengths)
+        w.add("batch/row_fill_frac", *[n / self.token_budget for n in lengths])
+        w.add("batch/packing_ratio", *[r.packing_ratio for r in rows])
+        w.add("batch/row_imbalance", max(loads) / (sum(loads) / len(loads)))
+        w.add("batch/pad_frac", 1 - sum(lengths) / (len(rows) * max(lengths)))
+
+    def _train_step(self, rows: list[PackedRow], step_start: float) -> None:
         args, state = self.args, self.state
         fwd_bwd_start = time.perf_counter()
         total_loss = 0.0
@@ -325,6 +340,7 @@ class AsyncGRPOTrainer:
         samples = [s for row in rows for s in row.samples]
         tokens = sum(row.num_tokens for row in rows)
         trained = sum(row.num_trained for row in rows)
+        predicting = sum(row.predict_index.unique().numel() for row in rows)
         for sample in samples:
             self.ledger.consume(sample)
             self.window.add("sample/staleness_mean", state.model_version - sample.model_version)
@@ -334,7 +350,7 @@ class AsyncGRPOTrainer:
             self.window.add("sample/forwarded_tokens_max", sample.num_tokens)
             self.window.add("sample/trained_tokens_mean", sample.num_trained)
         channels = self.worker.channels
-        channels.tokens_per_step.value = tokens
+        channels.tokens_per_step.value = sum(row.raw_tokens for row in rows)  # what the worker generated for this step
         state.num_tokens += tokens
         state.dataset_start_index = self.ledger.watermark
 
@@ -356,31 +372,22 @@ class AsyncGRPOTrainer:
         w.add("perf/fwd_bwd_forwarded_tokens_per_s", (tokens, fwd_bwd))
         w.add("perf/wall_clock_forwarded_tokens_per_s", (tokens, step_s))
         w.add("perf/wall_clock_trained_tokens_per_s", (trained, step_s))
+        w.add("perf/fwd_bwd_trained_tokens_per_s", (trained, fwd_bwd))
         w.add("batch/forwarded_tokens_per_step", tokens)
         w.add("batch/trained_tokens_per_step", trained)
         w.add("batch/samples_per_step", len(samples))
         w.add("batch/groups_per_step", len({s.group_id for s in samples}))
         w.add("batch/microbatches_per_step", len(rows))
-        w.add("batch/masked_token_frac", 1 - trained / tokens)
-        w.add("batch/samples_per_row", *[len(r.samples) for r in rows])
-        w.add("batch/row_tokens_mean", *[r.num_tokens for r in rows])
-        w.add("batch/row_tokens_max", *[r.num_tokens for r in rows])
-        w.add("batch/row_fill_frac", *[r.num_tokens / self.token_budget for r in rows])
-        w.add("batch/packing_ratio", 1.0)
-        w.add("batch/pad_frac", 0.0)
+        w.add("batch/masked_token_frac", 1 - predicting / tokens)
 
-    def _row_backward(self, row: Row, num_rows: int) -> float:
+    def _row_backward(self, row: PackedRow, num_rows: int) -> float:
         """Forward and backward one packed row; returns its share of the step's loss."""
         args = self.args
         start = time.perf_counter()
-        mask = exact_attention.model_mask(attention_mask(row.end).to(self.device), self.model)
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if _use_bf16(args, self.device) else nullcontext()
         with autocast:
-            out = self.model(input_ids=row.input_ids[None].to(self.device), position_ids=row.position_ids[None].to(self.device),
-                             attention_mask={"full_attention": mask}, use_cache=False)
-        logits = out.logits[0, row.predict_index.to(self.device)].float() / args.temperature
-        all_logprobs = logits.log_softmax(-1)
-        logprobs = all_logprobs.gather(1, row.targets[:, None].to(self.device))[:, 0]
+            scored = row_logprobs(self.model, row, self.kernel, args.temperature)
+        logprobs = scored.logprobs
         self.window.add("perf/fwd_s", time.perf_counter() - start)
         old = row.old_logprobs.to(self.device)
         losses, stats = clipped_surrogate(
@@ -389,10 +396,10 @@ class AsyncGRPOTrainer:
         # Normalised by the trained tokens of the micro-batch, then averaged over the accumulated micro-batches.
         loss = losses.sum() / max(row.num_trained, 1) / num_rows
         loss.backward()
-        self._record_token_stats(row, logprobs.detach(), old, all_logprobs.detach(), stats)
+        self._record_token_stats(row, logprobs.detach(), old, scored.entropy, stats)
         return loss.item()
 
-    def _record_token_stats(self, row: Row, logprobs, old, all_logprobs, stats) -> None:
+    def _record_token_stats(self, row: PackedRow, logprobs, old, entropy, stats) -> None:
         w = self.window
         diff = (logprobs - old).abs()
         w.add("sampling/sampling_logp_difference/mean", *diff.tolist())
@@ -401,7 +408,7 @@ class AsyncGRPOTrainer:
         w.add("sampling/importance_sampling_ratio/mean", *stats.ratio.tolist())
         w.add("sampling/importance_sampling_ratio/max", float(stats.ratio.max()))
         w.add("sampling/masked_mean", *(~stats.in_bounds).float().tolist())
-        w.add("entropy", *(-(all_logprobs.exp() * all_logprobs).sum(-1)).tolist())
+        w.add("entropy", *entropy.tolist())
         low, high = stats.low_clipped.float(), stats.high_clipped.float()
         w.add("clip_ratio/low_mean", *low.tolist())
         w.add("clip_ratio/high_mean", *high.tolist())
@@ -452,19 +459,21 @@ def _check_dataset(dataset):
 
 
 def _load_model(model, args: AsyncGRPOConfig) -> tuple[str, PreTrainedModel]:
-    """(name the server knows it by, the model ready to train) from a path, hub id, 'tiny' or a model object."""
-    attention = exact_attention.NAME if not torch.cuda.is_available() else "sdpa"
+    """(name the server knows it by, the model ready to train) from a path, hub id, 'tiny' or a model object.
+    Its attention is switched to tree attention, which every packed row needs."""
     if isinstance(model, str):
         name = TINY_MODEL_PATH if model == "tiny" else model
         kwargs = {"dtype": args.dtype, **(args.model_init_kwargs or {})}
-        loaded = AutoModelForCausalLM.from_pretrained(name, attn_implementation=attention, **kwargs)
+        loaded = AutoModelForCausalLM.from_pretrained(name, **kwargs)
         if torch.cuda.is_available():
             loaded.to("cuda")
-        return name, loaded
-    if isinstance(model, PreTrainedModel):
-        model.set_attn_implementation(attention)
-        return model.name_or_path or "tandem-policy", model
-    raise TypeError(f"model must be a path, a hub id, 'tiny' or a PreTrainedModel, not {type(model).__name__}")
+    elif isinstance(model, PreTrainedModel):
+        name, loaded = model.name_or_path or "tandem-policy", model
+    else:
+        raise TypeError(f"model must be a path, a hub id, 'tiny' or a PreTrainedModel, not {type(model).__name__}")
+    tree_attention.prepare(loaded)
+    check_head(loaded)
+    return name, loaded
 
 
 def _served_dtype(model) -> str:

@@ -1,0 +1,101 @@
+"""Log-probs and entropy at the trained positions of a packed row, a chunk at a time (DESIGN.md §4).
+
+The model runs without its head; the head is applied only to the hidden states that predict trained
+tokens, `chunk_size` of them at a time, and each chunk is recomputed in the backward pass instead of
+kept, so peak memory holds one chunk's `chunk_size x vocab` logits, never the row's. Logits are divided
+by the sampling temperature (the sampler's processed log-probs are on that scale), and when the
+sampler truncated the distribution (top-k / top-p) the log-softmax runs over its kept set only.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from tandem.generation.attention import MIN_ROWS
+from tandem.packing.attention import tree_masks
+from tandem.packing.trie import PackedRow
+
+CHUNK_SIZE = 1024
+
+
+@dataclass
+class TokenLogprobs:
+    logprobs: torch.Tensor  # [N] log π_θ(target), differentiable
+    entropy: torch.Tensor   # [N] entropy of the (renormalised) distribution, detached
+
+
+def chunked_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float = 1.0,
+                     kept_ids: torch.Tensor | None = None, softcap: float | None = None,
+                     chunk_size: int = CHUNK_SIZE) -> TokenLogprobs:
+    """log softmax(head(hidden) / temperature)[target] for each of the N rows of `hidden` ([N, H])."""
+    logprobs, entropy = [], []
+    recompute = torch.is_grad_enabled() and hidden.requires_grad
+    for start in range(0, hidden.shape[0], chunk_size):
+        part = slice(start, start + chunk_size)
+        kept = kept_ids[part] if kept_ids is not None else None
+        args = (head, hidden[part], targets[part], temperature, kept, softcap)
+        lp, ent = checkpoint(_chunk, *args, use_reentrant=False) if recompute else _chunk(*args)
+        logprobs.append(lp)
+        entropy.append(ent)
+    if not logprobs:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return TokenLogprobs(empty + hidden.sum() * 0, empty)
+    return TokenLogprobs(torch.cat(logprobs), torch.cat(entropy))
+
+
+def _chunk(head, hidden, targets, temperature, kept, softcap):
+    rows = hidden.shape[0]
+    if rows < MIN_ROWS:  # as in the sampler: CPU matmuls with fewer rows round differently
+        hidden = torch.cat([hidden, hidden[-1:].expand(MIN_ROWS - rows, -1)])
+    logits = head(hidden)[:rows]
+    logits = logits.float() if logits.dtype != torch.float64 else logits  # half-precision logits are scored in fp32
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits / temperature
+    if kept is not None:
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        keep.scatter_(1, torch.where(kept >= 0, kept, kept[:, :1]), True)  # pads repeat the first kept id
+        logits = logits.masked_fill(~keep, float("-inf"))
+    all_logprobs = logits.log_softmax(-1)
+    with torch.no_grad():
+        entropy = -(all_logprobs.exp() * all_logprobs.nan_to_num(neginf=0.0)).sum(-1)
+    return all_logprobs.gather(1, targets[:, None])[:, 0], entropy
+
+
+def row_logprobs(model: torch.nn.Module, row: PackedRow, kernel: str, temperature: float = 1.0,
+                 chunk_size: int = CHUNK_SIZE) -> TokenLogprobs:
+    """Forward a packed row through `model` (attention set to `tandem_tree`) and score its loss terms."""
+    device = next(model.parameters()).device
+    input_ids, position_ids, end = row.input_ids, row.position_ids, row.end
+    if row.num_tokens < MIN_ROWS:  # CPU matmuls with fewer rows round differently (generation/attention.py)
+        filler = torch.arange(row.num_tokens, MIN_ROWS)
+        input_ids, position_ids, end = torch.cat([input_ids, filler * 0]), torch.cat([position_ids, filler * 0]), torch.cat([end, filler])
+    position_ids = position_ids.to(device)
+    masks = tree_masks(end.to(device), position_ids, model, kernel)
+    out = model.get_decoder()(input_ids=input_ids[None].to(device), position_ids=position_ids[None],
+                              attention_mask=masks, use_cache=False)
+    hidden = out.last_hidden_state[0, row.predict_index.to(device)]
+    kept = row.kept_ids.to(device) if row.kept_ids is not None else None
+    return chunked_logprobs(hidden, model.get_output_embeddings(), row.targets.to(device), temperature, kept,
+                            _softcap(model), chunk_size)
+
+
+def check_head(model: torch.nn.Module) -> None:
+    """Make sure `head(decoder(x))` is the model's own logits: a model that scales or post-processes its
+    logits in its forward would otherwise be trained on a different distribution than it samples from."""
+    device = next(model.parameters()).device
+    ids = torch.arange(1, 9, device=device)[None] % model.config.get_text_config().vocab_size
+    with torch.no_grad():
+        expected = model(input_ids=ids, use_cache=False).logits.float()
+        hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+        logits = model.get_output_embeddings()(hidden).float()
+        if softcap := _softcap(model):
+            logits = torch.tanh(logits / softcap) * softcap
+    if not torch.allclose(logits, expected, atol=1e-3, rtol=1e-3):
+        raise NotImplementedError(f"{type(model).__name__} computes its logits other than as lm_head(hidden states) "
+                                  "(e.g. a logit scale); tandem's chunked log-prob head would not reproduce them.")
+
+
+def _softcap(model) -> float | None:
+    return getattr(model.config.get_text_config(), "final_logit_softcapping", None)

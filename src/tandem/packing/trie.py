@@ -1,0 +1,179 @@
+"""Tree packing: the samples of a row folded into a prefix trie and laid out depth-first (spec 000, 트리 패킹).
+
+A trie node is keyed by (token, next token), so two samples share a node only when they also agree on
+what follows it: the trie branches one token before the samples diverge, and every node predicts a
+single next token. Walking the trie depth-first and collapsing unary chains gives segments; a token's
+`position_id` is its depth, and `end[j]` is the last packed index of its segment's subtree, so query q
+may attend key k iff k <= q <= end[k] (DESIGN.md §4). Samples that share nothing are plain
+padding-free packing. Every trained token keeps its own loss term, read at the packed index of the
+token before it; a shared position can serve several samples.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.rollout.records import Sample
+
+
+@dataclass
+class Node:
+    token: int
+    depth: int
+    children: dict = field(default_factory=dict)
+    index: int = -1
+    """Packed index, set by `TrieRow.pack`."""
+
+
+@dataclass
+class Insertion:
+    """What adding one sample to a row would cost: new unique tokens, new loss terms, new attention load."""
+
+    new_tokens: int
+    new_terms: int
+    new_load: int
+
+
+@dataclass
+class PackedRow:
+    """One row ready to forward: the packed tokens and one entry per loss term."""
+
+    input_ids: torch.Tensor       # [T]
+    position_ids: torch.Tensor    # [T] depth in the trie
+    end: torch.Tensor             # [T] last packed index of each token's segment subtree
+    predict_index: torch.Tensor   # [N] packed index whose output predicts term n
+    targets: torch.Tensor         # [N]
+    old_logprobs: torch.Tensor    # [N] sampler log-probs
+    advantages: torch.Tensor      # [N]
+    term_sample: torch.Tensor     # [N] which sample of the row term n belongs to
+    kept_ids: torch.Tensor | None  # [N, K] the sampler's kept token ids per term (-1 pads), when it truncated
+    samples: list[Sample]
+    raw_tokens: int
+    """Tokens before packing (each sample's full length)."""
+    load: int
+    """Attention-cost proxy: the sum over packed tokens of (depth + 1)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def num_trained(self) -> int:
+        return int(self.targets.numel())
+
+    @property
+    def packing_ratio(self) -> float:
+        return self.raw_tokens / max(self.num_tokens, 1)
+
+
+def _keys(ids: list[int]):
+    return zip(ids, ids[1:] + [None])
+
+
+class TrieRow:
+    """A row being filled: samples are inserted one by one, shared prefixes stored once."""
+
+    def __init__(self, share_prefixes: bool = True):
+        self.root = Node(token=-1, depth=-1)
+        self.share_prefixes = share_prefixes
+        self.samples: list[Sample] = []
+        self.paths: list[list[Node]] = []
+        """Each sample's nodes, one per token."""
+        self.groups: set[int] = set()
+        self.num_tokens = 0
+        self.num_terms = 0
+        self.load = 0
+
+    def cost(self, sample: Sample) -> Insertion:
+        """The cost of inserting `sample`, without inserting it."""
+        node, shared = self.root, 0
+        if self.share_prefixes:
+            for key in _keys(sample.input_ids):
+                node = node.children.get(key)
+                if node is None:
+                    break
+                shared += 1
+        n = sample.num_tokens
+        new_load = sum(range(shared + 1, n + 1))  # a new node at depth j costs j + 1
+        return Insertion(new_tokens=n - shared, new_terms=sum(sample.trained[1:]), new_load=new_load)
+
+    def add(self, sample: Sample) -> None:
+        cost = self.cost(sample)
+        node, path = self.root, []
+        for depth, key in enumerate(_keys(sample.input_ids)):
+            child = node.children.get(key) if self.share_prefixes else None
+            if child is None:
+                child = Node(token=key[0], depth=depth)
+                # Without sharing every sample gets its own chain: a fresh key keeps chains apart.
+                node.children[key if self.share_prefixes else len(node.children)] = child
+            node = child
+            path.append(node)
+        self.samples.append(sample)
+        self.paths.append(path)
+        self.groups.add(sample.group_id)
+        self.num_tokens += cost.new_tokens
+        self.num_terms += cost.new_terms
+        self.load += cost.new_load
+
+    def pack(self) -> PackedRow:
+        """Lay the trie out depth-first (pre-order) and gather every sample's loss terms."""
+        ids, positions, ends = [], [], []
+        stack = list(reversed(self.root.children.values()))
+        while stack:
+            node = stack.pop()
+            if node is _CLOSE:  # the segment below and its whole subtree are laid out
+                stop, start = stack.pop(), stack.pop()
+                ends[start:stop] = [len(ids) - 1] * (stop - start)
+                continue
+            start = len(ids)
+            while True:  # one segment: follow the chain while it does not branch
+                node.index = len(ids)
+                ids.append(node.token)
+                positions.append(node.depth)
+                ends.append(-1)
+                if len(node.children) != 1:
+                    break
+                node = next(iter(node.children.values()))
+            stack += [start, len(ids), _CLOSE]
+            stack += reversed(node.children.values())
+
+        predict, targets, old, adv, owner, kept = [], [], [], [], [], []
+        for s, (sample, path) in enumerate(zip(self.samples, self.paths)):
+            for j in range(1, sample.num_tokens):
+                if sample.trained[j]:
+                    predict.append(path[j - 1].index)
+                    targets.append(sample.input_ids[j])
+                    old.append(sample.logprobs[j])
+                    adv.append(sample.advantage)
+                    owner.append(s)
+                    kept.append(sample.sampling_mask[j] if sample.sampling_mask else None)
+        return PackedRow(
+            input_ids=torch.tensor(ids, dtype=torch.long), position_ids=torch.tensor(positions, dtype=torch.long),
+            end=torch.tensor(ends, dtype=torch.long), predict_index=torch.tensor(predict, dtype=torch.long),
+            targets=torch.tensor(targets, dtype=torch.long), old_logprobs=torch.tensor(old, dtype=torch.float32),
+            advantages=torch.tensor(adv, dtype=torch.float32), term_sample=torch.tensor(owner, dtype=torch.long),
+            kept_ids=_pad_kept(kept), samples=list(self.samples), raw_tokens=sum(s.num_tokens for s in self.samples), load=self.load,
+        )
+
+
+def _pad_kept(kept: list[list[int] | None]) -> torch.Tensor | None:
+    """Per-term kept sets as one [N, K] tensor padded with -1; None when no term has one."""
+    given = [k is not None for k in kept]
+    if not any(given):
+        return None
+    if not all(given):
+        raise ValueError(f"{given.count(False)} of {len(kept)} trained tokens have no sampling mask while the others do: "
+                         "renormalising only some of them would bias the ratio. Every sampled token needs its kept set.")
+    width = max(len(k) for k in kept)
+    return torch.tensor([k + [-1] * (width - len(k)) for k in kept], dtype=torch.long)
+
+
+_CLOSE = object()
+"""Stack marker: every node of the segment below it has been laid out; its subtree ends here."""
+
+
+def pack(samples: list[Sample], share_prefixes: bool = True) -> PackedRow:
+    row = TrieRow(share_prefixes)
+    for sample in samples:
+        row.add(sample)
+    return row.pack()

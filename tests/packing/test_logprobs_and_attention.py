@@ -1,0 +1,117 @@
+"""Chunked log-probs equal the full log-softmax; tree attention refuses models it would get wrong."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from tandem.packing import attention, pack
+from tandem.packing.logprobs import chunked_logprobs, row_logprobs
+
+from .samples import sample
+
+
+def full_logprobs(hidden, head, targets, temperature=1.0, kept=None):
+    logits = head(hidden).float() / temperature
+    if kept is not None:
+        mask = torch.full_like(logits, float("-inf"))
+        for i, ids in enumerate(kept):
+            mask[i, ids] = 0.0
+        logits = logits + mask
+    return logits.log_softmax(-1).gather(1, targets[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 64, 1000])
+def test_chunks_give_the_full_log_softmax_and_its_gradients(chunk_size):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(40, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (40,))
+    expected = full_logprobs(hidden, head, targets, temperature=0.7)
+    expected.sum().backward()
+    expected_grads = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad, head.weight.grad = None, None
+
+    got = chunked_logprobs(hidden, head, targets, temperature=0.7, chunk_size=chunk_size)
+    got.logprobs.sum().backward()
+    torch.testing.assert_close(got.logprobs, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(hidden.grad, expected_grads[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(head.weight.grad, expected_grads[1], atol=1e-6, rtol=1e-5)
+    probs = (head(hidden).float() / 0.7).softmax(-1)
+    torch.testing.assert_close(got.entropy, -(probs * probs.log()).sum(-1), atol=1e-5, rtol=0)
+
+
+def test_kept_sets_renormalise_over_what_the_sampler_kept():
+    torch.manual_seed(1)
+    head = torch.nn.Linear(8, 30, bias=False)
+    hidden = torch.randn(5, 8)
+    kept = [[3, 4, 5], [0], [7, 8, 9, 10], [1, 29], [2, 3]]
+    targets = torch.tensor([k[-1] for k in kept])
+    padded = torch.tensor([k + [-1] * (4 - len(k)) for k in kept])
+    got = chunked_logprobs(hidden, head, targets, kept_ids=padded, chunk_size=2)
+    torch.testing.assert_close(got.logprobs, full_logprobs(hidden, head, targets, kept=kept), atol=1e-6, rtol=0)
+    assert got.logprobs[1].item() == 0.0  # a kept set of one token: probability 1
+    assert got.entropy[1].item() == 0.0
+
+
+def test_kept_sets_that_include_token_zero_survive_padding():
+    head = torch.nn.Linear(4, 6, bias=False)
+    hidden = torch.randn(2, 4)
+    padded = torch.tensor([[0, 2, -1], [5, -1, -1]])
+    got = chunked_logprobs(hidden, head, torch.tensor([0, 5]), kept_ids=padded)
+    expected = full_logprobs(hidden, head, torch.tensor([0, 5]), kept=[[0, 2], [5]])
+    torch.testing.assert_close(got.logprobs, expected, atol=1e-6, rtol=0)
+
+
+def tiny_config(**overrides) -> Qwen2Config:
+    values = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128)
+    return Qwen2Config(**(values | overrides))
+
+
+def test_sliding_window_layers_see_only_their_window_in_the_tree():
+    torch.manual_seed(0)
+    config = tiny_config(layer_types=["sliding_attention", "full_attention"], use_sliding_window=True, sliding_window=3)
+    reference = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.load_state_dict(reference.state_dict())
+    attention.prepare(model)
+    samples = [sample([1, 2, 3, 4, 5, 6, 7, 8]), sample([1, 2, 3, 4, 9, 10, 11, 12, 13]), sample([20, 21, 22])]
+    expected = []
+    for s in samples:
+        logits = reference(input_ids=torch.tensor([s.input_ids + [0] * (16 - s.num_tokens)])).logits[0]
+        expected += [logits[j - 1].log_softmax(-1)[s.input_ids[j]] for j in range(1, s.num_tokens)]
+    for kernel in ("exact", "sdpa"):
+        got = row_logprobs(model, pack(samples), kernel).logprobs
+        torch.testing.assert_close(got, torch.stack(expected).detach(), atol=1e-5, rtol=0)
+
+
+def test_layers_that_scan_across_tokens_are_refused():
+    config = tiny_config(layer_types=["full_attention", "linear_attention"])
+    model = AutoModelForCausalLM.from_config(tiny_config())
+    model.config.layer_types = config.layer_types
+    with pytest.raises(NotImplementedError, match="linear_attention"):
+        attention.prepare(model)
+
+
+def test_modules_that_scan_across_tokens_are_refused():
+    model = AutoModelForCausalLM.from_config(tiny_config())
+
+    class MambaMixer(torch.nn.Module):
+        pass
+
+    model.model.layers[0].mixer = MambaMixer()
+    with pytest.raises(NotImplementedError, match="MambaMixer"):
+        attention.prepare(model)
+
+
+def test_attention_sinks_are_refused():
+    model = AutoModelForCausalLM.from_config(tiny_config())
+    model.model.layers[0].self_attn.sinks = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(NotImplementedError, match="sinks"):
+        attention.prepare(model)
+
+
+def test_an_unknown_kernel_names_the_choices():
+    model = AutoModelForCausalLM.from_config(tiny_config())
+    with pytest.raises(ValueError, match="'exact', 'sdpa', 'flex'"):
+        attention.tree_masks(torch.tensor([0]), torch.tensor([0]), model, "flash")
