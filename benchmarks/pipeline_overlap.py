@@ -39,7 +39,7 @@ def run(trainer_cls, steps: int, delay: float, args_staleness: int, folder: Path
     # One CPU thread for the server: it stands in for a GPU, so its own compute should not take the trainer's cores.
     with EmbeddedServer("tiny", extra_args=extra, env={"OMP_NUM_THREADS": "1"}) as server:
         args = AsyncGRPOConfig(output_dir=str(folder), vllm_server_base_url=server.url, max_steps=steps, learning_rate=2e-4,
-                               num_generations=8, max_completion_length=8, token_budget=640, gradient_accumulation_steps=2,
+                               num_generations=8, max_completion_length=8, token_budget=160, gradient_accumulation_steps=2,
                                max_staleness=args_staleness, gradient_checkpointing=False, score_centering=False, save_strategy="no")
         data = Dataset.from_list(arithmetic.make_rows(128, split="train", seed=1))
         trainer_cls("tiny", arithmetic.correctness_reward, args=args, train_dataset=data).train()

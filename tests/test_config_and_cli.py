@@ -47,5 +47,7 @@ def test_dry_run_prints_the_recipe_and_the_server_command(capsys):
     out = capsys.readouterr().out
     assert "max_completion_length: 16" in out
     command = next(line for line in out.splitlines() if "vllm serve" in line)
-    assert "--logprobs-mode processed_logprobs" in command and "--max-model-len 640" in command
+    longest = int(out.split("# --max-model-len: the longest prompt (")[1].split(" tokens")[0])
+    assert 10 < longest < 40, "the demo's arithmetic prompts render to about 20 tokens"
+    assert "--logprobs-mode processed_logprobs" in command and f"--max-model-len {longest + 16}" in command
     assert "--weight-transfer-config" in command and "VLLM_SERVER_DEV_MODE=1" in command

@@ -94,7 +94,8 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
         print(yaml.safe_dump({"model": recipe.model, "dataset": recipe.dataset, "reward_funcs": recipe.reward_funcs,
                               **recipe.config.to_dict()}, sort_keys=False))
         print("# Generation server for this recipe (the default without vllm_server_base_url is an embedded tandem serve):")
-        print(serve_command(recipe, recipe.config.token_budget or needed))
+        print(f"# --max-model-len: the longest prompt ({needed - recipe.config.max_completion_length} tokens) + max_completion_length")
+        print(serve_command(recipe, needed))
         return
     from tandem import AsyncGRPOTrainer
     from tandem.tasks import datasets

@@ -78,6 +78,9 @@ class AsyncGRPOConfig:
     vllm_importance_sampling_clip_max: float = 5.0
     num_sampler_logprobs: int = 8
     token_budget: int | None = None
+    tree_attention_kernel: str | None = None
+    """"exact" (eager math, bitwise equal to `tandem serve --decode-mode exact`), "sdpa" or "flex" (GPU).
+    None: flex on GPU, exact on CPU. tandem's own field, not in the spec."""
 
     # ---- the asynchronous pipeline ----
     max_concurrent_rollouts: int = 512
@@ -112,6 +115,8 @@ class AsyncGRPOConfig:
             ("lr_scheduler_type", self.lr_scheduler_type in ("constant", "constant_with_warmup", "linear", "cosine"),
              "must be constant, constant_with_warmup, linear or cosine"),
             ("token_budget", self.token_budget is None or self.token_budget >= 2, "must be at least 2 tokens"),
+            ("tree_attention_kernel", self.tree_attention_kernel in (None, "exact", "sdpa", "flex"),
+             "must be 'exact', 'sdpa', 'flex' or None (the device's default)"),
         ]
         for name, ok, message in checks:
             if not ok:

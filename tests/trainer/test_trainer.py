@@ -45,6 +45,18 @@ def test_at_staleness_zero_the_importance_ratio_is_one(tmp_path):
         assert r["sample/staleness_max"] == 0
         assert abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4, r["sampling/importance_sampling_ratio/mean"]
         assert r["sampling/sampling_logp_difference/max"] < 1e-4
+        # Tree packing: the group's rollouts share their prompt, so fewer tokens are forwarded than sampled.
+        assert r["batch/packing_ratio"] > 1.5
+        assert set(BATCH_METRICS) <= set(r), f"missing: {set(BATCH_METRICS) - set(r)}"
+    assert rows[-1]["num_tokens"] == sum(r["batch/forwarded_tokens_per_step"] for r in rows)
+
+
+BATCH_METRICS = [
+    "num_tokens", "batch/packing_ratio", "batch/samples_per_row", "batch/row_tokens_mean", "batch/row_tokens_max",
+    "batch/row_fill_frac", "batch/row_imbalance", "batch/pad_frac", "batch/masked_token_frac",
+    "batch/forwarded_tokens_per_step", "batch/trained_tokens_per_step", "batch/samples_per_step", "batch/groups_per_step",
+    "batch/microbatches_per_step", "perf/fwd_bwd_forwarded_tokens_per_s", "perf/wall_clock_trained_tokens_per_s",
+]
 
 
 class SlowTrainer(AsyncGRPOTrainer):
@@ -224,3 +236,13 @@ class RejectingTrainer(AsyncGRPOTrainer):
 def test_rejecting_a_whole_epoch_raises(tmp_path):
     with pytest.raises(WorkerError, match="rejected every prompt of epoch 0"):
         RejectingTrainer("tiny", accuracy_reward, args=config(tmp_path), train_dataset=small_dataset()).train()
+
+
+def test_samples_longer_than_the_token_budget_are_dropped_with_a_warning(tmp_path):
+    # Prompts render to 17-18 tokens: samples with completions of more than two or three tokens exceed 20.
+    args = config(tmp_path, max_steps=-1, num_train_epochs=1, token_budget=20)
+    trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=small_dataset(8))
+    with pytest.warns(UserWarning, match="exceeds token_budget=20"):
+        trainer.train()
+    assert sum(r.get("batch/dropped_oversize_count", 0) for r in logged(tmp_path)) > 0
+    assert set(trainer.ledger.finished) == set(range(8)), "dropped samples still finish their prompt"

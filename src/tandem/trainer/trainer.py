@@ -99,7 +99,10 @@ class AsyncGRPOTrainer:
         self.tools, self.environment_factory = tools, environment_factory
         self.optimizer, self.scheduler = optimizers
         self.device = next(self.model.parameters()).device
-        self.kernel = tree_attention.default_kernel(self.device)
+        self.kernel = self.args.tree_attention_kernel or tree_attention.default_kernel(self.device)
+        if self.kernel == "flex" and self.device.type != "cuda":
+            raise ValueError("tree_attention_kernel='flex' needs a GPU: FlexAttention has no backward pass on CPU. "
+                             "Use 'exact' or 'sdpa'.")
 
     # ---- public ---------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None) -> TrainOutput:
@@ -237,7 +240,7 @@ class AsyncGRPOTrainer:
                 metrics = self._log()
             if args.save_strategy == "steps" and state.step % args.save_steps == 0:
                 self._checkpoint()
-        if state.step % args.logging_steps != 0 and self.window.values:
+        if self.window.values:  # what came in after the last log (drops while the worker finished)
             metrics = self._log()
         if args.save_strategy != "no" and state.step > 0:
             self._checkpoint()
