@@ -7,7 +7,7 @@ trainer as it is. Both train the same number of steps from the same weights; pri
 the speed-up, and the ideal (G + T) / max(G, T) from the synchronous run's own G and T. The reward is
 the task's own integer check (math-verify would cost the worker CPU time the trainer then misses).
 
-    python benchmarks/pipeline_overlap.py [--steps 60] [--step-delay-s 0.15] [--max-staleness 2]
+    python benchmarks/pipeline_overlap.py [--steps 60] [--step-delay-s 0.05] [--max-staleness 2]
 """
 
 import argparse
@@ -53,7 +53,7 @@ def run(trainer_cls, steps: int, delay: float, args_staleness: int, folder: Path
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--step-delay-s", type=float, default=0.15, help="sleep after every decode step of the server")
+    parser.add_argument("--step-delay-s", type=float, default=0.05, help="sleep after every decode step of the server")
     parser.add_argument("--max-staleness", type=int, default=2,
                         help="how far generation may run ahead: with slow rollouts it must cover their latency")
     args = parser.parse_args()
