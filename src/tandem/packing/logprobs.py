@@ -30,7 +30,7 @@ def chunked_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch
                      chunk_size: int = CHUNK_SIZE) -> TokenLogprobs:
     """log softmax(head(hidden) / temperature)[target] for each of the N rows of `hidden` ([N, H])."""
     logprobs, entropy = [], []
-    recompute = torch.is_grad_enabled() and hidden.requires_grad
+    recompute = torch.is_grad_enabled()
     for start in range(0, hidden.shape[0], chunk_size):
         part = slice(start, start + chunk_size)
         kept = kept_ids[part] if kept_ids is not None else None
@@ -38,7 +38,7 @@ def chunked_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch
         lp, ent = checkpoint(_chunk, *args, use_reentrant=False) if recompute else _chunk(*args)
         logprobs.append(lp)
         entropy.append(ent)
-    if not logprobs:
+    if not logprobs:  # no trained token: an empty result still attached to the graph, so backward() works
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return TokenLogprobs(empty + hidden.sum() * 0, empty)
     return TokenLogprobs(torch.cat(logprobs), torch.cat(entropy))
