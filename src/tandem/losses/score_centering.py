@@ -1,0 +1,40 @@
+"""Score centering (spec 000, 손실 계산; the default objective, `score_centering=True`).
+
+    ∇L = -E_{o~μ}[ A · ( f(r_o) ∇log π_θ(o) - E_{v~μ}[ f(r_v) ∇log π_θ(v) ] ) ],   r_v = π_θ(v) / μ(v)
+    f(r) = r inside [C_min, C_max], 0 outside
+
+The importance-weighted score of a sampled token does not average to zero under the sampler μ, so on
+its own every update also pulls π_θ toward μ; subtracting its expectation at each position removes that.
+The inner expectation runs over the sampler's top `num_sampler_logprobs` tokens at the position.
+
+A surrogate with exactly that gradient, per token: since ∇r = r ∇log π and μ(v)·r_v = π_θ(v),
+    loss_t = -A · ( m_t · r_t  -  Σ_{v in top-K} m_v · π_θ(v) ),     m = 1[C_min ≤ r ≤ C_max] (detached)
+"""
+
+import torch
+
+from tandem.losses.grpo import TokenStats
+
+
+def score_centered(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                   top_logprobs: torch.Tensor, top_sampler_logprobs: torch.Tensor, *, epsilon_low: float,
+                   epsilon_high: float, clip_min: float, clip_max: float) -> tuple[torch.Tensor, TokenStats, torch.Tensor]:
+    """Per-token losses, detached statistics and the sampler mass of each position's top-K.
+
+    logprobs / old_logprobs / advantages: [N] for the sampled tokens (policy, sampler, advantage);
+    top_logprobs / top_sampler_logprobs: [N, K] policy and sampler log-probs of the sampler's top-K tokens,
+    with -inf in the sampler's entries where a position has fewer than K.
+    """
+    ratio = torch.exp(logprobs - old_logprobs)
+    detached = ratio.detach()
+    in_bounds = (detached >= clip_min) & (detached <= clip_max)
+    present = torch.isfinite(top_sampler_logprobs)
+    top_probs = torch.exp(top_logprobs.masked_fill(~present, float("-inf")))
+    top_ratio = (top_probs.detach() / torch.exp(top_sampler_logprobs)).masked_fill(~present, 0.0)
+    top_in_bounds = present & (top_ratio >= clip_min) & (top_ratio <= clip_max)
+    expectation = (top_probs * top_in_bounds).sum(-1)
+    losses = -advantages * (ratio * in_bounds - expectation)
+    stats = TokenStats(ratio=detached, in_bounds=in_bounds,
+                       low_clipped=(detached < 1 - epsilon_low) & (advantages < 0),
+                       high_clipped=(detached > 1 + epsilon_high) & (advantages > 0))
+    return losses, stats, torch.exp(top_sampler_logprobs).masked_fill(~present, 0.0).sum(-1)
