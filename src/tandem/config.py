@@ -8,7 +8,6 @@ value is checked up front so a bad one fails before any process starts, with the
 
 import dataclasses
 import importlib
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -216,9 +215,3 @@ def import_object(path: str):
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"cannot import {path!r}: {exc}") from exc
 
-
-def warn_unimplemented(config: AsyncGRPOConfig) -> None:
-    """Settings that tandem accepts but whose full behaviour lands later: say what happens instead."""
-    if config.score_centering:
-        warnings.warn("score_centering=True is not implemented yet: training with the clipped surrogate and masked "
-                      "importance sampling (score_centering=False). Set score_centering=False to silence this.", stacklevel=3)

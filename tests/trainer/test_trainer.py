@@ -26,7 +26,7 @@ def small_dataset(n=24, seed=3) -> Dataset:
 
 def config(tmp_path, **overrides) -> AsyncGRPOConfig:
     values = dict(output_dir=str(tmp_path / "run"), num_generations=4, max_completion_length=6, token_budget=256,
-                  learning_rate=1e-4, gradient_checkpointing=False, score_centering=False, save_strategy="no",
+                  learning_rate=1e-4, gradient_checkpointing=False, save_strategy="no",
                   logging_steps=1, max_steps=4, vllm_server_timeout=120, rollout_worker_timeout=60)
     values.update(overrides)
     return AsyncGRPOConfig(**values)
@@ -47,6 +47,7 @@ def test_at_staleness_zero_the_importance_ratio_is_one(tmp_path):
         assert r["sampling/sampling_logp_difference/max"] < 1e-4
         # Tree packing: the group's rollouts share their prompt, so fewer tokens are forwarded than sampled.
         assert r["batch/packing_ratio"] > 1.5
+        assert 0.3 < r["sampling/sampler_mass"] <= 1.0 + 1e-6, "score centering (the default) logs the top-K mass"
         assert set(BATCH_METRICS) <= set(r), f"missing: {set(BATCH_METRICS) - set(r)}"
     assert rows[-1]["num_tokens"] == sum(r["batch/forwarded_tokens_per_step"] for r in rows)
 

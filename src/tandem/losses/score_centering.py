@@ -15,6 +15,9 @@ import torch
 
 from tandem.losses.grpo import TokenStats
 
+SAMPLER_FLOOR = -9999.0
+"""vLLM reports log-probs of impossible tokens (outside a top-k / top-p set) as -9999.0: they have no mass."""
+
 
 def score_centered(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                    top_logprobs: torch.Tensor, top_sampler_logprobs: torch.Tensor, *, epsilon_low: float,
@@ -23,12 +26,12 @@ def score_centered(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
 
     logprobs / old_logprobs / advantages: [N] for the sampled tokens (policy, sampler, advantage);
     top_logprobs / top_sampler_logprobs: [N, K] policy and sampler log-probs of the sampler's top-K tokens,
-    with -inf in the sampler's entries where a position has fewer than K.
+    with -inf (or vLLM's -9999.0 floor) in the sampler's entries where a position has fewer than K.
     """
     ratio = torch.exp(logprobs - old_logprobs)
     detached = ratio.detach()
     in_bounds = (detached >= clip_min) & (detached <= clip_max)
-    present = torch.isfinite(top_sampler_logprobs)
+    present = top_sampler_logprobs > SAMPLER_FLOOR
     top_probs = torch.exp(top_logprobs.masked_fill(~present, float("-inf")))
     top_ratio = (top_probs.detach() / torch.exp(top_sampler_logprobs)).masked_fill(~present, 0.0)
     top_in_bounds = present & (top_ratio >= clip_min) & (top_ratio <= clip_max)

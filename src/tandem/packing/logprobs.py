@@ -23,28 +23,33 @@ CHUNK_SIZE = 1024
 class TokenLogprobs:
     logprobs: torch.Tensor  # [N] log π_θ(target), differentiable
     entropy: torch.Tensor   # [N] entropy of the (renormalised) distribution, detached
+    extra: torch.Tensor | None = None  # [N, K] log-probs of `extra_ids` (the sampler's top-K), differentiable
 
 
 def chunked_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float = 1.0,
                      kept_ids: torch.Tensor | None = None, softcap: float | None = None,
-                     chunk_size: int = CHUNK_SIZE) -> TokenLogprobs:
-    """log softmax(head(hidden) / temperature)[target] for each of the N rows of `hidden` ([N, H])."""
-    logprobs, entropy = [], []
+                     chunk_size: int = CHUNK_SIZE, extra_ids: torch.Tensor | None = None) -> TokenLogprobs:
+    """log softmax(head(hidden) / temperature)[target] for each of the N rows of `hidden` ([N, H]), and at
+    `extra_ids` ([N, K]) when given."""
+    logprobs, entropy, extra = [], [], []
     recompute = torch.is_grad_enabled()
     for start in range(0, hidden.shape[0], chunk_size):
         part = slice(start, start + chunk_size)
         kept = kept_ids[part] if kept_ids is not None else None
-        args = (head, hidden[part], targets[part], temperature, kept, softcap)
-        lp, ent = checkpoint(_chunk, *args, use_reentrant=False) if recompute else _chunk(*args)
+        more = extra_ids[part] if extra_ids is not None else None
+        args = (head, hidden[part], targets[part], temperature, kept, softcap, more)
+        lp, ent, ex = checkpoint(_chunk, *args, use_reentrant=False) if recompute else _chunk(*args)
         logprobs.append(lp)
         entropy.append(ent)
+        extra.append(ex)
     if not logprobs:  # no trained token: an empty result still attached to the graph, so backward() works
         empty = hidden.new_zeros(0, dtype=torch.float32)
-        return TokenLogprobs(empty + hidden.sum() * 0, empty)
-    return TokenLogprobs(torch.cat(logprobs), torch.cat(entropy))
+        width = extra_ids.shape[1] if extra_ids is not None else 0
+        return TokenLogprobs(empty + hidden.sum() * 0, empty, hidden.new_zeros(0, width) + hidden.sum() * 0)
+    return TokenLogprobs(torch.cat(logprobs), torch.cat(entropy), torch.cat(extra) if extra_ids is not None else None)
 
 
-def _chunk(head, hidden, targets, temperature, kept, softcap):
+def _chunk(head, hidden, targets, temperature, kept, softcap, extra_ids):
     rows = hidden.shape[0]
     if rows < MIN_ROWS:  # as in the sampler: CPU matmuls with fewer rows round differently
         hidden = torch.cat([hidden, hidden[-1:].expand(MIN_ROWS - rows, -1)])
@@ -60,7 +65,8 @@ def _chunk(head, hidden, targets, temperature, kept, softcap):
     all_logprobs = logits.log_softmax(-1)
     with torch.no_grad():
         entropy = -(all_logprobs.exp() * all_logprobs.nan_to_num(neginf=0.0)).sum(-1)
-    return all_logprobs.gather(1, targets[:, None])[:, 0], entropy
+    extra = all_logprobs.gather(1, extra_ids) if extra_ids is not None else None
+    return all_logprobs.gather(1, targets[:, None])[:, 0], entropy, extra
 
 
 def row_logprobs(model: torch.nn.Module, row: PackedRow, kernel: str, temperature: float = 1.0,
@@ -77,8 +83,9 @@ def row_logprobs(model: torch.nn.Module, row: PackedRow, kernel: str, temperatur
                               attention_mask=masks, use_cache=False)
     hidden = out.last_hidden_state[0, row.predict_index.to(device)]
     kept = row.kept_ids.to(device) if row.kept_ids is not None else None
+    top = row.top_ids.to(device) if row.top_ids is not None else None
     return chunked_logprobs(hidden, model.get_output_embeddings(), row.targets.to(device), temperature, kept,
-                            _softcap(model), chunk_size)
+                            _softcap(model), chunk_size, extra_ids=top)
 
 
 def check_head(model: torch.nn.Module) -> None:

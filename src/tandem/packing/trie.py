@@ -47,6 +47,8 @@ class PackedRow:
     advantages: torch.Tensor      # [N]
     term_sample: torch.Tensor     # [N] which sample of the row term n belongs to
     kept_ids: torch.Tensor | None  # [N, K] the sampler's kept token ids per term (-1 pads), when it truncated
+    top_ids: torch.Tensor | None   # [N, K] the sampler's most likely tokens at each term's position (0 pads)
+    top_sampler_logprobs: torch.Tensor | None  # [N, K] their sampler log-probs (-inf pads)
     samples: list[Sample]
     raw_tokens: int
     """Tokens before packing (each sample's full length)."""
@@ -137,7 +139,7 @@ class TrieRow:
             stack += [start, len(ids), _CLOSE]
             stack += reversed(node.children.values())
 
-        predict, targets, old, adv, owner, kept = [], [], [], [], [], []
+        predict, targets, old, adv, owner, kept, top = [], [], [], [], [], [], []
         for s, (sample, path) in enumerate(zip(self.samples, self.paths)):
             for j in range(1, sample.num_tokens):
                 if sample.trained[j]:
@@ -147,12 +149,13 @@ class TrieRow:
                     adv.append(sample.advantage)
                     owner.append(s)
                     kept.append(sample.sampling_mask[j] if sample.sampling_mask else None)
+                    top.append(sample.sampler_top[j] if sample.sampler_top else None)
         return PackedRow(
             input_ids=torch.tensor(ids, dtype=torch.long), position_ids=torch.tensor(positions, dtype=torch.long),
             end=torch.tensor(ends, dtype=torch.long), predict_index=torch.tensor(predict, dtype=torch.long),
             targets=torch.tensor(targets, dtype=torch.long), old_logprobs=torch.tensor(old, dtype=torch.float32),
             advantages=torch.tensor(adv, dtype=torch.float32), term_sample=torch.tensor(owner, dtype=torch.long),
-            kept_ids=_pad_kept(kept), samples=list(self.samples), raw_tokens=sum(s.num_tokens for s in self.samples), load=self.load,
+            kept_ids=_pad_kept(kept), **_pad_top(top), samples=list(self.samples), raw_tokens=sum(s.num_tokens for s in self.samples), load=self.load,
         )
 
 
@@ -166,6 +169,19 @@ def _pad_kept(kept: list[list[int] | None]) -> torch.Tensor | None:
                          "renormalising only some of them would bias the ratio. Every sampled token needs its kept set.")
     width = max(len(k) for k in kept)
     return torch.tensor([k + [-1] * (width - len(k)) for k in kept], dtype=torch.long)
+
+
+def _pad_top(top: list[dict[int, float] | None]) -> dict:
+    """Per-term sampler top-K as [N, K] ids (0 pads) and log-probs (-inf pads); None when no term has them."""
+    if not any(t is not None for t in top):
+        return {"top_ids": None, "top_sampler_logprobs": None}
+    if not all(t is not None for t in top):
+        raise ValueError("some trained tokens have the sampler's top log-probs and others do not: score centering needs "
+                         "them at every sampled position (request logprobs=num_sampler_logprobs in every turn)")
+    width = max(len(t) for t in top)
+    ids = [list(t) + [0] * (width - len(t)) for t in top]
+    logprobs = [list(t.values()) + [float("-inf")] * (width - len(t)) for t in top]
+    return {"top_ids": torch.tensor(ids, dtype=torch.long), "top_sampler_logprobs": torch.tensor(logprobs, dtype=torch.float32)}
 
 
 _CLOSE = object()

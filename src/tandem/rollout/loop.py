@@ -49,6 +49,8 @@ class AsyncRolloutLoop:
         self.start = dataset_start_index
         self.num_positions = num_positions
         self.allowance = TokenAllowance(config.max_staleness, full_step_tokens)
+        self.top_logprobs = config.num_sampler_logprobs if config.score_centering else 0
+        """How many of the sampler's most likely tokens to ask for at each position (score centering needs them)."""
         self.rng = random.Random(config.seed + dataset_start_index)
         self.records: dict[str, list] = defaultdict(list)
         self.produced_tokens = 0.0
@@ -88,10 +90,11 @@ class AsyncRolloutLoop:
         completions = await self.client.complete(
             prompt_ids, model=self.model_name, max_tokens=c.max_completion_length, n=n, temperature=c.temperature,
             top_p=c.top_p, top_k=c.top_k, min_p=c.min_p or 0.0, repetition_penalty=c.repetition_penalty,
-            seed=self.rng.getrandbits(62), logprobs=0, stop_token_ids=self.eos_token_ids,
+            seed=self.rng.getrandbits(62), logprobs=self.top_logprobs, stop_token_ids=self.eos_token_ids,
         )
         self.generated_tokens += sum(len(x.token_ids) for x in completions)
         return [TurnRecord(prompt_ids=list(prompt_ids), output_ids=x.token_ids, output_log_probs=x.logprobs,
+                           output_sampler_logprobs=sampler_top(x.top_logprobs, self.top_logprobs),
                            finish_reason=x.finish_reason) for x in completions]
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
@@ -406,3 +409,12 @@ class AsyncRolloutLoop:
         if self.records:
             records, self.records = dict(self.records), defaultdict(list)
             self.emit("metrics", records)
+
+
+def sampler_top(entries: list[dict[int, float]] | None, k: int) -> list[dict[int, float]] | None:
+    """The sampler's top-k {token: log-prob} at each position. The server lists the sampled token first, then the
+    top-k, merged: k + 1 entries mean the sampled token is not among the top k, so it is dropped."""
+    if not k or entries is None:
+        return None
+    return [dict(list(e.items())[1:]) if len(e) > k else e for e in entries]
+

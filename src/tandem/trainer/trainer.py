@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from tandem.config import AsyncGRPOConfig, warn_unimplemented
+from tandem.config import AsyncGRPOConfig
 from tandem.generation.client import ControlClient
 from tandem.generation.launcher import EmbeddedServer
 from tandem.losses.grpo import clipped_surrogate
+from tandem.losses.score_centering import score_centered
 from tandem.metrics.sinks import ProgressLine, make_sinks
 from tandem.metrics.window import MetricWindow
 from tandem.packing import PackedRow
@@ -108,7 +109,6 @@ class AsyncGRPOTrainer:
     def train(self, resume_from_checkpoint=None) -> TrainOutput:
         args = self.args
         check_picklable({"reward function": f for f in self.reward_funcs} | {"loop_cls": self.loop_cls})
-        warn_unimplemented(args)
         torch.manual_seed(args.seed)
         self.output_dir = Path(args.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -392,10 +392,19 @@ class AsyncGRPOTrainer:
             scored = row_logprobs(self.model, row, self.kernel, args.temperature)
         logprobs = scored.logprobs
         self.window.add("perf/fwd_s", time.perf_counter() - start)
-        old = row.old_logprobs.to(self.device)
-        losses, stats = clipped_surrogate(
-            logprobs, old, row.advantages.to(self.device), epsilon_low=args.epsilon, epsilon_high=args.epsilon_high,
-            clip_min=args.vllm_importance_sampling_clip_min, clip_max=args.vllm_importance_sampling_clip_max)
+        old, advantages = row.old_logprobs.to(self.device), row.advantages.to(self.device)
+        bounds = {"epsilon_low": args.epsilon, "epsilon_high": args.epsilon_high,
+                  "clip_min": args.vllm_importance_sampling_clip_min, "clip_max": args.vllm_importance_sampling_clip_max}
+        if args.score_centering:
+            if row.top_ids is None:
+                raise ValueError("score_centering=True needs the sampler's top log-probs of every sampled token, and these "
+                                 "samples have none: a custom generate_one/generate_one_turn must request "
+                                 "logprobs=num_sampler_logprobs (or set score_centering=False)")
+            losses, stats, mass = score_centered(logprobs, old, advantages, scored.extra,
+                                                 row.top_sampler_logprobs.to(self.device), **bounds)
+            self.window.add("sampling/sampler_mass", *mass.tolist())
+        else:
+            losses, stats = clipped_surrogate(logprobs, old, advantages, **bounds)
         # Normalised by the trained tokens of the micro-batch, then averaged over the accumulated micro-batches.
         loss = losses.sum() / max(row.num_trained, 1) / num_rows
         loss.backward()
