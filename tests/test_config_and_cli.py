@@ -1,5 +1,9 @@
 """AsyncGRPOConfig validation and `tandem train` recipes, overrides and the dry run."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from tandem.cli import main
@@ -51,3 +55,26 @@ def test_dry_run_prints_the_recipe_and_the_server_command(capsys):
     assert 10 < longest < 40, "the demo's arithmetic prompts render to about 20 tokens"
     assert "--logprobs-mode processed_logprobs" in command and f"--max-model-len {longest + 16}" in command
     assert "--weight-transfer-config" in command and "VLLM_SERVER_DEV_MODE=1" in command
+
+
+def test_flash_reinforce_dry_run_prints_settings_and_server_without_touching_cuda():
+    code = ("import torch; from tandem.cli import main; main(['train', 'examples/flash_reinforce.yaml', '--dry-run']); "
+            "print('cuda initialised:', torch.cuda.is_initialized())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout
+    assert "algorithm: flash_reinforce" in out and "num_generations: 1" in out and "flash_delta: 0.003" in out
+    assert "vllm serve" in out and "cuda initialised: False" in out
+    assert not Path("runs/flash_reinforce").exists(), "a dry run starts nothing and writes nothing"
+
+
+def test_flash_reinforce_needs_one_generation_per_prompt():
+    with pytest.raises(ValueError, match="num_generations=8.*set num_generations=1"):
+        AsyncGRPOConfig(algorithm="flash_reinforce")
+    with pytest.raises(ValueError, match="flash_delta=-1"):
+        AsyncGRPOConfig(algorithm="flash_reinforce", num_generations=1, flash_delta=-1)
+
+
+def test_the_toy_update_example_runs_one_step_on_cpu():
+    out = subprocess.run([sys.executable, "examples/toy_update.py"], capture_output=True, text=True, check=True, timeout=120).stdout
+    assert "loss" in out and "acceptance rate  1.000" in out
+    before, after = (float(x) for x in out.split("P(action 0)")[1].split("->"))
+    assert after > before, "rewarded actions become more likely after one step"

@@ -70,6 +70,11 @@ class AsyncGRPOConfig:
 
     # ---- the loss ----
     algorithm: str = "grpo"
+    """"grpo", or "flash_reinforce" (spec 004: one rollout per prompt, batch-mean baseline, Sequence Trust Region)."""
+    flash_delta: float = 3e-3
+    """FlashREINFORCE: a trajectory trains only if its mean Bernoulli KL to the sampler is at most this."""
+    flash_negative_token_fraction: float = 1.0
+    """FlashREINFORCE: failed trajectories (reward <= 0) keep only this fraction of their tokens, the highest-entropy ones."""
     epsilon: float = 0.2
     epsilon_high: float | None = None
     score_centering: bool = True
@@ -93,6 +98,10 @@ class AsyncGRPOConfig:
         checks = [
             ("num_generations", self.num_generations >= 2 or self.algorithm != "grpo",
              "GRPO needs at least 2 generations per prompt to compare them"),
+            ("num_generations", self.num_generations == 1 or self.algorithm != "flash_reinforce",
+             "FlashREINFORCE samples one rollout per prompt: set num_generations=1"),
+            ("flash_delta", self.flash_delta >= 0, "the trust-region threshold must be >= 0 (inf admits everything)"),
+            ("flash_negative_token_fraction", 0 <= self.flash_negative_token_fraction <= 1, "must be in [0, 1]"),
             ("max_completion_length", self.max_completion_length >= 1, "must be at least 1"),
             ("temperature", 0 < self.temperature <= 2, "must be in (0, 2]: RL needs sampling, not greedy decoding"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),

@@ -115,3 +115,21 @@ def test_an_unknown_kernel_names_the_choices():
     model = AutoModelForCausalLM.from_config(tiny_config())
     with pytest.raises(ValueError, match="'exact', 'sdpa', 'flex'"):
         attention.tree_masks(torch.tensor([0]), torch.tensor([0]), model, "flash")
+
+
+def test_moe_rows_return_the_router_load_balancing_loss_of_their_real_tokens():
+    from transformers import Qwen2MoeConfig
+
+    config = Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            shared_expert_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                            router_aux_loss_coef=0.01, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    ids = list(range(3, 23))  # 20 tokens: no filler rows
+    expected = model(input_ids=torch.tensor([ids])).aux_loss  # transformers' own (before router_aux_loss_coef)
+    attention.prepare(model)
+    scored = row_logprobs(model, pack([sample(ids)]), "exact")
+    torch.testing.assert_close(scored.aux_loss, expected, atol=1e-6, rtol=1e-5)
+    scored.aux_loss.backward()
+    assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0, "the router gets the balancing gradient"

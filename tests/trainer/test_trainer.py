@@ -15,7 +15,8 @@ from datasets import Dataset
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop
 from tandem.rewards import accuracy_reward
 from tandem.rollout.worker import WorkerError
-from tandem.tasks import arithmetic
+from tandem.tasks import TINY_MODEL_PATH, arithmetic
+from tests.conftest import ServerThread
 
 pytestmark = pytest.mark.slow
 
@@ -247,3 +248,33 @@ def test_samples_longer_than_the_token_budget_are_dropped_with_a_warning(tmp_pat
         trainer.train()
     assert sum(r.get("batch/dropped_oversize_count", 0) for r in logged(tmp_path)) > 0
     assert set(trainer.ledger.finished) == set(range(8)), "dropped samples still finish their prompt"
+
+
+def test_flash_reinforce_trains_one_rollout_per_prompt_with_the_batch_baseline(tmp_path):
+    args = config(tmp_path, algorithm="flash_reinforce", num_generations=1, max_staleness=0, max_steps=3, flash_delta=3e-3)
+    trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=small_dataset(48))
+    trainer.train()
+    rows = logged(tmp_path)
+    for r in rows:
+        # On policy (staleness 0) the policy equals the sampler: every trajectory's KL is 0 and passes the gate.
+        assert r["flash/acceptance_rate"] == 1.0 and r["flash/sequence_kl_max"] < 1e-6
+        assert r["flash/retained_tokens_frac"] == 1.0
+        assert r["batch/samples_per_step"] == r["batch/groups_per_step"], "one rollout (and one sample) per prompt"
+        assert r["frac_reward_zero_std"] == 0.0, "a single rollout has no group variance, and FlashREINFORCE keeps it"
+
+
+def test_top_k_top_p_ratios_are_exact_with_sampling_masks_and_biased_without(tmp_path):
+    truncated = {"top_k": 10, "top_p": 0.7, "max_staleness": 0, "max_steps": 2, "temperature": 1.0}
+    AsyncGRPOTrainer("tiny", accuracy_reward, args=config(tmp_path, **truncated), train_dataset=small_dataset()).train()
+    for r in logged(tmp_path):
+        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4, r["sampling/importance_sampling_ratio/mean"]
+
+    # A server without --return-sampling-mask: the worker warns and the ratio is the kept mass, visibly below 1.
+    plain = ServerThread(logprobs_mode="processed_logprobs", served_model_name=[TINY_MODEL_PATH])
+    try:
+        args = config(tmp_path / "off", vllm_server_base_url=plain.url, **truncated)
+        AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=small_dataset()).train()
+    finally:
+        plain.close()
+    means = [r["sampling/importance_sampling_ratio/mean"] for r in logged(tmp_path / "off")]
+    assert max(means) < 0.97, f"without renormalisation the ratio should show the truncated mass: {means}"

@@ -7,6 +7,7 @@ by the sampling temperature (the sampler's processed log-probs are on that scale
 sampler truncated the distribution (top-k / top-p) the log-softmax runs over its kept set only.
 """
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ class TokenLogprobs:
     logprobs: torch.Tensor  # [N] log π_θ(target), differentiable
     entropy: torch.Tensor   # [N] entropy of the (renormalised) distribution, detached
     extra: torch.Tensor | None = None  # [N, K] log-probs of `extra_ids` (the sampler's top-K), differentiable
+    aux_loss: torch.Tensor | None = None  # MoE router load-balancing loss of the row (unscaled), differentiable
 
 
 def chunked_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float = 1.0,
@@ -79,13 +81,26 @@ def row_logprobs(model: torch.nn.Module, row: PackedRow, kernel: str, temperatur
         input_ids, position_ids, end = torch.cat([input_ids, filler * 0]), torch.cat([position_ids, filler * 0]), torch.cat([end, filler])
     position_ids = position_ids.to(device)
     masks = tree_masks(end.to(device), position_ids, model, kernel)
+    moe = hasattr(model.config.get_text_config(), "output_router_logits")
     out = model.get_decoder()(input_ids=input_ids[None].to(device), position_ids=position_ids[None],
-                              attention_mask=masks, use_cache=False)
+                              attention_mask=masks, use_cache=False, **({"output_router_logits": True} if moe else {}))
     hidden = out.last_hidden_state[0, row.predict_index.to(device)]
     kept = row.kept_ids.to(device) if row.kept_ids is not None else None
     top = row.top_ids.to(device) if row.top_ids is not None else None
-    return chunked_logprobs(hidden, model.get_output_embeddings(), row.targets.to(device), temperature, kept,
-                            _softcap(model), chunk_size, extra_ids=top)
+    scored = chunked_logprobs(hidden, model.get_output_embeddings(), row.targets.to(device), temperature, kept,
+                              _softcap(model), chunk_size, extra_ids=top)
+    if moe:
+        scored.aux_loss = _load_balancing_loss(model, out.router_logits, row.num_tokens, input_ids.numel())
+    return scored
+
+
+def _load_balancing_loss(model, router_logits, real_tokens: int, tokens: int) -> torch.Tensor:
+    """The model's own router load-balancing loss over the row's real tokens (filler rows left out)."""
+    config = model.config.get_text_config()
+    balance = sys.modules[type(model).__module__].load_balancing_loss_func
+    real = (torch.arange(tokens) < real_tokens).long()[None].to(router_logits[0].device)
+    experts = getattr(config, "num_experts", None) or config.num_local_experts
+    return balance(router_logits, experts, config.num_experts_per_tok, real)
 
 
 def check_head(model: torch.nn.Module) -> None:

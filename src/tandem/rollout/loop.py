@@ -12,6 +12,7 @@ import json
 import math
 import random
 import time
+import warnings
 from collections import defaultdict
 
 import numpy as np
@@ -49,7 +50,10 @@ class AsyncRolloutLoop:
         self.start = dataset_start_index
         self.num_positions = num_positions
         self.allowance = TokenAllowance(config.max_staleness, full_step_tokens)
-        self.top_logprobs = config.num_sampler_logprobs if config.score_centering else 0
+        self.flash = config.algorithm == "flash_reinforce"
+        self.sampling_masks = False
+        """Whether requests go to /inference/v1/generate for each token's kept set (top-k / top-p; see run)."""
+        self.top_logprobs = config.num_sampler_logprobs if config.score_centering and not self.flash else 0
         """How many of the sampler's most likely tokens to ask for at each position (score centering needs them)."""
         self.rng = random.Random(config.seed + dataset_start_index)
         self.records: dict[str, list] = defaultdict(list)
@@ -85,17 +89,41 @@ class AsyncRolloutLoop:
         return turn
 
     async def _sample(self, prompt_ids: list[int], n: int) -> list[TurnRecord]:
-        """`n` samples of one prompt in one request; the server seeds child i with seed + i."""
+        """`n` samples of one prompt in one request; the server seeds child i with seed + i. With top-k / top-p /
+        min-p the request goes to `/inference/v1/generate`, which also returns each token's kept set."""
         c = self.config
-        completions = await self.client.complete(
-            prompt_ids, model=self.model_name, max_tokens=c.max_completion_length, n=n, temperature=c.temperature,
-            top_p=c.top_p, top_k=c.top_k, min_p=c.min_p or 0.0, repetition_penalty=c.repetition_penalty,
-            seed=self.rng.getrandbits(62), logprobs=self.top_logprobs, stop_token_ids=self.eos_token_ids,
-        )
+        if self.sampling_masks:
+            # The server replays a sampling mask only with top_k > 0; top_k = vocabulary size truncates nothing.
+            completions = await self.client.generate(prompt_ids, model=self.model_name, sampling_params={
+                "max_tokens": c.max_completion_length, "n": n, "temperature": c.temperature, "top_p": c.top_p,
+                "top_k": c.top_k or self.vocab_size, "min_p": c.min_p or 0.0, "repetition_penalty": c.repetition_penalty,
+                "seed": self.rng.getrandbits(62), "logprobs": self.top_logprobs, "stop_token_ids": self.eos_token_ids,
+                "skip_special_tokens": False})
+        else:
+            completions = await self.client.complete(
+                prompt_ids, model=self.model_name, max_tokens=c.max_completion_length, n=n, temperature=c.temperature,
+                top_p=c.top_p, top_k=c.top_k, min_p=c.min_p or 0.0, repetition_penalty=c.repetition_penalty,
+                seed=self.rng.getrandbits(62), logprobs=self.top_logprobs, stop_token_ids=self.eos_token_ids,
+            )
         self.generated_tokens += sum(len(x.token_ids) for x in completions)
         return [TurnRecord(prompt_ids=list(prompt_ids), output_ids=x.token_ids, output_log_probs=x.logprobs,
                            output_sampler_logprobs=sampler_top(x.top_logprobs, self.top_logprobs),
-                           finish_reason=x.finish_reason) for x in completions]
+                           output_sampling_mask=x.sampling_mask, finish_reason=x.finish_reason) for x in completions]
+
+    async def _server_returns_sampling_masks(self) -> bool:
+        """Top-k / top-p need each token's kept set to renormalise the trainer's log-probs over it. Without
+        `--return-sampling-mask` (and `--enable-scale-out`) the server cannot send it: warn, and train on the
+        full-vocabulary distribution, whose ratios are then biased by the mass the sampler cut off."""
+        info = await self.control.server_info()
+        config = info.get("vllm_config")
+        model_config = config.get("model_config", {}) if isinstance(config, dict) else {}
+        if model_config.get("return_sampling_mask"):
+            self.vocab_size = len(self.tokenizer)
+            return True
+        warnings.warn("top_k / top_p / min_p are set but the server does not return sampling masks: start it with "
+                      "--return-sampling-mask --enable-scale-out --logprobs-mode processed_logprobs. Training goes on "
+                      "with full-vocabulary log-probs, so every importance ratio is biased by the truncated mass.", stacklevel=2)
+        return False
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         """One advantage per rollout: rewards standardised within the group (unscored rollouts get 0)."""
@@ -133,6 +161,7 @@ class AsyncRolloutLoop:
         self.client = GenerationClient(self.base_url, api_key=self.api_key, timeout_s=self.config.vllm_server_timeout)
         self.control = ControlClient(self.base_url, api_key=self.api_key, timeout_s=30)
         await self.setup()
+        self.sampling_masks = self.config.uses_truncated_sampling and await self._server_returns_sampling_masks()
         background = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._report())]
         try:
             await self._init_cap()
@@ -305,7 +334,8 @@ class AsyncRolloutLoop:
             raise ValueError(f"compute_advantages returned shape {advantages.shape}; it must return one advantage per rollout ({g})")
         self.record("rollout/score_s", time.monotonic() - start)
         self.groups_finished += 1
-        kept = scoring.keeps_signal(group.rewards)
+        # GRPO learns only from groups whose rewards differ; FlashREINFORCE's baseline is the batch, not the group.
+        kept = bool(np.isfinite(group.rewards).any()) if self.flash else scoring.keeps_signal(group.rewards)
         self._record_group(group, columns, kept)
         if not kept:
             self._flush_records()
@@ -315,8 +345,9 @@ class AsyncRolloutLoop:
             Sample(input_ids=s.input_ids, trained=s.trained, logprobs=s.logprobs, advantage=float(a),
                    model_version=group.model_version, group_id=group.group_id, position=position,
                    group_samples=sum(len(seqs) for seqs in group.completions_sequences),
-                   rollout_id=rollout.rollout_id, created_at=time.time(), sampler_top=s.sampler_top, sampling_mask=s.sampling_mask)
-            for rollout, seqs, a in zip(rollouts, group.completions_sequences, advantages) for s in seqs
+                   rollout_id=rollout.rollout_id, created_at=time.time(), sampler_top=s.sampler_top, sampling_mask=s.sampling_mask,
+                   reward=float(r))
+            for rollout, seqs, a, r in zip(rollouts, group.completions_sequences, advantages, group.rewards) for s in seqs
         ]
         if not samples:
             self.emit("skip", position)

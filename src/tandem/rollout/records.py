@@ -87,6 +87,8 @@ class Sample:
     created_at: float
     sampler_top: list[dict[int, float] | None] = field(default_factory=list)
     sampling_mask: list[list[int] | None] = field(default_factory=list)
+    reward: float = float("nan")
+    """The rollout's total reward (FlashREINFORCE computes advantages from it when the batch is assembled)."""
 
     @property
     def num_tokens(self) -> int:

@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from tandem.config import AsyncGRPOConfig
 from tandem.generation.client import ControlClient
 from tandem.generation.launcher import EmbeddedServer
-from tandem.losses.grpo import clipped_surrogate
+from tandem.losses.flash_reinforce import flash_reinforce_loss
+from tandem.losses.grpo import TokenStats, clipped_surrogate
 from tandem.losses.score_centering import score_centered
 from tandem.metrics.sinks import ProgressLine, make_sinks
 from tandem.metrics.window import MetricWindow
@@ -83,11 +84,6 @@ class AsyncGRPOTrainer:
                                    ("tools", tools, "tool calling"), ("environment_factory", environment_factory, "environments")):
             if value:
                 raise NotImplementedError(f"{name}: {issue} is not implemented in tandem yet; remove {name} to train")
-        if self.args.algorithm != "grpo":
-            raise NotImplementedError(f"algorithm={self.args.algorithm!r} is not implemented in tandem yet; use 'grpo'")
-        if self.args.uses_truncated_sampling:
-            raise NotImplementedError("top_k / top_p / min_p need sampling-mask renormalisation, which tandem does not "
-                                      "implement yet: without it every importance ratio is biased. Leave them at their defaults.")
         self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs] if reward_funcs else []
         if not self.reward_funcs:
             raise ValueError("reward_funcs is empty: pass at least one reward function (e.g. tandem.rewards.accuracy_reward)")
@@ -100,6 +96,8 @@ class AsyncGRPOTrainer:
         self.tools, self.environment_factory = tools, environment_factory
         self.optimizer, self.scheduler = optimizers
         self.device = next(self.model.parameters()).device
+        model_coef = getattr(self.model.config.get_text_config(), "router_aux_loss_coef", 0.0) or 0.0
+        self.aux_loss_coef = self.args.router_aux_loss_coef if self.args.router_aux_loss_coef is not None else model_coef
         self.kernel = self.args.tree_attention_kernel or tree_attention.default_kernel(self.device)
         if self.kernel == "flex" and self.device.type != "cuda":
             raise ValueError("tree_attention_kernel='flex' needs a GPU: FlexAttention has no backward pass on CPU. "
@@ -179,6 +177,8 @@ class AsyncGRPOTrainer:
         extra = ["--served-model-name", self.model_name, "--logprobs-mode", "processed_logprobs",
                  "--max-logprobs", str(max(20, args.num_sampler_logprobs)), "--dtype", _served_dtype(self.model),
                  "--max-num-seqs", str(min(256, args.max_concurrent_rollouts))]
+        if args.uses_truncated_sampling:  # each token's kept set, to renormalise the trainer's log-probs over it
+            extra += ["--enable-scale-out", "--return-sampling-mask"]
         self.server = EmbeddedServer(source, log_path=self.output_dir / "server.log", extra_args=extra)
         return self.server.url
 
@@ -328,8 +328,12 @@ class AsyncGRPOTrainer:
         args, state = self.args, self.state
         fwd_bwd_start = time.perf_counter()
         total_loss = 0.0
-        for row in rows:
-            total_loss += self._row_backward(row, len(rows))
+        if args.algorithm == "flash_reinforce":
+            for row, coefficients in zip(rows, self._flash_coefficients(rows)):
+                total_loss += self._flash_row_backward(row, coefficients)
+        else:
+            for row in rows:
+                total_loss += self._row_backward(row, len(rows))
         fwd_bwd = time.perf_counter() - fwd_bwd_start
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
         opt_start = time.perf_counter()
@@ -407,8 +411,69 @@ class AsyncGRPOTrainer:
             losses, stats = clipped_surrogate(logprobs, old, advantages, **bounds)
         # Normalised by the trained tokens of the micro-batch, then averaged over the accumulated micro-batches.
         loss = losses.sum() / max(row.num_trained, 1) / num_rows
+        if scored.aux_loss is not None:  # MoE: the router's load-balancing loss, with the model's coefficient by default
+            self.window.add("aux_loss", float(scored.aux_loss))
+            loss = loss + self.aux_loss_coef * scored.aux_loss / num_rows
         loss.backward()
         self._record_token_stats(row, logprobs.detach(), old, scored.entropy, stats)
+        return loss.item()
+
+    def _flash_coefficients(self, rows: list[PackedRow]) -> list[torch.Tensor]:
+        """FlashREINFORCE over the whole optimizer batch (reference/flashreinforce_notes.md): its update is
+        Σ_t c_t ∇log π_θ(a_t), with every c_t detached. A no-grad pass scores every trained token, then the
+        reference loss — over one [trajectories, tokens] batch, a multi-turn rollout being one trajectory
+        whatever rows its samples landed in — gives the c_t as the gradient of its loss."""
+        args, terms = self.args, []  # (trajectory, row, term) for every trained token
+        with torch.no_grad():
+            scored = [row_logprobs(self.model, row, self.kernel, args.temperature) for row in rows]
+        trajectories: dict[str, int] = {}
+        for r, row in enumerate(rows):
+            for t, s in enumerate(row.term_sample.tolist()):
+                terms.append((trajectories.setdefault(row.samples[s].rollout_id, len(trajectories)), r, t))
+        rewards = torch.zeros(len(trajectories))
+        for row in rows:
+            for sample in row.samples:
+                rewards[trajectories[sample.rollout_id]] = sample.reward
+        counts = torch.bincount(torch.tensor([i for i, _, _ in terms]), minlength=len(trajectories))
+        width = int(counts.max())
+        current, behavior, entropies = (torch.zeros(len(trajectories), width) for _ in range(3))
+        mask = torch.zeros(len(trajectories), width, dtype=torch.bool)
+        filled = [0] * len(trajectories)
+        for i, r, t in terms:
+            j, filled[i] = filled[i], filled[i] + 1
+            current[i, j], behavior[i, j] = scored[r].logprobs[t].item(), rows[r].old_logprobs[t].item()
+            entropies[i, j], mask[i, j] = scored[r].entropy[t].item(), True
+        current.requires_grad_(True)
+        loss, diagnostics = flash_reinforce_loss(
+            current, behavior.clamp(max=0.0), rewards, mask, delta=args.flash_delta,
+            negative_token_fraction=args.flash_negative_token_fraction, entropies=entropies, failures=rewards <= 0)
+        loss.backward()
+        w = self.window
+        w.add("flash/acceptance_rate", float(diagnostics["acceptance_rate"]))
+        w.add("flash/sequence_kl_mean", *diagnostics["sequence_kl"].tolist())
+        w.add("flash/sequence_kl_max", float(diagnostics["sequence_kl"].max()))
+        w.add("flash/retained_tokens_frac", float(diagnostics["retained_tokens"].sum() / diagnostics["policy_tokens"].sum()))
+        coefficients = [torch.zeros(row.num_trained) for row in rows]
+        filled = [0] * len(trajectories)
+        for i, r, t in terms:
+            coefficients[r][t] = current.grad[i, filled[i]]
+            filled[i] += 1
+        return coefficients
+
+    def _flash_row_backward(self, row: PackedRow, coefficients: torch.Tensor) -> float:
+        """Forward and backward one row with the FlashREINFORCE coefficients fixed for its tokens."""
+        args = self.args
+        start = time.perf_counter()
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if _use_bf16(args, self.device) else nullcontext()
+        with autocast:
+            scored = row_logprobs(self.model, row, self.kernel, args.temperature)
+        self.window.add("perf/fwd_s", time.perf_counter() - start)
+        loss = (coefficients.to(self.device) * scored.logprobs).sum()
+        loss.backward()
+        logprobs, old = scored.logprobs.detach(), row.old_logprobs.to(self.device)
+        ratio = torch.exp(logprobs - old)
+        unclipped = torch.zeros_like(ratio, dtype=torch.bool)  # FlashREINFORCE neither clips nor masks tokens
+        self._record_token_stats(row, logprobs, old, scored.entropy, TokenStats(ratio, ~unclipped, unclipped, unclipped))
         return loss.item()
 
     def _record_token_stats(self, row: PackedRow, logprobs, old, entropy, stats) -> None:
