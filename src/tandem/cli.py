@@ -1,4 +1,5 @@
-"""The `tandem` command line: `tandem train RECIPE.yaml [--field value ...] [--dry-run]` and `tandem serve MODEL`."""
+"""The `tandem` command line: `tandem train RECIPE.yaml [--field value ...] [--dry-run]`, `tandem serve MODEL` and
+`tandem proxy --upstream URL [--upstream URL ...]`."""
 
 import argparse
 import json
@@ -38,6 +39,46 @@ def serve_parser(sub) -> None:
                    help="exact: log-probs bitwise equal to a full forward (re-forwards a 16-token window per step, eager "
                         "attention); fast: one token per step with SDPA (default auto: exact on CPU, fast on GPU)")
     p.add_argument("--step-delay-s", type=float, default=0.0, help="benchmarks: sleep this long after every decode step")
+
+
+def proxy_parser(sub) -> None:
+    p = sub.add_parser("proxy", help="one endpoint in front of several generation servers, routing by prompt prefix",
+                       description="Route rollouts to the replica holding their KV prefix; broadcast control calls and "
+                                   "adapter loads (all-or-nothing) to every replica.")
+    p.add_argument("--upstream", action="append", required=True, metavar="URL", help="a generation server (repeat for each)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default 8000)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per hashed prefix block, as the replicas' cache (default 16)")
+    p.add_argument("--imbalance", type=int, default=8, help="affinity only while the replica has at most this many more "
+                                                            "requests in flight than the least loaded (default 8)")
+    p.add_argument("--lora-retry-s", type=float, default=2.0, help="wait between retries of 'No adapter found' (default 2)")
+    p.add_argument("--lora-load-timeout-s", type=float, default=300.0, help="give up on a lagging replica after this (default 300)")
+    p.add_argument("--connect-timeout-s", type=float, default=10.0, help="a replica that does not accept within this is down (default 10)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1, /inference")
+    p.add_argument("--upstream-api-key", default=None, help="bearer token sent to the replicas")
+
+
+def run_proxy(ns: argparse.Namespace) -> None:
+    import asyncio
+
+    from tandem.proxy.app import ProxyArgs, start_proxy
+
+    args = ProxyArgs(upstreams=ns.upstream, host=ns.host, port=ns.port, block_size=ns.block_size, imbalance=ns.imbalance,
+                     lora_retry_s=ns.lora_retry_s, lora_load_timeout_s=ns.lora_load_timeout_s,
+                     connect_timeout_s=ns.connect_timeout_s, api_key=ns.api_key, upstream_api_key=ns.upstream_api_key)
+
+    async def main():
+        runner, port = await start_proxy(args)
+        print(f"tandem proxy: http://{args.host}:{port} -> {', '.join(args.upstreams)}", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
 
 
 def run_serve(ns: argparse.Namespace) -> None:
@@ -116,11 +157,14 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     train_parser(sub)
     serve_parser(sub)
+    proxy_parser(sub)
     ns, rest = parser.parse_known_args(argv)
     if ns.command == "train":
         run_train(ns, rest)
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    elif ns.command == "proxy":
+        run_proxy(ns)
     else:
         run_serve(ns)
 

@@ -1,0 +1,245 @@
+"""`tandem proxy`: one vLLM-protocol endpoint in front of several generation servers (spec 002).
+
+Generation requests are routed by prompt prefix (router.py). Control calls are broadcast: `/pause`,
+`/resume`, `/reset_prefix_cache` (the router forgets what the replicas held), `/v1/unload_lora_adapter`;
+`/v1/load_lora_adapter` is all-or-nothing — a replica answering "No adapter found" (its mount has not seen
+the directory yet) is retried until a deadline, any other failure unloads the adapter from the replicas
+that took it. `/health` is 200 only when every replica is; `/metrics` concatenates the replicas' metrics
+with a `replica` label (the trainer's concurrency cap sums them); other reads go to the first replica.
+A dead replica answers 502 at once (connection refused) or after `connect_timeout_s`, never a hang.
+"""
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from tandem.proxy.router import PrefixRouter
+
+ROUTED = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
+BROADCAST = ("/pause", "/resume", "/reset_prefix_cache", "/v1/unload_lora_adapter")
+HOP_BY_HOP = {"host", "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
+              "transfer-encoding", "upgrade", "content-length", "content-encoding", "authorization"}
+
+
+@dataclass
+class ProxyArgs:
+    upstreams: list[str]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    block_size: int = 16
+    imbalance: int = 8
+    lora_retry_s: float = 2.0
+    lora_load_timeout_s: float = 300.0
+    connect_timeout_s: float = 10.0
+    api_key: str | None = None
+    upstream_api_key: str | None = None
+
+
+@dataclass
+class Upstream:
+    url: str
+    inflight: int = 0
+    """Generation requests in flight (control calls and probes are not load)."""
+    routed: int = 0
+    failures: int = 0
+    loaded: set[str] = field(default_factory=set)
+
+
+def error(status: int, message: str) -> web.Response:
+    kind = {400: "BadRequestError", 401: "Unauthorized", 502: "BadGateway", 503: "ServiceUnavailableError",
+            504: "GatewayTimeout"}.get(status, "ProxyError")
+    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status)
+
+
+def prompt_of(path: str, body: dict) -> list[int] | bytes:
+    """What the router hashes: token ids when the request carries them, else the text's bytes."""
+    prompt = body.get("token_ids") if path == "/inference/v1/generate" else body.get("prompt", body.get("messages"))
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        prompt = prompt[0]  # a batch of token prompts shares one replica, chosen by its first prompt
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return prompt
+    if isinstance(prompt, str):
+        return prompt.encode()
+    if isinstance(prompt, list):  # chat messages: their text in order, so a conversation's turns share blocks
+        return "".join(f"<{m.get('role')}>{m.get('content')}" for m in prompt if isinstance(m, dict)).encode()
+    return b""
+
+
+class Proxy:
+    def __init__(self, args: ProxyArgs):
+        if not args.upstreams:
+            raise ValueError("tandem proxy needs at least one --upstream URL")
+        self.args = args
+        self.upstreams = [Upstream(url.rstrip("/")) for url in args.upstreams]
+        self.router = PrefixRouter(len(self.upstreams), args.block_size, args.imbalance)
+        self.session: aiohttp.ClientSession | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 30, middlewares=[self._auth])
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        app.router.add_route("*", "/proxy/stats", self.stats)
+        app.router.add_route("*", "/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/v1/load_lora_adapter", self.load_lora)
+        for path in ROUTED:
+            app.router.add_post(path, self.routed)
+        for path in BROADCAST:
+            app.router.add_route("*", path, self.broadcast)
+        app.router.add_route("*", "/{tail:.*}", self.forward)
+        return app
+
+    async def _start(self, _app) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.args.connect_timeout_s)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=1024))
+
+    async def _stop(self, _app) -> None:
+        await self.session.close()
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if self.args.api_key and request.path.startswith(("/v1", "/inference")):
+            if request.headers.get("Authorization") != f"Bearer {self.args.api_key}":
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    async def _send(self, upstream: Upstream, method: str, path_qs: str, body: bytes | None, headers) -> tuple[int, dict, bytes]:
+        """One upstream call, fully buffered; a transport failure is a 502 naming the replica."""
+        out = {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
+        if self.args.upstream_api_key:
+            out["Authorization"] = f"Bearer {self.args.upstream_api_key}"
+        try:
+            async with self.session.request(method, upstream.url + path_qs, data=body, headers=out, allow_redirects=False) as r:
+                data = await r.read()
+                upstream.failures = 0
+                return r.status, {k: v for k, v in r.headers.items() if k.lower() not in HOP_BY_HOP}, data
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            upstream.failures += 1
+            if upstream.failures >= 3:  # a replica that keeps failing has likely restarted: its cache is gone
+                self.router.forget(self.upstreams.index(upstream))
+            message = f"proxy: {upstream.url}: {type(exc).__name__}: {exc}"
+            return 502, {"Content-Type": "application/json"}, json.dumps(
+                {"error": {"message": message, "type": "BadGateway", "param": None, "code": 502}}).encode()
+
+    async def routed(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            return error(400, f"proxy: the request body is not valid JSON: {exc}")
+        if not isinstance(body, dict):
+            return error(400, "proxy: the request body must be a JSON object")
+        decision = self.router.choose(str(body.get("model") or ""), prompt_of(request.path, body),
+                                      [u.inflight for u in self.upstreams])
+        upstream = self.upstreams[decision.replica]
+        upstream.inflight += 1
+        upstream.routed += 1
+        try:
+            status, headers, data = await self._send(upstream, "POST", request.path_qs, raw, request.headers)
+        finally:
+            upstream.inflight -= 1
+        return web.Response(status=status, body=data, headers={**headers, "X-Proxy-Upstream": str(decision.replica)})
+
+    async def _all(self, request: web.Request, raw: bytes | None = None) -> list[tuple[int, dict, bytes]]:
+        raw = await request.read() if raw is None else raw
+        return await asyncio.gather(*(self._send(u, request.method, request.path_qs, raw or None, request.headers)
+                                      for u in self.upstreams))
+
+    async def broadcast(self, request: web.Request) -> web.Response:
+        results = await self._all(request)
+        if request.path == "/reset_prefix_cache":
+            for index, (status, _, _) in enumerate(results):
+                if status == 200:
+                    self.router.forget(index)
+        failed = [(u, r) for u, r in zip(self.upstreams, results) if r[0] != 200]
+        if request.path == "/v1/unload_lora_adapter":  # vLLM: unloading a name that is not loaded is fine
+            failed = [(u, r) for u, r in failed if r[0] not in (400, 404)]
+        if failed:
+            (upstream, (status, _, data)) = failed[0]
+            return error(status, f"proxy: {len(failed)}/{len(results)} servers failed {request.path}; first: "
+                                 f"{upstream.url} -> {status} {data[:300].decode(errors='replace')}")
+        status, headers, data = results[0]
+        return web.Response(status=200, body=data, headers=headers)
+
+    async def load_lora(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        try:
+            name = json.loads(raw).get("lora_name", "?")
+        except (json.JSONDecodeError, AttributeError):
+            return error(400, "proxy: the request body must be a JSON object with lora_name and lora_path")
+
+        async def load_one(upstream: Upstream) -> tuple[int, bytes, int]:
+            deadline, attempts = time.monotonic() + self.args.lora_load_timeout_s, 0
+            while True:
+                attempts += 1
+                status, _, data = await self._send(upstream, "POST", request.path_qs, raw, request.headers)
+                if status == 200 or b"No adapter found" not in data or time.monotonic() >= deadline:
+                    return status, data, attempts
+                await asyncio.sleep(self.args.lora_retry_s)
+
+        results = await asyncio.gather(*(load_one(u) for u in self.upstreams))
+        failed = [(u, r) for u, r in zip(self.upstreams, results) if r[0] != 200]
+        if not failed:
+            return web.Response(status=200, body=results[0][1], content_type="application/json")
+        unload = json.dumps({"lora_name": name}).encode()
+        rollbacks = await asyncio.gather(*(self._send(u, "POST", "/v1/unload_lora_adapter", unload, {"Content-Type": "application/json"})
+                                           for u, r in zip(self.upstreams, results) if r[0] == 200))
+        upstream, (status, data, attempts) = failed[0]
+        timed_out = b"No adapter found" in data
+        not_rolled_back = sum(1 for s, _, _ in rollbacks if s != 200)
+        return error(504 if timed_out else status,
+                     f"proxy: {len(failed)}/{len(results)} servers failed to load {name}; rolled back on the others"
+                     f"{f' ({not_rolled_back} rollback unloads failed)' if not_rolled_back else ''}. First: {upstream.url} -> "
+                     f"{status} after {attempts} attempt(s): {data[:300].decode(errors='replace')}")
+
+    async def health(self, request: web.Request) -> web.Response:
+        results = await self._all(request, b"")
+        bad = [(u, r[0]) for u, r in zip(self.upstreams, results) if r[0] != 200]
+        if bad:
+            return web.Response(status=bad[0][1] if bad[0][1] >= 500 else 503,
+                                text=f"proxy: {len(bad)}/{len(results)} servers unhealthy; first: {bad[0][0].url} -> {bad[0][1]}")
+        return web.Response(status=200)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        results = await self._all(request, b"")
+        lines, seen = [], set()
+        for index, (status, _, data) in enumerate(results):
+            if status != 200:
+                continue
+            for line in data.decode().splitlines():
+                if line.startswith("#"):
+                    if line not in seen:
+                        seen.add(line)
+                        lines.append(line)
+                elif "{" in line:
+                    lines.append(line.replace("{", f'{{replica="{index}",', 1))
+                elif line.strip():
+                    name, value = line.split(None, 1)
+                    lines.append(f'{name}{{replica="{index}"}} {value}')
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    async def stats(self, _: web.Request) -> web.Response:
+        return web.json_response({"upstreams": [{"url": u.url, "inflight": u.inflight, "routed": u.routed} for u in self.upstreams],
+                                  "router": self.router.stats()})
+
+    async def forward(self, request: web.Request) -> web.Response:
+        """Reads any replica can answer for all (models, server_info, tokenize, ...): the first one that answers."""
+        raw = await request.read()
+        for upstream in self.upstreams:
+            status, headers, data = await self._send(upstream, request.method, request.path_qs, raw or None, request.headers)
+            if status != 502:
+                return web.Response(status=status, body=data, headers=headers)
+        return web.Response(status=502, body=data, headers=headers)
+
+
+async def start_proxy(args: ProxyArgs) -> tuple[web.AppRunner, int]:
+    """Start the proxy in the running event loop; returns the runner and the bound port (for --port 0)."""
+    runner = web.AppRunner(Proxy(args).app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]
