@@ -10,6 +10,10 @@ prompt (a chat template, a system prompt): only the blocks after them count as a
              than the least-loaded replica: it gets the request;
   spill      such a replica exists but is too busy: the least-loaded replica gets it;
   unmatched  no replica holds a specific block: the least-loaded replica, round-robin on ties.
+
+Once a prompt has spilled to every replica its blocks count as common (spec 002) and load alone places
+its later rollouts; unlike the published proxy, such a request still counts as affinity when the chosen
+replica holds the whole prompt, since its cache hits (reference/proxy_notes.md A.11, point 12).
 """
 
 import hashlib
@@ -88,15 +92,20 @@ class PrefixRouter:
         """Pick the replica for one request (given each replica's generation requests in flight) and record it."""
         hashes = self.block_hashes(model, prompt)
         common = self.common_prefix_len(hashes)
-        specific = [max(0, m - common) for m in self.matched_prefix(hashes)]
+        matched = self.matched_prefix(hashes)
+        specific = [max(0, m - common) for m in matched]
         least = min(inflight)
         best = max(range(self.num_replicas), key=lambda i: (specific[i], -inflight[i], -i))
         if specific[best] > 0 and inflight[best] - least <= self.imbalance:
             decision = Decision(best, "affinity", specific[best])
         else:
             candidates = [i for i in range(self.num_replicas) if inflight[i] == least]
-            decision = Decision(candidates[self.round_robin % len(candidates)], "spill" if specific[best] else "unmatched", 0)
+            pick = candidates[self.round_robin % len(candidates)]
             self.round_robin += 1
+            if hashes and matched[pick] == len(hashes):  # a prompt every replica holds: load decides, the cache still hits
+                decision = Decision(pick, "affinity", 0)
+            else:
+                decision = Decision(pick, "spill" if specific[best] else "unmatched", 0)
         self.record(hashes, decision.replica)
         self.counts["routed"] += 1
         self.counts[decision.kind] += 1
