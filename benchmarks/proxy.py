@@ -13,7 +13,6 @@ per request (p50, p99) against direct calls to an instant replica.
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import time

@@ -93,7 +93,7 @@ def test_score_centering_removes_the_pull_toward_the_sampler():
     every = torch.arange(vocab).expand(draws, vocab)  # top-K = the whole vocabulary: the inner expectation is exact
     for centered in (True, False):
         # One gradient per draw: the Jacobian of the per-token losses with respect to the logits.
-        grads = torch.autograd.functional.jacobian(lambda t: _losses(t, tokens, every, sampler, centered), theta, vectorize=True, strategy="forward-mode")
+        grads = torch.autograd.functional.jacobian(lambda t, centered=centered: _losses(t, tokens, every, sampler, centered), theta, vectorize=True, strategy="forward-mode")
         mean, stderr = grads.mean(0), grads.std(0) / math.sqrt(draws)
         if centered:
             assert (mean.abs() < 5 * stderr + 1e-12).all(), f"centered update is biased: {mean.tolist()} ± {stderr.tolist()}"
