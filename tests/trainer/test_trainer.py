@@ -278,3 +278,25 @@ def test_top_k_top_p_ratios_are_exact_with_sampling_masks_and_biased_without(tmp
         plain.close()
     means = [r["sampling/importance_sampling_ratio/mean"] for r in logged(tmp_path / "off")]
     assert max(means) < 0.97, f"without renormalisation the ratio should show the truncated mass: {means}"
+
+
+def test_lora_training_syncs_versioned_adapters_and_samples_from_them(tmp_path):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    args = config(tmp_path, max_staleness=0, max_steps=4, learning_rate=1e-3, save_strategy="steps", save_steps=4)
+    trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=small_dataset(), peft_config=lora)
+    trainer.train()
+    for r in logged(tmp_path):  # at staleness 0 every rollout sampled from exactly the adapter being trained
+        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4, r["sampling/importance_sampling_ratio/mean"]
+    kept = sorted(p.name for p in (tmp_path / "run" / ".vllm_lora").iterdir())
+    assert kept == ["tandem-policy-v4"], "max_staleness + 1 versions stay published; older folders are deleted"
+    assert (tmp_path / "run" / "checkpoint-4" / "adapter_model.safetensors").exists(), "checkpoints keep the adapter"
+
+
+def test_an_adapter_on_lm_head_is_refused(tmp_path):
+    from peft import LoraConfig
+
+    with pytest.raises(ValueError, match="targets lm_head"):
+        AsyncGRPOTrainer("tiny", accuracy_reward, args=config(tmp_path), train_dataset=small_dataset(),
+                         peft_config=LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))

@@ -8,6 +8,7 @@ and override the hooks; set the subclass as the trainer's `loop_cls`.
 """
 
 import asyncio
+import contextvars
 import json
 import math
 import random
@@ -18,7 +19,7 @@ from collections import defaultdict
 import numpy as np
 
 from tandem.config import AsyncGRPOConfig
-from tandem.generation.client import ControlClient, GenerationClient
+from tandem.generation.client import ControlClient, GenerationClient, ServerError
 from tandem.rollout import rewards as scoring
 from tandem.rollout.channels import Channels
 from tandem.rollout.pacing import METRICS_POLL_S, ConcurrencyCap, TokenAllowance
@@ -28,18 +29,21 @@ from tandem.rollout.records import Rollout, RolloutGroup, Sample, TurnRecord
 SCORE_QUEUE_MAXSIZE = 16
 RENDER_CACHE_SIZE = 4096
 REPORT_EVERY_S = 1.0
+GROUP_VERSION: contextvars.ContextVar[int] = contextvars.ContextVar("group_version", default=0)
 
 
 class AsyncRolloutLoop:
     def __init__(self, *, config: AsyncGRPOConfig, model_name: str, dataset, reward_funcs: list, processing_class,
                  eos_token_ids: list[int], channels: Channels, base_url: str, api_key: str | None = None,
                  tools: list | None = None, environment_factory=None, dataset_start_index: int = 0,
-                 full_step_tokens: float, num_positions: int | None):
+                 full_step_tokens: float, num_positions: int | None, adapter_name: str | None = None):
         if tools or environment_factory:
             raise NotImplementedError("tools and environment_factory are not implemented in tandem yet: "
                                       "train without them, or override generate_one in a loop_cls")
         self.config = config
         self.model_name = model_name
+        self.adapter_name = adapter_name
+        """LoRA training: requests name the adapter version current when their group started, e.g. 'tandem-policy-v{version}'."""
         self.dataset = dataset
         self.reward_funcs = list(reward_funcs)
         self.tokenizer = processing_class
@@ -94,14 +98,14 @@ class AsyncRolloutLoop:
         c = self.config
         if self.sampling_masks:
             # The server replays a sampling mask only with top_k > 0; top_k = vocabulary size truncates nothing.
-            completions = await self.client.generate(prompt_ids, model=self.model_name, sampling_params={
+            completions = await self.client.generate(prompt_ids, model=self._served_model(), sampling_params={
                 "max_tokens": c.max_completion_length, "n": n, "temperature": c.temperature, "top_p": c.top_p,
                 "top_k": c.top_k or self.vocab_size, "min_p": c.min_p or 0.0, "repetition_penalty": c.repetition_penalty,
                 "seed": self.rng.getrandbits(62), "logprobs": self.top_logprobs, "stop_token_ids": self.eos_token_ids,
                 "skip_special_tokens": False})
         else:
             completions = await self.client.complete(
-                prompt_ids, model=self.model_name, max_tokens=c.max_completion_length, n=n, temperature=c.temperature,
+                prompt_ids, model=self._served_model(), max_tokens=c.max_completion_length, n=n, temperature=c.temperature,
                 top_p=c.top_p, top_k=c.top_k, min_p=c.min_p or 0.0, repetition_penalty=c.repetition_penalty,
                 seed=self.rng.getrandbits(62), logprobs=self.top_logprobs, stop_token_ids=self.eos_token_ids,
             )
@@ -109,6 +113,9 @@ class AsyncRolloutLoop:
         return [TurnRecord(prompt_ids=list(prompt_ids), output_ids=x.token_ids, output_log_probs=x.logprobs,
                            output_sampler_logprobs=sampler_top(x.top_logprobs, self.top_logprobs),
                            output_sampling_mask=x.sampling_mask, finish_reason=x.finish_reason) for x in completions]
+
+    def _served_model(self) -> str:
+        return self.adapter_name.format(version=GROUP_VERSION.get()) if self.adapter_name else self.model_name
 
     async def _server_returns_sampling_masks(self) -> bool:
         """Top-k / top-p need each token's kept set to renormalise the trainer's log-probs over it. Without
@@ -235,11 +242,21 @@ class AsyncRolloutLoop:
 
     async def _run_group(self, prompt, row, row_index, position, group_id, reservation) -> None:
         version = self.channels.model_version.value
+        GROUP_VERSION.set(version)  # this group's requests (its own task) sample from this policy version
         try:
             if self._single_request_groups():
                 rollouts = await self._whole_group(prompt)
             else:
                 rollouts = await asyncio.gather(*[self._one_rollout(prompt, group_id) for _ in range(self.config.num_generations)])
+        except ServerError as exc:
+            # LoRA: the trainer unloads versions older than max_staleness allows; a group that started on one
+            # can no longer be sampled, and its samples would be dropped as stale anyway.
+            if not (self.adapter_name and exc.status == 404 and version < self.channels.model_version.value):
+                raise
+            self.record("rollout/stale_adapter_count", 1)
+            self._flush_records()
+            self.emit("skip", position)
+            return
         finally:
             self.groups_in_flight -= 1
             self.in_flight_tokens -= reservation

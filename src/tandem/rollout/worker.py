@@ -33,6 +33,7 @@ class WorkerSpec:
     dataset_start_index: int
     full_step_tokens: float
     num_positions: int | None
+    adapter_name: str | None = None
 
 
 class WorkerError(RuntimeError):
@@ -65,7 +66,7 @@ def worker_main(spec: WorkerSpec, channels: Channels) -> None:
             processing_class=tokenizer, eos_token_ids=spec.eos_token_ids, channels=channels, base_url=spec.base_url,
             api_key=spec.api_key, tools=spec.tools, environment_factory=spec.environment_factory,
             dataset_start_index=spec.dataset_start_index, full_step_tokens=spec.full_step_tokens,
-            num_positions=spec.num_positions,
+            num_positions=spec.num_positions, adapter_name=spec.adapter_name,
         )
         asyncio.run(loop.run())
     except BaseException:

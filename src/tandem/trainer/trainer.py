@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from peft import get_peft_model, set_peft_model_state_dict
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from tandem.config import AsyncGRPOConfig
@@ -35,7 +37,7 @@ from tandem.rollout.worker import RolloutWorker, WorkerSpec, check_picklable
 from tandem.tasks import TINY_MODEL_PATH
 from tandem.trainer import checkpoint
 from tandem.trainer.batching import TokenBudgetBatcher
-from tandem.trainer.weight_sync import ReloadSync
+from tandem.trainer.weight_sync import ADAPTER_NAME, LoraSync, ReloadSync
 
 POLL_S = 0.05
 
@@ -80,7 +82,7 @@ class AsyncGRPOTrainer:
                  processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None, tools=None,
                  environment_factory=None):
         self.args = args or AsyncGRPOConfig()
-        for name, value, issue in (("peft_config", peft_config, "LoRA training"), ("callbacks", callbacks, "trainer callbacks"),
+        for name, value, issue in (("callbacks", callbacks, "trainer callbacks"),
                                    ("tools", tools, "tool calling"), ("environment_factory", environment_factory, "environments")):
             if value:
                 raise NotImplementedError(f"{name}: {issue} is not implemented in tandem yet; remove {name} to train")
@@ -92,6 +94,9 @@ class AsyncGRPOTrainer:
                 raise TypeError(f"reward function {func!r} is not callable; pass functions, not {type(func).__name__}")
         self.dataset = _check_dataset(train_dataset)
         self.model_name, self.model = _load_model(model, self.args)
+        self.lora = peft_config is not None
+        if self.lora:
+            self.model = _with_adapter(self.model, peft_config)
         self.tokenizer = processing_class or AutoTokenizer.from_pretrained(self.model_name if isinstance(model, str) else model.name_or_path)
         self.tools, self.environment_factory = tools, environment_factory
         self.optimizer, self.scheduler = optimizers
@@ -111,7 +116,9 @@ class AsyncGRPOTrainer:
         self.output_dir = Path(args.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         resume = checkpoint.resolve(resume_from_checkpoint, self.output_dir)
-        if resume is not None:
+        if resume is not None and self.lora:
+            set_peft_model_state_dict(self.model, load_file(resume / "adapter_model.safetensors"))
+        elif resume is not None:
             self.model.load_state_dict(AutoModelForCausalLM.from_pretrained(resume, dtype=self.model.dtype).state_dict())
         self._make_optimizer()
         state = checkpoint.load_state(resume, self.optimizer, self.scheduler) if resume else checkpoint.TrainerState(0, 0, 0, 0)
@@ -132,9 +139,9 @@ class AsyncGRPOTrainer:
             self.token_budget = args.token_budget or max_model_len
             self.batcher = TokenBudgetBatcher(self.token_budget)
             self._check_prompt_lengths(max_model_len)
-            self.sync = ReloadSync(self.control, self.output_dir, self.runner)
+            self.sync = self._weight_sync()
             self.served_name = self._served_name()
-            if resume is not None or self.server is None:
+            if resume is not None or self.server is None or self.lora:
                 self.sync.push(self.model, state.model_version)  # the server must sample from our weights
             self.sinks = make_sinks(args.report_to, self.output_dir, args.run_name, args.to_dict())
             self.worker = self._start_worker(url, state.dataset_start_index)
@@ -161,7 +168,8 @@ class AsyncGRPOTrainer:
     def _make_optimizer(self) -> None:
         args = self.args
         if self.optimizer is None:
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+            trainable = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapter only
+            self.optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                                                eps=args.adam_epsilon, weight_decay=args.weight_decay)
         if self.scheduler is None:
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(args))
@@ -179,8 +187,28 @@ class AsyncGRPOTrainer:
                  "--max-num-seqs", str(min(256, args.max_concurrent_rollouts))]
         if args.uses_truncated_sampling:  # each token's kept set, to renormalise the trainer's log-probs over it
             extra += ["--enable-scale-out", "--return-sampling-mask"]
+        if self.lora:  # max_staleness + 1 versions stay loaded, and one more while the next loads
+            loras = str(args.max_staleness + 2)
+            extra += ["--enable-lora", "--max-loras", loras, "--max-cpu-loras", loras,
+                      "--max-lora-rank", str(_vllm_lora_rank(self.model.peft_config["default"].r))]
         self.server = EmbeddedServer(source, log_path=self.output_dir / "server.log", extra_args=extra)
         return self.server.url
+
+    def _weight_sync(self):
+        """Adapter-only sync when training LoRA and the server serves adapters; the whole model otherwise."""
+        if not self.lora:
+            return ReloadSync(self.control, self.output_dir, self.runner)
+        config = self.runner.run(self.control.server_info()).get("vllm_config")
+        lora = config.get("lora_config") if isinstance(config, dict) else None
+        if not lora:
+            raise NotImplementedError("LoRA training needs a server started with --enable-lora (adapter-only sync); "
+                                      "merged-weight sync to a server without it is not implemented yet")
+        rank, needed = self.model.peft_config["default"].r, self.args.max_staleness + 2
+        if lora.get("max_loras", needed) < needed or lora.get("max_lora_rank", rank) < rank:
+            raise ValueError(f"the server holds max_loras={lora.get('max_loras')} adapters of rank <= {lora.get('max_lora_rank')}; "
+                             f"this run needs {needed} (max_staleness + 2) of rank {rank}. Restart it with --enable-lora "
+                             f"--max-loras {needed} --max-cpu-loras {needed} --max-lora-rank {_vllm_lora_rank(rank)}")
+        return LoraSync(self.control, self.output_dir, self.runner, keep=self.args.max_staleness + 1)
 
     def _served_name(self) -> str:
         served = [m["id"] for m in self.runner.run(self.control.models())]
@@ -208,6 +236,7 @@ class AsyncGRPOTrainer:
             base_url=url, api_key=None, tools=self.tools, environment_factory=self.environment_factory,
             dataset_start_index=start, full_step_tokens=self.token_budget * args.gradient_accumulation_steps,
             num_positions=None if args.max_steps > 0 else math.ceil(args.num_train_epochs * n),
+            adapter_name=ADAPTER_NAME if self.lora else None,
         )
         worker = RolloutWorker(spec, args.rollout_worker_timeout)
         worker.start()
@@ -551,6 +580,25 @@ def _load_model(model, args: AsyncGRPOConfig) -> tuple[str, PreTrainedModel]:
     tree_attention.prepare(loaded)
     check_head(loaded)
     return name, loaded
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _vllm_lora_rank(rank: int) -> int:
+    """vLLM accepts only these --max-lora-rank values: the smallest one that holds `rank`."""
+    return next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
+
+
+def _with_adapter(model: PreTrainedModel, peft_config):
+    """The model with a trainable LoRA adapter; the head stays untouched (the chunked log-prob head and the
+    server's adapters both leave lm_head to the base weights)."""
+    targets = peft_config.target_modules or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    if any(t == "lm_head" or t.endswith(".lm_head") for t in targets) or "lm_head" in (peft_config.modules_to_save or []):
+        raise ValueError("peft_config targets lm_head: tandem trains adapters on the transformer layers only (the "
+                         "chunked log-prob head reads the base head). Remove lm_head from target_modules / modules_to_save.")
+    return get_peft_model(model, peft_config)
 
 
 def _served_dtype(model) -> str:

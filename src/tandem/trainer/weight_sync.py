@@ -55,3 +55,37 @@ class ReloadSync:
                 shutil.rmtree(old, ignore_errors=True)
         return {"perf/weight_sync_s": done - start, "perf/weight_sync_pause_s": paused - written,
                 "perf/weight_sync_barrier_s": 0.0, "perf/weight_sync_transfer_s": (written - start) + (done - paused)}
+
+
+ADAPTER_NAME = "tandem-policy-v{version}"
+
+
+class LoraSync:
+    """The `lora` strategy (DESIGN.md §2): only the adapter travels. Each version is a new name
+    (`tandem-policy-v{N}`), so a cached prefix can never mix two versions; the last `keep` versions stay
+    loaded for the rollouts still sampling from them. The new one is loaded before the oldest is unloaded,
+    and a version's folder is deleted only once it has left the server."""
+
+    def __init__(self, control: ControlClient, output_dir: Path, run: "asyncio.Runner", keep: int):
+        self.control, self.folder, self.run, self.keep = control, output_dir / ".vllm_lora", run, keep
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.loaded: list[int] = []
+
+    def push(self, model: torch.nn.Module, version: int) -> dict[str, float]:
+        start = time.perf_counter()
+        name = ADAPTER_NAME.format(version=version)
+        target, staging = self.folder / name, self.folder / f".{name}.tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        with quiet_progress():
+            model.save_pretrained(staging, safe_serialization=True)
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+        self.run.run(self.control.load_lora(name, str(target.resolve())))
+        self.loaded.append(version)
+        while len(self.loaded) > self.keep:
+            old = ADAPTER_NAME.format(version=self.loaded.pop(0))
+            self.run.run(self.control.unload_lora(old))
+            shutil.rmtree(self.folder / old, ignore_errors=True)
+        done = time.perf_counter()
+        return {"perf/weight_sync_s": done - start, "perf/weight_sync_pause_s": 0.0, "perf/weight_sync_barrier_s": 0.0,
+                "perf/weight_sync_transfer_s": done - start}
