@@ -293,6 +293,12 @@ def test_lora_training_syncs_versioned_adapters_and_samples_from_them(tmp_path):
     assert kept == ["tandem-policy-v4"], "max_staleness + 1 versions stay published; older folders are deleted"
     assert (tmp_path / "run" / "checkpoint-4" / "adapter_model.safetensors").exists(), "checkpoints keep the adapter"
 
+    # Resuming loads the adapter and serves it under the run's current version: still exactly on policy.
+    args = config(tmp_path, max_staleness=0, max_steps=6, learning_rate=1e-3, save_strategy="steps", save_steps=4)
+    resumed = AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=small_dataset(), peft_config=lora)
+    out = resumed.train(resume_from_checkpoint=True)
+    assert out.global_step == 6 and abs(out.metrics["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4
+
 
 def test_an_adapter_on_lm_head_is_refused(tmp_path):
     from peft import LoraConfig

@@ -144,7 +144,7 @@ class AsyncGRPOTrainer:
             if resume is not None or self.server is None or self.lora:
                 self.sync.push(self.model, state.model_version)  # the server must sample from our weights
             self.sinks = make_sinks(args.report_to, self.output_dir, args.run_name, args.to_dict())
-            self.worker = self._start_worker(url, state.dataset_start_index)
+            self.worker = self._start_worker(url, state.dataset_start_index, state.model_version)
             return self._loop(state)
         finally:
             if self.progress:
@@ -227,7 +227,7 @@ class AsyncGRPOTrainer:
                                  f"max_model_len is {max_model_len}, leaving no room to generate. Start the server with a "
                                  "larger --max-model-len, or drop the long prompts from the dataset.")
 
-    def _start_worker(self, url: str, start: int) -> RolloutWorker:
+    def _start_worker(self, url: str, start: int, version: int) -> RolloutWorker:
         args = self.args
         n = len(self.dataset)
         spec = WorkerSpec(
@@ -239,6 +239,7 @@ class AsyncGRPOTrainer:
             adapter_name=ADAPTER_NAME if self.lora else None,
         )
         worker = RolloutWorker(spec, args.rollout_worker_timeout)
+        worker.channels.model_version.value = version  # a resumed run's first groups sample from its current version
         worker.start()
         return worker
 
