@@ -8,11 +8,14 @@ How the two are compared, and why:
     exceeds 1), since the packed row sums each weight's per-token contributions in another order;
   * SDPA's CPU kernel (online softmax, blocked backward) rounds differently on a long packed row than on a
     short sample: its gradients are held to 2e-5 (worst seen over 600 random tries: 1.06e-5). The `exact`
-    kernel, the CPU default, is held to 1e-5 (worst seen: 3.8e-6)."""
+    kernel, the CPU default, is held to 1e-5 (worst seen: 3.8e-6);
+  * FlexAttention on CPU is PyTorch's unfused reference implementation (forward only; 1.6e-5 seen): it checks
+    the block masks, which a wrong mask would miss by far more than the 1e-4 it is held to.
+Shrinking is off: a failure reports the example as found instead of spending minutes of CI minimising it."""
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from transformers import AutoModelForCausalLM
 
 from tandem.generation.attention import MIN_ROWS
@@ -23,7 +26,9 @@ from tandem.tasks import TINY_MODEL_PATH
 from .samples import tries
 
 TOLERANCE = 1e-5
+LOGPROB_TOLERANCE = {"exact": TOLERANCE, "sdpa": TOLERANCE, "flex": 1e-4}
 GRADIENT_TOLERANCE = {"exact": 1e-5, "sdpa": 2e-5}
+NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target)
 TEMPERATURE = 0.7
 
 
@@ -76,7 +81,7 @@ def check_exact(reference_models, packed_model, samples, kernel, backward=True):
     weights = torch.linspace(0.5, 1.5, terms)
     expected, expected_grads = unpacked(reference_models[REFERENCE_ATTENTION[kernel]], samples, weights)
     got, grads = packed(packed_model, samples, weights, kernel, backward)
-    allowed = torch.clamp(expected.abs() * TOLERANCE / 10, min=TOLERANCE)
+    allowed = torch.clamp(expected.abs() * LOGPROB_TOLERANCE[kernel] / 10, min=LOGPROB_TOLERANCE[kernel])
     worst = int(((got - expected).abs() / allowed).argmax())
     assert (got - expected).abs()[worst] <= allowed[worst], \
         f"{kernel}: log-prob {worst} is {got[worst]:.7f}, unpacked {expected[worst]:.7f}"
@@ -88,13 +93,13 @@ def check_exact(reference_models, packed_model, samples, kernel, backward=True):
 
 
 @pytest.mark.parametrize("kernel", ["exact", "sdpa"])
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=50, deadline=None, phases=NO_SHRINK)
 @given(samples=tries())
 def test_packed_logprobs_and_gradients_match_unpacked(reference_models, packed_model, kernel, samples):
     check_exact(reference_models, packed_model, samples, kernel)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=15, deadline=None, phases=NO_SHRINK)
 @given(samples=tries())
 def test_flex_block_masks_match_unpacked_forward(reference_models, packed_model, samples):
     """FlexAttention has no backward on CPU: here its block masks are checked in the forward pass."""
