@@ -59,17 +59,22 @@ def proxy_parser(sub) -> None:
 
 
 def run_proxy(ns: argparse.Namespace) -> None:
-    import asyncio
-
     from tandem.proxy.app import ProxyArgs, start_proxy
 
     args = ProxyArgs(upstreams=ns.upstream, host=ns.host, port=ns.port, block_size=ns.block_size, imbalance=ns.imbalance,
                      lora_retry_s=ns.lora_retry_s, lora_load_timeout_s=ns.lora_load_timeout_s,
                      connect_timeout_s=ns.connect_timeout_s, api_key=ns.api_key, upstream_api_key=ns.upstream_api_key)
 
+    run_until_interrupted(start_proxy(args), lambda port: f"tandem proxy: http://{args.host}:{port} -> {', '.join(args.upstreams)}")
+
+
+def run_until_interrupted(start, banner) -> None:
+    """Await `start` (an aiohttp runner and its port), print `banner(port)`, serve until Ctrl-C, clean up."""
+    import asyncio
+
     async def main():
-        runner, port = await start_proxy(args)
-        print(f"tandem proxy: http://{args.host}:{port} -> {', '.join(args.upstreams)}", flush=True)
+        runner, port = await start
+        print(banner(port), flush=True)
         try:
             await asyncio.Event().wait()
         finally:
@@ -82,14 +87,15 @@ def run_proxy(ns: argparse.Namespace) -> None:
 
 
 def run_serve(ns: argparse.Namespace) -> None:
-    from tandem.generation.server import ServeArgs, serve
+    from tandem.generation.server import VLLM_PROTOCOL_VERSION, ServeArgs, start_server
 
     if ns.return_sampling_mask and ns.logprobs_mode != "processed_logprobs":
         sys.exit("tandem serve: --return-sampling-mask needs --logprobs-mode processed_logprobs (as in vLLM).")
     args = ServeArgs(**{k: v for k, v in vars(ns).items() if k != "command"})
     if args.model == "tiny":
         args.model = TINY_MODEL_PATH
-    serve(args)
+    run_until_interrupted(start_server(args),
+                          lambda port: f"tandem serve: {args.model} on http://{args.host}:{port} (vLLM {VLLM_PROTOCOL_VERSION} protocol)")
 
 
 def train_parser(sub) -> None:

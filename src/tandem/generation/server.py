@@ -664,19 +664,3 @@ async def start_server(args: ServeArgs) -> tuple[web.AppRunner, int]:
     port = site._server.sockets[0].getsockname()[1]
     return runner, port
 
-
-def serve(args: ServeArgs) -> None:
-    """Run until interrupted; prints the URL once ready."""
-
-    async def main():
-        runner, port = await start_server(args)
-        print(f"tandem serve: {args.model} on http://{args.host}:{port} (vLLM {VLLM_PROTOCOL_VERSION} protocol)", flush=True)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await runner.cleanup()
-
-    try:
-        asyncio.run(main())
-    except KeyboardInterrupt:
-        pass

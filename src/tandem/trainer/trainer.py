@@ -417,15 +417,20 @@ class AsyncGRPOTrainer:
         w.add("batch/microbatches_per_step", len(rows))
         w.add("batch/masked_token_frac", 1 - predicting / tokens)
 
+    def _forward(self, row: PackedRow):
+        """The row's log-probs with gradients (bf16 autocast where configured), timed as perf/fwd_s."""
+        start = time.perf_counter()
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if _use_bf16(self.args, self.device) else nullcontext()
+        with autocast:
+            scored = row_logprobs(self.model, row, self.kernel, self.args.temperature)
+        self.window.add("perf/fwd_s", time.perf_counter() - start)
+        return scored
+
     def _row_backward(self, row: PackedRow, num_rows: int) -> float:
         """Forward and backward one packed row; returns its share of the step's loss."""
         args = self.args
-        start = time.perf_counter()
-        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if _use_bf16(args, self.device) else nullcontext()
-        with autocast:
-            scored = row_logprobs(self.model, row, self.kernel, args.temperature)
+        scored = self._forward(row)
         logprobs = scored.logprobs
-        self.window.add("perf/fwd_s", time.perf_counter() - start)
         old, advantages = row.old_logprobs.to(self.device), row.advantages.to(self.device)
         bounds = {"epsilon_low": args.epsilon, "epsilon_high": args.epsilon_high,
                   "clip_min": args.vllm_importance_sampling_clip_min, "clip_max": args.vllm_importance_sampling_clip_max}
@@ -492,12 +497,7 @@ class AsyncGRPOTrainer:
 
     def _flash_row_backward(self, row: PackedRow, coefficients: torch.Tensor) -> float:
         """Forward and backward one row with the FlashREINFORCE coefficients fixed for its tokens."""
-        args = self.args
-        start = time.perf_counter()
-        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if _use_bf16(args, self.device) else nullcontext()
-        with autocast:
-            scored = row_logprobs(self.model, row, self.kernel, args.temperature)
-        self.window.add("perf/fwd_s", time.perf_counter() - start)
+        scored = self._forward(row)
         loss = (coefficients.to(self.device) * scored.logprobs).sum()
         loss.backward()
         logprobs, old = scored.logprobs.detach(), row.old_logprobs.to(self.device)

@@ -29,6 +29,18 @@ def quiet_progress():
             hf_logging.enable_progress_bar()
 
 
+def publish(model: torch.nn.Module, folder: Path, name: str) -> Path:
+    """Save `model` (a whole model, or a PEFT adapter) as `folder/name`: to a temporary folder first, then renamed,
+    so the server never reads half of it."""
+    target, staging = folder / name, folder / f".{name}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    with quiet_progress():
+        model.save_pretrained(staging, safe_serialization=True)
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    return target
+
+
 class ReloadSync:
     def __init__(self, control: ControlClient, output_dir: Path, run: "asyncio.Runner"):
         self.control, self.folder, self.run = control, output_dir / ".weights", run
@@ -37,12 +49,7 @@ class ReloadSync:
     def push(self, model: torch.nn.Module, version: int) -> dict[str, float]:
         """Publish `model` as `version`; returns the timing breakdown for perf/weight_sync_*."""
         start = time.perf_counter()
-        target = self.folder / f"v{version}"
-        staging = self.folder / f".v{version}.tmp"
-        shutil.rmtree(staging, ignore_errors=True)
-        with quiet_progress():
-            model.save_pretrained(staging, safe_serialization=True)
-        staging.rename(target)
+        target = publish(model, self.folder, f"v{version}")
         written = time.perf_counter()
         self.run.run(self.control.pause("keep"))
         paused = time.perf_counter()
@@ -74,12 +81,7 @@ class LoraSync:
     def push(self, model: torch.nn.Module, version: int) -> dict[str, float]:
         start = time.perf_counter()
         name = ADAPTER_NAME.format(version=version)
-        target, staging = self.folder / name, self.folder / f".{name}.tmp"
-        shutil.rmtree(staging, ignore_errors=True)
-        with quiet_progress():
-            model.save_pretrained(staging, safe_serialization=True)
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
+        target = publish(model, self.folder, name)
         self.run.run(self.control.load_lora(name, str(target.resolve())))
         self.loaded.append(version)
         while len(self.loaded) > self.keep:
