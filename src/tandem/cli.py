@@ -56,6 +56,8 @@ def proxy_parser(sub) -> None:
     p.add_argument("--connect-timeout-s", type=float, default=10.0, help="a replica that does not accept within this is down (default 10)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1, /inference")
     p.add_argument("--upstream-api-key", default=None, help="bearer token sent to the replicas")
+    p.add_argument("--tokenizer", default=None, metavar="PATH", help="route chat requests by their rendered token ids, as "
+                                                                     "the replicas cache them (default: by their text)")
 
 
 def run_proxy(ns: argparse.Namespace) -> None:
@@ -63,7 +65,8 @@ def run_proxy(ns: argparse.Namespace) -> None:
 
     args = ProxyArgs(upstreams=ns.upstream, host=ns.host, port=ns.port, block_size=ns.block_size, imbalance=ns.imbalance,
                      lora_retry_s=ns.lora_retry_s, lora_load_timeout_s=ns.lora_load_timeout_s,
-                     connect_timeout_s=ns.connect_timeout_s, api_key=ns.api_key, upstream_api_key=ns.upstream_api_key)
+                     connect_timeout_s=ns.connect_timeout_s, api_key=ns.api_key, upstream_api_key=ns.upstream_api_key,
+                     tokenizer=ns.tokenizer)
 
     run_until_interrupted(start_proxy(args), lambda port: f"tandem proxy: http://{args.host}:{port} -> {', '.join(args.upstreams)}")
 

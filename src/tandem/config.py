@@ -90,6 +90,10 @@ class AsyncGRPOConfig:
     max_concurrent_rollouts: int = 512
     max_staleness: int = 4
     weight_sync_steps: int = 1
+    weight_sync_check_atol: float | None = None
+    """After each sync, sample a short completion under the synced name and stop training if the server's log-probs
+    differ from the trainer's forward by more than this (1e-5 holds in fp32 with exact decoding). None: no check.
+    tandem's own field, not in the spec."""
     rollout_worker_timeout: float = 300.0
     log_completions: bool = False
     num_completions_to_print: int | None = None
@@ -110,6 +114,8 @@ class AsyncGRPOConfig:
             ("gradient_accumulation_steps", self.gradient_accumulation_steps >= 1, "must be at least 1"),
             ("max_staleness", self.max_staleness >= 0, "must be >= 0"),
             ("weight_sync_steps", self.weight_sync_steps >= 1, "must be at least 1"),
+            ("weight_sync_check_atol", self.weight_sync_check_atol is None or self.weight_sync_check_atol > 0,
+             "must be a positive tolerance (e.g. 1e-5), or None to skip the check"),
             ("max_concurrent_rollouts", self.max_concurrent_rollouts >= 1, "must be at least 1"),
             ("vllm_importance_sampling_clip_min", 0 <= self.vllm_importance_sampling_clip_min <= 1,
              "must be in [0, 1] (a ratio of 1 must never be masked)"),

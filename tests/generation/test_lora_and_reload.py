@@ -1,6 +1,7 @@
 """Runtime LoRA adapters (several live, mixed in one batch) and weight reloads, checked against PEFT / HF forwards."""
 
 import concurrent.futures
+import shutil
 
 import pytest
 import torch
@@ -88,6 +89,31 @@ def test_unload_removes_the_name_and_eviction_reloads_from_disk(server, adapters
         assert server.post("/v1/unload_lora_adapter", {"lora_name": name})[0] == 200
     status, body = server.post("/v1/completions", {"prompt": prompt, "model": "alpha"})
     assert status == 404
+
+
+def test_a_name_reloaded_after_its_unload_serves_the_new_weights_and_a_vanished_adapter_fails_alone(adapters, tokenizer, tmp_path):
+    """The trainer's resume reuses adapter names; a single loaded adapter replaced by itself must keep the
+    engine alive, and an evicted adapter whose files are gone fails only its own request."""
+    solo = ServerThread(logprobs_mode="processed_logprobs", enable_lora=True, max_loras=1)
+    try:
+        prompt = chat_prompt(tokenizer, "What is 3 + 4?")
+        for source in ("alpha", "beta"):
+            assert solo.post("/v1/load_lora_adapter", {"lora_name": "policy", "lora_path": str(adapters[source])})[0] == 200
+            tokens, logprobs = complete(solo, prompt, "policy", seed=4)
+            peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32),
+                                             str(adapters[source])).eval()
+            assert torch.allclose(logprobs, teacher_logprobs(peft, prompt, tokens), atol=ATOL), f"served {source}?"
+            assert solo.post("/v1/unload_lora_adapter", {"lora_name": "policy"})[0] == 200
+
+        make_adapter(tmp_path / "gone", seed=7)
+        for name, path in (("gone", tmp_path / "gone"), ("other", adapters["gamma"])):  # max_cpu_loras 1: "gone" is evicted
+            assert solo.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})[0] == 200
+        shutil.rmtree(tmp_path / "gone")  # an evicted adapter is read again from its files on its next use
+        status, body = solo.post("/v1/completions", {"prompt": prompt, "model": "gone", "max_tokens": 4})
+        assert status == 500 and "Loading lora gone failed" in body["error"]["message"]
+        assert solo.post("/v1/completions", {"prompt": prompt, "max_tokens": 4})[0] == 200, "the engine kept serving"
+    finally:
+        solo.close()
 
 
 def test_adapter_rank_above_max_lora_rank_is_refused(server, tmp_path):

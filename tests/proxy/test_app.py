@@ -10,6 +10,7 @@ from aiohttp.test_utils import TestServer
 
 from tandem.generation.client import parse_metrics
 from tandem.proxy.app import ProxyArgs, start_proxy
+from tandem.tasks import TINY_MODEL_PATH
 
 TEMPLATE = list(range(1000, 1016))
 
@@ -30,7 +31,9 @@ class FakeReplica:
         body = await request.json() if request.can_read_body else {}
         if path == "/v1/completions":
             await asyncio.sleep(0.01)
-            return web.json_response({"served_by": self.index})
+            n = body.get("n", 1)
+            return web.json_response({"id": f"cmpl-{self.index}", "choices": [{"index": j, "text": f"r{self.index}"} for j in range(n)],
+                                      "usage": {"prompt_tokens": 10, "completion_tokens": 2 * n, "total_tokens": 10 + 2 * n}})
         if path == "/v1/load_lora_adapter":
             if self.calls[path] <= self.lag:
                 return web.json_response({"error": {"message": "No adapter found for <path>"}}, status=404)
@@ -45,7 +48,7 @@ class FakeReplica:
             return web.Response(status=200 if self.healthy else 503)
         if path == "/metrics":
             return web.Response(text=f"vllm:num_requests_running{{engine=\"0\"}} {3 + self.index}\n"
-                                     f"vllm:kv_cache_usage_perc{{engine=\"0\"}} 0.5\n"
+                                     f"vllm:kv_cache_usage_perc{{engine=\"0\"}} {0.5 - 0.25 * self.index}\n"
                                      f"vllm:cache_config_info{{engine=\"0\",kv_cache_size_tokens=\"1000\"}} 1.0\n")
         return web.json_response({"path": path, "from": self.index})
 
@@ -89,6 +92,40 @@ async def test_routing_sticks_spreads_and_forgets_on_a_cache_reset():
         await r.server.close()
 
 
+async def test_chat_messages_route_by_their_rendered_token_ids_with_a_tokenizer(tokenizer):
+    replicas = [FakeReplica(0), FakeReplica(1)]
+    runner, url = await started(replicas, tokenizer=TINY_MODEL_PATH)
+    async with aiohttp.ClientSession() as s:
+        conversations = [[{"role": "user", "content": f"Question {i}: " + "what is seven times six? " * 4}] for i in range(2)]
+        homes = [(await post(s, url + "/v1/chat/completions", {"model": "m", "messages": c}))[1] for c in conversations]
+        assert sorted(homes) == ["0", "1"], "distinct conversations spread"
+        for home, conversation in zip(homes, conversations):  # the same prompt sent as token ids finds its blocks
+            ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=False)
+            assert (await post(s, url + "/v1/completions", {"model": "m", "prompt": ids}))[1] == home
+        async with s.get(url + "/proxy/stats") as r:
+            assert (await r.json())["router"]["affinity"] == 2
+    await runner.cleanup()
+    for r in replicas:
+        await r.server.close()
+
+
+async def test_a_batch_of_prompts_is_split_routed_per_prompt_and_merged_in_order():
+    replicas = [FakeReplica(0), FakeReplica(1)]
+    runner, url = await started(replicas)
+    async with aiohttp.ClientSession() as s:
+        prompts = [TEMPLATE + [i] * 48 for i in range(4)]
+        homes = [(await post(s, url + "/v1/completions", {"model": "m", "prompt": p}))[1] for p in prompts]
+        status, upstreams, text = await post(s, url + "/v1/completions", {"model": "m", "prompt": prompts, "n": 2})
+        assert status == 200 and upstreams == ",".join(homes), "each prompt goes where its blocks are"
+        answer = json.loads(text)
+        assert [c["index"] for c in answer["choices"]] == list(range(8))
+        assert [c["text"] for c in answer["choices"]] == [f"r{h}" for h in homes for _ in range(2)]
+        assert answer["usage"] == {"prompt_tokens": 40, "completion_tokens": 16, "total_tokens": 56}
+    await runner.cleanup()
+    for r in replicas:
+        await r.server.close()
+
+
 async def test_adapter_loads_retry_a_lagging_replica_and_roll_back_a_failing_one():
     lagging, steady = FakeReplica(0, lag=3), FakeReplica(1)
     runner, url = await started([lagging, steady])
@@ -116,8 +153,12 @@ async def test_health_metrics_and_a_dead_replica():
     runner, url = await started([alive, dying])
     async with aiohttp.ClientSession() as s:
         async with s.get(url + "/metrics") as r:
-            metrics = parse_metrics(await r.text())
+            text = await r.text()
+        metrics = parse_metrics(text)  # what the trainer's concurrency cap reads: sums, and the fullest replica
         assert metrics.running == 3 + 4 and metrics.kv_capacity_tokens == 2000 and metrics.kv_cache_usage == 0.5
+        for line in ('tandem_proxy:replica_kv_cache_usage_perc{replica="1"} 0.25', "tandem_proxy:num_requests_running 7",
+                     "tandem_proxy:kv_cache_size_tokens 2000", "tandem_proxy:kv_cache_usage_perc 0.5"):
+            assert line in text.splitlines(), f"{line!r} missing from the proxy's /metrics"
         async with s.get(url + "/health") as r:
             assert r.status == 200
         dying.healthy = False
@@ -154,6 +195,10 @@ async def test_two_real_tandem_serve_replicas_behind_the_proxy():
             assert all(r.server.engine.paused for r in replicas)
             await control.resume()
             assert (await control.max_model_len()) == replicas[0].server.max_model_len
+            # A batch split over the replicas answers as one server answers it (same seeds, same samples, in order).
+            body = {"prompt": [list(range(3, 40)), list(range(50, 90))], "max_tokens": 3, "n": 2, "seed": 7, "logprobs": 0}
+            through, direct = await client.post_json("/v1/completions", body), replicas[1].post("/v1/completions", body)[1]
+            assert through["choices"] == direct["choices"] and through["usage"] == direct["usage"]
     finally:
         await runner.cleanup()
         for r in replicas:

@@ -4,6 +4,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -284,11 +286,14 @@ def test_lora_training_syncs_versioned_adapters_and_samples_from_them(tmp_path):
     from peft import LoraConfig
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    args = config(tmp_path, max_staleness=0, max_steps=4, learning_rate=1e-3, save_strategy="steps", save_steps=4)
+    # weight_sync_check_atol: after every sync the served log-probs under the new name must match the trainer's.
+    args = config(tmp_path, max_staleness=0, max_steps=4, learning_rate=1e-3, save_strategy="steps", save_steps=4,
+                  weight_sync_check_atol=1e-5)
     trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=small_dataset(), peft_config=lora)
     trainer.train()
     for r in logged(tmp_path):  # at staleness 0 every rollout sampled from exactly the adapter being trained
         assert abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4, r["sampling/importance_sampling_ratio/mean"]
+        assert r["weight_sync/served_logprob_gap"] <= 1e-5
     kept = sorted(p.name for p in (tmp_path / "run" / ".vllm_lora").iterdir())
     assert kept == ["tandem-policy-v4"], "max_staleness + 1 versions stay published; older folders are deleted"
     assert (tmp_path / "run" / "checkpoint-4" / "adapter_model.safetensors").exists(), "checkpoints keep the adapter"
@@ -300,9 +305,45 @@ def test_lora_training_syncs_versioned_adapters_and_samples_from_them(tmp_path):
     assert out.global_step == 6 and abs(out.metrics["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4
 
 
+def test_lora_against_a_server_without_adapters_syncs_merged_weights_with_a_warning(tmp_path):
+    from peft import LoraConfig
+
+    plain = ServerThread(logprobs_mode="processed_logprobs", max_logprobs=20)  # no --enable-lora; its own: reloads mutate it
+    try:
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        args = config(tmp_path, max_staleness=0, max_steps=3, learning_rate=1e-3, vllm_server_base_url=plain.url,
+                      weight_sync_check_atol=1e-3)
+        trainer = AsyncGRPOTrainer(TINY_MODEL_PATH, accuracy_reward, args=args, train_dataset=small_dataset(), peft_config=lora)
+        with pytest.warns(UserWarning, match="syncing the merged model .* started without LoRA support"):
+            trainer.train()
+    finally:
+        plain.close()
+    rows = logged(tmp_path)
+    assert len(rows) == 3 and not (tmp_path / "run" / ".vllm_lora").exists()
+    for r in rows:  # x·(W + s·B·A) served, x·W + s·(x·A)·B trained: equal up to rounding (~1e-4 on a log-prob)
+        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4
+        assert r["weight_sync/served_logprob_gap"] <= 1e-3
+
+
 def test_an_adapter_on_lm_head_is_refused(tmp_path):
     from peft import LoraConfig
 
     with pytest.raises(ValueError, match="targets lm_head"):
         AsyncGRPOTrainer("tiny", accuracy_reward, args=config(tmp_path), train_dataset=small_dataset(),
                          peft_config=LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+
+
+def test_the_two_replica_lora_example_trains_through_the_proxy_exactly_on_policy(tmp_path):
+    """examples/lora_two_replicas.py, shortened: at staleness 0 every rollout, whichever replica served it, sampled
+    from exactly the adapter being trained, and every sync reached both replicas."""
+    out = tmp_path / "run"
+    subprocess.run([sys.executable, "examples/lora_two_replicas.py", "--steps", "5", "--max-staleness", "0",
+                    "--output-dir", str(out)], check=True, timeout=300, capture_output=True)
+    rows = logged(tmp_path)
+    assert len(rows) == 5
+    for r in rows:
+        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4, r["sampling/importance_sampling_ratio/mean"]
+        assert r["weight_sync/served_logprob_gap"] <= 1e-5
+    stats = json.loads((out / "proxy_stats.json").read_text())
+    assert all(u["routed"] > 0 for u in stats["upstreams"]), f"both replicas generate: {stats}"
+    assert stats["router"]["affinity"] > 0, f"groups of one prompt stick to a replica: {stats}"

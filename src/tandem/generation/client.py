@@ -238,24 +238,22 @@ def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
 
 
 def parse_metrics(text: str) -> ServerMetrics:
+    """The load numbers of a vLLM /metrics page, over all its engines (and replicas, behind `tandem proxy`):
+    running, waiting and preemptions summed, KV capacity summed, KV usage of the fullest engine (spec 000)."""
     sums: dict[str, float] = {}
-    usage: dict[str, float] = {}
+    usage: list[float] = []
     capacity: dict[str, float] = {}
     for name, labels, value in parse_prometheus(text):
-        engine = labels.get("engine", "0") + labels.get("replica", "")
+        engine = labels.get("engine", "0") + "/" + labels.get("replica", "")
         if name == "vllm:kv_cache_usage_perc":
-            usage[engine] = value
+            usage.append(value)
         elif name == "vllm:cache_config_info" and "kv_cache_size_tokens" in labels:
             capacity[engine] = float(labels["kv_cache_size_tokens"])
         elif name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_preemptions_total"):
             sums[name] = sums.get(name, 0.0) + value
     total_capacity = sum(capacity.values()) or None
-    if total_capacity and set(usage) <= set(capacity):
-        kv_usage = sum(usage[e] * capacity[e] for e in usage) / total_capacity
-    else:
-        kv_usage = sum(usage.values()) / len(usage) if usage else 0.0
     return ServerMetrics(
-        kv_cache_usage=kv_usage, running=int(sums.get("vllm:num_requests_running", 0)),
+        kv_cache_usage=max(usage, default=0.0), running=int(sums.get("vllm:num_requests_running", 0)),
         waiting=int(sums.get("vllm:num_requests_waiting", 0)), preemptions=int(sums.get("vllm:num_preemptions_total", 0)),
         kv_capacity_tokens=int(total_capacity) if total_capacity else None,
     )

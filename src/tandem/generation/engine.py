@@ -56,6 +56,8 @@ class EngineRequest:
     sequences: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
     aborted: bool = False
+    error: str | None = None
+    """Why the request failed on its own (the engine keeps serving the others)."""
 
     def __post_init__(self):
         if not self.sequences:
@@ -64,6 +66,15 @@ class EngineRequest:
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.sequences)
+
+
+def _filler_adapters(adapters: list[str | None], width: int) -> list[str | None]:
+    """The adapters of the filler sequences exact decoding adds: every matmul must see at least MIN_ROWS rows,
+    the base layers' (all sequences) and each adapter's LoRA product (only its own sequences) alike."""
+    need = -(-exact_attention.MIN_ROWS // width)
+    counts = collections.Counter(a for a in adapters if a)
+    fillers = [name for name, count in counts.items() for _ in range(need - count)]
+    return fillers + [None] * (need - len(adapters) - len(fillers))
 
 
 def _generator(seed: int | None, child: int) -> torch.Generator:
@@ -126,6 +137,7 @@ class Engine:
 
         self.waiting: collections.deque[EngineRequest] = collections.deque()
         self.rows: list[tuple[EngineRequest, Sequence]] = []
+        self.prefilling: list[EngineRequest] = []
         self.lengths: list[int] = []
         self.paused = False
         self.counters = collections.Counter()
@@ -218,7 +230,7 @@ class Engine:
         except BaseException as exc:  # the server reports a dead engine through /health
             self.error = exc
             with self._lock:
-                for request in list(self.waiting) + [r for r, _ in self.rows]:
+                for request in list(self.waiting) + self.prefilling + [r for r, _ in self.rows]:
                     for seq in request.sequences:
                         seq.finish_reason = seq.finish_reason or "error"
                     request.notify()
@@ -238,9 +250,10 @@ class Engine:
 
     def step(self) -> None:
         """Admit and prefill new requests, then decode one token for every running row."""
-        admitted = self._admit()
-        if admitted:
-            self._prefill(admitted)
+        self.prefilling = self._admit()
+        if self.prefilling:
+            self._prefill(self.prefilling)
+        self.prefilling = []
         if self.rows:
             self._decode()
 
@@ -278,7 +291,19 @@ class Engine:
                 budget -= len(request.prompt)
                 if request.adapter:
                     active_adapters.add(request.adapter)
-        return admitted
+        return [r for r in admitted if self._load_adapter(r, active_adapters)]
+
+    def _load_adapter(self, request: EngineRequest, in_use: set[str]) -> bool:
+        """Load the request's adapter before it runs; a failure (its files gone, say) fails that request alone."""
+        if not (self.adapters and request.adapter):
+            return True
+        try:
+            self.model = self.adapters.ensure_loaded(self.model, {request.adapter}, in_use)
+            return True
+        except Exception as exc:  # noqa: BLE001 - reported to the request's caller
+            request.error = f"Loading lora {request.adapter} failed: {exc}"
+            self._finish_request(request, "error")
+            return False
 
     def _forward(self, input_ids, write_pos, kv_len, mask, rows: slice, adapters: list[str | None], all_logits: bool) -> torch.Tensor:
         """One model forward over cache rows `rows`; float32 logits of every position or of the last one(s)."""
@@ -320,12 +345,11 @@ class Engine:
         sequence (overwritten later, never attended), so padded batches need no special layout.
         """
         width = max(len(w) for w in windows)
-        if self.exact and len(windows) * width < exact_attention.MIN_ROWS:
-            # Too few rows for the long-forward matmul path: add filler sequences in free cache rows.
-            fillers = -(-exact_attention.MIN_ROWS // width) - len(windows)
-            self.cache.ensure_rows(rows.stop + fillers)
-            windows, totals = windows + [[0]] * fillers, totals + [1] * fillers
-            rows, adapters = slice(rows.start, rows.stop + fillers), adapters + [None] * fillers
+        fillers = _filler_adapters(adapters, width) if self.exact else []
+        if fillers:  # too few rows for the long-forward matmul path: add filler sequences in free cache rows
+            self.cache.ensure_rows(rows.stop + len(fillers))
+            windows, totals = windows + [[0]] * len(fillers), totals + [1] * len(fillers)
+            rows, adapters = slice(rows.start, rows.stop + len(fillers)), adapters + fillers
         ids, positions = [], []
         for tokens, total in zip(windows, totals):
             pad = width - len(tokens)

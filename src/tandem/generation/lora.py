@@ -61,8 +61,6 @@ class AdapterSet:
 
     def ensure_loaded(self, model: torch.nn.Module, names: set[str], in_use: set[str]) -> torch.nn.Module:
         """Load every adapter in `names` into `model` (wrapping it in PEFT on first use); returns the model."""
-        while self._stale and isinstance(model, PeftModel):
-            model.delete_adapter(self._stale.pop())
         for name in sorted(names - set(self.loaded)):
             peft_name = f"lora{self.int_ids[name]}"
             if isinstance(model, PeftModel):
@@ -76,6 +74,9 @@ class AdapterSet:
                 if victim is None:
                     break
                 model.delete_adapter(self.loaded.pop(victim))
+        # Weights replaced by a re-registration go once another adapter is loaded: PEFT needs one left to be active.
+        while self._stale and isinstance(model, PeftModel) and len(model.peft_config) > 1:
+            model.delete_adapter(self._stale.pop())
         for name in names:
             self.loaded.move_to_end(name)
         return model

@@ -295,7 +295,9 @@ class Server:
                 if not request.finished:
                     self.engine.abort(request)
         if any(s.finish_reason == "error" for r in requests for s in r.sequences):
-            raise ApiError(500, "The generation engine failed while serving this request: see the server log.", "InternalServerError")
+            reason = next((r.error for r in requests if r.error), None)
+            raise ApiError(500, reason or "The generation engine failed while serving this request: see the server log.",
+                           "InternalServerError")
 
     def _engine_request(self, ids, fields: dict, *, n, adapter, max_tokens, default_max, logprobs, prompt_logprobs,
                         stops, skip_special, sampling_mask=False) -> EngineRequest:

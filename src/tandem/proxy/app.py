@@ -1,11 +1,14 @@
 """`tandem proxy`: one vLLM-protocol endpoint in front of several generation servers (spec 002).
 
-Generation requests are routed by prompt prefix (router.py). Control calls are broadcast: `/pause`,
+Generation requests are routed by prompt prefix (router.py): token ids as sent, chat `messages` rendered to
+token ids with `--tokenizer` (by their text otherwise), and a `/v1/completions` batch split into one request
+per prompt, each routed on its own, the answers merged back in order. Control calls are broadcast: `/pause`,
 `/resume`, `/reset_prefix_cache` (the router forgets what the replicas held), `/v1/unload_lora_adapter`;
 `/v1/load_lora_adapter` is all-or-nothing — a replica answering "No adapter found" (its mount has not seen
 the directory yet) is retried until a deadline, any other failure unloads the adapter from the replicas
 that took it. `/health` is 200 only when every replica is; `/metrics` concatenates the replicas' metrics
-with a `replica` label (the trainer's concurrency cap sums them); other reads go to the first replica.
+with a `replica` label (the trainer's concurrency cap sums them) plus `tandem_proxy:*` totals; other reads
+go to the first replica that answers.
 A dead replica answers 502 at once (connection refused) or after `connect_timeout_s`, never a hang.
 """
 
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
+from tandem.generation.client import parse_metrics, parse_prometheus
 from tandem.proxy.router import PrefixRouter
 
 ROUTED = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
@@ -37,6 +41,8 @@ class ProxyArgs:
     connect_timeout_s: float = 10.0
     api_key: str | None = None
     upstream_api_key: str | None = None
+    tokenizer: str | None = None
+    """Renders chat `messages` to the token ids the replicas will cache, so they share blocks with token prompts."""
 
 
 @dataclass
@@ -55,18 +61,45 @@ def error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status)
 
 
-def prompt_of(path: str, body: dict) -> list[int] | bytes:
-    """What the router hashes: token ids when the request carries them, else the text's bytes."""
+def prompt_of(path: str, body: dict, tokenizer=None) -> list[int] | bytes:
+    """What the router hashes: token ids when the request carries them (or when a tokenizer renders the chat
+    messages), else the text's bytes."""
     prompt = body.get("token_ids") if path == "/inference/v1/generate" else body.get("prompt", body.get("messages"))
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
-        prompt = prompt[0]  # a batch of token prompts shares one replica, chosen by its first prompt
+        prompt = prompt[0]  # a batch the proxy could not split: its first prompt decides
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         return prompt
     if isinstance(prompt, str):
         return prompt.encode()
+    if isinstance(prompt, list) and tokenizer is not None:
+        try:
+            return list(tokenizer.apply_chat_template(
+                prompt, tokenize=True, return_dict=False, add_generation_prompt=body.get("add_generation_prompt", True),
+                continue_final_message=body.get("continue_final_message", False), **(body.get("chat_template_kwargs") or {})))
+        except Exception:  # noqa: BLE001 - a message the template refuses is the replica's to reject, with its own error
+            pass
     if isinstance(prompt, list):  # chat messages: their text in order, so a conversation's turns share blocks
         return "".join(f"<{m.get('role')}>{m.get('content')}" for m in prompt if isinstance(m, dict)).encode()
     return b""
+
+
+def split_batch(path: str, body: dict) -> list[dict] | None:
+    """A `/v1/completions` body with several prompts, as one body per prompt; None for anything else."""
+    prompt = body.get("prompt")
+    if path != "/v1/completions" or body.get("stream") or not isinstance(prompt, list) or len(prompt) < 2:
+        return None
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        return [{**body, "prompt": p} for p in prompt]
+    return None  # a single token-id prompt
+
+
+def merge_completions(answers: list[dict], n: int) -> dict:
+    """The per-prompt answers as the one answer vLLM gives a batch: choice i·n + j is prompt i's j-th, usage summed."""
+    merged = dict(answers[0])
+    merged["choices"] = [{**choice, "index": i * n + choice.get("index", 0)} for i, a in enumerate(answers) for choice in a["choices"]]
+    usage = [a.get("usage") or {} for a in answers]
+    merged["usage"] = {**usage[0], **{k: sum(u.get(k) or 0 for u in usage) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+    return merged
 
 
 class Proxy:
@@ -77,6 +110,11 @@ class Proxy:
         self.upstreams = [Upstream(url.rstrip("/")) for url in args.upstreams]
         self.router = PrefixRouter(len(self.upstreams), args.block_size, args.imbalance)
         self.session: aiohttp.ClientSession | None = None
+        self.tokenizer = None
+        if args.tokenizer:
+            from transformers import AutoTokenizer  # only with --tokenizer: the proxy starts fast without it
+
+            self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30, middlewares=[self._auth])
@@ -133,7 +171,22 @@ class Proxy:
             return error(400, f"proxy: the request body is not valid JSON: {exc}")
         if not isinstance(body, dict):
             return error(400, "proxy: the request body must be a JSON object")
-        decision = self.router.choose(str(body.get("model") or ""), prompt_of(request.path, body),
+        parts = split_batch(request.path, body)
+        if parts is None:
+            status, headers, data, replica = await self._route(request, body, raw)
+            return web.Response(status=status, body=data, headers={**headers, "X-Proxy-Upstream": str(replica)})
+        answers = await asyncio.gather(*(self._route(request, part, json.dumps(part).encode()) for part in parts))
+        replicas = ",".join(str(replica) for *_, replica in answers)
+        failed = next((a for a in answers if a[0] != 200), None)
+        if failed:  # vLLM fails a batch as a whole: the first failing prompt's answer stands for it
+            status, headers, data, _ = failed
+            return web.Response(status=status, body=data, headers={**headers, "X-Proxy-Upstream": replicas})
+        merged = merge_completions([json.loads(data) for _, _, data, _ in answers], int(body.get("n") or 1))
+        return web.json_response(merged, headers={"X-Proxy-Upstream": replicas})
+
+    async def _route(self, request: web.Request, body: dict, raw: bytes) -> tuple[int, dict, bytes, int]:
+        """Send one generation request to the replica the router picks for its prompt."""
+        decision = self.router.choose(str(body.get("model") or ""), prompt_of(request.path, body, self.tokenizer),
                                       [u.inflight for u in self.upstreams])
         upstream = self.upstreams[decision.replica]
         upstream.inflight += 1
@@ -142,7 +195,7 @@ class Proxy:
             status, headers, data = await self._send(upstream, "POST", request.path_qs, raw, request.headers)
         finally:
             upstream.inflight -= 1
-        return web.Response(status=status, body=data, headers={**headers, "X-Proxy-Upstream": str(decision.replica)})
+        return status, headers, data, decision.replica
 
     async def _all(self, request: web.Request, raw: bytes | None = None) -> list[tuple[int, dict, bytes]]:
         raw = await request.read() if raw is None else raw
@@ -210,7 +263,9 @@ class Proxy:
         for index, (status, _, data) in enumerate(results):
             if status != 200:
                 continue
-            for line in data.decode().splitlines():
+            text = data.decode()
+            lines += _replica_totals(text, index)
+            for line in text.splitlines():
                 if line.startswith("#"):
                     if line not in seen:
                         seen.add(line)
@@ -220,6 +275,7 @@ class Proxy:
                 elif line.strip():
                     name, value = line.split(None, 1)
                     lines.append(f'{name}{{replica="{index}"}} {value}')
+        lines += _totals([line for line in lines if line.startswith("tandem_proxy:replica_")])
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def stats(self, _: web.Request) -> web.Response:
@@ -234,6 +290,23 @@ class Proxy:
             if status != 502:
                 return web.Response(status=status, body=data, headers=headers)
         return web.Response(status=502, body=data, headers=headers)
+
+
+def _replica_totals(text: str, index: int) -> list[str]:
+    """One replica's load in a line each (its engines summed; KV usage as the fullest engine's), labelled with it."""
+    m = parse_metrics(text)
+    values = {"num_requests_running": m.running, "num_requests_waiting": m.waiting, "num_preemptions": m.preemptions,
+              "kv_cache_usage_perc": m.kv_cache_usage, "kv_cache_size_tokens": m.kv_capacity_tokens or 0}
+    return [f'tandem_proxy:replica_{name}{{replica="{index}"}} {value:g}' for name, value in values.items()]
+
+
+def _totals(replica_lines: list[str]) -> list[str]:
+    """Across replicas: sums of load and capacity, the fullest replica's KV usage."""
+    by_name: dict[str, list[float]] = {}
+    for name, _, value in parse_prometheus("\n".join(replica_lines)):
+        by_name.setdefault(name.removeprefix("tandem_proxy:replica_"), []).append(value)
+    return [f"tandem_proxy:{name} {max(values) if name == 'kv_cache_usage_perc' else sum(values):g}"
+            for name, values in by_name.items()]
 
 
 async def start_proxy(args: ProxyArgs) -> tuple[web.AppRunner, int]:

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from tandem.config import AsyncGRPOConfig
-from tandem.generation.client import ControlClient
+from tandem.generation.client import ControlClient, GenerationClient
 from tandem.generation.launcher import EmbeddedServer
 from tandem.losses.flash_reinforce import flash_reinforce_loss
 from tandem.losses.grpo import TokenStats, clipped_surrogate
@@ -35,7 +35,7 @@ from tandem.rollout.loop import AsyncRolloutLoop
 from tandem.rollout.records import Sample
 from tandem.rollout.worker import RolloutWorker, WorkerSpec, check_picklable
 from tandem.tasks import TINY_MODEL_PATH
-from tandem.trainer import checkpoint
+from tandem.trainer import checkpoint, sync_check
 from tandem.trainer.batching import TokenBudgetBatcher
 from tandem.trainer.weight_sync import ADAPTER_NAME, LoraSync, ReloadSync
 
@@ -131,6 +131,7 @@ class AsyncGRPOTrainer:
         self.worker = None
         self.sinks = []
         self.progress = None
+        self.probe = None
         try:
             url = self._start_server()
             self.control = ControlClient(url, timeout_s=args.vllm_server_timeout)
@@ -139,10 +140,10 @@ class AsyncGRPOTrainer:
             self.token_budget = args.token_budget or max_model_len
             self.batcher = TokenBudgetBatcher(self.token_budget)
             self._check_prompt_lengths(max_model_len)
-            self.sync = self._weight_sync()
             self.served_name = self._served_name()
+            self.sync = self._weight_sync()
             if resume is not None or self.server is None or self.lora:
-                self.sync.push(self.model, state.model_version)  # the server must sample from our weights
+                self._push(state.model_version)  # the server must sample from our weights
             self.sinks = make_sinks(args.report_to, self.output_dir, args.run_name, args.to_dict())
             self.worker = self._start_worker(url, state.dataset_start_index, state.model_version)
             return self._loop(state)
@@ -153,8 +154,9 @@ class AsyncGRPOTrainer:
                 self.worker.stop()
             for sink in self.sinks:
                 sink.close()
-            if getattr(self, "control", None):
-                self.runner.run(self.control.close())
+            for client in (getattr(self, "control", None), self.probe):
+                if client:
+                    self.runner.run(client.close())
             self.runner.close()
             if self.server:
                 self.server.stop()
@@ -195,20 +197,43 @@ class AsyncGRPOTrainer:
         return self.server.url
 
     def _weight_sync(self):
-        """Adapter-only sync when training LoRA and the server serves adapters; the whole model otherwise."""
+        """Adapter-only sync when training LoRA and the server can serve the adapter; the whole model otherwise."""
+        reload = ReloadSync(self.control, self.output_dir, self.runner, self.served_name)
         if not self.lora:
-            return ReloadSync(self.control, self.output_dir, self.runner)
-        config = self.runner.run(self.control.server_info()).get("vllm_config")
-        lora = config.get("lora_config") if isinstance(config, dict) else None
-        if not lora:
-            raise NotImplementedError("LoRA training needs a server started with --enable-lora (adapter-only sync); "
-                                      "merged-weight sync to a server without it is not implemented yet")
+            return reload
+        info = self.runner.run(self.control.server_info()).get("vllm_config")
+        info = info if isinstance(info, dict) else {}
+        lora = info.get("lora_config")
         rank, needed = self.model.peft_config["default"].r, self.args.max_staleness + 2
+        flags = f"--enable-lora --max-loras {needed} --max-cpu-loras {needed} --max-lora-rank {_vllm_lora_rank(rank)}"
+        obstacle = _adapter_sync_obstacle(self.model.peft_config, lora, (info.get("parallel_config") or {}), flags)
+        if obstacle:
+            warnings.warn(f"LoRA: syncing the merged model (every weight, every sync) instead of the adapter alone: "
+                          f"{obstacle}", stacklevel=3)
+            return reload
         if lora.get("max_loras", needed) < needed or lora.get("max_lora_rank", rank) < rank:
             raise ValueError(f"the server holds max_loras={lora.get('max_loras')} adapters of rank <= {lora.get('max_lora_rank')}; "
-                             f"this run needs {needed} (max_staleness + 2) of rank {rank}. Restart it with --enable-lora "
-                             f"--max-loras {needed} --max-cpu-loras {needed} --max-lora-rank {_vllm_lora_rank(rank)}")
+                             f"this run needs {needed} (max_staleness + 2) of rank {rank}. Restart it with {flags}")
         return LoraSync(self.control, self.output_dir, self.runner, keep=self.args.max_staleness + 1)
+
+    def _push(self, version: int) -> dict[str, float]:
+        """Sync the weights as `version`; with `weight_sync_check_atol` set, check the server now samples from them."""
+        timings = self.sync.push(self.model, version, announce=self._announce)
+        atol = self.args.weight_sync_check_atol
+        if atol is not None:
+            if self.probe is None:
+                self.probe = GenerationClient(self.control.base_url, timeout_s=self.args.vllm_server_timeout)
+            prompt = self.tokenizer.apply_chat_template(self.dataset[0]["prompt"], add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False, **(self.args.chat_template_kwargs or {}))
+            gap = self.runner.run(sync_check.sync_gap(self.probe, self.sync.name_for(version), self.model, prompt, self.kernel))
+            sync_check.check(gap, atol)
+            timings["weight_sync/served_logprob_gap"] = gap.max_abs
+        return timings
+
+    def _announce(self, version: int) -> None:
+        """Called by the sync once the server serves `version`: the groups started from now on sample from it."""
+        if self.worker:
+            self.worker.channels.model_version.value = version
 
     def _served_name(self) -> str:
         served = [m["id"] for m in self.runner.run(self.control.models())]
@@ -236,7 +261,7 @@ class AsyncGRPOTrainer:
             base_url=url, api_key=None, tools=self.tools, environment_factory=self.environment_factory,
             dataset_start_index=start, full_step_tokens=self.token_budget * args.gradient_accumulation_steps,
             num_positions=None if args.max_steps > 0 else math.ceil(args.num_train_epochs * n),
-            adapter_name=ADAPTER_NAME if self.lora else None,
+            adapter_name=ADAPTER_NAME if isinstance(self.sync, LoraSync) else None,
         )
         worker = RolloutWorker(spec, args.rollout_worker_timeout)
         worker.channels.model_version.value = version  # a resumed run's first groups sample from its current version
@@ -392,9 +417,8 @@ class AsyncGRPOTrainer:
         state.dataset_start_index = self.ledger.watermark
 
         if state.step % args.weight_sync_steps == 0:
-            timings = self.sync.push(self.model, state.model_version + 1)
+            timings = self._push(state.model_version + 1)
             state.model_version += 1
-            channels.model_version.value = state.model_version
             for name, value in timings.items():
                 self.window.add(name, value)
         step_s = time.perf_counter() - step_start
@@ -600,6 +624,32 @@ def _with_adapter(model: PreTrainedModel, peft_config):
         raise ValueError("peft_config targets lm_head: tandem trains adapters on the transformer layers only (the "
                          "chunked log-prob head reads the base head). Remove lm_head from target_modules / modules_to_save.")
     return get_peft_model(model, peft_config)
+
+
+def _adapter_sync_obstacle(peft_config: dict, lora_config: dict | None, parallel_config: dict, flags: str) -> str | None:
+    """Why the server cannot serve this adapter by name (the merged model then travels instead), or None.
+    vLLM serves single plain LoRA adapters: no DoRA, bias, modules_to_save, parameter targets or embeddings."""
+    if len(peft_config) != 1:
+        return f"the model has {len(peft_config)} adapters and a request names one. Train a single adapter."
+    config = next(iter(peft_config.values()))
+    if not lora_config:
+        return f"the server was started without LoRA support. Restart it with {flags} to sync the adapter alone."
+    data_parallel = parallel_config.get("data_parallel_size", 1)
+    if data_parallel > 1:
+        return (f"the server runs data_parallel_size={data_parallel}, and /v1/load_lora_adapter reaches only the rank "
+                "that answers it: the others would serve the base model under the new name. Run replicas with "
+                "--data-parallel-size 1 behind `tandem proxy`, which loads each adapter on every replica.")
+    targets = config.target_modules or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    unsupported = [("use_dora", getattr(config, "use_dora", False), "DoRA"),
+                   ("bias", getattr(config, "bias", "none") != "none", f"bias={getattr(config, 'bias', None)!r}"),
+                   ("modules_to_save", bool(config.modules_to_save), f"modules_to_save={config.modules_to_save}"),
+                   ("target_parameters", bool(getattr(config, "target_parameters", None)), "target_parameters"),
+                   ("target_modules", any("embed_tokens" in t for t in targets), "an adapter on embed_tokens")]
+    for field_name, present, what in unsupported:
+        if present:
+            return f"vLLM does not serve {what} ({field_name} in the LoraConfig). Use a plain LoRA adapter to sync it alone."
+    return None
 
 
 def _served_dtype(model) -> str:

@@ -1,8 +1,10 @@
-"""Pushing the policy to the generation server: the `reload` strategy (DESIGN.md §2).
+"""Pushing the policy to the generation server: the `reload` and `lora` strategies (DESIGN.md §2).
 
-The trainer writes the weights in checkpoint format to `<output_dir>/.weights/v{N}` (to a temporary
+`reload` writes the whole model in checkpoint format to `<output_dir>/.weights/v{N}` (to a temporary
 folder first, then renamed, so the server never reads half a checkpoint), then pauses the server
-keeping in-flight requests, reloads, drops the prefix cache and resumes. Older versions are deleted.
+keeping in-flight requests, reloads, drops the prefix cache and resumes; older versions are deleted.
+A LoRA model travels this way merged (W + scale·B·A) when the server cannot serve its adapter.
+`lora` publishes only the adapter, under a new name per version.
 """
 
 import asyncio
@@ -12,6 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from peft import PeftModel
+from peft.tuners.lora import LoraLayer
 from transformers.utils import logging as hf_logging
 
 from tandem.generation.client import ControlClient
@@ -29,33 +33,62 @@ def quiet_progress():
             hf_logging.enable_progress_bar()
 
 
-def publish(model: torch.nn.Module, folder: Path, name: str) -> Path:
+def publish(model: torch.nn.Module, folder: Path, name: str, state_dict: dict | None = None) -> Path:
     """Save `model` (a whole model, or a PEFT adapter) as `folder/name`: to a temporary folder first, then renamed,
-    so the server never reads half of it."""
+    so the server never reads half of it. `state_dict` replaces the model's own weights in the files."""
     target, staging = folder / name, folder / f".{name}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     with quiet_progress():
-        model.save_pretrained(staging, safe_serialization=True)
+        model.save_pretrained(staging, safe_serialization=True, **({"state_dict": state_dict} if state_dict else {}))
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
     return target
 
 
+def merged_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:
+    """The base model's weights under its own names, each LoRA layer's W replaced by W + its adapter's delta.
+    Computed out of place: merging into the trained weights and back would round them a little every sync."""
+    base = model.get_base_model()
+    layers = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    merged = {}
+    for key, value in base.state_dict().items():
+        if "lora_" in key:
+            continue
+        owner, _, leaf = key.rpartition(".")
+        if owner.endswith(".base_layer"):  # PEFT's wrapper: q_proj.base_layer.weight is the base q_proj.weight
+            owner = owner.removesuffix(".base_layer")
+            if leaf == "weight":
+                value = value + layers[owner].get_delta_weight(model.active_adapter).to(value.dtype)
+            key = f"{owner}.{leaf}"
+        merged[key] = value
+    return merged
+
+
 class ReloadSync:
-    def __init__(self, control: ControlClient, output_dir: Path, run: "asyncio.Runner"):
-        self.control, self.folder, self.run = control, output_dir / ".weights", run
+    def __init__(self, control: ControlClient, output_dir: Path, run: "asyncio.Runner", served_name: str):
+        self.control, self.folder, self.run, self.served_name = control, output_dir / ".weights", run, served_name
         self.folder.mkdir(parents=True, exist_ok=True)
 
-    def push(self, model: torch.nn.Module, version: int) -> dict[str, float]:
-        """Publish `model` as `version`; returns the timing breakdown for perf/weight_sync_*."""
+    def name_for(self, version: int) -> str:
+        """What rollouts of `version` ask the server for: always the base model's name."""
+        return self.served_name
+
+    def push(self, model: torch.nn.Module, version: int, announce=lambda version: None) -> dict[str, float]:
+        """Publish `model` (merged, for a LoRA model) as `version`, then `announce(version)` to the rollouts; returns
+        the timing breakdown for perf/weight_sync_*."""
         start = time.perf_counter()
-        target = publish(model, self.folder, f"v{version}")
+        if isinstance(model, PeftModel):
+            with torch.no_grad():
+                target = publish(model.get_base_model(), self.folder, f"v{version}", merged_state_dict(model))
+        else:
+            target = publish(model, self.folder, f"v{version}")
         written = time.perf_counter()
         self.run.run(self.control.pause("keep"))
         paused = time.perf_counter()
         self.run.run(self.control.reload_weights(str(target.resolve())))
         self.run.run(self.control.reset_prefix_cache())
         self.run.run(self.control.resume())
+        announce(version)
         done = time.perf_counter()
         for old in self.folder.glob("v*"):
             if old != target:
@@ -78,11 +111,17 @@ class LoraSync:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.loaded: list[int] = []
 
-    def push(self, model: torch.nn.Module, version: int) -> dict[str, float]:
+    def name_for(self, version: int) -> str:
+        return ADAPTER_NAME.format(version=version)
+
+    def push(self, model: torch.nn.Module, version: int, announce=lambda version: None) -> dict[str, float]:
+        """Load the adapter as a new name and `announce(version)` before the oldest is unloaded, so a rollout
+        that names an unloaded version always started before the announcement (and is skipped as stale)."""
         start = time.perf_counter()
         name = ADAPTER_NAME.format(version=version)
         target = publish(model, self.folder, name)
         self.run.run(self.control.load_lora(name, str(target.resolve())))
+        announce(version)
         self.loaded.append(version)
         while len(self.loaded) > self.keep:
             old = ADAPTER_NAME.format(version=self.loaded.pop(0))

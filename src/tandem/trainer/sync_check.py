@@ -1,0 +1,68 @@
+"""Does the server now sample from the trainer's policy? A check run after a weight sync.
+
+A short completion is sampled under the name the rollouts will use, and the log-probs the server
+reports for its tokens are compared with the trainer's own forward over the same tokens. With exact
+decoding in fp32 the two agree to rounding (1e-5); a server that serves the base model, or an older
+adapter, under the new name is off by orders of magnitude more.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.generation.client import GenerationClient
+from tandem.packing import pack
+from tandem.packing.logprobs import row_logprobs
+from tandem.rollout.records import Sample
+
+PROBE_TOKENS = 16
+PROBE_SEED = 1234
+
+
+class SyncMismatch(RuntimeError):
+    """The server's log-probs under the synced name are not the trainer's."""
+
+
+@dataclass
+class SyncGap:
+    served_name: str
+    tokens: int
+    max_abs: float
+    """The largest |served log-prob − trainer log-prob| over the probe's sampled tokens."""
+
+
+async def sync_gap(client: GenerationClient, served_name: str, model: torch.nn.Module, prompt_ids: list[int],
+                   kernel: str) -> SyncGap:
+    """Sample `PROBE_TOKENS` tokens under `served_name` at temperature 1 (full vocabulary, so raw and processed
+    log-probs coincide; past any end-of-sequence token, for a probe of fixed length) and compare their log-probs with
+    `model`'s forward in eval mode."""
+    completion = (await client.complete(prompt_ids, max_tokens=PROBE_TOKENS, model=served_name, seed=PROBE_SEED,
+                                        ignore_eos=True))[0]
+    served = torch.tensor(completion.logprobs, dtype=torch.float64)
+    ours = policy_logprobs(model, prompt_ids, completion.token_ids, kernel)
+    return SyncGap(served_name, len(served), float((served - ours).abs().max()))
+
+
+def policy_logprobs(model: torch.nn.Module, prompt_ids: list[int], completion_ids: list[int], kernel: str) -> torch.Tensor:
+    """log π_θ of each completion token given what precedes it: the trainer's own packed forward, no dropout."""
+    ids = list(prompt_ids) + list(completion_ids)
+    sample = Sample(input_ids=ids, trained=[False] * len(prompt_ids) + [True] * len(completion_ids),
+                    logprobs=[0.0] * len(ids), advantage=0.0, model_version=0, group_id=0, position=0,
+                    group_samples=1, rollout_id="sync-check", created_at=0.0)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return row_logprobs(model, pack([sample]), kernel).logprobs.double().cpu()
+    finally:
+        model.train(was_training)
+
+
+def check(gap: SyncGap, atol: float) -> None:
+    if not gap.max_abs <= atol:
+        raise SyncMismatch(
+            f"weight sync check: the server's log-probs under {gap.served_name!r} differ from the trainer's by up to "
+            f"{gap.max_abs:.3g} over {gap.tokens} tokens (weight_sync_check_atol={atol:g}). The server is not sampling "
+            "from the trained weights under that name (a stale or missing adapter, the base model, or a different "
+            "dtype / decode mode). Raise weight_sync_check_atol only if the gap is expected rounding (bf16, "
+            "--decode-mode fast).")

@@ -1,0 +1,104 @@
+"""Weight sync to a running `tandem serve`: adapter-only versions, the merged-weight fallback, and the check that
+the server samples from the trainer's weights after each sync."""
+
+import asyncio
+import shutil
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from tandem.generation.client import ControlClient, GenerationClient
+from tandem.packing import attention as tree_attention
+from tandem.tasks import TINY_MODEL_PATH
+from tandem.trainer import sync_check
+from tandem.trainer.trainer import _adapter_sync_obstacle
+from tandem.trainer.weight_sync import LoraSync, merged_state_dict
+from tests.conftest import chat_prompt
+
+ATOL = 1e-5
+
+
+def lora_model(seed: int, **config) -> torch.nn.Module:
+    """The tiny model (fp32, tree attention) with a random rank-4 adapter, as the trainer would hold it."""
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32)
+    tree_attention.prepare(base)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0,
+                      **{"init_lora_weights": False, **config})
+    return get_peft_model(base, lora)
+
+
+def perturb(model: torch.nn.Module, seed: int) -> None:
+    """What an optimizer step does to the adapter."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_(0.05 * torch.randn_like(p))
+
+
+def test_after_each_adapter_sync_the_server_matches_the_trainer_and_stale_or_base_adapters_fail(server, tokenizer, tmp_path):
+    prompt = chat_prompt(tokenizer, "What is 12 + 30?")
+    model = lora_model(seed=1)
+    with asyncio.Runner() as run:
+        control, client = ControlClient(server.url), GenerationClient(server.url)
+        sync = LoraSync(control, tmp_path, run, keep=1)
+        gaps = []
+        for version in (1, 2, 3):  # each sync loads a new name; the gap to the trainer is rounding only
+            perturb(model, seed=version)
+            sync.push(model, version)
+            gaps.append(run.run(sync_check.sync_gap(client, sync.name_for(version), model, prompt, "exact")))
+            if version == 2:
+                shutil.copytree(tmp_path / ".vllm_lora" / sync.name_for(2), tmp_path / "stale")
+        # A stale adapter (version 2's weights) answering to the new name...
+        run.run(control.load_lora("tandem-policy-v4", str(tmp_path / "stale")))
+        stale = run.run(sync_check.sync_gap(client, "tandem-policy-v4", model, prompt, "exact"))
+        # ...and the base model: a fresh adapter (B = 0) computes exactly the base weights.
+        lora_model(seed=5, init_lora_weights=True).save_pretrained(tmp_path / "zero")
+        run.run(control.load_lora("tandem-policy-v5", str(tmp_path / "zero")))
+        base = run.run(sync_check.sync_gap(client, "tandem-policy-v5", model, prompt, "exact"))
+        for name in ("tandem-policy-v3", "tandem-policy-v4", "tandem-policy-v5"):
+            run.run(control.unload_lora(name))
+        run.run(control.close())
+        run.run(client.close())
+
+    for gap in gaps:
+        assert gap.tokens == sync_check.PROBE_TOKENS and gap.max_abs <= ATOL, gap
+        sync_check.check(gap, ATOL)
+    for gap in (stale, base):
+        assert gap.max_abs > 1000 * ATOL, gap
+        with pytest.raises(sync_check.SyncMismatch, match=gap.served_name):
+            sync_check.check(gap, ATOL)
+
+
+def test_merged_weights_are_the_base_model_plus_the_adapter_under_the_base_names():
+    model = lora_model(seed=2)
+    merged = merged_state_dict(model)
+    plain = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32)
+    assert sorted(merged) == sorted(plain.state_dict()), "the files must load into the base architecture"
+    plain.load_state_dict(merged)
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11]])
+    with torch.no_grad():
+        model.eval()
+        expected = model(ids).logits
+        got = plain.eval()(ids).logits
+    assert (expected - got).abs().max() < ATOL
+    untouched = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
+    assert not torch.equal(untouched, merged["model.layers.0.self_attn.q_proj.weight"]), "the adapter was added"
+
+
+@pytest.mark.parametrize("config, lora, parallel, expected", [
+    ({}, None, {}, "started without LoRA support. Restart it with --enable-lora"),
+    ({}, {"max_loras": 4}, {"data_parallel_size": 2}, "data_parallel_size=2"),
+    ({"use_dora": True}, {"max_loras": 4}, {}, "DoRA"),
+    ({"modules_to_save": ["embed_tokens"]}, {"max_loras": 4}, {}, "modules_to_save"),
+    ({"bias": "lora_only"}, {"max_loras": 4}, {}, "bias='lora_only'"),
+    ({"target_modules": ["q_proj", "embed_tokens"]}, {"max_loras": 4}, {}, "embed_tokens"),
+    ({}, {"max_loras": 4}, {"data_parallel_size": 1}, None),
+])
+def test_adapters_the_server_cannot_serve_fall_back_to_merged_sync_with_the_reason(config, lora, parallel, expected):
+    peft_config = {"default": LoraConfig(r=4, **{"target_modules": ["q_proj"], **config})}
+    why = _adapter_sync_obstacle(peft_config, lora, parallel, flags="--enable-lora --max-loras 3")
+    assert why == expected if expected is None else expected in why
