@@ -295,7 +295,8 @@ def test_lora_training_syncs_versioned_adapters_and_samples_from_them(tmp_path):
         assert abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4, r["sampling/importance_sampling_ratio/mean"]
         assert r["weight_sync/served_logprob_gap"] <= 1e-5
     kept = sorted(p.name for p in (tmp_path / "run" / ".vllm_lora").iterdir())
-    assert kept == ["tandem-policy-v4"], "max_staleness + 1 versions stay published; older folders are deleted"
+    assert kept == ["tandem-policy-v3", "tandem-policy-v4"], \
+        "max_staleness + 1 versions stay loaded; a folder goes one sync after its unload; older ones are deleted"
     assert (tmp_path / "run" / "checkpoint-4" / "adapter_model.safetensors").exists(), "checkpoints keep the adapter"
 
     # Resuming loads the adapter and serves it under the run's current version: still exactly on policy.

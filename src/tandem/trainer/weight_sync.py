@@ -104,12 +104,14 @@ class LoraSync:
     """The `lora` strategy (DESIGN.md §2): only the adapter travels. Each version is a new name
     (`tandem-policy-v{N}`), so a cached prefix can never mix two versions; the last `keep` versions stay
     loaded for the rollouts still sampling from them. The new one is loaded before the oldest is unloaded,
-    and a version's folder is deleted only once it has left the server."""
+    and a version's folder is deleted one sync after its unload (vLLM may still read an adapter's files
+    lazily while requests that named it finish)."""
 
     def __init__(self, control: ControlClient, output_dir: Path, run: "asyncio.Runner", keep: int):
         self.control, self.folder, self.run, self.keep = control, output_dir / ".vllm_lora", run, keep
         self.folder.mkdir(parents=True, exist_ok=True)
         self.loaded: list[int] = []
+        self.unloaded: list[str] = []
 
     def name_for(self, version: int) -> str:
         return ADAPTER_NAME.format(version=version)
@@ -123,10 +125,13 @@ class LoraSync:
         self.run.run(self.control.load_lora(name, str(target.resolve())))
         announce(version)
         self.loaded.append(version)
+        for old in self.unloaded:
+            shutil.rmtree(self.folder / old, ignore_errors=True)
+        self.unloaded = []
         while len(self.loaded) > self.keep:
             old = ADAPTER_NAME.format(version=self.loaded.pop(0))
             self.run.run(self.control.unload_lora(old))
-            shutil.rmtree(self.folder / old, ignore_errors=True)
+            self.unloaded.append(old)
         done = time.perf_counter()
         return {"perf/weight_sync_s": done - start, "perf/weight_sync_pause_s": 0.0, "perf/weight_sync_barrier_s": 0.0,
                 "perf/weight_sync_transfer_s": done - start}
