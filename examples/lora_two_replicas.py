@@ -21,14 +21,14 @@ from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
 from tandem.generation.launcher import EmbeddedProxy, EmbeddedServer
 from tandem.rewards import accuracy_reward
 from tandem.tasks import TINY_MODEL_PATH, datasets
+from tandem.trainer.weight_sync import lora_server_flags
 
 
 def replica_flags(max_staleness: int, rank: int) -> list[str]:
     """What the trainer needs from each replica: its model name, processed log-probs, and room for the
     max_staleness + 1 adapter versions in use plus the one being loaded."""
-    loras = str(max_staleness + 2)
     return ["--served-model-name", TINY_MODEL_PATH, "--logprobs-mode", "processed_logprobs", "--max-logprobs", "20",
-            "--enable-lora", "--max-loras", loras, "--max-cpu-loras", loras, "--max-lora-rank", str(rank)]
+            *lora_server_flags(max_staleness, rank)]
 
 
 def main() -> None:

@@ -57,6 +57,18 @@ def test_dry_run_prints_the_recipe_and_the_server_command(capsys):
     assert "--weight-transfer-config" in command and "VLLM_SERVER_DEV_MODE=1" in command
 
 
+def test_a_lora_recipe_prints_the_adapter_flags_its_server_needs(capsys, tmp_path):
+    main(["train", "examples/lora.yaml", "--dry-run", "--max_staleness", "3"])
+    out = capsys.readouterr().out
+    command = next(line for line in out.splitlines() if "vllm serve" in line)
+    assert "--enable-lora --max-loras 5 --max-cpu-loras 5 --max-lora-rank 8" in command, "max_staleness + 2 versions, rank 8"
+    assert "lora:\n  r: 8" in out
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("model: tiny\nlora: {r: 4, rank_dropout: 0.1}\n")
+    with pytest.raises(ValueError, match="lora: .*rank_dropout.*LoraConfig fields"):
+        main(["train", str(recipe), "--dry-run"])
+
+
 def test_flash_reinforce_dry_run_prints_settings_and_server_without_touching_cuda():
     code = ("import torch; from tandem.cli import main; main(['train', 'examples/flash_reinforce.yaml', '--dry-run']); "
             "print('cuda initialised:', torch.cuda.is_initialized())")

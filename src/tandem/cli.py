@@ -121,7 +121,21 @@ def serve_command(recipe, max_model_len: int) -> str:
         parts += ["--max-logprobs", str(config.num_sampler_logprobs)]
     if config.uses_truncated_sampling:
         parts += ["--return-sampling-mask", "--enable-scale-out"]
+    if recipe.lora is not None:
+        from tandem.trainer.weight_sync import lora_server_flags
+
+        parts += lora_server_flags(config.max_staleness, lora_config(recipe.lora).r)
     return " ".join(shlex.quote(p) if i > 1 else p for i, p in enumerate(parts))
+
+
+def lora_config(fields: dict):
+    """The recipe's `lora:` mapping as a peft.LoraConfig, its own error naming a field it does not have."""
+    from peft import LoraConfig
+
+    try:
+        return LoraConfig(**fields)
+    except TypeError as exc:
+        raise ValueError(f"lora: {exc}. Use peft.LoraConfig fields (r, lora_alpha, lora_dropout, target_modules, ...)") from None
 
 
 def longest_prompt(recipe) -> int:
@@ -142,7 +156,8 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
     if ns.dry_run:
         needed = longest_prompt(recipe) + recipe.config.max_completion_length
         print(yaml.safe_dump({"model": recipe.model, "dataset": recipe.dataset, "reward_funcs": recipe.reward_funcs,
-                              **recipe.config.to_dict()}, sort_keys=False))
+                              **({"lora": recipe.lora} if recipe.lora is not None else {}), **recipe.config.to_dict()},
+                             sort_keys=False))
         print("# Generation server for this recipe (the default without vllm_server_base_url is an embedded tandem serve):")
         print(f"# --max-model-len: the longest prompt ({needed - recipe.config.max_completion_length} tokens) + max_completion_length")
         print(serve_command(recipe, needed))
@@ -151,7 +166,8 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
     from tandem.tasks import datasets
 
     trainer = AsyncGRPOTrainer(model=recipe.model, reward_funcs=[import_object(f) for f in recipe.reward_funcs],
-                               args=recipe.config, train_dataset=datasets.load(recipe.dataset))
+                               args=recipe.config, train_dataset=datasets.load(recipe.dataset),
+                               peft_config=lora_config(recipe.lora) if recipe.lora is not None else None)
     output = trainer.train()
     history = trainer.reward_history
     print(f"\ntrained {output.global_step} steps; checkpoints in {recipe.config.output_dir}, "

@@ -159,9 +159,11 @@ class Recipe:
     model: str
     dataset: str
     reward_funcs: list[str] = field(default_factory=list)
+    lora: dict | None = None
+    """peft.LoraConfig fields: train a LoRA adapter instead of the whole model."""
 
 
-RECIPE_KEYS = ("model", "dataset", "reward_funcs")
+RECIPE_KEYS = ("model", "dataset", "reward_funcs", "lora")
 
 
 def _field_types() -> dict[str, Any]:
@@ -215,8 +217,11 @@ def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
     if "model" not in raw:
         raise ValueError("the recipe has no 'model': give a model folder, a hub id, or 'tiny' for the built-in model")
     funcs = raw.pop("reward_funcs", [])
+    lora = raw.pop("lora", None)
+    if lora is not None and not isinstance(lora, dict):
+        raise ValueError(f"lora: expected a mapping of peft.LoraConfig fields (r, lora_alpha, target_modules, ...), got {lora!r}")
     recipe = Recipe(model=raw.pop("model"), dataset=raw.pop("dataset", "arithmetic"),
-                    reward_funcs=[funcs] if isinstance(funcs, str) else list(funcs), config=AsyncGRPOConfig(**raw))
+                    reward_funcs=[funcs] if isinstance(funcs, str) else list(funcs), lora=lora, config=AsyncGRPOConfig(**raw))
     return recipe
 
 

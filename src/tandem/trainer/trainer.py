@@ -37,7 +37,7 @@ from tandem.rollout.worker import RolloutWorker, WorkerSpec, check_picklable
 from tandem.tasks import TINY_MODEL_PATH
 from tandem.trainer import checkpoint, sync_check
 from tandem.trainer.batching import TokenBudgetBatcher
-from tandem.trainer.weight_sync import ADAPTER_NAME, LoraSync, ReloadSync
+from tandem.trainer.weight_sync import ADAPTER_NAME, LoraSync, ReloadSync, lora_server_flags
 
 POLL_S = 0.05
 
@@ -189,10 +189,8 @@ class AsyncGRPOTrainer:
                  "--max-num-seqs", str(min(256, args.max_concurrent_rollouts))]
         if args.uses_truncated_sampling:  # each token's kept set, to renormalise the trainer's log-probs over it
             extra += ["--enable-scale-out", "--return-sampling-mask"]
-        if self.lora:  # max_staleness + 1 versions stay loaded, and one more while the next loads
-            loras = str(args.max_staleness + 2)
-            extra += ["--enable-lora", "--max-loras", loras, "--max-cpu-loras", loras,
-                      "--max-lora-rank", str(_vllm_lora_rank(self.model.peft_config["default"].r))]
+        if self.lora:
+            extra += lora_server_flags(args.max_staleness, self.model.peft_config["default"].r)
         self.server = EmbeddedServer(source, log_path=self.output_dir / "server.log", extra_args=extra)
         return self.server.url
 
@@ -205,7 +203,7 @@ class AsyncGRPOTrainer:
         info = info if isinstance(info, dict) else {}
         lora = info.get("lora_config")
         rank, needed = self.model.peft_config["default"].r, self.args.max_staleness + 2
-        flags = f"--enable-lora --max-loras {needed} --max-cpu-loras {needed} --max-lora-rank {_vllm_lora_rank(rank)}"
+        flags = " ".join(lora_server_flags(self.args.max_staleness, rank))
         obstacle = _adapter_sync_obstacle(self.model.peft_config, lora, (info.get("parallel_config") or {}), flags)
         if obstacle:
             warnings.warn(f"LoRA: syncing the merged model (every weight, every sync) instead of the adapter alone: "
@@ -605,14 +603,6 @@ def _load_model(model, args: AsyncGRPOConfig) -> tuple[str, PreTrainedModel]:
     tree_attention.prepare(loaded)
     check_head(loaded)
     return name, loaded
-
-
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def _vllm_lora_rank(rank: int) -> int:
-    """vLLM accepts only these --max-lora-rank values: the smallest one that holds `rank`."""
-    return next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
 
 
 def _with_adapter(model: PreTrainedModel, peft_config):

@@ -98,6 +98,15 @@ class ReloadSync:
 
 
 ADAPTER_NAME = "tandem-policy-v{version}"
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_server_flags(max_staleness: int, rank: int) -> list[str]:
+    """The server flags a LoRA run needs: room for the max_staleness + 1 versions in use plus the one being loaded,
+    and a --max-lora-rank vLLM accepts (only VLLM_LORA_RANKS are: the smallest one that holds `rank`)."""
+    loras = str(max_staleness + 2)
+    max_rank = next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
+    return ["--enable-lora", "--max-loras", loras, "--max-cpu-loras", loras, "--max-lora-rank", str(max_rank)]
 
 
 class LoraSync:
