@@ -176,6 +176,21 @@ async def test_health_metrics_and_a_dead_replica():
     await alive.server.close()
 
 
+async def test_a_replica_that_refuses_connections_loses_its_blocks_at_once():
+    replicas = [FakeReplica(0), FakeReplica(1)]
+    runner, url = await started(replicas)
+    async with aiohttp.ClientSession() as s:
+        kept, lost = [7] * 80, [9] * 80  # five blocks each
+        assert [(await post(s, url + "/v1/completions", {"prompt": p}))[1] for p in (kept, lost)] == ["0", "1"]
+        await replicas[1].server.close()  # a restarting replica: its cache is gone
+        status, upstream, _ = await post(s, url + "/v1/completions", {"prompt": lost})
+        assert (status, upstream) == (502, "1")
+        async with s.get(url + "/proxy/stats") as r:
+            assert (await r.json())["router"]["tracked_blocks"] == 5, "only replica 0's blocks are left"
+    await runner.cleanup()
+    await replicas[0].server.close()
+
+
 async def test_two_real_tandem_serve_replicas_behind_the_proxy():
     from tandem.generation.client import ControlClient, GenerationClient
     from tests.conftest import ServerThread

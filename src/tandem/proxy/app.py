@@ -9,7 +9,8 @@ the directory yet) is retried until a deadline, any other failure unloads the ad
 that took it. `/health` is 200 only when every replica is; `/metrics` concatenates the replicas' metrics
 with a `replica` label (the trainer's concurrency cap sums them) plus `tandem_proxy:*` totals; other reads
 go to the first replica that answers.
-A dead replica answers 502 at once (connection refused) or after `connect_timeout_s`, never a hang.
+A dead replica answers 502 at once (connection refused) or after `connect_timeout_s`, never a hang; a refused
+connection or 3 failures in a row make the router forget the replica's blocks (a restart empties its cache).
 """
 
 import asyncio
@@ -157,7 +158,9 @@ class Proxy:
                 return r.status, {k: v for k, v in r.headers.items() if k.lower() not in HOP_BY_HOP}, data
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             upstream.failures += 1
-            if upstream.failures >= 3:  # a replica that keeps failing has likely restarted: its cache is gone
+            # A refused connection means the process is gone (restarting or dead), and one that keeps failing has
+            # likely restarted: either way its prefix cache is gone.
+            if isinstance(exc, aiohttp.ClientConnectorError) or upstream.failures >= 3:
                 self.router.forget(self.upstreams.index(upstream))
             message = f"proxy: {upstream.url}: {type(exc).__name__}: {exc}"
             return 502, {"Content-Type": "application/json"}, json.dumps(
