@@ -5,7 +5,9 @@ import json
 import time
 
 import aiohttp
+import torch
 from aiohttp import web
+from transformers import AutoModelForCausalLM
 from aiohttp.test_utils import TestServer
 
 from tandem.generation.client import parse_metrics
@@ -143,6 +145,11 @@ async def test_adapter_loads_retry_a_lagging_replica_and_roll_back_a_failing_one
         assert good.loaded == set() and good.calls["/v1/unload_lora_adapter"] == 1
         status, _, _ = await post(s, url + "/v1/unload_lora_adapter", {"lora_name": "never-loaded"})
         assert status == 200
+        # Whole-model syncs from files reach every replica; NCCL transfers cannot go through a proxy at all.
+        status, _, _ = await post(s, url + "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/w"}})
+        assert status == 200 and good.calls["/collective_rpc"] == bad.calls["/collective_rpc"] == 1
+        status, _, text = await post(s, url + "/init_weight_transfer_engine", {"init_info": {}})
+        assert status == 501 and "NCCL weight transfer cannot pass through tandem proxy" in text
     await runner.cleanup()
     for r in (lagging, steady, good, bad):
         await r.server.close()
@@ -191,7 +198,7 @@ async def test_a_replica_that_refuses_connections_loses_its_blocks_at_once():
     await replicas[0].server.close()
 
 
-async def test_two_real_tandem_serve_replicas_behind_the_proxy():
+async def test_two_real_tandem_serve_replicas_behind_the_proxy(tmp_path):
     from tandem.generation.client import ControlClient, GenerationClient
     from tests.conftest import ServerThread
 
@@ -210,6 +217,15 @@ async def test_two_real_tandem_serve_replicas_behind_the_proxy():
             assert all(r.server.engine.paused for r in replicas)
             await control.resume()
             assert (await control.max_model_len()) == replicas[0].server.max_model_len
+            # A whole-model reload through the proxy reaches both replicas.
+            before = replicas[1].post("/v1/completions", {"prompt": prompt, "max_tokens": 4, "seed": 1, "logprobs": 0})[1]
+            changed = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32)
+            with torch.no_grad():
+                changed.model.norm.weight.mul_(1.5)
+            changed.save_pretrained(tmp_path / "v1")
+            await control.reload_weights(str(tmp_path / "v1"))
+            after = [r.post("/v1/completions", {"prompt": prompt, "max_tokens": 4, "seed": 1, "logprobs": 0})[1] for r in replicas]
+            assert after[0]["choices"] == after[1]["choices"] != before["choices"]
             # A batch split over the replicas answers as one server answers it (same seeds, same samples, in order).
             body = {"prompt": [list(range(3, 40)), list(range(50, 90))], "max_tokens": 3, "n": 2, "seed": 7, "logprobs": 0}
             through, direct = await client.post_json("/v1/completions", body), replicas[1].post("/v1/completions", body)[1]

@@ -3,7 +3,9 @@
 Generation requests are routed by prompt prefix (router.py): token ids as sent, chat `messages` rendered to
 token ids with `--tokenizer` (by their text otherwise), and a `/v1/completions` batch split into one request
 per prompt, each routed on its own, the answers merged back in order. Control calls are broadcast: `/pause`,
-`/resume`, `/reset_prefix_cache` (the router forgets what the replicas held), `/v1/unload_lora_adapter`;
+`/resume`, `/reset_prefix_cache` (the router forgets what the replicas held), `/v1/unload_lora_adapter`,
+`/collective_rpc` (a `reload_weights` from a shared path reaches every replica); NCCL weight transfer is refused
+(each replica would need its own NCCL group);
 `/v1/load_lora_adapter` is all-or-nothing — a replica answering "No adapter found" (its mount has not seen
 the directory yet) is retried until a deadline, any other failure unloads the adapter from the replicas
 that took it. `/health` is 200 only when every replica is; `/metrics` concatenates the replicas' metrics
@@ -25,7 +27,8 @@ from tandem.generation.client import parse_metrics, parse_prometheus
 from tandem.proxy.router import PrefixRouter
 
 ROUTED = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
-BROADCAST = ("/pause", "/resume", "/reset_prefix_cache", "/v1/unload_lora_adapter")
+BROADCAST = ("/pause", "/resume", "/reset_prefix_cache", "/v1/unload_lora_adapter", "/collective_rpc")
+NCCL_WEIGHT_TRANSFER = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update")
 HOP_BY_HOP = {"host", "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
               "transfer-encoding", "upgrade", "content-length", "content-encoding", "authorization"}
 
@@ -57,8 +60,8 @@ class Upstream:
 
 
 def error(status: int, message: str) -> web.Response:
-    kind = {400: "BadRequestError", 401: "Unauthorized", 502: "BadGateway", 503: "ServiceUnavailableError",
-            504: "GatewayTimeout"}.get(status, "ProxyError")
+    kind = {400: "BadRequestError", 401: "Unauthorized", 501: "NotImplementedError", 502: "BadGateway",
+            503: "ServiceUnavailableError", 504: "GatewayTimeout"}.get(status, "ProxyError")
     return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status)
 
 
@@ -129,6 +132,8 @@ class Proxy:
             app.router.add_post(path, self.routed)
         for path in BROADCAST:
             app.router.add_route("*", path, self.broadcast)
+        for path in NCCL_WEIGHT_TRANSFER:
+            app.router.add_route("*", path, self.refuse_nccl)
         app.router.add_route("*", "/{tail:.*}", self.forward)
         return app
 
@@ -220,6 +225,11 @@ class Proxy:
                                  f"{upstream.url} -> {status} {data[:300].decode(errors='replace')}")
         status, headers, data = results[0]
         return web.Response(status=200, body=data, headers=headers)
+
+    async def refuse_nccl(self, request: web.Request) -> web.Response:
+        return error(501, f"proxy: {request.path}: NCCL weight transfer cannot pass through tandem proxy (each replica "
+                          "would need its own NCCL group). Sync through files instead: LoRA adapters "
+                          "(/v1/load_lora_adapter) or /collective_rpc reload_weights, which the proxy sends to every replica.")
 
     async def load_lora(self, request: web.Request) -> web.Response:
         raw = await request.read()
