@@ -348,3 +348,17 @@ def test_the_two_replica_lora_example_trains_through_the_proxy_exactly_on_policy
     stats = json.loads((out / "proxy_stats.json").read_text())
     assert all(u["routed"] > 0 for u in stats["upstreams"]), f"both replicas generate: {stats}"
     assert stats["router"]["affinity"] > 0, f"groups of one prompt stick to a replica: {stats}"
+
+
+def test_a_script_without_a_main_guard_is_told_how_to_fix_it(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "from datasets import Dataset\n"
+        "from tandem import AsyncGRPOConfig, AsyncGRPOTrainer\n"
+        "from tandem.rewards import accuracy_reward\n"
+        "from tandem.tasks import arithmetic\n"
+        f"args = AsyncGRPOConfig(output_dir={str(tmp_path / 'run')!r}, max_steps=1, num_generations=2, save_strategy='no')\n"
+        "AsyncGRPOTrainer('tiny', accuracy_reward, args=args,\n"
+        "                 train_dataset=Dataset.from_list(arithmetic.make_rows(4, split='train', seed=0))).train()\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and 'if __name__ == "__main__":' in run.stderr.splitlines()[-1], run.stderr[-2000:]

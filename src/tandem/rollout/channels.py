@@ -17,8 +17,11 @@ class Channels:
     consumed_tokens: "mp.sharedctypes.Synchronized"
     heartbeat: "mp.sharedctypes.Synchronized"
     stop: mp.Event
+    running: mp.Event
+    """Set by the worker as soon as its own code runs (before that, Python is still importing the main module)."""
 
     @classmethod
     def create(cls, context) -> "Channels":
         return cls(out=context.Queue(), model_version=context.Value("q", 0), tokens_per_step=context.Value("d", 0.0),
-                   consumed_tokens=context.Value("d", 0.0), heartbeat=context.Value("d", 0.0), stop=context.Event())
+                   consumed_tokens=context.Value("d", 0.0), heartbeat=context.Value("d", 0.0), stop=context.Event(),
+                   running=context.Event())

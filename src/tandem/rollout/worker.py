@@ -55,6 +55,7 @@ def check_picklable(objects: dict[str, object]) -> None:
 
 
 def worker_main(spec: WorkerSpec, channels: Channels) -> None:
+    channels.running.set()
     import asyncio
 
     from transformers import AutoTokenizer
@@ -113,6 +114,11 @@ class RolloutWorker:
 
     def _check_alive(self) -> None:
         if not self.process.is_alive() and self.process.exitcode not in (0, None):
+            if not self.channels.running.is_set():
+                raise WorkerError(
+                    f"the rollout worker exited with code {self.process.exitcode} before it started: it is a spawned "
+                    "process, which imports your main script first, and that failed (see the traceback above). A script "
+                    "that starts training at module level must do it under `if __name__ == \"__main__\":`.")
             raise WorkerError(f"the rollout worker exited with code {self.process.exitcode} without reporting an error")
         silent = time.time() - self.channels.heartbeat.value
         if silent > self.timeout_s:
