@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
-from tandem.generation.client import parse_metrics, parse_prometheus
+from tandem.generation.client import parse_metrics
 from tandem.proxy.router import PrefixRouter
 
 ROUTED = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
@@ -272,12 +272,12 @@ class Proxy:
 
     async def metrics(self, request: web.Request) -> web.Response:
         results = await self._all(request, b"")
-        lines, seen = [], set()
+        lines, seen, loads = [], set(), {}
         for index, (status, _, data) in enumerate(results):
             if status != 200:
                 continue
             text = data.decode()
-            lines += _replica_totals(text, index)
+            loads[index] = _load(text)
             for line in text.splitlines():
                 if line.startswith("#"):
                     if line not in seen:
@@ -288,7 +288,7 @@ class Proxy:
                 elif line.strip():
                     name, value = line.split(None, 1)
                     lines.append(f'{name}{{replica="{index}"}} {value}')
-        lines += _totals([line for line in lines if line.startswith("tandem_proxy:replica_")])
+        lines += _load_lines(loads)
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def stats(self, _: web.Request) -> web.Response:
@@ -305,21 +305,20 @@ class Proxy:
         return web.Response(status=502, body=data, headers=headers)
 
 
-def _replica_totals(text: str, index: int) -> list[str]:
-    """One replica's load in a line each (its engines summed; KV usage as the fullest engine's), labelled with it."""
+def _load_lines(loads: dict[int, dict[str, float]]) -> list[str]:
+    """Each replica's load, labelled with it, then the totals: load and capacity summed, the fullest replica's KV usage."""
+    lines = [f'tandem_proxy:replica_{name}{{replica="{index}"}} {value:g}' for index, load in loads.items() for name, value in load.items()]
+    for name in next(iter(loads.values()), {}):
+        column = [load[name] for load in loads.values()]
+        lines.append(f"tandem_proxy:{name} {max(column) if name == 'kv_cache_usage_perc' else sum(column):g}")
+    return lines
+
+
+def _load(text: str) -> dict[str, float]:
+    """One replica's load from its /metrics: its engines summed, KV usage as its fullest engine's."""
     m = parse_metrics(text)
-    values = {"num_requests_running": m.running, "num_requests_waiting": m.waiting, "num_preemptions": m.preemptions,
-              "kv_cache_usage_perc": m.kv_cache_usage, "kv_cache_size_tokens": m.kv_capacity_tokens or 0}
-    return [f'tandem_proxy:replica_{name}{{replica="{index}"}} {value:g}' for name, value in values.items()]
-
-
-def _totals(replica_lines: list[str]) -> list[str]:
-    """Across replicas: sums of load and capacity, the fullest replica's KV usage."""
-    by_name: dict[str, list[float]] = {}
-    for name, _, value in parse_prometheus("\n".join(replica_lines)):
-        by_name.setdefault(name.removeprefix("tandem_proxy:replica_"), []).append(value)
-    return [f"tandem_proxy:{name} {max(values) if name == 'kv_cache_usage_perc' else sum(values):g}"
-            for name, values in by_name.items()]
+    return {"num_requests_running": m.running, "num_requests_waiting": m.waiting, "num_preemptions": m.preemptions,
+            "kv_cache_usage_perc": m.kv_cache_usage, "kv_cache_size_tokens": m.kv_capacity_tokens or 0}
 
 
 async def start_proxy(args: ProxyArgs) -> tuple[web.AppRunner, int]:

@@ -219,11 +219,11 @@ class AsyncGRPOTrainer:
         timings = self.sync.push(self.model, version, announce=self._announce)
         atol = self.args.weight_sync_check_atol
         if atol is not None:
-            if self.probe is None:
+            if self.probe is None:  # the client and the probe's prompt (the first row's), made at the first sync
                 self.probe = GenerationClient(self.control.base_url, timeout_s=self.args.vllm_server_timeout)
-            prompt = self.tokenizer.apply_chat_template(self.dataset[0]["prompt"], add_generation_prompt=True, tokenize=True,
-                                                        return_dict=False, **(self.args.chat_template_kwargs or {}))
-            gap = self.runner.run(sync_check.sync_gap(self.probe, self.sync.name_for(version), self.model, prompt, self.kernel))
+                self.probe_prompt = self._prompt_ids(self.dataset[0]["prompt"])
+            gap = self.runner.run(sync_check.sync_gap(self.probe, self.sync.name_for(version), self.model, self.probe_prompt,
+                                                      self.kernel))
             sync_check.check(gap, atol)
             timings["weight_sync/served_logprob_gap"] = gap.max_abs
         return timings
@@ -241,10 +241,14 @@ class AsyncGRPOTrainer:
                       "its first model. Start it with --served-model-name to silence this.", stacklevel=3)
         return served[0]
 
+    def _prompt_ids(self, prompt: list[dict]) -> list[int]:
+        """A conversational prompt as the token ids the worker sends (chat template, generation prompt added)."""
+        return self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                                  **(self.args.chat_template_kwargs or {}))
+
     def _check_prompt_lengths(self, max_model_len: int) -> None:
         for index, row in enumerate(self.dataset):
-            ids = self.tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False,
-                                                     **(self.args.chat_template_kwargs or {}))
+            ids = self._prompt_ids(row["prompt"])
             if len(ids) >= max_model_len:
                 raise ValueError(f"train_dataset row {index}: the prompt renders to {len(ids)} tokens, but the server's "
                                  f"max_model_len is {max_model_len}, leaving no room to generate. Start the server with a "

@@ -129,7 +129,7 @@ class LoraSync:
         """Load the adapter as a new name and `announce(version)` before the oldest is unloaded, so a rollout
         that names an unloaded version always started before the announcement (and is skipped as stale)."""
         start = time.perf_counter()
-        name = ADAPTER_NAME.format(version=version)
+        name = self.name_for(version)
         target = publish(model, self.folder, name)
         self.run.run(self.control.load_lora(name, str(target.resolve())))
         announce(version)
@@ -138,7 +138,7 @@ class LoraSync:
             shutil.rmtree(self.folder / old, ignore_errors=True)
         self.unloaded = []
         while len(self.loaded) > self.keep:
-            old = ADAPTER_NAME.format(version=self.loaded.pop(0))
+            old = self.name_for(self.loaded.pop(0))
             self.run.run(self.control.unload_lora(old))
             self.unloaded.append(old)
         done = time.perf_counter()
