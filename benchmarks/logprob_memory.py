@@ -5,7 +5,7 @@ entropy the trainer logs) from their hidden states through the LM head. Each var
 process and reports what the step added to the peak: on GPU `torch.cuda.max_memory_allocated`, on CPU
 the process's peak resident memory (ru_maxrss) over what it held before the step.
 
-    python benchmarks/logprob_memory.py [--tokens 8192] [--vocab 32768] [--hidden 1024] [--chunk-size 1024]
+    python benchmarks/logprob_memory.py [--tokens 8192] [--vocab 32768] [--hidden 1024] [--chunk-size 1024] [--markdown PATH]
 """
 
 import argparse
@@ -17,6 +17,8 @@ import sys
 import torch
 
 from tandem.packing.logprobs import chunked_logprobs
+
+from tables import add_markdown_flag, emit, markdown_table
 
 
 def full_logprobs(hidden, head, targets):
@@ -58,6 +60,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--chunk-size", type=int, default=1024)
+    add_markdown_flag(parser)
     parser.add_argument("--variant", choices=["full", "chunked"], help=argparse.SUPPRESS)  # one measurement, in a child
     args = parser.parse_args()
     shape = (args.tokens, args.vocab, args.hidden, args.chunk_size)
@@ -78,6 +81,11 @@ def main() -> None:
         print(f"  {variant:>8}: step peak {result['step_peak_bytes'] / 2**20:8.0f} MiB")
     ratio = results["full"]["step_peak_bytes"] / max(results["chunked"]["step_peak_bytes"], 1)
     print(f"  chunked uses {ratio:.1f}x less memory than full-logit materialisation")
+    emit(markdown_table(["trained tokens", "vocabulary", "hidden size", "chunk", "full logits: step peak",
+                         "chunked: step peak", "full / chunked"], "rrrrrrr",
+                        [[str(args.tokens), str(args.vocab), str(args.hidden), str(args.chunk_size),
+                          f"{results['full']['step_peak_bytes'] / 2**20:.0f} MiB",
+                          f"{results['chunked']['step_peak_bytes'] / 2**20:.0f} MiB", f"{ratio:.1f}x"]]), args.markdown)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ backward of the log-probs of every trained token. Printed per prompt length: the
 before packing per forwarded token), trained tokens/s of each method and the speed-ups; the goal is a
 tree speed-up over padding-free of at least 0.9 x the packing ratio where shared prefixes dominate.
 
-    python benchmarks/packing.py [--prompt-lengths 64 256 512] [--groups 8] [--token-budget 2048]
+    python benchmarks/packing.py [--prompt-lengths 64 256 512] [--groups 8] [--token-budget 2048] [--markdown PATH]
 """
 
 import argparse
@@ -23,6 +23,8 @@ from tandem.packing.logprobs import chunked_logprobs, row_logprobs
 from tandem.rollout.records import Sample
 from tandem.tasks import TINY_MODEL_PATH
 from tandem.trainer.batching import TokenBudgetBatcher
+
+from tables import add_markdown_flag, emit, markdown_table
 
 G = 8
 
@@ -87,6 +89,27 @@ def timed(step, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+def measure(models, kernels, prompt_len: int, args) -> list[list[str]]:
+    """One prompt length: print a line per kernel as it finishes, and return the README table's rows."""
+    tree_model, padded_model = models
+    samples = workload(prompt_len, args.groups, *args.completion, tree_model.config.get_text_config().vocab_size)
+    trained = sum(s.num_trained for s in samples)
+    tree, flat = rows_of(samples, args.token_budget, True), rows_of(samples, args.token_budget, False)
+    batches = padded_batches(samples, args.token_budget)
+    ratio = sum(s.num_tokens for s in samples) / sum(r.num_tokens for r in tree)
+    padded = trained / timed(lambda: padded_step(padded_model, batches), args.repeats)
+    table = []
+    for kernel in kernels:
+        rates = [trained / timed(lambda rows=rows, kernel=kernel: tree_step(tree_model, rows, kernel), args.repeats)
+                 for rows in (tree, flat)]
+        speedup = rates[0] / rates[1]
+        print(f"{kernel:>6} {prompt_len:>6} {ratio:>6.2f} {f'{len(tree)}/{len(flat)}/{len(batches)}':>14} {rates[0]:>11.0f} "
+              f"{rates[1]:>9.0f} {padded:>9.0f} {speedup:>7.2f}x {rates[0] / padded:>8.2f}x {speedup / ratio:>16.2f}", flush=True)
+        table.append([kernel, str(prompt_len), f"{ratio:.2f}", f"{rates[0]:.0f}", f"{rates[1]:.0f}", f"{padded:.0f}",
+                      f"{speedup:.2f}x", f"{rates[0] / padded:.2f}x", f"{speedup / ratio:.2f}"])
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=TINY_MODEL_PATH)
@@ -97,6 +120,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--kernels", choices=attention.KERNELS, nargs="+",
                         help="tree attention kernels to run (default: exact and sdpa on CPU, flex and sdpa on GPU)")
+    add_markdown_flag(parser)
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -104,25 +128,16 @@ def main() -> None:
     attention.prepare(tree_model)
     padded_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa").to(device)
     kernels = args.kernels or [attention.default_kernel(device), "sdpa"]
-    vocab = tree_model.config.get_text_config().vocab_size
     print(f"model {args.model}  device {device}  token_budget {args.token_budget}  "
           f"{args.groups} groups x G={G}, completions {args.completion[0]}-{args.completion[1]} tokens")
     print("padded: stock transformers SDPA on [batch, longest] batches; tree and padding-free: the tree kernel named")
     print(f"{'kernel':>6} {'prompt':>6} {'ratio':>6} {'rows t/pf/pad':>14} {'tree tok/s':>11} {'pad-free':>9} {'padded':>9} "
           f"{'tree/pf':>8} {'tree/pad':>9} {'(tree/pf)/ratio':>16}")
-    for prompt_len in args.prompt_lengths:
-        samples = workload(prompt_len, args.groups, *args.completion, vocab)
-        trained = sum(s.num_trained for s in samples)
-        tree, flat = rows_of(samples, args.token_budget, True), rows_of(samples, args.token_budget, False)
-        batches = padded_batches(samples, args.token_budget)
-        ratio = sum(s.num_tokens for s in samples) / sum(r.num_tokens for r in tree)
-        padded = trained / timed(lambda batches=batches: padded_step(padded_model, batches), args.repeats)
-        for kernel in kernels:
-            rates = [trained / timed(lambda rows=rows, kernel=kernel: tree_step(tree_model, rows, kernel), args.repeats)
-                     for rows in (tree, flat)]
-            speedup = rates[0] / rates[1]
-            print(f"{kernel:>6} {prompt_len:>6} {ratio:>6.2f} {f'{len(tree)}/{len(flat)}/{len(batches)}':>14} {rates[0]:>11.0f} "
-                  f"{rates[1]:>9.0f} {padded:>9.0f} {speedup:>7.2f}x {rates[0] / padded:>8.2f}x {speedup / ratio:>16.2f}")
+    rows = [row for prompt_len in args.prompt_lengths for row in measure((tree_model, padded_model), kernels, prompt_len, args)]
+    emit(markdown_table(["kernel", "prompt", "packing ratio", "tree (tok/s)", "padding-free (tok/s)", "padded (tok/s)",
+                         "tree / padding-free", "tree / padded", "(tree / padding-free) / ratio"], "lrrrrrrrr", rows),
+         args.markdown)
+
 
 if __name__ == "__main__":
     main()

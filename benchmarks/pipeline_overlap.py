@@ -6,8 +6,9 @@ server while the trainer computes (generate, then train, then generate...); the 
 trainer as it is. Both train the same number of steps from the same weights; printed: both wall times,
 the speed-up, and the ideal (G + T) / max(G, T) from the synchronous run's own G and T. The reward is
 the task's own integer check (math-verify would cost the worker CPU time the trainer then misses).
+Each configuration (a server step delay and a max_staleness) is one row of the printed table.
 
-    python benchmarks/pipeline_overlap.py [--steps 60] [--step-delay-s 0.05] [--max-staleness 2]
+    python benchmarks/pipeline_overlap.py [--steps 60] [--config STEP_DELAY_S MAX_STALENESS ...] [--markdown PATH]
 """
 
 import argparse
@@ -22,16 +23,22 @@ from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
 from tandem.generation.launcher import EmbeddedServer
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
 
+from tables import add_markdown_flag, emit, markdown_table
+
+CONFIGS = [(0.05, 2), (0.02, 1), (0.05, 4), (0.15, 2)]
+"""(step delay in seconds, max_staleness) of each row of the README's table."""
+
 
 class SynchronousTrainer(AsyncGRPOTrainer):
     """Generation and training take turns: the server is paused while the trainer computes."""
 
-    def _train_step(self, rows, step_start):
-        self.runner.run(self.control.pause("keep"))
+    def training_step(self, rows):
+        session = self.session
+        session.run(session.control.pause("keep"))
         try:
-            super()._train_step(rows, step_start)
+            return super().training_step(rows)
         finally:
-            self.runner.run(self.control.resume())
+            session.run(session.control.resume())
 
 
 def run(trainer_cls, steps: int, delay: float, args_staleness: int, folder: Path) -> dict:
@@ -50,29 +57,40 @@ def run(trainer_cls, steps: int, delay: float, args_staleness: int, folder: Path
     return {"wall": wall, "train": train, "wait": sum(r["perf/rollout_wait_s"] for r in rows[1:])}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--step-delay-s", type=float, default=0.05, help="sleep after every decode step of the server")
-    parser.add_argument("--max-staleness", type=int, default=2,
-                        help="how far generation may run ahead: with slow rollouts it must cover their latency")
-    args = parser.parse_args()
-    # On a CPU-only machine the server, the worker and the trainer share the cores. A trainer that spreads
-    # one matmul over every core stalls whenever another process runs; one thread each keeps them apart.
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        sync = run(SynchronousTrainer, args.steps, args.step_delay_s, args.max_staleness, Path(tmp) / "sync")
-        print(f"synchronous : {sync['wall']:.1f}s wall ({sync['train']:.1f}s training)", flush=True)
-        overlapped = run(AsyncGRPOTrainer, args.steps, args.step_delay_s, args.max_staleness, Path(tmp) / "async")
-        print(f"asynchronous: {overlapped['wall']:.1f}s wall ({overlapped['wait']:.1f}s waiting for samples)", flush=True)
+def compare(steps: int, delay: float, staleness: int, folder: Path) -> list[str]:
+    """Both runs of one configuration; returns its row of the README table."""
+    sync = run(SynchronousTrainer, steps, delay, staleness, folder / "sync")
+    print(f"  synchronous : {sync['wall']:.1f}s wall ({sync['train']:.1f}s training)", flush=True)
+    overlapped = run(AsyncGRPOTrainer, steps, delay, staleness, folder / "async")
+    print(f"  asynchronous: {overlapped['wall']:.1f}s wall ({overlapped['wait']:.1f}s waiting for samples)", flush=True)
     train = sync["train"]
     generate = sync["wall"] - train
     ideal = (generate + train) / max(generate, train)
     speedup = sync["wall"] / overlapped["wall"]
-    print("\n| steps | G (s) | T (s) | synchronous (s) | asynchronous (s) | speed-up | ideal (G+T)/max(G,T) | speed-up / ideal |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    print(f"| {args.steps} | {generate:.1f} | {train:.1f} | {sync['wall']:.1f} | {overlapped['wall']:.1f} | {speedup:.2f}x | "
-          f"{ideal:.2f}x | {speedup / ideal:.2f} |")
+    return [f"{delay:g} s, {staleness}", f"{generate:.1f}", f"{train:.1f}", f"{sync['wall']:.1f}", f"{overlapped['wall']:.1f}",
+            f"{speedup:.2f}x", f"{ideal:.2f}x", f"{speedup / ideal:.2f}"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--config", nargs=2, action="append", metavar=("STEP_DELAY_S", "MAX_STALENESS"),
+                        help="one row: the server's sleep after every decode step, and how far generation may run ahead "
+                             "(with slow rollouts it must cover their latency); repeatable. Default: the README's rows, "
+                             + ", ".join(f"{d} {s}" for d, s in CONFIGS))
+    add_markdown_flag(parser)
+    args = parser.parse_args()
+    configs = [(float(d), int(s)) for d, s in args.config] if args.config else CONFIGS
+    # On a CPU-only machine the server, the worker and the trainer share the cores. A trainer that spreads
+    # one matmul over every core stalls whenever another process runs; one thread each keeps them apart.
+    torch.set_num_threads(1)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (delay, staleness) in enumerate(configs):
+            print(f"step delay {delay} s, max_staleness {staleness}, {args.steps} steps", flush=True)
+            rows.append(compare(args.steps, delay, staleness, Path(tmp) / str(i)))
+    emit(markdown_table(["step delay, max_staleness", "G (s)", "T (s)", "synchronous (s)", "asynchronous (s)", "speed-up",
+                         "ideal (G+T)/max(G,T)", "speed-up / ideal"], "rrrrrrrr", rows), args.markdown)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ and once round-robin straight to the replicas. Printed: affinity / spill / unmat
 unmatched <= 1/G + 2 points), prefill tokens computed vs round-robin, and the latency the proxy adds
 per request (p50, p99) against direct calls to an instant replica.
 
-    python benchmarks/proxy.py [--prompts 64] [--concurrency 32] [--delay-ms 20]
+    python benchmarks/proxy.py [--prompts 64] [--concurrency 32] [--delay-ms 20] [--markdown PATH]
 """
 
 import argparse
@@ -23,6 +23,8 @@ from aiohttp.test_utils import TestServer
 
 from tandem.proxy.app import ProxyArgs, start_proxy
 from tandem.proxy.router import PrefixRouter
+
+from tables import add_markdown_flag, emit, markdown_table
 
 G = 8
 
@@ -110,14 +112,20 @@ async def main(args) -> None:
     n = stats["routed"]
     prefill = sum(r.prefill_tokens for r in routed)
     baseline = sum(r.prefill_tokens for r in round_robin)
-    q = statistics.quantiles
     print(f"{args.prompts} prompts x G={G} = {n} requests, {args.concurrency} in flight, 2 replicas, {prompt_tokens} prompt tokens")
-    print(f"| affinity | spill | unmatched (goal <= {100 / G + 2:.1f}%) | prefill tokens, proxy | prefill tokens, round-robin | "
-          f"proxy / round-robin | added latency p50 | added latency p99 |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    print(f"| {100 * stats['affinity'] / n:.1f}% | {100 * stats['spill'] / n:.1f}% | {100 * stats['unmatched'] / n:.1f}% | "
-          f"{prefill} | {baseline} | {prefill / baseline:.2f}x | "
-          f"{1000 * (q(proxied, n=100)[49] - q(direct, n=100)[49]):.2f} ms | {1000 * (q(proxied, n=100)[98] - q(direct, n=100)[98]):.2f} ms |")
+    added = [1000 * (proxy - plain) for proxy, plain in zip(percentiles(proxied), percentiles(direct))]
+    emit(markdown_table(
+        ["affinity", "spill", f"unmatched (goal ≤ 1/G + 2 = {100 / G + 2:.1f}%)", "prefill tokens, proxy",
+         "prefill tokens, round-robin", "proxy / round-robin", "added latency p50", "added latency p99"], "rrrrrrrr",
+        [[f"{100 * stats['affinity'] / n:.1f}%", f"{100 * stats['spill'] / n:.1f}%", f"{100 * stats['unmatched'] / n:.1f}%",
+          str(prefill), str(baseline), f"{prefill / baseline:.2f}x", f"{added[0]:.2f} ms", f"{added[1]:.2f} ms"]]),
+        args.markdown)
+
+
+def percentiles(seconds: list[float]) -> tuple[float, float]:
+    """The 50th and 99th percentiles."""
+    q = statistics.quantiles(seconds, n=100)
+    return q[49], q[98]
 
 
 if __name__ == "__main__":
@@ -126,4 +134,5 @@ if __name__ == "__main__":
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--delay-ms", type=float, default=20.0, help="a replica's time per request")
     parser.add_argument("--latency-requests", type=int, default=500)
+    add_markdown_flag(parser)
     asyncio.run(main(parser.parse_args()))

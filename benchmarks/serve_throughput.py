@@ -7,7 +7,7 @@ request, which is what continuous batching avoids. Only the requested tokens cou
 The server runs in both decode modes: `exact` (log-probs bitwise equal to a full forward, the CPU
 default) and `fast` (SDPA, one query row per step).
 
-    python benchmarks/serve_throughput.py [--requests 64] [--min-tokens 16] [--max-tokens 128]
+    python benchmarks/serve_throughput.py [--requests 64] [--min-tokens 16] [--max-tokens 128] [--markdown PATH]
 """
 
 import argparse
@@ -21,6 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tandem.generation.client import ControlClient, GenerationClient
 from tandem.generation.launcher import EmbeddedServer
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
+
+from tables import add_markdown_flag, emit, markdown_table
 
 
 def workload(tokenizer, n: int, min_tokens: int, max_tokens: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -71,6 +73,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64, help="requests per concurrency level (16 at concurrency 1)")
     parser.add_argument("--min-tokens", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
+    add_markdown_flag(parser)
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32, attn_implementation="sdpa").eval()
@@ -87,12 +90,11 @@ def main() -> None:
     for c in levels:
         baseline[c] = generate_rate(model, tokenizer, jobs[c], c)
         print(f"transformers generate(), static batches of {c:3d}: {baseline[c]:8.1f} tok/s", flush=True)
-    print("\n| concurrent requests | tandem serve exact (tok/s) | tandem serve fast (tok/s) | `generate()` static batches (tok/s) | exact / generate | fast / generate |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    for c in levels:
-        e, f, g = served["exact", c], served["fast", c], baseline[c]
-        print(f"| {c} | {e:.0f} | {f:.0f} | {g:.0f} | {e / g:.2f}x | {f / g:.2f}x |")
-
+    emit(markdown_table(
+        ["concurrent requests", "`tandem serve` exact (tok/s)", "`tandem serve` fast (tok/s)",
+         "`generate()`, static batches (tok/s)", "exact / generate", "fast / generate"], "rrrrrr",
+        [[str(c), f"{served['exact', c]:.0f}", f"{served['fast', c]:.0f}", f"{baseline[c]:.0f}",
+          f"{served['exact', c] / baseline[c]:.2f}x", f"{served['fast', c] / baseline[c]:.2f}x"] for c in levels]), args.markdown)
 
 if __name__ == "__main__":
     main()

@@ -6,7 +6,7 @@ A random model of the tiny model's architecture, made wider and deeper, is serve
 merged fallback (add the adapter into the weights out of place, publish the whole model, pause, reload, reset
 the prefix cache, resume). Prints seconds per sync and bytes written per sync, and their ratios.
 
-    python benchmarks/weight_sync.py [--layers 12] [--hidden 1024] [--rank 16] [--syncs 3]
+    python benchmarks/weight_sync.py [--layers 12] [--hidden 1024] [--rank 16] [--syncs 3] [--markdown PATH]
 """
 
 import argparse
@@ -23,6 +23,8 @@ from tandem.generation.client import ControlClient
 from tandem.generation.launcher import EmbeddedServer
 from tandem.tasks import TINY_MODEL_PATH
 from tandem.trainer.weight_sync import LoraSync, ReloadSync, lora_server_flags
+
+from tables import add_markdown_flag, emit, markdown_table
 
 
 def folder_bytes(path: Path) -> int:
@@ -62,6 +64,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--syncs", type=int, default=3)
+    add_markdown_flag(parser)
     cli = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -83,12 +86,11 @@ def main() -> None:
             run.run(control.close())
 
     print(f"{cli.syncs} syncs each, against a running tandem serve")
-    print("| sync | seconds per sync | written per sync |")
-    print("|---|---:|---:|")
-    print(f"| adapter only (`lora`) | {lora_s:.2f} | {lora_bytes / 2**20:.1f} MiB |")
-    print(f"| merged weights (`reload`) | {merged_s:.2f} | {merged_bytes / 2**20:.1f} MiB |")
-    print(f"| merged / adapter | {merged_s / lora_s:.1f}x | {merged_bytes / lora_bytes:.1f}x |")
-
+    emit(markdown_table(["sync", "seconds per sync", "written per sync"], "lrr", [
+        ["adapter only (`lora`: publish, load a new name, unload the oldest)", f"{lora_s:.2f}", f"{lora_bytes / 2**20:.1f} MiB"],
+        ["merged weights (`reload`: merge, publish, pause, reload, reset cache, resume)", f"{merged_s:.2f}",
+         f"{merged_bytes / 2**20:.1f} MiB"],
+        ["merged / adapter", f"{merged_s / lora_s:.1f}x", f"{merged_bytes / lora_bytes:.1f}x"]]), cli.markdown)
 
 if __name__ == "__main__":
     main()

@@ -1,17 +1,32 @@
-"""tandem: asynchronous reinforcement learning for language models, generation and training overlapped."""
+"""tandem: asynchronous reinforcement learning for language models, generation and training overlapped.
 
-import os
+The public names are imported on first use (PEP 562), so `tandem serve` and `tandem proxy` start without
+loading the trainer, and the proxy without torch.
+"""
+
+import importlib
 
 __version__ = "0.1.0"
 
-# The trainer, the rollout worker and the embedded server share the machine's cores. OpenMP threads
-# that spin while idle then steal them from each other (a training step ran 20x slower here); passive
-# waiting costs nothing measurable. Takes effect only if torch was not imported before tandem.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+_HOMES = {
+    "AsyncGRPOConfig": "tandem.config",
+    "AsyncGRPOTrainer": "tandem.trainer.trainer",
+    "AsyncRolloutLoop": "tandem.rollout.loop",
+    "Rollout": "tandem.rollout.records",
+    "RolloutGroup": "tandem.rollout.records",
+    "TurnRecord": "tandem.rollout.records",
+}
 
-from tandem.config import AsyncGRPOConfig  # noqa: E402
-from tandem.rollout.loop import AsyncRolloutLoop  # noqa: E402
-from tandem.rollout.records import Rollout, RolloutGroup, TurnRecord  # noqa: E402
-from tandem.trainer.trainer import AsyncGRPOTrainer  # noqa: E402
+__all__ = [*_HOMES, "__version__"]
 
-__all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "AsyncRolloutLoop", "Rollout", "RolloutGroup", "TurnRecord", "__version__"]
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'tandem' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))

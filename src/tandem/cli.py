@@ -3,6 +3,7 @@
 
 import argparse
 import json
+import os
 import shlex
 import sys
 
@@ -61,36 +62,19 @@ def proxy_parser(sub) -> None:
 
 
 def run_proxy(ns: argparse.Namespace) -> None:
+    from tandem.httpapp import run_until_interrupted
     from tandem.proxy.app import ProxyArgs, start_proxy
 
     args = ProxyArgs(upstreams=ns.upstream, host=ns.host, port=ns.port, block_size=ns.block_size, imbalance=ns.imbalance,
                      lora_retry_s=ns.lora_retry_s, lora_load_timeout_s=ns.lora_load_timeout_s,
                      connect_timeout_s=ns.connect_timeout_s, api_key=ns.api_key, upstream_api_key=ns.upstream_api_key,
                      tokenizer=ns.tokenizer)
-
     run_until_interrupted(start_proxy(args), lambda port: f"tandem proxy: http://{args.host}:{port} -> {', '.join(args.upstreams)}")
-
-
-def run_until_interrupted(start, banner) -> None:
-    """Await `start` (an aiohttp runner and its port), print `banner(port)`, serve until Ctrl-C, clean up."""
-    import asyncio
-
-    async def main():
-        runner, port = await start
-        print(banner(port), flush=True)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await runner.cleanup()
-
-    try:
-        asyncio.run(main())
-    except KeyboardInterrupt:
-        pass
 
 
 def run_serve(ns: argparse.Namespace) -> None:
     from tandem.generation.server import VLLM_PROTOCOL_VERSION, ServeArgs, start_server
+    from tandem.httpapp import run_until_interrupted
 
     if ns.return_sampling_mask and ns.logprobs_mode != "processed_logprobs":
         sys.exit("tandem serve: --return-sampling-mask needs --logprobs-mode processed_logprobs (as in vLLM).")
@@ -139,14 +123,14 @@ def lora_config(fields: dict):
 
 
 def longest_prompt(recipe) -> int:
+    """The longest dataset prompt in tokens, rendered as the rollout loop renders it."""
     from transformers import AutoTokenizer
 
+    from tandem.prompts import render_prompt
     from tandem.tasks import datasets
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_PATH if recipe.model == "tiny" else recipe.model)
-    kwargs = recipe.config.chat_template_kwargs or {}
-    return max(len(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs))
-               for row in datasets.load(recipe.dataset))
+    return max(len(render_prompt(tokenizer, row["prompt"], recipe.config.chat_template_kwargs)) for row in datasets.load(recipe.dataset))
 
 
 def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
@@ -178,6 +162,10 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Trainer, rollout worker and generation server share the machine's cores. OpenMP threads that spin
+    # while idle steal them from each other (a training step ran 20x slower on two cores); passive waiting
+    # costs nothing measurable. It must be set before anything imports torch, and subprocesses inherit it.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = argparse.ArgumentParser(prog="tandem", description="Asynchronous RL for language models.")
     sub = parser.add_subparsers(dest="command", required=True)
     train_parser(sub)

@@ -18,7 +18,7 @@ import torch
 from hypothesis import Phase, given, settings
 from transformers import AutoModelForCausalLM
 
-from tandem.generation.attention import MIN_ROWS
+from tandem.exact_attention import MIN_ROWS
 from tandem.packing import attention, pack
 from tandem.packing.logprobs import row_logprobs
 from tandem.tasks import TINY_MODEL_PATH

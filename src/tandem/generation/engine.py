@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from tandem.generation import attention as exact_attention
+from tandem import exact_attention
 from tandem.generation.kv_cache import SlotKVCache
 from tandem.generation.lora import AdapterSet
 from tandem.generation.sampling import SamplingParams, apply_penalties, process_logits, sample
@@ -84,6 +84,14 @@ def _generator(seed: int | None, child: int) -> torch.Generator:
     return generator
 
 
+def kv_cache_for(model: torch.nn.Module, max_model_len: int) -> SlotKVCache:
+    """A KV cache shaped for the model's layers and heads, on its device and in its dtype."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    param = next(model.parameters())
+    return SlotKVCache(config.num_hidden_layers, config.num_key_value_heads, head_dim, max_model_len, param.dtype, param.device)
+
+
 @dataclass
 class EngineStats:
     running: int
@@ -97,19 +105,11 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        max_model_len: int,
-        eos_token_id: int | None,
-        extra_stop_token_ids: list[int] = (),
-        max_num_seqs: int = 256,
-        logprobs_mode: str = "raw_logprobs",
-        adapters: AdapterSet | None = None,
-        exact: bool = False,
-        step_delay_s: float = 0.0,
-    ):
+    """Continuous batching over one model: requests are submitted from any thread, one engine thread runs the steps."""
+
+    def __init__(self, model: torch.nn.Module, *, max_model_len: int, eos_token_id: int | None,
+                 extra_stop_token_ids: list[int] = (), max_num_seqs: int = 256, logprobs_mode: str = "raw_logprobs",
+                 adapters: AdapterSet | None = None, exact: bool = False, step_delay_s: float = 0.0):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={logprobs_mode!r} is not one of {LOGPROBS_MODES}")
         self.model = model
@@ -128,10 +128,8 @@ class Engine:
             model.set_attn_implementation(exact_attention.NAME)
         config = model.config
         self.vocab_size = config.vocab_size
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        param = next(model.parameters())
-        self.device = param.device
-        self.cache = SlotKVCache(config.num_hidden_layers, config.num_key_value_heads, head_dim, max_model_len, param.dtype, param.device)
+        self.device = next(model.parameters()).device
+        self.cache = kv_cache_for(model, max_model_len)
         self.layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
         self.sliding_window = getattr(config, "sliding_window", None)
 

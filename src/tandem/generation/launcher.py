@@ -1,55 +1,59 @@
 """Start `tandem serve` (or `tandem proxy`) in a subprocess on a free loopback port and stop it reliably.
 
 Used by the trainer's embedded default (no `vllm_server_base_url`), the examples and the benchmarks.
-The server's output goes to a log file, whose tail is shown if the server dies.
+The server's output goes to a log file, whose tail is shown if the server dies or does not start in time.
 """
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
-class EmbeddedServer:
-    """`tandem serve MODEL ...`; `url` is set once it listens."""
 
-    ready = re.compile(r"tandem serve: .* on (http://\S+) ")
+class ServerProcess:
+    """A server subprocess that is ready once it prints a line `ready` matches (its group 1 is the URL).
 
-    def __init__(self, model: str, *, log_path: Path | None = None, startup_timeout_s: float = 300, extra_args: list[str] = (),
-                 env: dict[str, str] | None = None):
-        self._launch(["serve", model, "--port", "0", *extra_args], log_path, startup_timeout_s, env)
+    A thread reads its output from the start, so the start deadline holds even for a server that hangs silently.
+    """
 
-    def _launch(self, args: list[str], log_path: Path | None, startup_timeout_s: float, env: dict[str, str] | None) -> None:
-        self.log_path = Path(log_path) if log_path else None
-        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), **(env or {})}  # see tandem/__init__.py
-        self.process = subprocess.Popen([sys.executable, "-m", "tandem.cli", *args], stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
+    def __init__(self, command: list[str], ready: re.Pattern, *, log_path: Path | None = None,
+                 startup_timeout_s: float = 300, env: dict[str, str] | None = None):
+        self.ready, self.log_path = ready, Path(log_path) if log_path else None
         self.lines: list[str] = []
-        self.url = self._wait_ready(f"tandem {args[0]}", startup_timeout_s)
-        threading.Thread(target=self._drain, daemon=True).start()
+        self.url: str | None = None
+        self._settled = threading.Event()  # set once the URL is known or the output has ended
+        # Passive OpenMP waiting: the server shares the cores with the trainer and the worker (see tandem.cli.main).
+        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), **(env or {})}
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
+        threading.Thread(target=self._read_output, daemon=True).start()
+        self._wait_ready(shlex.join(command), startup_timeout_s)
 
-    def _wait_ready(self, what: str, timeout_s: float) -> str:
-        deadline = time.monotonic() + timeout_s
+    def _read_output(self) -> None:
         for line in self.process.stdout:
             self._keep(line)
-            if match := self.ready.search(line):
-                return match.group(1)
-            if time.monotonic() > deadline:
-                break
+            if self.url is None and (match := self.ready.search(line)):
+                self.url = match.group(1)
+                self._settled.set()
+        self._settled.set()
+
+    def _wait_ready(self, what: str, timeout_s: float) -> None:
+        if self._settled.wait(timeout_s) and self.url:
+            return
+        timed_out = self.alive()
         self.stop()
-        raise RuntimeError(f"{what} did not start (exit code {self.process.poll()}):\n{self.tail()}")
+        log = f"log: {self.log_path}" if self.log_path else "no log_path given"
+        reason = (f"did not report its address within startup_timeout_s={timeout_s:g}s" if timed_out
+                  else f"exited with code {self.process.poll()} before reporting its address")
+        raise RuntimeError(f"`{what}` {reason} ({log}); its last output:\n{self.tail()}")
 
     def _keep(self, line: str) -> None:
         self.lines = (self.lines + [line])[-200:]
         if self.log_path:
             with open(self.log_path, "a") as log:
                 log.write(line)
-
-    def _drain(self) -> None:
-        for line in self.process.stdout:
-            self._keep(line)
 
     def tail(self, n: int = 30) -> str:
         return "".join(self.lines[-n:])
@@ -73,12 +77,21 @@ class EmbeddedServer:
         self.stop()
 
 
-class EmbeddedProxy(EmbeddedServer):
-    """`tandem proxy --upstream URL ...` in front of `upstreams`."""
+class EmbeddedServer(ServerProcess):
+    """`tandem serve MODEL ...`; `url` is set once it listens."""
 
-    ready = re.compile(r"tandem proxy: (http://\S+) ")
+    def __init__(self, model: str, *, log_path: Path | None = None, startup_timeout_s: float = 300, extra_args: list[str] = (),
+                 env: dict[str, str] | None = None):
+        super().__init__([sys.executable, "-m", "tandem.cli", "serve", model, "--port", "0", *extra_args],
+                         re.compile(r"tandem serve: .* on (http://\S+) "), log_path=log_path,
+                         startup_timeout_s=startup_timeout_s, env=env)
+
+
+class EmbeddedProxy(ServerProcess):
+    """`tandem proxy --upstream URL ...` in front of `upstreams`."""
 
     def __init__(self, upstreams: list[str], *, log_path: Path | None = None, startup_timeout_s: float = 120,
                  extra_args: list[str] = ()):
         flags = [arg for url in upstreams for arg in ("--upstream", url)]
-        self._launch(["proxy", *flags, "--port", "0", *extra_args], log_path, startup_timeout_s, None)
+        super().__init__([sys.executable, "-m", "tandem.cli", "proxy", *flags, "--port", "0", *extra_args],
+                         re.compile(r"tandem proxy: (http://\S+) "), log_path=log_path, startup_timeout_s=startup_timeout_s)

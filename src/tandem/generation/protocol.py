@@ -1,31 +1,35 @@
 """vLLM 0.33 request bodies and error shapes, as `tandem serve` accepts and answers them.
 
-Request models ignore unknown fields (vLLM's `extra="allow"`). Validation failures become
-`ApiError`s, which the server turns into `{"error": {"message", "type", "param", "code"}}` with the
-HTTP status equal to `code` (reference/vllm_protocol.md §1).
+Request models ignore unknown fields (vLLM's `extra="allow"`). Whatever the client got wrong is
+raised as an `ApiError` (a 400 unless said otherwise), which the server answers as
+`{"error": {"message", "type", "param", "code"}}` with the HTTP status equal to `code`
+(reference/vllm_protocol.md §1). Any other exception is a bug of the server's, answered 500.
 """
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tandem.generation.sampling import SamplingParams
+from tandem.httpapp import error_body
 
 INT64_MAX = 2**63 - 1
 MAX_STOP_STRINGS = 4
 TokenId = Annotated[int, Field(ge=0)]
+Int64 = Annotated[int, Field(ge=-(2**63), le=INT64_MAX)]
 
 
 class ApiError(Exception):
-    """An error answered in vLLM's JSON shape."""
+    """An answer in vLLM's error shape: the client's mistake (4xx), or a refusal vLLM itself answers 5xx."""
 
     def __init__(self, status: int, message: str, type: str = "BadRequestError", param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, sanitize(message), type, param
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+        return error_body(self.status, self.message, self.type, self.param)
 
 
 def bad_request(message: str, param: str | None = None, value: Any = None) -> ApiError:
@@ -54,24 +58,34 @@ class Request(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class SamplingFields(Request):
-    """Sampling fields shared by completions and chat; None means "the server default"."""
+class Sampling(Request):
+    """vLLM's sampling fields; None means "the server default". `/inference/v1/generate` takes them raw."""
 
-    n: int = 1
+    n: Int64 = 1
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: Annotated[int, Field(ge=-(2**63), le=INT64_MAX)] | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     skip_special_tokens: bool | None = None
+
+    @property
+    def skips_special_tokens(self) -> bool:
+        """`skip_special_tokens` with vLLM's default, true."""
+        return self.skip_special_tokens is not False
+
+
+class SamplingFields(Sampling):
+    """The sampling fields of completions and chat, with the OpenAI-style output switches."""
+
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     stream: bool = False
@@ -82,20 +96,20 @@ class SamplingFields(Request):
 class CompletionRequest(SamplingFields):
     model: str | None = None
     prompt: list[TokenId] | list[list[TokenId]] | str | list[str]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
+    prompt_logprobs: Int64 | None = None
     echo: bool = False
 
 
 class ChatCompletionRequest(SamplingFields):
     model: str | None = None
     messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = None
-    max_tokens: int | None = None
+    max_completion_tokens: Int64 | None = None
+    max_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = 0
-    prompt_logprobs: int | None = None
+    top_logprobs: Int64 | None = 0
+    prompt_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
@@ -103,12 +117,20 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
 
 
+class GenerateSampling(Sampling):
+    """`/inference/v1/generate`'s `sampling_params`: vLLM's raw struct, whose max_tokens defaults to the context."""
+
+    max_tokens: Int64 | None = None
+    logprobs: Int64 | None = None
+    prompt_logprobs: Int64 | None = None
+
+
 class GenerateRequest(Request):
-    """`/inference/v1/generate`: token ids in, token ids out; `sampling_params` is vLLM's raw struct."""
+    """`/inference/v1/generate`: token ids in, token ids out."""
 
     request_id: str | None = None
     token_ids: list[TokenId]
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
     model: str | None = None
     return_token_ids: bool = True
     output_mode: Literal["tokens", "text"] = "tokens"
@@ -160,9 +182,24 @@ def parse(model: type[BaseModel], body: Any) -> Any:
         raise validation_error(exc) from None
 
 
+async def read(request, model: type[BaseModel], *, json_only: bool = True) -> Any:
+    """An aiohttp request's JSON body as `model`. `json_only` refuses other media types, as vLLM's
+    `validate_json_request` does; without it an empty body reads as `{}`."""
+    if json_only and request.content_type != "application/json":
+        raise ApiError(400, "Unsupported Media Type: Only 'application/json' is allowed", "Bad Request")
+    raw = await request.read()
+    if not raw and not json_only:
+        raw = b"{}"
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"1 validation error:\n  body: JSON decode error: {getattr(exc, 'msg', exc)}", "Bad Request") from None
+    return parse(model, body)
+
+
 def sampling_params(
     fields: dict[str, Any], defaults: dict[str, Any], *, max_tokens: int, max_logprobs: int, vocab_size: int,
-    logprobs: int | None, prompt_logprobs: int | None, stop_token_ids: list[int],
+    logprobs: int | None, prompt_logprobs: int | None,
 ) -> SamplingParams:
     """Resolve request fields over the server's defaults and check them as vLLM's SamplingParams does."""
 
@@ -174,10 +211,19 @@ def sampling_params(
         temperature=float(pick("temperature", 1.0)), top_p=float(pick("top_p", 1.0)), top_k=int(pick("top_k", 0)),
         min_p=float(pick("min_p", 0.0)), repetition_penalty=float(pick("repetition_penalty", 1.0)),
         presence_penalty=float(pick("presence_penalty", 0.0)), frequency_penalty=float(pick("frequency_penalty", 0.0)),
-        max_tokens=max_tokens, min_tokens=int(fields.get("min_tokens") or 0), stop_token_ids=list(stop_token_ids),
-        ignore_eos=bool(fields.get("ignore_eos") or False), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-        seed=fields.get("seed"),
+        max_tokens=max_tokens, min_tokens=int(fields.get("min_tokens") or 0),
+        stop_token_ids=list(fields.get("stop_token_ids") or []), ignore_eos=bool(fields.get("ignore_eos")),
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs, seed=fields.get("seed"),
     )
+    check_ranges(params)
+    if params.greedy:
+        params.top_p, params.top_k, params.min_p = 1.0, 0, 0.0
+    check_logprobs(params, max_logprobs, vocab_size)
+    return params
+
+
+def check_ranges(params: SamplingParams) -> None:
+    """vLLM's range checks of the sampling fields."""
     checks = [
         ("temperature", 0.0 <= params.temperature <= 2.0, "temperature must be in [0, 2]"),
         ("top_p", 0.0 < params.top_p <= 1.0, "top_p must be in (0, 1]"),
@@ -193,9 +239,12 @@ def sampling_params(
         if not ok:
             value = getattr(params, name)
             raise bad_request(f"{message}, got {value}.", name, value)
-    if params.greedy:
-        params.top_p, params.top_k, params.min_p = 1.0, 0, 0.0
-    for name, value, kind in (("logprobs", logprobs, "sample"), ("prompt_logprobs", prompt_logprobs, "prompt")):
+
+
+def check_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:
+    """The `--max-logprobs` cap (-1 asks for the whole vocabulary), and stop ids inside the vocabulary."""
+    for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+        value = getattr(params, name)
         if value is None:
             continue
         requested = vocab_size if value == -1 else value
@@ -204,14 +253,6 @@ def sampling_params(
     out_of_vocab = [t for t in params.stop_token_ids if t >= vocab_size]
     if out_of_vocab:
         raise bad_request(f"Token id {out_of_vocab[0]} is out of vocabulary", "stop_token_ids", out_of_vocab[0])
-    return params
-
-
-def check_n(n: int, params: SamplingParams) -> None:
-    if n < 1:
-        raise bad_request(f"n must be at least 1, got {n}.", "n", n)
-    if n > 1 and params.greedy:
-        raise bad_request(f"n must be 1 when using greedy sampling, got {n}.", "n", n)
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:

@@ -1,9 +1,9 @@
 """vLLM 0.33 response bodies built from finished engine sequences (reference/vllm_protocol.md §2-§3, §11)."""
 
 import time
-from typing import Callable
 
 from tandem.generation.engine import EngineRequest, Sequence
+from tandem.generation.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from tandem.generation.sampling import floor_logprob
 
 
@@ -95,13 +95,79 @@ def usage(requests: list[EngineRequest]) -> dict:
     }
 
 
-def completion_body(request_id: str, model: str, fingerprint: str, requests: list[EngineRequest],
-                    choice: Callable[[EngineRequest, Sequence], dict]) -> dict:
-    choices = [choice(r, s) for r in requests for s in r.sequences]
-    for index, c in enumerate(choices):
-        c["index"] = index
+def completion_choice(req: CompletionRequest, request: EngineRequest, seq: Sequence, text: TokenText) -> dict:
+    skip_special = req.skips_special_tokens
+    output = output_text(seq, text, include_stop=req.include_stop_str_in_output, skip_special=skip_special)
+    as_ids = bool(req.return_tokens_as_token_ids)
+    return {
+        "index": 0, "text": text.decode(request.prompt, skip_special) + output if req.echo else output,
+        "logprobs": None if req.logprobs is None else completion_logprobs(seq, req.logprobs, text, as_ids),
+        "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason,
+        "token_ids": list(seq.output) if req.return_token_ids else None,
+        "prompt_logprobs": prompt_logprobs_json(request, text),
+        "prompt_token_ids": list(request.prompt) if req.return_token_ids else None,
+        "routed_experts": None, "weight_versions": None,
+    }
+
+
+def completion_body(request_id: str, model: str, fingerprint: str, req: CompletionRequest, requests: list[EngineRequest],
+                    text: TokenText) -> dict:
+    """`/v1/completions`: choices numbered across prompts, then samples (prompt i's sample j is i·n + j)."""
+    pairs = [(r, s) for r in requests for s in r.sequences]
+    choices = [{**completion_choice(req, r, s, text), "index": index} for index, (r, s) in enumerate(pairs)]
     return {
         "id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
         "choices": choices, "service_tier": None, "system_fingerprint": fingerprint, "usage": usage(requests),
         "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
+    }
+
+
+def chat_choice(req: ChatCompletionRequest, seq: Sequence, text: TokenText) -> dict:
+    content = output_text(seq, text, include_stop=req.include_stop_str_in_output, skip_special=req.skips_special_tokens)
+    top = req.top_logprobs or 0
+    return {
+        "index": seq.index,
+        "message": {"role": "assistant", "content": content, "refusal": None, "annotations": None, "audio": None,
+                    "function_call": None, "reasoning": None},
+        "logprobs": chat_logprobs(seq, top, text, bool(req.return_tokens_as_token_ids)) if req.logprobs else None,
+        "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason,
+        "token_ids": list(seq.output) if req.return_token_ids else None,
+        "routed_experts": None, "weight_versions": None,
+    }
+
+
+def chat_body(request_id: str, model: str, fingerprint: str, req: ChatCompletionRequest, request: EngineRequest,
+              text: TokenText) -> dict:
+    return {
+        "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [chat_choice(req, s, text) for s in request.sequences], "service_tier": None,
+        "system_fingerprint": fingerprint, "usage": usage([request]),
+        "prompt_logprobs": prompt_logprobs_json(request, text),
+        "prompt_token_ids": list(request.prompt) if req.return_token_ids else None, "prompt_text": None,
+        "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
+    }
+
+
+def generate_choice(req: GenerateRequest, seq: Sequence, text: TokenText, sampling_mask: bool) -> dict:
+    sp = req.sampling_params
+    choice = {
+        "index": seq.index, "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason,
+        "token_ids": list(seq.output), "routed_experts": None,
+        "sampling_mask": seq.sampling_masks if sampling_mask else None, "weight_versions": None,
+        "logprobs": generate_logprobs(seq) if sp.logprobs is not None else None,
+    }
+    if req.output_mode == "text":
+        choice["text"] = output_text(seq, text, include_stop=False, skip_special=sp.skips_special_tokens)
+    return choice
+
+
+def generate_body(request_id: str, model: str, req: GenerateRequest, request: EngineRequest, text: TokenText,
+                  sampling_mask: bool) -> dict:
+    """`/inference/v1/generate`: token ids out; `sampling_mask` when the server returns masks."""
+    return {
+        "request_id": request_id, "model": model, "created": int(time.time()), "usage": usage([request]),
+        "prompt_logprobs": prompt_logprobs_json(request, text), "prompt_token_id_logprobs": None,
+        "prompt_token_ids": list(req.token_ids), "mm_placeholders": None, "metrics": None,
+        "kv_transfer_params": None, "ec_transfer_params": None, "output_mode": req.output_mode,
+        "choices": [generate_choice(req, s, text, sampling_mask) for s in request.sequences],
     }

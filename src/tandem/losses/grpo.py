@@ -7,29 +7,16 @@ Tokens whose ratio falls outside [C_min, C_max] are masked out (MIS); the sum is
 caller (trained tokens of the micro-batch across ranks, then averaged over accumulation steps).
 """
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass
-class TokenStats:
-    ratio: torch.Tensor          # before masking, detached
-    in_bounds: torch.Tensor      # the MIS mask
-    low_clipped: torch.Tensor
-    high_clipped: torch.Tensor
+from tandem.losses.ratio import TokenStats, importance_ratio
 
 
 def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, *,
                       epsilon_low: float, epsilon_high: float, clip_min: float, clip_max: float) -> tuple[torch.Tensor, TokenStats]:
     """Per-token losses (to be summed and normalised) and detached per-token statistics."""
-    ratio = torch.exp(logprobs - old_logprobs)
-    detached = ratio.detach()
-    in_bounds = (detached >= clip_min) & (detached <= clip_max)
+    ratio, stats = importance_ratio(logprobs, old_logprobs, advantages, epsilon_low=epsilon_low,
+                                    epsilon_high=epsilon_high, clip_min=clip_min, clip_max=clip_max)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * advantages
-    losses = -torch.minimum(unclipped, clipped) * in_bounds
-    stats = TokenStats(ratio=detached, in_bounds=in_bounds,
-                       low_clipped=(detached < 1 - epsilon_low) & (advantages < 0),
-                       high_clipped=(detached > 1 + epsilon_high) & (advantages > 0))
-    return losses, stats
+    return -torch.minimum(unclipped, clipped) * stats.in_bounds, stats

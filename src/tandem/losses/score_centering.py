@@ -13,7 +13,7 @@ A surrogate with exactly that gradient, per token: since ∇r = r ∇log π and 
 
 import torch
 
-from tandem.losses.grpo import TokenStats
+from tandem.losses.ratio import TokenStats, importance_ratio
 
 SAMPLER_FLOOR = -9999.0
 """vLLM reports log-probs of impossible tokens (outside a top-k / top-p set) as -9999.0: they have no mass."""
@@ -28,16 +28,12 @@ def score_centered(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
     top_logprobs / top_sampler_logprobs: [N, K] policy and sampler log-probs of the sampler's top-K tokens,
     with -inf (or vLLM's -9999.0 floor) in the sampler's entries where a position has fewer than K.
     """
-    ratio = torch.exp(logprobs - old_logprobs)
-    detached = ratio.detach()
-    in_bounds = (detached >= clip_min) & (detached <= clip_max)
+    ratio, stats = importance_ratio(logprobs, old_logprobs, advantages, epsilon_low=epsilon_low,
+                                    epsilon_high=epsilon_high, clip_min=clip_min, clip_max=clip_max)
     present = top_sampler_logprobs > SAMPLER_FLOOR
     top_probs = torch.exp(top_logprobs.masked_fill(~present, float("-inf")))
     top_ratio = (top_probs.detach() / torch.exp(top_sampler_logprobs)).masked_fill(~present, 0.0)
     top_in_bounds = present & (top_ratio >= clip_min) & (top_ratio <= clip_max)
     expectation = (top_probs * top_in_bounds).sum(-1)
-    losses = -advantages * (ratio * in_bounds - expectation)
-    stats = TokenStats(ratio=detached, in_bounds=in_bounds,
-                       low_clipped=(detached < 1 - epsilon_low) & (advantages < 0),
-                       high_clipped=(detached > 1 + epsilon_high) & (advantages > 0))
+    losses = -advantages * (ratio * stats.in_bounds - expectation)
     return losses, stats, torch.exp(top_sampler_logprobs).masked_fill(~present, 0.0).sum(-1)

@@ -1,23 +1,47 @@
-"""One logging window: everything recorded since the last log, reduced by the spec's naming rules.
+"""One logging window: everything recorded since the last log, reduced by an explicit rule per name.
 
-The last part of a name decides: `count` is summed, `max`/`min` keep the extreme, a rate recorded as
-(amount, seconds) pairs is total amount / total seconds, anything else is the mean of its values.
+The rule (reference/metrics.md, window rule) comes from the last part of a name, split on `_` into
+exact tokens, never from substrings (`mean_terminated_length` is a mean although "terminated" contains
+"min"):
+
+    ends in `per_s`          rate: recorded as (amount, seconds) pairs, total amount / total seconds
+    a token `count`          summed
+    a token `max` / `min`    the extreme
+    anything else            the mean (a `_per_step` value is recorded once per step: the mean per step)
 """
 
 import math
 from collections import defaultdict
 
+SUM, MAX, MIN, RATE, MEAN = "sum", "max", "min", "rate", "mean"
+EXAMPLES = "completions/examples"
+"""(prompt, completion, reward) triples kept for the progress line's printout: never reduced or logged."""
+
+
+def rule_for(name: str) -> str:
+    """How the values of `name` recorded in one window become one number."""
+    tokens = name.rsplit("/", 1)[-1].split("_")
+    if tokens[-2:] == ["per", "s"]:
+        return RATE
+    if "count" in tokens:
+        return SUM
+    if "max" in tokens:
+        return MAX
+    if "min" in tokens:
+        return MIN
+    return MEAN
+
 
 def reduce(name: str, values: list) -> float:
-    last = name.rsplit("/", 1)[-1]
-    if values and isinstance(values[0], tuple):
+    rule = rule_for(name)
+    if rule == RATE:
         amount, seconds = sum(v[0] for v in values), sum(v[1] for v in values)
         return amount / seconds if seconds > 0 else 0.0
-    if "count" in last:
+    if rule == SUM:
         return float(sum(values))
-    if "max" in last:
+    if rule == MAX:
         return float(max(values))
-    if "min" in last:
+    if rule == MIN:
         return float(min(values))
     return float(sum(values)) / len(values)
 
@@ -27,6 +51,11 @@ class MetricWindow:
         self.values: dict[str, list] = defaultdict(list)
 
     def add(self, name: str, *values) -> None:
+        """Record values of `name`; NaN values are left out. A rate takes (amount, seconds) pairs, nothing else does."""
+        rate = rule_for(name) == RATE
+        if name != EXAMPLES and any(isinstance(v, tuple) != rate for v in values):
+            raise ValueError(f"metric {name!r}: rates (names ending in _per_s) are recorded as (amount, seconds) "
+                             f"pairs and other metrics as numbers; got {values[:3]!r}")
         self.values[name].extend(v for v in values if not (isinstance(v, float) and math.isnan(v)))
 
     def extend(self, records: dict[str, list]) -> None:
@@ -38,6 +67,6 @@ class MetricWindow:
         return reduce(name, values) if values else default
 
     def flush(self) -> dict[str, float]:
-        result = {name: reduce(name, values) for name, values in self.values.items() if values and name != "completions/examples"}
+        result = {name: reduce(name, values) for name, values in self.values.items() if values and name != EXAMPLES}
         self.values = defaultdict(list)
         return result

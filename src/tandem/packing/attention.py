@@ -15,7 +15,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from tandem.generation.attention import exact_attention
+from tandem.exact_attention import exact_attention
 
 NAME = "tandem_tree"
 KERNELS = ("exact", "sdpa", "flex")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from tandem.generation.attention import MIN_ROWS
+from tandem.exact_attention import MIN_ROWS
 from tandem.packing.attention import tree_masks
 from tandem.packing.trie import PackedRow
 
@@ -76,7 +76,7 @@ def row_logprobs(model: torch.nn.Module, row: PackedRow, kernel: str, temperatur
     """Forward a packed row through `model` (attention set to `tandem_tree`) and score its loss terms."""
     device = next(model.parameters()).device
     input_ids, position_ids, end = row.input_ids, row.position_ids, row.end
-    if row.num_tokens < MIN_ROWS:  # CPU matmuls with fewer rows round differently (generation/attention.py)
+    if row.num_tokens < MIN_ROWS:  # CPU matmuls with fewer rows round differently (exact_attention.py)
         filler = torch.arange(row.num_tokens, MIN_ROWS)
         input_ids, position_ids, end = torch.cat([input_ids, filler * 0]), torch.cat([position_ids, filler * 0]), torch.cat([end, filler])
     position_ids = position_ids.to(device)

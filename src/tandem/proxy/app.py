@@ -24,6 +24,7 @@ import aiohttp
 from aiohttp import web
 
 from tandem.generation.client import parse_metrics
+from tandem.httpapp import api_key_auth, error_body, error_response, start_app
 from tandem.proxy.router import PrefixRouter
 
 ROUTED = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
@@ -62,7 +63,7 @@ class Upstream:
 def error(status: int, message: str) -> web.Response:
     kind = {400: "BadRequestError", 401: "Unauthorized", 501: "NotImplementedError", 502: "BadGateway",
             503: "ServiceUnavailableError", 504: "GatewayTimeout"}.get(status, "ProxyError")
-    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status)
+    return error_response(status, message, kind)
 
 
 def prompt_of(path: str, body: dict, tokenizer=None) -> list[int] | bytes:
@@ -75,16 +76,24 @@ def prompt_of(path: str, body: dict, tokenizer=None) -> list[int] | bytes:
         return prompt
     if isinstance(prompt, str):
         return prompt.encode()
-    if isinstance(prompt, list) and tokenizer is not None:
-        try:
-            return list(tokenizer.apply_chat_template(
-                prompt, tokenize=True, return_dict=False, add_generation_prompt=body.get("add_generation_prompt", True),
-                continue_final_message=body.get("continue_final_message", False), **(body.get("chat_template_kwargs") or {})))
-        except Exception:  # noqa: BLE001 - a message the template refuses is the replica's to reject, with its own error
-            pass
+    if isinstance(prompt, list) and tokenizer is not None and (ids := rendered_chat(tokenizer, prompt, body)) is not None:
+        return ids
     if isinstance(prompt, list):  # chat messages: their text in order, so a conversation's turns share blocks
         return "".join(f"<{m.get('role')}>{m.get('content')}" for m in prompt if isinstance(m, dict)).encode()
     return b""
+
+
+def rendered_chat(tokenizer, messages: list, body: dict) -> list[int] | None:
+    """The token ids a replica renders a chat request to (its tools and template options included);
+    None when the template refuses it, which is the replica's to reject, with its own error."""
+    continue_final = body.get("continue_final_message", False)
+    try:
+        return list(tokenizer.apply_chat_template(
+            messages, tools=body.get("tools"), add_generation_prompt=body.get("add_generation_prompt", True) and not continue_final,
+            continue_final_message=continue_final, chat_template=body.get("chat_template"),
+            tokenize=True, return_dict=False, **(body.get("chat_template_kwargs") or {})))
+    except Exception:  # noqa: BLE001 - any refusal of the template's, whatever its type
+        return None
 
 
 def split_batch(path: str, body: dict) -> list[dict] | None:
@@ -121,7 +130,7 @@ class Proxy:
             self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30, middlewares=[self._auth])
+        app = web.Application(client_max_size=1 << 30, middlewares=[api_key_auth(self.args.api_key)])
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         app.router.add_route("*", "/proxy/stats", self.stats)
@@ -144,13 +153,6 @@ class Proxy:
     async def _stop(self, _app) -> None:
         await self.session.close()
 
-    @web.middleware
-    async def _auth(self, request: web.Request, handler):
-        if self.args.api_key and request.path.startswith(("/v1", "/inference")):
-            if request.headers.get("Authorization") != f"Bearer {self.args.api_key}":
-                return web.json_response({"error": "Unauthorized"}, status=401)
-        return await handler(request)
-
     async def _send(self, upstream: Upstream, method: str, path_qs: str, body: bytes | None, headers) -> tuple[int, dict, bytes]:
         """One upstream call, fully buffered; a transport failure is a 502 naming the replica."""
         out = {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
@@ -168,8 +170,7 @@ class Proxy:
             if isinstance(exc, aiohttp.ClientConnectorError) or upstream.failures >= 3:
                 self.router.forget(self.upstreams.index(upstream))
             message = f"proxy: {upstream.url}: {type(exc).__name__}: {exc}"
-            return 502, {"Content-Type": "application/json"}, json.dumps(
-                {"error": {"message": message, "type": "BadGateway", "param": None, "code": 502}}).encode()
+            return 502, {"Content-Type": "application/json"}, json.dumps(error_body(502, message, "BadGateway")).encode()
 
     async def routed(self, request: web.Request) -> web.Response:
         raw = await request.read()
@@ -323,8 +324,4 @@ def _load(text: str) -> dict[str, float]:
 
 async def start_proxy(args: ProxyArgs) -> tuple[web.AppRunner, int]:
     """Start the proxy in the running event loop; returns the runner and the bound port (for --port 0)."""
-    runner = web.AppRunner(Proxy(args).app(), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
-    await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]
+    return await start_app(Proxy(args).app(), args.host, args.port)

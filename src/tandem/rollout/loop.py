@@ -18,13 +18,15 @@ from collections import defaultdict
 
 import numpy as np
 
-from tandem.config import AsyncGRPOConfig
 from tandem.generation.client import ControlClient, GenerationClient, ServerError
+from tandem.prompts import render_prompt
 from tandem.rollout import rewards as scoring
 from tandem.rollout.channels import Channels
+from tandem.rollout.group_metrics import record_group
 from tandem.rollout.pacing import METRICS_POLL_S, ConcurrencyCap, TokenAllowance
 from tandem.rollout.reconcile import reconcile
 from tandem.rollout.records import Rollout, RolloutGroup, Sample, TurnRecord
+from tandem.rollout.settings import RolloutSettings
 
 SCORE_QUEUE_MAXSIZE = 16
 RENDER_CACHE_SIZE = 4096
@@ -33,41 +35,42 @@ GROUP_VERSION: contextvars.ContextVar[int] = contextvars.ContextVar("group_versi
 
 
 class AsyncRolloutLoop:
-    def __init__(self, *, config: AsyncGRPOConfig, model_name: str, dataset, reward_funcs: list, processing_class,
-                 eos_token_ids: list[int], channels: Channels, base_url: str, api_key: str | None = None,
-                 tools: list | None = None, environment_factory=None, dataset_start_index: int = 0,
-                 full_step_tokens: float, num_positions: int | None, adapter_name: str | None = None):
-        if tools or environment_factory:
+    def __init__(self, settings: RolloutSettings, *, processing_class, channels: Channels):
+        if settings.tools or settings.environment_factory:
             raise NotImplementedError("tools and environment_factory are not implemented in tandem yet: "
                                       "train without them, or override generate_one in a loop_cls")
-        self.config = config
-        self.model_name = model_name
-        self.adapter_name = adapter_name
-        """LoRA training: requests name the adapter version current when their group started, e.g. 'tandem-policy-v{version}'."""
-        self.dataset = dataset
-        self.reward_funcs = list(reward_funcs)
+        config = self.config = settings.config
+        self.settings = settings
+        self.model_name, self.adapter_name = settings.model_name, settings.adapter_name
+        self.dataset = settings.dataset
+        self.reward_funcs = list(settings.reward_funcs)
         self.tokenizer = processing_class
-        self.eos_token_ids = list(eos_token_ids)
+        self.eos_token_ids = list(settings.eos_token_ids)
+        self.tools = settings.tools or []
         self.channels = channels
-        self.base_url, self.api_key = base_url, api_key
-        self.tools = tools or []
-        self.start = dataset_start_index
-        self.num_positions = num_positions
-        self.allowance = TokenAllowance(config.max_staleness, full_step_tokens)
+        self.client = GenerationClient(settings.base_url, api_key=settings.api_key, timeout_s=config.vllm_server_timeout)
+        self.control = ControlClient(settings.base_url, api_key=settings.api_key, timeout_s=30)
+        self.allowance = TokenAllowance(config.max_staleness, settings.full_step_tokens)
+        self.cap = ConcurrencyCap(config.max_concurrent_rollouts)
+        """Rollouts allowed in flight; driven by the server's KV-cache usage once /metrics answers (see run)."""
+        self.server_metrics = False
+        self.last_preemptions: float | None = None
         self.flash = config.algorithm == "flash_reinforce"
+        self.vocab_size = len(processing_class)
         self.sampling_masks = False
         """Whether requests go to /inference/v1/generate for each token's kept set (top-k / top-p; see run)."""
         self.top_logprobs = config.num_sampler_logprobs if config.score_centering and not self.flash else 0
         """How many of the sampler's most likely tokens to ask for at each position (score centering needs them)."""
-        self.rng = random.Random(config.seed + dataset_start_index)
+        self.rng = random.Random(config.seed + settings.dataset_start_index)
+        self.score_queue: asyncio.Queue = asyncio.Queue(maxsize=SCORE_QUEUE_MAXSIZE)
+        self.slot = asyncio.Condition()
+        self.failed = asyncio.Event()
+        self.failure: BaseException | None = None
         self.records: dict[str, list] = defaultdict(list)
-        self.produced_tokens = 0.0
-        self.in_flight_tokens = 0.0
+        self.produced_tokens = self.in_flight_tokens = 0.0
         self.groups_in_flight = self.groups_finished = self.rollouts_in_flight = 0
         self.generated_tokens = 0
-        self.slot = asyncio.Condition()
-        self._failure: BaseException | None = None
-        self._rendered: dict[str, list[int]] = {}
+        self.rendered: dict[str, list[int]] = {}
 
     # ---- hooks ------------------------------------------------------------------------------------
     def filter_prompt(self, row_index: int, row: dict, epoch: int) -> bool:
@@ -125,7 +128,6 @@ class AsyncRolloutLoop:
         config = info.get("vllm_config")
         model_config = config.get("model_config", {}) if isinstance(config, dict) else {}
         if model_config.get("return_sampling_mask"):
-            self.vocab_size = len(self.tokenizer)
             return True
         warnings.warn("top_k / top_p / min_p are set but the server does not return sampling masks: start it with "
                       "--return-sampling-mask --enable-scale-out --logprobs-mode processed_logprobs. Training goes on "
@@ -140,22 +142,11 @@ class AsyncRolloutLoop:
     def render(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation with the generation prompt; a group's rollouts share one rendering."""
         key = json.dumps(messages, sort_keys=True)
-        if key not in self._rendered:
-            if len(self._rendered) > RENDER_CACHE_SIZE:
-                self._rendered.clear()
-            self._rendered[key] = list(self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False, **(self.config.chat_template_kwargs or {})))
-        return self._rendered[key]
-
-    def _note_failure(self, task: asyncio.Task) -> None:
-        """A failed group or scorer task must stop the worker, not vanish."""
-        if not task.cancelled() and task.exception() is not None and self._failure is None:
-            self._failure = task.exception()
-
-    def _check_failed(self) -> bool:
-        if self._failure is not None:
-            raise self._failure
-        return False
+        if key not in self.rendered:
+            if len(self.rendered) > RENDER_CACHE_SIZE:
+                self.rendered.clear()
+            self.rendered[key] = render_prompt(self.tokenizer, messages, self.config.chat_template_kwargs)
+        return self.rendered[key]
 
     def record(self, name: str, *values) -> None:
         self.records[name].extend(values)
@@ -163,25 +154,42 @@ class AsyncRolloutLoop:
     def emit(self, kind: str, payload) -> None:
         self.channels.out.put((kind, payload))
 
+    # ---- failures ---------------------------------------------------------------------------------
+    def _watch(self, task: asyncio.Task) -> asyncio.Task:
+        """A failed group or scorer task must stop the worker, not vanish."""
+        task.add_done_callback(self._note_failure)
+        return task
+
+    def _note_failure(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None and self.failure is None:
+            self.failure = task.exception()
+            self.failed.set()
+
+    def _raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    async def _until(self, awaitable) -> None:
+        """Wait for `awaitable`, but raise at once when a watched task fails meanwhile."""
+        work, failed = asyncio.ensure_future(awaitable), asyncio.ensure_future(self.failed.wait())
+        try:
+            await asyncio.wait([work, failed], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            work.cancel()
+            failed.cancel()
+        self._raise_failure()
+
     # ---- the loop ---------------------------------------------------------------------------------
     async def run(self) -> None:
-        self.client = GenerationClient(self.base_url, api_key=self.api_key, timeout_s=self.config.vllm_server_timeout)
-        self.control = ControlClient(self.base_url, api_key=self.api_key, timeout_s=30)
         await self.setup()
-        self.sampling_masks = self.config.uses_truncated_sampling and await self._server_returns_sampling_masks()
         background = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._report())]
         try:
+            self.sampling_masks = self.config.uses_truncated_sampling and await self._server_returns_sampling_masks()
             await self._init_cap()
             background.append(asyncio.create_task(self._poll_server()))
-            self.score_queue: asyncio.Queue = asyncio.Queue(maxsize=SCORE_QUEUE_MAXSIZE)
-            scorer = asyncio.create_task(self._scorer())
-            scorer.add_done_callback(self._note_failure)
+            background.append(self._watch(asyncio.create_task(self._scorer())))
             await self._dispatch_all()
-            while self.score_queue._unfinished_tasks:  # drain, but stop at once if scoring failed
-                self._check_failed()
-                await asyncio.sleep(0.01)
-            self._check_failed()
-            scorer.cancel()
+            await self._until(self.score_queue.join())  # every group scored (or a failure raised)
             self._flush_records()
             self.emit("end", None)
         finally:
@@ -192,48 +200,48 @@ class AsyncRolloutLoop:
             await self.control.close()
 
     async def _dispatch_all(self) -> None:
-        n = len(self.dataset)
-        groups: set[asyncio.Task] = set()
-        position, accepted_in_epoch = self.start, 0
-        group_id = 0
-        while self.num_positions is None or position < self.num_positions:
-            if self.channels.stop.is_set():
-                break
+        """Start a group for each prompt position, as the allowance permits; return when every group has finished."""
+        n, groups = len(self.dataset), set()
+        position, end = self.settings.dataset_start_index, self.settings.num_positions
+        accepted_in_epoch = group_id = 0
+        while (end is None or position < end) and not self.channels.stop.is_set():
             epoch, row_index = divmod(position, n)
-            if row_index == 0:
-                accepted_in_epoch = 0
+            accepted_in_epoch = 0 if row_index == 0 else accepted_in_epoch
             row = self.dataset[row_index]
-            if not self.filter_prompt(row_index, row, epoch):
-                self.emit("skip", position)
-            else:
+            if self.filter_prompt(row_index, row, epoch):
                 accepted_in_epoch += 1
-                prompt = row["prompt"]
-                reservation = self.config.num_generations * (len(self.render(prompt)) + self.config.max_completion_length)
-                await self._wait_for_allowance(reservation)
-                self.groups_in_flight += 1  # counted now, not when the task first runs
-                self.in_flight_tokens += reservation
-                task = asyncio.create_task(self._run_group(prompt, row, row_index, position, group_id, reservation))
+                task = await self._start_group(row, row_index, position, group_id)
+                group_id += 1
                 groups.add(task)
                 task.add_done_callback(groups.discard)
-                task.add_done_callback(self._note_failure)
-                group_id += 1
+            else:
+                self.emit("skip", position)
             position += 1
             await asyncio.sleep(0)  # let started groups run before deciding on the next prompt
             if position % n == 0 and accepted_in_epoch == 0:
                 raise ValueError(f"filter_prompt rejected every prompt of epoch {epoch}: no sample can reach the trainer")
-        while groups:
-            self._check_failed()
-            await asyncio.sleep(0.01)
-        self._check_failed()
+        if groups:
+            await self._until(asyncio.wait(list(groups)))
+        self._raise_failure()
+
+    async def _start_group(self, row: dict, row_index: int, position: int, group_id: int) -> asyncio.Task:
+        """Wait for room in the allowance, reserve the group's worst-case tokens and start it."""
+        prompt = row["prompt"]
+        reservation = self.config.num_generations * (len(self.render(prompt)) + self.config.max_completion_length)
+        await self._wait_for_allowance(reservation)
+        self.groups_in_flight += 1  # counted now, not when the task first runs
+        self.in_flight_tokens += reservation
+        return self._watch(asyncio.create_task(self._run_group(prompt, row, row_index, position, group_id, reservation)))
 
     def _queued_tokens(self) -> float:
         return self.produced_tokens - self.channels.consumed_tokens.value
 
     async def _wait_for_allowance(self, reservation: float) -> None:
         start = time.monotonic()
-        while not self._check_failed() and not self.allowance.may_start(self._queued_tokens(), self.in_flight_tokens, reservation,
+        while not self.allowance.may_start(self._queued_tokens(), self.in_flight_tokens, reservation,
                                            self.channels.tokens_per_step.value, self.groups_in_flight, self.groups_finished):
-            await asyncio.sleep(0.01)
+            self._raise_failure()
+            await asyncio.sleep(0.01)  # the trainer frees tokens from another process: polled
         self.record("rollout/backpressure_s", time.monotonic() - start)
         limit = self.allowance.limit(self.channels.tokens_per_step.value)
         used = self._queued_tokens() + self.in_flight_tokens + reservation
@@ -336,9 +344,30 @@ class AsyncRolloutLoop:
                 self.score_queue.task_done()
 
     async def _score(self, group: RolloutGroup, rollouts: list[Rollout], position: int) -> None:
-        g = len(rollouts)
+        """Reward the group, compute its advantages, and send its samples to the trainer (or drop it)."""
         self.record("rollout/score_wait_s", time.monotonic() - group.queued_at)
         start = time.monotonic()
+        columns = await self._reward(group)
+        advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
+        if advantages.shape != (len(rollouts),):
+            raise ValueError(f"compute_advantages returned shape {advantages.shape}; it must return one advantage per "
+                             f"rollout ({len(rollouts)})")
+        self.record("rollout/score_s", time.monotonic() - start)
+        self.groups_finished += 1
+        # GRPO learns only from groups whose rewards differ; FlashREINFORCE's baseline is the batch, not the group.
+        kept = bool(np.isfinite(group.rewards).any()) if self.flash else scoring.keeps_signal(group.rewards)
+        record_group(self.record, group, columns, kept, self.eos_token_ids, self.config.log_completions)
+        samples = self._samples(group, rollouts, advantages, position) if kept else []
+        self._flush_records()  # the group's metrics travel ahead of its samples
+        if not samples:
+            self.emit("skip", position)
+            return
+        self.produced_tokens += sum(s.num_tokens for s in samples)
+        self.emit("samples", samples)
+
+    async def _reward(self, group: RolloutGroup) -> dict[str, np.ndarray]:
+        """Every reward source of the group, summed into `group.rewards`; returns the reward functions' columns."""
+        g = len(group.completions)
         kwargs = {"prompts": group.prompts, "completions": group.completions, "completion_ids": group.completions_ids,
                   **group.reward_kwargs}
         columns = await scoring.score(self.reward_funcs, kwargs, g)
@@ -346,81 +375,31 @@ class AsyncRolloutLoop:
         if any(r is not None for r in group.rollout_rewards):
             sources.append(np.array([math.nan if r is None else float(r) for r in group.rollout_rewards]))
         group.rewards = scoring.total_reward(sources, g)
-        advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
-        if advantages.shape != (g,):
-            raise ValueError(f"compute_advantages returned shape {advantages.shape}; it must return one advantage per rollout ({g})")
-        self.record("rollout/score_s", time.monotonic() - start)
-        self.groups_finished += 1
-        # GRPO learns only from groups whose rewards differ; FlashREINFORCE's baseline is the batch, not the group.
-        kept = bool(np.isfinite(group.rewards).any()) if self.flash else scoring.keeps_signal(group.rewards)
-        self._record_group(group, columns, kept)
-        if not kept:
-            self._flush_records()
-            self.emit("skip", position)
-            return
-        samples = [
-            Sample(input_ids=s.input_ids, trained=s.trained, logprobs=s.logprobs, advantage=float(a),
-                   model_version=group.model_version, group_id=group.group_id, position=position,
-                   group_samples=sum(len(seqs) for seqs in group.completions_sequences),
-                   rollout_id=rollout.rollout_id, created_at=time.time(), sampler_top=s.sampler_top, sampling_mask=s.sampling_mask,
-                   reward=float(r))
-            for rollout, seqs, a, r in zip(rollouts, group.completions_sequences, advantages, group.rewards) for s in seqs
-        ]
-        if not samples:
-            self.emit("skip", position)
-            return
-        self.produced_tokens += sum(s.num_tokens for s in samples)
-        self._flush_records()  # the group's metrics travel with its samples, ahead of them
-        self.emit("samples", samples)
+        return columns
 
-    def _record_group(self, group: RolloutGroup, columns: dict, kept: bool) -> None:
-        rewards = group.rewards
-        scored = rewards[~np.isnan(rewards)]
-        self.record("reward", *scored.tolist())
-        self.record("frac_reward_zero_std", 0.0 if kept else 1.0)
-        if kept:
-            self.record("reward_kept", *scored.tolist())
-            self.record("reward_group_std", float(scored.std()))
-        elif len(scored):
-            self.record("reward_dropped", *scored.tolist())
-        for name, values in columns.items():
-            valid = values[~np.isnan(values)]
-            self.record(f"rewards/{name}/mean", *valid.tolist())
-            if kept and len(valid):
-                self.record(f"rewards/{name}/group_std", float(valid.std()))
-        lengths = [len(ids) for ids in group.completions_ids]
-        eos = set(self.eos_token_ids)
-        terminated = [len(ids) for ids in group.completions_ids if ids and ids[-1] in eos]
-        self.record("completions/mean_length", *lengths)
-        self.record("completions/min_length", *lengths)
-        self.record("completions/max_length", *lengths)
-        if terminated:
-            self.record("completions/mean_terminated_length", *terminated)
-            self.record("completions/min_terminated_length", *terminated)
-            self.record("completions/max_terminated_length", *terminated)
-        self.record("completions/clipped_ratio", *[0.0 if ids and ids[-1] in eos else 1.0 for ids in group.completions_ids])
-        seen = set()
-        for ids in group.completions_ids:
-            key = tuple(ids)
-            self.record("completions/duplicate_frac", 1.0 if key in seen else 0.0)
-            seen.add(key)
-        if self.config.log_completions:
-            self.record("completions/examples", *[(group.prompts[0], c[0]["content"] if c else "", float(r))
-                                                  for c, r in zip(group.completions, rewards)])
+    @staticmethod
+    def _samples(group: RolloutGroup, rollouts: list[Rollout], advantages: np.ndarray, position: int) -> list[Sample]:
+        """The group's training samples: each rollout's sequences, with the rollout's advantage and reward."""
+        group_samples = sum(len(seqs) for seqs in group.completions_sequences)
+        return [Sample(input_ids=s.input_ids, trained=s.trained, logprobs=s.logprobs, advantage=float(a),
+                       model_version=group.model_version, group_id=group.group_id, position=position,
+                       group_samples=group_samples, rollout_id=rollout.rollout_id, created_at=time.time(),
+                       sampler_top=s.sampler_top, sampling_mask=s.sampling_mask, reward=float(r))
+                for rollout, seqs, a, r in zip(rollouts, group.completions_sequences, advantages, group.rewards)
+                for s in seqs]
 
     # ---- background tasks -------------------------------------------------------------------------
     async def _init_cap(self) -> None:
         try:
             metrics = await self.control.metrics()
             max_len = await self.control.max_model_len()
-            self.cap = ConcurrencyCap(self.config.max_concurrent_rollouts, metrics.kv_capacity_tokens, max_len)
-            self.has_metrics = True
-        except Exception:  # a server without /metrics: the cap is max_concurrent_rollouts
-            self.cap = ConcurrencyCap(self.config.max_concurrent_rollouts)
-            self.has_metrics = False
+        except Exception:  # a server without /metrics: the cap stays at max_concurrent_rollouts
+            return
+        self.cap = ConcurrencyCap(self.config.max_concurrent_rollouts, metrics.kv_capacity_tokens, max_len)
+        self.server_metrics = True
 
     async def _poll_server(self) -> None:
-        while self.has_metrics:
+        while self.server_metrics:
             await asyncio.sleep(METRICS_POLL_S)
             try:
                 metrics = await self.control.metrics()
@@ -432,8 +411,9 @@ class AsyncRolloutLoop:
             self.record("rollout/vllm_kv_cache_usage_frac", metrics.kv_cache_usage)
             self.record("rollout/vllm_running_requests", metrics.running)
             self.record("rollout/vllm_queued_requests", metrics.waiting)
-            self.record("rollout/vllm_preemption_count", metrics.preemptions - getattr(self, "_last_preemptions", metrics.preemptions))
-            self._last_preemptions = metrics.preemptions
+            previous = metrics.preemptions if self.last_preemptions is None else self.last_preemptions
+            self.record("rollout/vllm_preemption_count", metrics.preemptions - previous)
+            self.last_preemptions = metrics.preemptions
 
     async def _heartbeat(self) -> None:
         while True:
@@ -447,8 +427,8 @@ class AsyncRolloutLoop:
             now = time.monotonic()
             self.record("rollout/generated_tokens_per_s", (self.generated_tokens - last_tokens, now - last))
             self.record("rollout/concurrency", self.rollouts_in_flight)
-            self.record("rollout/concurrency_cap", self.cap.value if hasattr(self, "cap") else 0)
-            self.record("rollout/score_queue_size", self.score_queue.qsize() if hasattr(self, "score_queue") else 0)
+            self.record("rollout/concurrency_cap", self.cap.value)
+            self.record("rollout/score_queue_size", self.score_queue.qsize())
             self.record("rollout/vllm_retry_count", self.client.retries - last_retries)
             last, last_tokens, last_retries = now, self.generated_tokens, self.client.retries
             self._flush_records()

@@ -11,29 +11,18 @@ import pickle
 import queue
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-from tandem.config import AsyncGRPOConfig
 from tandem.rollout.channels import Channels
+from tandem.rollout.settings import RolloutSettings
 
 
 @dataclass
 class WorkerSpec:
     loop_cls: type
-    config: AsyncGRPOConfig
-    model_name: str
-    tokenizer_path: str
-    dataset: object
-    reward_funcs: list
-    eos_token_ids: list[int]
-    base_url: str
-    api_key: str | None
-    tools: list | None
-    environment_factory: object
-    dataset_start_index: int
-    full_step_tokens: float
-    num_positions: int | None
-    adapter_name: str | None = None
+    """An AsyncRolloutLoop (sub)class, importable in the spawned process."""
+    settings: RolloutSettings
 
 
 class WorkerError(RuntimeError):
@@ -61,19 +50,30 @@ def worker_main(spec: WorkerSpec, channels: Channels) -> None:
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path)
-        loop = spec.loop_cls(
-            config=spec.config, model_name=spec.model_name, dataset=spec.dataset, reward_funcs=spec.reward_funcs,
-            processing_class=tokenizer, eos_token_ids=spec.eos_token_ids, channels=channels, base_url=spec.base_url,
-            api_key=spec.api_key, tools=spec.tools, environment_factory=spec.environment_factory,
-            dataset_start_index=spec.dataset_start_index, full_step_tokens=spec.full_step_tokens,
-            num_positions=spec.num_positions, adapter_name=spec.adapter_name,
-        )
+        tokenizer = AutoTokenizer.from_pretrained(spec.settings.tokenizer_path)
+        loop = spec.loop_cls(spec.settings, processing_class=tokenizer, channels=channels)
         asyncio.run(loop.run())
     except BaseException:
         channels.out.put(("error", traceback.format_exc()))
-        time.sleep(0.5)  # let the queue's feeder thread flush the message
+        channels.out.close()
+        channels.out.join_thread()  # the message is in the pipe before the process exits
         raise SystemExit(1)
+
+
+@contextmanager
+def child_environment(**values: str):
+    """Environment variables for a process started inside the block: a spawned multiprocessing child copies
+    os.environ at start and takes no environment of its own, so they are set for the start and restored after."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 class RolloutWorker:
@@ -85,15 +85,10 @@ class RolloutWorker:
 
     def start(self) -> None:
         self.channels.heartbeat.value = time.time()
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the spawned process inherits this: no GPU for the worker
-        try:
+        # No GPU for the worker; OpenMP threads that wait passively (spinning ones steal the cores the server and
+        # the trainer share with it: a training step ran 20x slower on two cores).
+        with child_environment(CUDA_VISIBLE_DEVICES="", OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE")):
             self.process.start()
-        finally:
-            if visible is None:
-                del os.environ["CUDA_VISIBLE_DEVICES"]
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = visible
 
     def stop(self) -> None:
         self.channels.stop.set()

@@ -4,14 +4,17 @@
 folder first, then renamed, so the server never reads half a checkpoint), then pauses the server
 keeping in-flight requests, reloads, drops the prefix cache and resumes; older versions are deleted.
 A LoRA model travels this way merged (W + scale·B·A) when the server cannot serve its adapter.
-`lora` publishes only the adapter, under a new name per version.
+`lora` publishes only the adapter, under a new name per version. `choose_sync` picks one from what the
+server reports. (`perf/weight_sync_barrier_s`, the wait for the other ranks, is logged only with several.)
 """
 
 import asyncio
 import shutil
+import warnings
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from peft import PeftModel
@@ -19,6 +22,9 @@ from peft.tuners.lora import LoraLayer
 from transformers.utils import logging as hf_logging
 
 from tandem.generation.client import ControlClient
+
+if TYPE_CHECKING:
+    from tandem.trainer.session import Session  # `run` is anything with .run(coroutine): a Session, an asyncio.Runner
 
 
 @contextmanager
@@ -65,7 +71,7 @@ def merged_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:
 
 
 class ReloadSync:
-    def __init__(self, control: ControlClient, output_dir: Path, run: "asyncio.Runner", served_name: str):
+    def __init__(self, control: ControlClient, output_dir: Path, run: "asyncio.Runner | Session", served_name: str):
         self.control, self.folder, self.run, self.served_name = control, output_dir / ".weights", run, served_name
         self.folder.mkdir(parents=True, exist_ok=True)
 
@@ -94,7 +100,7 @@ class ReloadSync:
             if old != target:
                 shutil.rmtree(old, ignore_errors=True)
         return {"perf/weight_sync_s": done - start, "perf/weight_sync_pause_s": paused - written,
-                "perf/weight_sync_barrier_s": 0.0, "perf/weight_sync_transfer_s": (written - start) + (done - paused)}
+                "perf/weight_sync_transfer_s": (written - start) + (done - paused)}
 
 
 ADAPTER_NAME = "tandem-policy-v{version}"
@@ -116,7 +122,7 @@ class LoraSync:
     and a version's folder is deleted one sync after its unload (vLLM may still read an adapter's files
     lazily while requests that named it finish)."""
 
-    def __init__(self, control: ControlClient, output_dir: Path, run: "asyncio.Runner", keep: int):
+    def __init__(self, control: ControlClient, output_dir: Path, run: "asyncio.Runner | Session", keep: int):
         self.control, self.folder, self.run, self.keep = control, output_dir / ".vllm_lora", run, keep
         self.folder.mkdir(parents=True, exist_ok=True)
         self.loaded: list[int] = []
@@ -142,5 +148,54 @@ class LoraSync:
             self.run.run(self.control.unload_lora(old))
             self.unloaded.append(old)
         done = time.perf_counter()
-        return {"perf/weight_sync_s": done - start, "perf/weight_sync_pause_s": 0.0, "perf/weight_sync_barrier_s": 0.0,
+        return {"perf/weight_sync_s": done - start, "perf/weight_sync_pause_s": 0.0,
                 "perf/weight_sync_transfer_s": done - start}
+
+
+def choose_sync(control: ControlClient, output_dir: Path, run: "asyncio.Runner | Session", served_name: str, model: torch.nn.Module,
+                max_staleness: int) -> ReloadSync | LoraSync:
+    """Adapter-only sync when training LoRA and the server can serve the adapter by name; the whole model otherwise
+    (with a warning that says why). A server holding too few or too small adapters is an error naming its flags."""
+    reload = ReloadSync(control, output_dir, run, served_name)
+    if not isinstance(model, PeftModel):
+        return reload
+    info = run.run(control.server_info()).get("vllm_config")
+    info = info if isinstance(info, dict) else {}
+    lora = info.get("lora_config")
+    rank, needed = model.peft_config["default"].r, max_staleness + 2
+    flags = " ".join(lora_server_flags(max_staleness, rank))
+    obstacle = adapter_sync_obstacle(model.peft_config, lora, (info.get("parallel_config") or {}), flags)
+    if obstacle:
+        warnings.warn(f"LoRA: syncing the merged model (every weight, every sync) instead of the adapter alone: {obstacle}",
+                      stacklevel=4)
+        return reload
+    if lora.get("max_loras", needed) < needed or lora.get("max_lora_rank", rank) < rank:
+        raise ValueError(f"the server holds max_loras={lora.get('max_loras')} adapters of rank <= {lora.get('max_lora_rank')}; "
+                         f"this run needs {needed} (max_staleness + 2) of rank {rank}. Restart it with {flags}")
+    return LoraSync(control, output_dir, run, keep=max_staleness + 1)
+
+
+def adapter_sync_obstacle(peft_config: dict, lora_config: dict | None, parallel_config: dict, flags: str) -> str | None:
+    """Why the server cannot serve this adapter by name (the merged model then travels instead), or None.
+    vLLM serves single plain LoRA adapters: no DoRA, bias, modules_to_save, parameter targets or embeddings."""
+    if len(peft_config) != 1:
+        return f"the model has {len(peft_config)} adapters and a request names one. Train a single adapter."
+    config = next(iter(peft_config.values()))
+    if not lora_config:
+        return f"the server was started without LoRA support. Restart it with {flags} to sync the adapter alone."
+    data_parallel = parallel_config.get("data_parallel_size", 1)
+    if data_parallel > 1:
+        return (f"the server runs data_parallel_size={data_parallel}, and /v1/load_lora_adapter reaches only the rank "
+                "that answers it: the others would serve the base model under the new name. Run replicas with "
+                "--data-parallel-size 1 behind `tandem proxy`, which loads each adapter on every replica.")
+    targets = config.target_modules or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    unsupported = [("use_dora", getattr(config, "use_dora", False), "DoRA"),
+                   ("bias", getattr(config, "bias", "none") != "none", f"bias={getattr(config, 'bias', None)!r}"),
+                   ("modules_to_save", bool(config.modules_to_save), f"modules_to_save={config.modules_to_save}"),
+                   ("target_parameters", bool(getattr(config, "target_parameters", None)), "target_parameters"),
+                   ("target_modules", any("embed_tokens" in t for t in targets), "an adapter on embed_tokens")]
+    for field_name, present, what in unsupported:
+        if present:
+            return f"vLLM does not serve {what} ({field_name} in the LoraConfig). Use a plain LoRA adapter to sync it alone."
+    return None

@@ -1,10 +1,13 @@
-"""`tandem_exact`: eager attention whose every query row rounds as it would inside a long forward.
+"""Exact attention (`tandem_exact`): eager attention whose every query row rounds as it would inside a long forward.
 
 CPU matmuls with fewer than ~16 rows take a differently rounded code path. A decode step has one
 query per sequence, so plain eager attention there differs from a full forward over the same tokens
 in the last bits, and those bits grow through the layers. Padding short query blocks to 16 rows (by
 repeating the last one) keeps each real row on the long-forward path, so cached decoding gives
 log-probs bitwise equal to a teacher-forced forward with eager attention.
+
+Shared by the server's exact decoding (generation/engine.py) and the trainer's packed forward
+(packing/), which must round alike for the two sides' log-probs to agree bit for bit.
 """
 
 import torch

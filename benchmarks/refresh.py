@@ -1,0 +1,100 @@
+"""Re-run the benchmarks behind README.md's Performance tables and rewrite those tables in place.
+
+Each table sits between `<!-- bench:NAME -->` and `<!-- /bench -->` in README.md, where NAME is a script
+in this folder. The script runs at its default (full) sizes in its own process, its output shown as it
+comes, and writes its table with `--markdown PATH`; this one pastes the table in, followed by a line naming
+the commit it was measured at (marked when the work tree had uncommitted changes) and the date. README.md
+is rewritten after each benchmark. A benchmark that fails leaves its table as it was, the others still run,
+and this script then exits non-zero.
+
+    python benchmarks/refresh.py [NAME ...]     (every benchmark when none is named)
+"""
+
+import argparse
+import datetime
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+BENCHMARKS = {  # in README order, with about how long each takes on the project's quiet 2-core machine
+    "pipeline_overlap": "~5 min",
+    "packing": "~4 min",
+    "logprob_memory": "~2 min",
+    "proxy": "~10 s",
+    "weight_sync": "~1.5 min",
+    "serve_throughput": "~2 min",
+}
+
+
+def replace_table(text: str, name: str, table: str, stamp: str) -> str:
+    """`text` with the block marked for `name` now holding `table` and `stamp`; raises unless there is exactly one."""
+    pattern = re.compile(rf"(<!-- bench:{re.escape(name)} -->\n).*?(<!-- /bench -->)", re.DOTALL)
+    found = len(pattern.findall(text))
+    if found != 1:
+        raise ValueError(f"expected one <!-- bench:{name} --> ... <!-- /bench --> block in the README, found {found}")
+    return pattern.sub(lambda match: f"{match[1]}{table}\n{stamp}\n{match[2]}", text)
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def measured_at() -> str:
+    """The line under each table: the commit, whether the tree differed from it, and today's date. README.md
+    itself is left out of the comparison: rewriting its tables changes nothing measured."""
+    dirty = " (uncommitted changes)" if git("status", "--porcelain", "--", ".", ":(exclude)README.md") else ""
+    return f"Measured at commit `{git('rev-parse', '--short', 'HEAD')}`{dirty} on {datetime.date.today().isoformat()}."
+
+
+def run_benchmark(name: str, table_path: Path) -> bool:
+    """Run benchmarks/NAME.py at its default sizes; True when it exited 0 and wrote its table."""
+    start = time.perf_counter()
+    code = subprocess.run([sys.executable, str(HERE / f"{name}.py"), "--markdown", str(table_path)], cwd=ROOT).returncode
+    ok = code == 0 and table_path.is_file() and table_path.read_text().strip() != ""
+    seconds = round(time.perf_counter() - start)
+    outcome = "done" if ok else f"FAILED (exit code {code}; its table is left as it was)"
+    print(f"== {name}: {outcome} after {seconds // 60}m{seconds % 60:02d}s", flush=True)
+    return ok
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="benchmarks: " + ", ".join(f"{name} ({duration})" for name, duration in BENCHMARKS.items()))
+    parser.add_argument("names", nargs="*", metavar="NAME", help="benchmarks to re-run (default: all)")
+    parser.add_argument("--readme", type=Path, default=ROOT / "README.md", help="the file whose tables are rewritten")
+    args = parser.parse_args()
+    unknown = [name for name in args.names if name not in BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmark {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
+    args.names = args.names or list(BENCHMARKS)
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    stamp = measured_at()  # before the first rewrite, which itself makes the tree differ
+    for name in args.names:  # every block exists before anything runs for minutes
+        replace_table(args.readme.read_text(), name, "", stamp)
+    failed = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, name in enumerate(args.names, 1):
+            print(f"== [{i}/{len(args.names)}] {name} ({BENCHMARKS[name]})", flush=True)
+            table_path = Path(tmp) / f"{name}.md"
+            if run_benchmark(name, table_path):
+                args.readme.write_text(replace_table(args.readme.read_text(), name, table_path.read_text(), stamp))
+            else:
+                failed.append(name)
+    print(f"== {args.readme}: {len(args.names) - len(failed)} table(s) rewritten"
+          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""The control routes of `tandem serve`: pause and resume, weight reloads and runtime LoRA adapters.
+
+These are vLLM's dev routes (`/pause`, `/collective_rpc`, ...) and its LoRA routes; the trainer drives them
+around each weight sync. Anything that changes the model runs on the engine thread between two steps.
+"""
+
+import asyncio
+import logging
+from pathlib import Path
+
+import torch
+from aiohttp import web
+from safetensors.torch import load_file
+
+from tandem.generation import protocol
+from tandem.generation.engine import Engine
+from tandem.generation.lora import AdapterNotFound, AdapterSet
+from tandem.generation.protocol import ApiError, bad_request
+
+logger = logging.getLogger("tandem.serve")
+WEIGHT_TRANSFER_PATHS = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update")
+
+
+class WeightsError(ValueError):
+    """A checkpoint folder that does not fit the served model."""
+
+
+def load_weights(model: torch.nn.Module, weights_path: str) -> int:
+    """Copy a safetensors checkpoint (HF parameter names) into `model` in place; returns tensors loaded."""
+    files = sorted(Path(weights_path).glob("*.safetensors"))
+    if not files:
+        raise WeightsError(f"reload_weights: no *.safetensors files in {weights_path}")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = {name.replace(".base_layer", ""): p for name, p in base.named_parameters()}
+    loaded = 0
+    with torch.no_grad():
+        for file in files:
+            for name, tensor in load_file(str(file)).items():
+                if name not in params:
+                    raise WeightsError(f"reload_weights: {name!r} in {file.name} is not a parameter of the served model")
+                if params[name].shape != tensor.shape:
+                    raise WeightsError(f"reload_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(params[name].shape)}")
+                params[name].copy_(tensor)
+                loaded += 1
+    return loaded
+
+
+class Control:
+    """Pause state, weight reloads and adapter registration over one engine."""
+
+    def __init__(self, engine: Engine, adapters: AdapterSet | None, names: list[str]):
+        self.engine, self.adapters, self.names = engine, adapters, names
+        self.pause_mode: str | None = None
+        """None while serving; 'abort' and 'wait' refuse new requests, 'keep' freezes the running ones."""
+
+    def routes(self) -> list[tuple[str, str, object]]:
+        routes = [
+            ("POST", "/pause", self.pause), ("POST", "/resume", self.resume), ("GET", "/is_paused", self.is_paused),
+            ("POST", "/reset_prefix_cache", self.reset_prefix_cache), ("POST", "/collective_rpc", self.collective_rpc),
+            ("GET", "/weight_info", self.weight_info),
+            ("POST", "/v1/load_lora_adapter", self.load_lora), ("POST", "/v1/unload_lora_adapter", self.unload_lora),
+        ]
+        return routes + [("POST", path, self.weight_transfer) for path in WEIGHT_TRANSFER_PATHS]
+
+    # ---- pause -----------------------------------------------------------------------------------
+    async def pause(self, request: web.Request) -> web.Response:
+        mode = request.query.get("mode", "abort")
+        if mode not in ("abort", "wait", "keep"):
+            return web.json_response({"error": f"Invalid pause mode {mode!r}: use abort, wait or keep."}, status=400)
+        self.pause_mode = mode
+        if mode == "abort":
+            self.engine.abort_all()
+        if mode in ("abort", "wait"):  # in-flight requests end (abort) or drain (wait) before we report paused
+            while not self.engine.idle():
+                await asyncio.sleep(0.01)
+        self.engine.set_paused(True)
+        return web.json_response({"status": "paused"})
+
+    async def resume(self, _: web.Request) -> web.Response:
+        self.pause_mode = None
+        self.engine.set_paused(False)
+        return web.json_response({"status": "resumed"})
+
+    async def is_paused(self, _: web.Request) -> web.Response:
+        return web.json_response({"is_paused": self.pause_mode is not None})
+
+    async def reset_prefix_cache(self, _: web.Request) -> web.Response:
+        # tandem serve keeps no prefix cache across requests, so there is nothing stale to drop.
+        return web.json_response({"success": True})
+
+    # ---- weights ---------------------------------------------------------------------------------
+    async def collective_rpc(self, request: web.Request) -> web.Response:
+        req = await protocol.read(request, protocol.CollectiveRpcRequest, json_only=False)
+        if not req.method:
+            raise ApiError(400, "Missing 'method' in request body")
+        if req.method != "reload_weights":
+            raise bad_request(f"Unknown collective_rpc method {req.method!r}: tandem serve implements reload_weights.", "method", req.method)
+        path = req.kwargs.get("weights_path") or (req.args[0] if req.args else None)
+        if not isinstance(path, str):
+            raise bad_request("reload_weights needs kwargs.weights_path: a directory of safetensors files.", "weights_path", path)
+        if not Path(path).is_dir():
+            raise bad_request(f"reload_weights: weights_path {path} is not a directory.", "weights_path", path)
+        try:
+            await asyncio.wrap_future(self.engine.call(lambda: load_weights(self.engine.model, path)))
+        except WeightsError as exc:
+            raise bad_request(str(exc), "weights_path", path) from None
+        return web.Response(status=200)
+
+    async def weight_info(self, _: web.Request) -> web.Response:
+        return web.json_response({"weight_version": "default"})
+
+    async def weight_transfer(self, _: web.Request) -> web.Response:
+        raise ApiError(500, "Weight transfer not configured. Please set weight_transfer_config to enable weight transfer. "
+                            "tandem serve has no NCCL weight transfer: reload weights with /collective_rpc reload_weights.",
+                       "InternalServerError")
+
+    # ---- LoRA ------------------------------------------------------------------------------------
+    async def load_lora(self, request: web.Request) -> web.Response:
+        req = await protocol.read(request, protocol.LoadLoRARequest)
+        self.check_loadable(req)
+        try:
+            self.adapters.check(req.lora_name, req.lora_path)
+        except AdapterNotFound as exc:
+            raise ApiError(404, str(exc), "NotFoundError") from None
+        except ValueError as exc:  # AdapterSet's refusal of the adapter (its rank): vLLM answers 500
+            raise ApiError(500, f"Call to add_lora method failed: {exc}", "InternalServerError") from None
+
+        def register_and_load():
+            self.adapters.register(req.lora_name, req.lora_path)
+            in_use = {r.adapter for r, _ in self.engine.rows if r.adapter}
+            self.engine.model = self.adapters.ensure_loaded(self.engine.model, {req.lora_name}, in_use)
+
+        try:
+            await asyncio.wrap_future(self.engine.call(register_and_load))
+        except Exception as exc:  # noqa: BLE001 - vLLM answers any load failure 500 and keeps serving
+            logger.exception("loading LoRA adapter %r from %s failed", req.lora_name, req.lora_path)
+            self.adapters.paths.pop(req.lora_name, None)
+            raise ApiError(500, f"Call to add_lora method failed: {exc}", "InternalServerError") from None
+        return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    def check_loadable(self, req: protocol.LoadLoRARequest) -> None:
+        """vLLM's refusals before it looks at the adapter's files."""
+        if not req.lora_name or not req.lora_path:
+            raise ApiError(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+        if req.lora_name in self.names:
+            raise ApiError(400, f"The lora adapter '{req.lora_name}' conflicts with a served base model.", "InvalidUserInput")
+        if self.adapters is None:
+            raise ApiError(500, "Call to add_lora method failed: LoRA is not enabled. Use --enable-lora to enable LoRA.", "InternalServerError")
+        if req.lora_name in self.adapters.paths and not req.load_inplace:
+            raise ApiError(400, f"The lora adapter '{req.lora_name}' has already been loaded. If you want to load the "
+                                "adapter in place, set 'load_inplace' to True.", "InvalidUserInput")
+
+    async def unload_lora(self, request: web.Request) -> web.Response:
+        req = await protocol.read(request, protocol.UnloadLoRARequest)
+        if not req.lora_name:
+            raise ApiError(400, "'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput")
+        if self.adapters is None or req.lora_name not in self.adapters.paths:
+            raise ApiError(404, f"The lora adapter '{req.lora_name}' cannot be found.", "NotFoundError")
+        self.adapters.unregister(req.lora_name)
+        return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' removed successfully.")

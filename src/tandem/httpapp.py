@@ -1,0 +1,58 @@
+"""HTTP plumbing shared by `tandem serve` and `tandem proxy`: vLLM's error body, its `--api-key` rule, start and run.
+
+It imports only aiohttp, so the proxy, which uses it, stays free of torch and transformers.
+"""
+
+import asyncio
+
+from aiohttp import web
+
+AUTH_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+"""The paths vLLM's `--api-key` guards; dev routes, `/health` and `/metrics` stay open (reference/vllm_protocol.md §1)."""
+
+
+def error_body(status: int, message: str, type: str, param: str | None = None) -> dict:
+    """vLLM's error shape; the HTTP status equals `code`."""
+    return {"error": {"message": message, "type": type, "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, type: str, param: str | None = None) -> web.Response:
+    return web.json_response(error_body(status, message, type, param), status=status)
+
+
+def api_key_auth(api_key: str | None):
+    """A middleware answering 401 as vLLM does when a guarded path lacks `Authorization: Bearer <api_key>`."""
+
+    @web.middleware
+    async def auth(request: web.Request, handler):
+        if api_key and request.path.startswith(AUTH_PREFIXES):
+            if request.headers.get("Authorization") != f"Bearer {api_key}":
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return auth
+
+
+async def start_app(app: web.Application, host: str, port: int, **runner_options) -> tuple[web.AppRunner, int]:
+    """Serve `app` in the running event loop; returns the runner and the bound port (port 0 picks a free one)."""
+    runner = web.AppRunner(app, access_log=None, **runner_options)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner, runner.addresses[0][1]
+
+
+def run_until_interrupted(start, banner) -> None:
+    """Await `start` (a runner and its port), print `banner(port)`, serve until Ctrl-C, then clean up."""
+
+    async def main():
+        runner, port = await start
+        print(banner(port), flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,38 @@
+"""The importance ratio every objective starts from, and which tokens its bounds mask or clip (spec 000, 손실 계산).
+
+    r_t = π_θ(o_t) / π_sampler(o_t)                  (the sampler's log-probs are the behaviour policy)
+    in_bounds_t    = C_min ≤ r_t ≤ C_max              (masked importance sampling: the token is trained)
+    low_clipped_t  = r_t < 1-ε_low  and A_t < 0       (the clip of the surrogate is active below the trust region)
+    high_clipped_t = r_t > 1+ε_high and A_t > 0       (and above it)
+
+One ratio covers both the sampler/trainer mismatch and staleness. FlashREINFORCE neither masks nor
+clips: `UNBOUNDED` gives its statistics (every token in bounds, none clipped).
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+UNBOUNDED = {"epsilon_low": math.inf, "epsilon_high": math.inf, "clip_min": -math.inf, "clip_max": math.inf}
+"""Bounds that mask and clip nothing (FlashREINFORCE's unclipped ratio)."""
+
+
+@dataclass
+class TokenStats:
+    ratio: torch.Tensor          # before masking, detached
+    in_bounds: torch.Tensor      # the MIS mask
+    low_clipped: torch.Tensor
+    high_clipped: torch.Tensor
+
+
+def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, *,
+                     epsilon_low: float, epsilon_high: float, clip_min: float,
+                     clip_max: float) -> tuple[torch.Tensor, TokenStats]:
+    """The per-token ratio (differentiable through `logprobs`) and its detached statistics."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    detached = ratio.detach()
+    stats = TokenStats(ratio=detached, in_bounds=(detached >= clip_min) & (detached <= clip_max),
+                       low_clipped=(detached < 1 - epsilon_low) & (advantages < 0),
+                       high_clipped=(detached > 1 + epsilon_high) & (advantages > 0))
+    return ratio, stats

@@ -1,0 +1,46 @@
+"""What the worker records about each scored group: rewards per source, lengths, duplicates (reference/metrics.md,
+"Rewards and groups"). `record(name, *values)` appends to the worker's window records."""
+
+import numpy as np
+
+from tandem.rollout.records import RolloutGroup
+
+
+def record_group(record, group: RolloutGroup, columns: dict[str, np.ndarray], kept: bool, eos_token_ids: list[int],
+                 log_completions: bool) -> None:
+    rewards = group.rewards
+    scored = rewards[~np.isnan(rewards)]
+    record("reward", *scored.tolist())
+    record("frac_reward_zero_std", 0.0 if kept else 1.0)
+    if kept:
+        record("reward_kept", *scored.tolist())
+        record("reward_group_std", float(scored.std()))
+    elif len(scored):
+        record("reward_dropped", *scored.tolist())
+    for name, values in columns.items():
+        valid = values[~np.isnan(values)]
+        record(f"rewards/{name}/mean", *valid.tolist())
+        if kept and len(valid):
+            record(f"rewards/{name}/group_std", float(valid.std()))
+    record_lengths(record, group.completions_ids, set(eos_token_ids))
+    if log_completions:
+        record("completions/examples", *[(group.prompts[0], c[0]["content"] if c else "", float(r))
+                                         for c, r in zip(group.completions, rewards)])
+
+
+def record_lengths(record, completions_ids: list[list[int]], eos: set[int]) -> None:
+    """Completion lengths (all, and those that ended with EOS), the clipped ratio and duplicates within the group."""
+    lengths = [len(ids) for ids in completions_ids]
+    terminated = [len(ids) for ids in completions_ids if ids and ids[-1] in eos]
+    record("completions/mean_length", *lengths)
+    record("completions/min_length", *lengths)
+    record("completions/max_length", *lengths)
+    if terminated:
+        record("completions/mean_terminated_length", *terminated)
+        record("completions/min_terminated_length", *terminated)
+        record("completions/max_terminated_length", *terminated)
+    record("completions/clipped_ratio", *[0.0 if ids and ids[-1] in eos else 1.0 for ids in completions_ids])
+    seen = set()
+    for ids in completions_ids:
+        record("completions/duplicate_frac", 1.0 if tuple(ids) in seen else 0.0)
+        seen.add(tuple(ids))

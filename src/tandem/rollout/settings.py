@@ -1,0 +1,29 @@
+"""Everything the rollout loop is built from, in one picklable object: the trainer fills it in, the worker
+process receives it, the loop reads it."""
+
+from dataclasses import dataclass
+
+from tandem.config import AsyncGRPOConfig
+
+
+@dataclass
+class RolloutSettings:
+    config: AsyncGRPOConfig
+    model_name: str
+    """The name requests are sent under (the server's served model name)."""
+    tokenizer_path: str
+    dataset: object
+    reward_funcs: list
+    eos_token_ids: list[int]
+    base_url: str
+    api_key: str | None = None
+    tools: list | None = None
+    environment_factory: object = None
+    dataset_start_index: int = 0
+    """The first prompt position to generate for (a resumed run's watermark)."""
+    full_step_tokens: float = 0.0
+    """The tokens one step consumes when every row is full: the allowance before the trainer's first step."""
+    num_positions: int | None = None
+    """Where the prompt stream ends (epochs × rows), or None for an endless stream (max_steps decides)."""
+    adapter_name: str | None = None
+    """LoRA training: requests name the adapter version current when their group started, e.g. 'tandem-policy-v{version}'."""

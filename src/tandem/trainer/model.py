@@ -1,0 +1,74 @@
+"""The policy the trainer trains: loaded from a path, a hub id, "tiny" or an object, switched to tree
+attention (every packed row needs it), optionally wrapped with a trainable LoRA adapter."""
+
+import torch
+from peft import get_peft_model
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from tandem.config import AsyncGRPOConfig
+from tandem.packing import attention as tree_attention
+from tandem.packing.logprobs import check_head
+from tandem.tasks import TINY_MODEL_PATH
+
+
+def load_model(model, args: AsyncGRPOConfig) -> tuple[str, PreTrainedModel]:
+    """(the name the server knows it by, the model ready to train)."""
+    if isinstance(model, str):
+        name = TINY_MODEL_PATH if model == "tiny" else model
+        loaded = AutoModelForCausalLM.from_pretrained(name, **{"dtype": args.dtype, **(args.model_init_kwargs or {})})
+        if torch.cuda.is_available():
+            loaded.to("cuda")
+    elif isinstance(model, PreTrainedModel):
+        name, loaded = model.name_or_path or "tandem-policy", model
+    else:
+        raise TypeError(f"model must be a path, a hub id, 'tiny' or a PreTrainedModel, not {type(model).__name__}")
+    tree_attention.prepare(loaded)
+    check_head(loaded)
+    return name, loaded
+
+
+def with_adapter(model: PreTrainedModel, peft_config):
+    """The model with a trainable LoRA adapter; the head stays untouched (the chunked log-prob head and the
+    server's adapters both leave lm_head to the base weights)."""
+    targets = peft_config.target_modules or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    if any(t == "lm_head" or t.endswith(".lm_head") for t in targets) or "lm_head" in (peft_config.modules_to_save or []):
+        raise ValueError("peft_config targets lm_head: tandem trains adapters on the transformer layers only (the "
+                         "chunked log-prob head reads the base head). Remove lm_head from target_modules / modules_to_save.")
+    return get_peft_model(model, peft_config)
+
+
+def served_dtype(model) -> str:
+    """The `--dtype` the embedded server needs to sample from exactly these weights."""
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[next(model.parameters()).dtype]
+
+
+def eos_ids(tokenizer, model) -> list[int]:
+    """Every token that ends a completion: the tokenizer's EOS and the model's generation_config ones."""
+    ids = {tokenizer.eos_token_id}
+    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids |= set(generation_eos if isinstance(generation_eos, list) else [generation_eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def use_bf16(args: AsyncGRPOConfig, device: torch.device) -> bool:
+    return args.bf16 if args.bf16 is not None else device.type == "cuda"
+
+
+def check_dataset(dataset):
+    """The dataset, if every row can be trained on: a conversational 'prompt' column, at least one row."""
+    if dataset is None:
+        raise ValueError("train_dataset is required (environments that own their data are not implemented yet)")
+    columns = getattr(dataset, "column_names", None) or (list(dataset[0]) if len(dataset) else [])
+    if "prompt" not in columns:
+        raise ValueError(f"train_dataset has no 'prompt' column (columns: {columns}). Each row needs a conversational "
+                         "prompt: [{'role': 'user', 'content': '...'}]")
+    if len(dataset) == 0:
+        raise ValueError("train_dataset is empty")
+    for index in range(min(len(dataset), 8)):
+        prompt = dataset[index]["prompt"]
+        if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)):
+            raise ValueError(f"train_dataset row {index}: 'prompt' must be conversational, a list of "
+                             f"{{'role': ..., 'content': ...}} messages; got {type(prompt).__name__} {str(prompt)[:80]!r}. "
+                             "Wrap plain text as [{'role': 'user', 'content': text}].")
+    return dataset

@@ -1,0 +1,216 @@
+"""The training objectives behind one interface: what a row's loss is, and what it records.
+
+The trainer's step reads the same whatever the objective:
+
+    records = objective.begin_step(rows, score)          # once per optimizer step, before any forward
+    for row in rows:
+        result = objective.row_loss(row, row_logprobs(model, row, ...), len(rows))
+        result.loss.backward()                            # records += result.metrics
+
+`ClippedSurrogate` (spec 000, 손실 계산, score_centering=False) and `ScoreCentering` (the default) are
+per-token losses over the row, normalised by its trained tokens and averaged over the step's rows, plus
+the MoE router's load-balancing loss. `FlashReinforce` (spec 004) is one loss over the whole step: its
+`begin_step` scores every row without gradients and fixes each token's coefficient c_t, then each row's
+loss is Σ_t c_t log π_θ(a_t), whose gradient is the row's share of the FlashREINFORCE update.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tandem.config import AsyncGRPOConfig
+from tandem.losses.flash_reinforce import flash_reinforce_loss
+from tandem.losses.grpo import clipped_surrogate
+from tandem.losses.ratio import UNBOUNDED, TokenStats, importance_ratio
+from tandem.losses.score_centering import score_centered
+from tandem.packing.logprobs import TokenLogprobs
+from tandem.packing.trie import PackedRow
+
+
+@dataclass
+class RowLoss:
+    loss: torch.Tensor        # scalar, differentiable: this row's share of the step's loss (the trainer backwards it)
+    metrics: dict[str, list]  # window records {metric name: [values]}
+
+
+class Objective:
+    """The loss of each packed row of an optimizer step; ClippedSurrogate, ScoreCentering, FlashReinforce."""
+
+    def begin_step(self, rows: list[PackedRow], score: Callable[[PackedRow], TokenLogprobs]) -> dict[str, list]:
+        """Once per optimizer step, before any row's forward; `score(row)` is a no-grad forward of a row.
+        Returns step-level metric records. Per-token objectives need nothing here."""
+        return {}
+
+    def row_loss(self, row: PackedRow, scored: TokenLogprobs, num_rows: int) -> RowLoss:
+        """`scored` is the row's forward with gradients; `num_rows` the rows of the step."""
+        raise NotImplementedError
+
+
+class ClippedSurrogate(Objective):
+    """GRPO's clipped surrogate with masked importance sampling (losses/grpo.py)."""
+
+    def __init__(self, bounds: dict[str, float], aux_loss_coef: float):
+        self.bounds = bounds  # epsilon_low, epsilon_high, clip_min, clip_max
+        self.aux_loss_coef = aux_loss_coef
+
+    def token_losses(self, row: PackedRow, scored: TokenLogprobs, old: torch.Tensor,
+                     advantages: torch.Tensor) -> tuple[torch.Tensor, TokenStats, dict[str, list]]:
+        """Per-token losses, their statistics and any objective-specific records."""
+        losses, stats = clipped_surrogate(scored.logprobs, old, advantages, **self.bounds)
+        return losses, stats, {}
+
+    def row_loss(self, row: PackedRow, scored: TokenLogprobs, num_rows: int) -> RowLoss:
+        device = scored.logprobs.device
+        old, advantages = row.old_logprobs.to(device), row.advantages.to(device)
+        losses, stats, metrics = self.token_losses(row, scored, old, advantages)
+        # Normalised by the trained tokens of the micro-batch, then averaged over the accumulated micro-batches.
+        loss = losses.sum() / max(row.num_trained, 1) / num_rows
+        if scored.aux_loss is not None:  # MoE: the router's load-balancing loss, with the model's coefficient by default
+            metrics["aux_loss"] = [float(scored.aux_loss.detach())]
+            loss = loss + self.aux_loss_coef * scored.aux_loss / num_rows
+        return RowLoss(loss, metrics | token_stats(row, scored.logprobs.detach(), old, scored.entropy, stats))
+
+
+class ScoreCentering(ClippedSurrogate):
+    """Score centering (losses/score_centering.py): the surrogate's normalisation, aux loss and statistics,
+    with the importance-weighted score centred over the sampler's top `num_sampler_logprobs` tokens."""
+
+    def token_losses(self, row: PackedRow, scored: TokenLogprobs, old: torch.Tensor,
+                     advantages: torch.Tensor) -> tuple[torch.Tensor, TokenStats, dict[str, list]]:
+        if row.top_ids is None:
+            raise ValueError("score_centering=True needs the sampler's top log-probs of every sampled token, and these "
+                             "samples have none: a custom generate_one/generate_one_turn must request "
+                             "logprobs=num_sampler_logprobs (or set score_centering=False)")
+        top_sampler = row.top_sampler_logprobs.to(old.device)
+        losses, stats, mass = score_centered(scored.logprobs, old, advantages, scored.extra, top_sampler, **self.bounds)
+        return losses, stats, {"sampling/sampler_mass": mass.tolist()}
+
+
+class FlashReinforce(Objective):
+    """FlashREINFORCE over the whole optimizer batch (reference/flashreinforce_notes.md): its update is
+    Σ_t c_t ∇log π_θ(a_t) with every c_t detached, c_t being the gradient of the reference loss
+    (losses/flash_reinforce.py) with respect to the current log-prob of token t. A multi-turn rollout is one
+    trajectory whatever rows its samples landed in. It neither clips nor masks, and adds no aux loss."""
+
+    def __init__(self, delta: float, negative_token_fraction: float):
+        self.delta = delta
+        self.negative_token_fraction = negative_token_fraction
+        self.coefficients: dict[int, torch.Tensor] = {}
+        """c_t of each row of the current step, by id(row); set by begin_step, taken by row_loss."""
+
+    def begin_step(self, rows: list[PackedRow], score: Callable[[PackedRow], TokenLogprobs]) -> dict[str, list]:
+        with torch.no_grad():
+            scored = [score(row) for row in rows]
+        device = scored[0].logprobs.device
+        layout = TrajectoryLayout.of(rows, device)
+        current = layout.scatter(torch.cat([s.logprobs for s in scored])).requires_grad_(True)
+        behavior = layout.scatter(torch.cat([row.old_logprobs for row in rows]).to(device))
+        entropies = layout.scatter(torch.cat([s.entropy for s in scored]))
+        rewards = layout.rewards.to(current.dtype)
+        loss, diagnostics = flash_reinforce_loss(
+            current, behavior.clamp(max=0.0), rewards, layout.mask, delta=self.delta,
+            negative_token_fraction=self.negative_token_fraction, entropies=entropies, failures=rewards <= 0)
+        (gradient,) = torch.autograd.grad(loss, current)
+        self.coefficients = {id(row): c for row, c in zip(rows, layout.gather(gradient))}
+        kl, retained, policy = diagnostics["sequence_kl"], diagnostics["retained_tokens"], diagnostics["policy_tokens"]
+        return {"flash/acceptance_rate": [float(diagnostics["acceptance_rate"])],
+                "flash/sequence_kl_mean": kl.tolist(),
+                "flash/sequence_kl_max": [float(kl.max())],
+                "flash/retained_tokens_frac": [float(retained.sum() / policy.sum())]}
+
+    def row_loss(self, row: PackedRow, scored: TokenLogprobs, num_rows: int) -> RowLoss:
+        if id(row) not in self.coefficients:
+            raise RuntimeError("FlashReinforce.row_loss: this row was not among the rows passed to begin_step")
+        logprobs = scored.logprobs
+        loss = (self.coefficients.pop(id(row)) * logprobs).sum()
+        old = row.old_logprobs.to(logprobs.device)
+        _, stats = importance_ratio(logprobs.detach(), old, row.advantages.to(logprobs.device), **UNBOUNDED)
+        return RowLoss(loss, token_stats(row, logprobs.detach(), old, scored.entropy, stats))
+
+
+def make_objective(args: AsyncGRPOConfig, aux_loss_coef: float) -> Objective:
+    """The objective `args` selects: `algorithm`, then `score_centering`."""
+    if args.algorithm == "flash_reinforce":
+        return FlashReinforce(args.flash_delta, args.flash_negative_token_fraction)
+    bounds = {"epsilon_low": args.epsilon, "epsilon_high": args.epsilon_high,
+              "clip_min": args.vllm_importance_sampling_clip_min, "clip_max": args.vllm_importance_sampling_clip_max}
+    return (ScoreCentering if args.score_centering else ClippedSurrogate)(bounds, aux_loss_coef)
+
+
+def token_stats(row: PackedRow, logprobs: torch.Tensor, old: torch.Tensor, entropy: torch.Tensor,
+                stats: TokenStats) -> dict[str, list]:
+    """The loss and sampling diagnostics over a row's trained tokens (reference/metrics.md)."""
+    diff = (logprobs - old).abs()
+    low, high = stats.low_clipped.float().cpu(), stats.high_clipped.float().cpu()
+    return {
+        "sampling/sampling_logp_difference/mean": diff.tolist(),
+        "sampling/sampling_logp_difference/max": [float(diff.max())],
+        "sampling/importance_sampling_ratio/min": [float(stats.ratio.min())],
+        "sampling/importance_sampling_ratio/mean": stats.ratio.tolist(),
+        "sampling/importance_sampling_ratio/max": [float(stats.ratio.max())],
+        "sampling/masked_mean": (~stats.in_bounds).float().tolist(),
+        "entropy": entropy.tolist(),
+        "clip_ratio/low_mean": low.tolist(),
+        "clip_ratio/high_mean": high.tolist(),
+        "clip_ratio/region_mean": (low + high).tolist(),
+        "clip_ratio/low_min": [float(_per_sample_mean(row, low).min())],
+        "clip_ratio/high_max": [float(_per_sample_mean(row, high).max())],
+    }
+
+
+def _per_sample_mean(row: PackedRow, values: torch.Tensor) -> torch.Tensor:
+    """Each sample's mean of a per-term value of the row (a sample without terms reads 0)."""
+    counts = torch.zeros(len(row.samples)).index_add_(0, row.term_sample, torch.ones(row.num_trained))
+    return torch.zeros(len(row.samples)).index_add_(0, row.term_sample, values) / counts.clamp(min=1)
+
+
+@dataclass
+class TrajectoryLayout:
+    """Where each loss term of a step's rows sits in a [trajectories, tokens] batch. Terms are numbered
+    across the rows in order (row 0's terms, then row 1's, ...); a trajectory is a rollout (`rollout_id`),
+    whatever rows its samples landed in, and its tokens keep that order."""
+
+    trajectory: torch.Tensor  # [M] trajectory of each term
+    position: torch.Tensor    # [M] index of the term within its trajectory
+    rewards: torch.Tensor     # [B] each trajectory's reward
+    row_sizes: list[int]      # terms per row
+    width: int                # tokens of the longest trajectory
+
+    @classmethod
+    def of(cls, rows: list[PackedRow], device: torch.device) -> "TrajectoryLayout":
+        numbers: dict[str, int] = {}  # rollout id -> trajectory, in order of first trained term
+        rewards: dict[str, float] = {}
+        per_row = []
+        for row in rows:
+            has_terms = torch.bincount(row.term_sample, minlength=len(row.samples)).tolist()
+            for sample, terms in zip(row.samples, has_terms):
+                if terms:
+                    numbers.setdefault(sample.rollout_id, len(numbers))
+                rewards[sample.rollout_id] = sample.reward
+            sample_trajectory = torch.tensor([numbers.get(s.rollout_id, -1) for s in row.samples], dtype=torch.long)
+            per_row.append(sample_trajectory[row.term_sample])
+        trajectory = torch.cat(per_row).to(device)
+        counts = torch.bincount(trajectory, minlength=len(numbers))
+        # A stable sort groups the terms by trajectory, keeping their order; each group starts at the counts before it.
+        order = torch.sort(trajectory, stable=True).indices
+        starts = counts.cumsum(0) - counts
+        position = torch.empty_like(trajectory)
+        position[order] = torch.arange(trajectory.numel(), device=device) - starts[trajectory[order]]
+        return cls(trajectory, position, torch.tensor([rewards[r] for r in numbers], dtype=torch.float64, device=device),
+                   [row.num_trained for row in rows], int(counts.max()))
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[B, width] True on the tokens of each trajectory."""
+        return self.scatter(torch.ones(self.trajectory.numel(), dtype=torch.bool, device=self.trajectory.device))
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """[M] per-term values -> [B, width], zero (False) past each trajectory's end."""
+        batch = values.new_zeros(len(self.rewards), self.width)
+        batch[self.trajectory, self.position] = values
+        return batch
+
+    def gather(self, batch: torch.Tensor) -> list[torch.Tensor]:
+        """[B, width] -> each row's [N] values, in the row's term order."""
+        return list(batch[self.trajectory, self.position].split(self.row_sizes))

@@ -1,0 +1,79 @@
+"""What a training run talks to, owned in one place: the generation server (embedded or external), the
+control client, the rollout worker, the metric sinks and the progress line.
+
+`Session` is a context manager: whatever was started is stopped when the run leaves it, on success, on
+an error and on Ctrl-C, in the reverse order of starting. The trainer asks it for each part in turn.
+"""
+
+import asyncio
+from contextlib import ExitStack
+from pathlib import Path
+
+from tandem.generation.client import ControlClient, GenerationClient
+from tandem.generation.launcher import EmbeddedServer
+from tandem.metrics.sinks import ProgressLine, make_sinks
+from tandem.rollout.worker import RolloutWorker, WorkerSpec
+
+
+class Session:
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.stack = ExitStack()
+        self.runner = asyncio.Runner()
+        self.server: EmbeddedServer | None = None
+        self.control: ControlClient | None = None
+        self.worker: RolloutWorker | None = None
+        self.sinks: list = []
+        self.progress: ProgressLine | None = None
+
+    def __enter__(self) -> "Session":
+        self.stack.callback(self.runner.close)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stack.close()
+
+    def run(self, coroutine):
+        """Run a client call to completion on the session's event loop. When it fails because the embedded
+        server died, the error says so (with the server's log)."""
+        try:
+            return self.runner.run(coroutine)
+        except Exception:
+            self.check_server()
+            raise
+
+    def start_server(self, model_path: str, log_path: Path, extra_args: list[str]) -> str:
+        self.server = EmbeddedServer(model_path, log_path=log_path, extra_args=extra_args)
+        self.stack.callback(self.server.stop)
+        return self.server.url
+
+    def connect(self, url: str) -> ControlClient:
+        """The control-plane client, once the server at `url` answers /health."""
+        self.control = ControlClient(url, timeout_s=self.timeout_s)
+        self.stack.callback(lambda: self.run(self.control.close()))
+        self.run(self.control.wait_healthy(self.timeout_s))
+        return self.control
+
+    def generation_client(self) -> GenerationClient:
+        client = GenerationClient(self.control.base_url, timeout_s=self.timeout_s)
+        self.stack.callback(lambda: self.run(client.close()))
+        return client
+
+    def open_sinks(self, report_to, output_dir: Path, run_name: str | None, config: dict, total_steps: int | None) -> None:
+        self.sinks = make_sinks(report_to, output_dir, run_name, config)
+        for sink in self.sinks:
+            self.stack.callback(sink.close)
+        self.progress = ProgressLine(total_steps)
+        self.stack.callback(self.progress.close)
+
+    def start_worker(self, spec: WorkerSpec, timeout_s: float, model_version: int) -> RolloutWorker:
+        self.worker = RolloutWorker(spec, timeout_s)
+        self.worker.channels.model_version.value = model_version  # a resumed run's first groups sample from its version
+        self.stack.callback(self.worker.stop)
+        self.worker.start()
+        return self.worker
+
+    def check_server(self) -> None:
+        """Raise if the embedded server died (with its log's tail); an external server is the worker's to report."""
+        if self.server is not None and not self.server.alive():
+            raise RuntimeError(f"the embedded tandem serve exited (code {self.server.process.poll()}):\n{self.server.tail()}")

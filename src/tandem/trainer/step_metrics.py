@@ -1,0 +1,71 @@
+"""What one optimizer step records: its rows, its samples, its timings (names from reference/metrics.md).
+
+Pure functions from a step's facts to window records, so the training loop only says when to record.
+"""
+
+import time
+from dataclasses import dataclass
+
+from tandem.metrics.window import MetricWindow
+from tandem.packing import PackedRow
+
+
+@dataclass
+class StepTimes:
+    """Seconds a step spent in each phase (`perf/*_s`)."""
+
+    total: float
+    rollout_wait: float
+    forward: float
+    forward_backward: float
+    optimizer: float
+
+
+def record_micro_batch(window: MetricWindow, rows: list[PackedRow], token_budget: int, num_ranks: int) -> None:
+    """Each row of a micro-batch; with several ranks, also how evenly the rows are loaded."""
+    lengths = [r.num_tokens for r in rows]
+    window.add("batch/samples_per_row", *[len(r.samples) for r in rows])
+    window.add("batch/row_tokens_mean", *lengths)
+    window.add("batch/row_tokens_max", *lengths)
+    window.add("batch/row_fill_frac", *[n / token_budget for n in lengths])
+    window.add("batch/packing_ratio", *[r.packing_ratio for r in rows])
+    if num_ranks > 1:  # one rank has nothing to balance: 1.0 and 0.0 by construction
+        loads = [r.load for r in rows]
+        window.add("batch/row_imbalance", max(loads) / (sum(loads) / len(loads)))
+        window.add("batch/pad_frac", 1 - sum(lengths) / (len(rows) * max(lengths)))
+
+
+def record_samples(window: MetricWindow, rows: list[PackedRow], model_version: int) -> None:
+    """Staleness, queue time and size of every sample the step trained."""
+    now = time.time()
+    for sample in (s for row in rows for s in row.samples):
+        staleness = model_version - sample.model_version
+        window.add("sample/staleness_mean", staleness)
+        window.add("sample/staleness_max", staleness)
+        window.add("sample/time_in_queue_s", now - sample.created_at)
+        window.add("sample/forwarded_tokens_mean", sample.num_tokens)
+        window.add("sample/forwarded_tokens_max", sample.num_tokens)
+        window.add("sample/trained_tokens_mean", sample.num_trained)
+
+
+def record_step(window: MetricWindow, rows: list[PackedRow], num_micro_batches: int, times: StepTimes) -> None:
+    """The step's totals and throughput: tokens forwarded (shared prefixes once) and trained, per second."""
+    samples = [s for row in rows for s in row.samples]
+    tokens = sum(row.num_tokens for row in rows)
+    trained = sum(row.num_trained for row in rows)
+    predicting = sum(row.predict_index.unique().numel() for row in rows)
+    window.add("perf/step_s", times.total)
+    window.add("perf/rollout_wait_s", times.rollout_wait)
+    window.add("perf/fwd_s", times.forward)
+    window.add("perf/fwd_bwd_s", times.forward_backward)
+    window.add("perf/optimizer_s", times.optimizer)
+    window.add("perf/fwd_bwd_forwarded_tokens_per_s", (tokens, times.forward_backward))
+    window.add("perf/fwd_bwd_trained_tokens_per_s", (trained, times.forward_backward))
+    window.add("perf/wall_clock_forwarded_tokens_per_s", (tokens, times.total))
+    window.add("perf/wall_clock_trained_tokens_per_s", (trained, times.total))
+    window.add("batch/forwarded_tokens_per_step", tokens)
+    window.add("batch/trained_tokens_per_step", trained)
+    window.add("batch/samples_per_step", len(samples))
+    window.add("batch/groups_per_step", len({s.group_id for s in samples}))
+    window.add("batch/microbatches_per_step", num_micro_batches)
+    window.add("batch/masked_token_frac", 1 - predicting / tokens)

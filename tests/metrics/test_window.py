@@ -1,0 +1,96 @@
+"""Window rules: every metric name in the catalogue (../shared/reference/metrics.md) is reduced as the catalogue says."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tandem.metrics.window import MAX, MEAN, MIN, RATE, SUM, MetricWindow, rule_for
+
+CATALOGUE = Path(__file__).resolve().parents[2].parent / "shared" / "reference" / "metrics.md"
+PLACEHOLDERS = {"{func}": ["accuracy_reward", "count_max_min"], "{tool}": ["search", "max_count"]}
+"""Sample names for the catalogue's placeholders; the second of each shows a name's middle parts don't decide."""
+
+
+def catalogue_names() -> set[str]:
+    """The names of every table's first column (with the shorthand `a/mean_length`, `min_length` and
+    `a/b/mean`, `/max` expanded) and every namespaced name written anywhere else, placeholders expanded."""
+    if not CATALOGUE.is_file():
+        pytest.fail(f"the metric catalogue {CATALOGUE} is missing: the tests read it from ../shared beside the clone")
+    text = CATALOGUE.read_text()
+    names = {span for span in re.findall(r"`([^`]+)`", text) if "/" in span[1:] and " " not in span}
+    for line in text.splitlines():
+        if not line.startswith("|") or line.startswith(("| name", "|---")):
+            continue
+        previous = None
+        for span in re.findall(r"`([^`]+)`", line.split("|")[1]):
+            if previous and "/" not in span.lstrip("/"):  # shorthand: replaces the last part of the previous name
+                span = previous.rsplit("/", 1)[0] + "/" + span.lstrip("/")
+            names.add(span)
+            previous = span
+    for placeholder, samples in PLACEHOLDERS.items():
+        names = {n.replace(placeholder, s) for n in names for s in samples}
+    return names
+
+
+def documented_rule(name: str) -> str:
+    """The catalogue's rule, read on whole words of the last part: count is summed, max / min keep the
+    extreme, tokens_per_s is a rate, everything else (`_per_step` included) is a mean."""
+    last = name.rsplit("/", 1)[-1]
+
+    def word(w):
+        return re.search(rf"(^|_){w}(_|$)", last) is not None
+
+    if last.endswith("tokens_per_s"):
+        return RATE
+    return SUM if word("count") else MAX if word("max") else MIN if word("min") else MEAN
+
+
+def test_the_catalogue_is_parsed_whole():
+    names = catalogue_names()
+    for expected in ("reward", "num_tokens", "completions/min_terminated_length", "rewards/accuracy_reward/group_std",
+                     "tools/search/call_count", "sampling/importance_sampling_ratio/mean", "sampling/sampling_logp_difference/max",
+                     "batch/dropped_oversize_count", "perf/weight_sync_barrier_s", "rollout/generated_tokens_per_s"):
+        assert expected in names
+    assert not any(("{" in n or "," in n or n.startswith("/")) for n in names)
+    assert len(names) > 100
+
+
+def test_every_catalogue_name_has_its_documented_rule():
+    wrong = {n: (rule_for(n), documented_rule(n)) for n in sorted(catalogue_names()) if rule_for(n) != documented_rule(n)}
+    assert not wrong, f"name: (rule, documented rule): {wrong}"
+
+
+@pytest.mark.parametrize("name, rule", [
+    ("completions/mean_terminated_length", MEAN), ("completions/min_terminated_length", MIN),
+    ("completions/max_length", MAX), ("tools/search/call_count", SUM), ("sample/staleness_max", MAX),
+    ("clip_ratio/low_min", MIN), ("sampling/importance_sampling_ratio/max", MAX),
+    ("sampling/importance_sampling_ratio/mean", MEAN), ("batch/trained_tokens_per_step", MEAN),
+    ("perf/wall_clock_trained_tokens_per_s", RATE), ("rewards/count_max_min/mean", MEAN),
+])
+def test_the_rule_reads_exact_words_of_the_last_part(name, rule):
+    assert rule_for(name) == rule
+
+
+def test_every_catalogue_name_is_reduced_by_its_rule():
+    window, expected = MetricWindow(), {}
+    for name in catalogue_names():
+        if documented_rule(name) == RATE:
+            window.add(name, (100, 1.0), (300, 3.0), (0, 0.0))
+            expected[name] = 100.0
+        else:
+            window.add(name, 1.0, 5.0, float("nan"), 3.0)  # NaN is left out
+            expected[name] = {SUM: 9.0, MAX: 5.0, MIN: 1.0, MEAN: 3.0}[documented_rule(name)]
+    assert window.get("completions/mean_terminated_length") == 3.0
+    assert window.flush() == expected
+    assert window.flush() == {}
+
+
+def test_a_rate_takes_pairs_and_nothing_else_does():
+    window = MetricWindow()
+    with pytest.raises(ValueError, match="'perf/fwd_bwd_trained_tokens_per_s'.*pairs"):
+        window.add("perf/fwd_bwd_trained_tokens_per_s", 12.0)
+    with pytest.raises(ValueError, match="'perf/step_s'"):
+        window.add("perf/step_s", (1, 2.0))
+    window.extend({"completions/examples": [("prompt", "completion", 1.0)], "reward": [0.5]})
+    assert window.flush() == {"reward": 0.5}, "examples are kept for printing, never logged"

@@ -1,0 +1,36 @@
+"""What each entry point loads, checked in fresh interpreters: serve and proxy never pay for the trainer."""
+
+import subprocess
+import sys
+
+
+def run_fresh(code: str) -> tuple[str, set[str]]:
+    """What a fresh interpreter prints running `code`, and the modules it holds afterwards."""
+    script = f"import sys\n{code}\nprint('\\nmodules:', *sys.modules)"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120).stdout
+    printed, modules = out.split("\nmodules:")
+    return printed, set(modules.split())
+
+
+def test_import_tandem_loads_no_torch_until_a_public_name_is_used():
+    assert "torch" not in run_fresh("import tandem")[1]
+    assert "torch" in run_fresh("from tandem import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop, Rollout, RolloutGroup, TurnRecord")[1]
+
+
+def test_the_proxy_app_imports_neither_torch_nor_transformers():
+    modules = run_fresh("import tandem.proxy.app")[1]
+    assert "tandem.proxy.app" in modules and "torch" not in modules and "transformers" not in modules
+
+
+def test_tandem_serve_help_does_not_import_the_trainer():
+    printed, modules = run_fresh("from tandem.cli import main\ntry:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass")
+    assert "usage: tandem serve" in printed
+    assert not any(name.startswith("tandem.trainer") for name in modules)
+
+
+def test_the_public_names_are_listed_and_importable():
+    import tandem
+
+    names = {"AsyncGRPOConfig", "AsyncGRPOTrainer", "AsyncRolloutLoop", "Rollout", "RolloutGroup", "TurnRecord"}
+    assert names <= set(tandem.__all__) and names <= set(dir(tandem))
+    assert all(getattr(tandem, name).__name__ == name for name in names)

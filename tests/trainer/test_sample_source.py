@@ -1,0 +1,115 @@
+"""The sample source on its own: messages in, trainable samples out, with the worker's counters and the ledger
+kept right. No processes: the inbox is a list and the shared counters are plain objects."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from tandem.metrics.window import MetricWindow
+from tandem.rollout.pacing import TokenAllowance
+from tandem.trainer.sample_source import SampleSource
+from tests.packing.samples import sample
+
+
+class ListInbox:
+    """The worker's messages, already waiting; None once they are all read (as a queue that stays empty)."""
+
+    def __init__(self, *messages):
+        self.messages = list(messages)
+
+    def get(self, timeout_s):
+        return self.messages.pop(0) if self.messages else None
+
+
+def counters():
+    return SimpleNamespace(consumed_tokens=SimpleNamespace(value=0.0), tokens_per_step=SimpleNamespace(value=0.0))
+
+
+def group(position, size=2, version=0, tokens=5):
+    """`size` samples of one prompt position, all from policy `version`."""
+    samples = [sample(range(3, 3 + tokens), group=position) for _ in range(size)]
+    for s in samples:
+        s.position, s.group_samples, s.model_version = position, size, version
+    return samples
+
+
+def source_of(*messages, start=0, max_staleness=1, token_budget=100):
+    return SampleSource(ListInbox(*messages), counters(), MetricWindow(), start_position=start,
+                        max_staleness=max_staleness, token_budget=token_budget)
+
+
+def test_samples_come_out_in_order_and_taking_one_frees_its_tokens_for_the_worker():
+    first, second = group(0), group(1)
+    source = source_of(("samples", first), ("samples", second), ("end", None))
+    assert source.drain() == 4, "rollout/queue_size counts samples, not messages"
+    taken = []
+    while (s := source.peek(model_version=0)) is not None:
+        taken.append(source.take())
+    assert taken == first + second
+    assert source.counters.consumed_tokens.value == 4 * 5
+
+
+def test_a_sample_beyond_max_staleness_is_dropped_counted_and_still_finishes_its_prompt():
+    stale, fresh = group(0, version=0), group(1, version=2)
+    source = source_of(("samples", stale + fresh), ("end", None), max_staleness=1)
+    assert source.peek(model_version=2) is fresh[0]
+    assert source.window.get("sample/dropped_stale_count") == 2
+    assert source.ledger.watermark == 1, "position 0 is finished by its drops"
+    assert source.counters.consumed_tokens.value == 2 * 5, "dropped samples leave the queue for good too"
+
+
+def test_a_sample_longer_than_the_token_budget_is_dropped_with_a_warning():
+    source = source_of(("samples", group(0, size=1, tokens=30)), ("end", None), token_budget=20)
+    with pytest.warns(UserWarning, match="30 tokens exceeds token_budget=20"):
+        assert source.peek(model_version=0) is None
+    assert source.window.get("batch/dropped_oversize_count") == 1
+
+
+def test_worker_metrics_and_skips_reach_the_window_and_the_ledger():
+    source = source_of(("metrics", {"reward": [1.0, 0.0]}), ("skip", 0), ("end", None))
+    assert source.peek(model_version=0) is None and source.ended
+    assert source.window.get("reward") == 0.5
+    assert source.ledger.finished == [0] and source.ledger.watermark == 1
+
+
+def test_the_watermark_waits_for_every_sample_of_a_prompt_and_for_earlier_prompts():
+    a, b = group(0, size=2), group(1, size=2)
+    source = source_of(("samples", a + b), ("end", None))
+    for _ in range(4):
+        source.peek(model_version=0)
+        source.take()
+    source.trained([b[0], b[1], a[0]], tokens_per_step=40)
+    assert source.ledger.watermark == 0, "position 0 still has a sample in training"
+    assert source.counters.tokens_per_step.value == 40
+    source.trained([a[1]], tokens_per_step=10)
+    assert source.ledger.watermark == 2 and source.ledger.finished == [1, 0]
+
+
+def test_the_ledger_runs_across_an_epoch_wrap_and_a_resume_starts_at_the_watermark():
+    # Dataset of 2 rows: positions 2 and 3 are epoch 1's rows 0 and 1.
+    source = source_of(("samples", group(1) + group(2)), ("skip", 3), ("end", None), start=1)
+    while source.peek(model_version=0) is not None:
+        source.trained([source.take()], tokens_per_step=5)
+    assert source.ledger.watermark == 4 and sorted(source.ledger.finished) == [1, 2, 3]
+
+    resumed = source_of(("samples", group(4)), ("end", None), start=source.ledger.watermark)
+    assert resumed.peek(model_version=0).position == 4 and resumed.ledger.watermark == 4
+
+
+def test_the_worker_may_start_a_group_again_once_the_trainer_takes_what_was_queued():
+    allowance = TokenAllowance(max_staleness=1, full_step_tokens=20)
+    samples = group(0, size=4, tokens=5)  # the worker produced 20 tokens: a whole step's worth
+    source = source_of(("samples", samples), ("end", None))
+    produced, reservation = 20.0, 10.0
+
+    def may_start():
+        queued = produced - source.counters.consumed_tokens.value
+        return allowance.may_start(queued, in_flight=0, reservation=reservation, tokens_per_step=0,
+                                   groups_in_flight=0, groups_finished=1)
+
+    assert not may_start(), "queued tokens fill the allowance"
+    source.peek(model_version=0)
+    source.take()
+    source.peek(model_version=0)
+    source.take()
+    assert may_start(), "two samples taken free the 10 tokens the next group reserves"
