@@ -34,3 +34,12 @@ def test_the_public_names_are_listed_and_importable():
     names = {"AsyncGRPOConfig", "AsyncGRPOTrainer", "AsyncRolloutLoop", "Rollout", "RolloutGroup", "TurnRecord"}
     assert names <= set(tandem.__all__) and names <= set(dir(tandem))
     assert all(getattr(tandem, name).__name__ == name for name in names)
+
+
+def test_the_trainer_asks_for_passive_openmp_waiting_before_torch_loads():
+    printed, _ = run_fresh("import os\nos.environ.pop('OMP_WAIT_POLICY', None)\nimport tandem.trainer\n"
+                           "print(os.environ['OMP_WAIT_POLICY'], tandem.trainer.OPENMP_POLICY_TOO_LATE)")
+    assert printed.split() == ["PASSIVE", "False"]
+    printed, _ = run_fresh("import os\nos.environ.pop('OMP_WAIT_POLICY', None)\nimport torch\nimport tandem.trainer\n"
+                           "print(tandem.trainer.OPENMP_POLICY_TOO_LATE)")
+    assert printed.split() == ["True"], "torch loaded first: train() must warn that the policy came too late"

@@ -28,7 +28,7 @@ from tandem.prompts import render_prompt
 from tandem.rollout.loop import AsyncRolloutLoop
 from tandem.rollout.settings import RolloutSettings
 from tandem.rollout.worker import WorkerSpec, check_picklable
-from tandem.trainer import checkpoint, sync_check
+from tandem.trainer import OPENMP_POLICY_TOO_LATE, checkpoint, sync_check
 from tandem.trainer.batching import TokenBudgetBatcher
 from tandem.trainer.checkpoint import TrainerState
 from tandem.trainer.model import check_dataset, eos_ids, load_model, served_dtype, use_bf16, with_adapter
@@ -97,6 +97,10 @@ class AsyncGRPOTrainer:
 
     # ---- public ---------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None) -> TrainOutput:
+        if OPENMP_POLICY_TOO_LATE and self.device.type == "cpu":
+            warnings.warn("torch was imported before tandem, so its OpenMP threads spin while they wait and slow the "
+                          "embedded server and the rollout worker (the demo ran 1.4x slower). Start Python with "
+                          "OMP_WAIT_POLICY=PASSIVE, or import tandem before torch.", stacklevel=2)
         check_picklable({"reward function": f for f in self.reward_funcs} | {"loop_cls": self.loop_cls})
         torch.manual_seed(self.args.seed)
         self.output_dir.mkdir(parents=True, exist_ok=True)
