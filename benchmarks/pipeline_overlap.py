@@ -30,15 +30,18 @@ CONFIGS = [(0.05, 2), (0.02, 1), (0.05, 4), (0.15, 2)]
 
 
 class SynchronousTrainer(AsyncGRPOTrainer):
-    """Generation and training take turns: the server is paused while the trainer computes."""
+    """Generation and training take turns: the server is paused from the step's first forward to its optimizer
+    step (the weight sync that follows pauses and resumes it on its own)."""
 
     def training_step(self, rows):
-        session = self.session
-        session.run(session.control.pause("keep"))
+        self.session.run(self.session.control.pause("keep"))
+        return super().training_step(rows)
+
+    def optimizer_step(self):
         try:
-            return super().training_step(rows)
+            return super().optimizer_step()
         finally:
-            session.run(session.control.resume())
+            self.session.run(self.session.control.resume())
 
 
 def run(trainer_cls, steps: int, delay: float, args_staleness: int, folder: Path) -> dict:

@@ -17,7 +17,7 @@ ALLOWED = {
     "generation": set(),
     "proxy": {"generation.client"},
     "packing": {"rollout.records"},
-    "rollout": {"generation.client"},
+    "rollout": {"generation.client", "metrics"},
     "trainer": {"generation.client", "generation.launcher", "packing", "losses", "metrics", "rollout.records",
                 "rollout.loop", "rollout.settings", "rollout.worker"},
 }

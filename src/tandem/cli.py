@@ -21,7 +21,7 @@ def serve_parser(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's max_position_embeddings)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto: the checkpoint's)")
     p.add_argument("--seed", type=int, default=None, help="seed for requests that send none")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1, /inference")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1, /v2, /inference, /cohere, as vLLM does")
     p.add_argument("--served-model-name", nargs="+", default=[], help="names the model answers to (default: MODEL)")
     p.add_argument("--enable-lora", action="store_true", help="allow /v1/load_lora_adapter and adapter names in `model`")
     p.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one batch (default 1)")
@@ -55,7 +55,7 @@ def proxy_parser(sub) -> None:
     p.add_argument("--lora-retry-s", type=float, default=2.0, help="wait between retries of 'No adapter found' (default 2)")
     p.add_argument("--lora-load-timeout-s", type=float, default=300.0, help="give up on a lagging replica after this (default 300)")
     p.add_argument("--connect-timeout-s", type=float, default=10.0, help="a replica that does not accept within this is down (default 10)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1, /inference")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1, /v2, /inference, /cohere, as vLLM does")
     p.add_argument("--upstream-api-key", default=None, help="bearer token sent to the replicas")
     p.add_argument("--tokenizer", default=None, metavar="PATH", help="route chat requests by their rendered token ids, as "
                                                                      "the replicas cache them (default: by their text)")

@@ -41,5 +41,9 @@ def model_mask(mask: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
     eager-style implementations add the mask to the scores, SDPA takes it as booleans."""
     if model.config._attn_implementation not in ADDITIVE_MASK_IMPLEMENTATIONS:
         return mask
-    dtype = next(model.parameters()).dtype
+    return additive_mask(mask, next(model.parameters()).dtype)
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = attend) as the additive form eager attention adds to its scores: 0 or dtype's minimum."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)

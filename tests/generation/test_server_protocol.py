@@ -324,3 +324,18 @@ def test_generation_config_supplies_defaults_unless_told_vllm(tmp_path):
             assert len(body["choices"][0]["token_ids"]) == expected, mode
         finally:
             s.close()
+
+
+def test_a_server_seed_gives_each_prompt_of_a_batch_its_own_seed():
+    """`--seed` seeds requests that send none, one draw per prompt: identical prompts in one batch still differ."""
+    from tests.conftest import ServerThread
+
+    s = ServerThread(seed=7)
+    try:
+        status, body = s.post("/v1/completions", {"prompt": [PROMPT, PROMPT], "max_tokens": 16, "temperature": 1.0,
+                                                  "ignore_eos": True, "return_token_ids": True})
+        assert status == 200
+        first, second = (c["token_ids"] for c in body["choices"])
+        assert first != second
+    finally:
+        s.close()

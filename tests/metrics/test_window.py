@@ -1,4 +1,5 @@
-"""Window rules: every metric name in the catalogue (../shared/reference/metrics.md) is reduced as the catalogue says."""
+"""Window rules: every metric name of the catalogue (catalogue.tsv, kept equal to ../shared/reference/metrics.md)
+is reduced as the catalogue says."""
 
 import re
 from pathlib import Path
@@ -7,17 +8,28 @@ import pytest
 
 from tandem.metrics.window import MAX, MEAN, MIN, RATE, SUM, MetricWindow, rule_for
 
-CATALOGUE = Path(__file__).resolve().parents[2].parent / "shared" / "reference" / "metrics.md"
+REFERENCE = Path(__file__).resolve().parents[2].parent / "shared" / "reference" / "metrics.md"
+CATALOGUE = Path(__file__).with_name("catalogue.tsv")
 PLACEHOLDERS = {"{func}": ["accuracy_reward", "count_max_min"], "{tool}": ["search", "max_count"]}
 """Sample names for the catalogue's placeholders; the second of each shows a name's middle parts don't decide."""
 
 
-def catalogue_names() -> set[str]:
-    """The names of every table's first column (with the shorthand `a/mean_length`, `min_length` and
-    `a/b/mean`, `/max` expanded) and every namespaced name written anywhere else, placeholders expanded."""
-    if not CATALOGUE.is_file():
-        pytest.fail(f"the metric catalogue {CATALOGUE} is missing: the tests read it from ../shared beside the clone")
-    text = CATALOGUE.read_text()
+def expand(names):
+    for placeholder, samples in PLACEHOLDERS.items():
+        names = {n.replace(placeholder, s) for n in names for s in samples}
+    return names
+
+
+def catalogue() -> dict[str, str]:
+    """{metric name: the window rule the catalogue states for it}, placeholders expanded (catalogue.tsv)."""
+    rows = [line.split("\t") for line in CATALOGUE.read_text().splitlines() if line and not line.startswith("#")]
+    return {name: rule for pattern, rule in rows for name in expand({pattern})}
+
+
+def reference_names() -> set[str]:
+    """The names in the reference catalogue: every table's first column (with the shorthand `a/mean_length`,
+    `min_length` and `a/b/mean`, `/max` expanded) and every namespaced name written anywhere else."""
+    text = REFERENCE.read_text()
     names = {span for span in re.findall(r"`([^`]+)`", text) if "/" in span[1:] and " " not in span}
     for line in text.splitlines():
         if not line.startswith("|") or line.startswith(("| name", "|---")):
@@ -28,36 +40,26 @@ def catalogue_names() -> set[str]:
                 span = previous.rsplit("/", 1)[0] + "/" + span.lstrip("/")
             names.add(span)
             previous = span
-    for placeholder, samples in PLACEHOLDERS.items():
-        names = {n.replace(placeholder, s) for n in names for s in samples}
-    return names
+    return expand(names)
 
 
-def documented_rule(name: str) -> str:
-    """The catalogue's rule, read on whole words of the last part: count is summed, max / min keep the
-    extreme, tokens_per_s is a rate, everything else (`_per_step` included) is a mean."""
-    last = name.rsplit("/", 1)[-1]
-
-    def word(w):
-        return re.search(rf"(^|_){w}(_|$)", last) is not None
-
-    if last.endswith("tokens_per_s"):
-        return RATE
-    return SUM if word("count") else MAX if word("max") else MIN if word("min") else MEAN
+def test_the_catalogue_here_lists_every_name_of_the_reference():
+    if not REFERENCE.is_file():
+        pytest.skip(f"{REFERENCE} is not beside this clone: catalogue.tsv is checked on its own")
+    assert set(catalogue()) == reference_names(), "catalogue.tsv and reference/metrics.md disagree: update catalogue.tsv"
 
 
-def test_the_catalogue_is_parsed_whole():
-    names = catalogue_names()
+def test_the_catalogue_is_whole():
+    names = catalogue()
     for expected in ("reward", "num_tokens", "completions/min_terminated_length", "rewards/accuracy_reward/group_std",
                      "tools/search/call_count", "sampling/importance_sampling_ratio/mean", "sampling/sampling_logp_difference/max",
                      "batch/dropped_oversize_count", "perf/weight_sync_barrier_s", "rollout/generated_tokens_per_s"):
         assert expected in names
-    assert not any(("{" in n or "," in n or n.startswith("/")) for n in names)
-    assert len(names) > 100
+    assert len(names) > 100 and set(names.values()) == {SUM, MAX, MIN, RATE, MEAN}
 
 
 def test_every_catalogue_name_has_its_documented_rule():
-    wrong = {n: (rule_for(n), documented_rule(n)) for n in sorted(catalogue_names()) if rule_for(n) != documented_rule(n)}
+    wrong = {n: (rule_for(n), rule) for n, rule in sorted(catalogue().items()) if rule_for(n) != rule}
     assert not wrong, f"name: (rule, documented rule): {wrong}"
 
 
@@ -74,13 +76,13 @@ def test_the_rule_reads_exact_words_of_the_last_part(name, rule):
 
 def test_every_catalogue_name_is_reduced_by_its_rule():
     window, expected = MetricWindow(), {}
-    for name in catalogue_names():
-        if documented_rule(name) == RATE:
+    for name, rule in catalogue().items():
+        if rule == RATE:
             window.add(name, (100, 1.0), (300, 3.0), (0, 0.0))
             expected[name] = 100.0
         else:
             window.add(name, 1.0, 5.0, float("nan"), 3.0)  # NaN is left out
-            expected[name] = {SUM: 9.0, MAX: 5.0, MIN: 1.0, MEAN: 3.0}[documented_rule(name)]
+            expected[name] = {SUM: 9.0, MAX: 5.0, MIN: 1.0, MEAN: 3.0}[rule]
     assert window.get("completions/mean_terminated_length") == 3.0
     assert window.flush() == expected
     assert window.flush() == {}

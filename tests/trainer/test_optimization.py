@@ -3,25 +3,30 @@ accumulation over two rows takes the same step as one full batch."""
 
 import torch
 from datasets import Dataset
+from transformers import AutoTokenizer
 
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
 from tandem.packing import pack
 from tandem.rewards import accuracy_reward
-from tandem.tasks import arithmetic
+from tandem.tasks import TINY_MODEL_PATH, arithmetic
 from tandem.trainer.optimization import clip_gradients
 from tandem.trainer.sync_check import policy_logprobs
 from tests.packing.samples import sample
 
 DATA = Dataset.from_list(arithmetic.make_rows(4, seed=0))
+TOKENIZER = AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
 
 
 def one_step(tmp_path, rows, max_grad_norm):
-    """Parameters after one SGD step (lr 1) over `rows`, through the trainer's own step and clipping."""
+    """Parameters after the trainer's own step over `rows` (forward and backward, then its optimizer step) with SGD at
+    learning rate 1, so the update is the (clipped) gradient itself."""
+    model = AsyncGRPOTrainer("tiny", accuracy_reward, args=AsyncGRPOConfig(output_dir=str(tmp_path)), train_dataset=DATA).model
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0)
     args = AsyncGRPOConfig(output_dir=str(tmp_path), score_centering=False, max_grad_norm=max_grad_norm)
-    trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=DATA)
+    trainer = AsyncGRPOTrainer(model, accuracy_reward, args=args, train_dataset=DATA, processing_class=TOKENIZER,
+                               optimizers=(sgd, torch.optim.lr_scheduler.LambdaLR(sgd, lambda step: 1.0)))
     trainer.training_step(rows)
-    clip_gradients(trainer.model, args.max_grad_norm)
-    torch.optim.SGD(trainer.model.parameters(), lr=1.0).step()
+    trainer.optimizer_step()
     return torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
 
 

@@ -40,9 +40,15 @@ class ServerProcess:
         self._settled.set()
 
     def _wait_ready(self, what: str, timeout_s: float) -> None:
-        if self._settled.wait(timeout_s) and self.url:
+        settled = self._settled.wait(timeout_s)
+        if settled and self.url:
             return
-        timed_out = self.alive()
+        if settled:  # its output ended: it is exiting, let it finish so that its exit code can be read
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        timed_out = not settled
         self.stop()
         log = f"log: {self.log_path}" if self.log_path else "no log_path given"
         reason = (f"did not report its address within startup_timeout_s={timeout_s:g}s" if timed_out

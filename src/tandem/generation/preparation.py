@@ -13,6 +13,7 @@ from tandem.generation import protocol
 from tandem.generation.engine import EngineRequest
 from tandem.generation.protocol import bad_request
 from tandem.generation.sampling import SamplingParams
+from tandem.prompts import TEMPLATE_ERRORS, render_chat
 
 
 @dataclass
@@ -48,10 +49,10 @@ class Preparer:
     def engine_requests(self, ask: Ask, adapter: str | None) -> list[EngineRequest]:
         """One engine request per prompt, or an ApiError naming the first thing the request got wrong."""
         stops = protocol.stop_strings(ask.sampling.stop)
-        fields = {**ask.sampling.model_dump(), "seed": self.seed(ask.sampling.seed)}
         requests = []
         for ids in ask.prompts:
             self.check_prompt(ids)
+            fields = {**ask.sampling.model_dump(), "seed": self.seed(ask.sampling.seed)}  # each prompt its own server seed
             params = protocol.sampling_params(
                 fields, self.defaults, max_tokens=self.max_tokens(ask.max_tokens, len(ids), ask.default_max_tokens),
                 max_logprobs=self.max_logprobs, vocab_size=self.vocab_size, logprobs=ask.logprobs,
@@ -77,16 +78,14 @@ class Preparer:
     def render_chat(self, req: protocol.ChatCompletionRequest | protocol.TokenizeRequest) -> list[int]:
         """The request's messages through the chat template, with its tools and template options."""
         try:
-            ids = self.tokenizer.apply_chat_template(
-                req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-                continue_final_message=req.continue_final_message, chat_template=req.chat_template,
-                tokenize=True, return_dict=False, **(req.chat_template_kwargs or {}),
-            )
-        except Exception as exc:  # the template rejecting these messages is the caller's input error
+            return render_chat(self.tokenizer, req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
+                               continue_final_message=req.continue_final_message, chat_template=req.chat_template,
+                               chat_template_kwargs=req.chat_template_kwargs)
+        except TEMPLATE_ERRORS as exc:  # the template rejecting these messages is the caller's input error
             raise bad_request(f"The chat template could not render these messages: {exc}", "messages", None) from None
-        return list(ids)
 
     def check_prompt(self, ids: list[int]) -> None:
+        """vLLM's prompt checks: every id in the vocabulary, not empty, within the context."""
         bad = next((t for t in ids if t >= self.vocab_size), None)
         if bad is not None:
             raise bad_request(f"Token id {bad} is out of vocabulary", "prompt", bad)
@@ -109,9 +108,11 @@ class Preparer:
         return value
 
     def seed(self, seed: int | None) -> int | None:
+        """The request's seed, or a fresh draw from `--seed`'s generator (a new one at every call)."""
         return seed if seed is not None or self.seed_rng is None else self.seed_rng.getrandbits(62)
 
     def check_n(self, n: int, params: SamplingParams) -> None:
+        """`n` as vLLM allows it: at least 1, 1 under greedy sampling, at most the engine's sequences."""
         if n < 1:
             raise bad_request(f"n must be at least 1, got {n}.", "n", n)
         if n > 1 and params.greedy:

@@ -33,6 +33,7 @@ def rule_for(name: str) -> str:
 
 
 def reduce(name: str, values: list) -> float:
+    """The window's values of `name` as one number, by the name's rule."""
     rule = rule_for(name)
     if rule == RATE:
         amount, seconds = sum(v[0] for v in values), sum(v[1] for v in values)
@@ -46,16 +47,22 @@ def reduce(name: str, values: list) -> float:
     return float(sum(values)) / len(values)
 
 
+def check_values(name: str, values) -> None:
+    """A rate takes (amount, seconds) pairs and nothing else does; a mismatch is a recording mistake, named here
+    (the rollout loop checks its records when they are made, so that the error points at the code that made them)."""
+    rate = rule_for(name) == RATE
+    if name != EXAMPLES and any(isinstance(v, tuple) != rate for v in values):
+        raise ValueError(f"metric {name!r}: rates (names ending in _per_s) are recorded as (amount, seconds) "
+                         f"pairs and other metrics as numbers; got {values[:3]!r}")
+
+
 class MetricWindow:
     def __init__(self):
         self.values: dict[str, list] = defaultdict(list)
 
     def add(self, name: str, *values) -> None:
-        """Record values of `name`; NaN values are left out. A rate takes (amount, seconds) pairs, nothing else does."""
-        rate = rule_for(name) == RATE
-        if name != EXAMPLES and any(isinstance(v, tuple) != rate for v in values):
-            raise ValueError(f"metric {name!r}: rates (names ending in _per_s) are recorded as (amount, seconds) "
-                             f"pairs and other metrics as numbers; got {values[:3]!r}")
+        """Record values of `name`; NaN values are left out."""
+        check_values(name, values)
         self.values[name].extend(v for v in values if not (isinstance(v, float) and math.isnan(v)))
 
     def extend(self, records: dict[str, list]) -> None:

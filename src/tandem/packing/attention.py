@@ -15,7 +15,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from tandem.exact_attention import exact_attention
+from tandem.exact_attention import additive_mask, exact_attention
 
 NAME = "tandem_tree"
 KERNELS = ("exact", "sdpa", "flex")
@@ -78,9 +78,7 @@ def _mask(end, position_ids, window, kernel, dtype):
     if window:
         visible &= position_ids[:, None] - position_ids[None, :] < window
     visible = visible[None, None]
-    if kernel == "sdpa":
-        return visible
-    return torch.zeros(visible.shape, dtype=dtype, device=end.device).masked_fill(~visible, torch.finfo(dtype).min)
+    return visible if kernel == "sdpa" else additive_mask(visible, dtype)
 
 
 _compiled_flex = None

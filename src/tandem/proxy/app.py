@@ -25,6 +25,7 @@ from aiohttp import web
 
 from tandem.generation.client import parse_metrics
 from tandem.httpapp import api_key_auth, error_body, error_response, start_app
+from tandem.prompts import render_chat
 from tandem.proxy.router import PrefixRouter
 
 ROUTED = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
@@ -86,13 +87,12 @@ def prompt_of(path: str, body: dict, tokenizer=None) -> list[int] | bytes:
 def rendered_chat(tokenizer, messages: list, body: dict) -> list[int] | None:
     """The token ids a replica renders a chat request to (its tools and template options included);
     None when the template refuses it, which is the replica's to reject, with its own error."""
-    continue_final = body.get("continue_final_message", False)
     try:
-        return list(tokenizer.apply_chat_template(
-            messages, tools=body.get("tools"), add_generation_prompt=body.get("add_generation_prompt", True) and not continue_final,
-            continue_final_message=continue_final, chat_template=body.get("chat_template"),
-            tokenize=True, return_dict=False, **(body.get("chat_template_kwargs") or {})))
-    except Exception:  # noqa: BLE001 - any refusal of the template's, whatever its type
+        return render_chat(tokenizer, messages, tools=body.get("tools"),
+                           add_generation_prompt=body.get("add_generation_prompt", True),
+                           continue_final_message=body.get("continue_final_message", False),
+                           chat_template=body.get("chat_template"), chat_template_kwargs=body.get("chat_template_kwargs"))
+    except Exception:  # noqa: BLE001 - routing only: whatever the template refuses, the replica answers for
         return None
 
 

@@ -8,6 +8,7 @@ from tandem.rollout.records import RolloutGroup
 
 def record_group(record, group: RolloutGroup, columns: dict[str, np.ndarray], kept: bool, eos_token_ids: list[int],
                  log_completions: bool) -> None:
+    """Rewards (all, kept, dropped, per source), lengths and, with `log_completions`, the examples to print."""
     rewards = group.rewards
     scored = rewards[~np.isnan(rewards)]
     record("reward", *scored.tolist())

@@ -19,6 +19,7 @@ from collections import defaultdict
 import numpy as np
 
 from tandem.generation.client import ControlClient, GenerationClient, ServerError
+from tandem.metrics.window import check_values
 from tandem.prompts import render_prompt
 from tandem.rollout import rewards as scoring
 from tandem.rollout.channels import Channels
@@ -48,6 +49,8 @@ class AsyncRolloutLoop:
         self.eos_token_ids = list(settings.eos_token_ids)
         self.tools = settings.tools or []
         self.channels = channels
+        self.base_url, self.api_key = settings.base_url, settings.api_key
+        """The generation server the hooks may call too (e.g. a client of their own made in `setup`)."""
         self.client = GenerationClient(settings.base_url, api_key=settings.api_key, timeout_s=config.vllm_server_timeout)
         self.control = ControlClient(settings.base_url, api_key=settings.api_key, timeout_s=30)
         self.allowance = TokenAllowance(config.max_staleness, settings.full_step_tokens)
@@ -149,6 +152,8 @@ class AsyncRolloutLoop:
         return self.rendered[key]
 
     def record(self, name: str, *values) -> None:
+        """Add values of metric `name` to the trainer's next log (reduced by the name's window rule)."""
+        check_values(name, values)
         self.records[name].extend(values)
 
     def emit(self, kind: str, payload) -> None:
@@ -181,9 +186,9 @@ class AsyncRolloutLoop:
 
     # ---- the loop ---------------------------------------------------------------------------------
     async def run(self) -> None:
-        await self.setup()
         background = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._report())]
         try:
+            await self.setup()
             self.sampling_masks = self.config.uses_truncated_sampling and await self._server_returns_sampling_masks()
             await self._init_cap()
             background.append(asyncio.create_task(self._poll_server()))

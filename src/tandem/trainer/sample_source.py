@@ -71,7 +71,11 @@ class SampleSource:
 
     def pull(self, timeout_s: float) -> bool:
         """Handle one message from the worker, waiting up to `timeout_s`; False when none came."""
-        message = self.inbox.get(timeout_s)
+        try:
+            message = self.inbox.get(timeout_s)
+        except Exception:
+            self.health_check()  # a worker that failed because the server died: name the server
+            raise
         self.health_check()
         if message is None:
             return False

@@ -43,6 +43,7 @@ class Session:
             raise
 
     def start_server(self, model_path: str, log_path: Path, extra_args: list[str]) -> str:
+        """The embedded `tandem serve` for `model_path` (its output in `log_path`); returns its URL."""
         self.server = EmbeddedServer(model_path, log_path=log_path, extra_args=extra_args)
         self.stack.callback(self.server.stop)
         return self.server.url
@@ -55,11 +56,13 @@ class Session:
         return self.control
 
     def generation_client(self) -> GenerationClient:
+        """A generation client of the connected server, closed with the session."""
         client = GenerationClient(self.control.base_url, timeout_s=self.timeout_s)
         self.stack.callback(lambda: self.run(client.close()))
         return client
 
     def open_sinks(self, report_to, output_dir: Path, run_name: str | None, config: dict, total_steps: int | None) -> None:
+        """`metrics.jsonl` and the `report_to` sinks, and the progress line."""
         self.sinks = make_sinks(report_to, output_dir, run_name, config)
         for sink in self.sinks:
             self.stack.callback(sink.close)
@@ -67,6 +70,7 @@ class Session:
         self.stack.callback(self.progress.close)
 
     def start_worker(self, spec: WorkerSpec, timeout_s: float, model_version: int) -> RolloutWorker:
+        """The rollout worker process, sampling from `model_version` until the trainer announces another."""
         self.worker = RolloutWorker(spec, timeout_s)
         self.worker.channels.model_version.value = model_version  # a resumed run's first groups sample from its version
         self.stack.callback(self.worker.stop)

@@ -21,18 +21,15 @@ class StepTimes:
     optimizer: float
 
 
-def record_micro_batch(window: MetricWindow, rows: list[PackedRow], token_budget: int, num_ranks: int) -> None:
-    """Each row of a micro-batch; with several ranks, also how evenly the rows are loaded."""
+def record_micro_batch(window: MetricWindow, rows: list[PackedRow], token_budget: int) -> None:
+    """Each row of a micro-batch. (How evenly rows are loaded across ranks, `batch/row_imbalance` and
+    `batch/pad_frac`, means something only with several ranks; one process does not log it.)"""
     lengths = [r.num_tokens for r in rows]
     window.add("batch/samples_per_row", *[len(r.samples) for r in rows])
     window.add("batch/row_tokens_mean", *lengths)
     window.add("batch/row_tokens_max", *lengths)
     window.add("batch/row_fill_frac", *[n / token_budget for n in lengths])
     window.add("batch/packing_ratio", *[r.packing_ratio for r in rows])
-    if num_ranks > 1:  # one rank has nothing to balance: 1.0 and 0.0 by construction
-        loads = [r.load for r in rows]
-        window.add("batch/row_imbalance", max(loads) / (sum(loads) / len(loads)))
-        window.add("batch/pad_frac", 1 - sum(lengths) / (len(rows) * max(lengths)))
 
 
 def record_samples(window: MetricWindow, rows: list[PackedRow], model_version: int) -> None:

@@ -118,9 +118,9 @@ class AsyncGRPOTrainer:
         self.window.extend(self.objective.begin_step(rows, self._score))
         loss, forward_s = 0.0, 0.0
         for row in rows:
-            start = time.perf_counter()
+            start = self._clock()
             scored = self._forward(row)
-            forward_s += time.perf_counter() - start
+            forward_s += self._clock() - start
             row_loss = self.objective.row_loss(row, scored, len(rows))
             row_loss.loss.backward()
             self.window.extend(row_loss.metrics)
@@ -141,10 +141,11 @@ class AsyncGRPOTrainer:
             if not micro_batches:
                 break
             rows = [row for micro_batch in micro_batches for row in micro_batch]
-            step_start = time.perf_counter()
+            step_start = self._clock()
             step = self.training_step(rows)
-            forward_backward_s = time.perf_counter() - step_start
-            grad_norm, optimizer_s = self._optimizer_step()
+            optimizer_start = self._clock()
+            grad_norm = self.optimizer_step()
+            optimizer_s, forward_backward_s = self._clock() - optimizer_start, optimizer_start - step_start
             self._step_done(rows)
             if state.step % args.weight_sync_steps == 0:
                 self._sync(state.model_version + 1)
@@ -172,18 +173,18 @@ class AsyncGRPOTrainer:
             rows = self.batcher.close()
             if not rows:
                 break
-            record_micro_batch(self.window, rows, self.token_budget, num_ranks=1)
+            record_micro_batch(self.window, rows, self.token_budget)
             micro_batches.append(rows)
         return micro_batches
 
-    def _optimizer_step(self) -> tuple[float, float]:
-        """Clip, step, schedule, zero; returns the gradient norm before clipping and the seconds it took."""
-        start = time.perf_counter()
+    def optimizer_step(self) -> float:
+        """Clip the accumulated gradients, step the optimizer and the schedule, zero the gradients; returns the
+        gradient norm before clipping."""
         grad_norm = clip_gradients(self.model, self.args.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm), time.perf_counter() - start
+        return float(grad_norm)
 
     def _step_done(self, rows: list[PackedRow]) -> None:
         """Count the step; its samples are trained, and the worker may generate what they consumed again."""
@@ -221,6 +222,12 @@ class AsyncGRPOTrainer:
                                self.args.save_total_limit)
 
     # ---- forward passes -------------------------------------------------------------------------
+    def _clock(self) -> float:
+        """Now, once the device has finished the work queued so far (GPU kernels run asynchronously)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
     def _forward(self, row: PackedRow) -> TokenLogprobs:
         """The row's log-probs at its trained positions (bf16 autocast where configured)."""
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if use_bf16(self.args, self.device) else nullcontext()
@@ -266,8 +273,9 @@ class AsyncGRPOTrainer:
             self.optimizer = make_optimizer(self.model, self.args)
         if self.scheduler is None:
             self.scheduler = make_scheduler(self.optimizer, self.args)
-        if resume is not None:
-            self.state = checkpoint.load_state(resume, self.optimizer, self.scheduler)
+        self.state = checkpoint.load_state(resume, self.optimizer, self.scheduler) if resume is not None else TrainerState(
+            step=0, model_version=0, dataset_start_index=0, num_tokens=0)
+        self.window, self.losses, self.reward_history = MetricWindow(), [], []
 
     def _connect(self, resumed: bool) -> None:
         """Reach the server, check the data fits it, bring it to our weights, then start the worker."""
@@ -280,7 +288,7 @@ class AsyncGRPOTrainer:
         self.batcher = TokenBudgetBatcher(self.token_budget)
         self._check_prompt_lengths(max_model_len)
         served_name = self._served_name()
-        self.sync = choose_sync(control, self.output_dir, session, served_name, self.model, args.max_staleness)
+        self.sync = choose_sync(control, self.output_dir, session, served_name, self.model, args.max_staleness, self.lora)
         if resumed or session.server is None or self.lora:
             self._push(self.state.model_version)  # the server must sample from our weights
         session.open_sinks(args.report_to, self.output_dir, args.run_name, args.to_dict(),

@@ -148,16 +148,15 @@ class LoraSync:
             self.run.run(self.control.unload_lora(old))
             self.unloaded.append(old)
         done = time.perf_counter()
-        return {"perf/weight_sync_s": done - start, "perf/weight_sync_pause_s": 0.0,
-                "perf/weight_sync_transfer_s": done - start}
+        return {"perf/weight_sync_s": done - start, "perf/weight_sync_transfer_s": done - start}  # nothing paused
 
 
 def choose_sync(control: ControlClient, output_dir: Path, run: "asyncio.Runner | Session", served_name: str, model: torch.nn.Module,
-                max_staleness: int) -> ReloadSync | LoraSync:
+                max_staleness: int, lora: bool) -> ReloadSync | LoraSync:
     """Adapter-only sync when training LoRA and the server can serve the adapter by name; the whole model otherwise
     (with a warning that says why). A server holding too few or too small adapters is an error naming its flags."""
     reload = ReloadSync(control, output_dir, run, served_name)
-    if not isinstance(model, PeftModel):
+    if not lora:
         return reload
     info = run.run(control.server_info()).get("vllm_config")
     info = info if isinstance(info, dict) else {}
