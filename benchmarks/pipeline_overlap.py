@@ -30,18 +30,18 @@ CONFIGS = [(0.05, 2), (0.02, 1), (0.05, 4), (0.15, 2)]
 
 
 class SynchronousTrainer(AsyncGRPOTrainer):
-    """Generation and training take turns: the server is paused from the step's first forward to its optimizer
-    step (the weight sync that follows pauses and resumes it on its own)."""
+    """Generation and training take turns: the server is paused from the step's first forward until the step's
+    weight sync has reloaded it (the sync pauses, reloads and resumes; a step without a sync resumes it here)."""
 
     def training_step(self, rows):
         self.session.run(self.session.control.pause("keep"))
         return super().training_step(rows)
 
     def optimizer_step(self):
-        try:
-            return super().optimizer_step()
-        finally:
+        grad_norm = super().optimizer_step()
+        if (self.state.step + 1) % self.args.weight_sync_steps:  # no sync follows this step
             self.session.run(self.session.control.resume())
+        return grad_norm
 
 
 def run(trainer_cls, steps: int, delay: float, args_staleness: int, folder: Path) -> dict:

@@ -97,7 +97,7 @@ class AsyncGRPOTrainer:
 
     # ---- public ---------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None) -> TrainOutput:
-        if OPENMP_POLICY_TOO_LATE and self.device.type == "cpu":
+        if OPENMP_POLICY_TOO_LATE and self.device.type == "cpu" and torch.get_num_threads() > 1:
             warnings.warn("torch was imported before tandem, so its OpenMP threads spin while they wait and slow the "
                           "embedded server and the rollout worker (the demo ran 1.4x slower). Start Python with "
                           "OMP_WAIT_POLICY=PASSIVE, or import tandem before torch.", stacklevel=2)
