@@ -90,3 +90,12 @@ def test_the_toy_update_example_runs_one_step_on_cpu():
     assert "loss" in out and "acceptance rate  1.000" in out
     before, after = (float(x) for x in out.split("P(action 0)")[1].split("->"))
     assert after > before, "rewarded actions become more likely after one step"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "examples/demo.yaml", "--learnin_rate", "1e-4"], r"examples/demo.yaml: unknown recipe key\(s\) \['learnin_rate'\]"),
+    (["train", "examples/missing.yaml"], "examples/missing.yaml: .*No such file"),
+])
+def test_a_recipe_mistake_is_one_line_not_a_traceback(argv, message):
+    with pytest.raises(SystemExit, match=f"^tandem train: {message}"):
+        main(argv + ["--dry-run"])

@@ -136,7 +136,10 @@ def longest_prompt(recipe) -> int:
 def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
     from tandem.config import import_object, load_recipe
 
-    recipe = load_recipe(ns.recipe, overrides)
+    try:
+        recipe = load_recipe(ns.recipe, overrides)
+    except (OSError, ValueError, TypeError) as exc:  # a missing file, an unknown key, a value of the wrong type
+        raise SystemExit(f"tandem train: {ns.recipe}: {exc}") from None
     if ns.dry_run:
         needed = longest_prompt(recipe) + recipe.config.max_completion_length
         print(yaml.safe_dump({"model": recipe.model, "dataset": recipe.dataset, "reward_funcs": recipe.reward_funcs,
