@@ -29,6 +29,7 @@ BENCHMARKS = {  # in README order, with about how long each takes on the project
     "proxy": "~10 s",
     "weight_sync": "~1.5 min",
     "serve_throughput": "~2 min",
+    "multiturn": "~30 s",
 }
 
 

@@ -8,7 +8,8 @@ import tandem
 
 SOURCE = Path(tandem.__file__).parent
 
-NEUTRAL = {"tandem.__version__", "tandem.config", "tandem.prompts", "tandem.exact_attention", "tandem.httpapp", "tandem.tasks"}
+NEUTRAL = {"tandem.__version__", "tandem.config", "tandem.prompts", "tandem.tool_calls", "tandem.exact_attention",
+           "tandem.httpapp", "tandem.tasks"}
 """Modules any layer may use: the package itself (its version), plain settings and small shared helpers."""
 
 ALLOWED = {
@@ -19,7 +20,7 @@ ALLOWED = {
     "packing": {"rollout.records"},
     "rollout": {"generation.client", "metrics"},
     "trainer": {"generation.client", "generation.launcher", "packing", "losses", "metrics", "rollout.records",
-                "rollout.loop", "rollout.settings", "rollout.worker"},
+                "rollout.loop", "rollout.settings", "rollout.worker", "rollout.tools", "rollout.environments"},
 }
 """What each folder may import from the other folders (its own folder and NEUTRAL always)."""
 

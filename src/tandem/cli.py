@@ -40,6 +40,11 @@ def serve_parser(sub) -> None:
                    help="exact: log-probs bitwise equal to a full forward (re-forwards a 16-token window per step, eager "
                         "attention); fast: one token per step with SDPA (default auto: exact on CPU, fast on GPU)")
     p.add_argument("--step-delay-s", type=float, default=0.0, help="benchmarks: sleep this long after every decode step")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of earlier requests' whole 16-token blocks, so a repeated prefix (the next turn of "
+                        "a conversation) is not prefilled again; dropped on every weight or adapter change (default on, as vLLM)")
+    p.add_argument("--prefix-cache-max-tokens", type=int, default=None,
+                   help="tokens the prefix cache keeps at most, least recently used evicted (default: --max-num-seqs x --max-model-len)")
 
 
 def proxy_parser(sub) -> None:
@@ -88,8 +93,8 @@ def run_serve(ns: argparse.Namespace) -> None:
 def train_parser(sub) -> None:
     p = sub.add_parser("train", help="train with async GRPO from a YAML recipe",
                        description="Train from RECIPE.yaml: AsyncGRPOConfig fields plus model, dataset (a built-in task "
-                                   "or a local file) and reward_funcs (import paths). Any field can be overridden "
-                                   "with --field value.")
+                                   "or a local file), reward_funcs, tools and environment_factory (import paths). Any "
+                                   "field can be overridden with --field value.")
     p.add_argument("recipe", help="YAML recipe")
     p.add_argument("--dry-run", action="store_true", help="print the resolved recipe and the vllm serve command; start nothing")
 
@@ -130,7 +135,9 @@ def longest_prompt(recipe) -> int:
     from tandem.tasks import datasets
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_PATH if recipe.model == "tiny" else recipe.model)
-    return max(len(render_prompt(tokenizer, row["prompt"], recipe.config.chat_template_kwargs)) for row in datasets.load(recipe.dataset))
+    rows = datasets.load(recipe.dataset) if recipe.dataset else []
+    return max((len(render_prompt(tokenizer, row["prompt"], recipe.config.chat_template_kwargs)) for row in rows if row.get("prompt")),
+               default=0)
 
 
 def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
@@ -143,6 +150,8 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
     if ns.dry_run:
         needed = longest_prompt(recipe) + recipe.config.max_completion_length
         print(yaml.safe_dump({"model": recipe.model, "dataset": recipe.dataset, "reward_funcs": recipe.reward_funcs,
+                              **({"tools": recipe.tools} if recipe.tools else {}),
+                              **({"environment_factory": recipe.environment_factory} if recipe.environment_factory else {}),
                               **({"lora": recipe.lora} if recipe.lora is not None else {}), **recipe.config.to_dict()},
                              sort_keys=False))
         print("# Generation server for this recipe (the default without vllm_server_base_url is an embedded tandem serve):")
@@ -152,9 +161,17 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
     from tandem import AsyncGRPOTrainer
     from tandem.tasks import datasets
 
-    trainer = AsyncGRPOTrainer(model=recipe.model, reward_funcs=[import_object(f) for f in recipe.reward_funcs],
-                               args=recipe.config, train_dataset=datasets.load(recipe.dataset),
-                               peft_config=lora_config(recipe.lora) if recipe.lora is not None else None)
+    try:  # an import path of the recipe that does not resolve
+        reward_funcs, tools = [import_object(f) for f in recipe.reward_funcs], [import_object(t) for t in recipe.tools]
+        environments = recipe.environment_factory
+        environments = ({name: import_object(path) for name, path in environments.items()} if isinstance(environments, dict)
+                        else import_object(environments) if environments else None)
+    except ValueError as exc:
+        raise SystemExit(f"tandem train: {ns.recipe}: {exc}") from None
+    trainer = AsyncGRPOTrainer(model=recipe.model, reward_funcs=reward_funcs, args=recipe.config,
+                               train_dataset=datasets.load(recipe.dataset) if recipe.dataset else None,
+                               peft_config=lora_config(recipe.lora) if recipe.lora is not None else None,
+                               tools=tools or None, environment_factory=environments)
     output = trainer.train()
     history = trainer.reward_history
     print(f"\ntrained {output.global_step} steps; checkpoints in {recipe.config.output_dir}, "

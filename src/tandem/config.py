@@ -2,8 +2,8 @@
 
 Fields that tandem does not implement are absent (passing one is a TypeError naming it), and every
 value is checked up front so a bad one fails before any process starts, with the fix in the message.
-`load_recipe` reads the YAML recipes of `tandem train`: config fields plus `model`, `dataset` and
-`reward_funcs`.
+`load_recipe` reads the YAML recipes of `tandem train`: config fields plus `model`, `dataset`,
+`reward_funcs`, `tools` and `environment_factory` (import paths) and `lora`.
 """
 
 import dataclasses
@@ -62,6 +62,9 @@ class AsyncGRPOConfig:
     repetition_penalty: float = 1.0
     chat_template_kwargs: dict | None = None
     max_tool_calling_iterations: int | None = None
+    """Tool-calling turns per rollout at most; None: until a reply calls no tool."""
+    tool_call_timeout: float = 60.0
+    """Seconds one tool call may take; a late call is an error message to the model and a failure. tandem's own field."""
 
     # ---- the generation server ----
     vllm_server_base_url: str | None = None
@@ -107,6 +110,9 @@ class AsyncGRPOConfig:
             ("flash_delta", self.flash_delta >= 0, "the trust-region threshold must be >= 0 (inf admits everything)"),
             ("flash_negative_token_fraction", 0 <= self.flash_negative_token_fraction <= 1, "must be in [0, 1]"),
             ("max_completion_length", self.max_completion_length >= 1, "must be at least 1"),
+            ("max_tool_calling_iterations", self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 0,
+             "must be >= 0, or None for no limit"),
+            ("tool_call_timeout", self.tool_call_timeout > 0, "must be a positive number of seconds"),
             ("temperature", 0 < self.temperature <= 2, "must be in (0, 2]: RL needs sampling, not greedy decoding"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be 0 (off) or positive"),
@@ -159,11 +165,15 @@ class Recipe:
     model: str
     dataset: str
     reward_funcs: list[str] = field(default_factory=list)
+    tools: list[str] = field(default_factory=list)
+    """Import paths of tool functions."""
+    environment_factory: str | dict[str, str] | None = None
+    """The import path of an environment class (or factory), or a mapping of environment names to import paths."""
     lora: dict | None = None
     """peft.LoraConfig fields: train a LoRA adapter instead of the whole model."""
 
 
-RECIPE_KEYS = ("model", "dataset", "reward_funcs", "lora")
+RECIPE_KEYS = ("model", "dataset", "reward_funcs", "tools", "environment_factory", "lora")
 
 
 def _field_types() -> dict[str, Any]:
@@ -216,13 +226,21 @@ def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
         raise ValueError(f"unknown recipe key(s) {unknown}. Valid keys: {', '.join(sorted(known))}")
     if "model" not in raw:
         raise ValueError("the recipe has no 'model': give a model folder, a hub id, or 'tiny' for the built-in model")
-    funcs = raw.pop("reward_funcs", [])
+    funcs, tools = raw.pop("reward_funcs", []), raw.pop("tools", [])
+    environments = raw.pop("environment_factory", None)
+    if environments is not None and not isinstance(environments, (str, dict)):
+        raise ValueError(f"environment_factory: expected an import path (package.module:Class) or a mapping of names to "
+                         f"import paths, got {environments!r}")
     lora = raw.pop("lora", None)
     if lora is not None and not isinstance(lora, dict):
         raise ValueError(f"lora: expected a mapping of peft.LoraConfig fields (r, lora_alpha, target_modules, ...), got {lora!r}")
-    recipe = Recipe(model=raw.pop("model"), dataset=raw.pop("dataset", "arithmetic"),
-                    reward_funcs=[funcs] if isinstance(funcs, str) else list(funcs), lora=lora, config=AsyncGRPOConfig(**raw))
-    return recipe
+    return Recipe(model=raw.pop("model"), dataset=raw.pop("dataset", "arithmetic"), reward_funcs=_paths(funcs),
+                  tools=_paths(tools), environment_factory=environments, lora=lora, config=AsyncGRPOConfig(**raw))
+
+
+def _paths(value) -> list[str]:
+    """A recipe's list of import paths (a single path may be written without the list)."""
+    return [value] if isinstance(value, str) else list(value)
 
 
 def import_object(path: str):

@@ -25,3 +25,136 @@ def render_chat(tokenizer, messages: list[dict], *, tools: list | None = None, a
 def render_prompt(tokenizer, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
     """A training prompt as the rollout worker sends it: the chat template with the generation prompt added."""
     return render_chat(tokenizer, messages, chat_template_kwargs=chat_template_kwargs)
+
+
+# --- Multi-turn rollouts: is the chat template prefix-preserving? -----------------------------------------------
+# A tool loop renders the growing conversation again before each turn. Its tokens can be trained as one
+# sequence only when each turn's prompt is a token prefix of the next one: a template that re-renders earlier
+# turns differently (Qwen3 drops their reasoning) forks the rollout into one training sequence per turn.
+
+PROBE_TOOL = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string", "description": "The expression"}},
+                   "required": ["expression"]}}}
+"""The tool of the probe conversation, for callers with no tools of their own."""
+
+
+def probe_conversation(with_reasoning: bool) -> list[dict]:
+    """Question → tool call → tool result → answer → question → answer: one tool loop, and a second question
+    after it (where Qwen3 drops the earlier replies' reasoning). The replies carry reasoning when the model would
+    write some."""
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2 + 3"}}}
+    messages = [
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "5"},
+        {"role": "assistant", "content": "2 + 3 = 5."},
+        {"role": "user", "content": "And 5 + 5?"},
+        {"role": "assistant", "content": "10."},
+    ]
+    if with_reasoning:
+        replies = [m for m in messages if m["role"] == "assistant"]
+        reasonings = ("I should use the calculator.", "The calculator says 5.", "That is easy.")
+        for reply, reasoning in zip(replies, reasonings):
+            reply["reasoning_content"] = reasoning
+    return messages
+
+
+def check_prefix_preserving(tokenizer, tools: list[dict], chat_template_kwargs: dict | None, *,
+                            chat_template: str | None = None) -> str | None:
+    """None when the chat template is prefix-preserving on a probe conversation, else a one-line reason.
+
+    Each assistant turn's prompt (the conversation before it, with the generation prompt) must be a token prefix
+    of the whole conversation rendered at once. The probe's replies carry reasoning unless the generation prompt
+    already closes the reasoning block (Qwen3 with `enable_thinking=False`), since then the model writes none.
+    """
+    def render(messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        return render_chat(tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                           chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
+
+    try:
+        first_prompt = tokenizer.decode(render(probe_conversation(False)[:1], True))
+        messages = probe_conversation(with_reasoning=not first_prompt.rstrip().endswith("</think>"))
+        whole = render(messages, False)
+        for turn, k in enumerate((k for k, m in enumerate(messages) if m["role"] == "assistant"), start=1):
+            prompt = render(messages[:k], True)
+            if whole[:len(prompt)] != prompt:
+                return (f"the prompt of reply {turn} in a probe conversation (question, tool call, tool result, "
+                        f"answer, question, answer) {prefix_mismatch(tokenizer, prompt, whole)}")
+    except TEMPLATE_ERRORS as e:
+        return f"the chat template cannot render a tool-calling probe conversation: {' '.join(str(e).split())}"
+    return None
+
+
+def prefix_mismatch(tokenizer, prompt: list[int], whole: list[int]) -> str:
+    """Where `prompt` stops being a prefix of `whole`, as text on one line."""
+    at = next((i for i, (a, b) in enumerate(zip(prompt, whole)) if a != b), len(whole))
+    return (f"is not a token prefix of the whole conversation: from token {at} the prompt has "
+            f"{tokenizer.decode(prompt[at:])[:40]!r} where the conversation has {tokenizer.decode(whole[at:])[:40]!r}")
+
+
+QWEN3_MARKERS = ("<|im_start|>", "<tool_call>", "reasoning_content", "</think>", "last_query_index", "enable_thinking")
+"""What Qwen3's hybrid-thinking template (Qwen3-0.6B ... Qwen3-235B-A22B) contains: ChatML turns, JSON tool calls,
+and reasoning dropped from the turns before the last user query. Qwen3.5 and Qwen3-Coder write XML tool calls
+(`<function=`) and are not this family."""
+
+QWEN3_TRAINING_TEMPLATE = r"""{#- Qwen3 for training: every assistant turn renders as Qwen3's template renders the last one, <think> block
+    included, so a longer conversation extends a shorter one token for token. -#}
+{%- if tools %}
+{{- '<|im_start|>system\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
+{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' }}
+{{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
+{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- elif message.role == 'assistant' %}
+{%- set content = message.content if message.content is string else '' %}
+{%- set reasoning = '' %}
+{%- if message.reasoning_content is string %}
+{%- set reasoning = message.reasoning_content %}
+{%- elif '</think>' in content %}
+{%- set reasoning = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+{%- set content = content.split('</think>')[-1].lstrip('\n') %}
+{%- endif %}
+{{- '<|im_start|>assistant\n<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+{%- for tool_call in message.tool_calls or [] %}
+{%- set call = tool_call.function if tool_call.function is defined else tool_call %}
+{%- if content or not loop.first %}{{- '\n' }}{%- endif %}
+{{- '<tool_call>\n{"name": "' + call.name + '", "arguments": ' }}
+{%- if call.arguments is string %}{{- call.arguments }}{%- else %}{{- call.arguments | tojson }}{%- endif %}
+{{- '}\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}
+{%- endif %}
+"""
+"""Qwen3's format with no turn rewritten later: the last assistant turn renders exactly as in Qwen3's own
+template; earlier turns keep their reasoning (Qwen3's drops it once a new user question follows) and their
+`<think>` block (Qwen3's drops an empty one from turns that are no longer last)."""
+
+
+def training_chat_template(tokenizer) -> tuple[str, str] | None:
+    """(family, template) when the tokenizer's chat template is of a known family and not prefix-preserving: a
+    template of the same format that is, to render multi-turn rollouts with (`chat_template=` or assign it to
+    `tokenizer.chat_template`). None when the template is prefix-preserving already, or of a family with no
+    training template here (only Qwen3's hybrid-thinking template has one)."""
+    source = tokenizer.chat_template
+    if not isinstance(source, str) or not all(m in source for m in QWEN3_MARKERS) or "<function=" in source:
+        return None
+    if check_prefix_preserving(tokenizer, [PROBE_TOOL], None) is None:
+        return None
+    return "qwen3", QWEN3_TRAINING_TEMPLATE

@@ -24,7 +24,8 @@ def make_engine(attention: str = "eager", **kwargs) -> Engine:
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32, attn_implementation=attention).eval()
     kwargs.setdefault("logprobs_mode", "processed_logprobs")
     kwargs.setdefault("exact", attention == "eager")
-    engine = Engine(model, max_model_len=256, eos_token_id=2, **kwargs)
+    kwargs.setdefault("max_model_len", 256)
+    engine = Engine(model, eos_token_id=2, **kwargs)
     engine.start()
     return engine
 

@@ -68,3 +68,12 @@ def test_no_row_of_a_micro_batch_is_empty():
 def test_a_budget_below_one_token_is_refused():
     with pytest.raises(ValueError, match="token_budget=0"):
         TokenBudgetBatcher(token_budget=0)
+
+
+def test_a_group_is_placed_whole_or_not_at_all():
+    batcher = TokenBudgetBatcher(token_budget=12)
+    assert batcher.offer(sample(range(3, 9), group=0))
+    group = [sample(range(20, 25), group=1), sample(range(30, 35), group=1)]
+    assert not batcher.offer_together(group), "6 + 5 + 5 unique tokens exceed the budget of 12"
+    [row] = batcher.close()
+    assert [s.group_id for s in row.samples] == [0], "nothing of the refused group stays behind"

@@ -33,9 +33,12 @@ def group(position, size=2, version=0, tokens=5):
     return samples
 
 
-def source_of(*messages, start=0, max_staleness=1, token_budget=100):
-    return SampleSource(ListInbox(*messages), counters(), MetricWindow(), start_position=start,
-                        max_staleness=max_staleness, token_budget=token_budget)
+def source_of(*messages, start=0, max_staleness=1, token_budget=100, end=None):
+    source = SampleSource(ListInbox(*messages), counters(), MetricWindow(), start_position=start,
+                          max_staleness=max_staleness, token_budget=token_budget, end_position=end,
+                          regenerate=lambda position: source.regenerated.append(position))
+    source.regenerated = []
+    return source
 
 
 def test_samples_come_out_in_order_and_taking_one_frees_its_tokens_for_the_worker():
@@ -49,13 +52,37 @@ def test_samples_come_out_in_order_and_taking_one_frees_its_tokens_for_the_worke
     assert source.counters.consumed_tokens.value == 4 * 5
 
 
-def test_a_sample_beyond_max_staleness_is_dropped_counted_and_still_finishes_its_prompt():
+def test_a_group_beyond_max_staleness_is_dropped_counted_and_generated_again():
     stale, fresh = group(0, version=0), group(1, version=2)
     source = source_of(("samples", stale + fresh), ("end", None), max_staleness=1)
     assert source.peek(model_version=2) is fresh[0]
     assert source.window.get("sample/dropped_stale_count") == 2
-    assert source.ledger.watermark == 1, "position 0 is finished by its drops"
-    assert source.counters.consumed_tokens.value == 2 * 5, "dropped samples leave the queue for good too"
+    assert source.regenerated == [0], "the worker is asked to generate position 0 again"
+    assert source.ledger.watermark == 0, "a stale drop does not finish the prompt: it was never trained"
+    assert source.counters.consumed_tokens.value == 2 * 5, "dropped samples leave the queue for good"
+
+
+def test_the_run_waits_for_a_regenerated_group_even_after_the_worker_said_end():
+    stale = group(0, version=0)
+    source = source_of(("samples", stale), ("end", None), ("samples", group(0, version=2)), max_staleness=1)
+    again = source.peek(model_version=2)
+    assert again is not None and again.model_version == 2, "the regenerated group is trained, not the end of the run"
+
+
+def test_a_late_sample_of_a_partly_trained_group_is_dropped_alone_and_finishes_the_prompt():
+    samples = group(0, size=2, version=0)
+    source = source_of(("samples", samples), ("end", None), max_staleness=1)
+    assert source.peek(model_version=1) is samples[0]
+    source.trained([source.take()])
+    assert source.peek(model_version=2) is None, "the second sample is now too stale"
+    assert source.regenerated == [], "half the group was trained: generating it again would train the prompt twice"
+    assert source.ledger.watermark == 1
+
+
+def test_every_position_finished_ends_the_run_without_waiting_for_the_worker():
+    source = source_of(("samples", group(0, size=1)), end=1)
+    source.trained([source.take()] if source.peek(model_version=0) else [])
+    assert source.peek(model_version=0) is None and source.ledger.watermark == 1
 
 
 def test_a_sample_longer_than_the_token_budget_is_dropped_with_a_warning():
@@ -78,10 +105,11 @@ def test_the_watermark_waits_for_every_sample_of_a_prompt_and_for_earlier_prompt
     for _ in range(4):
         source.peek(model_version=0)
         source.take()
-    source.trained([b[0], b[1], a[0]], tokens_per_step=40)
+    source.trained([b[0], b[1], a[0]])
     assert source.ledger.watermark == 0, "position 0 still has a sample in training"
+    source.publish(tokens_per_step=40)
     assert source.counters.tokens_per_step.value == 40
-    source.trained([a[1]], tokens_per_step=10)
+    source.trained([a[1]])
     assert source.ledger.watermark == 2 and source.ledger.finished == [1, 0]
 
 
@@ -89,7 +117,7 @@ def test_the_ledger_runs_across_an_epoch_wrap_and_a_resume_starts_at_the_waterma
     # Dataset of 2 rows: positions 2 and 3 are epoch 1's rows 0 and 1.
     source = source_of(("samples", group(1) + group(2)), ("skip", 3), ("end", None), start=1)
     while source.peek(model_version=0) is not None:
-        source.trained([source.take()], tokens_per_step=5)
+        source.trained([source.take()])
     assert source.ledger.watermark == 4 and sorted(source.ledger.finished) == [1, 2, 3]
 
     resumed = source_of(("samples", group(4)), ("end", None), start=source.ledger.watermark)

@@ -1,7 +1,8 @@
 """The control routes of `tandem serve`: pause and resume, weight reloads and runtime LoRA adapters.
 
 These are vLLM's dev routes (`/pause`, `/collective_rpc`, ...) and its LoRA routes; the trainer drives them
-around each weight sync. Anything that changes the model runs on the engine thread between two steps.
+around each weight sync. Anything that changes the model runs on the engine thread between two steps, and
+drops the prefix cache there: KV computed with other weights is never reused.
 """
 
 import asyncio
@@ -85,7 +86,8 @@ class Control:
         return web.json_response({"is_paused": self.pause_mode is not None})
 
     async def reset_prefix_cache(self, _: web.Request) -> web.Response:
-        # tandem serve keeps no prefix cache across requests, so there is nothing stale to drop.
+        """Always succeeds: running sequences hold their own copies of the KV they use."""
+        await asyncio.wrap_future(self.engine.call(self.engine.reset_prefix_cache))
         return web.json_response({"success": True})
 
     # ---- weights ---------------------------------------------------------------------------------
@@ -100,8 +102,13 @@ class Control:
             raise bad_request("reload_weights needs kwargs.weights_path: a directory of safetensors files.", "weights_path", path)
         if not Path(path).is_dir():
             raise bad_request(f"reload_weights: weights_path {path} is not a directory.", "weights_path", path)
+
+        def reload():
+            self.engine.reset_prefix_cache()  # first: a checkpoint refused halfway has changed some weights already
+            load_weights(self.engine.model, path)
+
         try:
-            await asyncio.wrap_future(self.engine.call(lambda: load_weights(self.engine.model, path)))
+            await asyncio.wrap_future(self.engine.call(reload))
         except WeightsError as exc:
             raise bad_request(str(exc), "weights_path", path) from None
         return web.Response(status=200)
@@ -126,6 +133,7 @@ class Control:
             raise ApiError(500, f"Call to add_lora method failed: {exc}", "InternalServerError") from None
 
         def register_and_load():
+            self.engine.reset_prefix_cache()
             self.adapters.register(req.lora_name, req.lora_path)
             in_use = {r.adapter for r, _ in self.engine.rows if r.adapter}
             self.engine.model = self.adapters.ensure_loaded(self.engine.model, {req.lora_name}, in_use)
@@ -157,4 +165,5 @@ class Control:
         if self.adapters is None or req.lora_name not in self.adapters.paths:
             raise ApiError(404, f"The lora adapter '{req.lora_name}' cannot be found.", "NotFoundError")
         self.adapters.unregister(req.lora_name)
+        await asyncio.wrap_future(self.engine.call(self.engine.reset_prefix_cache))
         return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' removed successfully.")

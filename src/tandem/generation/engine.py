@@ -5,6 +5,11 @@ One engine thread owns the model. Each step it admits waiting requests into free
 token for every running sequence, and retires the finished ones. Everything that changes the
 model (weight reloads, adapter loads) runs on that thread between steps through `call()`, so a
 forward pass never sees half-loaded weights.
+
+With the prefix cache (prefix_cache.py) a prompt's cached leading blocks are copied into its row and
+only the rest is prefilled, as a window of the row like a decode step's: each row rounds as in a full
+forward, so exact decoding matches a teacher-forced forward with the cache wherever it does without it.
+A sequence's blocks are stored once prefilled and again when it retires.
 """
 
 import collections
@@ -21,9 +26,11 @@ import torch
 from tandem import exact_attention
 from tandem.generation.kv_cache import SlotKVCache
 from tandem.generation.lora import AdapterSet
+from tandem.generation.prefix_cache import PrefixCache
 from tandem.generation.sampling import SamplingParams, apply_penalties, process_logits, sample
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+ENGINE_STOPPED = "The generation engine has stopped: see the server log."
 MAX_PREFILL_TOKENS = 8192
 """Prompt tokens prefilled in one step at most, so running sequences keep decoding while many arrive."""
 
@@ -56,6 +63,8 @@ class EngineRequest:
     sequences: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
     aborted: bool = False
+    prefix_epoch: int = -1
+    """The prefix cache's epoch when this request's KV was computed: KV of replaced weights is never stored."""
     error: str | None = None
     """Why the request failed on its own (the engine keeps serving the others)."""
 
@@ -94,6 +103,8 @@ def kv_cache_for(model: torch.nn.Module, max_model_len: int) -> SlotKVCache:
 
 @dataclass
 class EngineStats:
+    """Load and cumulative counters. Prompt tokens actually prefilled = prompt_tokens_total - prefix_cache_hits_total."""
+
     running: int
     waiting: int
     kv_used_tokens: int
@@ -102,6 +113,10 @@ class EngineStats:
     generation_tokens_total: int
     preemptions_total: int
     finished_total: dict[str, int]
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
+    prefix_cache_tokens: int
+    """Tokens whose KV the prefix cache holds now."""
 
 
 class Engine:
@@ -109,7 +124,8 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, *, max_model_len: int, eos_token_id: int | None,
                  extra_stop_token_ids: list[int] = (), max_num_seqs: int = 256, logprobs_mode: str = "raw_logprobs",
-                 adapters: AdapterSet | None = None, exact: bool = False, step_delay_s: float = 0.0):
+                 adapters: AdapterSet | None = None, exact: bool = False, step_delay_s: float = 0.0,
+                 prefix_caching: bool = True, prefix_cache_max_tokens: int | None = None):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={logprobs_mode!r} is not one of {LOGPROBS_MODES}")
         self.model = model
@@ -130,6 +146,9 @@ class Engine:
         self.vocab_size = config.vocab_size
         self.device = next(model.parameters()).device
         self.cache = kv_cache_for(model, max_model_len)
+        bound = max_num_seqs * max_model_len if prefix_cache_max_tokens is None else prefix_cache_max_tokens
+        self.prefix_cache = PrefixCache(bound) if prefix_caching else None
+        """None when off; by default it may hold as many tokens as the slot cache (--max-num-seqs x --max-model-len)."""
         self.layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
         self.sliding_window = getattr(config, "sliding_window", None)
 
@@ -183,11 +202,14 @@ class Engine:
             self._lock.notify_all()
 
     def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
-        """Run `fn` on the engine thread between two steps; returns a future of its result."""
+        """Run `fn` on the engine thread between two steps; returns a future of its result (failed if the engine died)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            self._calls.put((fn, future))
-            self._lock.notify_all()
+            if self.error is not None:
+                future.set_exception(RuntimeError(ENGINE_STOPPED))
+            else:
+                self._calls.put((fn, future))
+                self._lock.notify_all()
         return future
 
     def idle(self) -> bool:
@@ -205,7 +227,15 @@ class Engine:
                 generation_tokens_total=self.counters["generation_tokens"],
                 preemptions_total=0,
                 finished_total=dict(self.finished_total),
+                prefix_cache_queries_total=self.prefix_cache.queries if self.prefix_cache else 0,
+                prefix_cache_hits_total=self.prefix_cache.hits if self.prefix_cache else 0,
+                prefix_cache_tokens=self.prefix_cache.num_tokens if self.prefix_cache else 0,
             )
+
+    def reset_prefix_cache(self) -> None:
+        """Drop the prefix cache. Run it on the engine thread (through `call`) whenever the weights change."""
+        if self.prefix_cache:
+            self.prefix_cache.clear()
 
     # ---- engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
@@ -232,6 +262,8 @@ class Engine:
                     for seq in request.sequences:
                         seq.finish_reason = seq.finish_reason or "error"
                     request.notify()
+                while not self._calls.empty():
+                    self._calls.get()[1].set_exception(RuntimeError(ENGINE_STOPPED))
             raise
 
     def _has_work(self) -> bool:
@@ -264,7 +296,7 @@ class Engine:
         finished = {i for i, (request, _) in enumerate(self.rows) if request.aborted}
         for i in finished:
             self._finish_request(self.rows[i][0], "abort")
-        self._compact(finished)
+        self._retire(finished)
 
     def _finish_request(self, request: EngineRequest, reason: str) -> None:
         for seq in request.sequences:
@@ -326,9 +358,24 @@ class Engine:
     def _prefill(self, requests: list[EngineRequest]) -> None:
         # A request asking for prompt log-probs needs logits at every prompt position: prefill it alone.
         alone = [r for r in requests if r.params.prompt_logprobs is not None]
-        together = [r for r in requests if r.params.prompt_logprobs is None]
-        for group in [together] * bool(together) + [[r] for r in alone]:
+        leaders, followers = self._split_shared([r for r in requests if r.params.prompt_logprobs is None])
+        for group in [g for g in (leaders, followers) if g] + [[r] for r in alone]:
             self._prefill_group(group)
+
+    def _split_shared(self, requests: list[EngineRequest]) -> tuple[list[EngineRequest], list[EngineRequest]]:
+        """Requests whose first uncached block an earlier one computes in this step (a group's rollouts sent one
+        by one, a shared system prompt) are prefilled after it, in a second forward, to find that prefix cached."""
+        if self.prefix_cache is None:
+            return requests, []
+        leaders, followers, computed = [], [], set()
+        for request in requests:
+            uncached = self.prefix_cache.uncached_blocks(request.prompt, request.adapter)
+            if uncached and uncached[0] in computed:
+                followers.append(request)
+            else:
+                leaders.append(request)
+                computed.update(uncached)
+        return leaders, followers
 
     def _positions_to_keep(self, rows: int) -> int:
         """Positions whose logits we compute: the last one, or in exact mode enough for the lm_head matmul
@@ -340,7 +387,8 @@ class Engine:
 
         `windows[b]` are the final tokens of a sequence `totals[b]` tokens long, written to cache positions
         totals[b]-len .. totals[b]-1 of row rows.start+b. Pad columns write to scratch positions past the
-        sequence (overwritten later, never attended), so padded batches need no special layout.
+        sequence, the row's last position once they run out (overwritten later, never attended), so padded
+        batches need no special layout.
         """
         width = max(len(w) for w in windows)
         fillers = _filler_adapters(adapters, width) if self.exact else []
@@ -352,7 +400,8 @@ class Engine:
         for tokens, total in zip(windows, totals):
             pad = width - len(tokens)
             ids.append([0] * pad + tokens)
-            positions.append(list(range(total, total + pad)) + list(range(total - len(tokens), total)))
+            scratch = [min(p, self.max_model_len - 1) for p in range(total, total + pad)]
+            positions.append(scratch + list(range(total - len(tokens), total)))
         input_ids, write_pos = torch.tensor(ids), torch.tensor(positions)
         kv_len = int(write_pos.max()) + 1
         if self.exact:  # short key blocks take another matmul path too; the extra keys are masked out
@@ -363,15 +412,18 @@ class Engine:
                              rows, adapters, all_logits)
 
     def _prefill_group(self, requests: list[EngineRequest]) -> None:
-        """Prefill each prompt once (batched); a request's other sequences get copies of its KV row."""
+        """Prefill each prompt once (batched) past its cached blocks; a request's other sequences get copies of its KV row."""
         base, n = len(self.rows), len(requests)
         lengths = [len(r.prompt) for r in requests]
         self.cache.ensure_rows(base + sum(r.n for r in requests))
+        windows = [r.prompt[self._load_prefix(r, base + j):] for j, r in enumerate(requests)]
         all_logits = requests[0].params.prompt_logprobs is not None
-        logits = self._window_forward([r.prompt for r in requests], lengths, slice(base, base + n), [r.adapter for r in requests], all_logits)[:n]
+        logits = self._window_forward(windows, lengths, slice(base, base + n), [r.adapter for r in requests], all_logits)[:n]
         if all_logits:
             requests[0].prompt_logprobs = self._prompt_logprobs(logits[0, -lengths[0]:], requests[0].prompt, requests[0].params.prompt_logprobs)
         self.counters["prompt_tokens"] += sum(lengths)
+        for j, request in enumerate(requests):
+            self._store_prefix(base + j, request, request.prompt)
 
         new_rows = [(request, request.sequences[0]) for request in requests]
         new_lengths = list(lengths)
@@ -385,6 +437,24 @@ class Engine:
         self.rows += new_rows
         self.lengths += new_lengths
         self._emit(range(base, len(self.rows)), torch.stack(last_logits))
+
+    def _load_prefix(self, request: EngineRequest, row: int) -> int:
+        """Copy the prompt's cached leading blocks into its row; returns how many tokens they cover. A request
+        asking for prompt log-probs needs every prompt position's logits, so it reads nothing (as in vLLM)."""
+        if self.prefix_cache is None:
+            return 0
+        request.prefix_epoch = self.prefix_cache.epoch
+        if request.params.prompt_logprobs is not None:
+            return 0
+        length, kv = self.prefix_cache.lookup(request.prompt, request.adapter)
+        if length:
+            self.cache.write(row, kv)
+        return length
+
+    def _store_prefix(self, row: int, request: EngineRequest, tokens: list[int]) -> None:
+        """Keep the whole blocks of `tokens`, whose KV fills the start of `row`, unless the weights changed since."""
+        if self.prefix_cache is not None and request.prefix_epoch == self.prefix_cache.epoch:
+            self.prefix_cache.store(tokens, request.adapter, lambda start, stop: self.cache.read(row, start, stop))
 
     def _decode(self) -> None:
         """One new token per running sequence."""
@@ -433,7 +503,7 @@ class Engine:
         self.counters["generation_tokens"] += len(rows)
         for request in {id(r): r for r, _ in entries}.values():
             request.notify()
-        self._compact(finished)
+        self._retire(finished)
 
     def _top_entries(self, top, row: int, token: int, value: float, rank: int, k: int) -> list[tuple[int, float, int]]:
         """(id, value, rank): the sampled token first, then the row's top-k by value, duplicates merged.
@@ -474,6 +544,13 @@ class Engine:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.finished_total[reason] += 1
         return True
+
+    def _retire(self, finished: set[int]) -> None:
+        """Store the finished rows' blocks in the prefix cache (their last sampled token has no KV), then free the rows."""
+        for i in finished:
+            request, seq = self.rows[i]
+            self._store_prefix(i, request, (request.prompt + seq.output)[: self.lengths[i]])
+        self._compact(finished)
 
     def _compact(self, finished: set[int]) -> None:
         """Drop finished rows, moving live rows from the tail into the holes so rows 0..n-1 stay live."""

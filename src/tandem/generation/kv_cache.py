@@ -47,3 +47,14 @@ class SlotKVCache:
         for buffers in (self.keys, self.values):
             for buffer in buffers:
                 buffer[dst, :, :length] = buffer[src, :, :length]
+
+    def read(self, row: int, start: int, stop: int) -> torch.Tensor:
+        """A copy of positions start..stop-1 of a row, every layer: `[2 (keys, values), layers, kv_heads, stop - start, head_dim]`."""
+        return torch.stack([torch.stack([buffer[row, :, start:stop] for buffer in buffers]) for buffers in (self.keys, self.values)])
+
+    def write(self, row: int, kv: torch.Tensor) -> None:
+        """Put `kv`, shaped as `read` returns it, at positions 0.. of a row."""
+        length = kv.shape[3]
+        for layer, (keys, values) in enumerate(zip(self.keys, self.values)):
+            keys[row, :, :length] = kv[0, layer]
+            values[row, :, :length] = kv[1, layer]

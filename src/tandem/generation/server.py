@@ -24,8 +24,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tandem import __version__
 from tandem.generation import protocol, responses
 from tandem.generation.control import Control
-from tandem.generation.engine import Engine, EngineRequest
+from tandem.generation.engine import ENGINE_STOPPED, Engine, EngineRequest
 from tandem.generation.lora import AdapterSet
+from tandem.generation.prefix_cache import BLOCK_SIZE
 from tandem.generation.preparation import Ask, Preparer
 from tandem.generation.protocol import ApiError, bad_request
 from tandem.httpapp import api_key_auth, error_response, start_app
@@ -65,6 +66,8 @@ class ServeArgs:
     device: str = "auto"
     decode_mode: str = "auto"
     step_delay_s: float = 0.0
+    enable_prefix_caching: bool = True
+    prefix_cache_max_tokens: int | None = None
 
 
 SERVER_KEY = web.AppKey("tandem_server", object)
@@ -150,6 +153,7 @@ class Server:
             model, max_model_len=self.max_model_len, eos_token_id=self.eos,
             extra_stop_token_ids=sorted(generation_config_eos(args.model) - {self.eos}), max_num_seqs=args.max_num_seqs,
             logprobs_mode=args.logprobs_mode, adapters=self.adapters, exact=exact, step_delay_s=args.step_delay_s,
+            prefix_caching=args.enable_prefix_caching, prefix_cache_max_tokens=args.prefix_cache_max_tokens,
         )
         self.prepare = Preparer(
             self.tokenizer, self.vocab_size, self.max_model_len, sampling_defaults(args), args.max_logprobs,
@@ -198,7 +202,7 @@ class Server:
         """What every generation request passes first: a served model (or adapter), a running engine, no pause, no stream."""
         name, adapter = self._adapter_for(model)
         if not self.engine.alive:
-            raise ApiError(500, "The generation engine has stopped: see the server log.", "InternalServerError")
+            raise ApiError(500, ENGINE_STOPPED, "InternalServerError")
         if self.control.pause_mode in ("abort", "wait"):
             raise ApiError(503, PAUSED_MESSAGE, "ServiceUnavailableError")
         if stream:
@@ -330,7 +334,8 @@ class Server:
                 "generation_config": self.args.generation_config, "seed": self.args.seed,
                 "decode_mode": "exact" if self.engine.exact else "fast",
             },
-            "cache_config": {"block_size": 16, "num_gpu_blocks": stats.kv_capacity_tokens // 16, "kv_cache_size_tokens": stats.kv_capacity_tokens},
+            "cache_config": {"block_size": BLOCK_SIZE, "num_gpu_blocks": stats.kv_capacity_tokens // BLOCK_SIZE,
+                             "kv_cache_size_tokens": stats.kv_capacity_tokens, "enable_prefix_caching": self.args.enable_prefix_caching},
             "scheduler_config": {"max_num_seqs": self.args.max_num_seqs},
             "parallel_config": {"data_parallel_size": 1, "tensor_parallel_size": 1, "pipeline_parallel_size": 1},
             "lora_config": lora,
@@ -348,11 +353,11 @@ class Server:
         return web.json_response({"world_size": 1})
 
     async def metrics(self, _: web.Request) -> web.Response:
-        return web.Response(body=prometheus_text(self.engine.stats(), self.names[0]).encode(),
+        return web.Response(body=prometheus_text(self.engine.stats(), self.names[0], self.args.enable_prefix_caching).encode(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
-def prometheus_text(stats, model_name: str) -> str:
+def prometheus_text(stats, model_name: str, prefix_caching: bool) -> str:
     """The `/metrics` exposition with vLLM's names and labels (reference/vllm_protocol.md §9)."""
     labels = f'engine="0",model_name="{model_name}"'
     lines = []
@@ -368,10 +373,15 @@ def prometheus_text(stats, model_name: str) -> str:
     metric("vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.", [("", stats.preemptions_total)])
     metric("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", [("", stats.prompt_tokens_total)])
     metric("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", [("", stats.generation_tokens_total)])
+    metric("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.",
+           [("", stats.prefix_cache_queries_total)])
+    metric("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.",
+           [("", stats.prefix_cache_hits_total)])
     metric("vllm:request_success_total", "counter", "Count of successfully processed requests.",
            [(f'finished_reason="{reason}",', count) for reason, count in sorted(stats.finished_total.items())])
-    blocks = stats.kv_capacity_tokens // 16
-    info = f'block_size="16",enable_prefix_caching="False",kv_cache_size_tokens="{stats.kv_capacity_tokens}",num_gpu_blocks="{blocks}",'
+    blocks = stats.kv_capacity_tokens // BLOCK_SIZE
+    info = (f'block_size="{BLOCK_SIZE}",enable_prefix_caching="{prefix_caching}",kv_cache_size_tokens="{stats.kv_capacity_tokens}",'
+            f'num_gpu_blocks="{blocks}",')
     metric("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig", [(info, 1)])
     return "\n".join(lines) + "\n"
 

@@ -1,8 +1,10 @@
 """What crosses the process boundary between the trainer and the rollout worker.
 
 The worker puts tagged messages on `out`: ("samples", [Sample]), ("skip", position), ("metrics",
-{name: [values]}), ("end", None) and ("error", traceback text). The trainer publishes the policy
-version and its token consumption in shared values; the worker beats `heartbeat` twice a second.
+{name: [values]}), ("end", None) when it has nothing left to generate, and ("error", traceback text). The
+trainer puts on `retry` the positions of groups it dropped as stale, to be generated again (the worker then
+sends their samples, and "end" once more). It publishes the policy version and its token consumption in
+shared values; the worker beats `heartbeat` twice a second.
 """
 
 import multiprocessing as mp
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 @dataclass
 class Channels:
     out: mp.Queue
+    retry: mp.Queue
     model_version: "mp.sharedctypes.Synchronized"
     tokens_per_step: "mp.sharedctypes.Synchronized"
     consumed_tokens: "mp.sharedctypes.Synchronized"
@@ -22,6 +25,6 @@ class Channels:
 
     @classmethod
     def create(cls, context) -> "Channels":
-        return cls(out=context.Queue(), model_version=context.Value("q", 0), tokens_per_step=context.Value("d", 0.0),
+        return cls(out=context.Queue(), retry=context.Queue(), model_version=context.Value("q", 0), tokens_per_step=context.Value("d", 0.0),
                    consumed_tokens=context.Value("d", 0.0), heartbeat=context.Value("d", 0.0), stop=context.Event(),
                    running=context.Event())

@@ -1,7 +1,8 @@
 """`AsyncRolloutLoop`: generates and scores rollouts in the worker process (spec: 롤아웃 루프 사용자 정의).
 
 For each prompt, in dataset order from `dataset_start_index`: `filter_prompt`, then `num_generations`
-rollouts (`generate_one`, which calls `generate_one_turn` per sampling request), then the group is
+rollouts (`generate_one`: the multi-turn tool loop, which calls `generate_one_turn` per sampling request;
+with environments, each rollout's instance is reset first and scores it after), then the group is
 scored (reward functions + environment / rollout rewards, summed), `compute_advantages` runs, groups
 without reward variance are dropped, and the rest become samples on the trainer's queue. Subclass it
 and override the hooks; set the subclass as the trainer's `loop_cls`.
@@ -9,37 +10,52 @@ and override the hooks; set the subclass as the trainer's `loop_cls`.
 
 import asyncio
 import contextvars
+import inspect
 import json
 import math
+import queue
 import random
 import time
 import warnings
-from collections import defaultdict
+from collections import defaultdict, deque
+from dataclasses import dataclass
 
 import numpy as np
 
 from tandem.generation.client import ControlClient, GenerationClient, ServerError
 from tandem.metrics.window import check_values
-from tandem.prompts import render_prompt
+from tandem.prompts import render_chat
 from tandem.rollout import rewards as scoring
 from tandem.rollout.channels import Channels
+from tandem.rollout.environments import ROUTE_COLUMN, EnvironmentPool, environment_tools, factories_of, reset_prompt, route
 from tandem.rollout.group_metrics import record_group
 from tandem.rollout.pacing import METRICS_POLL_S, ConcurrencyCap, TokenAllowance
 from tandem.rollout.reconcile import reconcile
 from tandem.rollout.records import Rollout, RolloutGroup, Sample, TurnRecord
 from tandem.rollout.settings import RolloutSettings
+from tandem.rollout.tools import ToolResult, ToolRunner, Toolbox
+from tandem.tool_calls import ToolCall, parse_reply, tool_schema
 
 SCORE_QUEUE_MAXSIZE = 16
 RENDER_CACHE_SIZE = 4096
 REPORT_EVERY_S = 1.0
+IDLE_POLL_S = 0.05
+RECENT_GROUPS = 16
 GROUP_VERSION: contextvars.ContextVar[int] = contextvars.ContextVar("group_version", default=0)
+
+
+@dataclass
+class Episode:
+    """One rollout as the loop keeps it until scoring: the prompt it started from (an environment's reset may have
+    changed it) and its environment's reward, if the environment owns one."""
+
+    prompt: list[dict]
+    rollout: Rollout
+    env_reward: tuple[type, float] | None = None
 
 
 class AsyncRolloutLoop:
     def __init__(self, settings: RolloutSettings, *, processing_class, channels: Channels):
-        if settings.tools or settings.environment_factory:
-            raise NotImplementedError("tools and environment_factory are not implemented in tandem yet: "
-                                      "train without them, or override generate_one in a loop_cls")
         config = self.config = settings.config
         self.settings = settings
         self.model_name, self.adapter_name = settings.model_name, settings.adapter_name
@@ -47,7 +63,12 @@ class AsyncRolloutLoop:
         self.reward_funcs = list(settings.reward_funcs)
         self.tokenizer = processing_class
         self.eos_token_ids = list(settings.eos_token_ids)
-        self.tools = settings.tools or []
+        self.tools = list(settings.tools or [])
+        """The trainer's tools; a rollout with an environment also gets that instance's public methods."""
+        self.factories = factories_of(settings.environment_factory)
+        self.environments = EnvironmentPool(self.factories)
+        self.runner = ToolRunner(config.max_concurrent_rollouts, config.tool_call_timeout)
+        self.schemas: dict[object, dict] = {}
         self.channels = channels
         self.base_url, self.api_key = settings.base_url, settings.api_key
         """The generation server the hooks may call too (e.g. a client of their own made in `setup`)."""
@@ -57,6 +78,8 @@ class AsyncRolloutLoop:
         self.cap = ConcurrencyCap(config.max_concurrent_rollouts)
         """Rollouts allowed in flight; driven by the server's KV-cache usage once /metrics answers (see run)."""
         self.server_metrics = False
+        self.max_model_len: int | None = None
+        """The server's context length (from /v1/models): a conversation ends before its prompt would pass it."""
         self.last_preemptions: float | None = None
         self.flash = config.algorithm == "flash_reinforce"
         self.vocab_size = len(processing_class)
@@ -73,6 +96,12 @@ class AsyncRolloutLoop:
         self.produced_tokens = self.in_flight_tokens = 0.0
         self.groups_in_flight = self.groups_finished = self.rollouts_in_flight = 0
         self.generated_tokens = 0
+        self.kept_tokens: deque[int] = deque(maxlen=RECENT_GROUPS)
+        """Tokens each recent kept group put on the queue, forks included: what a group really produces."""
+        self.retries: deque[int] = deque()
+        """Positions to generate again: groups the trainer dropped as stale, or whose LoRA version was unloaded."""
+        self.unscored = 0
+        """Groups generated and not yet scored."""
         self.rendered: dict[str, list[int]] = {}
 
     # ---- hooks ------------------------------------------------------------------------------------
@@ -87,11 +116,38 @@ class AsyncRolloutLoop:
         """Release what setup() created (runs when the loop ends, failures included)."""
 
     async def generate_one(self, prompt: list[dict], tools: list, group_id: int = 0) -> Rollout:
-        """One rollout: render the conversation, sample one reply."""
-        prompt_ids = self.render(prompt)
-        turn = await self.generate_one_turn(prompt_ids)
-        text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
-        return Rollout(completion=[{"role": "assistant", "content": text}], completion_ids=list(turn.output_ids), turns=[turn])
+        """One rollout, the multi-turn tool loop: each turn renders the whole conversation, samples a reply and runs
+        its tool calls in the order written. It ends on a reply without calls, at `max_tool_calling_iterations`
+        (the rollout is trained all the same), or when the next prompt would leave no room in `max_model_len`."""
+        toolbox = self.toolbox(tools)
+        rollout = Rollout(completion=[], completion_ids=[], turns=[])
+        cap, exhausted = self.config.max_tool_calling_iterations, False
+        while True:
+            prompt_ids = self.render(list(prompt) + rollout.completion, toolbox.schemas)
+            if rollout.turns and not self._room_after(prompt_ids):
+                self.record("rollout/context_exhausted_count", 1)
+                break
+            turn = await self.generate_one_turn(prompt_ids)
+            rollout.turns.append(turn)
+            rollout.completion_ids += turn.output_ids
+            message, calls = self.reply(turn.output_ids, parse=bool(tools))
+            rollout.completion.append(message)
+            if not calls:
+                break
+            if cap is not None and len(rollout.turns) > cap:
+                exhausted = True
+                break
+            self.record("tools/parallel_calls_mean", len(calls))
+            for call in calls:  # in order: they may share an environment's state
+                result = await self.runner.call(toolbox, call)
+                self._record_call(result)
+                rollout.tool_call_count += 1
+                rollout.tool_failure_count += result.failed
+                rollout.completion.append({"role": "tool", "name": result.name, "content": result.content})
+        if tools:
+            self.record("tools/call_frequency", rollout.tool_call_count)
+            self.record("tools/loop_exhausted_frac", float(exhausted))
+        return rollout
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
         """One request to the server with the config's sampling settings."""
@@ -102,16 +158,19 @@ class AsyncRolloutLoop:
         """`n` samples of one prompt in one request; the server seeds child i with seed + i. With top-k / top-p /
         min-p the request goes to `/inference/v1/generate`, which also returns each token's kept set."""
         c = self.config
+        max_tokens = c.max_completion_length  # per turn; never past the server's context
+        if self.max_model_len is not None:
+            max_tokens = max(1, min(max_tokens, self.max_model_len - len(prompt_ids)))
         if self.sampling_masks:
             # The server replays a sampling mask only with top_k > 0; top_k = vocabulary size truncates nothing.
             completions = await self.client.generate(prompt_ids, model=self._served_model(), sampling_params={
-                "max_tokens": c.max_completion_length, "n": n, "temperature": c.temperature, "top_p": c.top_p,
+                "max_tokens": max_tokens, "n": n, "temperature": c.temperature, "top_p": c.top_p,
                 "top_k": c.top_k or self.vocab_size, "min_p": c.min_p or 0.0, "repetition_penalty": c.repetition_penalty,
                 "seed": self.rng.getrandbits(62), "logprobs": self.top_logprobs, "stop_token_ids": self.eos_token_ids,
                 "skip_special_tokens": False})
         else:
             completions = await self.client.complete(
-                prompt_ids, model=self._served_model(), max_tokens=c.max_completion_length, n=n, temperature=c.temperature,
+                prompt_ids, model=self._served_model(), max_tokens=max_tokens, n=n, temperature=c.temperature,
                 top_p=c.top_p, top_k=c.top_k, min_p=c.min_p or 0.0, repetition_penalty=c.repetition_penalty,
                 seed=self.rng.getrandbits(62), logprobs=self.top_logprobs, stop_token_ids=self.eos_token_ids,
             )
@@ -142,14 +201,48 @@ class AsyncRolloutLoop:
         return scoring.group_advantages(group.rewards)
 
     # ---- helpers ----------------------------------------------------------------------------------
-    def render(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation with the generation prompt; a group's rollouts share one rendering."""
-        key = json.dumps(messages, sort_keys=True)
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation (with the tools' schemas) and the generation prompt; renderings are cached,
+        so a group's rollouts share the first one."""
+        key = json.dumps([messages, tools], sort_keys=True, default=str)
         if key not in self.rendered:
             if len(self.rendered) > RENDER_CACHE_SIZE:
                 self.rendered.clear()
-            self.rendered[key] = render_prompt(self.tokenizer, messages, self.config.chat_template_kwargs)
+            self.rendered[key] = render_chat(self.tokenizer, messages, tools=tools or None,
+                                             chat_template_kwargs=self.config.chat_template_kwargs)
         return self.rendered[key]
+
+    def reply(self, output_ids: list[int], parse: bool) -> tuple[dict, list[ToolCall]]:
+        """A sampled reply as an assistant message, and its tool calls. With tools they are parsed out of the text
+        (their markers may be special tokens, so those are kept in decoding); without, the text is the reply."""
+        ids = list(output_ids)
+        while ids and ids[-1] in self.eos_token_ids:
+            ids.pop()
+        if not parse:
+            return {"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=True)}, []
+        parsed = parse_reply(self.tokenizer.decode(ids, skip_special_tokens=False), self.tokenizer)
+        return parsed.message(), parsed.tool_calls
+
+    def toolbox(self, tools: list) -> Toolbox:
+        """The rollout's tools by name with their schemas (made once per function, whatever instance it is bound to)."""
+        for tool in tools:
+            key = getattr(tool, "__func__", tool)
+            if key not in self.schemas:
+                self.schemas[key] = tool_schema(tool)
+        return Toolbox({tool.__name__: tool for tool in tools}, [self.schemas[getattr(t, "__func__", t)] for t in tools])
+
+    def _room_after(self, prompt_ids: list[int]) -> bool:
+        return self.max_model_len is None or len(prompt_ids) < self.max_model_len
+
+    def _record_call(self, result: ToolResult) -> None:
+        self.record("tools/failure_frequency", float(result.failed))
+        self.record("tools/unknown_name_count", int(result.status == "unknown"))
+        if not result.invoked:
+            return
+        self.record("tools/latency_s", result.latency_s)
+        self.record(f"tools/{result.name}/latency_s", result.latency_s)
+        self.record(f"tools/{result.name}/call_count", 1)
+        self.record(f"tools/{result.name}/failure_count", int(result.failed))
 
     def record(self, name: str, *values) -> None:
         """Add values of metric `name` to the trainer's next log (reduced by the name's window rule)."""
@@ -194,49 +287,83 @@ class AsyncRolloutLoop:
             background.append(asyncio.create_task(self._poll_server()))
             background.append(self._watch(asyncio.create_task(self._scorer())))
             await self._dispatch_all()
-            await self._until(self.score_queue.join())  # every group scored (or a failure raised)
             self._flush_records()
-            self.emit("end", None)
         finally:
             for task in background:
                 task.cancel()
+            self.runner.close()
             await self.close()
             await self.client.close()
             await self.control.close()
 
     async def _dispatch_all(self) -> None:
-        """Start a group for each prompt position, as the allowance permits; return when every group has finished."""
-        n, groups = len(self.dataset), set()
+        """Start a group for each prompt position, as the allowance permits, then for each position the trainer sends
+        back to be generated again (a group it dropped as stale). Sends "end" whenever nothing is left to do, and
+        returns only when told to stop (or when the endless stream of a max_steps run is stopped)."""
+        groups: set[asyncio.Task] = set()
         position, end = self.settings.dataset_start_index, self.settings.num_positions
         accepted_in_epoch = group_id = 0
-        while (end is None or position < end) and not self.channels.stop.is_set():
-            epoch, row_index = divmod(position, n)
-            accepted_in_epoch = 0 if row_index == 0 else accepted_in_epoch
-            row = self.dataset[row_index]
-            if self.filter_prompt(row_index, row, epoch):
-                accepted_in_epoch += 1
-                task = await self._start_group(row, row_index, position, group_id)
-                group_id += 1
+        ended = False
+        while not self.channels.stop.is_set():
+            self._collect_retries()
+            if self.retries:
+                retry = self.retries.popleft()
+                task = await self._start_group(self._row(retry), retry, group_id)
+            elif end is None or position < end:
+                epoch, row_index = self._epoch_row(position)
+                accepted_in_epoch = 0 if row_index == 0 else accepted_in_epoch
+                row = self._row(position)
+                task = None
+                if self.filter_prompt(row_index, row, epoch):
+                    accepted_in_epoch += 1
+                    task = await self._start_group(row, position, group_id)
+                else:
+                    self.emit("skip", position)
+                position += 1
+                if self.dataset is not None and position % len(self.dataset) == 0 and accepted_in_epoch == 0:
+                    raise ValueError(f"filter_prompt rejected every prompt of epoch {epoch}: no sample can reach the trainer")
+            else:  # everything dispatched: wait for the last groups, then for retries
+                if not ended and not groups and not self.unscored:
+                    self.emit("end", None)
+                    ended = True
+                await asyncio.sleep(IDLE_POLL_S)
+                self._raise_failure()
+                continue
+            if task is not None:
+                group_id, ended = group_id + 1, False
                 groups.add(task)
                 task.add_done_callback(groups.discard)
-            else:
-                self.emit("skip", position)
-            position += 1
             await asyncio.sleep(0)  # let started groups run before deciding on the next prompt
-            if position % n == 0 and accepted_in_epoch == 0:
-                raise ValueError(f"filter_prompt rejected every prompt of epoch {epoch}: no sample can reach the trainer")
-        if groups:
-            await self._until(asyncio.wait(list(groups)))
         self._raise_failure()
 
-    async def _start_group(self, row: dict, row_index: int, position: int, group_id: int) -> asyncio.Task:
-        """Wait for room in the allowance, reserve the group's worst-case tokens and start it."""
-        prompt = row["prompt"]
-        reservation = self.config.num_generations * (len(self.render(prompt)) + self.config.max_completion_length)
+    def _collect_retries(self) -> None:
+        while True:
+            try:
+                self.retries.append(self.channels.retry.get_nowait())
+            except queue.Empty:
+                return
+
+    def _epoch_row(self, position: int) -> tuple[int, int]:
+        """(epoch, dataset row) of a prompt position; without a dataset (environments that sample their own tasks)
+        every position is a new row of epoch 0."""
+        return divmod(position, len(self.dataset)) if self.dataset is not None else (0, position)
+
+    def _row(self, position: int) -> dict:
+        return dict(self.dataset[self._epoch_row(position)[1]]) if self.dataset is not None else {}
+
+    async def _start_group(self, row: dict, position: int, group_id: int) -> asyncio.Task:
+        """Wait for room in the allowance, reserve the group's tokens and start it."""
+        reservation = self._reservation(row.get("prompt"))
         await self._wait_for_allowance(reservation)
         self.groups_in_flight += 1  # counted now, not when the task first runs
         self.in_flight_tokens += reservation
-        return self._watch(asyncio.create_task(self._run_group(prompt, row, row_index, position, group_id, reservation)))
+        return self._watch(asyncio.create_task(self._run_group(row, position, group_id, reservation)))
+
+    def _reservation(self, prompt: list[dict] | None) -> float:
+        """The tokens a group may put on the queue: single-turn, at most G × (prompt + max_completion_length);
+        multi-turn rollouts and forks can produce more, so never less than the largest recent kept group."""
+        single_turn = self.config.num_generations * ((len(self.render(prompt)) if prompt else 0) + self.config.max_completion_length)
+        return max(single_turn, max(self.kept_tokens, default=0))
 
     def _queued_tokens(self) -> float:
         return self.produced_tokens - self.channels.consumed_tokens.value
@@ -253,40 +380,40 @@ class AsyncRolloutLoop:
         if self.groups_finished:  # the allowance binds once the first group has finished
             self.record("rollout/allowance_used_max", used / limit)
 
-    async def _run_group(self, prompt, row, row_index, position, group_id, reservation) -> None:
+    async def _run_group(self, row: dict, position: int, group_id: int, reservation: float) -> None:
         version = self.channels.model_version.value
         GROUP_VERSION.set(version)  # this group's requests (its own task) sample from this policy version
         try:
             if self._single_request_groups():
-                rollouts = await self._whole_group(prompt)
+                episodes = await self._whole_group(row["prompt"])
             else:
-                rollouts = await asyncio.gather(*[self._one_rollout(prompt, group_id) for _ in range(self.config.num_generations)])
+                episodes = await asyncio.gather(*[self._one_rollout(row, group_id) for _ in range(self.config.num_generations)])
         except ServerError as exc:
             # LoRA: the trainer unloads versions older than max_staleness allows; a group that started on one
-            # can no longer be sampled, and its samples would be dropped as stale anyway.
+            # can no longer be sampled, and its samples would be dropped as stale anyway: generate it again.
             if not (self.adapter_name and exc.status == 404 and version < self.channels.model_version.value):
                 raise
             self.record("rollout/stale_adapter_count", 1)
-            self._flush_records()
-            self.emit("skip", position)
+            self.retries.append(position)
             return
         finally:
             self.groups_in_flight -= 1
             self.in_flight_tokens -= reservation
-        group = self._group(prompt, row, row_index, group_id, version, rollouts)
+        group = self._group(row, position, group_id, version, episodes)
         block = time.monotonic()
-        await self.score_queue.put((group, rollouts, position))
+        self.unscored += 1
+        await self.score_queue.put((group, [e.rollout for e in episodes], position))
         self.record("rollout/score_block_s", time.monotonic() - block)
 
     def _single_request_groups(self) -> bool:
         """Single-turn rollouts with the default hooks: the whole group is one request with n = num_generations
-        (one prefill and one HTTP round trip instead of G). A subclass overriding a generation hook keeps
-        one call per rollout."""
+        (one prefill and one HTTP round trip instead of G). Tools, environments or a subclass overriding a
+        generation hook keep one call per rollout."""
         cls = type(self)
         return (cls.generate_one is AsyncRolloutLoop.generate_one and cls.generate_one_turn is AsyncRolloutLoop.generate_one_turn
-                and not self.tools)
+                and not self.tools and not self.factories)
 
-    async def _whole_group(self, prompt) -> list[Rollout]:
+    async def _whole_group(self, prompt) -> list[Episode]:
         g = self.config.num_generations
         await self._acquire(g)
         start = time.monotonic()
@@ -294,16 +421,43 @@ class AsyncRolloutLoop:
             turns = await self._sample(self.render(prompt), n=g)
         finally:
             await self._release(g, time.monotonic() - start)
-        return [Rollout(completion=[{"role": "assistant", "content": self.tokenizer.decode(t.output_ids, skip_special_tokens=True)}],
-                        completion_ids=list(t.output_ids), turns=[t]) for t in turns]
+        return [Episode(prompt, Rollout(completion=[self.reply(t.output_ids, parse=False)[0]], completion_ids=list(t.output_ids),
+                                        turns=[t])) for t in turns]
 
-    async def _one_rollout(self, prompt, group_id) -> Rollout:
+    async def _one_rollout(self, row: dict, group_id: int) -> Episode:
+        """One rollout of the row's prompt; with environments, on an instance reset from the row, which scores it
+        (get_reward) before going back to the pool."""
+        if not self.factories:
+            return Episode(row["prompt"], await self._generate(row["prompt"], self.tools, group_id))
+        name = route(row, self.factories)
+        env = await self.runner.run_in_pool(self.environments.take, name)
+        try:
+            start = time.monotonic()
+            text = await self.runner.run_in_pool(env.reset, **{k: v for k, v in row.items() if k != ROUTE_COLUMN})
+            self.record("env/reset_s", time.monotonic() - start)
+            prompt = reset_prompt(row.get("prompt"), text)
+            rollout = await self._generate(prompt, self.tools + environment_tools(env), group_id)
+            return Episode(prompt, rollout, await self._environment_reward(env))
+        finally:
+            self.environments.give_back(name, env)
+
+    async def _generate(self, prompt: list[dict], tools: list, group_id: int) -> Rollout:
         await self._acquire(1)
         start = time.monotonic()
         try:
-            return await self.generate_one(prompt, self.tools, group_id)
+            return await self.generate_one(prompt, tools, group_id)
         finally:
             await self._release(1, time.monotonic() - start)
+
+    async def _environment_reward(self, env) -> tuple[type, float] | None:
+        """(the environment's class, its get_reward()) when it owns a reward; sync get_reward runs on the tool threads."""
+        get_reward = getattr(env, "get_reward", None)
+        if get_reward is None:
+            return None
+        start = time.monotonic()
+        value = await get_reward() if inspect.iscoroutinefunction(get_reward) else await self.runner.run_in_pool(get_reward)
+        self.record("env/reward_s", time.monotonic() - start)
+        return type(env), math.nan if value is None else float(value)
 
     async def _acquire(self, slots: int) -> None:
         async with self.slot:
@@ -318,26 +472,28 @@ class AsyncRolloutLoop:
             self.rollouts_in_flight -= slots
             self.slot.notify_all()
 
-    def _group(self, prompt, row, row_index, group_id, version, rollouts: list[Rollout]) -> RolloutGroup:
-        g = len(rollouts)
-        extra = {k: [v] * g for k, v in row.items() if k != "prompt"}
+    def _group(self, row: dict, position: int, group_id: int, version: int, episodes: list[Episode]) -> RolloutGroup:
+        g = len(episodes)
+        extra = {k: [v] * g for k, v in row.items() if k not in ("prompt", ROUTE_COLUMN)}
         sequences = []
-        for rollout in rollouts:
-            seqs, stats = reconcile(rollout.turns)
+        for episode in episodes:
+            turns = episode.rollout.turns
+            seqs, stats = reconcile(turns)
             sequences.append(seqs)
             self.record("rollout/samples_per_rollout", len(seqs))
-            self.record("rollout/turns_mean", len(rollout.turns))
-            self.record("rollout/turns_max", len(rollout.turns))
+            self.record("rollout/turns_mean", len(turns))
+            self.record("rollout/turns_max", len(turns))
             if stats.transitions:
                 self.record("rollout/fork_frac", *([1.0] * stats.forks + [0.0] * (stats.transitions - stats.forks)))
                 self.record("rollout/drift_tokens_mean", *stats.drift_tokens)
                 self.record("rollout/drift_tokens_max", *stats.drift_tokens)
+        rollouts = [e.rollout for e in episodes]
         return RolloutGroup(
-            prompts=[prompt] * g, reward_kwargs=extra, completions=[r.completion for r in rollouts],
+            prompts=[e.prompt for e in episodes], reward_kwargs=extra, completions=[r.completion for r in rollouts],
             completions_ids=[r.completion_ids for r in rollouts], completions_sequences=sequences,
             tool_call_counts=[r.tool_call_count for r in rollouts], tool_failure_counts=[r.tool_failure_count for r in rollouts],
-            model_version=version, group_id=group_id, row_index=row_index, env_rewards=[None] * g,
-            rollout_rewards=[r.reward for r in rollouts], queued_at=time.monotonic(),
+            model_version=version, group_id=group_id, row_index=self._epoch_row(position)[1],
+            env_rewards=[e.env_reward for e in episodes], rollout_rewards=[r.reward for r in rollouts], queued_at=time.monotonic(),
         )
 
     async def _scorer(self) -> None:
@@ -346,6 +502,7 @@ class AsyncRolloutLoop:
             try:
                 await self._score(group, rollouts, position)
             finally:
+                self.unscored -= 1
                 self.score_queue.task_done()
 
     async def _score(self, group: RolloutGroup, rollouts: list[Rollout], position: int) -> None:
@@ -367,7 +524,9 @@ class AsyncRolloutLoop:
         if not samples:
             self.emit("skip", position)
             return
-        self.produced_tokens += sum(s.num_tokens for s in samples)
+        tokens = sum(s.num_tokens for s in samples)
+        self.produced_tokens += tokens
+        self.kept_tokens.append(tokens)
         self.emit("samples", samples)
 
     async def _reward(self, group: RolloutGroup) -> dict[str, np.ndarray]:
@@ -375,7 +534,7 @@ class AsyncRolloutLoop:
         g = len(group.completions)
         kwargs = {"prompts": group.prompts, "completions": group.completions, "completion_ids": group.completions_ids,
                   **group.reward_kwargs}
-        columns = await scoring.score(self.reward_funcs, kwargs, g)
+        columns = await scoring.score(self.reward_funcs, kwargs, g) | scoring.environment_columns(group.env_rewards)
         sources = list(columns.values())
         if any(r is not None for r in group.rollout_rewards):
             sources.append(np.array([math.nan if r is None else float(r) for r in group.rollout_rewards]))
@@ -396,11 +555,11 @@ class AsyncRolloutLoop:
     # ---- background tasks -------------------------------------------------------------------------
     async def _init_cap(self) -> None:
         try:
+            self.max_model_len = await self.control.max_model_len()
             metrics = await self.control.metrics()
-            max_len = await self.control.max_model_len()
         except Exception:  # a server without /metrics: the cap stays at max_concurrent_rollouts
             return
-        self.cap = ConcurrencyCap(self.config.max_concurrent_rollouts, metrics.kv_capacity_tokens, max_len)
+        self.cap = ConcurrencyCap(self.config.max_concurrent_rollouts, metrics.kv_capacity_tokens, self.max_model_len)
         self.server_metrics = True
 
     async def _poll_server(self) -> None:

@@ -32,6 +32,14 @@ async def score(reward_funcs: list, kwargs: dict, size: int) -> dict[str, np.nda
     return columns
 
 
+def environment_columns(env_rewards: list[tuple[type, float] | None]) -> dict[str, np.ndarray]:
+    """One column per environment class that owns a reward (get_reward), named after the class: its rollouts' values,
+    NaN for the others."""
+    names = sorted({entry[0].__name__ for entry in env_rewards if entry is not None})
+    return {name: np.array([entry[1] if entry is not None and entry[0].__name__ == name else math.nan for entry in env_rewards],
+                           dtype=np.float64) for name in names}
+
+
 def total_reward(columns: list[np.ndarray], size: int) -> np.ndarray:
     """Sum over sources; NaN only where every source is NaN (nobody scored that rollout)."""
     if not columns:

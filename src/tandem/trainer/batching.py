@@ -44,6 +44,22 @@ class TokenBudgetBatcher:
         self.rows[min(candidates, key=lambda i: self.rows[i].load)].add(sample)
         return True
 
+    def offer_together(self, samples: list[Sample]) -> bool:
+        """Place all of `samples` (a group, to be trained in one step) or none of them."""
+        if len(samples) == 1:
+            return self.offer(samples[0])
+        before = [list(row.samples) for row in self.rows]
+        if all(self.offer(sample) for sample in samples):
+            return True
+        self.rows = [self._row_of(row_samples) for row_samples in before]  # the same insertions, the same trie
+        return False
+
+    def _row_of(self, samples: list[Sample]) -> TrieRow:
+        row = TrieRow(self.share_prefixes)
+        for sample in samples:
+            row.add(sample)
+        return row
+
     def close(self) -> list[PackedRow]:
         """The micro-batch's packed rows (empty ones left out), and fresh rows for the next one."""
         rows = [row.pack() for row in self.rows if row.samples]

@@ -55,16 +55,26 @@ def use_bf16(args: AsyncGRPOConfig, device: torch.device) -> bool:
     return args.bf16 if args.bf16 is not None else device.type == "cuda"
 
 
-def check_dataset(dataset):
-    """The dataset, if every row can be trained on: a conversational 'prompt' column, at least one row."""
+def check_dataset(dataset, *, environments: bool = False, max_steps: int = -1):
+    """The dataset, if every row can be trained on: a conversational 'prompt' column, at least one row. With
+    environments the prompt may come from reset() instead, and with no dataset at all (environments that sample
+    their own tasks) max_steps sets the run's length."""
     if dataset is None:
-        raise ValueError("train_dataset is required (environments that own their data are not implemented yet)")
+        if not environments:
+            raise ValueError("train_dataset is required (only an environment_factory whose reset() makes the prompt "
+                             "can train without one)")
+        if max_steps <= 0:
+            raise ValueError("without a train_dataset the environment makes every task, so nothing ends the run: set "
+                             "max_steps (e.g. AsyncGRPOConfig(max_steps=1000))")
+        return None
     columns = getattr(dataset, "column_names", None) or (list(dataset[0]) if len(dataset) else [])
-    if "prompt" not in columns:
-        raise ValueError(f"train_dataset has no 'prompt' column (columns: {columns}). Each row needs a conversational "
-                         "prompt: [{'role': 'user', 'content': '...'}]")
     if len(dataset) == 0:
         raise ValueError("train_dataset is empty")
+    if "prompt" not in columns:
+        if environments:
+            return dataset
+        raise ValueError(f"train_dataset has no 'prompt' column (columns: {columns}). Each row needs a conversational "
+                         "prompt: [{'role': 'user', 'content': '...'}]")
     for index in range(min(len(dataset), 8)):
         prompt = dataset[index]["prompt"]
         if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)):

@@ -1,12 +1,15 @@
 """Where the trainer's samples come from: the worker's queue, read through one object.
 
 `SampleSource` pulls the worker's messages, keeps the samples that arrived in a buffer, drops the ones
-too stale to train (`max_staleness`) or too long for a row (`token_budget`), tells the worker which
-tokens have left the queue for good (its allowance), and keeps the ledger of finished prompt positions
-that a resumed run starts from. It does no I/O of its own: the inbox and the shared counters are passed
+too long for a row (`token_budget`) and the samples too stale to train (`max_staleness`: a group none of
+whose samples was trained yet is dropped whole and generated again; the late samples of a group already
+partly trained are dropped alone, and finish its prompt), tells the worker
+which tokens have left the queue for good (its allowance), and keeps the ledger of finished prompt
+positions that a resumed run starts from. It does no I/O of its own: the inbox and the shared counters are passed
 in, so its rules are tested without processes.
 """
 
+import itertools
 import time
 import warnings
 from collections import deque
@@ -58,14 +61,23 @@ class SampleSource:
     """
 
     def __init__(self, inbox: Inbox, counters, window: MetricWindow, *, start_position: int, max_staleness: int,
-                 token_budget: int, health_check=lambda: None):
+                 token_budget: int, end_position: int | None = None, regenerate=lambda position: None,
+                 health_check=lambda: None):
         self.inbox, self.counters, self.window = inbox, counters, window
         self.ledger = PositionLedger(start_position)
         self.max_staleness, self.token_budget = max_staleness, token_budget
+        self.end_position = end_position
+        """Where the run's prompt positions end (None: an endless stream, max_steps decides)."""
+        self.regenerate = regenerate
+        """Asks the worker to generate a prompt position again."""
         self.health_check = health_check
         self.buffer: deque[Sample] = deque()
         self.ended = False
-        """The worker has sent everything it will send."""
+        """The worker said it had nothing left to send (it sends more if asked to regenerate)."""
+        self.pending: set[int] = set()
+        """Positions sent back to the worker whose new group has not arrived yet."""
+        self.admitted: set[int] = set()
+        """Positions with a sample in a row already: their group is partly trained, so it is not generated again."""
         self.wait_s = 0.0
         """Total time spent waiting for the worker (a counter: a step reads its growth)."""
 
@@ -82,7 +94,9 @@ class SampleSource:
         kind, payload = message
         if kind == "samples":
             self.buffer.extend(payload)
+            self.pending.difference_update(s.position for s in payload)
         elif kind == "skip":
+            self.pending.discard(payload)
             self.ledger.finish(payload)
         elif kind == "metrics":
             self.window.extend(payload)
@@ -92,23 +106,32 @@ class SampleSource:
 
     def drain(self) -> int:
         """Read every message already waiting; returns the samples now buffered (`rollout/queue_size`)."""
-        while not self.ended and self.pull(0):
+        while self.pull(0):
             pass
         return len(self.buffer)
 
+    @property
+    def finished(self) -> bool:
+        """Nothing more will come: every position of the run is finished, or the worker ended with none pending."""
+        if self.end_position is not None and self.ledger.watermark >= self.end_position:
+            return True
+        return self.ended and not self.pending
+
     def peek(self, model_version: int) -> Sample | None:
-        """The next trainable sample, waiting for the worker when none is buffered; None once the worker has ended."""
+        """The next trainable sample, waiting for the worker when none is buffered; None once nothing more will come."""
         while True:
             if not self.buffer:
-                if self.ended:
+                if self.finished:
                     return None
                 start = time.perf_counter()
                 self.pull(POLL_S)
                 self.wait_s += time.perf_counter() - start
                 continue
             sample = self.buffer[0]
-            if model_version - sample.model_version > self.max_staleness:
-                self._discard("sample/dropped_stale_count")
+            if model_version - sample.model_version > self.max_staleness and sample.position in self.admitted:
+                self._discard("sample/dropped_stale_count")  # the rest of a group already partly trained
+            elif model_version - sample.model_version > self.max_staleness:
+                self._drop_stale_group(sample.position)
             elif sample.num_tokens > self.token_budget:
                 warnings.warn(f"a sample of {sample.num_tokens} tokens exceeds token_budget={self.token_budget}: dropped",
                               stacklevel=2)
@@ -116,18 +139,59 @@ class SampleSource:
             else:
                 return sample
 
+    def peek_group(self, model_version: int) -> list[Sample] | None:
+        """The next trainable sample and the rest of its group still buffered (a group's samples arrive together);
+        None once nothing more will come."""
+        first = self.peek(model_version)
+        if first is None:
+            return None
+        group = [first]
+        for sample in itertools.islice(self.buffer, 1, None):
+            if sample.position != first.position:
+                break
+            group.append(sample)
+        return group
+
     def take(self) -> Sample:
         """Remove the sample `peek` returned: it is in a row now, so the worker may generate its tokens again."""
         sample = self.buffer.popleft()
+        self.admitted.add(sample.position)
         self.counters.consumed_tokens.value += sample.num_tokens
         return sample
 
-    def trained(self, samples: list[Sample], tokens_per_step: float) -> None:
-        """A step trained `samples`; the worker generated `tokens_per_step` tokens for it (its next allowance)."""
+    def trained(self, samples: list[Sample]) -> None:
+        """A step trained `samples`."""
         for sample in samples:
-            self.ledger.consume(sample)
+            self._consume(sample)
+
+    def publish(self, tokens_per_step: float) -> None:
+        """The worker's next allowance: what the last step consumed. Published after the step's weight sync, so the
+        groups it admits start under the new policy."""
         self.counters.tokens_per_step.value = tokens_per_step
+
+    def discard_oversize(self, count: int) -> None:
+        """Drop the next `count` samples: together (one rollout) they fit no row."""
+        warnings.warn(f"a rollout of {count} samples does not fit one micro-batch (token_budget={self.token_budget}): "
+                      "dropped (FlashREINFORCE trains a rollout in one step). Raise token_budget.", stacklevel=2)
+        for _ in range(count):
+            self._discard("batch/dropped_oversize_count")
+
+    def _consume(self, sample: Sample) -> None:
+        self.ledger.consume(sample)
+        if sample.position not in self.ledger.remaining:
+            self.admitted.discard(sample.position)
 
     def _discard(self, counter: str) -> None:
         self.window.add(counter, 1)
-        self.ledger.consume(self.take())
+        self._consume(self.take())
+
+    def _drop_stale_group(self, position: int) -> None:
+        """Every buffered sample of the group at `position` (they arrived together) leaves the queue; the worker
+        generates the position again, so it is not finished."""
+        stale = [s for s in self.buffer if s.position == position]
+        self.buffer = deque(s for s in self.buffer if s.position != position)
+        self.counters.consumed_tokens.value += sum(s.num_tokens for s in stale)
+        self.window.add("sample/dropped_stale_count", len(stale))
+        self.ledger.remaining.pop(position, None)
+        self.pending.add(position)
+        self.regenerate(position)

@@ -24,10 +24,13 @@ from tandem.metrics.window import MetricWindow
 from tandem.packing import PackedRow
 from tandem.packing import attention as tree_attention
 from tandem.packing.logprobs import TokenLogprobs, row_logprobs
-from tandem.prompts import render_prompt
+from tandem.prompts import check_prefix_preserving, render_chat, render_prompt, training_chat_template
+from tandem.rollout.environments import factories_of, validate_environments
 from tandem.rollout.loop import AsyncRolloutLoop
 from tandem.rollout.settings import RolloutSettings
+from tandem.rollout.tools import validate_tools
 from tandem.rollout.worker import WorkerSpec, check_picklable
+from tandem.tool_calls import tool_schema
 from tandem.trainer import OPENMP_POLICY_TOO_LATE, checkpoint, sync_check
 from tandem.trainer.batching import TokenBudgetBatcher
 from tandem.trainer.checkpoint import TrainerState
@@ -62,15 +65,18 @@ class AsyncGRPOTrainer:
                  processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None, tools=None,
                  environment_factory=None):
         self.args = args = args or AsyncGRPOConfig()
-        _refuse_unimplemented(callbacks=callbacks, tools=tools, environment_factory=environment_factory)
-        self.reward_funcs = _reward_list(reward_funcs)
-        self.dataset = check_dataset(train_dataset)
+        if callbacks:
+            raise NotImplementedError("callbacks: trainer callbacks are not implemented in tandem yet; remove callbacks to train")
+        self.tools, self.environment_factory = list(tools or []), environment_factory
+        self.dataset = check_dataset(train_dataset, environments=environment_factory is not None, max_steps=args.max_steps)
+        self.reward_funcs = _reward_list(reward_funcs, self._check_agents())
         self.model_name, self.model = load_model(model, args)
         self.lora = peft_config is not None
         if self.lora:
             self.model = with_adapter(self.model, peft_config)
         self.tokenizer = processing_class or AutoTokenizer.from_pretrained(self.model_name if isinstance(model, str) else model.name_or_path)
-        self.tools, self.environment_factory = tools, environment_factory
+        if self.tools or environment_factory is not None:
+            self._use_training_template()
         self.optimizer, self.scheduler = optimizers
         self.device = next(self.model.parameters()).device
         self.kernel = args.tree_attention_kernel or tree_attention.default_kernel(self.device)
@@ -90,7 +96,7 @@ class AsyncGRPOTrainer:
         """How weights reach the server (weight_sync.choose_sync), chosen when train() connects."""
         self.probe = None
         """The client of the weight_sync_check_atol probe, opened at the first checked sync."""
-        self.probe_prompt = (render_prompt(self.tokenizer, self.dataset[0]["prompt"], args.chat_template_kwargs)
+        self.probe_prompt = (render_prompt(self.tokenizer, self._first_prompt(), args.chat_template_kwargs)
                              if args.weight_sync_check_atol is not None else None)
         self.losses: list[float] = []
         self.reward_history: list[float] = []
@@ -101,7 +107,7 @@ class AsyncGRPOTrainer:
             warnings.warn("torch was imported before tandem, so its OpenMP threads spin while they wait and slow the "
                           "embedded server and the rollout worker (the demo ran 1.4x slower). Start Python with "
                           "OMP_WAIT_POLICY=PASSIVE, or import tandem before torch.", stacklevel=2)
-        check_picklable({"reward function": f for f in self.reward_funcs} | {"loop_cls": self.loop_cls})
+        check_picklable({f"reward function {i}": f for i, f in enumerate(self.reward_funcs)} | {"loop_cls": self.loop_cls})
         torch.manual_seed(self.args.seed)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         resume = checkpoint.resolve(resume_from_checkpoint, self.output_dir)
@@ -149,6 +155,7 @@ class AsyncGRPOTrainer:
             self._step_done(rows)
             if state.step % args.weight_sync_steps == 0:
                 self._sync(state.model_version + 1)
+            self.source.publish(tokens_per_step=sum(row.raw_tokens for row in rows))  # after the sync (sample_source.py)
             times = StepTimes(total=time.perf_counter() - start, rollout_wait=self.source.wait_s - waited,
                               forward=step.forward_s, forward_backward=forward_backward_s, optimizer=optimizer_s)
             self._record(rows, len(micro_batches), step.loss, grad_norm, times)
@@ -167,15 +174,32 @@ class AsyncGRPOTrainer:
         sample fits nowhere; fewer (or none) once the worker has finished. A sample is consumed once placed."""
         self.window.add("rollout/queue_size", self.source.drain())
         micro_batches = []
-        for _ in range(self.args.gradient_accumulation_steps):
-            while (sample := self.source.peek(self.state.model_version)) is not None and self.batcher.offer(sample):
-                self.source.take()
+        for index in range(self.args.gradient_accumulation_steps):
+            self._fill_micro_batch(last=index == self.args.gradient_accumulation_steps - 1)
             rows = self.batcher.close()
             if not rows:
                 break
             record_micro_batch(self.window, rows, self.token_budget)
             micro_batches.append(rows)
         return micro_batches
+
+    def _fill_micro_batch(self, last: bool) -> None:
+        """Offer samples to the batcher until one fits nowhere. The step's last micro-batch takes whole groups: a group
+        split across two steps would have its second part trained one policy version later (past max_staleness, for
+        a group that was just in bounds), and FlashREINFORCE must train a rollout's samples in one step. A group
+        larger than a whole micro-batch is split (GRPO) or dropped as oversize (FlashREINFORCE)."""
+        version, source, batcher = self.state.model_version, self.source, self.batcher
+        while (unit := source.peek_group(version) if last else source.peek(version)) is not None:
+            unit = unit if last else [unit]
+            if batcher.offer_together(unit):
+                for _ in unit:
+                    source.take()
+            elif not batcher.empty:
+                return
+            elif self.args.algorithm == "flash_reinforce":
+                source.discard_oversize(len(unit))
+            else:
+                last = False  # the group alone overfills a micro-batch: split it
 
     def optimizer_step(self) -> float:
         """Clip the accumulated gradients, step the optimizer and the schedule, zero the gradients; returns the
@@ -191,7 +215,7 @@ class AsyncGRPOTrainer:
         state = self.state
         state.step += 1
         record_samples(self.window, rows, state.model_version)  # their staleness against the policy they trained
-        self.source.trained([s for row in rows for s in row.samples], tokens_per_step=sum(row.raw_tokens for row in rows))
+        self.source.trained([s for row in rows for s in row.samples])
         state.dataset_start_index = self.source.ledger.watermark
         state.num_tokens += sum(row.num_tokens for row in rows)
 
@@ -207,7 +231,10 @@ class AsyncGRPOTrainer:
         metrics = self.window.flush()
         metrics["num_tokens"] = self.state.num_tokens
         metrics["model_version"] = self.state.model_version
-        metrics["epoch"] = self.source.ledger.watermark / len(self.dataset)
+        if self.dataset is not None:
+            metrics["epoch"] = self.source.ledger.watermark / len(self.dataset)
+        if self.tools or self.environment_factory is not None:
+            metrics.setdefault("tools/failure_frequency", math.nan)  # no call in the window (reference/metrics.md)
         if "reward" in metrics:
             self.reward_history.append(metrics["reward"])
         for sink in self.session.sinks:
@@ -296,6 +323,7 @@ class AsyncGRPOTrainer:
         worker = session.start_worker(self._worker_spec(url, served_name), args.rollout_worker_timeout, self.state.model_version)
         self.source = SampleSource(worker, worker.channels, self.window, start_position=self.state.dataset_start_index,
                                    max_staleness=args.max_staleness, token_budget=self.token_budget,
+                                   end_position=self._num_positions(), regenerate=worker.channels.retry.put,
                                    health_check=session.check_server)
 
     def _served_path(self) -> str:
@@ -326,15 +354,61 @@ class AsyncGRPOTrainer:
         return served[0]
 
     def _check_prompt_lengths(self, max_model_len: int) -> None:
-        for index, row in enumerate(self.dataset):
-            length = len(render_prompt(self.tokenizer, row["prompt"], self.args.chat_template_kwargs))
+        """Every dataset prompt (with the tools' schemas) leaves room to generate; an environment's reset() may add more."""
+        schemas = [tool_schema(tool) for tool in self.tools] or None
+        for index, row in enumerate(self.dataset if self.dataset is not None else []):
+            if not row.get("prompt"):
+                continue
+            length = len(render_chat(self.tokenizer, row["prompt"], tools=schemas, chat_template_kwargs=self.args.chat_template_kwargs))
             if length >= max_model_len:
                 raise ValueError(f"train_dataset row {index}: the prompt renders to {length} tokens, but the server's "
                                  f"max_model_len is {max_model_len}, leaving no room to generate. Start the server with a "
                                  "larger --max-model-len, or drop the long prompts from the dataset.")
 
+    def _num_positions(self) -> int | None:
+        """Where the prompt stream ends: epochs × rows; None for an endless stream (max_steps decides, or environments
+        sample their own tasks)."""
+        if self.args.max_steps > 0 or self.dataset is None:
+            return None
+        return math.ceil(self.args.num_train_epochs * len(self.dataset))
+
+    def _first_prompt(self) -> list[dict]:
+        """A prompt for the sync probe: the dataset's first, or a fixed one when environments make the prompts."""
+        row = self.dataset[0] if self.dataset is not None else {}
+        return row.get("prompt") or [{"role": "user", "content": "What is 2 + 2?"}]
+
+    def _check_agents(self) -> bool:
+        """Tools and environments, checked before any training work; returns whether an environment owns a reward."""
+        validate_tools(self.tools)
+        labels = {f"tool {getattr(tool, '__name__', tool)!r}": tool for tool in self.tools}
+        factories = factories_of(self.environment_factory)
+        labels |= {f"environment_factory {name!r}" if name else "environment_factory": f for name, f in factories.items()}
+        check_picklable(labels)
+        if self.environment_factory is None:
+            return False
+        return any(callable(getattr(cls, "get_reward", None))
+                   for cls in validate_environments(self.environment_factory, self.tools, self.dataset))
+
+    def _use_training_template(self) -> None:
+        """Multi-turn rollouts re-render the conversation every turn; a template that renders earlier turns differently
+        once the conversation grows makes every turn fork. Known families get a training-safe template."""
+        schemas = [tool_schema(tool) for tool in self.tools] or None
+        problem = check_prefix_preserving(self.tokenizer, schemas, self.args.chat_template_kwargs)
+        if problem is None:
+            return
+        known = training_chat_template(self.tokenizer)
+        if known is None:
+            warnings.warn(f"the chat template is not prefix-preserving ({problem}) and tandem has no training template for "
+                          "it: multi-turn rollouts will fork at every re-rendered turn (rollout/fork_frac). Pass a "
+                          "processing_class whose chat_template renders earlier turns unchanged.", stacklevel=3)
+            return
+        family, template = known
+        self.tokenizer.chat_template = template
+        print(f"tandem: the chat template is not prefix-preserving ({problem}); training with tandem's {family} training "
+              "template, which renders earlier turns unchanged")
+
     def _worker_spec(self, url: str, served_name: str) -> WorkerSpec:
-        args, n = self.args, len(self.dataset)
+        args = self.args
         tokenizer_path = self.output_dir / ".tokenizer"
         self.tokenizer.save_pretrained(tokenizer_path)
         settings = RolloutSettings(
@@ -342,22 +416,16 @@ class AsyncGRPOTrainer:
             reward_funcs=self.reward_funcs, eos_token_ids=eos_ids(self.tokenizer, self.model), base_url=url,
             tools=self.tools, environment_factory=self.environment_factory,
             dataset_start_index=self.state.dataset_start_index,
-            full_step_tokens=self.token_budget * args.gradient_accumulation_steps,
-            num_positions=None if args.max_steps > 0 else math.ceil(args.num_train_epochs * n),
+            full_step_tokens=self.token_budget * args.gradient_accumulation_steps, num_positions=self._num_positions(),
             adapter_name=ADAPTER_NAME if isinstance(self.sync, LoraSync) else None)
         return WorkerSpec(loop_cls=self.loop_cls, settings=settings)
 
 
-def _refuse_unimplemented(**given) -> None:
-    for name, issue in (("callbacks", "trainer callbacks"), ("tools", "tool calling"), ("environment_factory", "environments")):
-        if given[name]:
-            raise NotImplementedError(f"{name}: {issue} is not implemented in tandem yet; remove {name} to train")
-
-
-def _reward_list(reward_funcs) -> list:
+def _reward_list(reward_funcs, environment_rewards: bool) -> list:
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs] if reward_funcs else []
-    if not funcs:
-        raise ValueError("reward_funcs is empty: pass at least one reward function (e.g. tandem.rewards.accuracy_reward)")
+    if not funcs and not environment_rewards:
+        raise ValueError("reward_funcs is empty and no environment defines get_reward(): pass at least one reward function "
+                         "(e.g. tandem.rewards.accuracy_reward), or give the environment a get_reward() method")
     for func in funcs:
         if not callable(func):
             raise TypeError(f"reward function {func!r} is not callable; pass functions, not {type(func).__name__}")

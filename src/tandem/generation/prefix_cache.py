@@ -1,0 +1,94 @@
+"""Automatic prefix caching: the KV of whole 16-token blocks kept across requests, so a prompt that repeats an
+earlier one (the next turn of a conversation) prefills only its new tokens.
+
+As in vLLM, a block is named by a chained hash of its tokens and the previous block's hash, seeded with the
+adapter serving the request: a hash names the whole prefix up to its block, and different adapters never
+share KV. Only whole blocks are kept and matched, and a lookup always leaves the prompt's last token to be
+computed (its logits pick the first output token). Blocks are kept least-recently-used within a token bound;
+a hit refreshes the blocks from the last to the first, so a chain loses its tail before its head. The
+engine clears the cache whenever the weights change; `epoch` counts the clears, so KV computed before one
+is never stored after it.
+"""
+
+import collections
+import hashlib
+from array import array
+from typing import Callable
+
+import torch
+
+BLOCK_SIZE = 16
+
+
+def block_hashes(tokens: list[int], adapter: str | None, block_size: int = BLOCK_SIZE) -> list[bytes]:
+    """The chained hash of every whole block of `tokens`, the first seeded with the adapter's name."""
+    hashes, previous = [], hashlib.blake2b((adapter or "").encode(), digest_size=16).digest()
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        block = array("q", tokens[start:start + block_size]).tobytes()
+        previous = hashlib.blake2b(previous + block, digest_size=16).digest()
+        hashes.append(previous)
+    return hashes
+
+
+class PrefixCache:
+    """Block hash -> that block's keys and values, `[2, layers, kv_heads, block_size, head_dim]`, in LRU order."""
+
+    def __init__(self, max_tokens: int, block_size: int = BLOCK_SIZE):
+        if max_tokens < 0:
+            raise ValueError(f"prefix cache bound of {max_tokens} tokens: it must be 0 or more")
+        self.block_size = block_size
+        self.max_blocks = max_tokens // block_size
+        self.blocks: collections.OrderedDict[bytes, torch.Tensor] = collections.OrderedDict()
+        self.epoch = 0
+        self.queries = 0
+        """Prompt tokens looked up (vLLM's `prefix_cache_queries`)."""
+        self.hits = 0
+        """Prompt tokens found cached (vLLM's `prefix_cache_hits`)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.blocks) * self.block_size
+
+    def lookup(self, prompt: list[int], adapter: str | None) -> tuple[int, torch.Tensor | None]:
+        """The longest cached run of whole blocks at the start of `prompt`, short of its last token: its length
+        and its KV, `[2, layers, kv_heads, length, head_dim]` (None when nothing matched)."""
+        hashes = block_hashes(prompt[:-1], adapter, self.block_size)
+        matched = hashes[: self._cached_run(hashes)]
+        self._touch(matched)
+        length = len(matched) * self.block_size
+        self.queries += len(prompt)
+        self.hits += length
+        return length, torch.cat([self.blocks[h] for h in matched], dim=3) if matched else None
+
+    def uncached_blocks(self, prompt: list[int], adapter: str | None) -> list[bytes]:
+        """The hashes of the blocks a lookup of `prompt` would not find: those after its cached run."""
+        hashes = block_hashes(prompt[:-1], adapter, self.block_size)
+        return hashes[self._cached_run(hashes):]
+
+    def _cached_run(self, hashes: list[bytes]) -> int:
+        """How many of `hashes`, from the first, are cached."""
+        return next((i for i, h in enumerate(hashes) if h not in self.blocks), len(hashes))
+
+    def store(self, tokens: list[int], adapter: str | None, kv: Callable[[int, int], torch.Tensor]) -> None:
+        """Keep the whole blocks of `tokens`, whose KV is in a cache row: `kv(start, stop)` returns positions
+        start..stop-1 as `lookup` returns them. Only the blocks not yet cached are read."""
+        hashes = block_hashes(tokens, adapter, self.block_size)
+        missing = [i for i, h in enumerate(hashes) if h not in self.blocks]
+        if missing:
+            first = missing[0] * self.block_size
+            new = kv(first, len(hashes) * self.block_size).split(self.block_size, dim=3)
+            for i in missing:
+                self.blocks[hashes[i]] = new[i - missing[0]].clone()
+        self._touch(hashes)
+        while len(self.blocks) > self.max_blocks:
+            self.blocks.popitem(last=False)
+
+    def clear(self) -> None:
+        """Drop every block (the weights changed); KV computed before now must not be stored."""
+        self.blocks.clear()
+        self.epoch += 1
+
+    def _touch(self, hashes: list[bytes]) -> None:
+        """Mark blocks used, the first last: eviction then takes a chain's tail before the blocks it hangs on."""
+        for h in reversed(hashes):
+            self.blocks.move_to_end(h)
