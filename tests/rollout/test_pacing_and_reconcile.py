@@ -1,5 +1,8 @@
 """Pacing rules, the metric window rules, and turn reconciliation, on hand-made numbers."""
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from tandem.metrics.window import MetricWindow
 from tandem.rollout.pacing import ConcurrencyCap, TokenAllowance
 from tandem.rollout.reconcile import reconcile
@@ -70,3 +73,32 @@ def test_a_re_rendered_history_forks_a_new_sample():
     assert [s.input_ids for s in seqs] == [[1, 2, 3, 4], [1, 2, 7, 9, 5]]
     assert sum(sum(s.trained) for s in seqs) == 3, "every generated token is trained exactly once"
     assert (stats.forks, stats.drift_tokens) == (1, [2])
+
+
+def test_a_template_that_strips_earlier_reasoning_forks_at_the_reasoning_and_trains_each_reply_once():
+    """Turn 1 answered with reasoning (<think>=7, 8, </think>=9, answer 4); turn 2's prompt re-renders that reply
+    without its reasoning, as Qwen3's template does, so turn 2 starts a new sample from the whole new prompt."""
+    first = TurnRecord(prompt_ids=[1, 2], output_ids=[7, 8, 9, 4], output_log_probs=[-0.1] * 4)
+    second = TurnRecord(prompt_ids=[1, 2, 4, 5, 6], output_ids=[7, 9, 3], output_log_probs=[-0.2] * 3)
+    seqs, stats = reconcile([first, second])
+    assert [s.input_ids for s in seqs] == [[1, 2, 7, 8, 9, 4], [1, 2, 4, 5, 6, 7, 9, 3]]
+    assert [s.trained for s in seqs] == [[False, False, True, True, True, True],
+                                         [False] * 5 + [True] * 3], "the re-rendered answer is context in the fork"
+    assert (stats.forks, stats.drift_tokens) == (1, [4]), "the whole held reply was re-rendered"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 3), st.integers(1, 4)), min_size=1, max_size=6))
+def test_every_generated_token_is_trained_in_exactly_one_sample(plan):
+    """Each turn either extends the held tokens (with some context) or re-renders them (a fork); whatever the mix,
+    each generated token is trained exactly once and no context token is."""
+    turns, held, fresh = [], [], iter(range(1000, 100000))
+    for extends, context, generated in plan:
+        prompt = held + [0] * context if extends or not held else [held[0] + 1] + held[1:] + [0] * context
+        output = [next(fresh) for _ in range(generated)]
+        turns.append(TurnRecord(prompt_ids=prompt or [0], output_ids=output, output_log_probs=[-1.0] * generated))
+        held = (prompt or [0]) + output
+    seqs, _ = reconcile(turns)
+    trained = [t for s in seqs for t, is_trained in zip(s.input_ids, s.trained) if is_trained]
+    generated = [t for turn in turns for t in turn.output_ids]
+    assert sorted(trained) == sorted(generated), "each generated token once, context never"

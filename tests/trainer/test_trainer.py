@@ -413,3 +413,21 @@ def test_forking_rollouts_train_every_prompt_of_both_epochs_without_stale_drops(
     forks = [r["rollout/samples_per_rollout"] for r in runs["fork"][2] if "rollout/samples_per_rollout" in r]
     assert sum(forks) / len(forks) > 2.5, "the workload forks (an empty reply re-renders unchanged)"
     assert runs["fork"][1] > runs["single"][1], "forks make more samples, so more optimizer steps for the same epochs"
+
+
+class ForkingFlashTrainer(ForkingTrainer):
+    """Records which rollouts each optimizer step trained."""
+
+    def training_step(self, rows):
+        self.steps_rollouts = getattr(self, "steps_rollouts", []) + [{s.rollout_id for row in rows for s in row.samples}]
+        return super().training_step(rows)
+
+
+def test_flash_reinforce_trains_all_samples_of_a_multi_turn_rollout_in_one_step(tmp_path):
+    args = config(tmp_path, algorithm="flash_reinforce", num_generations=1, max_staleness=1, max_steps=8,
+                  token_budget=90, max_completion_length=4)
+    trainer = ForkingFlashTrainer("tiny", arithmetic.correctness_reward, args=args, train_dataset=small_dataset(48))
+    trainer.train()
+    seen = [rollout for step in trainer.steps_rollouts for rollout in step]
+    assert len(seen) == len(set(seen)), "a rollout's samples (one trajectory) are never split across optimizer steps"
+    assert any(r.get("rollout/samples_per_rollout", 0) > 1 for r in logged(tmp_path)), "the rollouts fork"
