@@ -90,7 +90,6 @@ class AsyncRolloutLoop:
         self.rng = random.Random(config.seed + settings.dataset_start_index)
         self.score_queue: asyncio.Queue = asyncio.Queue(maxsize=SCORE_QUEUE_MAXSIZE)
         self.slot = asyncio.Condition()
-        self.failed = asyncio.Event()
         self.failure: BaseException | None = None
         self.records: dict[str, list] = defaultdict(list)
         self.produced_tokens = self.in_flight_tokens = 0.0
@@ -261,21 +260,10 @@ class AsyncRolloutLoop:
     def _note_failure(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None and self.failure is None:
             self.failure = task.exception()
-            self.failed.set()
 
     def _raise_failure(self) -> None:
         if self.failure is not None:
             raise self.failure
-
-    async def _until(self, awaitable) -> None:
-        """Wait for `awaitable`, but raise at once when a watched task fails meanwhile."""
-        work, failed = asyncio.ensure_future(awaitable), asyncio.ensure_future(self.failed.wait())
-        try:
-            await asyncio.wait([work, failed], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            work.cancel()
-            failed.cancel()
-        self._raise_failure()
 
     # ---- the loop ---------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -305,6 +293,7 @@ class AsyncRolloutLoop:
         accepted_in_epoch = group_id = 0
         ended = False
         while not self.channels.stop.is_set():
+            self._raise_failure()
             self._collect_retries()
             if self.retries:
                 retry = self.retries.popleft()
@@ -327,7 +316,6 @@ class AsyncRolloutLoop:
                     self.emit("end", None)
                     ended = True
                 await asyncio.sleep(IDLE_POLL_S)
-                self._raise_failure()
                 continue
             if task is not None:
                 group_id, ended = group_id + 1, False
