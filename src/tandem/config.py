@@ -163,7 +163,8 @@ class Recipe:
 
     config: AsyncGRPOConfig
     model: str
-    dataset: str
+    dataset: str | None
+    """A built-in task or a local file; None only with an environment_factory that makes its own tasks."""
     reward_funcs: list[str] = field(default_factory=list)
     tools: list[str] = field(default_factory=list)
     """Import paths of tool functions."""
@@ -234,7 +235,8 @@ def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
     lora = raw.pop("lora", None)
     if lora is not None and not isinstance(lora, dict):
         raise ValueError(f"lora: expected a mapping of peft.LoraConfig fields (r, lora_alpha, target_modules, ...), got {lora!r}")
-    return Recipe(model=raw.pop("model"), dataset=raw.pop("dataset", "arithmetic"), reward_funcs=_paths(funcs),
+    default_dataset = None if environments else "arithmetic"  # environments may make their own tasks
+    return Recipe(model=raw.pop("model"), dataset=raw.pop("dataset", default_dataset), reward_funcs=_paths(funcs),
                   tools=_paths(tools), environment_factory=environments, lora=lora, config=AsyncGRPOConfig(**raw))
 
 

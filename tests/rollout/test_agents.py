@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tandem import AsyncGRPOConfig, AsyncRolloutLoop, TurnRecord
-from tandem.rollout.environments import EnvironmentPool, environment_tools, reset_prompt, validate_environments
+from tandem.rollout.environments import environment_tools, reset_prompt, validate_environments
 from tandem.rollout.reconcile import reconcile
 from tandem.rollout.settings import RolloutSettings
 from tandem.rollout.tools import validate_tools
@@ -162,10 +162,18 @@ def test_the_iteration_cap_stops_a_rollout_that_keeps_calling_and_it_is_still_tr
 
 def test_a_conversation_that_would_pass_max_model_len_ends_there_and_is_counted():
     loop = make_loop([call("multiply", a=1, b=2)] * 5, tools=[multiply])
-    loop.max_model_len = len(TOKENIZER.apply_chat_template([{"role": "user", "content": "What is 6 times 7?"}])) + 60
+    first = loop.render([{"role": "user", "content": "What is 6 times 7?"}], loop.toolbox([multiply]).schemas)
+    loop.max_model_len = len(first) + 60
     rollout = run(loop)
     assert 1 <= len(rollout.turns) < 5
     assert loop.records["rollout/context_exhausted_count"] == [1]
+
+
+def test_a_first_prompt_that_leaves_no_room_is_a_clear_error():
+    loop = make_loop(["hi"], tools=[multiply])
+    loop.max_model_len = 50
+    with pytest.raises(ValueError, match="leaving no room to generate in max_model_len=50"):
+        run(loop)
 
 
 def test_without_tools_a_reply_is_plain_text_and_nothing_is_run():
@@ -203,9 +211,8 @@ class Game:
 
 
 def test_routing_exposes_only_the_rows_environment_tools():
-    pool = EnvironmentPool({"count": Counter, "game": Game})
-    assert [t.__name__ for t in environment_tools(pool.take("count"))] == ["increment"]
-    assert [t.__name__ for t in environment_tools(pool.take("game"))] == ["move"]
+    assert [t.__name__ for t in environment_tools(Counter())] == ["increment"]
+    assert [t.__name__ for t in environment_tools(Game())] == ["move"]
     loop = make_loop([call("increment", step=1), "ok"], environment_factory={"count": Counter, "game": Game})
     episode = asyncio.run(loop._one_rollout({"environment": "game"}, group_id=0))
     assert "unknown tool 'increment'" in episode.rollout.completion[1]["content"], "the game rollout cannot count"

@@ -141,3 +141,12 @@ def test_the_worker_may_start_a_group_again_once_the_trainer_takes_what_was_queu
     source.peek(model_version=0)
     source.take()
     assert may_start(), "two samples taken free the 10 tokens the next group reserves"
+
+
+def test_a_unit_is_the_run_of_samples_sharing_a_key_a_group_or_a_rollout():
+    a, b = group(0, size=3), group(1, size=1)
+    a[2].rollout_id = "other"
+    source = source_of(("samples", a + b), ("end", None))
+    assert source.peek_unit(0) == [a[0]]
+    assert source.peek_unit(0, same=lambda s: s.position) == a, "the whole group of position 0"
+    assert source.peek_unit(0, same=lambda s: s.rollout_id) == a[:2], "one rollout of it"

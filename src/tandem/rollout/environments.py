@@ -70,7 +70,8 @@ class EnvironmentPool:
         self.idle: dict[str | None, list] = {name: [] for name in factories}
 
     def take(self, name: str | None):
-        return self.idle[name].pop() if self.idle[name] else self.factories[name]()
+        """An idle instance of the factory `name`, or None: make a new one."""
+        return self.idle[name].pop() if self.idle[name] else None
 
     def give_back(self, name: str | None, env) -> None:
         self.idle[name].append(env)

@@ -123,7 +123,12 @@ class AsyncRolloutLoop:
         cap, exhausted = self.config.max_tool_calling_iterations, False
         while True:
             prompt_ids = self.render(list(prompt) + rollout.completion, toolbox.schemas)
-            if rollout.turns and not self._room_after(prompt_ids):
+            if not self._room_after(prompt_ids) and not rollout.turns:
+                raise ValueError(f"a rollout's first prompt renders to {len(prompt_ids)} tokens (the tools' schemas "
+                                 f"included), leaving no room to generate in max_model_len={self.max_model_len}: "
+                                 "shorten the prompt or the text reset() adds, offer fewer tools, or start the server "
+                                 "with a larger --max-model-len")
+            if not self._room_after(prompt_ids):
                 self.record("rollout/context_exhausted_count", 1)
                 break
             turn = await self.generate_one_turn(prompt_ids)
@@ -375,7 +380,7 @@ class AsyncRolloutLoop:
             if self._single_request_groups():
                 episodes = await self._whole_group(row["prompt"])
             else:
-                episodes = await asyncio.gather(*[self._one_rollout(row, group_id) for _ in range(self.config.num_generations)])
+                episodes = await self._rollouts(row, group_id)
         except ServerError as exc:
             # LoRA: the trainer unloads versions older than max_staleness allows; a group that started on one
             # can no longer be sampled, and its samples would be dropped as stale anyway: generate it again.
@@ -392,6 +397,18 @@ class AsyncRolloutLoop:
         self.unscored += 1
         await self.score_queue.put((group, [e.rollout for e in episodes], position))
         self.record("rollout/score_block_s", time.monotonic() - block)
+
+    async def _rollouts(self, row: dict, group_id: int) -> list[Episode]:
+        """The group's rollouts, concurrently; when one fails the others are cancelled (their slots and environments
+        go back at once)."""
+        tasks = [asyncio.ensure_future(self._one_rollout(row, group_id)) for _ in range(self.config.num_generations)]
+        try:
+            return await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
     def _single_request_groups(self) -> bool:
         """Single-turn rollouts with the default hooks: the whole group is one request with n = num_generations
@@ -418,10 +435,12 @@ class AsyncRolloutLoop:
         if not self.factories:
             return Episode(row["prompt"], await self._generate(row["prompt"], self.tools, group_id))
         name = route(row, self.factories)
-        env = await self.runner.run_in_pool(self.environments.take, name)
+        env = self.environments.take(name) or await self._environment_call(f"environment_factory {name or ''}".strip(),
+                                                                           self.factories[name])
         try:
             start = time.monotonic()
-            text = await self.runner.run_in_pool(env.reset, **{k: v for k, v in row.items() if k != ROUTE_COLUMN})
+            text = await self._environment_call(f"{type(env).__name__}.reset()", env.reset,
+                                                **{k: v for k, v in row.items() if k != ROUTE_COLUMN})
             self.record("env/reset_s", time.monotonic() - start)
             prompt = reset_prompt(row.get("prompt"), text)
             rollout = await self._generate(prompt, self.tools + environment_tools(env), group_id)
@@ -443,9 +462,18 @@ class AsyncRolloutLoop:
         if get_reward is None:
             return None
         start = time.monotonic()
-        value = await get_reward() if inspect.iscoroutinefunction(get_reward) else await self.runner.run_in_pool(get_reward)
+        value = await self._environment_call(f"{type(env).__name__}.get_reward()", get_reward)
         self.record("env/reward_s", time.monotonic() - start)
         return type(env), math.nan if value is None else float(value)
+
+    async def _environment_call(self, label: str, func, **kwargs):
+        """An environment's own call (made, reset, scored): awaited when async, on the tool threads when sync, and at most
+        `tool_call_timeout` seconds — a hung environment stops the run with its name instead of holding it forever."""
+        call = func(**kwargs) if inspect.iscoroutinefunction(func) else self.runner.run_in_pool(func, **kwargs)
+        try:
+            return await asyncio.wait_for(call, self.config.tool_call_timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{label} did not return within tool_call_timeout={self.config.tool_call_timeout:g}s") from None
 
     async def _acquire(self, slots: int) -> None:
         async with self.slot:

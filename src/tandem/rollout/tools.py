@@ -25,10 +25,6 @@ class Toolbox:
     funcs: dict[str, Callable]
     schemas: list[dict]
 
-    @classmethod
-    def of(cls, tools: list[Callable]) -> "Toolbox":
-        return cls({tool.__name__: tool for tool in tools}, [tool_schema(tool) for tool in tools])
-
 
 @dataclass
 class ToolResult:

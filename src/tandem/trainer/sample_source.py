@@ -139,18 +139,16 @@ class SampleSource:
             else:
                 return sample
 
-    def peek_group(self, model_version: int) -> list[Sample] | None:
-        """The next trainable sample and the rest of its group still buffered (a group's samples arrive together);
-        None once nothing more will come."""
+    def peek_unit(self, model_version: int, same=None) -> list[Sample] | None:
+        """The next trainable sample, and with `same` (a key: the group's position, the rollout's id) the samples after
+        it that share its key (a group's samples arrive together); None once nothing more will come."""
         first = self.peek(model_version)
         if first is None:
             return None
-        group = [first]
-        for sample in itertools.islice(self.buffer, 1, None):
-            if sample.position != first.position:
-                break
-            group.append(sample)
-        return group
+        unit = [first]
+        if same is not None:
+            unit += itertools.takewhile(lambda s: same(s) == same(first), itertools.islice(self.buffer, 1, None))
+        return unit
 
     def take(self) -> Sample:
         """Remove the sample `peek` returned: it is in a row now, so the worker may generate its tokens again."""

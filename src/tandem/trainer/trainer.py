@@ -7,6 +7,7 @@ objective, step the optimizer, maybe push the new weights to the server, log, ma
 stops them however the run ends. The worker and the trainer share only the queue and a few numbers.
 """
 
+import copy
 import math
 import time
 import warnings
@@ -75,6 +76,8 @@ class AsyncGRPOTrainer:
         if self.lora:
             self.model = with_adapter(self.model, peft_config)
         self.tokenizer = processing_class or AutoTokenizer.from_pretrained(self.model_name if isinstance(model, str) else model.name_or_path)
+        self.rollout_template: str | None = None
+        """A training-safe chat template the worker renders rollouts with, when the model's is not prefix-preserving."""
         if self.tools or environment_factory is not None:
             self._use_training_template()
         self.optimizer, self.scheduler = optimizers
@@ -184,22 +187,26 @@ class AsyncGRPOTrainer:
         return micro_batches
 
     def _fill_micro_batch(self, last: bool) -> None:
-        """Offer samples to the batcher until one fits nowhere. The step's last micro-batch takes whole groups: a group
-        split across two steps would have its second part trained one policy version later (past max_staleness, for
-        a group that was just in bounds), and FlashREINFORCE must train a rollout's samples in one step. A group
-        larger than a whole micro-batch is split (GRPO) or dropped as oversize (FlashREINFORCE)."""
+        """Offer samples to the batcher until one fits nowhere. The step's last micro-batch takes whole units: groups
+        (GRPO: a group split across two steps would have its second part trained a policy version later, past
+        max_staleness for a group that was just in bounds) or rollouts (FlashREINFORCE trains a trajectory in one
+        step). A group larger than a whole micro-batch fills it; a rollout larger than one is dropped as oversize."""
         version, source, batcher = self.state.model_version, self.source, self.batcher
-        while (unit := source.peek_group(version) if last else source.peek(version)) is not None:
-            unit = unit if last else [unit]
+        flash = self.args.algorithm == "flash_reinforce"
+        same = (lambda s: s.rollout_id) if flash else (lambda s: s.position)
+        while (unit := source.peek_unit(version, same if last else None)) is not None:
             if batcher.offer_together(unit):
                 for _ in unit:
                     source.take()
             elif not batcher.empty:
                 return
-            elif self.args.algorithm == "flash_reinforce":
+            elif flash:
                 source.discard_oversize(len(unit))
-            else:
-                last = False  # the group alone overfills a micro-batch: split it
+            else:  # one group overfills the micro-batch: as much of it as fits
+                for sample in unit:
+                    if not batcher.offer(sample):
+                        return
+                    source.take()
 
     def optimizer_step(self) -> float:
         """Clip the accumulated gradients, step the optimizer and the schedule, zero the gradients; returns the
@@ -402,15 +409,16 @@ class AsyncGRPOTrainer:
                           "it: multi-turn rollouts will fork at every re-rendered turn (rollout/fork_frac). Pass a "
                           "processing_class whose chat_template renders earlier turns unchanged.", stacklevel=3)
             return
-        family, template = known
-        self.tokenizer.chat_template = template
+        family, self.rollout_template = known
         print(f"tandem: the chat template is not prefix-preserving ({problem}); training with tandem's {family} training "
               "template, which renders earlier turns unchanged")
 
     def _worker_spec(self, url: str, served_name: str) -> WorkerSpec:
         args = self.args
         tokenizer_path = self.output_dir / ".tokenizer"
-        self.tokenizer.save_pretrained(tokenizer_path)
+        tokenizer = copy.copy(self.tokenizer)  # the training template renders rollouts; checkpoints keep the model's own
+        tokenizer.chat_template = self.rollout_template or self.tokenizer.chat_template
+        tokenizer.save_pretrained(tokenizer_path)
         settings = RolloutSettings(
             config=args, model_name=served_name, tokenizer_path=str(tokenizer_path), dataset=self.dataset,
             reward_funcs=self.reward_funcs, eos_token_ids=eos_ids(self.tokenizer, self.model), base_url=url,
