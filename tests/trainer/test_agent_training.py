@@ -9,8 +9,9 @@ import random
 import pytest
 from datasets import Dataset
 
-from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
+from tandem import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop
 from tandem.tasks import arithmetic
+from tandem.tool_calls import ToolCall
 
 pytestmark = pytest.mark.slow
 
@@ -158,3 +159,34 @@ def test_agent_mistakes_fail_at_construction_naming_the_fix(tmp_path):
     with pytest.raises(TypeError, match="not picklable"):
         AsyncGRPOTrainer("tiny", reward_func, args=args(tmp_path), train_dataset=Dataset.from_dict({"environment": ["x"]}),
                          environment_factory={"x": LocalEnv})
+
+
+# ---- exactness over several turns -------------------------------------------------------------------------------
+class AlwaysCallsLoop(AsyncRolloutLoop):
+    """Every reply is followed by a multiply call (as if the model had written it), so each rollout runs to
+    max_tool_calling_iterations: several turns, tool results in the context, whatever the tiny model says."""
+
+    def reply(self, output_ids, parse):
+        message, _ = super().reply(output_ids, parse)
+        call = ToolCall(name="multiply", arguments={"a": 6, "b": 7})
+        return {**message, "tool_calls": [call.as_message_call()]}, [call]
+
+
+class AlwaysCallsTrainer(AsyncGRPOTrainer):
+    loop_cls = AlwaysCallsLoop
+
+
+def test_at_staleness_zero_several_tool_turns_keep_the_importance_ratio_at_one(tmp_path):
+    """Every trained token is the sampler's own id with its own log-prob, turn after turn (the server's prefix cache
+    on), so the trainer's forward reproduces the sampler: the importance ratio stays 1."""
+    data = Dataset.from_list(arithmetic.make_rows(16, split="train", seed=5))
+    trainer = AlwaysCallsTrainer("tiny", reward_func, args=args(tmp_path, max_staleness=0, max_completion_length=6),
+                                 train_dataset=data, tools=[multiply])
+    trainer.train()
+    rows = [r for r in logged(tmp_path) if "sampling/importance_sampling_ratio/mean" in r]
+    assert rows
+    for r in rows:
+        assert r["sample/staleness_max"] == 0
+        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4, r["sampling/importance_sampling_ratio/mean"]
+    assert all(r["rollout/turns_mean"] == 3 and r["tools/loop_exhausted_frac"] == 1.0
+               for r in logged(tmp_path) if "rollout/turns_mean" in r), "two tool turns, then the cap"
