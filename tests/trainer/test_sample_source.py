@@ -49,6 +49,7 @@ def test_samples_come_out_in_order_and_taking_one_frees_its_tokens_for_the_worke
     while (s := source.peek(model_version=0)) is not None:
         taken.append(source.take())
     assert taken == first + second
+    source.publish(tokens_per_step=20)  # after the step's weight sync
     assert source.counters.consumed_tokens.value == 4 * 5
 
 
@@ -59,6 +60,7 @@ def test_a_group_beyond_max_staleness_is_dropped_counted_and_generated_again():
     assert source.window.get("sample/dropped_stale_count") == 2
     assert source.regenerated == [0], "the worker is asked to generate position 0 again"
     assert source.ledger.watermark == 0, "a stale drop does not finish the prompt: it was never trained"
+    source.publish(tokens_per_step=0)
     assert source.counters.consumed_tokens.value == 2 * 5, "dropped samples leave the queue for good"
 
 
@@ -140,7 +142,18 @@ def test_the_worker_may_start_a_group_again_once_the_trainer_takes_what_was_queu
     source.take()
     source.peek(model_version=0)
     source.take()
+    assert not may_start(), "taken samples free their room only once the step's weights are synced"
+    source.publish(tokens_per_step=10)
     assert may_start(), "two samples taken free the 10 tokens the next group reserves"
+
+
+def test_a_trainer_that_must_wait_for_the_worker_frees_the_room_it_took_at_once():
+    source = source_of(("samples", group(0, size=2, tokens=5)), ("end", None))
+    source.take() if source.peek(model_version=0) else None
+    source.take() if source.peek(model_version=0) else None
+    assert source.counters.consumed_tokens.value == 0
+    assert source.peek(model_version=0) is None
+    assert source.counters.consumed_tokens.value == 10, "before waiting, so a half-filled row cannot deadlock the allowance"
 
 
 def test_a_unit_is_the_run_of_samples_sharing_a_key_a_group_or_a_rollout():

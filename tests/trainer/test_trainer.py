@@ -396,13 +396,12 @@ class ForkingTrainer(AsyncGRPOTrainer):
 
 def test_forking_rollouts_train_every_prompt_of_both_epochs_without_stale_drops(tmp_path):
     """The pacing reserves what rollouts really produce (a forking group puts ~3x the tokens of a single-turn one
-    on the queue) and a step ends on a whole group, so nothing goes stale; num_train_epochs
+    on the queue), the room a step frees is published after its sync (groups it admits start under the new
+    policy) and a step ends on a whole group, so nothing goes stale at max_staleness 1; num_train_epochs
     counts prompts, not the samples forks make, so the forking run takes more steps over the same two epochs."""
     data, runs = small_dataset(8), {}
     for name, trainer_cls in (("fork", ForkingTrainer), ("single", AsyncGRPOTrainer)):
-        # At max_staleness=1 a group now and then still waits one step too many (the allowance counts raw tokens,
-        # a step takes unique ones): one group in three runs. Issue 12 stays open on it.
-        args = config(tmp_path / name, max_steps=-1, num_train_epochs=2, num_generations=3, max_staleness=2,
+        args = config(tmp_path / name, max_steps=-1, num_train_epochs=2, num_generations=3, max_staleness=1,
                       token_budget=160, max_completion_length=4)
         trainer = trainer_cls("tiny", varied_reward, args=args, train_dataset=data)
         runs[name] = (trainer, trainer.train().global_step, logged(tmp_path / name))

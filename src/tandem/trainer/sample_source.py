@@ -74,6 +74,9 @@ class SampleSource:
         self.buffer: deque[Sample] = deque()
         self.ended = False
         """The worker said it had nothing left to send (it sends more if asked to regenerate)."""
+        self.unpublished = 0.0
+        """Tokens taken or dropped since the worker was last told: published after the step's sync, or at once when
+        the trainer has to wait for the worker (so a half-filled row never deadlocks the allowance)."""
         self.pending: set[int] = set()
         """Positions sent back to the worker whose new group has not arrived yet."""
         self.admitted: set[int] = set()
@@ -123,6 +126,7 @@ class SampleSource:
             if not self.buffer:
                 if self.finished:
                     return None
+                self._publish_consumed()  # the worker may need this room to send what we wait for
                 start = time.perf_counter()
                 self.pull(POLL_S)
                 self.wait_s += time.perf_counter() - start
@@ -154,7 +158,7 @@ class SampleSource:
         """Remove the sample `peek` returned: it is in a row now, so the worker may generate its tokens again."""
         sample = self.buffer.popleft()
         self.admitted.add(sample.position)
-        self.counters.consumed_tokens.value += sample.num_tokens
+        self.unpublished += sample.num_tokens
         return sample
 
     def trained(self, samples: list[Sample]) -> None:
@@ -163,9 +167,14 @@ class SampleSource:
             self._consume(sample)
 
     def publish(self, tokens_per_step: float) -> None:
-        """The worker's next allowance: what the last step consumed. Published after the step's weight sync, so the
-        groups it admits start under the new policy."""
+        """The worker's next allowance: what the last step consumed, and the room it made. Published after the step's
+        weight sync, so the groups it admits start under the new policy (and may be trained a step later)."""
         self.counters.tokens_per_step.value = tokens_per_step
+        self._publish_consumed()
+
+    def _publish_consumed(self) -> None:
+        self.counters.consumed_tokens.value += self.unpublished
+        self.unpublished = 0.0
 
     def discard_oversize(self, count: int) -> None:
         """Drop the next `count` samples: together (one rollout) they fit no row."""
@@ -188,7 +197,7 @@ class SampleSource:
         generates the position again, so it is not finished."""
         stale = [s for s in self.buffer if s.position == position]
         self.buffer = deque(s for s in self.buffer if s.position != position)
-        self.counters.consumed_tokens.value += sum(s.num_tokens for s in stale)
+        self.unpublished += sum(s.num_tokens for s in stale)
         self.window.add("sample/dropped_stale_count", len(stale))
         self.ledger.remaining.pop(position, None)
         self.pending.add(position)
