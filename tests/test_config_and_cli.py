@@ -95,6 +95,8 @@ def test_the_toy_update_example_runs_one_step_on_cpu():
 @pytest.mark.parametrize("argv, message", [
     (["train", "examples/demo.yaml", "--learnin_rate", "1e-4"], r"examples/demo.yaml: unknown recipe key\(s\) \['learnin_rate'\]"),
     (["train", "examples/missing.yaml"], "examples/missing.yaml: .*No such file"),
+    (["train", "examples/demo.yaml", "--tools", "[tandem.tasks.arithmetic:calculatr]"],
+     "examples/demo.yaml: cannot import 'tandem.tasks.arithmetic:calculatr'"),
 ])
 def test_a_recipe_mistake_is_one_line_not_a_traceback(argv, message):
     with pytest.raises(SystemExit, match=f"^tandem train: {message}"):

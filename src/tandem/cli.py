@@ -127,17 +127,19 @@ def lora_config(fields: dict):
         raise ValueError(f"lora: {exc}. Use peft.LoraConfig fields (r, lora_alpha, lora_dropout, target_modules, ...)") from None
 
 
-def longest_prompt(recipe) -> int:
-    """The longest dataset prompt in tokens, rendered as the rollout loop renders it."""
+def longest_prompt(recipe, tools: list) -> int:
+    """The longest dataset prompt in tokens, rendered as the rollout loop renders it (with the tools' schemas)."""
     from transformers import AutoTokenizer
 
-    from tandem.prompts import render_prompt
+    from tandem.prompts import render_chat
     from tandem.tasks import datasets
+    from tandem.tool_calls import tool_schema
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_PATH if recipe.model == "tiny" else recipe.model)
     rows = datasets.load(recipe.dataset) if recipe.dataset else []
-    return max((len(render_prompt(tokenizer, row["prompt"], recipe.config.chat_template_kwargs)) for row in rows if row.get("prompt")),
-               default=0)
+    schemas = [tool_schema(tool) for tool in tools] or None
+    return max((len(render_chat(tokenizer, row["prompt"], tools=schemas, chat_template_kwargs=recipe.config.chat_template_kwargs))
+                for row in rows if row.get("prompt")), default=0)
 
 
 def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
@@ -147,8 +149,15 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
         recipe = load_recipe(ns.recipe, overrides)
     except (OSError, ValueError, TypeError) as exc:  # a missing file, an unknown key, a value of the wrong type
         raise SystemExit(f"tandem train: {ns.recipe}: {exc}") from None
+    try:  # an import path of the recipe that does not resolve
+        reward_funcs, tools = [import_object(f) for f in recipe.reward_funcs], [import_object(t) for t in recipe.tools]
+        environments = recipe.environment_factory
+        environments = ({name: import_object(path) for name, path in environments.items()} if isinstance(environments, dict)
+                        else import_object(environments) if environments else None)
+    except ValueError as exc:
+        raise SystemExit(f"tandem train: {ns.recipe}: {exc}") from None
     if ns.dry_run:
-        needed = longest_prompt(recipe) + recipe.config.max_completion_length
+        needed = longest_prompt(recipe, tools) + recipe.config.max_completion_length
         print(yaml.safe_dump({"model": recipe.model, "dataset": recipe.dataset, "reward_funcs": recipe.reward_funcs,
                               **({"tools": recipe.tools} if recipe.tools else {}),
                               **({"environment_factory": recipe.environment_factory} if recipe.environment_factory else {}),
@@ -161,13 +170,6 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
     from tandem import AsyncGRPOTrainer
     from tandem.tasks import datasets
 
-    try:  # an import path of the recipe that does not resolve
-        reward_funcs, tools = [import_object(f) for f in recipe.reward_funcs], [import_object(t) for t in recipe.tools]
-        environments = recipe.environment_factory
-        environments = ({name: import_object(path) for name, path in environments.items()} if isinstance(environments, dict)
-                        else import_object(environments) if environments else None)
-    except ValueError as exc:
-        raise SystemExit(f"tandem train: {ns.recipe}: {exc}") from None
     trainer = AsyncGRPOTrainer(model=recipe.model, reward_funcs=reward_funcs, args=recipe.config,
                                train_dataset=datasets.load(recipe.dataset) if recipe.dataset else None,
                                peft_config=lora_config(recipe.lora) if recipe.lora is not None else None,
