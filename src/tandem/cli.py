@@ -165,6 +165,9 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
                              sort_keys=False))
         print("# Generation server for this recipe (the default without vllm_server_base_url is an embedded tandem serve):")
         print(f"# --max-model-len: the longest prompt ({needed - recipe.config.max_completion_length} tokens) + max_completion_length")
+        if tools or environments:
+            print("# with tools, each later turn re-sends the whole conversation (tool output included) and one that would "
+                  "pass --max-model-len ends there (rollout/context_exhausted_count): raise it for longer tool loops")
         print(serve_command(recipe, needed))
         return
     from tandem import AsyncGRPOTrainer

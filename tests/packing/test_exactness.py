@@ -26,7 +26,8 @@ from tandem.tasks import TINY_MODEL_PATH
 from .samples import tries
 
 TOLERANCE = 1e-5
-LOGPROB_TOLERANCE = {"exact": TOLERANCE, "sdpa": TOLERANCE, "flex": 1e-4}
+LOGPROB_TOLERANCE = {"exact": TOLERANCE, "sdpa": 2e-5, "flex": 1e-4}
+"""SDPA's fused kernel sums a packed row in another order than the unpacked sequence: fp32 rounding, ~1e-6 relative."""
 GRADIENT_TOLERANCE = {"exact": 1e-5, "sdpa": 2e-5}
 NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target)
 TEMPERATURE = 0.7

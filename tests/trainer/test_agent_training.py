@@ -1,7 +1,7 @@
 """The spec's agent-training examples (spec 000, 에이전트 학습) run as written, with the tiny model for the hub model,
 a few steps for max_steps=1000, and a defined reward function where the spec writes `...`. Real processes: an
-embedded `tandem serve`, a spawned rollout worker. (The examples whose only reward is the environment's own wait
-for the tool-calling tiny model: with today's model that reward never varies, so no group trains.)"""
+embedded `tandem serve`, a spawned rollout worker. The tiny model calls an offered integer tool on part of the
+requests, so an environment's own reward varies within a group and groups train."""
 
 import json
 import random
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 def args(tmp_path, **overrides) -> AsyncGRPOConfig:
     """The spec's AsyncGRPOConfig, sized for two CPU cores."""
-    values = dict(output_dir=str(tmp_path / "run"), max_steps=3, num_generations=4, max_completion_length=24,
+    values = dict(output_dir=str(tmp_path / "run"), max_steps=3, num_generations=4, max_completion_length=32,
                   learning_rate=1e-4, gradient_checkpointing=False, save_strategy="no", vllm_server_timeout=120,
                   rollout_worker_timeout=60, max_tool_calling_iterations=2)
     values.update(overrides)
@@ -92,6 +92,61 @@ class IncrementEnv:
         """
         self.counter += step
         return self.counter
+
+
+def test_the_spec_self_sampling_environment_trains_without_a_dataset(tmp_path):
+    trainer = AsyncGRPOTrainer(model="tiny", args=args(tmp_path, max_steps=2), environment_factory=IncrementEnv)
+    assert trainer.train().global_step == 2
+    rows = logged(tmp_path)
+    assert any("rewards/IncrementEnv/mean" in r for r in rows), "the environment's reward is a source named after it"
+    assert any("env/reset_s" in r and "env/reward_s" in r for r in rows)
+    assert any(r.get("tools/increment/call_count", 0) > 0 for r in rows), "the model called the environment's tool"
+    assert "epoch" not in rows[-1], "without a dataset there are no epochs, only max_steps"
+
+
+class DatasetIncrementEnv:
+    def reset(self, target, **kwargs) -> None:  # the row's `target` column arrives as a keyword argument
+        self.counter = 0
+        self.target = target
+
+    def get_reward(self) -> float:
+        return float(self.counter == self.target)
+
+    def increment(self, step: int) -> int:
+        """
+        Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+
+        Returns:
+            The updated counter value.
+        """
+        self.counter += step
+        return self.counter
+
+
+def test_the_spec_dataset_driven_environment_trains(tmp_path):
+    dataset = Dataset.from_dict({
+        "prompt": [[{"role": "user", "content": f"Increment the counter to {i}."}] for i in range(1, 7)],
+        "target": list(range(1, 7)),
+    })
+    trainer = AsyncGRPOTrainer(model="tiny", args=args(tmp_path, max_steps=2), train_dataset=dataset,
+                               environment_factory=DatasetIncrementEnv)
+    assert trainer.train().global_step == 2
+
+
+def format_reward(completions, **kwargs) -> list[float]:  # trainer-owned: scores the completion text
+    """1.0 when the first reply is a tool call (defined here: the spec leaves it to the reader)."""
+    return [float(bool(c and c[0].get("tool_calls"))) for c in completions]
+
+
+def test_env_owned_and_trainer_owned_rewards_add_up(tmp_path):
+    trainer = AsyncGRPOTrainer(model="tiny", args=args(tmp_path, max_steps=2), reward_funcs=format_reward,
+                               environment_factory=IncrementEnv)
+    assert trainer.train().global_step == 2
+    rows = [r for r in logged(tmp_path) if "reward" in r]
+    assert rows and all("rewards/format_reward/mean" in r and "rewards/IncrementEnv/mean" in r for r in rows)
 
 
 # ---- 여러 환경: routing by the dataset's environment column -------------------------------------------------------
@@ -176,11 +231,17 @@ class AlwaysCallsTrainer(AsyncGRPOTrainer):
     loop_cls = AlwaysCallsLoop
 
 
+def random_reward(completions, **kwargs) -> list[float]:
+    """Any reward that varies within a group (the tiny model's truncated replies may all be alike): this test
+    checks log-probs, not learning."""
+    return [random.random() for _ in completions]
+
+
 def test_at_staleness_zero_several_tool_turns_keep_the_importance_ratio_at_one(tmp_path):
     """Every trained token is the sampler's own id with its own log-prob, turn after turn (the server's prefix cache
     on), so the trainer's forward reproduces the sampler: the importance ratio stays 1."""
     data = Dataset.from_list(arithmetic.make_rows(16, split="train", seed=5))
-    trainer = AlwaysCallsTrainer("tiny", reward_func, args=args(tmp_path, max_staleness=0, max_completion_length=6),
+    trainer = AlwaysCallsTrainer("tiny", random_reward, args=args(tmp_path, max_staleness=0, max_completion_length=6),
                                  train_dataset=data, tools=[multiply])
     trainer.train()
     rows = [r for r in logged(tmp_path) if "sampling/importance_sampling_ratio/mean" in r]

@@ -105,7 +105,7 @@ class CrashAfterThree(AsyncGRPOTrainer):
 
 
 def test_resume_trains_every_prompt_of_the_epoch(tmp_path):
-    data = small_dataset(24)
+    data = small_dataset(48)
     # A small budget (about two groups a row) so the epoch takes more than the three steps before the crash.
     args = config(tmp_path, max_steps=-1, num_train_epochs=1, save_strategy="steps", save_steps=2, max_staleness=1, token_budget=100)
     first = CrashAfterThree("tiny", accuracy_reward, args=args, train_dataset=data)
@@ -115,13 +115,13 @@ def test_resume_trains_every_prompt_of_the_epoch(tmp_path):
     resumed = AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=data)
     resumed.train(resume_from_checkpoint=True)
     start = json.loads((tmp_path / "run" / "checkpoint-2" / "rollout_state.json").read_text())["dataset_start_index"]
-    assert set(resumed.source.ledger.finished) >= set(range(start, 24)), "the resumed run covers everything from the watermark"
-    assert before | set(resumed.source.ledger.finished) == set(range(24)), "no prompt of the epoch is skipped"
+    assert set(resumed.source.ledger.finished) >= set(range(start, 48)), "the resumed run covers everything from the watermark"
+    assert before | set(resumed.source.ledger.finished) == set(range(48)), "no prompt of the epoch is skipped"
 
     full = AsyncGRPOTrainer("tiny", accuracy_reward, args=config(tmp_path / "full", max_steps=-1, num_train_epochs=1, max_staleness=1),
                             train_dataset=data)
     full.train()
-    assert set(full.source.ledger.finished) == set(range(24))
+    assert set(full.source.ledger.finished) == set(range(48))
 
 
 def test_errors_before_any_training_work(tmp_path):
