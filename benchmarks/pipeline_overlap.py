@@ -33,9 +33,9 @@ class SynchronousTrainer(AsyncGRPOTrainer):
     """Generation and training take turns: the server is paused from the step's first forward until the step's
     weight sync has reloaded it (the sync pauses, reloads and resumes; a step without a sync resumes it here)."""
 
-    def training_step(self, rows):
+    def training_step(self, micro_batches):
         self.session.run(self.session.control.pause("keep"))
-        return super().training_step(rows)
+        return super().training_step(micro_batches)
 
     def optimizer_step(self):
         grad_norm = super().optimizer_step()

@@ -27,7 +27,8 @@ BENCHMARKS = {  # in README order, with about how long each takes on the project
     "packing": "~4 min",
     "logprob_memory": "~2 min",
     "proxy": "~10 s",
-    "weight_sync": "~1.5 min",
+    "weight_sync": "~2 min",
+    "fsdp": "~2 min",
     "serve_throughput": "~2 min",
     "multiturn": "~30 s",
 }

@@ -101,3 +101,25 @@ def test_the_toy_update_example_runs_one_step_on_cpu():
 def test_a_recipe_mistake_is_one_line_not_a_traceback(argv, message):
     with pytest.raises(SystemExit, match=f"^tandem train: {message}"):
         main(argv + ["--dry-run"])
+
+
+def test_tandem_serve_refuses_a_bad_weight_transfer_config_in_one_line():
+    for value, message in [("{backend: gloo}", "is not JSON"), ('{"backend": "nccl"}', "nccl is vllm serve's")]:
+        done = subprocess.run([sys.executable, "-m", "tandem", "serve", "tiny", "--weight-transfer-config", value],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_fsdp_config_takes_reshard_after_forward_and_refuses_the_rest():
+    assert AsyncGRPOConfig(fsdp_config={"fsdp_reshard_after_forward": False}).fsdp_config == {"fsdp_reshard_after_forward": False}
+    assert AsyncGRPOConfig(fsdp_config='{"reshard_after_forward": true}').fsdp_config == {"reshard_after_forward": True}
+    with pytest.raises(ValueError, match=r"fsdp_config keys \['cpu_offload'\] are not supported"):
+        AsyncGRPOConfig(fsdp_config={"cpu_offload": True})
+    with pytest.raises(ValueError, match="expected true or false"):
+        AsyncGRPOConfig(fsdp_config={"reshard_after_forward": "no"})
+
+
+def test_the_api_key_is_read_from_the_environment_and_masked_in_logs(monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "sekret")
+    config = AsyncGRPOConfig()
+    assert config.vllm_server_api_key == "sekret" and config.to_dict()["vllm_server_api_key"] == "***"

@@ -19,7 +19,7 @@ ALLOWED = {
     "proxy": {"generation.client"},
     "packing": {"rollout.records"},
     "rollout": {"generation.client", "metrics"},
-    "trainer": {"generation.client", "generation.launcher", "packing", "losses", "metrics", "rollout.records",
+    "trainer": {"generation.client", "generation.launcher", "generation.weight_transfer", "packing", "losses", "metrics", "rollout.records",
                 "rollout.loop", "rollout.settings", "rollout.worker", "rollout.tools", "rollout.environments"},
 }
 """What each folder may import from the other folders (its own folder and NEUTRAL always)."""

@@ -43,6 +43,12 @@ def serve_parser(sub) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of earlier requests' whole 16-token blocks, so a repeated prefix (the next turn of "
                         "a conversation) is not prefilled again; dropped on every weight or adapter change (default on, as vLLM)")
+    p.add_argument("--weight-transfer-config", default=None,
+                   help='\'{"backend": "gloo"}\' enables /init_weight_transfer_engine, /update_weights, ...: the trainer '
+                        "streams weights over a torch.distributed gloo group instead of writing them to disk (as vLLM's "
+                        "flag; nccl is vllm serve's)")
+    p.add_argument("--weight-transfer-timeout-s", type=float, default=600.0,
+                   help="seconds a weight-transfer collective may wait for the trainer before it fails (default 600)")
     p.add_argument("--prefix-cache-max-tokens", type=int, default=None,
                    help="tokens the prefix cache keeps at most, least recently used evicted (default: --max-num-seqs x --max-model-len)")
 
@@ -79,10 +85,15 @@ def run_proxy(ns: argparse.Namespace) -> None:
 
 def run_serve(ns: argparse.Namespace) -> None:
     from tandem.generation.server import VLLM_PROTOCOL_VERSION, ServeArgs, start_server
+    from tandem.generation.weight_transfer import parse_config
     from tandem.httpapp import run_until_interrupted
 
     if ns.return_sampling_mask and ns.logprobs_mode != "processed_logprobs":
         sys.exit("tandem serve: --return-sampling-mask needs --logprobs-mode processed_logprobs (as in vLLM).")
+    try:
+        parse_config(ns.weight_transfer_config)
+    except ValueError as exc:  # not JSON, or a backend tandem serve does not have
+        sys.exit(f"tandem serve: {exc}")
     args = ServeArgs(**{k: v for k, v in vars(ns).items() if k != "command"})
     if args.model == "tiny":
         args.model = TINY_MODEL_PATH
@@ -178,6 +189,12 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
                                peft_config=lora_config(recipe.lora) if recipe.lora is not None else None,
                                tools=tools or None, environment_factory=environments)
     output = trainer.train()
+    if trainer.ranks.several:  # torchrun: rank 0 reports for all
+        import torch.distributed
+
+        torch.distributed.destroy_process_group()
+        if not trainer.ranks.main:
+            return
     history = trainer.reward_history
     print(f"\ntrained {output.global_step} steps; checkpoints in {recipe.config.output_dir}, "
           f"metrics in {recipe.config.output_dir}/metrics.jsonl")

@@ -8,6 +8,8 @@ value is checked up front so a bad one fails before any process starts, with the
 
 import dataclasses
 import importlib
+import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,9 @@ class AsyncGRPOConfig:
     model_init_kwargs: dict | None = None
     dtype: str = "float32"
     router_aux_loss_coef: float | None = None
+    fsdp_config: dict | None = None
+    """Under torchrun (FSDP2): {"reshard_after_forward": bool} (default true; false keeps each layer's gathered
+    weights from its forward to its backward: more memory, one all-gather fewer)."""
 
     # ---- generation ----
     num_generations: int = 8
@@ -70,6 +75,13 @@ class AsyncGRPOConfig:
     vllm_server_base_url: str | None = None
     """URL of `vllm serve` / `tandem serve` / `tandem proxy`. None: start `tandem serve` for the model."""
     vllm_server_timeout: float = 1800.0
+    vllm_server_api_key: str | None = None
+    """Sent as `Authorization: Bearer KEY` to a server started with --api-key. None: $VLLM_API_KEY if set. tandem's own."""
+    vllm_server_host: str = "127.0.0.1"
+    """The embedded server's bind address (0.0.0.0 to let other machines generate from it). tandem's own."""
+    weight_transfer_address: str = "127.0.0.1"
+    """Where servers with a weight-transfer backend reach the trainer's rank 0 to join its transfer group: an address of
+    this machine they can connect to (loopback for servers on this machine). tandem's own."""
 
     # ---- the loss ----
     algorithm: str = "grpo"
@@ -144,6 +156,11 @@ class AsyncGRPOConfig:
         if self.lr_scheduler_type in ("linear", "cosine") and self.max_steps <= 0:
             raise ValueError(f"AsyncGRPOConfig.lr_scheduler_type={self.lr_scheduler_type!r} decays over max_steps, "
                              "but max_steps is not set: set max_steps, or use 'constant'.")
+        if self.vllm_server_api_key is None:
+            self.vllm_server_api_key = os.environ.get("VLLM_API_KEY") or None
+        if isinstance(self.fsdp_config, str):  # transformers accepts a JSON string (or a file) here
+            self.fsdp_config = json.loads(Path(self.fsdp_config).read_text() if Path(self.fsdp_config).is_file() else self.fsdp_config)
+        reshard_after_forward(self.fsdp_config)
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         if self.min_p == 0:
@@ -154,7 +171,27 @@ class AsyncGRPOConfig:
         return self.top_k > 0 or self.top_p < 1 or self.min_p is not None
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field, the API key masked (this is what logs, sinks and dry runs show)."""
+        values = dataclasses.asdict(self)
+        if values["vllm_server_api_key"]:
+            values["vllm_server_api_key"] = "***"
+        return values
+
+
+RESHARD_KEYS = ("reshard_after_forward", "fsdp_reshard_after_forward")
+
+
+def reshard_after_forward(fsdp_config: dict | None) -> bool:
+    """FSDP2's `reshard_after_forward` from the spec's `fsdp_config` (accelerate's `fsdp_` prefix accepted)."""
+    config = dict(fsdp_config or {})
+    values = [config.pop(key) for key in RESHARD_KEYS if key in config]
+    if config:
+        raise ValueError(f"AsyncGRPOConfig.fsdp_config keys {sorted(config)} are not supported: tandem shards with FSDP2 "
+                         "and takes reshard_after_forward (true frees each layer's gathered weights after its forward; "
+                         "false keeps them for the backward: more memory, no second all-gather).")
+    if values and not isinstance(values[0], bool):
+        raise ValueError(f"AsyncGRPOConfig.fsdp_config reshard_after_forward={values[0]!r}: expected true or false.")
+    return values[0] if values else True
 
 
 @dataclass

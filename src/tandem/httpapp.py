@@ -8,7 +8,11 @@ import asyncio
 from aiohttp import web
 
 AUTH_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
-"""The paths vLLM's `--api-key` guards; dev routes, `/health` and `/metrics` stay open (reference/vllm_protocol.md §1)."""
+"""The paths vLLM's `--api-key` guards; its dev routes, `/health` and `/metrics` stay open (reference/vllm_protocol.md §1)."""
+CONTROL_PATHS = ("/pause", "/resume", "/reset_prefix_cache", "/collective_rpc", "/init_weight_transfer_engine",
+                 "/start_weight_update", "/update_weights", "/finish_weight_update")
+"""Routes that change what a server serves: tandem guards them with `--api-key` too (vLLM leaves them open), so a
+server bound beyond loopback cannot be paused or given weights by anyone who reaches it. Reads stay open."""
 
 
 def error_body(status: int, message: str, type: str, param: str | None = None) -> dict:
@@ -21,11 +25,12 @@ def error_response(status: int, message: str, type: str, param: str | None = Non
 
 
 def api_key_auth(api_key: str | None):
-    """A middleware answering 401 as vLLM does when a guarded path lacks `Authorization: Bearer <api_key>`."""
+    """A middleware answering 401 as vLLM does when a guarded path (vLLM's, and the control routes) lacks
+    `Authorization: Bearer <api_key>`."""
 
     @web.middleware
     async def auth(request: web.Request, handler):
-        if api_key and request.path.startswith(AUTH_PREFIXES):
+        if api_key and (request.path.startswith(AUTH_PREFIXES) or request.path in CONTROL_PATHS):
             if request.headers.get("Authorization") != f"Bearer {api_key}":
                 return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)

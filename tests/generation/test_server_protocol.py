@@ -230,15 +230,21 @@ def test_metrics_use_vllm_names_and_labels(server):
     assert 'kv_cache_size_tokens="65536"' in text  # 64 sequences x 1024 tokens
 
 
-def test_api_key_guards_v1_but_not_health():
+def test_api_key_guards_v1_and_the_control_routes_but_not_reads():
     from tests.conftest import ServerThread
 
-    s = ServerThread(api_key="sekret")
+    s = ServerThread(api_key="sekret", weight_transfer_config='{"backend": "gloo"}')
+    key = {"Authorization": "Bearer sekret"}
     try:
         status, body = s.post("/v1/completions", {"prompt": PROMPT})
         assert status == 401 and body == {"error": "Unauthorized"}
-        assert s.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 1}, headers={"Authorization": "Bearer sekret"})[0] == 200
-        assert s.get("/health")[0] == 200 and s.get("/metrics")[0] == 200
+        assert s.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 1}, headers=key)[0] == 200
+        for path in ("/pause", "/resume", "/reset_prefix_cache", "/collective_rpc", "/init_weight_transfer_engine",
+                     "/start_weight_update", "/update_weights", "/finish_weight_update"):
+            assert s.post(path, {}) == (401, {"error": "Unauthorized"}), f"{path} must need the key"
+        assert s.post("/pause", headers=key)[0] == 200 and s.post("/resume", headers=key)[0] == 200
+        for path in ("/health", "/metrics", "/is_paused", "/server_info", "/get_world_size", "/weight_info"):
+            assert s.get(path)[0] == 200, f"{path} is a read and stays open"
     finally:
         s.close()
 

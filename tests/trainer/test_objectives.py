@@ -13,7 +13,7 @@ from tandem.losses import flash_reinforce_loss
 from tandem.packing import pack
 from tandem.packing.logprobs import TokenLogprobs
 from tandem.rollout.records import Sample
-from tandem.trainer.objectives import ClippedSurrogate, FlashReinforce, ScoreCentering, make_objective
+from tandem.trainer.objectives import ClippedSurrogate, FlashReinforce, LossShare, ScoreCentering, make_objective
 
 F64 = torch.float64
 BOUNDS = {"epsilon_low": 0.2, "epsilon_high": 0.28, "clip_min": 0.5, "clip_max": 5.0}
@@ -39,7 +39,7 @@ def scored(logprobs, entropy=None, extra=None, aux_loss=None) -> TokenLogprobs:
                          None if aux_loss is None else torch.tensor(aux_loss, dtype=F64, requires_grad=True))
 
 
-def no_scoring(row):
+def no_scoring():
     raise AssertionError("a per-token objective scores nothing ahead of the rows")
 
 
@@ -57,7 +57,7 @@ def test_clipped_surrogate_is_the_masked_clipped_ratio_over_trained_tokens_and_r
     row = two_sample_row()
     old, advantages = row.old_logprobs.double(), row.advantages.double()
     forward = scored((old + torch.tensor(RATIOS, dtype=F64).log()).tolist())
-    result = ClippedSurrogate(BOUNDS, aux_loss_coef=0.1).row_loss(row, forward, num_rows=2)
+    result = ClippedSurrogate(BOUNDS, aux_loss_coef=0.1).row_loss(row, forward, LossShare(tokens=5 * 2, rows=2))
     result.loss.backward()
     ratio = torch.tensor(RATIOS, dtype=F64)
     clipped = ratio.clamp(0.8, 1.28)
@@ -84,7 +84,7 @@ def test_score_centering_subtracts_the_top_k_expectation():
     top_policy = top_sampler + torch.tensor([[1.2, 6.0], [0.9, 0.6], [1.0, 1.0]], dtype=F64).log()
     top_policy[2, 1] = -3.0
     forward = scored([-0.5 + math.log(1.2), -1.0 + math.log(0.9), -0.25], extra=top_policy.tolist())
-    result = ScoreCentering(BOUNDS, aux_loss_coef=0.0).row_loss(row, forward, num_rows=1)
+    result = ScoreCentering(BOUNDS, aux_loss_coef=0.0).row_loss(row, forward, LossShare.of([row], 1))
     result.loss.backward()
     ratio = torch.tensor([1.2, 0.9, 1.0], dtype=F64)  # every sampled token in bounds
     kept_top = torch.tensor([[1, 0], [1, 1], [1, 0]], dtype=F64) * top_policy.exp()  # m_v·π(v)
@@ -100,7 +100,7 @@ def test_score_centering_subtracts_the_top_k_expectation():
 def test_score_centering_without_the_samplers_top_logprobs_names_the_fix():
     row = two_sample_row()
     with pytest.raises(ValueError, match="logprobs=num_sampler_logprobs .or set score_centering=False"):
-        ScoreCentering(BOUNDS, aux_loss_coef=0.0).row_loss(row, scored([-0.5] * 5), num_rows=1)
+        ScoreCentering(BOUNDS, aux_loss_coef=0.0).row_loss(row, scored([-0.5] * 5), LossShare.of([row], 1))
 
 
 @pytest.mark.parametrize("objective", [ClippedSurrogate, ScoreCentering])
@@ -108,12 +108,12 @@ def test_the_router_loss_is_added_scaled_per_row_and_recorded_unscaled(objective
     tops = [None, {2: -0.5}, {3: -1.0}]
     row = pack([turn("a", [1, 2, 3], [0, 1, 1], advantage=0.0, logprobs=[0.0, -0.5, -1.0], top=tops)])
     forward = scored([-0.5, -1.0], extra=[[-0.5], [-1.0]], aux_loss=2.5)
-    result = objective(BOUNDS, aux_loss_coef=0.1).row_loss(row, forward, num_rows=4)
+    result = objective(BOUNDS, aux_loss_coef=0.1).row_loss(row, forward, LossShare(tokens=2 * 4, rows=4))
     result.loss.backward()
     assert result.loss.item() == pytest.approx(0.1 * 2.5 / 4, abs=1e-12)  # A = 0: the router loss alone
     assert forward.aux_loss.grad.item() == pytest.approx(0.1 / 4)
     assert result.metrics["aux_loss"] == [2.5]
-    without = objective(BOUNDS, aux_loss_coef=0.1).row_loss(row, scored([-0.5, -1.0], extra=[[-0.5], [-1.0]]), num_rows=4)
+    without = objective(BOUNDS, aux_loss_coef=0.1).row_loss(row, scored([-0.5, -1.0], extra=[[-0.5], [-1.0]]), LossShare(tokens=2 * 4, rows=4))
     assert "aux_loss" not in without.metrics and without.loss.item() == 0.0
 
 
@@ -143,14 +143,14 @@ def test_flash_reinforce_treats_a_multi_turn_rollout_as_one_trajectory_across_ro
     ratios = {id(rows[0]): [1.1, 0.9, 1.0], id(rows[1]): [1.2, 0.8, 1.05]}
     forwards = {id(r): scored((r.old_logprobs.double() + torch.tensor(ratios[id(r)], dtype=F64).log()).tolist()) for r in rows}
     objective = FlashReinforce(delta=float("inf"), negative_token_fraction=1.0)
-    records = objective.begin_step(rows, lambda row: forwards[id(row)])
+    records = objective.begin_step(rows, lambda: [forwards[id(row)] for row in rows])
     assert set(records) == FLASH_STEP and records["flash/acceptance_rate"] == [1.0]
     assert len(records["flash/sequence_kl_mean"]) == 2  # two trajectories, not three samples
     expected = {id(rows[0]): [-0.5 * r / 5 / 2 for r in ratios[id(rows[0])]],
                 id(rows[1]): [-0.5 * r / 5 / 2 for r in ratios[id(rows[1])][:2]] + [0.5 * 1.05 / 1 / 2]}
     for row in rows:
         forward = forwards[id(row)]
-        result = objective.row_loss(row, forward, num_rows=2)
+        result = objective.row_loss(row, forward, LossShare.of(rows, 1))
         result.loss.backward()
         assert torch.allclose(forward.logprobs.grad, torch.tensor(expected[id(row)], dtype=F64), atol=1e-12)
         assert set(result.metrics) == TOKEN_STATS
@@ -162,7 +162,7 @@ def test_flash_reinforce_treats_a_multi_turn_rollout_as_one_trajectory_across_ro
 def test_a_row_not_seen_by_begin_step_is_refused():
     objective = FlashReinforce(delta=1.0, negative_token_fraction=1.0)
     with pytest.raises(RuntimeError, match="not among the rows passed to begin_step"):
-        objective.row_loss(two_sample_row(), scored([-0.5] * 5), num_rows=1)
+        objective.row_loss(two_sample_row(), scored([-0.5] * 5), LossShare.of([two_sample_row()], 1))
 
 
 def random_step(seed: int) -> list:
@@ -218,10 +218,9 @@ def test_flash_reinforce_coefficients_equal_the_token_by_token_rearrangement(see
                               torch.rand(row.num_trained, generator=generator)) for row in rows]
     delta, fraction = 0.02, 0.5  # some trajectories rejected; failed ones keep their highest-entropy half
     objective = FlashReinforce(delta, fraction)
-    by_row = {id(row): forward for row, forward in zip(rows, forwards)}
-    records = objective.begin_step(rows, lambda row: by_row[id(row)])
+    records = objective.begin_step(rows, lambda: forwards)
     assert 0.0 < records["flash/acceptance_rate"][0] < 1.0
     for row, forward, reference in zip(rows, forwards, reference_coefficients(rows, forwards, delta, fraction)):
         logprobs = forward.logprobs.clone().requires_grad_(True)
-        objective.row_loss(row, TokenLogprobs(logprobs, forward.entropy), num_rows=len(rows)).loss.backward()
+        objective.row_loss(row, TokenLogprobs(logprobs, forward.entropy), LossShare.of(rows, 1)).loss.backward()
         assert torch.equal(logprobs.grad, reference)

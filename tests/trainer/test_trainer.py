@@ -69,9 +69,9 @@ ONE_RANK_CONSTANTS = ["batch/row_imbalance", "batch/pad_frac", "perf/weight_sync
 
 
 class SlowTrainer(AsyncGRPOTrainer):
-    def training_step(self, rows):
+    def training_step(self, micro_batches):
         time.sleep(0.3)
-        return super().training_step(rows)
+        return super().training_step(micro_batches)
 
 
 class SlowLoop(AsyncRolloutLoop):
@@ -98,10 +98,10 @@ def test_staleness_is_bounded_stale_samples_are_dropped_and_the_allowance_holds(
 
 
 class CrashAfterThree(AsyncGRPOTrainer):
-    def training_step(self, rows):
+    def training_step(self, micro_batches):
         if self.state.step == 3:
             raise KeyboardInterrupt("simulated crash after step 3")
-        return super().training_step(rows)
+        return super().training_step(micro_batches)
 
 
 def test_resume_trains_every_prompt_of_the_epoch(tmp_path):
@@ -192,10 +192,10 @@ def test_a_hung_worker_is_detected_by_its_heartbeat(tmp_path):
 
 
 class KillServerTrainer(AsyncGRPOTrainer):
-    def training_step(self, rows):
+    def training_step(self, micro_batches):
         if self.state.step == 1:
             os.kill(self.session.server.process.pid, signal.SIGKILL)
-        return super().training_step(rows)
+        return super().training_step(micro_batches)
 
 
 def test_the_embedded_servers_death_is_reported(tmp_path):
@@ -417,9 +417,9 @@ def test_forking_rollouts_train_every_prompt_of_both_epochs_without_stale_drops(
 class ForkingFlashTrainer(ForkingTrainer):
     """Records which rollouts each optimizer step trained."""
 
-    def training_step(self, rows):
-        self.steps_rollouts = getattr(self, "steps_rollouts", []) + [{s.rollout_id for row in rows for s in row.samples}]
-        return super().training_step(rows)
+    def training_step(self, micro_batches):
+        self.steps_rollouts = getattr(self, "steps_rollouts", []) + [{s.rollout_id for mb in micro_batches for row in mb for s in row.samples}]
+        return super().training_step(micro_batches)
 
 
 def test_flash_reinforce_trains_all_samples_of_a_multi_turn_rollout_in_one_step(tmp_path):

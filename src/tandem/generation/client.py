@@ -53,7 +53,7 @@ class ServerMetrics:
 class _Http:
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 600.0,
                  max_retries: int = 5, backoff_s: float = 0.5, max_backoff_s: float = 8.0, connections: int = 0):
-        self.base_url = base_url.rstrip("/")
+        self.base_url, self.api_key = base_url.rstrip("/"), api_key
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
@@ -208,6 +208,21 @@ class ControlClient(_Http):
 
     async def reset_prefix_cache(self) -> bool:
         return bool((await self.post_json("/reset_prefix_cache")).get("success", True))
+
+    async def init_weight_transfer(self, init_info: dict) -> None:
+        """Join the server's workers to the trainer's transfer group (returns once they have joined)."""
+        await self.request("POST", "/init_weight_transfer_engine", body={"init_info": init_info}, retry=False)
+
+    async def start_weight_update(self) -> None:
+        await self.request("POST", "/start_weight_update", body={}, retry=False)
+
+    async def update_weights(self, names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> None:
+        """Announce the tensors the trainer now broadcasts, in this order; returns once the server has them all."""
+        body = {"update_info": {"names": names, "dtype_names": dtype_names, "shapes": shapes}}
+        await self.request("POST", "/update_weights", body=body, retry=False)
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        await self.request("POST", "/finish_weight_update", body={"weight_version": weight_version}, retry=False)
 
     async def load_lora(self, name: str, path: str) -> None:
         await self.request("POST", "/v1/load_lora_adapter", body={"lora_name": name, "lora_path": path, "load_inplace": False})

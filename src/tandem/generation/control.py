@@ -1,4 +1,4 @@
-"""The control routes of `tandem serve`: pause and resume, weight reloads and runtime LoRA adapters.
+"""The control routes of `tandem serve`: pause and resume, weight reloads, weight transfers and runtime LoRA adapters.
 
 These are vLLM's dev routes (`/pause`, `/collective_rpc`, ...) and its LoRA routes; the trainer drives them
 around each weight sync. Anything that changes the model runs on the engine thread between two steps, and
@@ -17,6 +17,7 @@ from tandem.generation import protocol
 from tandem.generation.engine import Engine
 from tandem.generation.lora import AdapterNotFound, AdapterSet
 from tandem.generation.protocol import ApiError, bad_request
+from tandem.generation.weight_transfer import Receiver, TransferError
 
 logger = logging.getLogger("tandem.serve")
 WEIGHT_TRANSFER_PATHS = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update")
@@ -31,8 +32,7 @@ def load_weights(model: torch.nn.Module, weights_path: str) -> int:
     files = sorted(Path(weights_path).glob("*.safetensors"))
     if not files:
         raise WeightsError(f"reload_weights: no *.safetensors files in {weights_path}")
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    params = {name.replace(".base_layer", ""): p for name, p in base.named_parameters()}
+    params = served_parameters(model)
     loaded = 0
     with torch.no_grad():
         for file in files:
@@ -46,11 +46,18 @@ def load_weights(model: torch.nn.Module, weights_path: str) -> int:
     return loaded
 
 
-class Control:
-    """Pause state, weight reloads and adapter registration over one engine."""
+def served_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The served model's parameters under their checkpoint names (a LoRA wrapper's `.base_layer` removed)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {name.replace(".base_layer", ""): p for name, p in base.named_parameters()}
 
-    def __init__(self, engine: Engine, adapters: AdapterSet | None, names: list[str]):
-        self.engine, self.adapters, self.names = engine, adapters, names
+
+class Control:
+    """Pause state, weight reloads, weight transfers and adapter registration over one engine."""
+
+    def __init__(self, engine: Engine, adapters: AdapterSet | None, names: list[str], receiver: Receiver | None = None):
+        self.engine, self.adapters, self.names, self.receiver = engine, adapters, names, receiver
+        self.weight_version = "default"
         self.pause_mode: str | None = None
         """None while serving; 'abort' and 'wait' refuse new requests, 'keep' freezes the running ones."""
 
@@ -114,12 +121,58 @@ class Control:
         return web.Response(status=200)
 
     async def weight_info(self, _: web.Request) -> web.Response:
-        return web.json_response({"weight_version": "default"})
+        return web.json_response({"weight_version": self.weight_version})
 
-    async def weight_transfer(self, _: web.Request) -> web.Response:
-        raise ApiError(500, "Weight transfer not configured. Please set weight_transfer_config to enable weight transfer. "
-                            "tandem serve has no NCCL weight transfer: reload weights with /collective_rpc reload_weights.",
-                       "InternalServerError")
+    async def weight_transfer(self, request: web.Request) -> web.Response:
+        """The four routes of vLLM's weight-transfer API (reference/vllm_protocol.md §6.1) over the gloo group of
+        generation/weight_transfer.py. Joining and receiving block, so they run on a thread; the swap runs on the
+        engine thread between two steps and drops the prefix cache."""
+        if self.receiver is None:
+            raise ApiError(500, "Weight transfer not configured. Please set weight_transfer_config to enable weight "
+                                "transfer (tandem serve: --weight-transfer-config '{\"backend\": \"gloo\"}').",
+                           "InternalServerError")
+        body = await request.json() if request.can_read_body else {}
+        body = body if isinstance(body, dict) else {}
+        try:
+            return await self._transfer_step(request.path, body)
+        except TransferError as exc:
+            raise ApiError(400, str(exc), "BadRequestError") from None
+        except RuntimeError as exc:  # the group failed: a peer died or a collective timed out
+            logger.exception("weight transfer %s failed", request.path)
+            raise ApiError(500, f"weight transfer failed: {exc}", "InternalServerError") from None
+
+    async def _transfer_step(self, path: str, body: dict) -> web.Response:
+        receiver = self.receiver
+        if path == "/init_weight_transfer_engine":
+            if not isinstance(body.get("init_info"), dict):
+                raise TransferError("Missing 'init_info' in request body")
+            await asyncio.to_thread(receiver.init, body["init_info"])
+            return web.json_response({"message": "Weight transfer initialized"})
+        if path == "/start_weight_update":
+            receiver.start()
+            return web.json_response({"message": "Weight update started"})
+        if path == "/update_weights":
+            info = body.get("update_info")
+            if isinstance(info, list):  # one entry per worker: this server has one, the entry of its rank
+                info = info[0] if len(info) == 1 else None
+            if not isinstance(info, dict):
+                raise TransferError("Missing 'update_info' in request body (an object, or a list with one per worker)")
+            await asyncio.to_thread(receiver.receive, info, served_parameters(self.engine.model))
+            return web.json_response({"message": "Weights updated"})
+        staged = receiver.finish(discard=bool(body.get("discard")))  # "discard": tandem proxy's, see Receiver.finish
+
+        def swap():
+            self.engine.reset_prefix_cache()
+            params = served_parameters(self.engine.model)
+            with torch.no_grad():
+                for name, tensor in staged.items():
+                    params[name].copy_(tensor)
+
+        if staged:
+            await asyncio.wrap_future(self.engine.call(swap))
+        if body.get("weight_version") is not None:
+            self.weight_version = str(body["weight_version"])
+        return web.json_response({"message": "Weight update finished"})
 
     # ---- LoRA ------------------------------------------------------------------------------------
     async def load_lora(self, request: web.Request) -> web.Response:

@@ -29,6 +29,7 @@ from tandem.generation.lora import AdapterSet
 from tandem.generation.prefix_cache import BLOCK_SIZE
 from tandem.generation.preparation import Ask, Preparer
 from tandem.generation.protocol import ApiError, bad_request
+from tandem.generation.weight_transfer import Receiver, parse_config
 from tandem.httpapp import api_key_auth, error_response, start_app
 
 logger = logging.getLogger("tandem.serve")
@@ -68,6 +69,9 @@ class ServeArgs:
     step_delay_s: float = 0.0
     enable_prefix_caching: bool = True
     prefix_cache_max_tokens: int | None = None
+    weight_transfer_config: str | None = None
+    """JSON, as vLLM's flag: '{"backend": "gloo"}' enables the weight-transfer routes (generation/weight_transfer.py)."""
+    weight_transfer_timeout_s: float = 600.0
 
 
 SERVER_KEY = web.AppKey("tandem_server", object)
@@ -159,7 +163,10 @@ class Server:
             self.tokenizer, self.vocab_size, self.max_model_len, sampling_defaults(args), args.max_logprobs,
             args.max_num_seqs, args.return_sampling_mask, random.Random(args.seed) if args.seed is not None else None,
         )
-        self.control = Control(self.engine, self.adapters, self.names)
+        transfer = parse_config(args.weight_transfer_config)
+        self.control = Control(self.engine, self.adapters, self.names,
+                               Receiver(args.weight_transfer_timeout_s) if transfer is not None else None)
+        self.transfer_config = transfer
         self.text = responses.TokenText(self.tokenizer)
         self.fingerprint = f"vllm-{VLLM_PROTOCOL_VERSION}-tandem"
         self.started = int(time.time())
@@ -340,6 +347,7 @@ class Server:
             "parallel_config": {"data_parallel_size": 1, "tensor_parallel_size": 1, "pipeline_parallel_size": 1},
             "lora_config": lora,
             "device_config": {"device": str(self.engine.device)},
+            "weight_transfer_config": self.transfer_config,
         }
 
     async def server_info(self, request: web.Request) -> web.Response:

@@ -82,8 +82,9 @@ def row_logprobs(model: torch.nn.Module, row: PackedRow, kernel: str, temperatur
     position_ids = position_ids.to(device)
     masks = tree_masks(end.to(device), position_ids, model, kernel)
     moe = hasattr(model.config.get_text_config(), "output_router_logits")
-    out = model.get_decoder()(input_ids=input_ids[None].to(device), position_ids=position_ids[None],
-                              attention_mask=masks, use_cache=False, **({"output_router_logits": True} if moe else {}))
+    router = {"output_router_logits": False} if moe else {}  # the model's own aux loss cannot read a tree mask
+    out = decoder_output(model, {"output_router_logits": True} if moe else {}, input_ids=input_ids[None].to(device),
+                         position_ids=position_ids[None], attention_mask=masks, use_cache=False, **router)
     hidden = out.last_hidden_state[0, row.predict_index.to(device)]
     kept = row.kept_ids.to(device) if row.kept_ids is not None else None
     top = row.top_ids.to(device) if row.top_ids is not None else None
@@ -92,6 +93,22 @@ def row_logprobs(model: torch.nn.Module, row: PackedRow, kernel: str, temperatur
     if moe:
         scored.aux_loss = _load_balancing_loss(model, out.router_logits, row.num_tokens, input_ids.numel())
     return scored
+
+
+def decoder_output(model: torch.nn.Module, decoder_kwargs: dict, **inputs):
+    """The decoder's output (hidden states before the head, and `decoder_kwargs` passed to the decoder alone), from a
+    call of the model itself with one logit kept: under FSDP2 the root module's forward is what gathers the
+    embeddings and the head, which the chunked head then reads (the root keeps them gathered until its backward)."""
+    captured = []
+    decoder = model.get_decoder()
+    hooks = [decoder.register_forward_pre_hook(lambda module, args, kwargs: (args, kwargs | decoder_kwargs), with_kwargs=True),
+             decoder.register_forward_hook(lambda module, args, output: captured.append(output))]
+    try:
+        model(**inputs, logits_to_keep=1)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return captured[-1]
 
 
 def _load_balancing_loss(model, router_logits, real_tokens: int, tokens: int) -> torch.Tensor:

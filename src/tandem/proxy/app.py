@@ -30,7 +30,7 @@ from tandem.proxy.router import PrefixRouter
 
 ROUTED = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
 BROADCAST = ("/pause", "/resume", "/reset_prefix_cache", "/v1/unload_lora_adapter", "/collective_rpc")
-NCCL_WEIGHT_TRANSFER = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update")
+WEIGHT_TRANSFER = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update")
 HOP_BY_HOP = {"host", "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
               "transfer-encoding", "upgrade", "content-length", "content-encoding", "authorization"}
 
@@ -123,6 +123,8 @@ class Proxy:
         self.upstreams = [Upstream(url.rstrip("/")) for url in args.upstreams]
         self.router = PrefixRouter(len(self.upstreams), args.block_size, args.imbalance)
         self.session: aiohttp.ClientSession | None = None
+        self.transfer_failed = False
+        """The open weight update failed on some replica: its finish tells every replica to discard it."""
         self.tokenizer = None
         if args.tokenizer:
             from transformers import AutoTokenizer  # only with --tokenizer: the proxy starts fast without it
@@ -141,8 +143,9 @@ class Proxy:
             app.router.add_post(path, self.routed)
         for path in BROADCAST:
             app.router.add_route("*", path, self.broadcast)
-        for path in NCCL_WEIGHT_TRANSFER:
-            app.router.add_route("*", path, self.refuse_nccl)
+        app.router.add_get("/get_world_size", self.world_size)
+        for path in WEIGHT_TRANSFER:
+            app.router.add_post(path, self.weight_transfer)
         app.router.add_route("*", "/{tail:.*}", self.forward)
         return app
 
@@ -227,10 +230,70 @@ class Proxy:
         status, headers, data = results[0]
         return web.Response(status=200, body=data, headers=headers)
 
-    async def refuse_nccl(self, request: web.Request) -> web.Response:
-        return error(501, f"proxy: {request.path}: NCCL weight transfer cannot pass through tandem proxy (each replica "
-                          "would need its own NCCL group). Sync through files instead: LoRA adapters "
-                          "(/v1/load_lora_adapter) or /collective_rpc reload_weights, which the proxy sends to every replica.")
+    async def world_size(self, request: web.Request) -> web.Response:
+        """The replicas' workers together: the trainer sizes its transfer group from this."""
+        sizes = await self._world_sizes(request)
+        return web.json_response({"world_size": sum(sizes)}) if sizes else error(502, "proxy: a replica did not tell its world size")
+
+    async def _world_sizes(self, request: web.Request) -> list[int] | None:
+        results = await asyncio.gather(*(self._send(u, "GET", "/get_world_size", None, request.headers) for u in self.upstreams))
+        try:
+            return [int(json.loads(data)["world_size"]) for status, _, data in results if status == 200] if all(
+                status == 200 for status, _, _ in results) else None
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    async def weight_transfer(self, request: web.Request) -> web.Response:
+        """vLLM's four weight-transfer calls, sent to every replica at once; the answer comes when all have answered.
+        One group holds the trainer and every replica's workers: `init_info.rank_offset` becomes each replica's offset
+        (its workers follow the previous replicas'), and a per-worker `update_info` list is split among the replicas.
+        An update that failed on any replica is finished with "discard" everywhere, so all replicas or none serve it."""
+        try:
+            body = json.loads(await request.read() or b"{}")
+        except json.JSONDecodeError as exc:
+            return error(400, f"proxy: the request body is not valid JSON: {exc}")
+        if not isinstance(body, dict):
+            return error(400, "proxy: the request body must be a JSON object")
+        if request.path == "/start_weight_update":
+            self.transfer_failed = False
+        bodies = await self._transfer_bodies(request, body)
+        if isinstance(bodies, web.Response):
+            return bodies
+        if request.path == "/finish_weight_update" and self.transfer_failed:
+            bodies = [b | {"discard": True} for b in bodies]
+        results = await asyncio.gather(*(self._send(u, "POST", request.path_qs, json.dumps(b).encode(),
+                                                    {"Content-Type": "application/json"})
+                                         for u, b in zip(self.upstreams, bodies)))
+        failed = [(u, r) for u, r in zip(self.upstreams, results) if r[0] != 200]
+        if failed and request.path == "/update_weights":
+            self.transfer_failed = True
+        if failed:
+            upstream, (status, _, data) = failed[0]
+            return error(status, f"proxy: {len(failed)}/{len(results)} servers failed {request.path}; first: {upstream.url} "
+                                 f"-> {status} {data[:300].decode(errors='replace')}")
+        status, headers, data = results[0]
+        return web.Response(status=200, body=data, headers=headers)
+
+    async def _transfer_bodies(self, request: web.Request, body: dict) -> list[dict] | web.Response:
+        """Each replica's body of a weight-transfer call."""
+        if request.path not in ("/init_weight_transfer_engine", "/update_weights"):
+            return [body] * len(self.upstreams)
+        sizes = await self._world_sizes(request)
+        if sizes is None:
+            return error(502, "proxy: a replica did not tell its world size (GET /get_world_size)")
+        if request.path == "/init_weight_transfer_engine":
+            info = body.get("init_info")
+            if not isinstance(info, dict) or "rank_offset" not in info:
+                return error(400, "proxy: /init_weight_transfer_engine needs init_info with rank_offset")
+            offsets = [int(info["rank_offset"]) + sum(sizes[:i]) for i in range(len(sizes))]
+            return [body | {"init_info": info | {"rank_offset": offset}} for offset in offsets]
+        info = body.get("update_info")
+        if not isinstance(info, list):
+            return [body] * len(self.upstreams)
+        if len(info) != sum(sizes):
+            return error(400, f"proxy: update_info has {len(info)} entries; the replicas have {sum(sizes)} workers")
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [body | {"update_info": info[start:start + size]} for start, size in zip(starts, sizes)]
 
     async def load_lora(self, request: web.Request) -> web.Response:
         raw = await request.read()

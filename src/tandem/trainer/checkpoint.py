@@ -1,21 +1,38 @@
-"""Checkpoints: model, tokenizer, optimizer, scheduler, trainer state and `rollout_state.json`.
+"""Checkpoints: the training state through `torch.distributed.checkpoint`, a plain model folder beside it, and the
+counters of the run.
 
-A checkpoint is written to a temporary folder and renamed into place, so a crash never leaves a
-half-written `checkpoint-N`. `rollout_state.json` holds the first prompt position not yet trained:
-resuming starts the worker there, so no prompt is skipped (a few may be trained twice).
+    checkpoint-N/
+      config.json, *.safetensors, tokenizer files   the model as transformers, vLLM and `tandem serve` load it
+                                                    (the adapter alone for a LoRA run)
+      distributed/                                  DCP: trainable weights and optimizer state, sharded by rank,
+                                                    loadable on any number of ranks
+      scheduler.pt, trainer_state.json, rollout_state.json
+
+Every rank calls `save` and `load` (DCP is collective); rank 0 alone writes the small files. A checkpoint is
+written to a temporary folder and renamed into place, so a crash never leaves a half-written `checkpoint-N`.
+`rollout_state.json` holds the first prompt position not yet trained: resuming starts the worker there, so no
+prompt is skipped (a few may be trained twice).
 """
 
 import json
 import re
 import shutil
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from tandem.trainer.distributed import Ranks, full_tensor
 from tandem.trainer.weight_sync import quiet_progress
 
 PATTERN = re.compile(r"^checkpoint-(\d+)$")
+SHARDS = "distributed"
+ONLY_TRAINABLE = StateDictOptions(ignore_frozen_params=True)
+"""The frozen weights (a LoRA run's base model) come back from the model folder the run starts from."""
 
 
 @dataclass
@@ -26,23 +43,74 @@ class TrainerState:
     num_tokens: int
 
 
-def save(folder: Path, model, tokenizer, optimizer, scheduler, state: TrainerState, save_total_limit: int | None) -> Path:
+@contextmanager
+def one_process_is_intended():
+    """DCP warns on every call without a process group that it assumes one process: here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def save_model_folder(model, folder: Path, ranks: Ranks) -> None:
+    """`model` as a folder transformers loads (`save_pretrained`'s layout), from one rank or from FSDP2 shards.
+    Sharded weights go through DCP's Hugging Face writer: every rank writes its shards, then rank 0 joins them into
+    whole safetensors files tensor by tensor, so no rank ever holds the whole model. Every rank calls this."""
+    if not ranks.several:
+        with quiet_progress():
+            model.save_pretrained(folder, safe_serialization=True)
+        return
+    if hasattr(model, "peft_config"):  # an adapter is small: gathered whole, saved by rank 0
+        from peft import get_peft_model_state_dict
+
+        adapter = {name: full_tensor(value).cpu() for name, value in get_peft_model_state_dict(model).items()}
+        if ranks.main:
+            with quiet_progress():
+                model.save_pretrained(folder, safe_serialization=True, state_dict=adapter)
+        ranks.barrier()
+        return
+    if ranks.main:
+        folder.mkdir(parents=True, exist_ok=True)
+        model.config.save_pretrained(folder)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(folder)
+    weights = dict(model.named_parameters())  # tied weights once, under their first name (as save_pretrained does)
+    weights |= {name: b for name, b in model.named_buffers() if name.rsplit(".", 1)[-1] not in _non_persistent(model, name)}
+    dcp.save(weights, storage_writer=dcp.HuggingFaceStorageWriter(str(folder), save_distributed=True, enable_consolidation=True))
+    ranks.barrier()
+    if ranks.main:
+        shutil.rmtree(folder / "sharded", ignore_errors=True)  # the writer's per-rank files, joined above
+
+
+def _non_persistent(model, buffer_name: str) -> set[str]:
+    owner = model.get_submodule(buffer_name.rpartition(".")[0])
+    return set(getattr(owner, "_non_persistent_buffers_set", ()))
+
+
+def save(folder: Path, model, tokenizer, optimizer, scheduler, state: TrainerState, save_total_limit: int | None,
+         ranks: Ranks) -> Path:
     target = folder / f"checkpoint-{state.step}"
     staging = folder / f".checkpoint-{state.step}.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
-    with quiet_progress():
-        model.save_pretrained(staging, safe_serialization=True)
-    tokenizer.save_pretrained(staging)
-    torch.save(optimizer.state_dict(), staging / "optimizer.pt")
-    torch.save(scheduler.state_dict(), staging / "scheduler.pt")
-    (staging / "trainer_state.json").write_text(json.dumps({"step": state.step, "model_version": state.model_version,
-                                                            "num_tokens": state.num_tokens}, indent=2))
-    (staging / "rollout_state.json").write_text(json.dumps({"dataset_start_index": state.dataset_start_index}, indent=2))
-    shutil.rmtree(target, ignore_errors=True)
-    staging.rename(target)
-    if save_total_limit:
-        for old in checkpoints(folder)[:-save_total_limit]:
-            shutil.rmtree(old, ignore_errors=True)
+    if ranks.main:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    ranks.barrier()
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=ONLY_TRAINABLE)
+    with one_process_is_intended():
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(staging / SHARDS))
+    save_model_folder(model, staging, ranks)
+    if ranks.main:
+        tokenizer.save_pretrained(staging)
+        torch.save(scheduler.state_dict(), staging / "scheduler.pt")
+        (staging / "trainer_state.json").write_text(json.dumps({
+            "step": state.step, "model_version": state.model_version, "num_tokens": state.num_tokens,
+            "world_size": ranks.world_size}, indent=2))
+        (staging / "rollout_state.json").write_text(json.dumps({"dataset_start_index": state.dataset_start_index}, indent=2))
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+        if save_total_limit:
+            for old in checkpoints(folder)[:-save_total_limit]:
+                shutil.rmtree(old, ignore_errors=True)
+    ranks.barrier()
     return target
 
 
@@ -62,11 +130,22 @@ def resolve(resume_from_checkpoint, output_dir: Path) -> Path | None:
     path = Path(resume_from_checkpoint)
     if not (path / "rollout_state.json").is_file():
         raise FileNotFoundError(f"{path} is not a tandem checkpoint (no rollout_state.json)")
+    if not (path / SHARDS).is_dir():
+        raise FileNotFoundError(f"{path} has no {SHARDS}/ folder: it was written before tandem saved training state "
+                                "through torch.distributed.checkpoint. Start from its model folder instead (model: "
+                                f"{path}) or from a newer checkpoint.")
     return path
 
 
-def load_state(path: Path, optimizer, scheduler) -> TrainerState:
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+def load(path: Path, model, optimizer, scheduler) -> TrainerState:
+    """Weights, optimizer and schedule from checkpoint `path`, resharded to this run's ranks; every rank calls it."""
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=ONLY_TRAINABLE)
+    loaded = {"model": model_state, "optimizer": optimizer_state}
+    with one_process_is_intended():
+        dcp.load(loaded, checkpoint_id=str(path / SHARDS))
+    # strict=False: the frozen weights are absent by design; DCP has already failed on any trainable one missing
+    set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"],
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     trainer = json.loads((path / "trainer_state.json").read_text())
     rollout = json.loads((path / "rollout_state.json").read_text())

@@ -1,17 +1,19 @@
 """The training objectives behind one interface: what a row's loss is, and what it records.
 
-The trainer's step reads the same whatever the objective:
+The trainer's step reads the same whatever the objective, on one rank or several:
 
     records = objective.begin_step(rows, score)          # once per optimizer step, before any forward
-    for row in rows:
-        result = objective.row_loss(row, row_logprobs(model, row, ...), len(rows))
-        result.loss.backward()                            # records += result.metrics
+    for micro_batch in micro_batches:
+        for row in this rank's rows of micro_batch:
+            result = objective.row_loss(row, row_logprobs(model, row, ...), LossShare.of(micro_batch, ...))
+            result.loss.backward()                        # records += result.metrics
 
 `ClippedSurrogate` (spec 000, 손실 계산, score_centering=False) and `ScoreCentering` (the default) are
-per-token losses over the row, normalised by its trained tokens and averaged over the step's rows, plus
-the MoE router's load-balancing loss. `FlashReinforce` (spec 004) is one loss over the whole step: its
-`begin_step` scores every row without gradients and fixes each token's coefficient c_t, then each row's
-loss is Σ_t c_t log π_θ(a_t), whose gradient is the row's share of the FlashREINFORCE update.
+per-token losses normalised by the trained tokens of the whole micro-batch (every rank's rows) and averaged
+over the micro-batches, plus the MoE router's load-balancing loss: summed over ranks, the gradient is one
+process's over the same rows. `FlashReinforce` (spec 004) is one loss over the whole step: its
+`begin_step` scores every row of the step without gradients (`score` returns every rank's) and fixes each
+token's coefficient c_t, then each row's loss is Σ_t c_t log π_θ(a_t), the row's share of the update.
 """
 
 from collections.abc import Callable
@@ -29,6 +31,19 @@ from tandem.packing.trie import PackedRow
 
 
 @dataclass
+class LossShare:
+    """What a row's loss is divided by to be its share of the step's loss."""
+
+    tokens: int  # the trained tokens of the row's micro-batch (all ranks' rows) x the step's micro-batches
+    rows: int    # the rows of the step (per-row terms such as the MoE aux loss are averaged over them)
+
+    @classmethod
+    def of(cls, micro_batch: list[PackedRow], num_micro_batches: int) -> "LossShare":
+        trained = sum(row.num_trained for row in micro_batch)
+        return cls(max(trained, 1) * num_micro_batches, len(micro_batch) * num_micro_batches)
+
+
+@dataclass
 class RowLoss:
     loss: torch.Tensor        # scalar, differentiable: this row's share of the step's loss (the trainer backwards it)
     metrics: dict[str, list]  # window records {metric name: [values]}
@@ -37,13 +52,14 @@ class RowLoss:
 class Objective:
     """The loss of each packed row of an optimizer step; ClippedSurrogate, ScoreCentering, FlashReinforce."""
 
-    def begin_step(self, rows: list[PackedRow], score: Callable[[PackedRow], TokenLogprobs]) -> dict[str, list]:
-        """Once per optimizer step, before any row's forward; `score(row)` is a no-grad forward of a row.
-        Returns step-level metric records. Per-token objectives need nothing here."""
+    def begin_step(self, rows: list[PackedRow], score: Callable[[], list[TokenLogprobs]]) -> dict[str, list]:
+        """Once per optimizer step, before any row's forward; `rows` are the step's rows on every rank, and `score()`
+        their no-grad forwards, in the same order. Returns step-level metric records. Per-token objectives need
+        nothing here (and never call `score`)."""
         return {}
 
-    def row_loss(self, row: PackedRow, scored: TokenLogprobs, num_rows: int) -> RowLoss:
-        """`scored` is the row's forward with gradients; `num_rows` the rows of the step."""
+    def row_loss(self, row: PackedRow, scored: TokenLogprobs, share: LossShare) -> RowLoss:
+        """`scored` is the row's forward with gradients."""
         raise NotImplementedError
 
 
@@ -60,15 +76,15 @@ class ClippedSurrogate(Objective):
         losses, stats = clipped_surrogate(scored.logprobs, old, advantages, **self.bounds)
         return losses, stats, {}
 
-    def row_loss(self, row: PackedRow, scored: TokenLogprobs, num_rows: int) -> RowLoss:
+    def row_loss(self, row: PackedRow, scored: TokenLogprobs, share: LossShare) -> RowLoss:
         device = scored.logprobs.device
         old, advantages = row.old_logprobs.to(device), row.advantages.to(device)
         losses, stats, metrics = self.token_losses(row, scored, old, advantages)
         # Normalised by the trained tokens of the micro-batch, then averaged over the accumulated micro-batches.
-        loss = losses.sum() / max(row.num_trained, 1) / num_rows
+        loss = losses.sum() / share.tokens
         if scored.aux_loss is not None:  # MoE: the router's load-balancing loss, with the model's coefficient by default
             metrics["aux_loss"] = [float(scored.aux_loss.detach())]
-            loss = loss + self.aux_loss_coef * scored.aux_loss / num_rows
+            loss = loss + self.aux_loss_coef * scored.aux_loss / share.rows
         return RowLoss(loss, metrics | token_stats(row, scored.logprobs.detach(), old, scored.entropy, stats))
 
 
@@ -99,9 +115,8 @@ class FlashReinforce(Objective):
         self.coefficients: dict[int, torch.Tensor] = {}
         """c_t of each row of the current step, by id(row); set by begin_step, taken by row_loss."""
 
-    def begin_step(self, rows: list[PackedRow], score: Callable[[PackedRow], TokenLogprobs]) -> dict[str, list]:
-        with torch.no_grad():
-            scored = [score(row) for row in rows]
+    def begin_step(self, rows: list[PackedRow], score: Callable[[], list[TokenLogprobs]]) -> dict[str, list]:
+        scored = score()
         device = scored[0].logprobs.device
         layout = TrajectoryLayout.of(rows, device)
         current = layout.scatter(torch.cat([s.logprobs for s in scored])).requires_grad_(True)
@@ -119,7 +134,7 @@ class FlashReinforce(Objective):
                 "flash/sequence_kl_max": [float(kl.max())],
                 "flash/retained_tokens_frac": [float(retained.sum() / policy.sum())]}
 
-    def row_loss(self, row: PackedRow, scored: TokenLogprobs, num_rows: int) -> RowLoss:
+    def row_loss(self, row: PackedRow, scored: TokenLogprobs, share: LossShare) -> RowLoss:
         if id(row) not in self.coefficients:
             raise RuntimeError("FlashReinforce.row_loss: this row was not among the rows passed to begin_step")
         logprobs = scored.logprobs

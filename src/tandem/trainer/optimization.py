@@ -5,6 +5,7 @@ import math
 import torch
 
 from tandem.config import AsyncGRPOConfig
+from tandem.trainer.distributed import full_tensor
 
 
 def make_optimizer(model: torch.nn.Module, args: AsyncGRPOConfig) -> torch.optim.Optimizer:
@@ -35,5 +36,7 @@ def clip_gradients(model: torch.nn.Module, max_grad_norm: float | None) -> torch
     convention: clipping to 0 would zero every update)."""
     parameters = [p for p in model.parameters() if p.grad is not None]
     if not max_grad_norm:
-        return torch.nn.utils.get_total_norm([p.grad for p in parameters])
-    return torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm)
+    return full_tensor(norm)  # sharded gradients (FSDP2) give the norm as a DTensor

@@ -16,8 +16,8 @@ from tandem.rollout.worker import RolloutWorker, WorkerSpec
 
 
 class Session:
-    def __init__(self, timeout_s: float):
-        self.timeout_s = timeout_s
+    def __init__(self, timeout_s: float, api_key: str | None = None):
+        self.timeout_s, self.api_key = timeout_s, api_key
         self.stack = ExitStack()
         self.runner = asyncio.Runner()
         self.server: EmbeddedServer | None = None
@@ -50,14 +50,14 @@ class Session:
 
     def connect(self, url: str) -> ControlClient:
         """The control-plane client, once the server at `url` answers /health."""
-        self.control = ControlClient(url, timeout_s=self.timeout_s)
+        self.control = ControlClient(url, api_key=self.api_key, timeout_s=self.timeout_s)
         self.stack.callback(lambda: self.run(self.control.close()))
         self.run(self.control.wait_healthy(self.timeout_s))
         return self.control
 
     def generation_client(self) -> GenerationClient:
         """A generation client of the connected server, closed with the session."""
-        client = GenerationClient(self.control.base_url, timeout_s=self.timeout_s)
+        client = GenerationClient(self.control.base_url, api_key=self.api_key, timeout_s=self.timeout_s)
         self.stack.callback(lambda: self.run(client.close()))
         return client
 

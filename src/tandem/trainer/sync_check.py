@@ -33,18 +33,26 @@ class SyncGap:
 
 async def sync_gap(client: GenerationClient, served_name: str, model: torch.nn.Module, prompt_ids: list[int],
                    kernel: str) -> SyncGap:
-    """Sample `PROBE_TOKENS` tokens under `served_name` at temperature 1 (full vocabulary, so raw and processed
-    log-probs coincide; past any end-of-sequence token, for a probe of fixed length) and compare their log-probs with
-    `model`'s forward in eval mode."""
-    completion = (await client.complete(prompt_ids, max_tokens=PROBE_TOKENS, model=served_name, seed=PROBE_SEED,
-                                        ignore_eos=True))[0]
-    served = torch.tensor(completion.logprobs, dtype=torch.float64)
-    ours = policy_logprobs(model, prompt_ids, completion.token_ids, kernel)
-    return SyncGap(served_name, len(served), float((served - ours).abs().max()))
+    """Sample `PROBE_TOKENS` tokens under `served_name` and compare their served log-probs with `model`'s forward."""
+    served = await probe(client, served_name, prompt_ids)
+    return compare(served_name, served, policy_logprobs(model, prompt_ids, served.token_ids, kernel))
+
+
+async def probe(client: GenerationClient, served_name: str, prompt_ids: list[int]):
+    """A completion of `PROBE_TOKENS` tokens under `served_name` at temperature 1 (full vocabulary, so raw and processed
+    log-probs coincide; past any end-of-sequence token, for a probe of fixed length), with its log-probs."""
+    return (await client.complete(prompt_ids, max_tokens=PROBE_TOKENS, model=served_name, seed=PROBE_SEED, ignore_eos=True))[0]
+
+
+def compare(served_name: str, served, ours: torch.Tensor) -> SyncGap:
+    """How far the probe's served log-probs are from the trainer's over the same tokens (`ours`)."""
+    gap = (torch.tensor(served.logprobs, dtype=torch.float64) - ours).abs()
+    return SyncGap(served_name, len(gap), float(gap.max()))
 
 
 def policy_logprobs(model: torch.nn.Module, prompt_ids: list[int], completion_ids: list[int], kernel: str) -> torch.Tensor:
-    """log π_θ of each completion token given what precedes it: the trainer's own packed forward, no dropout."""
+    """log π_θ of each completion token given what precedes it: the trainer's own packed forward, no dropout (every
+    rank of a sharded model runs it)."""
     ids = list(prompt_ids) + list(completion_ids)
     sample = Sample(input_ids=ids, trained=[False] * len(prompt_ids) + [True] * len(completion_ids),
                     logprobs=[0.0] * len(ids), advantage=0.0, model_version=0, group_id=0, position=0,

@@ -8,6 +8,7 @@ stops them however the run ends. The worker and the trainer share only the queue
 """
 
 import copy
+import json
 import math
 import time
 import warnings
@@ -16,9 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from peft import set_peft_model_state_dict
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from tandem.config import AsyncGRPOConfig
 from tandem.metrics.window import MetricWindow
@@ -32,16 +31,17 @@ from tandem.rollout.settings import RolloutSettings
 from tandem.rollout.tools import validate_tools
 from tandem.rollout.worker import WorkerSpec, check_picklable
 from tandem.tool_calls import tool_schema
-from tandem.trainer import OPENMP_POLICY_TOO_LATE, checkpoint, sync_check
+from tandem.trainer import OPENMP_POLICY_TOO_LATE, checkpoint, distributed, sync_check
 from tandem.trainer.batching import TokenBudgetBatcher
 from tandem.trainer.checkpoint import TrainerState
+from tandem.trainer.flops import model_shape, peak_flops, rows_flops
 from tandem.trainer.model import check_dataset, eos_ids, load_model, served_dtype, use_bf16, with_adapter
-from tandem.trainer.objectives import make_objective
+from tandem.trainer.objectives import LossShare, make_objective
 from tandem.trainer.optimization import clip_gradients, make_optimizer, make_scheduler
 from tandem.trainer.sample_source import SampleSource
 from tandem.trainer.session import Session
 from tandem.trainer.step_metrics import StepTimes, record_micro_batch, record_samples, record_step
-from tandem.trainer.weight_sync import ADAPTER_NAME, LoraSync, choose_sync, lora_server_flags
+from tandem.trainer.weight_sync import ADAPTER_NAME, LoraSync, choose_sync, follower_sync, lora_server_flags
 
 
 @dataclass
@@ -71,21 +71,29 @@ class AsyncGRPOTrainer:
         self.tools, self.environment_factory = list(tools or []), environment_factory
         self.dataset = check_dataset(train_dataset, environments=environment_factory is not None, max_steps=args.max_steps)
         self.reward_funcs = _reward_list(reward_funcs, self._check_agents())
+        self.ranks = distributed.join(args.vllm_server_timeout)
+        """This process's place among the torchrun ranks (one rank of one without torchrun)."""
         self.model_name, self.model = load_model(model, args)
         self.lora = peft_config is not None
         if self.lora:
             self.model = with_adapter(self.model, peft_config)
+        if self.ranks.several:
+            distributed.shard(self.model, self.ranks, args.fsdp_config, use_bf16(args, next(self.model.parameters()).device))
         self.tokenizer = processing_class or AutoTokenizer.from_pretrained(self.model_name if isinstance(model, str) else model.name_or_path)
         self.rollout_template: str | None = None
         """A training-safe chat template the worker renders rollouts with, when the model's is not prefix-preserving."""
         if self.tools or environment_factory is not None:
             self._use_training_template()
-        self.optimizer, self.scheduler = optimizers
+        self.optimizer = optimizers[0] or make_optimizer(self.model, args)
+        self.scheduler = optimizers[1] or make_scheduler(self.optimizer, args)
         self.device = next(self.model.parameters()).device
         self.kernel = args.tree_attention_kernel or tree_attention.default_kernel(self.device)
         if self.kernel == "flex" and self.device.type != "cuda":
             raise ValueError("tree_attention_kernel='flex' needs a GPU: FlexAttention has no backward pass on CPU. "
                              "Use 'exact' or 'sdpa'.")
+        self.flops_shape = model_shape(self.model)
+        self.peak_flops = peak_flops(self.device, use_bf16(args, self.device))
+        """One GPU's peak FLOP/s for perf/*_mfu; None on CPU or an unknown GPU (trainer/flops.py)."""
         model_coef = getattr(self.model.config.get_text_config(), "router_aux_loss_coef", 0.0) or 0.0
         self.objective = make_objective(args, args.router_aux_loss_coef if args.router_aux_loss_coef is not None else model_coef)
         self.output_dir = Path(args.output_dir)
@@ -106,6 +114,8 @@ class AsyncGRPOTrainer:
 
     # ---- public ---------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None) -> TrainOutput:
+        """Train until max_steps or the end of the data. Under torchrun every rank calls it; rank 0 owns the server,
+        the rollout worker and the logs, and sends every rank its rows."""
         if OPENMP_POLICY_TOO_LATE and self.device.type == "cpu" and torch.get_num_threads() > 1:
             warnings.warn("torch was imported before tandem, so its OpenMP threads spin while they wait and slow the "
                           "embedded server and the rollout worker (the demo ran 1.4x slower). Start Python with "
@@ -118,63 +128,76 @@ class AsyncGRPOTrainer:
         if self.args.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
-        with Session(self.args.vllm_server_timeout) as self.session:
+        with Session(self.args.vllm_server_timeout, self.args.vllm_server_api_key) as self.session:
             self._connect(resumed=resume is not None)
             return self._loop()
 
-    def training_step(self, rows: list[PackedRow]) -> StepLoss:
-        """Forward and backward every row of one optimizer step through the objective (gradients accumulate)."""
-        self.window.extend(self.objective.begin_step(rows, self._score))
+    def training_step(self, micro_batches: list[list[PackedRow]]) -> StepLoss:
+        """Forward and backward this rank's rows of one optimizer step through the objective (gradients accumulate).
+        `micro_batches` are every rank's rows: rank r trains row r of each (one process trains them all); a rank
+        with no row in a micro-batch forwards its first one with weight 0, so every rank runs the same passes."""
+        rows = [row for micro_batch in micro_batches for row in micro_batch]
+        records = self.objective.begin_step(rows, lambda: self._score_all(micro_batches))
+        if self.ranks.main:
+            self.window.extend(records)
         loss, forward_s = 0.0, 0.0
-        for row in rows:
-            start = self._clock()
-            scored = self._forward(row)
-            forward_s += self._clock() - start
-            row_loss = self.objective.row_loss(row, scored, len(rows))
-            row_loss.loss.backward()
-            self.window.extend(row_loss.metrics)
-            loss += row_loss.loss.item()
-        return StepLoss(loss, forward_s)
+        for micro_batch in micro_batches:
+            share = LossShare.of(micro_batch, len(micro_batches))
+            for row, real in self._my_rows(micro_batch):
+                start = self._clock()
+                scored = self._forward(row)
+                forward_s += self._clock() - start
+                row_loss = self.objective.row_loss(row, scored, share)
+                (row_loss.loss if real else row_loss.loss * 0.0).backward()
+                if real:
+                    self.window.extend(row_loss.metrics)
+                    loss += row_loss.loss.item()
+        return StepLoss(self.ranks.total(loss), forward_s)
 
     def save_model(self, output_dir: str | None = None) -> None:
+        """The model (or the LoRA adapter) and tokenizer as a folder transformers, vLLM and `tandem serve` load.
+        Under torchrun every rank calls it."""
         target = Path(output_dir or self.args.output_dir)
-        self.model.save_pretrained(target, safe_serialization=True)
-        self.tokenizer.save_pretrained(target)
+        checkpoint.save_model_folder(self.model, target, self.ranks)
+        if self.ranks.main:
+            self.tokenizer.save_pretrained(target)
 
     # ---- the loop -------------------------------------------------------------------------------
     def _loop(self) -> TrainOutput:
-        args, state, metrics = self.args, self.state, {}
+        args, state, metrics, main = self.args, self.state, {}, self.ranks.main
         while args.max_steps <= 0 or state.step < args.max_steps:
-            start, waited = time.perf_counter(), self.source.wait_s
-            micro_batches = self._take_micro_batches()
+            start, waited = time.perf_counter(), self.source.wait_s if main else 0.0
+            micro_batches = self.ranks.broadcast(self._take_micro_batches() if main else None)
             if not micro_batches:
                 break
             rows = [row for micro_batch in micro_batches for row in micro_batch]
             step_start = self._clock()
-            step = self.training_step(rows)
+            step = self.training_step(micro_batches)
             optimizer_start = self._clock()
             grad_norm = self.optimizer_step()
             optimizer_s, forward_backward_s = self._clock() - optimizer_start, optimizer_start - step_start
             self._step_done(rows)
             if state.step % args.weight_sync_steps == 0:
                 self._sync(state.model_version + 1)
-            self.source.publish(tokens_per_step=sum(row.raw_tokens for row in rows))  # after the sync (sample_source.py)
-            times = StepTimes(total=time.perf_counter() - start, rollout_wait=self.source.wait_s - waited,
-                              forward=step.forward_s, forward_backward=forward_backward_s, optimizer=optimizer_s)
-            self._record(rows, len(micro_batches), step.loss, grad_norm, times)
+            if main:
+                self.source.publish(tokens_per_step=sum(row.raw_tokens for row in rows))  # after the sync (sample_source.py)
+                times = StepTimes(total=time.perf_counter() - start, rollout_wait=self.source.wait_s - waited,
+                                  forward=step.forward_s, forward_backward=forward_backward_s, optimizer=optimizer_s)
+                self._record(rows, len(micro_batches), step.loss, grad_norm, times)
             if state.step % args.logging_steps == 0:
                 metrics = self._log()
             if args.save_strategy == "steps" and state.step % args.save_steps == 0:
                 self._checkpoint()
-        if self.window.values:  # what came in after the last log (drops while the worker finished)
+        if self.ranks.broadcast(bool(self.window.values)):  # what came in after the last log (drops while the worker finished)
             metrics = self._log()
         if args.save_strategy != "no" and state.step > 0:
             self._checkpoint()
         return TrainOutput(state.step, sum(self.losses) / len(self.losses) if self.losses else 0.0, metrics)
 
     def _take_micro_batches(self) -> list[list[PackedRow]]:
-        """Up to gradient_accumulation_steps micro-batches, each closed by the token-budget batcher when the next
-        sample fits nowhere; fewer (or none) once the worker has finished. A sample is consumed once placed."""
+        """Up to gradient_accumulation_steps micro-batches of up to one row per rank, each closed by the token-budget
+        batcher when the next sample fits nowhere; fewer (or none) once the worker has finished. A sample is
+        consumed once placed. Rank 0 only."""
         self.window.add("rollout/queue_size", self.source.drain())
         micro_batches = []
         for index in range(self.args.gradient_accumulation_steps):
@@ -182,7 +205,7 @@ class AsyncGRPOTrainer:
             rows = self.batcher.close()
             if not rows:
                 break
-            record_micro_batch(self.window, rows, self.token_budget)
+            record_micro_batch(self.window, rows, self.token_budget, self.ranks.world_size)
             micro_batches.append(rows)
         return micro_batches
 
@@ -208,6 +231,14 @@ class AsyncGRPOTrainer:
                         return
                     source.take()
 
+    def _my_rows(self, micro_batch: list[PackedRow]) -> list[tuple[PackedRow, bool]]:
+        """(row, real) pairs this rank forwards: all rows on one process, row `rank` under torchrun, or the first row
+        as a weight-0 filler when the micro-batch has fewer rows than ranks (FSDP needs the same passes everywhere)."""
+        if not self.ranks.several:
+            return [(row, True) for row in micro_batch]
+        rank = self.ranks.rank
+        return [(micro_batch[rank], True)] if rank < len(micro_batch) else [(micro_batch[0], False)]
+
     def optimizer_step(self) -> float:
         """Clip the accumulated gradients, step the optimizer and the schedule, zero the gradients; returns the
         gradient norm before clipping."""
@@ -221,10 +252,11 @@ class AsyncGRPOTrainer:
         """Count the step; its samples are trained, and the worker may generate what they consumed again."""
         state = self.state
         state.step += 1
-        record_samples(self.window, rows, state.model_version)  # their staleness against the policy they trained
-        self.source.trained([s for row in rows for s in row.samples])
-        state.dataset_start_index = self.source.ledger.watermark
         state.num_tokens += sum(row.num_tokens for row in rows)
+        if self.ranks.main:
+            record_samples(self.window, rows, state.model_version)  # their staleness against the policy they trained
+            self.source.trained([s for row in rows for s in row.samples])
+            state.dataset_start_index = self.source.ledger.watermark
 
     def _record(self, rows: list[PackedRow], num_micro_batches: int, loss: float, grad_norm: float, times: StepTimes) -> None:
         self.losses.append(loss)
@@ -232,8 +264,19 @@ class AsyncGRPOTrainer:
         self.window.add("grad_norm", grad_norm)
         self.window.add("learning_rate", self.scheduler.get_last_lr()[0])
         record_step(self.window, rows, num_micro_batches, times)
+        if self.peak_flops:  # the step's FLOPs over what its GPUs could do in the time
+            flops, capacity = rows_flops(rows, self.flops_shape), self.peak_flops * self.ranks.world_size
+            self.window.add("perf/fwd_bwd_mfu", flops / (times.forward_backward * capacity))
+            self.window.add("perf/wall_clock_mfu", flops / (times.total * capacity))
 
     def _log(self) -> dict:
+        """Every rank's window, reduced together by each name's rule and written by rank 0."""
+        others = self.ranks.gather(None if self.ranks.main else dict(self.window.values))
+        if not self.ranks.main:
+            self.window.flush()
+            return {}
+        for records in others[1:]:
+            self.window.extend(records)
         examples = self.window.values.get("completions/examples")
         metrics = self.window.flush()
         metrics["num_tokens"] = self.state.num_tokens
@@ -252,8 +295,9 @@ class AsyncGRPOTrainer:
         return metrics
 
     def _checkpoint(self) -> Path:
+        self.state.dataset_start_index = self.ranks.broadcast(self.state.dataset_start_index)
         return checkpoint.save(self.output_dir, self.model, self.tokenizer, self.optimizer, self.scheduler, self.state,
-                               self.args.save_total_limit)
+                               self.args.save_total_limit, self.ranks)
 
     # ---- forward passes -------------------------------------------------------------------------
     def _clock(self) -> float:
@@ -273,22 +317,45 @@ class AsyncGRPOTrainer:
         with torch.no_grad():
             return row_logprobs(self.model, row, self.kernel, self.args.temperature)
 
+    def _score_all(self, micro_batches: list[list[PackedRow]]) -> list[TokenLogprobs]:
+        """Every row of the step scored without gradients, in order: each rank scores its own rows, then the ranks
+        exchange their log-probs and entropies (what an objective that decides per trajectory needs)."""
+        mine = [self._score(row) for micro_batch in micro_batches for row, _ in self._my_rows(micro_batch)]
+        if not self.ranks.several:
+            return mine
+        exchanged = self.ranks.all_gather([(s.logprobs.cpu(), s.entropy.cpu()) for s in mine])
+        return [TokenLogprobs(*(t.to(self.device) for t in exchanged[rank][index]))
+                for index, micro_batch in enumerate(micro_batches) for rank in range(len(micro_batch))]
+
     # ---- weight sync ----------------------------------------------------------------------------
     def _sync(self, version: int) -> None:
-        for name, value in self._push(version).items():
-            self.window.add(name, value)
+        start = time.perf_counter()
+        self.ranks.barrier()  # the gathers of the sync start when the slowest rank has finished its step
+        waited = time.perf_counter() - start
+        timings = self._push(version)
+        if self.ranks.several:
+            timings["perf/weight_sync_barrier_s"] = waited
+        if self.ranks.main:
+            for name, value in timings.items():
+                self.window.add(name, value)
         self.state.model_version = version
 
     def _push(self, version: int) -> dict[str, float]:
-        """Sync the weights as `version`; with `weight_sync_check_atol` set, check the server now samples from them."""
+        """Sync the weights as `version` (every rank takes part); with `weight_sync_check_atol` set, check the server
+        now samples from them."""
         timings = self.sync.push(self.model, version, announce=self._announce)
         atol = self.args.weight_sync_check_atol
         if atol is not None:
-            self.probe = self.probe or self.session.generation_client()
-            gap = self.session.run(sync_check.sync_gap(self.probe, self.sync.name_for(version), self.model, self.probe_prompt,
-                                                       self.kernel))
-            sync_check.check(gap, atol)
-            timings["weight_sync/served_logprob_gap"] = gap.max_abs
+            name = self.sync.name_for(version)
+            if self.ranks.main:
+                self.probe = self.probe or self.session.generation_client()
+            served = self.ranks.broadcast(self.session.run(sync_check.probe(self.probe, name, self.probe_prompt))
+                                          if self.ranks.main else None)
+            ours = sync_check.policy_logprobs(self.model, self.probe_prompt, served.token_ids, self.kernel)
+            if self.ranks.main:
+                gap = sync_check.compare(name, served, ours)
+                sync_check.check(gap, atol)
+                timings["weight_sync/served_logprob_gap"] = gap.max_abs
         return timings
 
     def _announce(self, version: int) -> None:
@@ -298,33 +365,34 @@ class AsyncGRPOTrainer:
 
     # ---- setup ----------------------------------------------------------------------------------
     def _restore(self, resume: Path | None) -> None:
-        """Weights, optimizer, schedule and counters from the checkpoint `resume`, or fresh ones."""
-        if resume is not None and self.lora:
-            set_peft_model_state_dict(self.model, load_file(resume / "adapter_model.safetensors"))
-        elif resume is not None:
-            self.model.load_state_dict(AutoModelForCausalLM.from_pretrained(resume, dtype=self.model.dtype).state_dict())
-        if self.optimizer is None:
-            self.optimizer = make_optimizer(self.model, self.args)
-        if self.scheduler is None:
-            self.scheduler = make_scheduler(self.optimizer, self.args)
-        self.state = checkpoint.load_state(resume, self.optimizer, self.scheduler) if resume is not None else TrainerState(
+        """Weights, optimizer, schedule and counters from the checkpoint `resume` (resharded to this run's ranks), or
+        fresh counters."""
+        self.state = checkpoint.load(resume, self.model, self.optimizer, self.scheduler) if resume is not None else TrainerState(
             step=0, model_version=0, dataset_start_index=0, num_tokens=0)
         self.window, self.losses, self.reward_history = MetricWindow(), [], []
 
     def _connect(self, resumed: bool) -> None:
-        """Reach the server, check the data fits it, bring it to our weights, then start the worker."""
-        args, session = self.args, self.session
-        url = args.vllm_server_base_url or session.start_server(self._served_path(), self.output_dir / "server.log",
-                                                                self._server_args())
-        control = session.connect(url)
-        max_model_len = session.run(control.max_model_len())
+        """Reach the server, check the data fits it, bring it to our weights, then start the worker. Rank 0 talks to
+        the server and owns the worker; every rank takes part in the saves and syncs."""
+        args, session, main = self.args, self.session, self.ranks.main
+        served_path = self._served_path() if args.vllm_server_base_url is None else None
+        if main:
+            url = args.vllm_server_base_url or session.start_server(served_path, self.output_dir / "server.log",
+                                                                    self._server_args())
+            control = session.connect(url)
+            max_model_len = session.run(control.max_model_len())
+            served_name = self._served_name()
+            self.sync = choose_sync(control, session, served_name, self.model, args, self.lora, self.ranks)
+        kind, max_model_len, served_name = self.ranks.broadcast((type(self.sync), max_model_len, served_name) if main else None)
+        if not main:
+            self.sync = follower_sync(kind, self.output_dir, served_name, args.max_staleness, self.ranks)
         self.token_budget = args.token_budget or max_model_len
-        self.batcher = TokenBudgetBatcher(self.token_budget)
+        self.batcher = TokenBudgetBatcher(self.token_budget, num_rows=self.ranks.world_size)
         self._check_prompt_lengths(max_model_len)
-        served_name = self._served_name()
-        self.sync = choose_sync(control, self.output_dir, session, served_name, self.model, args.max_staleness, self.lora)
-        if resumed or session.server is None or self.lora:
+        if resumed or args.vllm_server_base_url is not None or self.lora:
             self._push(self.state.model_version)  # the server must sample from our weights
+        if not main:
+            return
         session.open_sinks(args.report_to, self.output_dir, args.run_name, args.to_dict(),
                            args.max_steps if args.max_steps > 0 else None)
         worker = session.start_worker(self._worker_spec(url, served_name), args.rollout_worker_timeout, self.state.model_version)
@@ -350,6 +418,13 @@ class AsyncGRPOTrainer:
             extra += ["--enable-scale-out", "--return-sampling-mask"]
         if self.lora:
             extra += lora_server_flags(args.max_staleness, self.model.peft_config["default"].r)
+        else:  # full weights stream over a gloo group: faster than the reload (benchmarks/weight_sync.py)
+            extra += ["--weight-transfer-config", json.dumps({"backend": "gloo"}),
+                      "--weight-transfer-timeout-s", str(args.vllm_server_timeout)]
+        if args.vllm_server_host != "127.0.0.1":
+            extra += ["--host", args.vllm_server_host]
+        if args.vllm_server_api_key:
+            extra += ["--api-key", args.vllm_server_api_key]
         return extra
 
     def _served_name(self) -> str:
@@ -422,7 +497,7 @@ class AsyncGRPOTrainer:
         settings = RolloutSettings(
             config=args, model_name=served_name, tokenizer_path=str(tokenizer_path), dataset=self.dataset,
             reward_funcs=self.reward_funcs, eos_token_ids=eos_ids(self.tokenizer, self.model), base_url=url,
-            tools=self.tools, environment_factory=self.environment_factory,
+            tools=self.tools, environment_factory=self.environment_factory, api_key=args.vllm_server_api_key,
             dataset_start_index=self.state.dataset_start_index,
             full_step_tokens=self.token_budget * args.gradient_accumulation_steps, num_positions=self._num_positions(),
             adapter_name=ADAPTER_NAME if isinstance(self.sync, LoraSync) else None)

@@ -5,7 +5,8 @@ folder first, then renamed, so the server never reads half a checkpoint), then p
 keeping in-flight requests, reloads, drops the prefix cache and resumes; older versions are deleted.
 A LoRA model travels this way merged (W + scale·B·A) when the server cannot serve its adapter.
 `lora` publishes only the adapter, under a new name per version. `choose_sync` picks one from what the
-server reports. (`perf/weight_sync_barrier_s`, the wait for the other ranks, is logged only with several.)
+server reports. Under torchrun every rank calls `push` (gathering sharded weights is collective); rank 0 alone
+talks to the server.
 """
 
 import asyncio
@@ -22,6 +23,8 @@ from peft.tuners.lora import LoraLayer
 from transformers.utils import logging as hf_logging
 
 from tandem.generation.client import ControlClient
+from tandem.trainer.distributed import Ranks
+from tandem.trainer.weight_transfer import TransferSync
 
 if TYPE_CHECKING:
     from tandem.trainer.session import Session  # `run` is anything with .run(coroutine): a Session, an asyncio.Runner
@@ -39,15 +42,22 @@ def quiet_progress():
             hf_logging.enable_progress_bar()
 
 
-def publish(model: torch.nn.Module, folder: Path, name: str, state_dict: dict | None = None) -> Path:
+def publish(model: torch.nn.Module, folder: Path, name: str, ranks: Ranks, state_dict: dict | None = None) -> Path:
     """Save `model` (a whole model, or a PEFT adapter) as `folder/name`: to a temporary folder first, then renamed,
-    so the server never reads half of it. `state_dict` replaces the model's own weights in the files."""
+    so the server never reads half of it. `state_dict` replaces the model's own weights in the files (one rank)."""
+    from tandem.trainer.checkpoint import save_model_folder
+
     target, staging = folder / name, folder / f".{name}.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
-    with quiet_progress():
-        model.save_pretrained(staging, safe_serialization=True, **({"state_dict": state_dict} if state_dict else {}))
-    shutil.rmtree(target, ignore_errors=True)
-    staging.rename(target)
+    if ranks.main:
+        shutil.rmtree(staging, ignore_errors=True)
+    if state_dict is not None:
+        with quiet_progress():
+            model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
+    else:
+        save_model_folder(model, staging, ranks)
+    if ranks.main:
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
     return target
 
 
@@ -71,8 +81,10 @@ def merged_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:
 
 
 class ReloadSync:
-    def __init__(self, control: ControlClient, output_dir: Path, run: "asyncio.Runner | Session", served_name: str):
+    def __init__(self, control: ControlClient | None, output_dir: Path, run: "asyncio.Runner | Session | None",
+                 served_name: str, ranks: Ranks = Ranks()):
         self.control, self.folder, self.run, self.served_name = control, output_dir / ".weights", run, served_name
+        self.ranks = ranks
         self.folder.mkdir(parents=True, exist_ok=True)
 
     def name_for(self, version: int) -> str:
@@ -85,9 +97,11 @@ class ReloadSync:
         start = time.perf_counter()
         if isinstance(model, PeftModel):
             with torch.no_grad():
-                target = publish(model.get_base_model(), self.folder, f"v{version}", merged_state_dict(model))
+                target = publish(model.get_base_model(), self.folder, f"v{version}", self.ranks, merged_state_dict(model))
         else:
-            target = publish(model, self.folder, f"v{version}")
+            target = publish(model, self.folder, f"v{version}", self.ranks)
+        if not self.ranks.main:
+            return {}
         written = time.perf_counter()
         self.run.run(self.control.pause("keep"))
         paused = time.perf_counter()
@@ -122,8 +136,9 @@ class LoraSync:
     and a version's folder is deleted one sync after its unload (vLLM may still read an adapter's files
     lazily while requests that named it finish)."""
 
-    def __init__(self, control: ControlClient, output_dir: Path, run: "asyncio.Runner | Session", keep: int):
-        self.control, self.folder, self.run, self.keep = control, output_dir / ".vllm_lora", run, keep
+    def __init__(self, control: ControlClient | None, output_dir: Path, run: "asyncio.Runner | Session | None", keep: int,
+                 ranks: Ranks = Ranks()):
+        self.control, self.folder, self.run, self.keep, self.ranks = control, output_dir / ".vllm_lora", run, keep, ranks
         self.folder.mkdir(parents=True, exist_ok=True)
         self.loaded: list[int] = []
         self.unloaded: list[str] = []
@@ -136,7 +151,9 @@ class LoraSync:
         that names an unloaded version always started before the announcement (and is skipped as stale)."""
         start = time.perf_counter()
         name = self.name_for(version)
-        target = publish(model, self.folder, name)
+        target = publish(model, self.folder, name, self.ranks)
+        if not self.ranks.main:
+            return {}
         self.run.run(self.control.load_lora(name, str(target.resolve())))
         announce(version)
         self.loaded.append(version)
@@ -151,27 +168,52 @@ class LoraSync:
         return {"perf/weight_sync_s": done - start, "perf/weight_sync_transfer_s": done - start}  # nothing paused
 
 
-def choose_sync(control: ControlClient, output_dir: Path, run: "asyncio.Runner | Session", served_name: str, model: torch.nn.Module,
-                max_staleness: int, lora: bool) -> ReloadSync | LoraSync:
-    """Adapter-only sync when training LoRA and the server can serve the adapter by name; the whole model otherwise
-    (with a warning that says why). A server holding too few or too small adapters is an error naming its flags."""
-    reload = ReloadSync(control, output_dir, run, served_name)
-    if not lora:
-        return reload
+def choose_sync(control: ControlClient, run: "asyncio.Runner | Session", served_name: str, model: torch.nn.Module,
+                args, lora: bool, ranks: Ranks = Ranks()):
+    """How weights reach this server: adapter-only when training LoRA and the server can serve the adapter by name
+    (else the merged model, with a warning that says why); for full weights, streamed over the server's weight-transfer
+    group when it has one (`TransferSync`), else written to a folder it reloads. A server holding too few or too small
+    adapters is an error naming its flags. Called on rank 0; the other ranks build the same kind with `follower_sync`."""
+    output_dir, max_staleness = Path(args.output_dir), args.max_staleness
     info = run.run(control.server_info()).get("vllm_config")
     info = info if isinstance(info, dict) else {}
-    lora = info.get("lora_config")
+    if not lora:
+        transfer = info.get("weight_transfer_config")
+        backend = transfer.get("backend", "nccl") if isinstance(transfer, dict) else None
+        if backend == "gloo":
+            sync = TransferSync(control, run, served_name, ranks, args.weight_transfer_address, args.vllm_server_timeout)
+            sync.connect()
+            return sync
+        if backend is not None:
+            warnings.warn(f"the server transfers weights over {backend}, which tandem does not drive yet (tandem's "
+                          "transfer is gloo, into tandem serve); syncing through a folder it reloads instead, which "
+                          "needs a filesystem it shares with this trainer.", stacklevel=4)
+        return ReloadSync(control, output_dir, run, served_name, ranks)
     rank, needed = model.peft_config["default"].r, max_staleness + 2
     flags = " ".join(lora_server_flags(max_staleness, rank))
-    obstacle = adapter_sync_obstacle(model.peft_config, lora, (info.get("parallel_config") or {}), flags)
+    served_lora = info.get("lora_config")
+    obstacle = adapter_sync_obstacle(model.peft_config, served_lora, (info.get("parallel_config") or {}), flags)
+    if obstacle and ranks.several:
+        raise NotImplementedError(f"LoRA under several ranks syncs the adapter alone, and this server cannot serve it: "
+                                  f"{obstacle}")
     if obstacle:
         warnings.warn(f"LoRA: syncing the merged model (every weight, every sync) instead of the adapter alone: {obstacle}",
                       stacklevel=4)
-        return reload
-    if lora.get("max_loras", needed) < needed or lora.get("max_lora_rank", rank) < rank:
-        raise ValueError(f"the server holds max_loras={lora.get('max_loras')} adapters of rank <= {lora.get('max_lora_rank')}; "
+        return ReloadSync(control, output_dir, run, served_name, ranks)
+    if served_lora.get("max_loras", needed) < needed or served_lora.get("max_lora_rank", rank) < rank:
+        raise ValueError(f"the server holds max_loras={served_lora.get('max_loras')} adapters of rank <= "
+                         f"{served_lora.get('max_lora_rank')}; "
                          f"this run needs {needed} (max_staleness + 2) of rank {rank}. Restart it with {flags}")
-    return LoraSync(control, output_dir, run, keep=max_staleness + 1)
+    return LoraSync(control, output_dir, run, keep=max_staleness + 1, ranks=ranks)
+
+
+def follower_sync(kind: type, output_dir: Path, served_name: str, max_staleness: int, ranks: Ranks):
+    """The sync of a rank other than 0: the same kind as rank 0's, taking part in the gathers and saving nothing."""
+    if kind is LoraSync:
+        return LoraSync(None, output_dir, None, keep=max_staleness + 1, ranks=ranks)
+    if kind is TransferSync:
+        return TransferSync(None, None, served_name, ranks)
+    return ReloadSync(None, output_dir, None, served_name, ranks)
 
 
 def adapter_sync_obstacle(peft_config: dict, lora_config: dict | None, parallel_config: dict, flags: str) -> str | None:

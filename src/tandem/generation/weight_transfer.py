@@ -1,0 +1,117 @@
+"""Weights over the network instead of the disk: vLLM's weight-transfer protocol (reference/vllm_protocol.md §6)
+with a torch.distributed gloo group as its data plane, for `tandem serve --weight-transfer-config '{"backend":"gloo"}'`.
+
+    /init_weight_transfer_engine  join the group the trainer holds (rank 0); this server is rank `rank_offset`
+    /start_weight_update          open an update
+    /update_weights               receive `names` in order, each broadcast by rank 0 with its dtype and shape
+    /finish_weight_update         the received tensors replace the served ones between two engine steps
+
+Received tensors are staged until `finish`, so an update that fails midway (a dead trainer, a timeout, a name the
+model lacks) leaves the previous weights served. `join_group` is also the trainer's end of the group.
+"""
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("gloo",)
+INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size")
+
+
+class TransferError(ValueError):
+    """A weight-transfer call that does not fit the protocol's state or the served model (answered 400)."""
+
+
+def join_group(address: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.ProcessGroup:
+    """A gloo group of `world_size` processes rendezvousing at address:port (rank 0 hosts the store); it returns
+    once all have joined. Every later collective fails after `timeout_s` instead of hanging."""
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+def parse_config(text: str | None) -> dict | None:
+    """`--weight-transfer-config` as vLLM reads it (JSON); tandem serve's data plane is gloo."""
+    import json
+
+    if text is None:
+        return None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--weight-transfer-config {text!r} is not JSON ({exc}): write '{{\"backend\": \"gloo\"}}'") from None
+    if not isinstance(config, dict) or config.get("backend", "nccl") not in BACKENDS:
+        raise ValueError(f"--weight-transfer-config {text}: tandem serve transfers weights over gloo "
+                         "('{\"backend\": \"gloo\"}'); nccl is vllm serve's (on GPUs).")
+    return config
+
+
+@dataclass
+class Receiver:
+    """The server's end of the protocol: its group, the open update and the tensors received for it."""
+
+    timeout_s: float = 600.0
+    group: dist.ProcessGroup | None = None
+    rank: int = 0
+    active: bool = False
+    failed: bool = False
+    """A call of the open update failed: `finish` swaps nothing in."""
+    staged: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def init(self, init_info: dict) -> None:
+        """Join the trainer's group (blocks until every member has joined)."""
+        missing = [name for name in INIT_FIELDS if name not in init_info]
+        if missing:
+            raise TransferError(f"init_info lacks {missing}: tandem serve's gloo backend rendezvouses at "
+                                "master_address:master_port with rank_offset and world_size")
+        self.group = join_group(str(init_info["master_address"]), int(init_info["master_port"]),
+                                int(init_info["rank_offset"]), int(init_info["world_size"]), self.timeout_s)
+        self.rank = int(init_info["rank_offset"])
+
+    def start(self) -> None:
+        if self.group is None:
+            raise TransferError("start_weight_update before /init_weight_transfer_engine: initialise the transfer first.")
+        if self.active:
+            raise TransferError("start_weight_update called while a weight update is already active. Call "
+                                "finish_weight_update first.")
+        self.active, self.failed, self.staged = True, False, {}
+
+    def receive(self, update_info: dict, served: dict[str, torch.Tensor]) -> None:
+        """Receive every tensor `update_info` announces, in order. A name the model lacks or a wrong shape is
+        reported after all tensors arrived (the sender broadcasts them anyway). Any failure drops the whole update."""
+        if not self.active:
+            raise TransferError("start_weight_update must be called before update_weights.")
+        names, dtypes, shapes = (update_info.get(key) or [] for key in ("names", "dtype_names", "shapes"))
+        if not (len(names) == len(dtypes) == len(shapes)):
+            self.failed = True
+            raise TransferError(f"update_info: names, dtype_names and shapes must have equal lengths, got "
+                                f"{len(names)}, {len(dtypes)} and {len(shapes)}")
+        problems, received = [], {}
+        try:
+            for name, dtype, shape in zip(names, dtypes, shapes):
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+                self.group.broadcast(tensor, 0).wait()
+                if name not in served:
+                    problems.append(f"{name!r} is not a parameter of the served model")
+                elif tuple(served[name].shape) != tuple(shape):
+                    problems.append(f"{name!r} has shape {tuple(shape)}, the model expects {tuple(served[name].shape)}")
+                received[name] = tensor
+        except Exception:
+            self.failed = True
+            raise
+        if problems:
+            self.failed = True
+            raise TransferError("update_weights: " + "; ".join(problems[:5]) + " (the update is dropped; the server keeps "
+                                "its previous weights)")
+        self.staged |= received
+
+    def finish(self, discard: bool = False) -> dict[str, torch.Tensor]:
+        """Close the update; returns what to swap in: nothing when any part of it failed, or when told to discard it
+        (tandem proxy does, when the update failed on another replica: all replicas or none)."""
+        if not self.active:
+            raise TransferError("finish_weight_update called without a matching start_weight_update.")
+        staged = {} if self.failed or discard else self.staged
+        self.active, self.failed, self.staged = False, False, {}
+        return staged

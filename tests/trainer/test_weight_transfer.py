@@ -1,0 +1,114 @@
+"""Weights streamed into `tandem serve --weight-transfer-config '{"backend":"gloo"}'` without the disk: directly,
+through `tandem proxy` to two replicas, and a transfer that fails midway."""
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tandem.generation.client import ControlClient, GenerationClient, ServerError
+from tandem.generation.launcher import EmbeddedProxy
+from tandem.packing import attention as tree_attention
+from tandem.tasks import TINY_MODEL_PATH
+from tandem.trainer import sync_check, weight_transfer
+from tandem.trainer.weight_transfer import TransferFailed, TransferSync
+from tests.conftest import ServerThread, chat_prompt
+
+ATOL = 1e-5
+GLOO = '{"backend": "gloo"}'
+
+
+def trained_model(seed: int) -> torch.nn.Module:
+    """The tiny model (fp32, tree attention) after what an optimizer step does to every weight."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32)
+    tree_attention.prepare(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    return model
+
+
+def gaps(run, urls: list[str], model, prompt) -> list[float]:
+    """The probe's largest served-vs-trainer log-prob gap on each server."""
+    result = []
+    for url in urls:
+        client = GenerationClient(url)
+        result.append(run.run(sync_check.sync_gap(client, TINY_MODEL_PATH, model, prompt, "exact")).max_abs)
+        run.run(client.close())
+    return result
+
+
+def test_each_transfer_is_served_exactly_and_a_failed_one_leaves_the_previous_weights(tokenizer, monkeypatch):
+    server = ServerThread(weight_transfer_config=GLOO, weight_transfer_timeout_s=5)
+    prompt = chat_prompt(tokenizer, "What is 12 + 30?")
+    with asyncio.Runner() as run:
+        control = ControlClient(server.url)
+        sync = TransferSync(control, run, TINY_MODEL_PATH, timeout_s=20)
+        assert sync.connect() == 1
+        for version in (1, 2):
+            model = trained_model(seed=version)
+            sync.push(model, version)
+            assert gaps(run, [server.url], model, prompt)[0] <= ATOL, f"version {version} is not what the server serves"
+        assert run.run(control.get_json("/weight_info")) == {"weight_version": "2"}
+
+        calls = 0
+
+        def dies_midway(tensor):
+            nonlocal calls
+            calls += 1
+            if calls == 10:
+                raise RuntimeError("simulated loss of the trainer's network")
+            return tensor
+
+        monkeypatch.setattr(weight_transfer, "full_tensor", dies_midway)
+        with pytest.raises(TransferFailed, match="version 3 failed: simulated loss.*keeps serving the previous weights"):
+            sync.push(trained_model(seed=3), 3)
+        assert gaps(run, [server.url], model, prompt)[0] <= ATOL, "a failed transfer must leave version 2 served"
+        assert not run.run(control.is_paused()), "generation goes on after a failed transfer"
+        run.run(control.close())
+    server.close()
+
+
+def test_a_server_without_transfer_or_with_a_bad_update_answers_as_vllm(tokenizer):
+    plain = ServerThread()
+    status, body = plain.post("/init_weight_transfer_engine", {"init_info": {}})
+    assert status == 500 and "Weight transfer not configured" in body["error"]["message"]
+    plain.close()
+    server = ServerThread(weight_transfer_config=GLOO)
+    assert server.post("/update_weights", {"update_info": {"names": []}})[0] == 400
+    status, body = server.post("/start_weight_update")
+    assert status == 400 and "before /init_weight_transfer_engine" in body["error"]["message"]
+    status, body = server.post("/init_weight_transfer_engine", {"init_info": {"master_port": 1}})
+    assert status == 400 and "master_address" in body["error"]["message"]
+    server.close()
+
+
+def test_a_transfer_through_tandem_proxy_reaches_both_replicas(tokenizer):
+    replicas = [ServerThread(weight_transfer_config=GLOO) for _ in range(2)]
+    proxy = EmbeddedProxy([r.url for r in replicas])
+    prompt = chat_prompt(tokenizer, "What is 7 + 5?")
+    try:
+        with asyncio.Runner() as run:
+            control = ControlClient(proxy.url)
+            sync = TransferSync(control, run, TINY_MODEL_PATH, timeout_s=30)
+            assert sync.connect() == 2, "one group: the trainer and both replicas"
+            for version in (1, 2):
+                model = trained_model(seed=10 + version)
+                sync.push(model, version)
+                served = gaps(run, [r.url for r in replicas], model, prompt)
+                assert max(served) <= ATOL, f"version {version}: probe gaps {served}"
+            # An update the replicas refuse (a name they lack) is received whole, then served by none.
+            run.run(control.start_weight_update())
+            call = weight_transfer.InThread(proxy.url, None, 30, lambda c: c.update_weights(["not.a.weight"], ["float32"], [[2]]))
+            sync.group.broadcast(torch.zeros(2), 0).wait()
+            with pytest.raises(ServerError, match="2/2 servers failed /update_weights.*not a parameter"):
+                call.result(30)
+            run.run(control.finish_weight_update("bad"))
+            assert max(gaps(run, [r.url for r in replicas], model, prompt)) <= ATOL
+            run.run(control.close())
+    finally:
+        proxy.stop()
+        for replica in replicas:
+            replica.close()
