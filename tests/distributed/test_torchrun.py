@@ -90,3 +90,13 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path, first, second
     assert 0 < start < 96, "the crash came mid-epoch"
     assert after >= set(range(start, 96)), "the resumed run covers everything from the watermark"
     assert before | after == set(range(96)), "no prompt of the epoch is skipped"
+
+
+def test_lora_under_two_ranks_syncs_the_gathered_adapter(tmp_path):
+    example = Path(__file__).parents[2] / "examples" / "lora.yaml"
+    check(run(2, "-m", "tandem", "train", example, "--output_dir", tmp_path / "run", "--max_steps", 2,
+              "--weight_sync_check_atol", 1e-5, "--vllm_server_timeout", 120))
+    steps = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    gaps = [r["weight_sync/served_logprob_gap"] for r in steps if "loss" in r]
+    assert len(gaps) == 2 and max(gaps) <= 1e-5, "the server samples from the adapter both ranks trained"
+    assert (tmp_path / "run" / "checkpoint-2" / "adapter_model.safetensors").is_file(), "checkpoints keep the adapter"

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from tandem.config import reshard_after_forward
 
-@dataclass
+@dataclass(frozen=True)
 class Ranks:
     """Where this process stands: its rank, how many there are, and the group that carries Python objects
     (gloo, also under NCCL, so that rows and metric records never need a GPU copy)."""
