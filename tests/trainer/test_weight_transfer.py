@@ -78,6 +78,8 @@ def test_a_server_without_transfer_or_with_a_bad_update_answers_as_vllm(tokenize
     plain.close()
     server = ServerThread(weight_transfer_config=GLOO)
     assert server.post("/update_weights", {"update_info": {"names": []}})[0] == 400
+    status, body = server.request("POST", "/start_weight_update", raw=b"{not json")
+    assert status == 400 and "JSON decode error" in body["error"]["message"], "a bad body is the client's mistake"
     status, body = server.post("/start_weight_update")
     assert status == 400 and "before /init_weight_transfer_engine" in body["error"]["message"]
     status, body = server.post("/init_weight_transfer_engine", {"init_info": {"master_port": 1}})

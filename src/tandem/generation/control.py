@@ -131,8 +131,7 @@ class Control:
             raise ApiError(500, "Weight transfer not configured. Please set weight_transfer_config to enable weight "
                                 "transfer (tandem serve: --weight-transfer-config '{\"backend\": \"gloo\"}').",
                            "InternalServerError")
-        body = await request.json() if request.can_read_body else {}
-        body = body if isinstance(body, dict) else {}
+        body = await protocol.read(request, protocol.WeightTransferRequest, json_only=False)
         try:
             return await self._transfer_step(request.path, body)
         except TransferError as exc:
@@ -141,25 +140,25 @@ class Control:
             logger.exception("weight transfer %s failed", request.path)
             raise ApiError(500, f"weight transfer failed: {exc}", "InternalServerError") from None
 
-    async def _transfer_step(self, path: str, body: dict) -> web.Response:
+    async def _transfer_step(self, path: str, body: protocol.WeightTransferRequest) -> web.Response:
         receiver = self.receiver
         if path == "/init_weight_transfer_engine":
-            if not isinstance(body.get("init_info"), dict):
+            if body.init_info is None:
                 raise TransferError("Missing 'init_info' in request body")
-            await asyncio.to_thread(receiver.init, body["init_info"])
+            await asyncio.to_thread(receiver.init, body.init_info)
             return web.json_response({"message": "Weight transfer initialized"})
         if path == "/start_weight_update":
             receiver.start()
             return web.json_response({"message": "Weight update started"})
         if path == "/update_weights":
-            info = body.get("update_info")
+            info = body.update_info
             if isinstance(info, list):  # one entry per worker: this server has one, the entry of its rank
                 info = info[0] if len(info) == 1 else None
             if not isinstance(info, dict):
                 raise TransferError("Missing 'update_info' in request body (an object, or a list with one per worker)")
             await asyncio.to_thread(receiver.receive, info, served_parameters(self.engine.model))
             return web.json_response({"message": "Weights updated"})
-        staged = receiver.finish(discard=bool(body.get("discard")))  # "discard": tandem proxy's, see Receiver.finish
+        staged = receiver.finish(discard=body.discard)  # "discard": tandem proxy's, see Receiver.finish
 
         def swap():
             self.engine.reset_prefix_cache()
@@ -170,8 +169,8 @@ class Control:
 
         if staged:
             await asyncio.wrap_future(self.engine.call(swap))
-        if body.get("weight_version") is not None:
-            self.weight_version = str(body["weight_version"])
+        if body.weight_version is not None:
+            self.weight_version = body.weight_version
         return web.json_response({"message": "Weight update finished"})
 
     # ---- LoRA ------------------------------------------------------------------------------------

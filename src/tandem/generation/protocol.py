@@ -173,6 +173,15 @@ class CollectiveRpcRequest(Request):
     timeout: float | None = None
 
 
+class WeightTransferRequest(Request):
+    """The body of the weight-transfer routes (reference/vllm_protocol.md §6.1); `discard` is tandem proxy's."""
+
+    init_info: dict | None = None
+    update_info: dict | list | None = None
+    weight_version: str | None = None
+    discard: bool = False
+
+
 def parse(model: type[BaseModel], body: Any) -> Any:
     if not isinstance(body, dict):
         raise ApiError(400, f"1 validation error:\n  body: Input should be a valid dictionary, got {type(body).__name__}", "Bad Request")

@@ -24,12 +24,19 @@ class TransferError(ValueError):
     """A weight-transfer call that does not fit the protocol's state or the served model (answered 400)."""
 
 
+RENDEZVOUS_S = 120.0
+"""How long joining may take: the members are started already, so a longer wait means one cannot reach the others."""
+
+
 def join_group(address: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.ProcessGroup:
     """A gloo group of `world_size` processes rendezvousing at address:port (rank 0 hosts the store); it returns
-    once all have joined. Every later collective fails after `timeout_s` instead of hanging."""
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
-    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    once all have joined, or fails after RENDEZVOUS_S. Every later collective fails after `timeout_s` instead of
+    hanging."""
+    rendezvous = timedelta(seconds=min(timeout_s, RENDEZVOUS_S))
+    store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=rendezvous, wait_for_workers=False)
+    group = dist.ProcessGroupGloo(store, rank, world_size, rendezvous)
+    group.set_timeout(timedelta(seconds=timeout_s))
+    return group
 
 
 def parse_config(text: str | None) -> dict | None:

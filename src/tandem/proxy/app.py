@@ -237,9 +237,10 @@ class Proxy:
 
     async def _world_sizes(self, request: web.Request) -> list[int] | None:
         results = await asyncio.gather(*(self._send(u, "GET", "/get_world_size", None, request.headers) for u in self.upstreams))
+        if any(status != 200 for status, _, _ in results):
+            return None
         try:
-            return [int(json.loads(data)["world_size"]) for status, _, data in results if status == 200] if all(
-                status == 200 for status, _, _ in results) else None
+            return [int(json.loads(data)["world_size"]) for _, _, data in results]
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -276,7 +277,8 @@ class Proxy:
 
     async def _transfer_bodies(self, request: web.Request, body: dict) -> list[dict] | web.Response:
         """Each replica's body of a weight-transfer call."""
-        if request.path not in ("/init_weight_transfer_engine", "/update_weights"):
+        per_worker = request.path == "/update_weights" and isinstance(body.get("update_info"), list)
+        if request.path != "/init_weight_transfer_engine" and not per_worker:  # the same body for every replica
             return [body] * len(self.upstreams)
         sizes = await self._world_sizes(request)
         if sizes is None:
@@ -287,9 +289,7 @@ class Proxy:
                 return error(400, "proxy: /init_weight_transfer_engine needs init_info with rank_offset")
             offsets = [int(info["rank_offset"]) + sum(sizes[:i]) for i in range(len(sizes))]
             return [body | {"init_info": info | {"rank_offset": offset}} for offset in offsets]
-        info = body.get("update_info")
-        if not isinstance(info, list):
-            return [body] * len(self.upstreams)
+        info = body["update_info"]
         if len(info) != sum(sizes):
             return error(400, f"proxy: update_info has {len(info)} entries; the replicas have {sum(sizes)} workers")
         starts = [sum(sizes[:i]) for i in range(len(sizes))]

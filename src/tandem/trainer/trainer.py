@@ -91,9 +91,9 @@ class AsyncGRPOTrainer:
         if self.kernel == "flex" and self.device.type != "cuda":
             raise ValueError("tree_attention_kernel='flex' needs a GPU: FlexAttention has no backward pass on CPU. "
                              "Use 'exact' or 'sdpa'.")
-        self.flops_shape = model_shape(self.model)
         self.peak_flops = peak_flops(self.device, use_bf16(args, self.device))
         """One GPU's peak FLOP/s for perf/*_mfu; None on CPU or an unknown GPU (trainer/flops.py)."""
+        self.flops_shape = model_shape(self.model) if self.peak_flops else None
         model_coef = getattr(self.model.config.get_text_config(), "router_aux_loss_coef", 0.0) or 0.0
         self.objective = make_objective(args, args.router_aux_loss_coef if args.router_aux_loss_coef is not None else model_coef)
         self.output_dir = Path(args.output_dir)
