@@ -55,6 +55,7 @@ def test_dry_run_prints_the_recipe_and_the_server_command(capsys):
     assert 10 < longest < 40, "the demo's arithmetic prompts render to about 20 tokens"
     assert "--logprobs-mode processed_logprobs" in command and f"--max-model-len {longest + 16}" in command
     assert "--weight-transfer-config" in command and "VLLM_SERVER_DEV_MODE=1" in command
+    assert "pip install 'tandem[vllm]' beside the trainer" in out, "the NCCL transfer needs vLLM's helpers"
 
 
 def test_a_lora_recipe_prints_the_adapter_flags_its_server_needs(capsys, tmp_path):

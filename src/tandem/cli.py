@@ -179,6 +179,9 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
         if tools or environments:
             print("# with tools, each later turn re-sends the whole conversation (tool output included) and one that would "
                   "pass --max-model-len ends there (rollout/context_exhausted_count): raise it for longer tool loops")
+        if recipe.lora is None:
+            print("# its weights arrive over NCCL through vLLM's own helpers: pip install 'tandem[vllm]' beside the trainer, "
+                  "which must be on a GPU (without --weight-transfer-config they go through a folder both share)")
         print(serve_command(recipe, needed))
         return
     from tandem import AsyncGRPOTrainer

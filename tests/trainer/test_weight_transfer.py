@@ -1,7 +1,10 @@
 """Weights streamed into `tandem serve --weight-transfer-config '{"backend":"gloo"}'` without the disk: directly,
-through `tandem proxy` to two replicas, and a transfer that fails midway."""
+through `tandem proxy` to two replicas, and a transfer that fails midway; and the NCCL plane's use of vLLM's helpers,
+with gloo stand-ins for them (tests/trainer/vllm_stand_in: vLLM is not installed here and NCCL needs GPUs)."""
 
 import asyncio
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +15,8 @@ from tandem.generation.launcher import EmbeddedProxy
 from tandem.packing import attention as tree_attention
 from tandem.tasks import TINY_MODEL_PATH
 from tandem.trainer import sync_check, weight_transfer
-from tandem.trainer.weight_transfer import TransferFailed, TransferSync
+from tandem.trainer.weight_sync import nccl_plane
+from tandem.trainer.weight_transfer import InThread, TransferFailed, TransferSync, VllmNcclPlane, control_call
 from tests.conftest import ServerThread, chat_prompt
 
 ATOL = 1e-5
@@ -103,8 +107,8 @@ def test_a_transfer_through_tandem_proxy_reaches_both_replicas(tokenizer):
                 assert max(served) <= ATOL, f"version {version}: probe gaps {served}"
             # An update the replicas refuse (a name they lack) is received whole, then served by none.
             run.run(control.start_weight_update())
-            call = weight_transfer.InThread(proxy.url, None, 30, lambda c: c.update_weights(["not.a.weight"], ["float32"], [[2]]))
-            sync.group.broadcast(torch.zeros(2), 0).wait()
+            call = InThread(control_call(control, 30, lambda c: c.update_weights(["not.a.weight"], ["float32"], [[2]])))
+            sync.plane.group.broadcast(torch.zeros(2), 0).wait()
             with pytest.raises(ServerError, match="2/2 servers failed /update_weights.*not a parameter"):
                 call.result(30)
             run.run(control.finish_weight_update("bad"))
@@ -114,3 +118,47 @@ def test_a_transfer_through_tandem_proxy_reaches_both_replicas(tokenizer):
         proxy.stop()
         for replica in replicas:
             replica.close()
+
+
+def test_the_nccl_plane_without_vllm_or_a_gpu_says_what_to_do(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as when the vllm extra is not installed
+    with pytest.raises(ImportError, match=r"pip install 'tandem\[vllm\]'.*or start vllm serve without"):
+        VllmNcclPlane(torch.device("cpu"))
+    with pytest.raises(ValueError, match="over NCCL, which needs the trainer on a GPU; this model is on cpu"):
+        nccl_plane(torch.nn.Linear(2, 2))
+
+
+@pytest.fixture
+def vllm_stand_in(monkeypatch):
+    """vLLM's trainer-side helpers replaced by tests/trainer/vllm_stand_in (gloo, unpacked), recording their calls."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "vllm_stand_in"))
+    from vllm.distributed.weight_transfer import packed_tensor
+    yield packed_tensor
+    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+        del sys.modules[name]  # later tests see vLLM as not installed again
+
+
+def test_the_nccl_plane_drives_vllms_rendezvous_and_packed_broadcast(tokenizer, vllm_stand_in):
+    server = ServerThread(weight_transfer_config=GLOO, weight_transfer_timeout_s=5)
+    prompt = chat_prompt(tokenizer, "What is 12 + 30?")
+    with asyncio.Runner() as run:
+        control = ControlClient(server.url)
+        plane = VllmNcclPlane(torch.device("cpu"))
+        sync = TransferSync(control, run, TINY_MODEL_PATH, timeout_s=5, plane=plane)
+        sync.connect()
+        assert vllm_stand_in.CALLS[0] == ("trainer_init", {"master_address": "127.0.0.1", "world_size": 2})
+        model = trained_model(seed=4)
+        sync.push(model, 1)
+        assert gaps(run, [server.url], model, prompt)[0] <= ATOL, "the weights vLLM's broadcast carried are served"
+        producer = vllm_stand_in.CALLS[1][1]
+        assert producer["names"] == [name for name, _ in model.named_parameters()], "sent in the announced order"
+        assert plane.init_fields == {"packed": True, "packed_buffer_size_bytes": producer["buffer_size_bytes"],
+                                     "packed_num_buffers": producer["num_buffers"]}, "the packing told the server is used"
+
+        vllm_stand_in.HANG.set()  # a peer that never takes part: NCCL would wait forever
+        with pytest.raises(TransferFailed, match="version 2 failed: the NCCL broadcast .* did not complete within 5s"):
+            sync.push(trained_model(seed=5), 2)
+        vllm_stand_in.HANG.clear()
+        assert gaps(run, [server.url], model, prompt)[0] <= ATOL, "a failed transfer must leave version 1 served"
+        run.run(control.close())
+    server.close()

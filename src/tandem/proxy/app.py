@@ -4,8 +4,8 @@ Generation requests are routed by prompt prefix (router.py): token ids as sent, 
 token ids with `--tokenizer` (by their text otherwise), and a `/v1/completions` batch split into one request
 per prompt, each routed on its own, the answers merged back in order. Control calls are broadcast: `/pause`,
 `/resume`, `/reset_prefix_cache` (the router forgets what the replicas held), `/v1/unload_lora_adapter`,
-`/collective_rpc` (a `reload_weights` from a shared path reaches every replica); NCCL weight transfer is refused
-(each replica would need its own NCCL group);
+`/collective_rpc` (a `reload_weights` from a shared path reaches every replica); the four weight-transfer routes
+fan out with each replica's rank offset in one group (`weight_transfer`);
 `/v1/load_lora_adapter` is all-or-nothing — a replica answering "No adapter found" (its mount has not seen
 the directory yet) is retried until a deadline, any other failure unloads the adapter from the replicas
 that took it. `/health` is 200 only when every replica is; `/metrics` concatenates the replicas' metrics

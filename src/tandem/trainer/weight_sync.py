@@ -24,7 +24,7 @@ from transformers.utils import logging as hf_logging
 
 from tandem.generation.client import ControlClient
 from tandem.trainer.distributed import Ranks
-from tandem.trainer.weight_transfer import TransferSync
+from tandem.trainer.weight_transfer import GlooPlane, TransferSync, VllmNcclPlane
 
 if TYPE_CHECKING:
     from tandem.trainer.session import Session  # `run` is anything with .run(coroutine): a Session, an asyncio.Runner
@@ -180,14 +180,16 @@ def choose_sync(control: ControlClient, run: "asyncio.Runner | Session", served_
     if not lora:
         transfer = info.get("weight_transfer_config")
         backend = transfer.get("backend", "nccl") if isinstance(transfer, dict) else None
-        if backend == "gloo":
-            sync = TransferSync(control, run, served_name, ranks, args.weight_transfer_address, args.vllm_server_timeout)
+        if backend in ("gloo", "nccl"):
+            plane = GlooPlane() if backend == "gloo" else nccl_plane(model)
+            sync = TransferSync(control, run, served_name, ranks, args.weight_transfer_address, args.vllm_server_timeout,
+                                plane)
             sync.connect()
             return sync
         if backend is not None:
-            warnings.warn(f"the server transfers weights over {backend}, which tandem does not drive yet (tandem's "
-                          "transfer is gloo, into tandem serve); syncing through a folder it reloads instead, which "
-                          "needs a filesystem it shares with this trainer.", stacklevel=4)
+            warnings.warn(f"the server transfers weights over {backend}, which tandem does not drive (it drives nccl, "
+                          "into vllm serve, and gloo, into tandem serve); syncing through a folder it reloads instead, "
+                          "which needs a filesystem it shares with this trainer.", stacklevel=4)
         return ReloadSync(control, output_dir, run, served_name, ranks)
     rank, needed = model.peft_config["default"].r, max_staleness + 2
     flags = " ".join(lora_server_flags(max_staleness, rank))
@@ -205,6 +207,16 @@ def choose_sync(control: ControlClient, run: "asyncio.Runner | Session", served_
                          f"{served_lora.get('max_lora_rank')}; "
                          f"this run needs {needed} (max_staleness + 2) of rank {rank}. Restart it with {flags}")
     return LoraSync(control, output_dir, run, keep=max_staleness + 1, ranks=ranks)
+
+
+def nccl_plane(model: torch.nn.Module) -> VllmNcclPlane:
+    """The data plane into a vllm serve that receives over NCCL: tensors leave from the trainer's GPU."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        raise ValueError(f"the server receives weights over NCCL, which needs the trainer on a GPU; this model is on "
+                         f"{device}. Start vllm serve without --weight-transfer-config to sync through a folder it "
+                         "reloads, or train on a GPU.")
+    return VllmNcclPlane(device)
 
 
 def follower_sync(kind: type, output_dir: Path, served_name: str, max_staleness: int, ranks: Ranks):

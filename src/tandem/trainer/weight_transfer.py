@@ -1,26 +1,34 @@
-"""The `transfer` sync: the whole model streamed to the server over a torch.distributed group, without the disk
-(reference/vllm_protocol.md §6.4; the server's end is generation/weight_transfer.py).
+"""The `transfer` sync: the whole model streamed to the server without the disk (reference/vllm_protocol.md §6).
 
-Once, at connect: the trainer (rank 0 of the group) opens a rendezvous at `weight_transfer_address` and, while it
-waits there, asks the server (or every replica behind `tandem proxy`) to join with `/init_weight_transfer_engine`.
-Each sync: pause (keep), `/start_weight_update`, then `/update_weights` with every parameter's name, dtype and
-shape, in order — on a thread, since it returns only when the server has received them — while the trainer
-broadcasts the tensors one at a time; `/finish_weight_update`, resume. A sharded (FSDP2) parameter is gathered
-whole just before its broadcast and freed right after, so the trainer never holds more than one layer's tensor
-beyond its shard. A failure sends `/finish_weight_update` (the server then keeps its previous weights) and stops
-training with what went wrong; every wait is bounded by `timeout_s`.
+One protocol layer, two data planes. `TransferSync` speaks vLLM's routes, the same for every server: once, at
+connect, the trainer (rank 0 of the group) opens a rendezvous at `weight_transfer_address` and, while it waits
+there, asks the server (or every replica behind `tandem proxy`) to join with `/init_weight_transfer_engine`. Each
+sync: pause (keep), `/start_weight_update`, then `/update_weights` with every parameter's name, dtype and shape, in
+order — on a thread, since it returns only when the server has received them — while the plane sends the tensors;
+`/finish_weight_update`, resume. The plane carries the tensors:
+- `GlooPlane`, into `tandem serve --weight-transfer-config '{"backend":"gloo"}'`: a torch.distributed gloo group,
+  one CPU tensor at a time (the server's end is generation/weight_transfer.py);
+- `VllmNcclPlane`, into `vllm serve --weight-transfer-config '{"backend":"nccl"}'`: vLLM's own trainer-side
+  helpers (the `vllm` extra) join its NCCL group and broadcast in its packed format from the trainer's GPU.
+A sharded (FSDP2) parameter is gathered whole just before it is sent and freed right after, so the trainer never
+holds more than one layer's tensor beyond its shard (plus vLLM's packing buffers on NCCL). A failure sends
+`/finish_weight_update` (the server then keeps its previous weights) and stops training with what went wrong;
+every wait is bounded by `timeout_s`.
 """
 
 import asyncio
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 import torch
 
 from tandem.generation.client import ControlClient
-from tandem.generation.weight_transfer import join_group
+from tandem.generation.weight_transfer import RENDEZVOUS_S, join_group
 from tandem.trainer.distributed import Ranks, full_tensor
+
+Tensors = Iterator[tuple[str, torch.Tensor]]
 
 
 class TransferFailed(RuntimeError):
@@ -34,41 +42,100 @@ def free_port(address: str) -> int:
 
 
 class InThread:
-    """One control call run to completion on its own thread (with its own client and event loop) while this thread
-    takes part in the collective the call waits for."""
+    """A call run to completion on its own (daemon) thread while this thread goes on, e.g. into the collective
+    the call waits for. `result` bounds the wait: a peer that never arrives is an error, not a hang."""
 
-    def __init__(self, base_url: str, api_key: str | None, timeout_s: float, call):
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(base_url, api_key, timeout_s, call), daemon=True)
+    def __init__(self, call: Callable[[], object]):
+        self.value, self.error = None, None
+        self.thread = threading.Thread(target=self._run, args=(call,), daemon=True)
         self.thread.start()
 
-    def _run(self, base_url, api_key, timeout_s, call) -> None:
-        async def main():
-            client = ControlClient(base_url, api_key=api_key, timeout_s=timeout_s)
-            try:
-                await call(client)
-            finally:
-                await client.close()
-
+    def _run(self, call) -> None:
         try:
-            asyncio.run(main())
+            self.value = call()
         except BaseException as exc:  # noqa: BLE001 - reported by result() on the caller's thread
             self.error = exc
 
-    def result(self, timeout_s: float) -> None:
+    def result(self, timeout_s: float, what: str = "the server did not answer"):
         self.thread.join(timeout_s)
         if self.thread.is_alive():
-            raise TimeoutError(f"the server did not answer within {timeout_s:.0f}s")
+            raise TimeoutError(f"{what} within {timeout_s:.0f}s")
         if self.error is not None:
             raise self.error
+        return self.value
+
+
+def control_call(control: ControlClient, timeout_s: float, call) -> Callable[[], None]:
+    """`call(client)` as a plain function, with its own client and event loop (for `InThread`)."""
+
+    async def main():
+        client = ControlClient(control.base_url, api_key=control.api_key, timeout_s=timeout_s)
+        try:
+            await call(client)
+        finally:
+            await client.close()
+
+    return lambda: asyncio.run(main())
+
+
+class GlooPlane:
+    """tandem serve's data plane: a torch.distributed gloo group; one CPU tensor per broadcast, in order."""
+
+    init_fields: dict = {}
+
+    def open(self, address: str, port: int, world_size: int, timeout_s: float) -> None:
+        self.group = join_group(address, port, 0, world_size, timeout_s)
+
+    def send(self, tensors: Tensors, timeout_s: float) -> None:
+        for _, tensor in tensors:  # the group's own timeout bounds each broadcast
+            self.group.broadcast(tensor.to("cpu").contiguous(), 0).wait()
+
+
+class VllmNcclPlane:
+    """vllm serve's data plane: the rendezvous (`nccl_common.trainer_init`) and the packed double-buffered broadcast
+    (`packed_tensor.packed_nccl_broadcast_producer`) are vLLM's own (0.30+), so the format always matches the
+    server's. The packing is agreed in `init_info`, as vLLM's trainer engine does. NCCL calls cannot be
+    interrupted, so both run on a thread and a peer that never arrives ends in a clear error after `timeout_s`
+    (the group is unusable after that: the run stops)."""
+
+    def __init__(self, device: torch.device):
+        try:
+            from vllm.distributed.weight_transfer import nccl_common, packed_tensor
+        except ImportError as exc:
+            raise ImportError(f"vllm serve transfers weights over NCCL with vLLM's own helpers, and they did not import "
+                              f"({exc}). Install them with: pip install 'tandem[vllm]' (vLLM 0.30 or later), or start "
+                              "vllm serve without --weight-transfer-config to sync through a folder it reloads.") from exc
+        self.nccl_common, self.packed_tensor, self.device = nccl_common, packed_tensor, device
+        self.init_fields = {"packed": True, "packed_buffer_size_bytes": packed_tensor.DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+                            "packed_num_buffers": packed_tensor.DEFAULT_PACKED_NUM_BUFFERS}
+
+    def _on_device(self, call: Callable[[], object]) -> Callable[[], object]:
+        """`call` on a new thread's CUDA device set to the trainer's (the current device is per thread)."""
+        def run():
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            return call()
+        return run
+
+    def open(self, address: str, port: int, world_size: int, timeout_s: float) -> None:
+        rendezvous = {"master_address": address, "master_port": port, "world_size": world_size}
+        opening = InThread(self._on_device(lambda: self.nccl_common.trainer_init(rendezvous)))
+        self.group = opening.result(min(timeout_s, RENDEZVOUS_S), "the server's workers did not join the NCCL group")
+
+    def send(self, tensors: Tensors, timeout_s: float) -> None:
+        sending = InThread(self._on_device(lambda: self.packed_tensor.packed_nccl_broadcast_producer(
+            iterator=tensors, group=self.group, src=0, post_iter_func=lambda item: item[1],
+            buffer_size_bytes=self.init_fields["packed_buffer_size_bytes"],
+            num_buffers=self.init_fields["packed_num_buffers"])))
+        sending.result(timeout_s, "the NCCL broadcast of the weights did not complete")
 
 
 class TransferSync:
     def __init__(self, control: ControlClient | None, run, served_name: str, ranks: Ranks = Ranks(),
-                 address: str = "127.0.0.1", timeout_s: float = 600.0):
+                 address: str = "127.0.0.1", timeout_s: float = 600.0, plane: GlooPlane | VllmNcclPlane | None = None):
         self.control, self.run, self.served_name, self.ranks = control, run, served_name, ranks
         self.address, self.timeout_s = address, timeout_s
-        self.group = None
+        self.plane = plane or GlooPlane()
 
     def name_for(self, version: int) -> str:
         return self.served_name
@@ -77,11 +144,11 @@ class TransferSync:
         """Form the group with the server's workers (rank 0 only); returns how many joined."""
         workers = self.run.run(self.control.world_size())
         port = free_port(self.address)
-        info = {"master_address": self.address, "master_port": port, "rank_offset": 1, "world_size": 1 + workers}
-        call = InThread(self.control.base_url, self.control.api_key, self.timeout_s,
-                        lambda client: client.init_weight_transfer(info))
+        info = {"master_address": self.address, "master_port": port, "rank_offset": 1,
+                "world_size": 1 + workers} | self.plane.init_fields
+        call = InThread(control_call(self.control, self.timeout_s, lambda client: client.init_weight_transfer(info)))
         try:
-            self.group = join_group(self.address, port, 0, 1 + workers, self.timeout_s)
+            self.plane.open(self.address, port, 1 + workers, self.timeout_s)
             call.result(self.timeout_s)
         except Exception as exc:
             raise TransferFailed(f"weight transfer: the server at {self.control.base_url} did not join the group at "
@@ -93,9 +160,10 @@ class TransferSync:
     def push(self, model: torch.nn.Module, version: int, announce=lambda version: None) -> dict[str, float]:
         """Stream every parameter to the server as `version` (every rank takes part in the gathers)."""
         params = list(model.named_parameters())  # tied weights once, as the server's own named_parameters
+        tensors = ((name, full_tensor(param.detach())) for name, param in params)
         if not self.ranks.main:
-            for _, param in params:
-                full_tensor(param.detach())
+            for _ in tensors:
+                pass
             return {}
         start = time.perf_counter()
         self.run.run(self.control.pause("keep"))
@@ -104,13 +172,10 @@ class TransferSync:
         names = [name for name, _ in params]
         dtypes = [str(param.dtype).removeprefix("torch.") for _, param in params]
         shapes = [list(param.shape) for _, param in params]
-        call = InThread(self.control.base_url, self.control.api_key, self.timeout_s,
-                        lambda client: client.update_weights(names, dtypes, shapes))
+        call = InThread(control_call(self.control, self.timeout_s,
+                                     lambda client: client.update_weights(names, dtypes, shapes)))
         try:
-            for _, param in params:
-                tensor = full_tensor(param.detach()).to("cpu").contiguous()  # gloo moves CPU tensors
-                self.group.broadcast(tensor, 0).wait()
-                del tensor
+            self.plane.send(tensors, self.timeout_s)
             call.result(self.timeout_s)
         except BaseException as exc:
             self._abandon()

@@ -1,0 +1,1 @@
+"""A stand-in for vLLM in tests: only the trainer-side weight-transfer helpers tandem calls."""

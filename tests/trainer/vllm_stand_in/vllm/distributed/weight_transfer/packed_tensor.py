@@ -1,0 +1,20 @@
+"""Stand-in for vLLM's `packed_tensor`: its constants and producer signature; the tensors go one at a time over
+the gloo group (what tandem serve receives). `HANG` makes the producer wait like an NCCL peer that never arrives."""
+
+import threading
+
+DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1024 * 1024 * 1024
+DEFAULT_PACKED_NUM_BUFFERS = 2
+CALLS: list = []
+HANG = threading.Event()
+
+
+def packed_nccl_broadcast_producer(iterator, group, src, post_iter_func, buffer_size_bytes=DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+                                   num_buffers=DEFAULT_PACKED_NUM_BUFFERS):
+    names = []
+    for item in iterator:
+        if HANG.is_set():
+            threading.Event().wait()
+        names.append(item[0])
+        group.broadcast(post_iter_func(item).cpu().contiguous(), src).wait()
+    CALLS.append(("producer", {"names": names, "buffer_size_bytes": buffer_size_bytes, "num_buffers": num_buffers}))
