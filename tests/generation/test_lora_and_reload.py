@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from tandem.tasks import TINY_MODEL_PATH
+from tests.generation.test_streaming import sse_events
 from tests.conftest import ServerThread, chat_prompt
 
 ATOL = 1e-5
@@ -111,6 +112,9 @@ def test_a_name_reloaded_after_its_unload_serves_the_new_weights_and_a_vanished_
         shutil.rmtree(tmp_path / "gone")  # an evicted adapter is read again from its files on its next use
         status, body = solo.post("/v1/completions", {"prompt": prompt, "model": "gone", "max_tokens": 4})
         assert status == 500 and "Loading lora gone failed" in body["error"]["message"]
+        events = sse_events(solo.port, "/v1/completions", {"prompt": prompt, "model": "gone", "max_tokens": 4, "stream": True})
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 500, "streamed, the failure is an error event"
+        assert "Loading lora gone failed" in events[-2]["error"]["message"]
         assert solo.post("/v1/completions", {"prompt": prompt, "max_tokens": 4})[0] == 200, "the engine kept serving"
     finally:
         solo.close()

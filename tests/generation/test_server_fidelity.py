@@ -70,3 +70,25 @@ def test_fast_mode_stays_within_fp32_noise_of_the_forward():
         for r in requests
     )
     assert worst < 1e-4, f"fast mode drifts {worst:.2e} from the forward"
+
+
+def test_echo_scores_random_prompts_as_a_teacher_forced_forward_then_the_generated_tokens(server, tiny_model):
+    """How evaluation harnesses get log-likelihoods: `echo` + `logprobs` gives the prompt's log-probs (the first
+    null) followed by the generated ones, each the forward's log-prob of that token given what precedes it."""
+    rng = random.Random(0)
+    vocab = tiny_model.config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(2, 40))] for _ in range(5)]
+    status, answer = server.post("/v1/completions", {"prompt": prompts, "echo": True, "logprobs": 2, "max_tokens": 3,
+                                                     "temperature": 1.0, "seed": 3, "return_token_ids": True})
+    assert status == 200
+    for prompt, choice in zip(prompts, answer["choices"]):
+        tokens = prompt + choice["token_ids"]
+        scores = choice["logprobs"]["token_logprobs"]
+        assert len(scores) == len(tokens) and scores[0] is None and choice["logprobs"]["top_logprobs"][0] is None
+        with torch.no_grad():
+            forward = tiny_model(torch.tensor([tokens + [0] * max(0, 16 - len(tokens))])).logits[0].float().log_softmax(-1)
+        expected = forward[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])]
+        gap = (torch.tensor(scores[1:]) - expected).abs().max().item()
+        assert gap < 1e-5, f"a {len(prompt)}-token prompt: echoed log-probs differ from the forward by {gap}"
+        assert all(len(top) in (2, 3) for top in choice["logprobs"]["top_logprobs"][1:]), "the token, then the top 2"
+        assert choice["prompt_logprobs"][0] is None and len(choice["prompt_logprobs"]) == len(prompt)

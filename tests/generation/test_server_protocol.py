@@ -88,6 +88,25 @@ def test_prompt_logprobs_start_with_null(server):
     assert "274" in entries[1] and set(entries[1]["274"]) == {"logprob", "rank", "decoded_token"}
 
 
+def test_echo_returns_the_prompt_as_sent_and_max_tokens_0_the_prompt_alone(server, tokenizer):
+    prompt = "Hi <|im_end|> there"
+    status, body = server.post("/v1/completions", {"prompt": prompt, "echo": True, "max_tokens": 2, "seed": 1})
+    choice = body["choices"][0]
+    assert status == 200 and choice["text"].startswith(prompt), "the prompt as sent, special tokens included"
+    status, body = server.post("/v1/completions", {"prompt": prompt, "echo": True, "max_tokens": 0, "logprobs": 0})
+    choice = body["choices"][0]
+    ids = tokenizer.encode(prompt)
+    assert status == 200 and choice["text"] == prompt
+    assert choice["logprobs"]["tokens"] == [tokenizer.decode([t]) for t in ids] and choice["logprobs"]["token_logprobs"][0] is None
+    assert body["usage"]["completion_tokens"] == 1, "vLLM generates one token and returns the prompt alone"
+    status, body = server.post("/v1/completions", {"prompt": ids, "echo": True, "max_tokens": 1})
+    assert body["choices"][0]["text"].startswith(tokenizer.decode(ids, skip_special_tokens=False)), "ids decoded whole"
+    status, body = server.post("/v1/completions", {"prompt": ids, "echo": True, "max_tokens": 1, "return_token_ids": True})
+    assert not body["choices"][0]["text"].startswith("Hi"), "with token ids returned, vLLM echoes no prompt text"
+    status, body = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 0})
+    assert_error(status, body, 400, contains="max_tokens must be at least 1, got 0."), "without echo, 0 is refused"
+
+
 def test_text_prompts_are_tokenized(server):
     status, body = server.post("/v1/completions", {"prompt": "What is 1 + 1?", "max_tokens": 2})
     assert status == 200 and body["usage"]["prompt_tokens"] > 3

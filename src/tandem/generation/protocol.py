@@ -33,9 +33,10 @@ class ApiError(Exception):
 
 
 def bad_request(message: str, param: str | None = None, value: Any = None) -> ApiError:
-    """A 400 like vLLM's VLLMValidationError: the message names the parameter and its value."""
-    if param is not None:
-        message = f"{message} (parameter={param}, value={value})"
+    """A 400 like vLLM's VLLMValidationError: the message names the parameter and its value (each when set)."""
+    extras = [f"{name}={v}" for name, v in (("parameter", param), ("value", value)) if v is not None]
+    if extras:
+        message = f"{message} ({', '.join(extras)})"
     return ApiError(400, message, "BadRequestError", param)
 
 

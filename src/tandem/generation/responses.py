@@ -37,31 +37,40 @@ def output_text(seq: Sequence, text: TokenText, *, include_stop: bool, skip_spec
     return text.decode(ids, skip_special)
 
 
-def completion_logprobs(seq: Sequence, k: int, text: TokenText, as_ids: bool) -> dict:
-    """Completions `logprobs`: the first k+1 entries of each position's map (sampled token first)."""
-    tokens = [text(t, as_ids) for t in seq.output]
-    offsets, position = [], 0
+def completion_logprobs(token_ids: list[int], positions: list, k: int, text: TokenText, as_ids: bool,
+                        first_offset: int = 0) -> dict:
+    """Completions `logprobs` over `token_ids`: at each position the first k+1 entries of its map (the token itself
+    first, then by rank), or nulls where it has none (an echoed prompt's first token)."""
+    tokens = [text(t, as_ids) for t in token_ids]
+    offsets, position = [], first_offset
     for token in tokens:
         offsets.append(position)
         position += len(token)
     limit = None if k < 0 else k + 1
-    top = [{text(t, as_ids): floor_logprob(v) for t, v, _ in entries[:limit]} for entries in seq.top_logprobs]
     return {
-        "text_offset": offsets, "token_logprobs": [floor_logprob(v) for v in seq.logprobs],
-        "tokens": tokens, "top_logprobs": top,
+        "text_offset": offsets,
+        "token_logprobs": [None if entries is None else floor_logprob(entries[0][1]) for entries in positions],
+        "tokens": tokens,
+        "top_logprobs": [None if entries is None else {text(t, as_ids): floor_logprob(v) for t, v, _ in entries[:limit]}
+                         for entries in positions],
     }
 
 
-def chat_logprobs(seq: Sequence, k: int, text: TokenText, as_ids: bool) -> dict:
-    """Chat `logprobs.content`: per token, the first k entries of the map (sampled first, then by rank)."""
+def prompt_positions(request: EngineRequest) -> list:
+    """The prompt's log-prob entries as `(id, value, rank)` lists, the prompt token first (None at position 0)."""
+    return [None if p is None else [(t, v, r) for t, (v, r) in p.items()] for p in request.prompt_logprobs]
+
+
+def chat_logprobs(token_ids: list[int], positions: list, k: int, text: TokenText, as_ids: bool) -> dict:
+    """Chat `logprobs.content`: per token, the first k entries of its map (sampled first, then by rank)."""
 
     def entry(token: int, value: float) -> dict:
         s = text(token, as_ids)
         return {"token": s, "logprob": floor_logprob(value), "bytes": list(s.encode())}
 
     content = []
-    for token, value, entries in zip(seq.output, seq.logprobs, seq.top_logprobs):
-        content.append({**entry(token, value), "top_logprobs": [entry(t, v) for t, v, _ in entries[: max(k, 0)]]})
+    for token, entries in zip(token_ids, positions):
+        content.append({**entry(token, entries[0][1]), "top_logprobs": [entry(t, v) for t, v, _ in entries[: max(k, 0)]]})
     return {"content": content}
 
 
@@ -95,13 +104,24 @@ def usage(requests: list[EngineRequest]) -> dict:
     }
 
 
-def completion_choice(req: CompletionRequest, request: EngineRequest, seq: Sequence, text: TokenText) -> dict:
-    skip_special = req.skips_special_tokens
-    output = output_text(seq, text, include_stop=req.include_stop_str_in_output, skip_special=skip_special)
+def completion_choice(req: CompletionRequest, request: EngineRequest, seq: Sequence, text: TokenText,
+                      prompt_text: str) -> dict:
+    """One choice. With `echo` its text and log-probs start with the prompt's (vLLM 0.33): the prompt as sent ("" when
+    token ids are returned), its log-probs (the first null) and then the output's; `max_tokens: 0` gives the prompt
+    alone, though one token was generated (in `token_ids` and `usage`, as vLLM does)."""
+    output = output_text(seq, text, include_stop=req.include_stop_str_in_output, skip_special=req.skips_special_tokens)
     as_ids = bool(req.return_tokens_as_token_ids)
+    token_ids, positions = list(seq.output), seq.top_logprobs
+    if req.echo:
+        prompt_text = "" if req.return_token_ids else prompt_text
+        only_prompt = req.max_tokens == 0
+        output = prompt_text + ("" if only_prompt else output)
+        if req.logprobs is not None:
+            token_ids = request.prompt + ([] if only_prompt else token_ids)
+            positions = prompt_positions(request) + ([] if only_prompt else positions)
     return {
-        "index": 0, "text": text.decode(request.prompt, skip_special) + output if req.echo else output,
-        "logprobs": None if req.logprobs is None else completion_logprobs(seq, req.logprobs, text, as_ids),
+        "index": 0, "text": output,
+        "logprobs": None if req.logprobs is None else completion_logprobs(token_ids, positions, req.logprobs, text, as_ids),
         "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason,
         "token_ids": list(seq.output) if req.return_token_ids else None,
         "prompt_logprobs": prompt_logprobs_json(request, text),
@@ -111,10 +131,10 @@ def completion_choice(req: CompletionRequest, request: EngineRequest, seq: Seque
 
 
 def completion_body(request_id: str, model: str, fingerprint: str, req: CompletionRequest, requests: list[EngineRequest],
-                    text: TokenText) -> dict:
+                    text: TokenText, prompt_texts: list[str]) -> dict:
     """`/v1/completions`: choices numbered across prompts, then samples (prompt i's sample j is i·n + j)."""
-    pairs = [(r, s) for r in requests for s in r.sequences]
-    choices = [{**completion_choice(req, r, s, text), "index": index} for index, (r, s) in enumerate(pairs)]
+    triples = [(r, s, prompt) for r, prompt in zip(requests, prompt_texts) for s in r.sequences]
+    choices = [{**completion_choice(req, r, s, text, prompt), "index": index} for index, (r, s, prompt) in enumerate(triples)]
     return {
         "id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
         "choices": choices, "service_tier": None, "system_fingerprint": fingerprint, "usage": usage(requests),
@@ -129,7 +149,8 @@ def chat_choice(req: ChatCompletionRequest, seq: Sequence, text: TokenText) -> d
         "index": seq.index,
         "message": {"role": "assistant", "content": content, "refusal": None, "annotations": None, "audio": None,
                     "function_call": None, "reasoning": None},
-        "logprobs": chat_logprobs(seq, top, text, bool(req.return_tokens_as_token_ids)) if req.logprobs else None,
+        "logprobs": chat_logprobs(seq.output, seq.top_logprobs, top, text, bool(req.return_tokens_as_token_ids))
+        if req.logprobs else None,
         "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason,
         "token_ids": list(seq.output) if req.return_token_ids else None,
         "routed_experts": None, "weight_versions": None,

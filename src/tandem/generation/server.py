@@ -9,6 +9,7 @@ the control routes (pause, weights, LoRA) in control.py, the response bodies in 
 """
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -29,8 +30,9 @@ from tandem.generation.lora import AdapterSet
 from tandem.generation.prefix_cache import BLOCK_SIZE
 from tandem.generation.preparation import Ask, Preparer
 from tandem.generation.protocol import ApiError, bad_request
+from tandem.generation.streaming import DONE, ChatStream, CompletionStream, Stream, sse
 from tandem.generation.weight_transfer import Receiver, parse_config
-from tandem.httpapp import api_key_auth, error_response, start_app
+from tandem.httpapp import api_key_auth, error_body, error_response, start_app
 
 logger = logging.getLogger("tandem.serve")
 VLLM_PROTOCOL_VERSION = "0.33.0"
@@ -205,75 +207,141 @@ class Server:
         valid = ", ".join(self.names + (list(self.adapters.paths) if self.adapters else []))
         raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {valid}.", "NotFoundError", "model")
 
-    def _admit(self, model: str | None, stream: bool) -> tuple[str, str | None]:
-        """What every generation request passes first: a served model (or adapter), a running engine, no pause, no stream."""
+    def _admit(self, model: str | None) -> tuple[str, str | None]:
+        """What every generation request passes first: a served model (or adapter), a running engine, no pause."""
         name, adapter = self._adapter_for(model)
         if not self.engine.alive:
             raise ApiError(500, ENGINE_STOPPED, "InternalServerError")
         if self.control.pause_mode in ("abort", "wait"):
             raise ApiError(503, PAUSED_MESSAGE, "ServiceUnavailableError")
-        if stream:
-            raise ApiError(400, "stream=true is not supported by tandem serve; send stream=false.", "BadRequestError", "stream")
         return name, adapter
 
-    async def _generate(self, ask: Ask, adapter: str | None) -> list[EngineRequest]:
-        """Prepare, submit and wait; a cancelled handler (client gone) aborts its requests and frees their slots."""
-        requests = self.prepare.engine_requests(ask, adapter)
-        loop = asyncio.get_running_loop()
-        futures = [loop.create_future() for _ in requests]
+    @staticmethod
+    def _check_stream_fields(req: protocol.SamplingFields) -> None:
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options", req.stream_options)
+        if req.stream and req.prompt_logprobs is not None and (req.prompt_logprobs > 0 or req.prompt_logprobs == -1):
+            raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs", None)
 
-        def notifier(request, future):
-            def notify():
-                if request.finished:
-                    loop.call_soon_threadsafe(lambda: future.done() or future.set_result(None))
+    async def _steps(self, requests: list[EngineRequest], every_step: bool):
+        """Submit `requests` and yield after each engine step that touched them (`every_step`, for streams) or once
+        they have all finished; leaving early (the client went away) aborts the unfinished ones, freeing their slots."""
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+
+        def notifier(request: EngineRequest):
+            def notify():  # on the engine thread
+                if every_step or request.finished:
+                    loop.call_soon_threadsafe(wake.set)
             return notify
 
-        for request, future in zip(requests, futures):
-            request.notify = notifier(request, future)
+        for request in requests:
+            request.notify = notifier(request)
             self.engine.submit(request)
         try:
-            await asyncio.gather(*futures)
+            while True:
+                await wake.wait()
+                wake.clear()
+                finished = all(r.finished for r in requests)
+                yield
+                if finished:
+                    return
         finally:
             for request in requests:
                 if not request.finished:
                     self.engine.abort(request)
-        if any(s.finish_reason == "error" for r in requests for s in r.sequences):
-            reason = next((r.error for r in requests if r.error), None)
-            raise ApiError(500, reason or "The generation engine failed while serving this request: see the server log.",
-                           "InternalServerError")
+
+    @staticmethod
+    def _failure(requests: list[EngineRequest]) -> str | None:
+        """Why the engine failed these requests, or None."""
+        if not any(s.finish_reason == "error" for r in requests for s in r.sequences):
+            return None
+        reason = next((r.error for r in requests if r.error), None)
+        return reason or "The generation engine failed while serving this request: see the server log."
+
+    async def _generate(self, ask: Ask, adapter: str | None) -> list[EngineRequest]:
+        """Prepare, submit and wait until every request has finished."""
+        requests = self.prepare.engine_requests(ask, adapter)
+        async with contextlib.aclosing(self._steps(requests, every_step=False)) as steps:
+            async for _ in steps:
+                pass
+        if (failure := self._failure(requests)) is not None:
+            raise ApiError(500, failure, "InternalServerError")
         return requests
+
+    async def _stream(self, http_request: web.Request, requests: list[EngineRequest], stream: Stream) -> web.StreamResponse:
+        """Server-sent events: the stream's chunks after every engine step, an engine failure as an error event (the
+        status is already 200), the usage chunk, `[DONE]`. A client that goes away aborts its requests at once."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(http_request)
+        async with contextlib.aclosing(self._steps(requests, every_step=True)) as steps:
+            async for _ in steps:
+                for chunk in stream.chunks():
+                    await response.write(sse(chunk))
+        failure = self._failure(requests)
+        for chunk in [error_body(500, failure, "InternalServerError")] if failure else stream.final():
+            await response.write(sse(chunk))
+        await response.write(DONE)
+        await response.write_eof()
+        return response
 
     def _request_id(self, request: web.Request, body_id: str | None) -> str:
         return request.headers.get("X-Request-Id") or body_id or uuid.uuid4().hex
 
-    async def completions(self, request: web.Request) -> web.Response:
+    async def completions(self, request: web.Request) -> web.StreamResponse:
         req = await protocol.read(request, protocol.CompletionRequest)
-        name, adapter = self._admit(req.model, req.stream)
-        if req.stream_options is not None:
-            raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options", req.stream_options)
-        ask = Ask(self.prepare.prompt_ids(req.prompt), req, req.max_tokens, default_max_tokens=16,
-                  logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs)
-        engine_requests = await self._generate(ask, adapter)
+        name, adapter = self._admit(req.model)
+        self._check_stream_fields(req)
+        prompts = self.prepare.prompt_ids(req.prompt)
+        # echo: the prompt's log-probs too (vLLM asks for `logprobs` of them unless prompt_logprobs says otherwise);
+        # max_tokens 0 returns the prompt alone, after generating one token
+        prompt_logprobs = req.logprobs if req.echo and req.prompt_logprobs is None else req.prompt_logprobs
+        max_tokens = 1 if req.echo and req.max_tokens == 0 else req.max_tokens
+        ask = Ask(prompts, req, max_tokens, default_max_tokens=16, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
         request_id = f"cmpl-{self._request_id(request, req.request_id)}"
-        return web.json_response(responses.completion_body(request_id, name, self.fingerprint, req, engine_requests, self.text))
+        texts = self._prompt_texts(req.prompt, prompts) if req.echo else [""] * len(prompts)
+        if req.stream:
+            requests = self.prepare.engine_requests(ask, adapter)
+            stream = CompletionStream(req, requests, request_id, name, self.fingerprint, self.text,
+                                      protocol.stop_strings(req.stop), prompt_texts=texts)
+            return await self._stream(request, requests, stream)
+        engine_requests = await self._generate(ask, adapter)
+        return web.json_response(responses.completion_body(request_id, name, self.fingerprint, req, engine_requests,
+                                                           self.text, texts))
 
-    async def chat(self, request: web.Request) -> web.Response:
+    def _prompt_texts(self, prompt, ids: list[list[int]]) -> list[str]:
+        """What echo returns of each prompt: the text as sent, or token ids decoded with their special tokens."""
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and isinstance(prompt[0], str):
+            return list(prompt)
+        return [self.text.decode(p, skip_special_tokens=False) for p in ids]
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
         req = await protocol.read(request, protocol.ChatCompletionRequest)
-        name, adapter = self._admit(req.model, req.stream)
+        name, adapter = self._admit(req.model)
+        self._check_stream_fields(req)
         if req.top_logprobs and not req.logprobs:
             raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs", req.top_logprobs)
         top = req.top_logprobs or 0
         ask = Ask([self.prepare.render_chat(req)], req, req.max_completion_tokens or req.max_tokens,
                   logprobs=(top if top >= 0 else -1) if req.logprobs else None, prompt_logprobs=req.prompt_logprobs)
-        (engine_request,) = await self._generate(ask, adapter)
         request_id = f"chatcmpl-{self._request_id(request, req.request_id)}"
+        if req.stream:
+            requests = self.prepare.engine_requests(ask, adapter)
+            stream = ChatStream(req, requests, request_id, name, self.fingerprint, self.text, protocol.stop_strings(req.stop))
+            return await self._stream(request, requests, stream)
+        (engine_request,) = await self._generate(ask, adapter)
         return web.json_response(responses.chat_body(request_id, name, self.fingerprint, req, engine_request, self.text))
 
     async def generate(self, request: web.Request) -> web.Response:
         if not self.args.enable_scale_out:
             raise ApiError(403, "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them.", "PermissionDeniedError")
         req = await protocol.read(request, protocol.GenerateRequest)
-        name, adapter = self._admit(req.model, req.stream)
+        name, adapter = self._admit(req.model)
+        if req.stream:
+            raise bad_request("stream=true is not supported on /inference/v1/generate by tandem serve; send stream=false "
+                              "(/v1/completions and /v1/chat/completions stream).", "stream", True)
         sp = req.sampling_params
         ask = Ask([req.token_ids], sp, sp.max_tokens, logprobs=sp.logprobs, prompt_logprobs=sp.prompt_logprobs,
                   sampling_mask=self.args.return_sampling_mask)

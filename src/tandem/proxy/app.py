@@ -156,23 +156,31 @@ class Proxy:
     async def _stop(self, _app) -> None:
         await self.session.close()
 
-    async def _send(self, upstream: Upstream, method: str, path_qs: str, body: bytes | None, headers) -> tuple[int, dict, bytes]:
-        """One upstream call, fully buffered; a transport failure is a 502 naming the replica."""
+    def _outgoing(self, headers) -> dict:
+        """A request's headers as sent on to a replica (hop-by-hop ones dropped, the replicas' key set)."""
         out = {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
         if self.args.upstream_api_key:
             out["Authorization"] = f"Bearer {self.args.upstream_api_key}"
+        return out
+
+    def _failed(self, upstream: Upstream, exc: BaseException) -> str:
+        """Count a transport failure and say what it was. A refused connection means the process is gone (restarting
+        or dead), and one that keeps failing has likely restarted: either way its prefix cache is gone."""
+        upstream.failures += 1
+        if isinstance(exc, aiohttp.ClientConnectorError) or upstream.failures >= 3:
+            self.router.forget(self.upstreams.index(upstream))
+        return f"proxy: {upstream.url}: {type(exc).__name__}: {exc}"
+
+    async def _send(self, upstream: Upstream, method: str, path_qs: str, body: bytes | None, headers) -> tuple[int, dict, bytes]:
+        """One upstream call, fully buffered; a transport failure is a 502 naming the replica."""
         try:
-            async with self.session.request(method, upstream.url + path_qs, data=body, headers=out, allow_redirects=False) as r:
+            async with self.session.request(method, upstream.url + path_qs, data=body, headers=self._outgoing(headers),
+                                            allow_redirects=False) as r:
                 data = await r.read()
                 upstream.failures = 0
                 return r.status, {k: v for k, v in r.headers.items() if k.lower() not in HOP_BY_HOP}, data
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            upstream.failures += 1
-            # A refused connection means the process is gone (restarting or dead), and one that keeps failing has
-            # likely restarted: either way its prefix cache is gone.
-            if isinstance(exc, aiohttp.ClientConnectorError) or upstream.failures >= 3:
-                self.router.forget(self.upstreams.index(upstream))
-            message = f"proxy: {upstream.url}: {type(exc).__name__}: {exc}"
+            message = self._failed(upstream, exc)
             return 502, {"Content-Type": "application/json"}, json.dumps(error_body(502, message, "BadGateway")).encode()
 
     async def routed(self, request: web.Request) -> web.Response:
@@ -183,6 +191,8 @@ class Proxy:
             return error(400, f"proxy: the request body is not valid JSON: {exc}")
         if not isinstance(body, dict):
             return error(400, "proxy: the request body must be a JSON object")
+        if body.get("stream") is True:
+            return await self._route_stream(request, body, raw)
         parts = split_batch(request.path, body)
         if parts is None:
             status, headers, data, replica = await self._route(request, body, raw)
@@ -196,18 +206,44 @@ class Proxy:
         merged = merge_completions([json.loads(data) for _, _, data, _ in answers], int(body.get("n") or 1))
         return web.json_response(merged, headers={"X-Proxy-Upstream": replicas})
 
-    async def _route(self, request: web.Request, body: dict, raw: bytes) -> tuple[int, dict, bytes, int]:
-        """Send one generation request to the replica the router picks for its prompt."""
+    def _choose(self, request: web.Request, body: dict) -> Upstream:
+        """The replica the router picks for this request's prompt (counted as routed)."""
         decision = self.router.choose(str(body.get("model") or ""), prompt_of(request.path, body, self.tokenizer),
                                       [u.inflight for u in self.upstreams])
         upstream = self.upstreams[decision.replica]
-        upstream.inflight += 1
         upstream.routed += 1
+        return upstream
+
+    async def _route(self, request: web.Request, body: dict, raw: bytes) -> tuple[int, dict, bytes, int]:
+        """Send one generation request to the replica the router picks for its prompt."""
+        upstream = self._choose(request, body)
+        upstream.inflight += 1
         try:
             status, headers, data = await self._send(upstream, "POST", request.path_qs, raw, request.headers)
         finally:
             upstream.inflight -= 1
-        return status, headers, data, decision.replica
+        return status, headers, data, self.upstreams.index(upstream)
+
+    async def _route_stream(self, request: web.Request, body: dict, raw: bytes) -> web.StreamResponse:
+        """A streamed request, routed as any other (a batch whole, by its first prompt) and passed back chunk by chunk
+        as the replica writes them. A client that leaves closes the upstream connection, so the replica aborts too."""
+        upstream = self._choose(request, body)
+        upstream.inflight += 1
+        try:
+            async with self.session.post(upstream.url + request.path_qs, data=raw, headers=self._outgoing(request.headers)) as r:
+                upstream.failures = 0
+                headers = {k: v for k, v in r.headers.items() if k.lower() not in HOP_BY_HOP}
+                response = web.StreamResponse(status=r.status, headers={
+                    **headers, "X-Proxy-Upstream": str(self.upstreams.index(upstream))})
+                await response.prepare(request)
+                async for data in r.content.iter_any():
+                    await response.write(data)
+                await response.write_eof()
+                return response
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return error(502, self._failed(upstream, exc))
+        finally:
+            upstream.inflight -= 1
 
     async def _all(self, request: web.Request, raw: bytes | None = None) -> list[tuple[int, dict, bytes]]:
         raw = await request.read() if raw is None else raw

@@ -1,0 +1,184 @@
+"""Streaming as vLLM 0.33 does it (reference/vllm_protocol.md §1, §2.5, §3): server-sent events `data: <json>`
+carrying each choice's new tokens as the engine produces them, `finish_reason` on a choice's last chunk, a usage
+chunk when asked, then `data: [DONE]`.
+
+The engine thread appends a token to a sequence's lists (output, log-probs, top entries, in that order) and sets
+`finish_reason` after the last one, so a reader here takes a token once every list it reports holds it and never
+sees half a step. A choice's text is decoded from all its tokens each time, holding back an unfinished character
+and any tail that could begin a stop string; at the end it is the non-streamed text, so the chunks join into it.
+"""
+
+import json
+import time
+from dataclasses import dataclass
+
+from tandem.generation.engine import EngineRequest, Sequence
+from tandem.generation.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.generation.responses import (TokenText, chat_logprobs, completion_logprobs, output_text,
+                                         prompt_positions)
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(data: dict) -> bytes:
+    return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+
+@dataclass
+class Progress:
+    """What one choice has streamed so far."""
+
+    request: EngineRequest
+    seq: Sequence
+    index: int
+    tokens: int = 0
+    text: str = ""
+    offset: int = 0
+    """The completions `text_offset` of its next token."""
+    started: bool = False
+    done: bool = False
+
+    def ready(self, with_top: bool) -> int:
+        """How many of the sequence's tokens are complete in every list this stream reports."""
+        if self.seq.finish_reason is not None:
+            return len(self.seq.output)
+        return len(self.seq.top_logprobs) if with_top else len(self.seq.logprobs)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Stream:
+    """The chunks of one streamed request: `chunks()` after each engine step, `final()` once all have finished."""
+
+    object_name = ""
+
+    def __init__(self, req: CompletionRequest | ChatCompletionRequest, requests: list[EngineRequest], request_id: str,
+                 model: str, fingerprint: str, text: TokenText, stops: list[str]):
+        self.req, self.requests, self.text, self.stops = req, requests, text, stops
+        self.head = {"id": request_id, "object": self.object_name, "created": int(time.time()), "model": model}
+        self.fingerprint = fingerprint
+        options = req.stream_options or {}
+        self.include_usage = bool(options.get("include_usage"))
+        self.continuous_usage = self.include_usage and bool(options.get("continuous_usage_stats"))
+        self.progress = [Progress(r, s, i) for i, (r, s) in enumerate((r, s) for r in requests for s in r.sequences)]
+
+    def chunks(self) -> list[dict]:
+        out = []
+        for p in self.progress:
+            if p.done:
+                continue
+            count, finished = p.ready(self.with_top), p.seq.finish_reason is not None
+            if count == p.tokens and not finished:
+                continue
+            new, positions = p.seq.output[p.tokens:count], p.seq.top_logprobs[p.tokens:count]
+            text = self._final_text(p.seq) if finished else self._visible_text(p.seq.output[:count])
+            delta = text[len(p.text):] if len(text) > len(p.text) else ""
+            chunk = self._chunk(p, new, positions, delta, finished)
+            p.tokens, p.text, p.done, p.started = count, p.text + delta, finished, True
+            if chunk is not None:
+                if self.continuous_usage:
+                    chunk["usage"] = usage(len(p.request.prompt), p.tokens)
+                if finished and not self.include_usage:
+                    chunk["system_fingerprint"] = self.fingerprint
+                out.append(chunk)
+        return out
+
+    def final(self) -> list[dict]:
+        """The usage chunk when `stream_options.include_usage` asks for it."""
+        if not self.include_usage:
+            return []
+        prompt = sum(len(r.prompt) for r in self.requests)
+        return [{**self.head, "choices": [], "usage": usage(prompt, sum(p.tokens for p in self.progress)),
+                 "system_fingerprint": self.fingerprint}]
+
+    @property
+    def with_top(self) -> bool:
+        return self.req.logprobs is not None
+
+    def _visible_text(self, tokens: list[int]) -> str:
+        """The text of a running choice that can be sent now: no unfinished character, no possible stop-string start."""
+        decoded = self.text.decode(tokens, self.req.skips_special_tokens).rstrip("\ufffd")
+        hold = max((k for stop in self.stops for k in range(1, len(stop)) if decoded.endswith(stop[:k])), default=0)
+        return decoded[: len(decoded) - hold]
+
+    def _final_text(self, seq: Sequence) -> str:
+        return output_text(seq, self.text, include_stop=self.req.include_stop_str_in_output,
+                           skip_special=self.req.skips_special_tokens)
+
+    def _chunk(self, p: Progress, new: list[int], positions: list, delta: str, finished: bool) -> dict | None:
+        raise NotImplementedError
+
+
+class CompletionStream(Stream):
+    """`/v1/completions` chunks: `text`, `logprobs` and `token_ids` of the new tokens; with `echo` the first chunk of
+    each choice starts with the prompt (its text, ids and log-probs), as in the non-streamed answer."""
+
+    object_name = "text_completion"
+
+    def __init__(self, *args, prompt_texts: list[str]):
+        super().__init__(*args)
+        self.prompt_text = {id(r): t for r, t in zip(self.requests, prompt_texts)}
+
+    def _chunk(self, p, new, positions, delta, finished):
+        req, as_ids = self.req, bool(self.req.return_tokens_as_token_ids)
+        tokens, prompt_ids = new, (p.request.prompt if req.return_token_ids and not p.started else None)
+        if req.echo and not p.started:
+            only_prompt = req.max_tokens == 0
+            delta = ("" if req.return_token_ids else self.prompt_text[id(p.request)]) + ("" if only_prompt else delta)
+            tokens, prompt_ids = p.request.prompt + ([] if only_prompt else new), p.request.prompt
+            if req.logprobs is not None:  # echo asked the engine for the prompt's log-probs too
+                positions = prompt_positions(p.request) + ([] if only_prompt else positions)
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = completion_logprobs(tokens, positions, req.logprobs, self.text, as_ids, p.offset)
+            if logprobs["tokens"]:
+                p.offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        choice = {"index": p.index, "text": delta, "logprobs": logprobs,
+                  "finish_reason": p.seq.finish_reason if finished else None,
+                  "stop_reason": p.seq.stop_reason if finished else None, "prompt_token_ids": prompt_ids,
+                  "token_ids": list(new) if req.return_token_ids else None, "weight_versions": None}
+        return {**self.head, "choices": [choice], "kv_transfer_params": None}
+
+
+class ChatStream(Stream):
+    """`/v1/chat/completions` chunks: first, for every choice, `delta: {role, content: ""}` (with the prompt's ids
+    when asked); then `delta.content`, `logprobs.content` and `token_ids` of the new tokens."""
+
+    object_name = "chat.completion.chunk"
+
+    def chunks(self) -> list[dict]:
+        roles = []
+        if not any(p.started for p in self.progress):
+            request = self.requests[0]
+            for p in self.progress:
+                choice = {"index": p.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}
+                chunk = {**self.head, "choices": [choice],
+                         "prompt_token_ids": list(request.prompt) if self.req.return_token_ids else None,
+                         "prompt_text": None}
+                if self.continuous_usage:
+                    chunk["usage"] = usage(len(request.prompt), 0)
+                roles.append(chunk)
+        return roles + super().chunks()
+
+    @property
+    def with_top(self) -> bool:
+        return self.req.logprobs
+
+    def _chunk(self, p, new, positions, delta, finished):
+        req = self.req
+        logprobs = None
+        if req.logprobs:
+            top, as_ids = req.top_logprobs or 0, bool(req.return_tokens_as_token_ids)
+            logprobs = chat_logprobs(new, positions, top, self.text, as_ids)
+        if not delta and not finished and logprobs is None and not req.return_token_ids:
+            return None  # nothing to say yet (a held-back character or stop-string start)
+        choice = {"index": p.index, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
+                  "finish_reason": p.seq.finish_reason if finished else None,
+                  "token_ids": list(new) if req.return_token_ids else None}
+        if finished:
+            choice |= {"stop_reason": p.seq.stop_reason, "weight_versions": None}
+        return {**self.head, "choices": [choice], "kv_transfer_params": None}
