@@ -49,6 +49,10 @@ def serve_parser(sub) -> None:
                         "flag; nccl is vllm serve's)")
     p.add_argument("--weight-transfer-timeout-s", type=float, default=600.0,
                    help="seconds a weight-transfer collective may wait for the trainer before it fails (default 600)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='chat requests with tools (tool_choice "auto") get the reply\'s calls in message.tool_calls')
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                   help="how replies write tool calls: hermes (<tool_call> JSON blocks, as Qwen and Hermes models)")
     p.add_argument("--prefix-cache-max-tokens", type=int, default=None,
                    help="tokens the prefix cache keeps at most, least recently used evicted (default: --max-num-seqs x --max-model-len)")
 
@@ -84,7 +88,7 @@ def run_proxy(ns: argparse.Namespace) -> None:
 
 
 def run_serve(ns: argparse.Namespace) -> None:
-    from tandem.generation.server import VLLM_PROTOCOL_VERSION, ServeArgs, start_server
+    from tandem.generation.server import VLLM_PROTOCOL_VERSION, ServeArgs, check_tool_flags, start_server
     from tandem.generation.weight_transfer import parse_config
     from tandem.httpapp import run_until_interrupted
 
@@ -95,6 +99,10 @@ def run_serve(ns: argparse.Namespace) -> None:
     except ValueError as exc:  # not JSON, or a backend tandem serve does not have
         sys.exit(f"tandem serve: {exc}")
     args = ServeArgs(**{k: v for k, v in vars(ns).items() if k != "command"})
+    try:
+        check_tool_flags(args)
+    except ValueError as exc:
+        sys.exit(f"tandem serve: {exc}")
     if args.model == "tiny":
         args.model = TINY_MODEL_PATH
     run_until_interrupted(start_server(args),

@@ -1,6 +1,6 @@
 """Tool calls in a model's reply: which calls it makes, which of them are malformed, and the assistant message
-that goes back into the conversation. Used by the rollout worker's multi-turn tool loop and by the server's chat
-`tool_calls`, so that both read a reply the same way.
+that goes back into the conversation. Used by the rollout worker's multi-turn tool loop; `tandem serve`'s chat
+`tool_calls` read a reply with `hermes_server_calls`, vLLM's stricter reading of the same blocks.
 
 Two ways of reading a reply:
 
@@ -140,6 +140,25 @@ def call_from_object(body, raw: str) -> ToolCall:
     if not isinstance(arguments, dict):
         return ToolCall(name, {}, error=f'"arguments" is a JSON {type(arguments).__name__}, not an object', raw=raw)
     return ToolCall(name, arguments, raw=raw)
+
+
+def hermes_server_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """A chat reply read as `vllm serve --tool-call-parser hermes` reads it: every block, closed or running to the end,
+    must be a valid call, else the reply is all content and makes no call (vLLM's all-or-nothing); with calls, the
+    content is the text before the first block (None when empty)."""
+    if HERMES_OPEN not in text:
+        return text, []
+    bodies = re.findall(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", text, flags=re.DOTALL)
+    calls = []
+    for closed, unclosed in bodies:
+        try:
+            call = call_from_object(json.loads(closed or unclosed), closed or unclosed)
+        except json.JSONDecodeError:
+            return text, []
+        if call.error is not None:
+            return text, []
+        calls.append(call)
+    return text[: text.find(HERMES_OPEN)] or None, calls
 
 
 def parse_with_response_template(text: str, tokenizer, prefix: str) -> ParsedReply:

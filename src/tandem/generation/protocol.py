@@ -116,6 +116,9 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    """None: "auto" when `tools` are given, else "none" (vLLM's default)."""
+    parallel_tool_calls: bool | None = True
 
 
 class GenerateSampling(Sampling):
@@ -272,3 +275,35 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     if any(s == "" for s in strings):
         raise bad_request("Empty strings are not allowed in stop.", "stop", strings)
     return strings
+
+
+def tool_choice(req: ChatCompletionRequest, parser: str | None, auto_tools: bool) -> str:
+    """The request's `tool_choice` checked as vLLM 0.33 checks it: "auto" (read the reply's calls) or "none"
+    (`tools` only rendered into the prompt). "required" and named functions need output constrained to the call's
+    JSON schema, which tandem serve does not implement: a 400 saying so."""
+    if req.tools == []:
+        raise bad_request("`tools` must not be an empty array. Either provide at least one tool or omit the field "
+                          "entirely.", "tools")
+    choice = req.tool_choice if req.tool_choice is not None or not req.tools else "auto"
+    if choice is None or choice == "none":
+        return "none"
+    if req.tools is None:
+        raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    if choice not in ("auto", "required") and not isinstance(choice, dict):
+        raise bad_request(f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" or "required" '
+                          "are supported.", "tool_choice")
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+        if not any((tool.get("function") or {}).get("name") == name for tool in req.tools):
+            raise bad_request("The tool specified in `tool_choice` does not match any of the specified `tools`",
+                              "tool_choice")
+    if choice == "auto":
+        if not auto_tools:
+            raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
+        return "auto"
+    described = f'function "{choice["function"]["name"]}"' if isinstance(choice, dict) else f'"{choice}"'
+    if parser is None:
+        raise bad_request(f"tool_choice={described} requires --tool-call-parser to be set")
+    raise bad_request(f"tool_choice={described} is not supported by tandem serve: vLLM constrains the output to the "
+                      "call's JSON schema (guided decoding), which tandem serve does not implement. Send "
+                      'tool_choice "auto" (the model decides) or "none".', "tool_choice")

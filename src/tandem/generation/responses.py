@@ -1,10 +1,13 @@
 """vLLM 0.33 response bodies built from finished engine sequences (reference/vllm_protocol.md §2-§3, §11)."""
 
+import json
 import time
+import uuid
 
 from tandem.generation.engine import EngineRequest, Sequence
 from tandem.generation.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from tandem.generation.sampling import floor_logprob
+from tandem.tool_calls import ToolCall, hermes_server_calls
 
 
 class TokenText:
@@ -142,26 +145,46 @@ def completion_body(request_id: str, model: str, fingerprint: str, req: Completi
     }
 
 
-def chat_choice(req: ChatCompletionRequest, seq: Sequence, text: TokenText) -> dict:
+def message_tool_calls(calls: list[ToolCall], parallel: bool | None) -> list[dict]:
+    """Parsed calls as `message.tool_calls` (arguments a JSON string, as OpenAI sends them); the first alone when
+    the request set `parallel_tool_calls: false`."""
+    return [{"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+             "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+            for call in (calls if parallel is not False else calls[:1])]
+
+
+def chat_finish_reason(seq: Sequence, called: bool) -> str | None:
+    """vLLM reports a reply that stopped on its own after tool calls as "tool_calls"; a length cut stays visible."""
+    return "tool_calls" if called and seq.finish_reason == "stop" else seq.finish_reason
+
+
+def chat_choice(req: ChatCompletionRequest, seq: Sequence, text: TokenText, read_calls: bool) -> dict:
+    """One chat choice; with `read_calls` (tool_choice "auto" on a server with a tool-call parser) the reply's tool
+    calls move from the content to `message.tool_calls`, as vLLM's hermes parser reads them."""
     content = output_text(seq, text, include_stop=req.include_stop_str_in_output, skip_special=req.skips_special_tokens)
+    calls = []
+    if read_calls:
+        content, parsed = hermes_server_calls(content)
+        calls = message_tool_calls(parsed, req.parallel_tool_calls)
     top = req.top_logprobs or 0
+    message = {"role": "assistant", "content": content, "refusal": None, "annotations": None, "audio": None,
+               "function_call": None, "reasoning": None}
     return {
         "index": seq.index,
-        "message": {"role": "assistant", "content": content, "refusal": None, "annotations": None, "audio": None,
-                    "function_call": None, "reasoning": None},
+        "message": message | ({"tool_calls": calls} if calls else {}),
         "logprobs": chat_logprobs(seq.output, seq.top_logprobs, top, text, bool(req.return_tokens_as_token_ids))
         if req.logprobs else None,
-        "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason,
+        "finish_reason": chat_finish_reason(seq, bool(calls)), "stop_reason": seq.stop_reason,
         "token_ids": list(seq.output) if req.return_token_ids else None,
         "routed_experts": None, "weight_versions": None,
     }
 
 
 def chat_body(request_id: str, model: str, fingerprint: str, req: ChatCompletionRequest, request: EngineRequest,
-              text: TokenText) -> dict:
+              text: TokenText, read_calls: bool) -> dict:
     return {
         "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [chat_choice(req, s, text) for s in request.sequences], "service_tier": None,
+        "choices": [chat_choice(req, s, text, read_calls) for s in request.sequences], "service_tier": None,
         "system_fingerprint": fingerprint, "usage": usage([request]),
         "prompt_logprobs": prompt_logprobs_json(request, text),
         "prompt_token_ids": list(request.prompt) if req.return_token_ids else None, "prompt_text": None,

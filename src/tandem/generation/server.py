@@ -74,8 +74,12 @@ class ServeArgs:
     weight_transfer_config: str | None = None
     """JSON, as vLLM's flag: '{"backend": "gloo"}' enables the weight-transfer routes (generation/weight_transfer.py)."""
     weight_transfer_timeout_s: float = 600.0
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    """Reads chat replies' tool calls into `message.tool_calls`; "hermes" (`<tool_call>` JSON blocks) is the one."""
 
 
+TOOL_CALL_PARSERS = ("hermes",)
 SERVER_KEY = web.AppKey("tandem_server", object)
 
 
@@ -131,6 +135,15 @@ async def errors(request: web.Request, handler):
         return error_response(500, protocol.sanitize(f"{type(exc).__name__}: {exc}"), "InternalServerError")
 
 
+def check_tool_flags(args: ServeArgs) -> None:
+    """`--enable-auto-tool-choice` and `--tool-call-parser` as vLLM takes them."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"--tool-call-parser {args.tool_call_parser!r} is not one tandem serve has: "
+                         f"{', '.join(TOOL_CALL_PARSERS)} (<tool_call> JSON blocks, as Qwen and Hermes models write them)")
+
+
 def load_model(args: ServeArgs) -> tuple[torch.nn.Module, bool]:
     """The model on its device, and whether it decodes exactly (--decode-mode; exact is the CPU default)."""
     device = pick_device(args.device)
@@ -145,6 +158,7 @@ class Server:
     """The HTTP layer: reads requests, has them prepared and run by the engine, shapes vLLM's responses."""
 
     def __init__(self, args: ServeArgs):
+        check_tool_flags(args)
         self.args = args
         self.tokenizer = AutoTokenizer.from_pretrained(args.model)
         model, exact = load_model(args)
@@ -323,16 +337,21 @@ class Server:
         self._check_stream_fields(req)
         if req.top_logprobs and not req.logprobs:
             raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs", req.top_logprobs)
+        read_calls = protocol.tool_choice(req, self.args.tool_call_parser, self.args.enable_auto_tool_choice) == "auto"
+        if read_calls:
+            req.skip_special_tokens = False  # as vLLM's hermes parser: some models mark the call tags special
         top = req.top_logprobs or 0
         ask = Ask([self.prepare.render_chat(req)], req, req.max_completion_tokens or req.max_tokens,
                   logprobs=(top if top >= 0 else -1) if req.logprobs else None, prompt_logprobs=req.prompt_logprobs)
         request_id = f"chatcmpl-{self._request_id(request, req.request_id)}"
         if req.stream:
             requests = self.prepare.engine_requests(ask, adapter)
-            stream = ChatStream(req, requests, request_id, name, self.fingerprint, self.text, protocol.stop_strings(req.stop))
+            stream = ChatStream(req, requests, request_id, name, self.fingerprint, self.text, protocol.stop_strings(req.stop),
+                                read_calls=read_calls)
             return await self._stream(request, requests, stream)
         (engine_request,) = await self._generate(ask, adapter)
-        return web.json_response(responses.chat_body(request_id, name, self.fingerprint, req, engine_request, self.text))
+        return web.json_response(responses.chat_body(request_id, name, self.fingerprint, req, engine_request, self.text,
+                                                     read_calls))
 
     async def generate(self, request: web.Request) -> web.Response:
         if not self.args.enable_scale_out:

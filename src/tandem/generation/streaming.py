@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 from tandem.generation.engine import EngineRequest, Sequence
 from tandem.generation.protocol import ChatCompletionRequest, CompletionRequest
-from tandem.generation.responses import (TokenText, chat_logprobs, completion_logprobs, output_text,
-                                         prompt_positions)
+from tandem.generation.responses import (TokenText, chat_finish_reason, chat_logprobs, completion_logprobs,
+                                         message_tool_calls, output_text, prompt_positions)
+from tandem.tool_calls import HERMES_OPEN, hermes_server_calls
 
 DONE = b"data: [DONE]\n\n"
 
@@ -145,9 +146,15 @@ class CompletionStream(Stream):
 
 class ChatStream(Stream):
     """`/v1/chat/completions` chunks: first, for every choice, `delta: {role, content: ""}` (with the prompt's ids
-    when asked); then `delta.content`, `logprobs.content` and `token_ids` of the new tokens."""
+    when asked); then `delta.content`, `logprobs.content` and `token_ids` of the new tokens. With `read_calls` the
+    content stops where a `<tool_call>` block starts, and the choice's last chunk carries the parsed calls as
+    `delta.tool_calls` (whole, one entry per call) — or the rest of the text, when the blocks are not valid calls."""
 
     object_name = "chat.completion.chunk"
+
+    def __init__(self, *args, read_calls: bool):
+        super().__init__(*args)
+        self.read_calls = read_calls
 
     def chunks(self) -> list[dict]:
         roles = []
@@ -168,16 +175,37 @@ class ChatStream(Stream):
     def with_top(self) -> bool:
         return self.req.logprobs
 
+    def _visible_text(self, tokens: list[int]) -> str:
+        text = super()._visible_text(tokens)
+        if not self.read_calls:
+            return text
+        if HERMES_OPEN in text:
+            return text[: text.find(HERMES_OPEN)]
+        hold = max((k for k in range(1, len(HERMES_OPEN)) if text.endswith(HERMES_OPEN[:k])), default=0)
+        return text[: len(text) - hold]
+
+    def _final_text(self, seq: Sequence) -> str:
+        text = super()._final_text(seq)
+        if not self.read_calls:
+            return text
+        content, calls = hermes_server_calls(text)
+        return (content or "") if calls else text
+
     def _chunk(self, p, new, positions, delta, finished):
         req = self.req
         logprobs = None
         if req.logprobs:
             top, as_ids = req.top_logprobs or 0, bool(req.return_tokens_as_token_ids)
             logprobs = chat_logprobs(new, positions, top, self.text, as_ids)
+        calls = []
+        if finished and self.read_calls:
+            _, parsed = hermes_server_calls(super()._final_text(p.seq))
+            calls = [{"index": i, **call} for i, call in enumerate(message_tool_calls(parsed, req.parallel_tool_calls))]
         if not delta and not finished and logprobs is None and not req.return_token_ids:
-            return None  # nothing to say yet (a held-back character or stop-string start)
-        choice = {"index": p.index, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
-                  "finish_reason": p.seq.finish_reason if finished else None,
+            return None  # nothing to say yet (a held-back character, stop-string start or tool call)
+        message = ({"content": delta} if delta else {}) | ({"tool_calls": calls} if calls else {})
+        choice = {"index": p.index, "delta": message, "logprobs": logprobs,
+                  "finish_reason": chat_finish_reason(p.seq, bool(calls)) if finished else None,
                   "token_ids": list(new) if req.return_token_ids else None}
         if finished:
             choice |= {"stop_reason": p.seq.stop_reason, "weight_versions": None}
