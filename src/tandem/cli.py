@@ -215,10 +215,6 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    # Trainer, rollout worker and generation server share the machine's cores. OpenMP threads that spin
-    # while idle steal them from each other (a training step ran 20x slower on two cores); passive waiting
-    # costs nothing measurable. It must be set before anything imports torch, and subprocesses inherit it.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = argparse.ArgumentParser(prog="tandem", description="Asynchronous RL for language models.")
     sub = parser.add_subparsers(dest="command", required=True)
     train_parser(sub)
@@ -226,6 +222,12 @@ def main(argv: list[str] | None = None) -> None:
     proxy_parser(sub)
     ns, rest = parser.parse_known_args(argv)
     if ns.command == "train":
+        # Trainer, rollout worker and embedded server share the machine's cores. OpenMP threads that spin while
+        # idle steal them from each other (a training step ran 20x slower on two cores); passive waiting costs
+        # nothing measurable there. It must be set before anything imports torch, and subprocesses inherit it.
+        # `tandem serve` alone keeps OpenMP's default (spin briefly, then sleep): passive waiting halves its
+        # tokens/s on a CPU (benchmarks/serve_throughput.py).
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         run_train(ns, rest)
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

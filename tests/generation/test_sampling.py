@@ -86,3 +86,19 @@ def test_same_generator_seed_gives_the_same_samples():
     a = sample(probs_logits, p, [torch.Generator().manual_seed(i) for i in range(4)])
     b = sample(probs_logits, p, [torch.Generator().manual_seed(i) for i in range(4)])
     assert torch.equal(a, b)
+
+
+def test_samples_follow_the_processed_distribution_and_never_take_a_removed_token():
+    """Each row draws with its own generator; over many draws the frequencies match the probabilities (a 5-sigma
+    band per token) and tokens the filters removed (-inf) are never drawn, wherever they sit in the vocabulary."""
+    logits = torch.tensor([[2.0, float("-inf"), 0.5, 1.0, float("-inf")], [float("-inf"), 0.0, 0.0, 3.0, float("-inf")]])
+    draws = 20000
+    rows = logits.repeat(draws // 2, 1)
+    tokens = sample(rows, [SamplingParams()] * draws, [torch.Generator().manual_seed(i) for i in range(draws)])
+    for r in range(2):
+        counts = torch.bincount(tokens[r::2], minlength=5).double()
+        probs = logits[r].softmax(-1).double()
+        n = draws // 2
+        assert (counts[probs == 0] == 0).all(), f"row {r} drew a removed token: {counts.tolist()}"
+        band = 5 * (n * probs * (1 - probs)).sqrt()
+        assert ((counts - n * probs).abs() <= band + 1e-9).all(), f"row {r}: counts {counts.tolist()}, expected {(n * probs).tolist()}"

@@ -88,15 +88,18 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
 
 
 def sample(processed: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
-    """One token per row from its processed logits, with the row's own generator (argmax when greedy)."""
-    probs = processed.softmax(-1)
-    tokens = []
-    for row, (p, generator) in enumerate(zip(params, generators)):
-        if p.greedy:
-            tokens.append(int(processed[row].argmax()))
-        else:
-            tokens.append(int(torch.multinomial(probs[row], 1, generator=generator)))
-    return torch.tensor(tokens, device=processed.device)
+    """One token per row from its processed logits, with the row's own generator (argmax when greedy).
+
+    Inverse-CDF sampling, batched: each row draws one uniform u from its generator and takes the first token whose
+    cumulative probability exceeds u × total, so token i is drawn with probability p_i and a zero-probability token
+    (an empty step of the CDF) never. Only the draws are per row; one cumsum and search serve the batch."""
+    cdf = processed.softmax(-1).cumsum(-1)
+    total = cdf[:, -1:]
+    uniform = torch.stack([torch.rand((), generator=generator) for generator in generators]).to(cdf.device)
+    point = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # below the top
+    tokens = torch.searchsorted(cdf, point, right=True)[:, 0]
+    greedy = torch.tensor([p.greedy for p in params], device=processed.device)
+    return torch.where(greedy, processed.argmax(-1), tokens)
 
 
 def floor_logprob(value: float) -> float:
