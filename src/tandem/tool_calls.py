@@ -142,22 +142,23 @@ def call_from_object(body, raw: str) -> ToolCall:
     return ToolCall(name, arguments, raw=raw)
 
 
-def hermes_server_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """A chat reply read as `vllm serve --tool-call-parser hermes` reads it: every block, closed or running to the end,
-    must be a valid call, else the reply is all content and makes no call (vLLM's all-or-nothing); with calls, the
-    content is the text before the first block (None when empty)."""
+def hermes_server_calls(text: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """A chat reply read as `vllm serve --tool-call-parser hermes` (0.33) reads it: every block, closed or running to
+    the end, must be a JSON object with a string "name" and an "arguments" (any JSON, passed on re-encoded), else the
+    reply is all content and makes no call; with calls, the content is the text before the first block (None when
+    empty). Returns the content and each call's (name, arguments as JSON)."""
     if HERMES_OPEN not in text:
         return text, []
-    bodies = re.findall(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", text, flags=re.DOTALL)
     calls = []
-    for closed, unclosed in bodies:
+    for closed, unclosed in re.findall(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", text, flags=re.DOTALL):
         try:
-            call = call_from_object(json.loads(closed or unclosed), closed or unclosed)
-        except json.JSONDecodeError:
+            body = json.loads(closed or unclosed)
+            name, arguments = body["name"], body["arguments"]
+        except (json.JSONDecodeError, KeyError, TypeError):
             return text, []
-        if call.error is not None:
+        if not isinstance(name, str):
             return text, []
-        calls.append(call)
+        calls.append((name, json.dumps(arguments, ensure_ascii=False)))
     return text[: text.find(HERMES_OPEN)] or None, calls
 
 

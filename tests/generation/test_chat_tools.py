@@ -81,6 +81,8 @@ def test_tool_choices_tandem_serve_cannot_honour_are_clear_400s(tool_server, ser
         (tool_server, {"tools": [ADD], "tool_choice": "required"}, "guided decoding"),
         (tool_server, {"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": "add"}}}, "guided"),
         (tool_server, {"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": "mul"}}}, "does not match"),
+        (tool_server, {"tools": [ADD], "tool_choice": {"type": "function"}}, "Invalid value for `function`"),
+        (tool_server, {"tools": [ADD], "tool_choice": {"type": "function", "function": {}}}, "Expected field `name`"),
         (tool_server, {"tools": [], "tool_choice": "auto"}, "must not be an empty array"),
         (tool_server, {"tool_choice": "auto"}, "`tools` must be set"),
         (server, {"tools": [ADD]}, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser'),

@@ -202,3 +202,16 @@ def test_requests_beyond_max_num_seqs_wait_for_a_free_slot():
         assert engine.stats().kv_capacity_tokens == 4 * 256
     finally:
         engine.stop()
+
+
+def test_a_stream_sees_only_checked_tokens_until_the_sequence_finishes(engine):
+    """`checked` counts the tokens whose stop conditions were tested without ending the sequence: the token that
+    completes a stop arrives only with `finish_reason`, so a stream never shows a stop string."""
+    request = EngineRequest(prompt=[5, 6, 7], params=SamplingParams(max_tokens=40, seed=1, ignore_eos=True),
+                            stop_check=lambda out: "x" if len(out) == 6 else None)
+    seen = []
+    request.notify = lambda: seen.append((request.sequences[0].checked, len(request.sequences[0].output), request.finished))
+    run(engine, [request])
+    running = [(checked, length) for checked, length, done in seen if not done]
+    assert running and all(checked == length for checked, length in running)
+    assert seen[-1] == (5, 6, True), "the stopping token is never counted as checked"

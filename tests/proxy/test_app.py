@@ -31,6 +31,12 @@ class FakeReplica:
         path = request.path
         self.calls[path] = self.calls.get(path, 0) + 1
         body = await request.json() if request.can_read_body else {}
+        if path == "/v1/completions" and body.get("stream"):  # one event, then the replica dies mid-stream
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(b'data: {"choices": [{"index": 0, "text": "partial"}]}\n\n')
+            request.transport.close()
+            return response
         if path == "/v1/completions":
             await asyncio.sleep(0.01)
             n = body.get("n", 1)
@@ -232,3 +238,16 @@ async def test_two_real_tandem_serve_replicas_behind_the_proxy(tmp_path):
         await runner.cleanup()
         for r in replicas:
             r.close()
+
+
+async def test_a_replica_that_dies_mid_stream_ends_the_stream_with_an_error_event():
+    replicas = [FakeReplica(0)]
+    runner, url = await started(replicas)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/v1/completions", json={"prompt": [1, 2], "stream": True}) as r:
+            status, text = r.status, await r.text()
+    events = [event.removeprefix("data: ") for event in text.split("\n\n") if event]
+    assert status == 200 and json.loads(events[0])["choices"][0]["text"] == "partial", "passed on as it came"
+    error = json.loads(events[1])["error"]
+    assert error["code"] == 502 and "proxy:" in error["message"] and events[2:] == ["[DONE]"], events
+    await runner.cleanup()

@@ -47,6 +47,9 @@ class Sequence:
     sampling_masks: list[list[int]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    checked: int = 0
+    """Tokens whose stop conditions the engine has checked without finishing: what a stream may show while the
+    sequence runs (its lists may already hold a newer token, and its last one arrives with `finish_reason`)."""
 
 
 @dataclass
@@ -500,6 +503,8 @@ class Engine:
                 seq.sampling_masks.append(torch.isfinite(processed[b]).nonzero().flatten().tolist())
             if self._check_finished(request, seq, self.lengths[i] + 1):
                 finished.add(i)
+            else:
+                seq.checked = len(seq.output)
         self.counters["generation_tokens"] += len(rows)
         for request in {id(r): r for r, _ in entries}.values():
             request.notify()

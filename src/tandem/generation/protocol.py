@@ -293,8 +293,14 @@ def tool_choice(req: ChatCompletionRequest, parser: str | None, auto_tools: bool
         raise bad_request(f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" or "required" '
                           "are supported.", "tool_choice")
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
-        if not any((tool.get("function") or {}).get("name") == name for tool in req.tools):
+        usage = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+        function = choice.get("function")
+        if not isinstance(function, dict):
+            raise bad_request(f"Invalid value for `function`: `{function}` in `tool_choice`! {usage}", "tool_choice.function")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_request(f"Expected field `name` in `function` in `tool_choice`! {usage}", "tool_choice.function.name")
+        if not any(isinstance(tool, dict) and (tool.get("function") or {}).get("name") == name for tool in req.tools):
             raise bad_request("The tool specified in `tool_choice` does not match any of the specified `tools`",
                               "tool_choice")
     if choice == "auto":

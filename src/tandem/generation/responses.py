@@ -1,13 +1,12 @@
 """vLLM 0.33 response bodies built from finished engine sequences (reference/vllm_protocol.md §2-§3, §11)."""
 
-import json
 import time
 import uuid
 
 from tandem.generation.engine import EngineRequest, Sequence
 from tandem.generation.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from tandem.generation.sampling import floor_logprob
-from tandem.tool_calls import ToolCall, hermes_server_calls
+from tandem.tool_calls import hermes_server_calls
 
 
 class TokenText:
@@ -116,12 +115,7 @@ def completion_choice(req: CompletionRequest, request: EngineRequest, seq: Seque
     as_ids = bool(req.return_tokens_as_token_ids)
     token_ids, positions = list(seq.output), seq.top_logprobs
     if req.echo:
-        prompt_text = "" if req.return_token_ids else prompt_text
-        only_prompt = req.max_tokens == 0
-        output = prompt_text + ("" if only_prompt else output)
-        if req.logprobs is not None:
-            token_ids = request.prompt + ([] if only_prompt else token_ids)
-            positions = prompt_positions(request) + ([] if only_prompt else positions)
+        output, token_ids, positions = echoed(req, request, output, token_ids, positions, prompt_text)
     return {
         "index": 0, "text": output,
         "logprobs": None if req.logprobs is None else completion_logprobs(token_ids, positions, req.logprobs, text, as_ids),
@@ -131,6 +125,18 @@ def completion_choice(req: CompletionRequest, request: EngineRequest, seq: Seque
         "prompt_token_ids": list(request.prompt) if req.return_token_ids else None,
         "routed_experts": None, "weight_versions": None,
     }
+
+
+def echoed(req: CompletionRequest, request: EngineRequest, output: str, token_ids: list[int], positions: list,
+           prompt_text: str) -> tuple[str, list[int], list]:
+    """Text, token ids and log-prob positions with the prompt in front, as `echo` shows them: the prompt as sent (""
+    when token ids are returned) and, with `logprobs`, the prompt's log-probs; `max_tokens: 0` gives the prompt alone."""
+    only_prompt = req.max_tokens == 0
+    text = ("" if req.return_token_ids else prompt_text) + ("" if only_prompt else output)
+    if req.logprobs is None:
+        return text, token_ids, positions
+    return (text, request.prompt + ([] if only_prompt else token_ids),
+            prompt_positions(request) + ([] if only_prompt else positions))
 
 
 def completion_body(request_id: str, model: str, fingerprint: str, req: CompletionRequest, requests: list[EngineRequest],
@@ -145,12 +151,12 @@ def completion_body(request_id: str, model: str, fingerprint: str, req: Completi
     }
 
 
-def message_tool_calls(calls: list[ToolCall], parallel: bool | None) -> list[dict]:
-    """Parsed calls as `message.tool_calls` (arguments a JSON string, as OpenAI sends them); the first alone when
-    the request set `parallel_tool_calls: false`."""
+def message_tool_calls(calls: list[tuple[str, str]], parallel: bool | None) -> list[dict]:
+    """Parsed (name, arguments JSON) calls as `message.tool_calls`; the first alone when the request set
+    `parallel_tool_calls: false`."""
     return [{"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-             "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
-            for call in (calls if parallel is not False else calls[:1])]
+             "function": {"name": name, "arguments": arguments}}
+            for name, arguments in (calls if parallel is not False else calls[:1])]
 
 
 def chat_finish_reason(seq: Sequence, called: bool) -> str | None:

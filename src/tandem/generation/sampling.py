@@ -95,6 +95,8 @@ def sample(processed: torch.Tensor, params: list[SamplingParams], generators: li
     (an empty step of the CDF) never. Only the draws are per row; one cumsum and search serve the batch."""
     cdf = processed.softmax(-1).cumsum(-1)
     total = cdf[:, -1:]
+    if not bool(torch.isfinite(total).all()):
+        raise RuntimeError("sampling: a row's probabilities are not finite (the model's logits hold NaN or infinity)")
     uniform = torch.stack([torch.rand((), generator=generator) for generator in generators]).to(cdf.device)
     point = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # below the top
     tokens = torch.searchsorted(cdf, point, right=True)[:, 0]

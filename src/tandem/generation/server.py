@@ -232,6 +232,7 @@ class Server:
 
     @staticmethod
     def _check_stream_fields(req: protocol.SamplingFields) -> None:
+        """vLLM's rules for the streaming fields: `stream_options` only with `stream`, no prompt log-probs streamed."""
         if req.stream_options is not None and not req.stream:
             raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options", req.stream_options)
         if req.stream and req.prompt_logprobs is not None and (req.prompt_logprobs > 0 or req.prompt_logprobs == -1):
@@ -288,15 +289,18 @@ class Server:
         status is already 200), the usage chunk, `[DONE]`. A client that goes away aborts its requests at once."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(http_request)
-        async with contextlib.aclosing(self._steps(requests, every_step=True)) as steps:
-            async for _ in steps:
-                for chunk in stream.chunks():
-                    await response.write(sse(chunk))
-        failure = self._failure(requests)
-        for chunk in [error_body(500, failure, "InternalServerError")] if failure else stream.final():
-            await response.write(sse(chunk))
-        await response.write(DONE)
-        await response.write_eof()
+        try:
+            async with contextlib.aclosing(self._steps(requests, every_step=True)) as steps:
+                async for _ in steps:
+                    for chunk in stream.chunks():
+                        await response.write(sse(chunk))
+            failure = self._failure(requests)
+            for chunk in [error_body(500, failure, "InternalServerError")] if failure else stream.final():
+                await response.write(sse(chunk))
+            await response.write(DONE)
+            await response.write_eof()
+        except ConnectionResetError:  # the client left; closing `steps` aborted what it had not received
+            pass
         return response
 
     def _request_id(self, request: web.Request, body_id: str | None) -> str:

@@ -2,10 +2,11 @@
 carrying each choice's new tokens as the engine produces them, `finish_reason` on a choice's last chunk, a usage
 chunk when asked, then `data: [DONE]`.
 
-The engine thread appends a token to a sequence's lists (output, log-probs, top entries, in that order) and sets
-`finish_reason` after the last one, so a reader here takes a token once every list it reports holds it and never
-sees half a step. A choice's text is decoded from all its tokens each time, holding back an unfinished character
-and any tail that could begin a stop string; at the end it is the non-streamed text, so the chunks join into it.
+The engine thread appends a token to all of a sequence's lists, checks its stop conditions, then either raises the
+sequence's `checked` count or sets `finish_reason`. A reader here reads `finish_reason` first: while it is unset only
+the checked tokens are sent, so a chunk never holds half a step or a token that completed a stop string. A choice's
+text is decoded from all its tokens each time, holding back an unfinished character and any tail that could begin a
+stop string; at the end it is the non-streamed text, so the chunks join into it.
 """
 
 import json
@@ -14,14 +15,15 @@ from dataclasses import dataclass
 
 from tandem.generation.engine import EngineRequest, Sequence
 from tandem.generation.protocol import ChatCompletionRequest, CompletionRequest
-from tandem.generation.responses import (TokenText, chat_finish_reason, chat_logprobs, completion_logprobs,
-                                         message_tool_calls, output_text, prompt_positions)
+from tandem.generation.responses import (TokenText, chat_finish_reason, chat_logprobs, completion_logprobs, echoed,
+                                         message_tool_calls, output_text)
 from tandem.tool_calls import HERMES_OPEN, hermes_server_calls
 
 DONE = b"data: [DONE]\n\n"
 
 
 def sse(data: dict) -> bytes:
+    """One server-sent event carrying `data` as JSON."""
     return b"data: " + json.dumps(data).encode() + b"\n\n"
 
 
@@ -39,14 +41,16 @@ class Progress:
     started: bool = False
     done: bool = False
 
-    def ready(self, with_top: bool) -> int:
-        """How many of the sequence's tokens are complete in every list this stream reports."""
+    def ready(self) -> tuple[int, bool]:
+        """How many tokens may be sent, and whether the sequence has finished. `finish_reason` is read first: once set,
+        every list is complete; before, only the tokens the engine has checked for stop conditions count."""
         if self.seq.finish_reason is not None:
-            return len(self.seq.output)
-        return len(self.seq.top_logprobs) if with_top else len(self.seq.logprobs)
+            return len(self.seq.output), True
+        return self.seq.checked, False
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """A stream's `usage` object (vLLM leaves the details out of streamed usage)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
@@ -71,7 +75,7 @@ class Stream:
         for p in self.progress:
             if p.done:
                 continue
-            count, finished = p.ready(self.with_top), p.seq.finish_reason is not None
+            count, finished = p.ready()
             if count == p.tokens and not finished:
                 continue
             new, positions = p.seq.output[p.tokens:count], p.seq.top_logprobs[p.tokens:count]
@@ -94,10 +98,6 @@ class Stream:
         prompt = sum(len(r.prompt) for r in self.requests)
         return [{**self.head, "choices": [], "usage": usage(prompt, sum(p.tokens for p in self.progress)),
                  "system_fingerprint": self.fingerprint}]
-
-    @property
-    def with_top(self) -> bool:
-        return self.req.logprobs is not None
 
     def _visible_text(self, tokens: list[int]) -> str:
         """The text of a running choice that can be sent now: no unfinished character, no possible stop-string start."""
@@ -126,12 +126,9 @@ class CompletionStream(Stream):
     def _chunk(self, p, new, positions, delta, finished):
         req, as_ids = self.req, bool(self.req.return_tokens_as_token_ids)
         tokens, prompt_ids = new, (p.request.prompt if req.return_token_ids and not p.started else None)
-        if req.echo and not p.started:
-            only_prompt = req.max_tokens == 0
-            delta = ("" if req.return_token_ids else self.prompt_text[id(p.request)]) + ("" if only_prompt else delta)
-            tokens, prompt_ids = p.request.prompt + ([] if only_prompt else new), p.request.prompt
-            if req.logprobs is not None:  # echo asked the engine for the prompt's log-probs too
-                positions = prompt_positions(p.request) + ([] if only_prompt else positions)
+        if req.echo and not p.started:  # vLLM sends the prompt's ids with an echo whatever return_token_ids says
+            delta, tokens, positions = echoed(req, p.request, delta, new, positions, self.prompt_text[id(p.request)])
+            prompt_ids = p.request.prompt
         logprobs = None
         if req.logprobs is not None:
             logprobs = completion_logprobs(tokens, positions, req.logprobs, self.text, as_ids, p.offset)
@@ -155,6 +152,8 @@ class ChatStream(Stream):
     def __init__(self, *args, read_calls: bool):
         super().__init__(*args)
         self.read_calls = read_calls
+        self.calls: dict[int, list[tuple[str, str]]] = {}
+        """Each finished choice's parsed calls, by choice index."""
 
     def chunks(self) -> list[dict]:
         roles = []
@@ -171,10 +170,6 @@ class ChatStream(Stream):
                 roles.append(chunk)
         return roles + super().chunks()
 
-    @property
-    def with_top(self) -> bool:
-        return self.req.logprobs
-
     def _visible_text(self, tokens: list[int]) -> str:
         text = super()._visible_text(tokens)
         if not self.read_calls:
@@ -188,8 +183,8 @@ class ChatStream(Stream):
         text = super()._final_text(seq)
         if not self.read_calls:
             return text
-        content, calls = hermes_server_calls(text)
-        return (content or "") if calls else text
+        content, self.calls[seq.index] = hermes_server_calls(text)
+        return (content or "") if self.calls[seq.index] else text
 
     def _chunk(self, p, new, positions, delta, finished):
         req = self.req
@@ -197,10 +192,8 @@ class ChatStream(Stream):
         if req.logprobs:
             top, as_ids = req.top_logprobs or 0, bool(req.return_tokens_as_token_ids)
             logprobs = chat_logprobs(new, positions, top, self.text, as_ids)
-        calls = []
-        if finished and self.read_calls:
-            _, parsed = hermes_server_calls(super()._final_text(p.seq))
-            calls = [{"index": i, **call} for i, call in enumerate(message_tool_calls(parsed, req.parallel_tool_calls))]
+        parsed = self.calls.get(p.seq.index, []) if finished else []
+        calls = [{"index": i, **call} for i, call in enumerate(message_tool_calls(parsed, req.parallel_tool_calls))]
         if not delta and not finished and logprobs is None and not req.return_token_ids:
             return None  # nothing to say yet (a held-back character, stop-string start or tool call)
         message = ({"content": delta} if delta else {}) | ({"tool_calls": calls} if calls else {})

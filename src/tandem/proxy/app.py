@@ -226,22 +226,33 @@ class Proxy:
 
     async def _route_stream(self, request: web.Request, body: dict, raw: bytes) -> web.StreamResponse:
         """A streamed request, routed as any other (a batch whole, by its first prompt) and passed back chunk by chunk
-        as the replica writes them. A client that leaves closes the upstream connection, so the replica aborts too."""
+        as the replica writes them. A replica that fails before answering is a 502; one that fails mid-stream ends the
+        stream with an error event and `[DONE]`, as vLLM ends a failed stream. A client that leaves is noticed at the
+        next chunk: the replica's connection is closed, which aborts its request."""
         upstream = self._choose(request, body)
         upstream.inflight += 1
         try:
-            async with self.session.post(upstream.url + request.path_qs, data=raw, headers=self._outgoing(request.headers)) as r:
+            try:
+                answer = await self.session.post(upstream.url + request.path_qs, data=raw,
+                                                 headers=self._outgoing(request.headers))
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                return error(502, self._failed(upstream, exc))
+            async with answer:
                 upstream.failures = 0
-                headers = {k: v for k, v in r.headers.items() if k.lower() not in HOP_BY_HOP}
-                response = web.StreamResponse(status=r.status, headers={
+                headers = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP}
+                response = web.StreamResponse(status=answer.status, headers={
                     **headers, "X-Proxy-Upstream": str(self.upstreams.index(upstream))})
                 await response.prepare(request)
-                async for data in r.content.iter_any():
-                    await response.write(data)
+                try:
+                    async for data in answer.content.iter_any():
+                        await response.write(data)
+                except ConnectionResetError:  # the client left (aiohttp's reset error is also a ClientError)
+                    return response
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    failure = error_body(502, self._failed(upstream, exc), "BadGateway")
+                    await response.write(b"data: " + json.dumps(failure).encode() + b"\n\ndata: [DONE]\n\n")
                 await response.write_eof()
                 return response
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            return error(502, self._failed(upstream, exc))
         finally:
             upstream.inflight -= 1
 

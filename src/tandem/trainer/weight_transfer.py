@@ -17,6 +17,7 @@ every wait is bounded by `timeout_s`.
 """
 
 import asyncio
+import collections
 import socket
 import threading
 import time
@@ -82,6 +83,7 @@ class GlooPlane:
     """tandem serve's data plane: a torch.distributed gloo group; one CPU tensor per broadcast, in order."""
 
     init_fields: dict = {}
+    after_failure = "The server keeps serving the previous weights."
 
     def open(self, address: str, port: int, world_size: int, timeout_s: float) -> None:
         self.group = join_group(address, port, 0, world_size, timeout_s)
@@ -89,6 +91,7 @@ class GlooPlane:
     def send(self, tensors: Tensors, timeout_s: float) -> None:
         for _, tensor in tensors:  # the group's own timeout bounds each broadcast
             self.group.broadcast(tensor.to("cpu").contiguous(), 0).wait()
+            del tensor  # before the next gather: one whole layer held at a time
 
 
 class VllmNcclPlane:
@@ -108,6 +111,9 @@ class VllmNcclPlane:
         self.nccl_common, self.packed_tensor, self.device = nccl_common, packed_tensor, device
         self.init_fields = {"packed": True, "packed_buffer_size_bytes": packed_tensor.DEFAULT_PACKED_BUFFER_SIZE_BYTES,
                             "packed_num_buffers": packed_tensor.DEFAULT_PACKED_NUM_BUFFERS}
+
+    after_failure = ("vllm serve's workers may still wait inside the broadcast, unable to take another update: restart "
+                     "the server (it serves the previous weights until then). This process's transfer group is unusable.")
 
     def _on_device(self, call: Callable[[], object]) -> Callable[[], object]:
         """`call` on a new thread's CUDA device set to the trainer's (the current device is per thread)."""
@@ -162,8 +168,7 @@ class TransferSync:
         params = list(model.named_parameters())  # tied weights once, as the server's own named_parameters
         tensors = ((name, full_tensor(param.detach())) for name, param in params)
         if not self.ranks.main:
-            for _ in tensors:
-                pass
+            collections.deque(tensors, maxlen=0)  # take part in every gather, keeping none
             return {}
         start = time.perf_counter()
         self.run.run(self.control.pause("keep"))
@@ -179,8 +184,7 @@ class TransferSync:
             call.result(self.timeout_s)
         except BaseException as exc:
             self._abandon()
-            raise TransferFailed(f"weight transfer of version {version} failed: {exc}. The server keeps serving the "
-                                 "previous weights.") from exc
+            raise TransferFailed(f"weight transfer of version {version} failed: {exc}. {self.plane.after_failure}") from exc
         self.run.run(self.control.finish_weight_update(str(version)))
         self.run.run(self.control.reset_prefix_cache())  # vLLM keeps its prefix cache across a transfer
         self.run.run(self.control.resume())
