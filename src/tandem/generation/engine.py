@@ -253,7 +253,7 @@ class Engine:
                     if rest > 0 and self._calls.empty():  # a simulated slow step; control calls cut it short
                         self._lock.wait(timeout=rest)
                         continue
-                with torch.no_grad():
+                with torch.inference_mode():  # no autograd bookkeeping: ~10% of a CPU decode step
                     self._run_calls()
                     self._retire_aborted()
                     if not self.paused and time.monotonic() >= self._next_step_at:
