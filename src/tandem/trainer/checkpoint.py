@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+import transformers
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from tandem.trainer.distributed import Ranks, full_tensor
@@ -36,11 +37,24 @@ ONLY_TRAINABLE = StateDictOptions(ignore_frozen_params=True)
 
 
 @dataclass
-class TrainerState:
-    step: int
-    model_version: int
-    dataset_start_index: int
-    num_tokens: int
+class TrainerState(transformers.TrainerState):
+    """transformers' TrainerState (`global_step`, `max_steps`, `log_history`, ... as callbacks and scripts written for
+    transformers and TRL read them) plus what resuming an async run needs."""
+
+    model_version: int = 0
+    """Weight syncs done: the policy version the server samples from."""
+    dataset_start_index: int = 0
+    """The first prompt position not yet fully trained (where a resumed worker starts)."""
+    num_tokens: int = 0
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken: `global_step`."""
+        return self.global_step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.global_step = value
 
 
 @contextmanager
@@ -103,7 +117,7 @@ def save(folder: Path, model, tokenizer, optimizer, scheduler, state: TrainerSta
         torch.save(scheduler.state_dict(), staging / "scheduler.pt")
         (staging / "trainer_state.json").write_text(json.dumps({
             "step": state.step, "model_version": state.model_version, "num_tokens": state.num_tokens,
-            "world_size": ranks.world_size}, indent=2))
+            "world_size": ranks.world_size, "log_history": state.log_history}, indent=2))
         (staging / "rollout_state.json").write_text(json.dumps({"dataset_start_index": state.dataset_start_index}, indent=2))
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
@@ -149,5 +163,6 @@ def load(path: Path, model, optimizer, scheduler) -> TrainerState:
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     trainer = json.loads((path / "trainer_state.json").read_text())
     rollout = json.loads((path / "rollout_state.json").read_text())
-    return TrainerState(step=trainer["step"], model_version=trainer["model_version"],
-                        dataset_start_index=rollout["dataset_start_index"], num_tokens=trainer.get("num_tokens", 0))
+    return TrainerState(global_step=trainer["step"], model_version=trainer["model_version"],
+                        dataset_start_index=rollout["dataset_start_index"], num_tokens=trainer.get("num_tokens", 0),
+                        log_history=trainer.get("log_history", []))

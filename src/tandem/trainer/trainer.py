@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, TrainerControl
+from transformers.trainer_callback import CallbackHandler
+from transformers.utils import logging as hf_logging
 
 from tandem.config import AsyncGRPOConfig
 from tandem.metrics.window import MetricWindow
@@ -44,6 +46,17 @@ from tandem.trainer.step_metrics import StepTimes, record_micro_batch, record_sa
 from tandem.trainer.weight_sync import ADAPTER_NAME, LoraSync, choose_sync, follower_sync, lora_server_flags
 
 
+def callback_handler(callbacks: list, model, tokenizer, optimizer, scheduler) -> CallbackHandler:
+    """transformers' CallbackHandler, without its warning that no DefaultFlowCallback is present: tandem's loop decides
+    when to log and save (`logging_steps`, `save_steps`) and honours the flags callbacks set in `control`."""
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return CallbackHandler(callbacks, model, tokenizer, optimizer, scheduler)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
 @dataclass
 class TrainOutput:
     global_step: int
@@ -66,8 +79,6 @@ class AsyncGRPOTrainer:
                  processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None, tools=None,
                  environment_factory=None):
         self.args = args = args or AsyncGRPOConfig()
-        if callbacks:
-            raise NotImplementedError("callbacks: trainer callbacks are not implemented in tandem yet; remove callbacks to train")
         self.tools, self.environment_factory = list(tools or []), environment_factory
         self.dataset = check_dataset(train_dataset, environments=environment_factory is not None, max_steps=args.max_steps)
         self.reward_funcs = _reward_list(reward_funcs, self._check_agents())
@@ -97,7 +108,7 @@ class AsyncGRPOTrainer:
         model_coef = getattr(self.model.config.get_text_config(), "router_aux_loss_coef", 0.0) or 0.0
         self.objective = make_objective(args, args.router_aux_loss_coef if args.router_aux_loss_coef is not None else model_coef)
         self.output_dir = Path(args.output_dir)
-        self.state = TrainerState(step=0, model_version=0, dataset_start_index=0, num_tokens=0)
+        self.state = TrainerState()
         self.window = MetricWindow()
         self.session: Session | None = None
         self.source: SampleSource | None = None
@@ -111,6 +122,10 @@ class AsyncGRPOTrainer:
                              if args.weight_sync_check_atol is not None else None)
         self.losses: list[float] = []
         self.reward_history: list[float] = []
+        self.callback_handler = callback_handler(callbacks or [], self.model, self.tokenizer, self.optimizer, self.scheduler)
+        """transformers' TrainerCallback objects, called with (args, state, control) at each event of the loop."""
+        self.control = TrainerControl()
+        self._callback_event("on_init_end")
 
     # ---- public ---------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None) -> TrainOutput:
@@ -125,12 +140,27 @@ class AsyncGRPOTrainer:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         resume = checkpoint.resolve(resume_from_checkpoint, self.output_dir)
         self._restore(resume)
+        self._callback_event("on_train_begin")
         if self.args.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
         with Session(self.args.vllm_server_timeout, self.args.vllm_server_api_key) as self.session:
             self._connect(resumed=resume is not None)
-            return self._loop()
+            output = self._loop()
+        self._callback_event("on_train_end")
+        return output
+
+    def add_callback(self, callback) -> None:
+        """Add a transformers `TrainerCallback` (an instance, or a class to instantiate)."""
+        self.callback_handler.add_callback(callback)
+
+    def pop_callback(self, callback):
+        """Remove a callback (an instance, or the first of a class) and return it; None when absent."""
+        return self.callback_handler.pop_callback(callback)
+
+    def remove_callback(self, callback) -> None:
+        """Remove a callback (an instance, or the first of a class)."""
+        self.callback_handler.remove_callback(callback)
 
     def training_step(self, micro_batches: list[list[PackedRow]]) -> StepLoss:
         """Forward and backward this rank's rows of one optimizer step through the objective (gradients accumulate).
@@ -171,6 +201,7 @@ class AsyncGRPOTrainer:
             if not micro_batches:
                 break
             rows = [row for micro_batch in micro_batches for row in micro_batch]
+            self._callback_event("on_step_begin")
             step_start = self._clock()
             step = self.training_step(micro_batches)
             optimizer_start = self._clock()
@@ -184,10 +215,14 @@ class AsyncGRPOTrainer:
                 times = StepTimes(total=time.perf_counter() - start, rollout_wait=self.source.wait_s - waited,
                                   forward=step.forward_s, forward_backward=forward_backward_s, optimizer=optimizer_s)
                 self._record(rows, len(micro_batches), step.loss, grad_norm, times)
-            if state.step % args.logging_steps == 0:
+            self._callback_event("on_step_end")
+            control = self._agreed_control()
+            if state.step % args.logging_steps == 0 or control.should_log:
                 metrics = self._log()
-            if args.save_strategy == "steps" and state.step % args.save_steps == 0:
+            if (args.save_strategy == "steps" and state.step % args.save_steps == 0) or control.should_save:
                 self._checkpoint()
+            if control.should_training_stop:
+                break
         if self.ranks.broadcast(bool(self.window.values)):  # what came in after the last log (drops while the worker finished)
             metrics = self._log()
         if args.save_strategy != "no" and state.step > 0:
@@ -287,6 +322,8 @@ class AsyncGRPOTrainer:
             metrics.setdefault("tools/failure_frequency", math.nan)  # no call in the window (reference/metrics.md)
         if "reward" in metrics:
             self.reward_history.append(metrics["reward"])
+        self.state.log_history.append({**metrics, "step": self.state.step})
+        self._callback_event("on_log", logs=metrics)
         for sink in self.session.sinks:
             sink.log(self.state.step, metrics)
         self.session.progress.update(self.state.step, metrics)
@@ -296,8 +333,24 @@ class AsyncGRPOTrainer:
 
     def _checkpoint(self) -> Path:
         self.state.dataset_start_index = self.ranks.broadcast(self.state.dataset_start_index)
-        return checkpoint.save(self.output_dir, self.model, self.tokenizer, self.optimizer, self.scheduler, self.state,
-                               self.args.save_total_limit, self.ranks)
+        folder = checkpoint.save(self.output_dir, self.model, self.tokenizer, self.optimizer, self.scheduler, self.state,
+                                 self.args.save_total_limit, self.ranks)
+        self._callback_event("on_save")
+        return folder
+
+    # ---- callbacks ------------------------------------------------------------------------------
+    def _callback_event(self, event: str, **kwargs) -> None:
+        """Call every callback's `event` with (args, state, control); what they set in `control` is read by the loop."""
+        self.state.is_world_process_zero = self.state.is_local_process_zero = self.ranks.main
+        self.state.max_steps, self.state.logging_steps, self.state.save_steps = (
+            self.args.max_steps, self.args.logging_steps, self.args.save_steps)
+        self.control = getattr(self.callback_handler, event)(self.args, self.state, self.control, **kwargs)
+
+    def _agreed_control(self) -> TrainerControl:
+        """This step's `should_log` / `should_save` / `should_training_stop` as rank 0's callbacks set them, on every
+        rank (logging and saving are collective); `on_step_begin` clears the first two, as in transformers."""
+        flags = ("should_log", "should_save", "should_training_stop")
+        return TrainerControl(**self.ranks.broadcast({f: getattr(self.control, f) for f in flags} if self.ranks.main else None))
 
     # ---- forward passes -------------------------------------------------------------------------
     def _clock(self) -> float:
@@ -367,8 +420,7 @@ class AsyncGRPOTrainer:
     def _restore(self, resume: Path | None) -> None:
         """Weights, optimizer, schedule and counters from the checkpoint `resume` (resharded to this run's ranks), or
         fresh counters."""
-        self.state = checkpoint.load(resume, self.model, self.optimizer, self.scheduler) if resume is not None else TrainerState(
-            step=0, model_version=0, dataset_start_index=0, num_tokens=0)
+        self.state = checkpoint.load(resume, self.model, self.optimizer, self.scheduler) if resume is not None else TrainerState()
         self.window, self.losses, self.reward_history = MetricWindow(), [], []
 
     def _connect(self, resumed: bool) -> None:
