@@ -1,8 +1,9 @@
-"""Where metrics go: `metrics.jsonl` in the output folder always, a live progress line on the console,
-and trackio / tensorboard / wandb (offline) when `report_to` names them."""
+"""Where metrics go: `metrics.jsonl` in the output folder always, a progress line on the console (live in a
+terminal, plain lines elsewhere), and trackio / tensorboard / wandb (offline) when `report_to` names them."""
 
 import json
 import time
+from datetime import timedelta
 from pathlib import Path
 
 from rich.console import Console
@@ -87,16 +88,19 @@ def make_sinks(report_to, output_dir: Path, run_name: str | None, config: dict) 
 
 
 class ProgressLine:
-    """step, reward, step time, queue, staleness and ETA, on one live line."""
+    """Step, reward, step time, queue, staleness and ETA: one live line in a terminal; elsewhere (a pipe, a log file,
+    CI) one plain line per logged window, never cut to the console's width."""
 
     def __init__(self, total_steps: int | None, console: Console | None = None):
         self.console = console or Console(stderr=True)
+        self.total_steps, self.started = total_steps, time.monotonic()
         self.progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
             TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=False,
         )
         self.task = self.progress.add_task("waiting for the first samples", total=total_steps)
-        self.progress.start()
+        if self.console.is_terminal:
+            self.progress.start()
 
     def update(self, step: int, metrics: dict) -> None:
         parts = []
@@ -105,6 +109,15 @@ class ProgressLine:
             if name in metrics:
                 parts.append(f"{label} {metrics[name]:{fmt}}" + ("s" if label == "step" else ""))
         self.progress.update(self.task, completed=step, description="  ".join(parts))
+        if not self.console.is_terminal:
+            self.console.print(self._plain(step, parts), soft_wrap=True, highlight=False, markup=False)
+
+    def _plain(self, step: int, parts: list[str]) -> str:
+        """`train step 12/300  reward 0.412 ...  elapsed 0:00:42  eta 0:03:10`: the live line's content as text."""
+        elapsed = time.monotonic() - self.started
+        of = f"/{self.total_steps}" if self.total_steps else ""
+        eta = [f"eta {timedelta(seconds=round(elapsed / step * (self.total_steps - step)))}"] if self.total_steps and step else []
+        return "  ".join([f"train step {step}{of}", *parts, f"elapsed {timedelta(seconds=round(elapsed))}", *eta])
 
     def print_completions(self, examples: list, limit: int | None) -> None:
         table = Table("prompt", "completion", "reward", title="completions")
@@ -114,4 +127,5 @@ class ProgressLine:
         self.progress.console.print(table)
 
     def close(self) -> None:
-        self.progress.stop()
+        if self.console.is_terminal:
+            self.progress.stop()
