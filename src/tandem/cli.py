@@ -74,6 +74,8 @@ def proxy_parser(sub) -> None:
     p.add_argument("--upstream-api-key", default=None, help="bearer token sent to the replicas")
     p.add_argument("--tokenizer", default=None, metavar="PATH", help="route chat requests by their rendered token ids, as "
                                                                      "the replicas cache them (default: by their text)")
+    p.add_argument("--stats-interval-s", type=float, default=60.0,
+                   help="print '[proxy] stats {json}' (per-replica load, router counts) this often; 0 = never (default 60)")
 
 
 def run_proxy(ns: argparse.Namespace) -> None:
@@ -83,7 +85,7 @@ def run_proxy(ns: argparse.Namespace) -> None:
     args = ProxyArgs(upstreams=ns.upstream, host=ns.host, port=ns.port, block_size=ns.block_size, imbalance=ns.imbalance,
                      lora_retry_s=ns.lora_retry_s, lora_load_timeout_s=ns.lora_load_timeout_s,
                      connect_timeout_s=ns.connect_timeout_s, api_key=ns.api_key, upstream_api_key=ns.upstream_api_key,
-                     tokenizer=ns.tokenizer)
+                     tokenizer=ns.tokenizer, stats_interval_s=ns.stats_interval_s)
     run_until_interrupted(start_proxy(args), lambda port: f"tandem proxy: http://{args.host}:{port} -> {', '.join(args.upstreams)}")
 
 

@@ -251,3 +251,16 @@ async def test_a_replica_that_dies_mid_stream_ends_the_stream_with_an_error_even
     error = json.loads(events[1])["error"]
     assert error["code"] == 502 and "proxy:" in error["message"] and events[2:] == ["[DONE]"], events
     await runner.cleanup()
+
+
+async def test_the_proxy_prints_its_stats_line_with_each_replicas_load(capsys):
+    replicas = [FakeReplica(0), FakeReplica(1)]
+    runner, url = await started(replicas, stats_interval_s=0.05)
+    async with aiohttp.ClientSession() as s:
+        await post(s, url + "/v1/completions", {"prompt": TEMPLATE})
+    await asyncio.sleep(0.2)
+    await runner.cleanup()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[proxy] stats ")]
+    stats = json.loads(lines[-1].removeprefix("[proxy] stats "))
+    assert len(lines) >= 2 and [u["inflight"] for u in stats["upstreams"]] == [0, 0]
+    assert sum(u["routed"] for u in stats["upstreams"]) == 1 and stats["router"]["routed"] == 1

@@ -49,6 +49,8 @@ class ProxyArgs:
     upstream_api_key: str | None = None
     tokenizer: str | None = None
     """Renders chat `messages` to the token ids the replicas will cache, so they share blocks with token prompts."""
+    stats_interval_s: float = 60.0
+    """Print `[proxy] stats {json}` (each replica's load, the router's counts) this often; <= 0: never."""
 
 
 @dataclass
@@ -123,6 +125,7 @@ class Proxy:
         self.upstreams = [Upstream(url.rstrip("/")) for url in args.upstreams]
         self.router = PrefixRouter(len(self.upstreams), args.block_size, args.imbalance)
         self.session: aiohttp.ClientSession | None = None
+        self.stats_task: asyncio.Task | None = None
         self.transfer_failed = False
         """The open weight update failed on some replica: its finish tells every replica to discard it."""
         self.tokenizer = None
@@ -152,9 +155,23 @@ class Proxy:
     async def _start(self, _app) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.args.connect_timeout_s)
         self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=1024))
+        if self.args.stats_interval_s > 0:
+            self.stats_task = asyncio.create_task(self._print_stats())
 
     async def _stop(self, _app) -> None:
+        if self.stats_task is not None:
+            self.stats_task.cancel()
         await self.session.close()
+
+    def _stats(self) -> dict:
+        return {"upstreams": [{"url": u.url, "inflight": u.inflight, "routed": u.routed} for u in self.upstreams],
+                "router": self.router.stats()}
+
+    async def _print_stats(self) -> None:
+        """Spec 002's `[proxy] stats` line, every `stats_interval_s`: per-replica load and the router's counts."""
+        while True:
+            await asyncio.sleep(self.args.stats_interval_s)
+            print(f"[proxy] stats {json.dumps(self._stats())}", flush=True)
 
     def _outgoing(self, headers) -> dict:
         """A request's headers as sent on to a replica (hop-by-hop ones dropped, the replicas' key set)."""
@@ -403,8 +420,7 @@ class Proxy:
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def stats(self, _: web.Request) -> web.Response:
-        return web.json_response({"upstreams": [{"url": u.url, "inflight": u.inflight, "routed": u.routed} for u in self.upstreams],
-                                  "router": self.router.stats()})
+        return web.json_response(self._stats())
 
     async def forward(self, request: web.Request) -> web.Response:
         """Reads any replica can answer for all (models, server_info, tokenize, ...): the first one that answers."""
