@@ -78,6 +78,20 @@ def proxy_parser(sub) -> None:
                    help="print '[proxy] stats {json}' (per-replica load, router counts) this often; 0 = never (default 60)")
 
 
+def run_doctor(ns: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from tandem.metrics.doctor import report
+
+    try:
+        text, critical = report(Path(ns.run_dir))
+    except (FileNotFoundError, json.JSONDecodeError) as exc:
+        sys.exit(f"tandem doctor: {exc}")
+    print(text)
+    if critical:
+        sys.exit(1)
+
+
 def run_proxy(ns: argparse.Namespace) -> None:
     from tandem.httpapp import run_until_interrupted
     from tandem.proxy.app import ProxyArgs, start_proxy
@@ -222,6 +236,11 @@ def main(argv: list[str] | None = None) -> None:
     train_parser(sub)
     serve_parser(sub)
     proxy_parser(sub)
+    doctor = sub.add_parser("doctor", help="diagnose a run from its metrics.jsonl: bottleneck, learning and sync health",
+                            description="Read RUN_DIR/metrics.jsonl and say, for the last window and the whole run, what "
+                                        "limits it, whether it learns and whether its syncs hold, with the numbers and the "
+                                        "knob to turn. Exits 1 on a critical finding (the run is not learning or not valid).")
+    doctor.add_argument("run_dir", help="a run's output_dir")
     ns, rest = parser.parse_known_args(argv)
     if ns.command == "train":
         # Trainer, rollout worker and embedded server share the machine's cores. OpenMP threads that spin while
@@ -235,6 +254,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     elif ns.command == "proxy":
         run_proxy(ns)
+    elif ns.command == "doctor":
+        run_doctor(ns)
     else:
         run_serve(ns)
 

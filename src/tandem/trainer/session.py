@@ -6,6 +6,7 @@ an error and on Ctrl-C, in the reverse order of starting. The trainer asks it fo
 """
 
 import asyncio
+import json
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -63,6 +64,7 @@ class Session:
 
     def open_sinks(self, report_to, output_dir: Path, run_name: str | None, config: dict, total_steps: int | None) -> None:
         """`metrics.jsonl` and the `report_to` sinks, and the progress line."""
+        (output_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))  # what tandem doctor reads
         self.sinks = make_sinks(report_to, output_dir, run_name, config)
         for sink in self.sinks:
             self.stack.callback(sink.close)

@@ -1,0 +1,162 @@
+"""`tandem doctor`: the spec's tables of symptom → cause → knob (reference/metrics.md, "Reading them"), applied to a
+run's `metrics.jsonl`, for its last window and over the whole run.
+
+Three questions, each answered with the numbers behind it and the knob to turn:
+- bottleneck: generation-bound, trainer-bound, staleness bound too tight, concurrency cap bound, server saturated,
+  or balanced (queue, rollout wait, backpressure, concurrency against its caps, KV usage);
+- learning health: healthy, saturated at the top, stuck at the bottom, regression, collapse (zero-std groups, the
+  reward of dropped groups, duplicates, entropy, truncations);
+- sync health: importance-ratio drift, stale drops, the sync's share of a step.
+A critical finding (the run is not learning or not valid) makes `tandem doctor` exit non-zero, so scripts can gate
+on it. Only the standard library: it reads files a run wrote.
+"""
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+HIGH_SHARE = 0.3
+"""A wait is "high" when it takes this share of the step's time or more."""
+LAST_WINDOW = 0.2
+"""The last window is this share of the run's logged lines (at least one)."""
+MIN_TREND_WINDOWS = 5
+"""Logged lines each window needs before a fall of reward or entropy is called (regression, collapse)."""
+
+
+@dataclass
+class Finding:
+    area: str
+    verdict: str
+    evidence: str
+    knob: str = ""
+    critical: bool = False
+
+    def line(self) -> str:
+        knob = f" -> {self.knob}" if self.knob else ""
+        return f"{'CRITICAL ' if self.critical else ''}{self.area}: {self.verdict} ({self.evidence}){knob}"
+
+
+def mean(rows: list[dict], name: str) -> float | None:
+    """The mean of a metric over the rows that logged it (NaN ignored); None when none did."""
+    values = [r[name] for r in rows if isinstance(r.get(name), (int, float)) and r[name] == r[name]]
+    return statistics.fmean(values) if values else None
+
+
+def bottleneck(rows: list[dict], config: dict) -> Finding:
+    step = mean(rows, "perf/step_s") or 0.0
+    wait, back = mean(rows, "perf/rollout_wait_s") or 0.0, mean(rows, "rollout/backpressure_s") or 0.0
+    queue, per_step = mean(rows, "rollout/queue_size") or 0.0, mean(rows, "batch/samples_per_step") or 1.0
+    wait_high, back_high = step > 0 and wait >= HIGH_SHARE * step, step > 0 and back >= HIGH_SHARE * step
+    evidence = (f"step {step:.2f}s, rollout wait {wait:.2f}s, backpressure {back:.2f}s, queue {queue:.0f} samples "
+                f"= {queue / per_step:.1f} steps")
+    concurrency, cap = mean(rows, "rollout/concurrency"), mean(rows, "rollout/concurrency_cap")
+    limit, kv = config.get("max_concurrent_rollouts", 512), mean(rows, "rollout/vllm_kv_cache_usage_frac")
+    if wait_high and back_high:
+        return Finding("bottleneck", "staleness bound too tight", evidence,
+                       f"raise max_staleness (now {config.get('max_staleness', 4)})")
+    if wait_high and cap is not None and cap < 0.9 * limit:
+        return Finding("bottleneck", "server saturated", f"{evidence}; concurrency cap {cap:.0f} < {limit}",
+                       "add generation capacity (replicas behind tandem proxy, a faster server)")
+    if wait_high and concurrency is not None and concurrency >= 0.9 * limit and (kv is None or kv < 0.5):
+        return Finding("bottleneck", "concurrency cap bound", f"{evidence}; {concurrency:.0f} in flight of "
+                       f"max_concurrent_rollouts={limit}, KV usage {kv if kv is not None else float('nan'):.2f}",
+                       "raise max_concurrent_rollouts")
+    if wait_high:
+        return Finding("bottleneck", "generation-bound", evidence,
+                       "more generation: raise max_concurrent_rollouts or add replicas (or train on more tokens per step)")
+    if back_high:
+        return Finding("bottleneck", "trainer-bound", evidence,
+                       "a faster trainer (more ranks, fewer gradient_accumulation_steps) or less generation")
+    return Finding("bottleneck", "balanced", evidence)
+
+
+def learning(first: list[dict], last: list[dict], config: dict) -> Finding:
+    zero, dropped = mean(last, "frac_reward_zero_std"), mean(last, "reward_dropped")
+    reward_then, reward_now = mean(first, "reward"), mean(last, "reward")
+    duplicates, clipped = mean(last, "completions/duplicate_frac") or 0.0, mean(last, "completions/clipped_ratio") or 0.0
+    entropy_then, entropy_now = mean(first, "entropy"), mean(last, "entropy")
+    if zero is None or reward_now is None:
+        return Finding("learning", "no rewarded groups logged", "metrics.jsonl has no reward yet")
+    group = config.get("num_generations", 8)
+    evidence = (f"reward {reward_then:.3f} -> {reward_now:.3f}, zero-std groups {zero:.2f}, reward of dropped groups "
+                f"{dropped if dropped is not None else float('nan'):.2f}, duplicates {duplicates:.2f}, "
+                f"truncated {clipped:.2f}")
+    trend = min(len(first), len(last)) >= MIN_TREND_WINDOWS  # fewer windows are too noisy to call a fall
+    fell = trend and reward_now < reward_then - max(0.1, 0.2 * abs(reward_then))
+    entropy_fell = trend and entropy_then and entropy_now is not None and entropy_now < 0.5 * entropy_then
+    if duplicates >= 0.5 * (group - 1) / group and entropy_fell and reward_now <= reward_then:
+        return Finding("learning", "collapse", f"{evidence}, entropy {entropy_then:.3f} -> {entropy_now:.3f}",
+                       "lower learning_rate, restart from an earlier checkpoint", critical=True)
+    if fell:
+        return Finding("learning", "regression", evidence,
+                       "lower learning_rate; check completions/duplicate_frac and entropy for collapse", critical=True)
+    if zero >= 0.5 and dropped is not None and dropped >= 0.5:
+        return Finding("learning", "saturated at the top", evidence, "stop, or train on harder prompts")
+    if zero >= 0.5:
+        cause = "raise max_completion_length" if clipped >= 0.3 else "check the reward function's parsing"
+        return Finding("learning", "stuck at the bottom", evidence, cause)
+    return Finding("learning", "healthy", evidence)
+
+
+def sync(rows: list[dict], config: dict) -> list[Finding]:
+    findings = []
+    low, high = config.get("vllm_importance_sampling_clip_min", 0.5), config.get("vllm_importance_sampling_clip_max", 5.0)
+    ratio = mean(rows, "sampling/importance_sampling_ratio/mean")
+    if ratio is not None and not low <= ratio <= high:
+        findings.append(Finding("sync", "importance ratio out of bounds", f"mean ratio {ratio:.3f} outside [{low}, {high}]",
+                                "lower max_staleness; check the server's --logprobs-mode processed_logprobs", critical=True))
+    elif ratio is not None and abs(ratio - 1) > 0.05:
+        findings.append(Finding("sync", "importance ratio drifts", f"mean ratio {ratio:.3f}",
+                                "lower max_staleness or sync more often (weight_sync_steps)"))
+    stale = sum(r.get("sample/dropped_stale_count", 0) or 0 for r in rows)
+    trained = sum((r.get("batch/samples_per_step", 0) or 0) for r in rows)
+    if stale and stale >= trained:
+        findings.append(Finding("sync", "most samples dropped stale", f"{stale:.0f} dropped, ~{trained:.0f} trained",
+                                f"raise max_staleness (now {config.get('max_staleness', 4)})", critical=True))
+    elif stale:
+        findings.append(Finding("sync", "some samples dropped stale", f"{stale:.0f} dropped, ~{trained:.0f} trained"))
+    sync_s, step = mean(rows, "perf/weight_sync_s"), mean(rows, "perf/step_s")
+    if sync_s and step and sync_s / config.get("weight_sync_steps", 1) >= HIGH_SHARE * step:
+        findings.append(Finding("sync", "syncs take a large share of each step", f"sync {sync_s:.2f}s per "
+                                f"{config.get('weight_sync_steps', 1)} step(s) of {step:.2f}s",
+                                "raise weight_sync_steps, or use the weight transfer (a server with "
+                                "--weight-transfer-config)"))
+    return findings or [Finding("sync", "healthy", f"mean ratio {ratio if ratio is not None else float('nan'):.3f}, no stale drops")]
+
+
+def diagnose(rows: list[dict], config: dict) -> dict[str, list[Finding]]:
+    """Findings for the last window (the last fifth of the logged lines, its trend against the fifth before) and for
+    the whole run (its trend from the first fifth to the last)."""
+    if not rows:
+        return {"run": [Finding("run", "nothing logged", "metrics.jsonl is empty", critical=True)]}
+    size = max(1, round(LAST_WINDOW * len(rows)))
+    first, before, last = rows[:size], rows[-2 * size:-size] or rows[:size], rows[-size:]
+    result = {"last window": [bottleneck(last, config), learning(before, last, config), *sync(last, config)],
+              "whole run": [bottleneck(rows, config), learning(first, last, config), *sync(rows, config)]}
+    if len(last) >= 2 and not any(r.get("batch/samples_per_step") for r in last):
+        result["last window"].append(Finding("run", "no trainable sample", f"the last {size} logged windows trained "
+                                             "nothing", "see why groups were dropped: frac_reward_zero_std, "
+                                             "sample/dropped_stale_count, batch/dropped_oversize_count", critical=True))
+    return result
+
+
+def read_run(run_dir: Path) -> tuple[list[dict], dict]:
+    """A run's logged windows and its config (config.json; {} when absent: the defaults apply)."""
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: give the output_dir of a tandem run")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    config_file = run_dir / "config.json"
+    return rows, json.loads(config_file.read_text()) if config_file.is_file() else {}
+
+
+def report(run_dir: Path) -> tuple[str, bool]:
+    """The doctor's text, and whether any finding is critical."""
+    rows, config = read_run(run_dir)
+    result = diagnose(rows, config)
+    lines = [f"tandem doctor: {run_dir} ({len(rows)} logged windows)"]
+    for label, findings in result.items():
+        lines.append(f"{label}:")
+        lines += [f"  {finding.line()}" for finding in findings]
+    return "\n".join(lines), any(f.critical for findings in result.values() for f in findings)

@@ -1,0 +1,85 @@
+"""`tandem doctor` on synthetic runs, one per row of the spec's symptom tables (reference/metrics.md, "Reading them")."""
+
+import json
+
+import pytest
+
+from tandem.cli import main
+from tandem.metrics.doctor import diagnose
+
+CONFIG = {"max_staleness": 4, "max_concurrent_rollouts": 64, "num_generations": 8, "weight_sync_steps": 1,
+          "vllm_importance_sampling_clip_min": 0.5, "vllm_importance_sampling_clip_max": 5.0}
+BALANCED = {"perf/step_s": 1.0, "perf/rollout_wait_s": 0.05, "rollout/backpressure_s": 0.05, "rollout/queue_size": 40,
+            "batch/samples_per_step": 32, "rollout/concurrency": 20, "rollout/concurrency_cap": 64,
+            "rollout/vllm_kv_cache_usage_frac": 0.3, "reward": 0.4, "frac_reward_zero_std": 0.2, "reward_dropped": 0.3,
+            "completions/duplicate_frac": 0.05, "completions/clipped_ratio": 0.02, "entropy": 0.8,
+            "sampling/importance_sampling_ratio/mean": 1.0, "perf/weight_sync_s": 0.05}
+
+
+def run(*phases: dict, windows: int = 15) -> list[dict]:
+    """A run of `windows` logged lines per phase, each line the balanced one with the phase's changes."""
+    return [{**BALANCED, **phase, "step": i} for phase in phases for i in range(windows)]
+
+
+def verdicts(rows, area: str, label: str = "whole run") -> list[str]:
+    return [f.verdict for f in diagnose(rows, CONFIG)[label] if f.area == area]
+
+
+@pytest.mark.parametrize("changes, verdict", [
+    ({}, "balanced"),
+    ({"rollout/queue_size": 0, "perf/rollout_wait_s": 0.6}, "generation-bound"),
+    ({"rollout/queue_size": 150, "rollout/backpressure_s": 0.5}, "trainer-bound"),
+    ({"perf/rollout_wait_s": 0.5, "rollout/backpressure_s": 0.5}, "staleness bound too tight"),
+    ({"perf/rollout_wait_s": 0.6, "rollout/concurrency": 64, "rollout/vllm_kv_cache_usage_frac": 0.2}, "concurrency cap bound"),
+    ({"perf/rollout_wait_s": 0.6, "rollout/concurrency_cap": 30}, "server saturated"),
+])
+def test_the_bottleneck_is_named_from_queue_waits_and_caps(changes, verdict):
+    assert verdicts(run(changes), "bottleneck") == [verdict]
+
+
+@pytest.mark.parametrize("phases, verdict, critical", [
+    (({}, {}), "healthy", False),
+    (({"reward": 0.6}, {"reward": 0.95, "frac_reward_zero_std": 0.8, "reward_dropped": 0.97}), "saturated at the top", False),
+    (({"reward": 0.02}, {"reward": 0.02, "frac_reward_zero_std": 0.95, "reward_dropped": 0.0}), "stuck at the bottom", False),
+    (({"reward": 0.6}, {"reward": 0.3, "frac_reward_zero_std": 0.4}), "regression", True),
+    (({"reward": 0.5, "entropy": 0.8}, {"reward": 0.45, "entropy": 0.1, "completions/duplicate_frac": 0.8}), "collapse", True),
+])
+def test_learning_health_reads_zero_std_groups_dropped_reward_duplicates_and_entropy(phases, verdict, critical):
+    findings = [f for f in diagnose(run(*phases), CONFIG)["whole run"] if f.area == "learning"]
+    assert [(f.verdict, f.critical) for f in findings] == [(verdict, critical)]
+
+
+def test_a_stuck_run_with_truncated_completions_is_told_to_raise_the_length():
+    rows = run({"reward": 0.0, "frac_reward_zero_std": 0.95, "reward_dropped": 0.0, "completions/clipped_ratio": 0.7})
+    (finding,) = [f for f in diagnose(rows, CONFIG)["whole run"] if f.area == "learning"]
+    assert finding.knob == "raise max_completion_length"
+
+
+def test_a_converged_run_with_identical_correct_answers_is_saturated_not_collapsed():
+    rows = run({"reward": 0.5, "entropy": 0.4}, {"reward": 0.92, "entropy": 0.08, "completions/duplicate_frac": 0.85,
+                                                 "frac_reward_zero_std": 0.85, "reward_dropped": 0.93})
+    assert verdicts(rows, "learning") == ["saturated at the top"]
+
+
+def test_sync_health_and_the_critical_ones():
+    assert verdicts(run({}), "sync") == ["healthy"]
+    assert verdicts(run({"sampling/importance_sampling_ratio/mean": 1.2}), "sync") == ["importance ratio drifts"]
+    assert verdicts(run({"sampling/importance_sampling_ratio/mean": 6.0}), "sync") == ["importance ratio out of bounds"]
+    assert verdicts(run({"sample/dropped_stale_count": 40}), "sync") == ["most samples dropped stale"]
+    assert verdicts(run({"perf/weight_sync_s": 0.6}), "sync") == ["syncs take a large share of each step"]
+    quiet_end = run({}) + [{"step": 99, "reward": 0.4, "frac_reward_zero_std": 1.0}] * 5
+    assert "no trainable sample" in verdicts(quiet_end, "run", "last window")
+
+
+def test_tandem_doctor_prints_the_findings_and_exits_1_on_a_critical_one(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in run({})))
+    main(["doctor", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "last window:" in out and "whole run:" in out and "bottleneck: balanced" in out
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in run({}, {"reward": 0.05})))
+    with pytest.raises(SystemExit) as stop:
+        main(["doctor", str(tmp_path)])
+    assert stop.value.code == 1 and "CRITICAL learning: regression" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="has no metrics.jsonl: give the output_dir of a tandem run"):
+        main(["doctor", str(tmp_path / "elsewhere")])
