@@ -31,7 +31,8 @@ def verdicts(rows, area: str, label: str = "whole run") -> list[str]:
     ({"rollout/queue_size": 150, "rollout/backpressure_s": 0.5}, "trainer-bound"),
     ({"perf/rollout_wait_s": 0.5, "rollout/backpressure_s": 0.5}, "staleness bound too tight"),
     ({"perf/rollout_wait_s": 0.6, "rollout/concurrency": 64, "rollout/vllm_kv_cache_usage_frac": 0.2}, "concurrency cap bound"),
-    ({"perf/rollout_wait_s": 0.6, "rollout/concurrency_cap": 30}, "server saturated"),
+    ({"perf/rollout_wait_s": 0.6, "rollout/concurrency_cap": 30, "rollout/vllm_kv_cache_usage_frac": 0.9}, "server saturated"),
+    ({"perf/rollout_wait_s": 0.6, "rollout/concurrency_cap": 30}, "generation-bound"),  # a cap still climbing, KV free
 ])
 def test_the_bottleneck_is_named_from_queue_waits_and_caps(changes, verdict):
     assert verdicts(run(changes), "bottleneck") == [verdict]
@@ -83,3 +84,13 @@ def test_tandem_doctor_prints_the_findings_and_exits_1_on_a_critical_one(tmp_pat
     assert stop.value.code == 1 and "CRITICAL learning: regression" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="has no metrics.jsonl: give the output_dir of a tandem run"):
         main(["doctor", str(tmp_path / "elsewhere")])
+
+
+def test_partial_runs_windows_without_reward_and_coarse_logging_are_read_as_they_are(tmp_path, capsys):
+    rows = [{"step": 1, "perf/step_s": 1.0}] + run({})  # a first window that scored nothing yet
+    assert verdicts(rows, "learning") == ["healthy"]
+    every_tenth = [{**BALANCED, "step": 10 * (i + 1), "sample/dropped_stale_count": 30} for i in range(15)]
+    assert verdicts(every_tenth, "sync") == ["some samples dropped stale"], "30 of ~320 samples per window, not most"
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in run({})) + '\n{"step": 31, "rew')
+    main(["doctor", str(tmp_path)])  # a line still being written is left out
+    assert "(15 logged windows)" in capsys.readouterr().out

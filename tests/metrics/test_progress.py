@@ -26,3 +26,11 @@ def test_in_a_terminal_the_line_is_live_and_prints_no_plain_lines():
     line.update(3, {"reward": 0.25})
     line.close()
     assert "train step" not in out.getvalue() and "reward 0.250" in out.getvalue()
+
+
+def test_the_eta_of_a_resumed_run_counts_from_where_it_resumed():
+    out = io.StringIO()
+    line = ProgressLine(500, console=Console(file=out, width=200, force_terminal=False))
+    line.started -= 10.0  # ten seconds in, at the first step after resuming from 400
+    line.update(401, {})
+    assert "eta 0:16:3" in out.getvalue(), out.getvalue()  # 99 steps left at 10 s each, not 99 at 10/401 s

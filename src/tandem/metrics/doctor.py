@@ -26,6 +26,8 @@ MIN_TREND_WINDOWS = 5
 
 @dataclass
 class Finding:
+    """One answer: its area (bottleneck, learning, sync, run), the verdict, the numbers behind it and the knob."""
+
     area: str
     verdict: str
     evidence: str
@@ -43,7 +45,15 @@ def mean(rows: list[dict], name: str) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def steps_covered(rows: list[dict]) -> list[int]:
+    """How many optimizer steps each logged line covers (lines carry the step they were written at)."""
+    steps = [r.get("step", 0) or 0 for r in rows]
+    return [max(step - previous, 0) for previous, step in zip([steps[0] - 1] + steps[:-1], steps)]
+
+
 def bottleneck(rows: list[dict], config: dict) -> Finding:
+    """Where the time goes: an empty queue with training waiting is generation-bound; a full one with generation
+    held back is trainer-bound; both at once, max_staleness too tight; the caps and KV usage say which limit binds."""
     step = mean(rows, "perf/step_s") or 0.0
     wait, back = mean(rows, "perf/rollout_wait_s") or 0.0, mean(rows, "rollout/backpressure_s") or 0.0
     queue, per_step = mean(rows, "rollout/queue_size") or 0.0, mean(rows, "batch/samples_per_step") or 1.0
@@ -55,9 +65,9 @@ def bottleneck(rows: list[dict], config: dict) -> Finding:
     if wait_high and back_high:
         return Finding("bottleneck", "staleness bound too tight", evidence,
                        f"raise max_staleness (now {config.get('max_staleness', 4)})")
-    if wait_high and cap is not None and cap < 0.9 * limit:
-        return Finding("bottleneck", "server saturated", f"{evidence}; concurrency cap {cap:.0f} < {limit}",
-                       "add generation capacity (replicas behind tandem proxy, a faster server)")
+    if wait_high and cap is not None and cap < 0.9 * limit and kv is not None and kv >= 0.8:
+        return Finding("bottleneck", "server saturated", f"{evidence}; concurrency cap {cap:.0f} < {limit}, KV usage "
+                       f"{kv:.2f}", "add generation capacity (replicas behind tandem proxy, a faster server)")
     if wait_high and concurrency is not None and concurrency >= 0.9 * limit and (kv is None or kv < 0.5):
         return Finding("bottleneck", "concurrency cap bound", f"{evidence}; {concurrency:.0f} in flight of "
                        f"max_concurrent_rollouts={limit}, KV usage {kv if kv is not None else float('nan'):.2f}",
@@ -72,12 +82,16 @@ def bottleneck(rows: list[dict], config: dict) -> Finding:
 
 
 def learning(first: list[dict], last: list[dict], config: dict) -> Finding:
+    """Whether the run learns, from `first` to `last`: falls of reward (regression) or entropy with duplicates
+    (collapse), then the level of zero-std groups and where the dropped groups' reward sits (rewards in [0, 1])."""
     zero, dropped = mean(last, "frac_reward_zero_std"), mean(last, "reward_dropped")
     reward_then, reward_now = mean(first, "reward"), mean(last, "reward")
     duplicates, clipped = mean(last, "completions/duplicate_frac") or 0.0, mean(last, "completions/clipped_ratio") or 0.0
     entropy_then, entropy_now = mean(first, "entropy"), mean(last, "entropy")
     if zero is None or reward_now is None:
         return Finding("learning", "no rewarded groups logged", "metrics.jsonl has no reward yet")
+    if reward_then is None:  # an earlier window without a scored group: no trend to read
+        reward_then = reward_now
     group = config.get("num_generations", 8)
     evidence = (f"reward {reward_then:.3f} -> {reward_now:.3f}, zero-std groups {zero:.2f}, reward of dropped groups "
                 f"{dropped if dropped is not None else float('nan'):.2f}, duplicates {duplicates:.2f}, "
@@ -85,7 +99,7 @@ def learning(first: list[dict], last: list[dict], config: dict) -> Finding:
     trend = min(len(first), len(last)) >= MIN_TREND_WINDOWS  # fewer windows are too noisy to call a fall
     fell = trend and reward_now < reward_then - max(0.1, 0.2 * abs(reward_then))
     entropy_fell = trend and entropy_then and entropy_now is not None and entropy_now < 0.5 * entropy_then
-    if duplicates >= 0.5 * (group - 1) / group and entropy_fell and reward_now <= reward_then:
+    if group >= 2 and duplicates >= 0.5 * (group - 1) / group and entropy_fell and reward_now <= reward_then:
         return Finding("learning", "collapse", f"{evidence}, entropy {entropy_then:.3f} -> {entropy_now:.3f}",
                        "lower learning_rate, restart from an earlier checkpoint", critical=True)
     if fell:
@@ -100,6 +114,7 @@ def learning(first: list[dict], last: list[dict], config: dict) -> Finding:
 
 
 def sync(rows: list[dict], config: dict) -> list[Finding]:
+    """Whether the sampler and the trainer stay close: the importance ratio, samples dropped stale, the syncs' cost."""
     findings = []
     low, high = config.get("vllm_importance_sampling_clip_min", 0.5), config.get("vllm_importance_sampling_clip_max", 5.0)
     ratio = mean(rows, "sampling/importance_sampling_ratio/mean")
@@ -110,7 +125,7 @@ def sync(rows: list[dict], config: dict) -> list[Finding]:
         findings.append(Finding("sync", "importance ratio drifts", f"mean ratio {ratio:.3f}",
                                 "lower max_staleness or sync more often (weight_sync_steps)"))
     stale = sum(r.get("sample/dropped_stale_count", 0) or 0 for r in rows)
-    trained = sum((r.get("batch/samples_per_step", 0) or 0) for r in rows)
+    trained = sum((r.get("batch/samples_per_step", 0) or 0) * steps for r, steps in zip(rows, steps_covered(rows)))
     if stale and stale >= trained:
         findings.append(Finding("sync", "most samples dropped stale", f"{stale:.0f} dropped, ~{trained:.0f} trained",
                                 f"raise max_staleness (now {config.get('max_staleness', 4)})", critical=True))
@@ -146,7 +161,12 @@ def read_run(run_dir: Path) -> tuple[list[dict], dict]:
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: give the output_dir of a tandem run")
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    lines = [line for line in metrics.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in lines[:-1]]
+    try:
+        rows.append(json.loads(lines[-1]))
+    except (IndexError, json.JSONDecodeError):  # none yet, or a line a live (or killed) run is still writing
+        pass
     config_file = run_dir / "config.json"
     return rows, json.loads(config_file.read_text()) if config_file.is_file() else {}
 

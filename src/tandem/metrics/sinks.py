@@ -93,7 +93,7 @@ class ProgressLine:
 
     def __init__(self, total_steps: int | None, console: Console | None = None):
         self.console = console or Console(stderr=True)
-        self.total_steps, self.started = total_steps, time.monotonic()
+        self.total_steps, self.started, self.first_step = total_steps, time.monotonic(), None
         self.progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
             TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=False,
@@ -115,8 +115,11 @@ class ProgressLine:
     def _plain(self, step: int, parts: list[str]) -> str:
         """`train step 12/300  reward 0.412 ...  elapsed 0:00:42  eta 0:03:10`: the live line's content as text."""
         elapsed = time.monotonic() - self.started
+        if self.first_step is None:  # a resumed run starts counting where it resumed
+            self.first_step = step - 1
+        done = step - self.first_step
         of = f"/{self.total_steps}" if self.total_steps else ""
-        eta = [f"eta {timedelta(seconds=round(elapsed / step * (self.total_steps - step)))}"] if self.total_steps and step else []
+        eta = [f"eta {timedelta(seconds=round(elapsed / done * (self.total_steps - step)))}"] if self.total_steps and done > 0 else []
         return "  ".join([f"train step {step}{of}", *parts, f"elapsed {timedelta(seconds=round(elapsed))}", *eta])
 
     def print_completions(self, examples: list, limit: int | None) -> None:

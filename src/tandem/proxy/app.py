@@ -161,6 +161,7 @@ class Proxy:
     async def _stop(self, _app) -> None:
         if self.stats_task is not None:
             self.stats_task.cancel()
+            await asyncio.gather(self.stats_task, return_exceptions=True)
         await self.session.close()
 
     def _stats(self) -> dict:

@@ -10,6 +10,7 @@ stops them however the run ends. The worker and the trainer share only the queue
 import copy
 import json
 import math
+import os
 import time
 import warnings
 from contextlib import nullcontext
@@ -125,6 +126,8 @@ class AsyncGRPOTrainer:
         self.callback_handler = callback_handler(callbacks or [], self.model, self.tokenizer, self.optimizer, self.scheduler)
         """transformers' TrainerCallback objects, called with (args, state, control) at each event of the loop."""
         self.control = TrainerControl()
+        self.saved_step: int | None = None
+        """The step of the last checkpoint written, so the end of a run does not write the same one again."""
         self._callback_event("on_init_end")
 
     # ---- public ---------------------------------------------------------------------------------
@@ -221,11 +224,11 @@ class AsyncGRPOTrainer:
                 metrics = self._log()
             if (args.save_strategy == "steps" and state.step % args.save_steps == 0) or control.should_save:
                 self._checkpoint()
-            if control.should_training_stop:
+            if control.should_training_stop or self._agreed_control().should_training_stop:  # asked in on_log/on_save
                 break
         if self.ranks.broadcast(bool(self.window.values)):  # what came in after the last log (drops while the worker finished)
             metrics = self._log()
-        if args.save_strategy != "no" and state.step > 0:
+        if args.save_strategy != "no" and state.step > 0 and self.saved_step != state.step:
             self._checkpoint()
         return TrainOutput(state.step, sum(self.losses) / len(self.losses) if self.losses else 0.0, metrics)
 
@@ -322,6 +325,7 @@ class AsyncGRPOTrainer:
             metrics.setdefault("tools/failure_frequency", math.nan)  # no call in the window (reference/metrics.md)
         if "reward" in metrics:
             self.reward_history.append(metrics["reward"])
+        self.state.epoch = metrics.get("epoch")
         self.state.log_history.append({**metrics, "step": self.state.step})
         self._callback_event("on_log", logs=metrics)
         for sink in self.session.sinks:
@@ -335,13 +339,15 @@ class AsyncGRPOTrainer:
         self.state.dataset_start_index = self.ranks.broadcast(self.state.dataset_start_index)
         folder = checkpoint.save(self.output_dir, self.model, self.tokenizer, self.optimizer, self.scheduler, self.state,
                                  self.args.save_total_limit, self.ranks)
+        self.saved_step = self.state.step
         self._callback_event("on_save")
         return folder
 
     # ---- callbacks ------------------------------------------------------------------------------
     def _callback_event(self, event: str, **kwargs) -> None:
         """Call every callback's `event` with (args, state, control); what they set in `control` is read by the loop."""
-        self.state.is_world_process_zero = self.state.is_local_process_zero = self.ranks.main
+        self.state.is_world_process_zero = self.ranks.main
+        self.state.is_local_process_zero = int(os.environ.get("LOCAL_RANK", 0)) == 0
         self.state.max_steps, self.state.logging_steps, self.state.save_steps = (
             self.args.max_steps, self.args.logging_steps, self.args.save_steps)
         self.control = getattr(self.callback_handler, event)(self.args, self.state, self.control, **kwargs)
