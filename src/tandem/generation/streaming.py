@@ -27,6 +27,13 @@ def sse(data: dict) -> bytes:
     return b"data: " + json.dumps(data).encode() + b"\n\n"
 
 
+def without_partial(text: str, markers: list[str]) -> str:
+    """`text` less its longest tail that is the start of a marker (a stop string, a tool-call tag) but not all of it:
+    what may be sent before the next token says whether the marker is there."""
+    hold = max((k for marker in markers for k in range(1, len(marker)) if text.endswith(marker[:k])), default=0)
+    return text[: len(text) - hold]
+
+
 @dataclass
 class Progress:
     """What one choice has streamed so far."""
@@ -101,9 +108,7 @@ class Stream:
 
     def _visible_text(self, tokens: list[int]) -> str:
         """The text of a running choice that can be sent now: no unfinished character, no possible stop-string start."""
-        decoded = self.text.decode(tokens, self.req.skips_special_tokens).rstrip("\ufffd")
-        hold = max((k for stop in self.stops for k in range(1, len(stop)) if decoded.endswith(stop[:k])), default=0)
-        return decoded[: len(decoded) - hold]
+        return without_partial(self.text.decode(tokens, self.req.skips_special_tokens).rstrip("\ufffd"), self.stops)
 
     def _final_text(self, seq: Sequence) -> str:
         return output_text(seq, self.text, include_stop=self.req.include_stop_str_in_output,
@@ -174,10 +179,7 @@ class ChatStream(Stream):
         text = super()._visible_text(tokens)
         if not self.read_calls:
             return text
-        if HERMES_OPEN in text:
-            return text[: text.find(HERMES_OPEN)]
-        hold = max((k for k in range(1, len(HERMES_OPEN)) if text.endswith(HERMES_OPEN[:k])), default=0)
-        return text[: len(text) - hold]
+        return text[: text.find(HERMES_OPEN)] if HERMES_OPEN in text else without_partial(text, [HERMES_OPEN])
 
     def _final_text(self, seq: Sequence) -> str:
         text = super()._final_text(seq)

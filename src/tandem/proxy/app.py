@@ -69,6 +69,11 @@ def error(status: int, message: str) -> web.Response:
     return error_response(status, message, kind)
 
 
+def end_to_end(headers) -> dict:
+    """The headers that pass through the proxy (hop-by-hop ones, and the length and encoding it sets anew, dropped)."""
+    return {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
+
+
 def prompt_of(path: str, body: dict, tokenizer=None) -> list[int] | bytes:
     """What the router hashes: token ids when the request carries them (or when a tokenizer renders the chat
     messages), else the text's bytes."""
@@ -176,7 +181,7 @@ class Proxy:
 
     def _outgoing(self, headers) -> dict:
         """A request's headers as sent on to a replica (hop-by-hop ones dropped, the replicas' key set)."""
-        out = {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
+        out = end_to_end(headers)
         if self.args.upstream_api_key:
             out["Authorization"] = f"Bearer {self.args.upstream_api_key}"
         return out
@@ -196,7 +201,7 @@ class Proxy:
                                             allow_redirects=False) as r:
                 data = await r.read()
                 upstream.failures = 0
-                return r.status, {k: v for k, v in r.headers.items() if k.lower() not in HOP_BY_HOP}, data
+                return r.status, end_to_end(r.headers), data
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             message = self._failed(upstream, exc)
             return 502, {"Content-Type": "application/json"}, json.dumps(error_body(502, message, "BadGateway")).encode()
@@ -257,9 +262,8 @@ class Proxy:
                 return error(502, self._failed(upstream, exc))
             async with answer:
                 upstream.failures = 0
-                headers = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP}
                 response = web.StreamResponse(status=answer.status, headers={
-                    **headers, "X-Proxy-Upstream": str(self.upstreams.index(upstream))})
+                    **end_to_end(answer.headers), "X-Proxy-Upstream": str(self.upstreams.index(upstream))})
                 await response.prepare(request)
                 try:
                     async for data in answer.content.iter_any():
