@@ -14,6 +14,13 @@ from tandem.generation.server import SERVER_KEY, ServeArgs, start_server
 from tandem.tasks import TINY_MODEL_PATH
 
 
+@pytest.fixture(autouse=True)
+def no_run_report(request, monkeypatch):
+    """Runs in tests do not draw report.html when they end (2-3 s each), unless the test is marked `report`."""
+    if "report" not in request.keywords:
+        monkeypatch.setattr("tandem.trainer.session.Session.write_report", lambda session, output_dir: None)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return AutoTokenizer.from_pretrained(TINY_MODEL_PATH)

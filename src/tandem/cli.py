@@ -92,6 +92,18 @@ def run_doctor(ns: argparse.Namespace) -> None:
         sys.exit(1)
 
 
+def run_report(ns: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from tandem.metrics import report
+
+    try:
+        path = report.write(Path(ns.run_dir))
+    except (FileNotFoundError, json.JSONDecodeError) as exc:
+        sys.exit(f"tandem report: {exc}")
+    print(f"wrote {path} (plots also in {path.parent / 'report'})")
+
+
 def run_proxy(ns: argparse.Namespace) -> None:
     from tandem.httpapp import run_until_interrupted
     from tandem.proxy.app import ProxyArgs, start_proxy
@@ -241,6 +253,12 @@ def main(argv: list[str] | None = None) -> None:
                                         "limits it, whether it learns and whether its syncs hold, with the numbers and the "
                                         "knob to turn. Exits 1 on a critical finding (the run is not learning or not valid).")
     doctor.add_argument("run_dir", help="a run's output_dir")
+    report = sub.add_parser("report", help="plot a run's metrics.jsonl into RUN_DIR/report.html, with the doctor's findings",
+                            description="Draw RUN_DIR/metrics.jsonl (reward, importance ratio, step time split, queue, "
+                                        "waits, staleness, concurrency, KV cache, packing, throughput, tools) into a "
+                                        "self-contained RUN_DIR/report.html and PNGs in RUN_DIR/report/. Every run writes "
+                                        "it when it ends; this redraws it, also while a run is going.")
+    report.add_argument("run_dir", help="a run's output_dir")
     ns, rest = parser.parse_known_args(argv)
     if ns.command == "train":
         # Trainer, rollout worker and embedded server share the machine's cores. OpenMP threads that spin while
@@ -256,6 +274,8 @@ def main(argv: list[str] | None = None) -> None:
         run_proxy(ns)
     elif ns.command == "doctor":
         run_doctor(ns)
+    elif ns.command == "report":
+        run_report(ns)
     else:
         run_serve(ns)
 

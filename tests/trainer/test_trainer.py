@@ -104,6 +104,7 @@ class CrashAfterThree(AsyncGRPOTrainer):
         return super().training_step(micro_batches)
 
 
+@pytest.mark.report
 def test_resume_trains_every_prompt_of_the_epoch(tmp_path):
     data = small_dataset(48)
     # A small budget (about two groups a row) so the epoch takes more than the three steps before the crash.
@@ -111,6 +112,7 @@ def test_resume_trains_every_prompt_of_the_epoch(tmp_path):
     first = CrashAfterThree("tiny", accuracy_reward, args=args, train_dataset=data)
     with pytest.raises(KeyboardInterrupt):
         first.train()
+    assert "reward" in (tmp_path / "run" / "report.html").read_text(), "a crashed run still writes its report"
     before = set(first.source.ledger.finished)
     resumed = AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=data)
     resumed.train(resume_from_checkpoint=True)

@@ -1,9 +1,11 @@
 """`tandem doctor`: the spec's tables of symptom → cause → knob (reference/metrics.md, "Reading them"), applied to a
 run's `metrics.jsonl`, for its last window and over the whole run.
 
-Three questions, each answered with the numbers behind it and the knob to turn:
+Four questions, each answered with the numbers behind it and the knob to turn:
 - bottleneck: generation-bound, trainer-bound, staleness bound too tight, concurrency cap bound, server saturated,
   or balanced (queue, rollout wait, backpressure, concurrency against its caps, KV usage);
+- the trainer's step: micro-batches of one sample (pack them), a backward that recomputes the forward (gradient
+  checkpointing), compute-bound (spec 002's first pair, perf/step_s against perf/fwd_bwd_s);
 - learning health: healthy, saturated at the top, stuck at the bottom, regression, collapse (zero-std groups, the
   reward of dropped groups, duplicates, entropy, truncations);
 - sync health: importance-ratio drift, stale drops, the sync's share of a step.
@@ -18,6 +20,12 @@ from pathlib import Path
 
 HIGH_SHARE = 0.3
 """A wait is "high" when it takes this share of the step's time or more."""
+LOW_SHARE = 0.05
+"""A wait is "near zero" below this share of the step's time."""
+SYNC_SHARE = 0.2
+"""Syncs are worth a knob when they take this share of the training time or more (spec 002's run 3: 25%)."""
+RECOMPUTE_RATIO = 2.8
+"""A backward this many times its forward or slower runs the forward again (gradient checkpointing); about 2 is usual."""
 LAST_WINDOW = 0.2
 """The last window is this share of the run's logged lines (at least one)."""
 MIN_TREND_WINDOWS = 5
@@ -45,6 +53,10 @@ def mean(rows: list[dict], name: str) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def nan_if_none(value: float | None) -> float:
+    return float("nan") if value is None else value
+
+
 def steps_covered(rows: list[dict]) -> list[int]:
     """How many optimizer steps each logged line covers (lines carry the step they were written at)."""
     steps = [r.get("step", 0) or 0 for r in rows]
@@ -58,6 +70,10 @@ def bottleneck(rows: list[dict], config: dict) -> Finding:
     wait, back = mean(rows, "perf/rollout_wait_s") or 0.0, mean(rows, "rollout/backpressure_s") or 0.0
     queue, per_step = mean(rows, "rollout/queue_size") or 0.0, mean(rows, "batch/samples_per_step") or 1.0
     wait_high, back_high = step > 0 and wait >= HIGH_SHARE * step, step > 0 and back >= HIGH_SHARE * step
+    # spec 002: "queue empty, rollout wait rising, no backpressure: generation is too slow; queue full, rollout wait
+    # zero: the trainer is" -- read from the queue when neither wait is high on its own
+    starved = wait_high or (queue < per_step and wait >= LOW_SHARE * step and back < LOW_SHARE * step)
+    ahead = back_high or (queue >= 2 * per_step and wait < LOW_SHARE * step)
     evidence = (f"step {step:.2f}s, rollout wait {wait:.2f}s, backpressure {back:.2f}s, queue {queue:.0f} samples "
                 f"= {queue / per_step:.1f} steps")
     concurrency, cap = mean(rows, "rollout/concurrency"), mean(rows, "rollout/concurrency_cap")
@@ -65,20 +81,41 @@ def bottleneck(rows: list[dict], config: dict) -> Finding:
     if wait_high and back_high:
         return Finding("bottleneck", "staleness bound too tight", evidence,
                        f"raise max_staleness (now {config.get('max_staleness', 4)})")
-    if wait_high and cap is not None and cap < 0.9 * limit and kv is not None and kv >= 0.8:
+    if starved and cap is not None and cap < 0.9 * limit and kv is not None and kv >= 0.8:
         return Finding("bottleneck", "server saturated", f"{evidence}; concurrency cap {cap:.0f} < {limit}, KV usage "
                        f"{kv:.2f}", "add generation capacity (replicas behind tandem proxy, a faster server)")
-    if wait_high and concurrency is not None and concurrency >= 0.9 * limit and (kv is None or kv < 0.5):
+    if starved and concurrency is not None and concurrency >= 0.9 * limit and (kv is None or kv < 0.5):
         return Finding("bottleneck", "concurrency cap bound", f"{evidence}; {concurrency:.0f} in flight of "
-                       f"max_concurrent_rollouts={limit}, KV usage {kv if kv is not None else float('nan'):.2f}",
+                       f"max_concurrent_rollouts={limit}, KV usage {nan_if_none(kv):.2f}",
                        "raise max_concurrent_rollouts")
-    if wait_high:
+    if starved:
         return Finding("bottleneck", "generation-bound", evidence,
                        "more generation: raise max_concurrent_rollouts or add replicas (or train on more tokens per step)")
-    if back_high:
+    if ahead:
         return Finding("bottleneck", "trainer-bound", evidence,
-                       "a faster trainer (more ranks, fewer gradient_accumulation_steps) or less generation")
+                       "a faster trainer (see the trainer finding; more ranks) or less generation")
     return Finding("bottleneck", "balanced", evidence)
+
+
+def trainer_step(rows: list[dict], config: dict) -> Finding | None:
+    """Where the trainer's step goes: micro-batches of one sample each are latency-bound (pack them into rows), a
+    backward far slower than its forward recomputes it (gradient checkpointing), forward+backward near the whole
+    step is compute-bound. None when the run logged no step time."""
+    step, fwd_bwd, fwd = mean(rows, "perf/step_s"), mean(rows, "perf/fwd_bwd_s"), mean(rows, "perf/fwd_s")
+    if not step or not fwd_bwd:
+        return None
+    per_row, micro = mean(rows, "batch/samples_per_row"), mean(rows, "batch/microbatches_per_step")
+    evidence = f"forward+backward {fwd_bwd:.2f}s of step {step:.2f}s ({fwd_bwd / step:.0%})"
+    if per_row is not None and micro is not None and per_row < 1.5 and micro >= 8 and not config.get("token_budget"):
+        return Finding("trainer", "one sample per micro-batch", f"{evidence}; {micro:.0f} micro-batches of {per_row:.1f} "
+                       "samples per row", "pack samples into rows: set token_budget (and fewer gradient_accumulation_steps)")
+    backward = fwd_bwd - fwd if fwd else 0.0
+    if fwd and backward >= RECOMPUTE_RATIO * fwd and config.get("gradient_checkpointing", True):
+        return Finding("trainer", "backward recomputes the forward", f"{evidence}; forward {fwd:.2f}s, backward "
+                       f"{backward / fwd:.1f}x the forward", "gradient_checkpointing=False if the activations fit")
+    if fwd_bwd >= 0.8 * step:
+        return Finding("trainer", "compute-bound", evidence, "more ranks, or fewer tokens per step")
+    return Finding("trainer", "healthy", evidence)
 
 
 def learning(first: list[dict], last: list[dict], config: dict) -> Finding:
@@ -88,13 +125,13 @@ def learning(first: list[dict], last: list[dict], config: dict) -> Finding:
     reward_then, reward_now = mean(first, "reward"), mean(last, "reward")
     duplicates, clipped = mean(last, "completions/duplicate_frac") or 0.0, mean(last, "completions/clipped_ratio") or 0.0
     entropy_then, entropy_now = mean(first, "entropy"), mean(last, "entropy")
-    if zero is None or reward_now is None:
+    if reward_now is None:
         return Finding("learning", "no rewarded groups logged", "metrics.jsonl has no reward yet")
     if reward_then is None:  # an earlier window without a scored group: no trend to read
         reward_then = reward_now
     group = config.get("num_generations", 8)
-    evidence = (f"reward {reward_then:.3f} -> {reward_now:.3f}, zero-std groups {zero:.2f}, reward of dropped groups "
-                f"{dropped if dropped is not None else float('nan'):.2f}, duplicates {duplicates:.2f}, "
+    evidence = (f"reward {reward_then:.3f} -> {reward_now:.3f}, zero-std groups {nan_if_none(zero):.2f}, reward of dropped groups "
+                f"{nan_if_none(dropped):.2f}, duplicates {duplicates:.2f}, "
                 f"truncated {clipped:.2f}")
     trend = min(len(first), len(last)) >= MIN_TREND_WINDOWS  # fewer windows are too noisy to call a fall
     fell = trend and reward_now < reward_then - max(0.1, 0.2 * abs(reward_then))
@@ -105,6 +142,7 @@ def learning(first: list[dict], last: list[dict], config: dict) -> Finding:
     if fell:
         return Finding("learning", "regression", evidence,
                        "lower learning_rate; check completions/duplicate_frac and entropy for collapse", critical=True)
+    zero = zero if zero is not None else 0.0  # not logged: no group known to be uniform
     if zero >= 0.5 and dropped is not None and dropped >= 0.5:
         return Finding("learning", "saturated at the top", evidence, "stop, or train on harder prompts")
     if zero >= 0.5:
@@ -132,12 +170,12 @@ def sync(rows: list[dict], config: dict) -> list[Finding]:
     elif stale:
         findings.append(Finding("sync", "some samples dropped stale", f"{stale:.0f} dropped, ~{trained:.0f} trained"))
     sync_s, step = mean(rows, "perf/weight_sync_s"), mean(rows, "perf/step_s")
-    if sync_s and step and sync_s / config.get("weight_sync_steps", 1) >= HIGH_SHARE * step:
+    if sync_s and step and sync_s / config.get("weight_sync_steps", 1) >= SYNC_SHARE * step:
         findings.append(Finding("sync", "syncs take a large share of each step", f"sync {sync_s:.2f}s per "
                                 f"{config.get('weight_sync_steps', 1)} step(s) of {step:.2f}s",
                                 "raise weight_sync_steps, or use the weight transfer (a server with "
                                 "--weight-transfer-config)"))
-    return findings or [Finding("sync", "healthy", f"mean ratio {ratio if ratio is not None else float('nan'):.3f}, no stale drops")]
+    return findings or [Finding("sync", "healthy", f"mean ratio {nan_if_none(ratio):.3f}, no stale drops")]
 
 
 def diagnose(rows: list[dict], config: dict) -> dict[str, list[Finding]]:
@@ -147,8 +185,11 @@ def diagnose(rows: list[dict], config: dict) -> dict[str, list[Finding]]:
         return {"run": [Finding("run", "nothing logged", "metrics.jsonl is empty", critical=True)]}
     size = max(1, round(LAST_WINDOW * len(rows)))
     first, before, last = rows[:size], rows[-2 * size:-size] or rows[:size], rows[-size:]
-    result = {"last window": [bottleneck(last, config), learning(before, last, config), *sync(last, config)],
-              "whole run": [bottleneck(rows, config), learning(first, last, config), *sync(rows, config)]}
+    result = {"last window": [bottleneck(last, config), trainer_step(last, config), learning(before, last, config),
+                              *sync(last, config)],
+              "whole run": [bottleneck(rows, config), trainer_step(rows, config), learning(first, last, config),
+                            *sync(rows, config)]}
+    result = {label: [f for f in findings if f is not None] for label, findings in result.items()}
     if len(last) >= 2 and not any(r.get("batch/samples_per_step") for r in last):
         result["last window"].append(Finding("run", "no trainable sample", f"the last {size} logged windows trained "
                                              "nothing", "see why groups were dropped: frac_reward_zero_std, "

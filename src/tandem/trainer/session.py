@@ -1,5 +1,5 @@
 """What a training run talks to, owned in one place: the generation server (embedded or external), the
-control client, the rollout worker, the metric sinks and the progress line.
+control client, the rollout worker, the metric sinks, the progress line and the run's report.
 
 `Session` is a context manager: whatever was started is stopped when the run leaves it, on success, on
 an error and on Ctrl-C, in the reverse order of starting. The trainer asks it for each part in turn.
@@ -7,11 +7,14 @@ an error and on Ctrl-C, in the reverse order of starting. The trainer asks it fo
 
 import asyncio
 import json
+import sys
+import warnings
 from contextlib import ExitStack
 from pathlib import Path
 
 from tandem.generation.client import ControlClient, GenerationClient
 from tandem.generation.launcher import EmbeddedServer
+from tandem.metrics import report
 from tandem.metrics.sinks import ProgressLine, make_sinks
 from tandem.rollout.worker import RolloutWorker, WorkerSpec
 
@@ -63,13 +66,26 @@ class Session:
         return client
 
     def open_sinks(self, report_to, output_dir: Path, run_name: str | None, config: dict, total_steps: int | None) -> None:
-        """`metrics.jsonl` and the `report_to` sinks, and the progress line."""
+        """`metrics.jsonl` and the `report_to` sinks, the progress line, and report.html drawn when the run leaves
+        the session (after the sinks closed: at its end, on Ctrl-C, on a crash)."""
         (output_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))  # what tandem doctor reads
+        self.stack.callback(self.write_report, output_dir)
         self.sinks = make_sinks(report_to, output_dir, run_name, config)
         for sink in self.sinks:
             self.stack.callback(sink.close)
         self.progress = ProgressLine(total_steps)
         self.stack.callback(self.progress.close)
+
+    def write_report(self, output_dir: Path) -> None:
+        """report.html from whatever metrics.jsonl holds. A report that cannot be drawn is a warning: it never hides
+        the run's own error."""
+        try:
+            path = report.write(output_dir)
+        except Exception as exc:
+            warnings.warn(f"the run's report could not be drawn ({exc!r}); try again with: tandem report {output_dir}",
+                          stacklevel=2)
+            return
+        print(f"report: {path}", file=sys.stderr)
 
     def start_worker(self, spec: WorkerSpec, timeout_s: float, model_version: int) -> RolloutWorker:
         """The rollout worker process, sampling from `model_version` until the trainer announces another."""
