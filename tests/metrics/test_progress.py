@@ -1,15 +1,16 @@
-"""The progress line: live in a terminal, plain lines elsewhere (a pipe, a log file, CI), never cut."""
+"""The run's console: a live dashboard in a terminal, plain lines elsewhere (a pipe, a log file, CI) never cut, and
+the doctor's one-line warnings when a finding changes."""
 
 import io
 
 from rich.console import Console
 
-from tandem.metrics.sinks import ProgressLine
+from tandem.metrics.console import RunConsole
 
 
 def test_outside_a_terminal_each_window_is_one_whole_plain_line_even_on_a_narrow_console():
     out = io.StringIO()
-    line = ProgressLine(300, console=Console(file=out, width=20, force_terminal=False))
+    line = RunConsole(300, console=Console(file=out, width=20, force_terminal=False))
     line.update(10, {"reward": 0.4123, "perf/step_s": 0.83, "rollout/queue_size": 24.0, "sample/staleness_mean": 0.4})
     line.update(20, {"reward": 0.5})
     line.close()
@@ -20,17 +21,38 @@ def test_outside_a_terminal_each_window_is_one_whole_plain_line_even_on_a_narrow
     assert lines[1].startswith("train step 20/300  reward 0.500  elapsed")
 
 
-def test_in_a_terminal_the_line_is_live_and_prints_no_plain_lines():
+def test_in_a_terminal_a_live_dashboard_shows_spec_002s_pairs_and_no_plain_lines():
     out = io.StringIO()
-    line = ProgressLine(None, console=Console(file=out, width=120, force_terminal=True))
-    line.update(3, {"reward": 0.25})
-    line.close()
-    assert "train step" not in out.getvalue() and "reward 0.250" in out.getvalue()
+    console = RunConsole(None, console=Console(file=out, width=120, force_terminal=True))
+    for step, reward in enumerate([0.1, 0.3, 0.25], start=1):
+        console.update(step, {"reward": reward, "perf/step_s": 0.5, "perf/fwd_bwd_s": 0.3, "perf/fwd_s": 0.1,
+                              "rollout/queue_size": 40, "rollout/backpressure_s": 0.02})
+    console.live.refresh()
+    console.close()
+    shown = out.getvalue()
+    for label in ("reward", "step / forward+backward", "rollout wait", "queue / samples per step",
+                  "backpressure / score block", "step split", "in flight / cap"):
+        assert label in shown, f"the dashboard lacks {label!r}"
+    assert "0.250  ▁█▇" in shown, "the reward's sparkline runs from its lowest to its highest value"
+    assert "reward 0.250  step" not in shown, "no plain line in a terminal"
+
+
+def test_a_changed_finding_is_one_doctor_line_once_it_held_a_few_windows():
+    out = io.StringIO()
+    console = RunConsole(100, config={"num_generations": 8}, console=Console(file=out, width=300, force_terminal=False))
+    common = {"perf/step_s": 1.0, "batch/samples_per_step": 32, "reward": 0.5, "frac_reward_zero_std": 0.1}
+    trainer_bound = {**common, "rollout/queue_size": 150, "rollout/backpressure_s": 0.6, "perf/rollout_wait_s": 0.0}
+    generation_bound = {**common, "rollout/queue_size": 0, "rollout/backpressure_s": 0.0, "perf/rollout_wait_s": 0.7}
+    for step in range(1, 81):
+        console.update(step, trainer_bound if step <= 40 else generation_bound)
+    warnings = [line for line in out.getvalue().splitlines() if line.startswith("doctor:")]
+    assert [w.split(" (")[0] for w in warnings] == ["doctor: bottleneck: trainer-bound", "doctor: bottleneck: generation-bound"]
+    assert "raise max_concurrent_rollouts" in warnings[1], "the warning carries the knob"
 
 
 def test_the_eta_of_a_resumed_run_counts_from_where_it_resumed():
     out = io.StringIO()
-    line = ProgressLine(500, console=Console(file=out, width=200, force_terminal=False))
+    line = RunConsole(500, console=Console(file=out, width=200, force_terminal=False))
     line.started -= 10.0  # ten seconds in, at the first step after resuming from 400
     line.update(401, {})
     assert "eta 0:16:3" in out.getvalue(), out.getvalue()  # 99 steps left at 10 s each, not 99 at 10/401 s

@@ -15,7 +15,8 @@ from pathlib import Path
 from tandem.generation.client import ControlClient, GenerationClient
 from tandem.generation.launcher import EmbeddedServer
 from tandem.metrics import report
-from tandem.metrics.sinks import ProgressLine, make_sinks
+from tandem.metrics.console import RunConsole
+from tandem.metrics.sinks import make_sinks
 from tandem.rollout.worker import RolloutWorker, WorkerSpec
 
 
@@ -28,7 +29,7 @@ class Session:
         self.control: ControlClient | None = None
         self.worker: RolloutWorker | None = None
         self.sinks: list = []
-        self.progress: ProgressLine | None = None
+        self.progress: RunConsole | None = None
 
     def __enter__(self) -> "Session":
         self.stack.callback(self.runner.close)
@@ -66,14 +67,14 @@ class Session:
         return client
 
     def open_sinks(self, report_to, output_dir: Path, run_name: str | None, config: dict, total_steps: int | None) -> None:
-        """`metrics.jsonl` and the `report_to` sinks, the progress line, and report.html drawn when the run leaves
+        """`metrics.jsonl` and the `report_to` sinks, the console (dashboard or plain lines), and report.html drawn when the run leaves
         the session (after the sinks closed: at its end, on Ctrl-C, on a crash)."""
         (output_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))  # what tandem doctor reads
         self.stack.callback(self.write_report, output_dir)
         self.sinks = make_sinks(report_to, output_dir, run_name, config)
         for sink in self.sinks:
             self.stack.callback(sink.close)
-        self.progress = ProgressLine(total_steps)
+        self.progress = RunConsole(total_steps, config)
         self.stack.callback(self.progress.close)
 
     def write_report(self, output_dir: Path) -> None:
