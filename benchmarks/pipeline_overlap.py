@@ -6,14 +6,20 @@ server while the trainer computes (generate, then train, then generate...); the 
 trainer as it is. Both train the same number of steps from the same weights; printed: both wall times,
 the speed-up, and the ideal (G + T) / max(G, T) from the synchronous run's own G and T. The reward is
 the task's own integer check (math-verify would cost the worker CPU time the trainer then misses).
-Each configuration (a server step delay and a max_staleness) is one row of the printed table.
+Each configuration (a server step delay and a max_staleness) is one row of the printed table, once with the three
+processes sharing the machine's cores and once pinned (`--cores`): the trainer alone on its cores, as on a device of
+its own, and the server with the rollout worker on another (the server stands in for a GPU: it mostly sleeps). The last column is `tandem doctor`'s bottleneck for the
+asynchronous run. `--train-delay-s` slows every optimizer step, standing in for a slower trainer (a trainer-bound run).
 
-    python benchmarks/pipeline_overlap.py [--steps 60] [--config STEP_DELAY_S MAX_STALENESS ...] [--markdown PATH]
+    python benchmarks/pipeline_overlap.py [--steps 60] [--config STEP_DELAY_S MAX_STALENESS ...]
+                                          [--cores shared|pinned|both] [--train-delay-s S] [--markdown PATH]
 """
 
 import argparse
 import json
+import os
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -21,6 +27,7 @@ from datasets import Dataset
 
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
 from tandem.generation.launcher import EmbeddedServer
+from tandem.metrics import doctor
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
 
 from tables import add_markdown_flag, emit, markdown_table
@@ -31,7 +38,7 @@ CONFIGS = [(0.05, 2), (0.02, 1), (0.05, 4), (0.15, 2)]
 
 class SynchronousTrainer(AsyncGRPOTrainer):
     """Generation and training take turns: the server is paused from the step's first forward until the step's
-    weight sync has reloaded it (the sync pauses, reloads and resumes; a step without a sync resumes it here)."""
+    weights are served (after its weight sync, or after the optimizer step when no sync follows)."""
 
     def training_step(self, micro_batches):
         self.session.run(self.session.control.pause("keep"))
@@ -43,16 +50,62 @@ class SynchronousTrainer(AsyncGRPOTrainer):
             self.session.run(self.session.control.resume())
         return grad_norm
 
+    def _sync(self, version):
+        super()._sync(version)
+        self.session.run(self.session.control.resume())
 
-def run(trainer_cls, steps: int, delay: float, args_staleness: int, folder: Path) -> dict:
-    extra = ["--logprobs-mode", "processed_logprobs", "--served-model-name", TINY_MODEL_PATH, "--step-delay-s", str(delay)]
+
+def slowed(trainer_cls, delay_s: float):
+    """`trainer_cls` with `delay_s` of sleep in every optimizer step (a slower trainer); itself when 0."""
+    if not delay_s:
+        return trainer_cls
+
+    class Slowed(trainer_cls):
+        def optimizer_step(self):
+            time.sleep(delay_s)
+            return super().optimizer_step()
+
+    return Slowed
+
+
+def pin(pid: int, cores: set[int]) -> None:
+    """Every thread of process `pid` to `cores`; threads and processes it starts later inherit them."""
+    for thread in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(thread), cores)
+
+
+def on_own_cores(trainer_cls, server_core: int):
+    """`trainer_cls` alone on every core but `server_core`, as a trainer on its own device: the rollout worker it
+    starts shares `server_core` with the server (a stand-in for a GPU server: mostly its step delay)."""
+
+    class Pinned(trainer_cls):
+        def _connect(self, resumed):
+            every_core = os.sched_getaffinity(0)
+            pin(os.getpid(), {server_core})  # the worker process started in here inherits the server's core
+            super()._connect(resumed)
+            pin(os.getpid(), every_core - {server_core})
+
+    return Pinned
+
+
+def run(trainer_cls, steps: int, delay: float, args_staleness: int, folder: Path, pinned: bool, sync_steps: int = 1) -> dict:
+    extra = ["--logprobs-mode", "processed_logprobs", "--served-model-name", TINY_MODEL_PATH, "--step-delay-s", str(delay),
+             "--weight-transfer-config", '{"backend": "gloo"}']  # weights streamed, as to the trainer's own server
     # One CPU thread for the server: it stands in for a GPU, so its own compute should not take the trainer's cores.
+    every_core = os.sched_getaffinity(0)
     with EmbeddedServer("tiny", extra_args=extra, env={"OMP_NUM_THREADS": "1"}) as server:
+        if pinned:  # the server and the rollout worker on the last core, the trainer on the others
+            pin(server.process.pid, {max(every_core)})
+            trainer_cls = on_own_cores(trainer_cls, max(every_core))
         args = AsyncGRPOConfig(output_dir=str(folder), vllm_server_base_url=server.url, max_steps=steps, learning_rate=2e-4,
                                num_generations=8, max_completion_length=8, token_budget=160, gradient_accumulation_steps=2,
-                               max_staleness=args_staleness, gradient_checkpointing=False, score_centering=False, save_strategy="no")
+                               max_staleness=args_staleness, gradient_checkpointing=False, score_centering=False, save_strategy="no",
+                               weight_sync_steps=sync_steps)
         data = Dataset.from_list(arithmetic.make_rows(128, split="train", seed=1))
-        trainer_cls("tiny", arithmetic.correctness_reward, args=args, train_dataset=data).train()
+        try:
+            trainer_cls("tiny", arithmetic.correctness_reward, args=args, train_dataset=data).train()
+        finally:
+            pin(os.getpid(), every_core)
     rows = [json.loads(line) for line in open(folder / "metrics.jsonl")]
     # Measured from the end of the first step: the one-time start of the worker process is left out of both runs.
     wall = rows[-1]["time"] - rows[0]["time"]
@@ -60,18 +113,28 @@ def run(trainer_cls, steps: int, delay: float, args_staleness: int, folder: Path
     return {"wall": wall, "train": train, "wait": sum(r["perf/rollout_wait_s"] for r in rows[1:])}
 
 
-def compare(steps: int, delay: float, staleness: int, folder: Path) -> list[str]:
+def bottleneck(folder: Path) -> str:
+    """`tandem doctor`'s bottleneck for the whole run in `folder`."""
+    rows, config = doctor.read_run(folder)
+    finding = doctor.bottleneck(rows[1:], config)  # the first step includes the worker's start
+    print(f"  doctor: {finding.line()}", flush=True)
+    return finding.verdict
+
+
+def compare(steps: int, delay: float, staleness: int, train_delay: float, pinned: bool, sync_steps: int,
+            folder: Path) -> list[str]:
     """Both runs of one configuration; returns its row of the README table."""
-    sync = run(SynchronousTrainer, steps, delay, staleness, folder / "sync")
+    sync = run(slowed(SynchronousTrainer, train_delay), steps, delay, staleness, folder / "sync", pinned, sync_steps)
     print(f"  synchronous : {sync['wall']:.1f}s wall ({sync['train']:.1f}s training)", flush=True)
-    overlapped = run(AsyncGRPOTrainer, steps, delay, staleness, folder / "async")
+    overlapped = run(slowed(AsyncGRPOTrainer, train_delay), steps, delay, staleness, folder / "async", pinned, sync_steps)
     print(f"  asynchronous: {overlapped['wall']:.1f}s wall ({overlapped['wait']:.1f}s waiting for samples)", flush=True)
     train = sync["train"]
     generate = sync["wall"] - train
     ideal = (generate + train) / max(generate, train)
     speedup = sync["wall"] / overlapped["wall"]
-    return [f"{delay:g} s, {staleness}", f"{generate:.1f}", f"{train:.1f}", f"{sync['wall']:.1f}", f"{overlapped['wall']:.1f}",
-            f"{speedup:.2f}x", f"{ideal:.2f}x", f"{speedup / ideal:.2f}"]
+    slower = (f", trainer +{train_delay:g} s" if train_delay else "") + (f", sync every {sync_steps}" if sync_steps > 1 else "")
+    return [f"{delay:g} s, {staleness}{slower}", "pinned" if pinned else "shared", f"{generate:.1f}", f"{train:.1f}", f"{sync['wall']:.1f}", f"{overlapped['wall']:.1f}",
+            f"{speedup:.2f}x", f"{ideal:.2f}x", f"{speedup / ideal:.2f}", bottleneck(folder / "async")]
 
 
 def main() -> None:
@@ -81,19 +144,32 @@ def main() -> None:
                         help="one row: the server's sleep after every decode step, and how far generation may run ahead "
                              "(with slow rollouts it must cover their latency); repeatable. Default: the README's rows, "
                              + ", ".join(f"{d} {s}" for d, s in CONFIGS))
+    parser.add_argument("--cores", choices=["shared", "pinned", "both"], default="both",
+                        help="shared: the three processes share every core; pinned: the trainer alone on its cores, the server "
+                             "and the rollout worker on another (separate devices); both (default): each row both ways")
+    parser.add_argument("--train-delay-s", type=float, default=0.0,
+                        help="sleep this long in every optimizer step, standing in for a slower trainer (default 0)")
+    parser.add_argument("--weight-sync-steps", type=int, default=1, help="steps between weight syncs (default 1)")
     add_markdown_flag(parser)
     args = parser.parse_args()
     configs = [(float(d), int(s)) for d, s in args.config] if args.config else CONFIGS
+    modes = {"shared": [False], "pinned": [True], "both": [False, True]}[args.cores]
+    if True in modes and len(os.sched_getaffinity(0)) < 2:
+        parser.error("--cores pinned needs at least 2 cores: the server on one, the trainer on the others")
     # On a CPU-only machine the server, the worker and the trainer share the cores. A trainer that spreads
     # one matmul over every core stalls whenever another process runs; one thread each keeps them apart.
     torch.set_num_threads(1)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, (delay, staleness) in enumerate(configs):
-            print(f"step delay {delay} s, max_staleness {staleness}, {args.steps} steps", flush=True)
-            rows.append(compare(args.steps, delay, staleness, Path(tmp) / str(i)))
-    emit(markdown_table(["step delay, max_staleness", "G (s)", "T (s)", "synchronous (s)", "asynchronous (s)", "speed-up",
-                         "ideal (G+T)/max(G,T)", "speed-up / ideal"], "rrrrrrrr", rows), args.markdown)
+            for pinned in modes:
+                print(f"step delay {delay} s, max_staleness {staleness}, {args.steps} steps, "
+                      f"{'pinned' if pinned else 'shared'} cores", flush=True)
+                rows.append(compare(args.steps, delay, staleness, args.train_delay_s, pinned, args.weight_sync_steps,
+                                    Path(tmp) / f"{i}-{pinned}"))
+    emit(markdown_table(["step delay, max_staleness", "cores", "G (s)", "T (s)", "synchronous (s)", "asynchronous (s)",
+                         "speed-up", "ideal (G+T)/max(G,T)", "speed-up / ideal", "doctor (asynchronous run)"],
+                        "rlrrrrrrrl", rows), args.markdown)
 
 
 if __name__ == "__main__":

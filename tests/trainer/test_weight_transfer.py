@@ -51,9 +51,12 @@ def test_each_transfer_is_served_exactly_and_a_failed_one_leaves_the_previous_we
         control = ControlClient(server.url)
         sync = TransferSync(control, run, TINY_MODEL_PATH, timeout_s=20)
         assert sync.connect() == 1
+        pauses = []
+        monkeypatch.setattr(control, "pause", lambda *args: pauses.append(args))
         for version in (1, 2):
             model = trained_model(seed=version)
-            sync.push(model, version)
+            assert sync.push(model, version)["perf/weight_sync_pause_s"] < 0.01
+            assert not pauses, "tandem serve swaps the staged weights between engine steps: it generates during a transfer"
             assert gaps(run, [server.url], model, prompt)[0] <= ATOL, f"version {version} is not what the server serves"
         assert run.run(control.get_json("/weight_info")) == {"weight_version": "2"}
 

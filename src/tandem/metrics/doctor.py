@@ -73,7 +73,7 @@ def bottleneck(rows: list[dict], config: dict) -> Finding:
     # spec 002: "queue empty, rollout wait rising, no backpressure: generation is too slow; queue full, rollout wait
     # zero: the trainer is" -- read from the queue when neither wait is high on its own
     starved = wait_high or (queue < per_step and wait >= LOW_SHARE * step and back < LOW_SHARE * step)
-    ahead = back_high or (queue >= 2 * per_step and wait < LOW_SHARE * step)
+    ahead = back_high or (queue >= per_step and wait < LOW_SHARE * step)  # the trainer never waits: it is the limit
     evidence = (f"step {step:.2f}s, rollout wait {wait:.2f}s, backpressure {back:.2f}s, queue {queue:.0f} samples "
                 f"= {queue / per_step:.1f} steps")
     concurrency, cap = mean(rows, "rollout/concurrency"), mean(rows, "rollout/concurrency_cap")

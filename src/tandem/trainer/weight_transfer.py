@@ -3,11 +3,12 @@
 One protocol layer, two data planes. `TransferSync` speaks vLLM's routes, the same for every server: once, at
 connect, the trainer (rank 0 of the group) opens a rendezvous at `weight_transfer_address` and, while it waits
 there, asks the server (or every replica behind `tandem proxy`) to join with `/init_weight_transfer_engine`. Each
-sync: pause (keep), `/start_weight_update`, then `/update_weights` with every parameter's name, dtype and shape, in
-order — on a thread, since it returns only when the server has received them — while the plane sends the tensors;
-`/finish_weight_update`, resume. The plane carries the tensors:
+sync: pause (keep) where the plane needs it, `/start_weight_update`, then `/update_weights` with every parameter's
+name, dtype and shape, in order — on a thread, since it returns only when the server has received them — while the
+plane sends the tensors; `/finish_weight_update`, resume. The plane carries the tensors:
 - `GlooPlane`, into `tandem serve --weight-transfer-config '{"backend":"gloo"}'`: a torch.distributed gloo group,
-  one CPU tensor at a time (the server's end is generation/weight_transfer.py);
+  one CPU tensor at a time (the server's end is generation/weight_transfer.py). The server stages them and swaps
+  them in between two engine steps, so it is not paused: it generates while the weights arrive;
 - `VllmNcclPlane`, into `vllm serve --weight-transfer-config '{"backend":"nccl"}'`: vLLM's own trainer-side
   helpers (the `vllm` extra) join its NCCL group and broadcast in its packed format from the trainer's GPU.
 A sharded (FSDP2) parameter is gathered whole just before it is sent and freed right after, so the trainer never
@@ -84,6 +85,8 @@ class GlooPlane:
 
     init_fields: dict = {}
     after_failure = "The server keeps serving the previous weights."
+    pauses_generation = False
+    """tandem serve stages what arrives and swaps it in between two engine steps, so it generates on meanwhile."""
 
     def open(self, address: str, port: int, world_size: int, timeout_s: float) -> None:
         self.group = join_group(address, port, 0, world_size, timeout_s)
@@ -114,6 +117,8 @@ class VllmNcclPlane:
 
     after_failure = ("vllm serve's workers may still wait inside the broadcast, unable to take another update: restart "
                      "the server (it serves the previous weights until then). This process's transfer group is unusable.")
+    pauses_generation = True
+    """vLLM loads each tensor into the running model as it arrives: generation must wait for the whole update."""
 
     def _on_device(self, call: Callable[[], object]) -> Callable[[], object]:
         """`call` on a new thread's CUDA device set to the trainer's (the current device is per thread)."""
@@ -171,7 +176,8 @@ class TransferSync:
             collections.deque(tensors, maxlen=0)  # take part in every gather, keeping none
             return {}
         start = time.perf_counter()
-        self.run.run(self.control.pause("keep"))
+        if self.plane.pauses_generation:
+            self.run.run(self.control.pause("keep"))
         paused = time.perf_counter()
         self.run.run(self.control.start_weight_update())
         names = [name for name, _ in params]
@@ -187,7 +193,8 @@ class TransferSync:
             raise TransferFailed(f"weight transfer of version {version} failed: {exc}. {self.plane.after_failure}") from exc
         self.run.run(self.control.finish_weight_update(str(version)))
         self.run.run(self.control.reset_prefix_cache())  # vLLM keeps its prefix cache across a transfer
-        self.run.run(self.control.resume())
+        if self.plane.pauses_generation:
+            self.run.run(self.control.resume())
         announce(version)
         done = time.perf_counter()
         return {"perf/weight_sync_s": done - start, "perf/weight_sync_pause_s": paused - start,
