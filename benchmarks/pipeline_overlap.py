@@ -12,7 +12,8 @@ its own, and the server with the rollout worker on another (the server stands in
 asynchronous run. `--train-delay-s` slows every optimizer step, standing in for a slower trainer (a trainer-bound run).
 
     python benchmarks/pipeline_overlap.py [--steps 60] [--config STEP_DELAY_S MAX_STALENESS ...]
-                                          [--cores shared|pinned|both] [--train-delay-s S] [--markdown PATH]
+                                          [--cores shared|pinned|both] [--train-delay-s S] [--weight-sync-steps N]
+                                          [--max-num-seqs N] [--markdown PATH]
 """
 
 import argparse
@@ -88,9 +89,11 @@ def on_own_cores(trainer_cls, server_core: int):
     return Pinned
 
 
-def run(trainer_cls, steps: int, delay: float, args_staleness: int, folder: Path, pinned: bool, sync_steps: int = 1) -> dict:
+def run(trainer_cls, steps: int, delay: float, args_staleness: int, folder: Path, pinned: bool, sync_steps: int = 1,
+        max_num_seqs: int = 256) -> dict:
     extra = ["--logprobs-mode", "processed_logprobs", "--served-model-name", TINY_MODEL_PATH, "--step-delay-s", str(delay),
-             "--weight-transfer-config", '{"backend": "gloo"}']  # weights streamed, as to the trainer's own server
+             "--weight-transfer-config", '{"backend": "gloo"}',  # weights streamed, as to the trainer's own server
+             "--max-num-seqs", str(max_num_seqs)]
     # One CPU thread for the server: it stands in for a GPU, so its own compute should not take the trainer's cores.
     every_core = os.sched_getaffinity(0)
     with EmbeddedServer("tiny", extra_args=extra, env={"OMP_NUM_THREADS": "1"}) as server:
@@ -122,17 +125,20 @@ def bottleneck(folder: Path) -> str:
 
 
 def compare(steps: int, delay: float, staleness: int, train_delay: float, pinned: bool, sync_steps: int,
-            folder: Path) -> list[str]:
+            max_num_seqs: int, folder: Path) -> list[str]:
     """Both runs of one configuration; returns its row of the README table."""
-    sync = run(slowed(SynchronousTrainer, train_delay), steps, delay, staleness, folder / "sync", pinned, sync_steps)
+    sync = run(slowed(SynchronousTrainer, train_delay), steps, delay, staleness, folder / "sync", pinned, sync_steps,
+               max_num_seqs)
     print(f"  synchronous : {sync['wall']:.1f}s wall ({sync['train']:.1f}s training)", flush=True)
-    overlapped = run(slowed(AsyncGRPOTrainer, train_delay), steps, delay, staleness, folder / "async", pinned, sync_steps)
+    overlapped = run(slowed(AsyncGRPOTrainer, train_delay), steps, delay, staleness, folder / "async", pinned, sync_steps,
+                     max_num_seqs)
     print(f"  asynchronous: {overlapped['wall']:.1f}s wall ({overlapped['wait']:.1f}s waiting for samples)", flush=True)
     train = sync["train"]
     generate = sync["wall"] - train
     ideal = (generate + train) / max(generate, train)
     speedup = sync["wall"] / overlapped["wall"]
-    slower = (f", trainer +{train_delay:g} s" if train_delay else "") + (f", sync every {sync_steps}" if sync_steps > 1 else "")
+    slower = ((f", trainer +{train_delay:g} s" if train_delay else "") + (f", sync every {sync_steps}" if sync_steps > 1 else "")
+              + (f", {max_num_seqs} seqs" if max_num_seqs != 256 else ""))
     return [f"{delay:g} s, {staleness}{slower}", "pinned" if pinned else "shared", f"{generate:.1f}", f"{train:.1f}", f"{sync['wall']:.1f}", f"{overlapped['wall']:.1f}",
             f"{speedup:.2f}x", f"{ideal:.2f}x", f"{speedup / ideal:.2f}", bottleneck(folder / "async")]
 
@@ -150,6 +156,8 @@ def main() -> None:
     parser.add_argument("--train-delay-s", type=float, default=0.0,
                         help="sleep this long in every optimizer step, standing in for a slower trainer (default 0)")
     parser.add_argument("--weight-sync-steps", type=int, default=1, help="steps between weight syncs (default 1)")
+    parser.add_argument("--max-num-seqs", type=int, default=256,
+                        help="the server's batch limit (default 256); a small one makes a server at capacity")
     add_markdown_flag(parser)
     args = parser.parse_args()
     configs = [(float(d), int(s)) for d, s in args.config] if args.config else CONFIGS
@@ -166,7 +174,7 @@ def main() -> None:
                 print(f"step delay {delay} s, max_staleness {staleness}, {args.steps} steps, "
                       f"{'pinned' if pinned else 'shared'} cores", flush=True)
                 rows.append(compare(args.steps, delay, staleness, args.train_delay_s, pinned, args.weight_sync_steps,
-                                    Path(tmp) / f"{i}-{pinned}"))
+                                    args.max_num_seqs, Path(tmp) / f"{i}-{pinned}"))
     emit(markdown_table(["step delay, max_staleness", "cores", "G (s)", "T (s)", "synchronous (s)", "asynchronous (s)",
                          "speed-up", "ideal (G+T)/max(G,T)", "speed-up / ideal", "doctor (asynchronous run)"],
                         "rlrrrrrrrl", rows), args.markdown)

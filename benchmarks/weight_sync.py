@@ -5,7 +5,8 @@ A random model of the tiny model's architecture, made wider and deeper, is serve
 `--enable-lora` and `--weight-transfer-config '{"backend":"gloo"}'`, and pushed `--syncs` times each way through
 the trainer's own sync objects:
 - full weights: `reload` (publish the model as safetensors, pause, reload, reset the prefix cache, resume) against
-  `transfer` (pause, stream every tensor over the gloo group, swap, reset, resume: trainer/weight_transfer.py);
+  `transfer` (stream every tensor over the gloo group while the server generates on, swap them in between two engine
+  steps, reset the prefix cache: trainer/weight_transfer.py);
   seconds and bytes per sync, and the trainer's peak extra resident memory during a sync;
 - LoRA: `lora` (publish the adapter, load it under a new name, unload the oldest) against the merged fallback.
 
@@ -145,7 +146,7 @@ def main() -> None:
     full = markdown_table(["full-weight sync", "seconds per sync", "moved per sync", "trainer's peak extra memory"], "lrrr", [
         ["`reload`: publish to disk, pause, reload, reset cache, resume", f"{reload_s:.2f}", f"{mib(reload_bytes)} written",
          mib(reload_peak)],
-        ["`transfer`: pause, stream over gloo, swap, reset cache, resume", f"{transfer_s:.2f}", f"{mib(transfer_bytes)} sent",
+        ["`transfer`: stream over gloo while generating, swap between engine steps, reset cache", f"{transfer_s:.2f}", f"{mib(transfer_bytes)} sent",
          mib(transfer_peak)],
         ["reload / transfer", f"{reload_s / transfer_s:.1f}x", "", ""]])
     emit(full + "\n" + markdown_table(["sync", "seconds per sync", "written per sync"], "lrr", [

@@ -10,6 +10,7 @@ Chromium is not a dependency of tandem: on Debian or Ubuntu, `apt-get install ch
 """
 
 import argparse
+import html
 import json
 import re
 import shutil
@@ -60,7 +61,7 @@ def main() -> None:
     found = re.search(r'<pre id="tandem-probe">(.*?)</pre>', dom, re.DOTALL)
     if not found:
         sys.exit("the page's probe did not run: Chromium did not finish loading the report")
-    images = json.loads(found[1].replace("&quot;", '"').replace("&amp;", "&"))
+    images = json.loads(html.unescape(found[1]))
     broken = [alt for alt, natural_w, natural_h, w, h in images if not (natural_w > 0 and natural_h > 0 and w > 100 and h > 50)]
     for alt, natural_w, natural_h, w, h in images:
         print(f"  {alt}: {natural_w}x{natural_h} px, shown at {w}x{h}")

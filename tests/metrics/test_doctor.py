@@ -18,7 +18,8 @@ BALANCED = {"perf/step_s": 1.0, "perf/rollout_wait_s": 0.05, "rollout/backpressu
 
 def run(*phases: dict, windows: int = 15) -> list[dict]:
     """A run of `windows` logged lines per phase, each line the balanced one with the phase's changes."""
-    return [{**BALANCED, **phase, "step": i} for phase in phases for i in range(windows)]
+    lines = [{**BALANCED, **phase} for phase in phases for _ in range(windows)]
+    return [{**line, "step": step} for step, line in enumerate(lines, start=1)]
 
 
 def verdicts(rows, area: str, label: str = "whole run") -> list[str]:
@@ -33,6 +34,10 @@ def verdicts(rows, area: str, label: str = "whole run") -> list[str]:
     ({"perf/rollout_wait_s": 0.6, "rollout/concurrency": 64, "rollout/vllm_kv_cache_usage_frac": 0.2}, "concurrency cap bound"),
     ({"perf/rollout_wait_s": 0.6, "rollout/concurrency_cap": 30, "rollout/vllm_kv_cache_usage_frac": 0.9}, "server saturated"),
     ({"perf/rollout_wait_s": 0.6, "rollout/concurrency_cap": 30}, "generation-bound"),  # a cap still climbing, KV free
+    # tandem holds generation back before a group starts: a full token allowance is the held-back side's evidence
+    ({"perf/rollout_wait_s": 0.5, "rollout/allowance_used_max": 0.99}, "staleness bound too tight"),
+    ({"perf/rollout_wait_s": 0.1, "rollout/allowance_used_max": 0.99}, "trainer-bound"),  # short stalls, queue full
+    ({"perf/rollout_wait_s": 0.1, "rollout/allowance_used_max": 0.6}, "balanced"),
 ])
 def test_the_bottleneck_is_named_from_queue_waits_and_caps(changes, verdict):
     assert verdicts(run(changes), "bottleneck") == [verdict]

@@ -37,6 +37,16 @@ def test_in_a_terminal_a_live_dashboard_shows_spec_002s_pairs_and_no_plain_lines
     assert "reward 0.250  step" not in shown, "no plain line in a terminal"
 
 
+def test_a_reward_of_inf_or_nan_does_not_break_the_dashboard():
+    out = io.StringIO()
+    console = RunConsole(10, console=Console(file=out, width=120, force_terminal=True))
+    for step, reward in enumerate([0.1, float("inf"), float("nan"), 0.3], start=1):
+        console.update(step, {"reward": reward})
+    console.live.refresh()
+    console.close()
+    assert "0.300  ▁█" in out.getvalue()
+
+
 def test_a_changed_finding_is_one_doctor_line_once_it_held_a_few_windows():
     out = io.StringIO()
     console = RunConsole(100, config={"num_generations": 8}, console=Console(file=out, width=300, force_terminal=False))

@@ -65,8 +65,10 @@ def test_a_report_draws_the_panels_logged_and_names_the_others(tmp_path):
              "perf/fwd_bwd_s": 0.6, "perf/rollout_wait_s": 0.1, "tools/call_frequency": 0.5, "tools/calculator/latency_s": 0.01,
              "sampling/importance_sampling_ratio/mean": 9.0}
             for step in range(1, 11)]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    resumed = [{**row, "reward": 0.0} for row in rows[-2:]]  # a run resumed from step 8 logs steps 9 and 10 again
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows + resumed))
     path = report.write(tmp_path)
+    assert "10 logged windows, step 10" in path.read_text(), "a step logged again after a resume is drawn once"
     assert sorted(p.stem for p in (tmp_path / "report").glob("*.png")) == ["backpressure", "importance_ratio", "reward", "step_time", "tools"]
     page = path.read_text()
     assert "Not logged in this run: " in page and "KV-cache usage" in page

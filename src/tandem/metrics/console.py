@@ -7,6 +7,7 @@ line per logged window, never cut to the console's width. In both, a one-line `d
 doctor's findings for the recent windows changes (metrics/doctor.py).
 """
 
+import math
 import time
 from collections import deque
 from datetime import timedelta
@@ -29,7 +30,8 @@ SETTLE = 3
 
 
 def sparkline(values: list[float]) -> str:
-    """One block character per value, from the lowest to the highest of them."""
+    """One block character per value, from the lowest to the highest of them (finite values only)."""
+    values = [v for v in values if math.isfinite(v)]
     if not values:
         return ""
     low, high = min(values), max(values)
@@ -54,6 +56,8 @@ class FindingWatch:
         by_area: dict[str, list[doctor.Finding]] = {}
         for finding in doctor.diagnose(list(self.rows), self.config)["last window"]:
             by_area.setdefault(finding.area, []).append(finding)
+        for area in set(self.shown) - set(by_area):  # an area gone quiet: its next finding is news again
+            self.shown.pop(area), self.pending.pop(area, None)
         changed = []
         for area, findings in by_area.items():
             verdicts = tuple(f.verdict for f in findings)
@@ -77,7 +81,7 @@ class RunConsole:
         self.step, self.metrics, self.latest, self.rewards = 0, {}, {}, deque(maxlen=SPARK_WIDTH)
         """The last window's metrics (the plain line), and each metric's latest value (the dashboard: a window
         without a metric, such as the last one after the worker finished, keeps showing the one before)."""
-        self.watch = FindingWatch(config or {})
+        self.watch: FindingWatch | None = FindingWatch(config or {})
         self.live = None
         if self.console.is_terminal:
             self.live = Live(get_renderable=self.dashboard, console=self.console, refresh_per_second=2, transient=False)
@@ -92,7 +96,16 @@ class RunConsole:
             self.rewards.append(metrics["reward"])
         if self.live is None:
             self.console.print(self.plain_line(), soft_wrap=True, highlight=False, markup=False)
-        for finding in self.watch.update(step, metrics):
+        if self.watch is None:
+            return
+        try:
+            changed = self.watch.update(step, metrics)
+        except Exception as exc:  # noqa: BLE001 - the console's doctor must never stop training
+            self.console.print(f"doctor: stopped reading this run's windows ({exc!r}); run `tandem doctor` on its folder",
+                               soft_wrap=True, highlight=False, markup=False)
+            self.watch = None
+            return
+        for finding in changed:
             style = "bold red" if finding.critical else "yellow"
             self.console.print(Text(f"doctor: {finding.line()}", style=style), soft_wrap=True, highlight=False)
 

@@ -24,8 +24,11 @@ LOW_SHARE = 0.05
 """A wait is "near zero" below this share of the step's time."""
 SYNC_SHARE = 0.2
 """Syncs are worth a knob when they take this share of the training time or more (spec 002's run 3: 25%)."""
+FULL_ALLOWANCE = 0.95
+"""The token allowance binds when the windows' largest use of it averages this much or more."""
 RECOMPUTE_RATIO = 2.8
-"""A backward this many times its forward or slower runs the forward again (gradient checkpointing); about 2 is usual."""
+"""A backward this many times its forward or slower runs the forward again (gradient checkpointing); about 2 is usual.
+Spec 002 measured 3.2 with checkpointing and 2.5 without it (frozen LoRA bases, FSDP2): this sits between them."""
 LAST_WINDOW = 0.2
 """The last window is this share of the run's logged lines (at least one)."""
 MIN_TREND_WINDOWS = 5
@@ -65,22 +68,32 @@ def steps_covered(rows: list[dict]) -> list[int]:
 
 def bottleneck(rows: list[dict], config: dict) -> Finding:
     """Where the time goes: an empty queue with training waiting is generation-bound; a full one with generation
-    held back is trainer-bound; both at once, max_staleness too tight; the caps and KV usage say which limit binds."""
+    held back is trainer-bound; both at once, max_staleness too tight; the caps and KV usage say which limit binds.
+    tandem holds generation back before a group starts (the token allowance of max_staleness steps), so a full
+    allowance (rollout/allowance_used_max) is the held-back side's evidence beside the backpressure."""
     step = mean(rows, "perf/step_s") or 0.0
     wait, back = mean(rows, "perf/rollout_wait_s") or 0.0, mean(rows, "rollout/backpressure_s") or 0.0
     queue, per_step = mean(rows, "rollout/queue_size") or 0.0, mean(rows, "batch/samples_per_step") or 1.0
+    allowance, queued = mean(rows, "rollout/allowance_used_max"), mean(rows, "rollout/vllm_queued_requests")
     wait_high, back_high = step > 0 and wait >= HIGH_SHARE * step, step > 0 and back >= HIGH_SHARE * step
+    backlog = queued is not None and queued >= 1  # the server has more requests than it runs at once
+    held = allowance is not None and allowance >= FULL_ALLOWANCE and not backlog  # in flight, not waiting in the server
     # spec 002: "queue empty, rollout wait rising, no backpressure: generation is too slow; queue full, rollout wait
     # zero: the trainer is" -- read from the queue when neither wait is high on its own
     starved = wait_high or (queue < per_step and wait >= LOW_SHARE * step and back < LOW_SHARE * step)
-    ahead = back_high or (queue >= per_step and wait < LOW_SHARE * step)  # the trainer never waits: it is the limit
+    ahead = back_high or (queue >= per_step and (wait < LOW_SHARE * step or (held and not wait_high)))
     evidence = (f"step {step:.2f}s, rollout wait {wait:.2f}s, backpressure {back:.2f}s, queue {queue:.0f} samples "
-                f"= {queue / per_step:.1f} steps")
+                f"= {queue / per_step:.1f} steps" + (f", allowance used {allowance:.2f}" if allowance is not None else ""))
     concurrency, cap = mean(rows, "rollout/concurrency"), mean(rows, "rollout/concurrency_cap")
     limit, kv = config.get("max_concurrent_rollouts", 512), mean(rows, "rollout/vllm_kv_cache_usage_frac")
-    if wait_high and back_high:
+    if wait_high and (back_high or held):
         return Finding("bottleneck", "staleness bound too tight", evidence,
                        f"raise max_staleness (now {config.get('max_staleness', 4)})")
+    if starved and backlog:
+        running = nan_if_none(mean(rows, "rollout/vllm_running_requests"))
+        return Finding("bottleneck", "server saturated", f"{evidence}; the server runs {running:.0f} requests with "
+                       f"{queued:.0f} more waiting", "add generation capacity (replicas behind tandem proxy, a faster "
+                       "server), or a larger --max-num-seqs if its KV cache has room")
     if starved and cap is not None and cap < 0.9 * limit and kv is not None and kv >= 0.8:
         return Finding("bottleneck", "server saturated", f"{evidence}; concurrency cap {cap:.0f} < {limit}, KV usage "
                        f"{kv:.2f}", "add generation capacity (replicas behind tandem proxy, a faster server)")
@@ -173,8 +186,8 @@ def sync(rows: list[dict], config: dict) -> list[Finding]:
     if sync_s and step and sync_s / config.get("weight_sync_steps", 1) >= SYNC_SHARE * step:
         findings.append(Finding("sync", "syncs take a large share of each step", f"sync {sync_s:.2f}s per "
                                 f"{config.get('weight_sync_steps', 1)} step(s) of {step:.2f}s",
-                                "raise weight_sync_steps, or use the weight transfer (a server with "
-                                "--weight-transfer-config)"))
+                                "raise weight_sync_steps (or, when the server reloads weights from a folder, give it "
+                                "--weight-transfer-config to stream them)"))
     return findings or [Finding("sync", "healthy", f"mean ratio {nan_if_none(ratio):.3f}, no stale drops")]
 
 
@@ -208,6 +221,8 @@ def read_run(run_dir: Path) -> tuple[list[dict], dict]:
         rows.append(json.loads(lines[-1]))
     except (IndexError, json.JSONDecodeError):  # none yet, or a line a live (or killed) run is still writing
         pass
+    rows = list({row.get("step"): row for row in rows}.values())  # a resumed run logs its last steps again: the later
+    # line of each step wins, in step order
     config_file = run_dir / "config.json"
     return rows, json.loads(config_file.read_text()) if config_file.is_file() else {}
 

@@ -32,7 +32,7 @@ class Panel:
 
 
 PANELS = [
-    Panel("reward", "Reward (moving average of 20 windows) and per reward function", ylabel="reward"),
+    Panel("reward", f"Reward (moving average of {MOVING_AVERAGE} windows) and per reward function", ylabel="reward"),
     Panel("importance_ratio", "Importance ratio trainer/sampler and masked fraction",
           ["sampling/importance_sampling_ratio/mean", "sampling/importance_sampling_ratio/min",
            "sampling/importance_sampling_ratio/max"], "ratio"),
@@ -64,7 +64,7 @@ def value(row: dict, name: str) -> float | None:
 
 def series(rows: list[dict], name: str) -> tuple[list[int], list[float]]:
     """(steps, values) of the rows that logged `name`."""
-    points = [(row.get("step", i), value(row, name)) for i, row in enumerate(rows)]
+    points = [(row.get("step", 0), value(row, name)) for row in rows]
     points = [(step, number) for step, number in points if number is not None]
     return [step for step, _ in points], [number for _, number in points]
 
@@ -82,8 +82,9 @@ def lines_of(panel: Panel, rows: list[dict]) -> list[str]:
     """The metrics a panel draws, as this run logged them (the tools and environment panels take every name
     under their prefix; the reward panel each reward function's mean)."""
     names = sorted({name for row in rows for name in row})
-    if panel.name == "reward":
-        return ["reward"] + [n for n in names if n.startswith("rewards/") and n.endswith("/mean")]
+    if panel.name == "reward":  # each reward function's mean, when there are several (one is the reward itself)
+        functions = [n for n in names if n.startswith("rewards/") and n.endswith("/mean")]
+        return ["reward"] + (functions if len(functions) > 1 else [])
     if panel.name == "tools":
         return [n for n in names if n.startswith("tools/")]
     if panel.name == "environment":
@@ -98,9 +99,9 @@ def draw(panel: Panel, rows: list[dict], config: dict):
     from matplotlib.figure import Figure
 
     names = [name for name in lines_of(panel, rows) if series(rows, name)[0]]
-    if not names:
+    if not names or (panel.name == "step_time" and "perf/step_s" not in names):
         return None
-    figure = Figure(figsize=(7.0, 3.0), dpi=90, layout="constrained")
+    figure = Figure(figsize=(6.0, 2.8), dpi=90, layout="constrained")  # two side by side on a laptop's screen
     axes = figure.subplots()
     if panel.name == "step_time":
         draw_step_time(axes, rows)
@@ -154,6 +155,8 @@ def write(run_dir: Path) -> Path:
     findings = doctor.diagnose(rows, config)
     images, missing = [], []
     (run_dir / "report").mkdir(exist_ok=True)
+    for old in (run_dir / "report").glob("*.png"):  # a panel drawn last time may have nothing to show now
+        old.unlink()
     for panel in PANELS:
         figure = draw(panel, rows, config)
         if figure is None:
@@ -176,7 +179,8 @@ def summary(rows: list[dict]) -> str:
     reward = ""
     if rewards:
         first, last = rewards[:MOVING_AVERAGE], rewards[-MOVING_AVERAGE:]
-        reward = f", reward {sum(first) / len(first):.3f} → {sum(last) / len(last):.3f} (first / last 20 windows)"
+        reward = (f", reward {sum(first) / len(first):.3f} → {sum(last) / len(last):.3f} (first / last "
+                  f"{MOVING_AVERAGE} windows)")
     return f"{len(rows)} logged windows, step {steps}{took}{reward}"
 
 

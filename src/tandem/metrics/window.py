@@ -15,7 +15,7 @@ from collections import defaultdict
 
 SUM, MAX, MIN, RATE, MEAN = "sum", "max", "min", "rate", "mean"
 EXAMPLES = "completions/examples"
-"""(prompt, completion, reward) triples kept for the progress line's printout: never reduced or logged."""
+"""(prompt, completion, reward) triples kept for the console's printout: never reduced or logged."""
 
 
 def rule_for(name: str) -> str:

@@ -1,5 +1,5 @@
 """What a training run talks to, owned in one place: the generation server (embedded or external), the
-control client, the rollout worker, the metric sinks, the progress line and the run's report.
+control client, the rollout worker, the metric sinks, the console and the run's report.
 
 `Session` is a context manager: whatever was started is stopped when the run leaves it, on success, on
 an error and on Ctrl-C, in the reverse order of starting. The trainer asks it for each part in turn.
@@ -8,7 +8,6 @@ an error and on Ctrl-C, in the reverse order of starting. The trainer asks it fo
 import asyncio
 import json
 import sys
-import warnings
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -30,9 +29,12 @@ class Session:
         self.worker: RolloutWorker | None = None
         self.sinks: list = []
         self.progress: RunConsole | None = None
+        self.report_dir: Path | None = None
+        """Where report.html is drawn when the session ends; set when the sinks open."""
 
     def __enter__(self) -> "Session":
         self.stack.callback(self.runner.close)
+        self.stack.callback(self.write_report)  # runs after everything else has stopped
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -70,21 +72,23 @@ class Session:
         """`metrics.jsonl` and the `report_to` sinks, the console (dashboard or plain lines), and report.html drawn when the run leaves
         the session (after the sinks closed: at its end, on Ctrl-C, on a crash)."""
         (output_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))  # what tandem doctor reads
-        self.stack.callback(self.write_report, output_dir)
+        self.report_dir = output_dir
         self.sinks = make_sinks(report_to, output_dir, run_name, config)
         for sink in self.sinks:
             self.stack.callback(sink.close)
         self.progress = RunConsole(total_steps, config)
         self.stack.callback(self.progress.close)
 
-    def write_report(self, output_dir: Path) -> None:
-        """report.html from whatever metrics.jsonl holds. A report that cannot be drawn is a warning: it never hides
-        the run's own error."""
+    def write_report(self) -> None:
+        """report.html from whatever metrics.jsonl holds, once the sinks were opened. A report that cannot be drawn
+        is said on stderr: it never hides the run's own error."""
+        if self.report_dir is None:
+            return
         try:
-            path = report.write(output_dir)
-        except Exception as exc:
-            warnings.warn(f"the run's report could not be drawn ({exc!r}); try again with: tandem report {output_dir}",
-                          stacklevel=2)
+            path = report.write(self.report_dir)
+        except Exception as exc:  # noqa: BLE001 - the run's own outcome matters more than its pictures
+            print(f"the run's report could not be drawn ({exc!r}); try again with: tandem report {self.report_dir}",
+                  file=sys.stderr)
             return
         print(f"report: {path}", file=sys.stderr)
 

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 @contextmanager
 def quiet_progress():
-    """transformers draws a progress bar per save; a save every step would bury the training progress line."""
+    """transformers draws a progress bar per save; a save every step would bury the training console."""
     enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
