@@ -25,7 +25,7 @@ SPARK_WIDTH = 40
 """Logged windows in the reward's sparkline."""
 RECENT = 200
 """Logged windows the console's doctor reads (its last window is the last fifth of them)."""
-SETTLE = 3
+SETTLE = 10
 """Logged windows a changed finding must hold before it is announced (one noisy window is not a change)."""
 
 

@@ -32,7 +32,7 @@ class Panel:
 
 
 PANELS = [
-    Panel("reward", f"Reward (moving average of {MOVING_AVERAGE} windows) and per reward function", ylabel="reward"),
+    Panel("reward", f"Reward and its moving average over {MOVING_AVERAGE} windows", ylabel="reward"),
     Panel("importance_ratio", "Importance ratio trainer/sampler and masked fraction",
           ["sampling/importance_sampling_ratio/mean", "sampling/importance_sampling_ratio/min",
            "sampling/importance_sampling_ratio/max"], "ratio"),
