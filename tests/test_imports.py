@@ -14,7 +14,9 @@ def run_fresh(code: str) -> tuple[str, set[str]]:
 
 def test_import_tandem_loads_no_torch_until_a_public_name_is_used():
     assert "torch" not in run_fresh("import tandem")[1]
-    assert "torch" in run_fresh("from tandem import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop, Rollout, RolloutGroup, TurnRecord")[1]
+    trainer = run_fresh("from tandem import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop, Rollout, RolloutGroup, TurnRecord")[1]
+    assert "torch" in trainer
+    assert "matplotlib" not in trainer, "the report's plotting library loads only when a report is drawn"
 
 
 def test_the_proxy_app_imports_neither_torch_nor_transformers():

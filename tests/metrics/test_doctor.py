@@ -38,6 +38,8 @@ def verdicts(rows, area: str, label: str = "whole run") -> list[str]:
     ({"perf/rollout_wait_s": 0.5, "rollout/allowance_used_max": 0.99}, "staleness bound too tight"),
     ({"perf/rollout_wait_s": 0.1, "rollout/allowance_used_max": 0.99}, "trainer-bound"),  # short stalls, queue full
     ({"perf/rollout_wait_s": 0.1, "rollout/allowance_used_max": 0.6}, "balanced"),
+    ({"perf/rollout_wait_s": 0.6, "rollout/vllm_running_requests": 40, "rollout/vllm_queued_requests": 20}, "server saturated"),
+    ({"perf/rollout_wait_s": 0.6, "rollout/vllm_running_requests": 40, "rollout/vllm_queued_requests": 4}, "generation-bound"),
 ])
 def test_the_bottleneck_is_named_from_queue_waits_and_caps(changes, verdict):
     assert verdicts(run(changes), "bottleneck") == [verdict]

@@ -24,6 +24,8 @@ LOW_SHARE = 0.05
 """A wait is "near zero" below this share of the step's time."""
 SYNC_SHARE = 0.2
 """Syncs are worth a knob when they take this share of the training time or more (spec 002's run 3: 25%)."""
+BACKLOG_SHARE = 0.25
+"""The server is at capacity when the requests waiting in it are this share of those running or more."""
 FULL_ALLOWANCE = 0.95
 """The token allowance binds when the windows' largest use of it averages this much or more."""
 RECOMPUTE_RATIO = 2.8
@@ -75,8 +77,10 @@ def bottleneck(rows: list[dict], config: dict) -> Finding:
     wait, back = mean(rows, "perf/rollout_wait_s") or 0.0, mean(rows, "rollout/backpressure_s") or 0.0
     queue, per_step = mean(rows, "rollout/queue_size") or 0.0, mean(rows, "batch/samples_per_step") or 1.0
     allowance, queued = mean(rows, "rollout/allowance_used_max"), mean(rows, "rollout/vllm_queued_requests")
+    running = mean(rows, "rollout/vllm_running_requests") or 0.0
     wait_high, back_high = step > 0 and wait >= HIGH_SHARE * step, step > 0 and back >= HIGH_SHARE * step
-    backlog = queued is not None and queued >= 1  # the server has more requests than it runs at once
+    # the server holds more requests than it runs at once (a few that arrived since its last step are no backlog)
+    backlog = queued is not None and queued >= max(1.0, BACKLOG_SHARE * running)
     held = allowance is not None and allowance >= FULL_ALLOWANCE and not backlog  # in flight, not waiting in the server
     # spec 002: "queue empty, rollout wait rising, no backpressure: generation is too slow; queue full, rollout wait
     # zero: the trainer is" -- read from the queue when neither wait is high on its own
@@ -90,7 +94,6 @@ def bottleneck(rows: list[dict], config: dict) -> Finding:
         return Finding("bottleneck", "staleness bound too tight", evidence,
                        f"raise max_staleness (now {config.get('max_staleness', 4)})")
     if starved and backlog:
-        running = nan_if_none(mean(rows, "rollout/vllm_running_requests"))
         return Finding("bottleneck", "server saturated", f"{evidence}; the server runs {running:.0f} requests with "
                        f"{queued:.0f} more waiting", "add generation capacity (replicas behind tandem proxy, a faster "
                        "server), or a larger --max-num-seqs if its KV cache has room")
