@@ -1,5 +1,6 @@
 """AsyncGRPOConfig validation and `tandem train` recipes, overrides and the dry run."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -94,14 +95,34 @@ def test_the_toy_update_example_runs_one_step_on_cpu():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["train", "examples/demo.yaml", "--learnin_rate", "1e-4"], r"examples/demo.yaml: unknown recipe key\(s\) \['learnin_rate'\]"),
-    (["train", "examples/missing.yaml"], "examples/missing.yaml: .*No such file"),
-    (["train", "examples/demo.yaml", "--tools", "[tandem.tasks.arithmetic:calculatr]"],
-     "examples/demo.yaml: cannot import 'tandem.tasks.arithmetic:calculatr'"),
+    (["--learnin_rate", "1e-4"], r"unknown recipe key 'learnin_rate' \(did you mean 'learning_rate'\?\)$"),
+    (["--learning_rate", "abc"], r"AsyncGRPOConfig.learning_rate='abc': expected a number, got str.$"),
+    (["--max_steps", "1.5"], r"AsyncGRPOConfig.max_steps=1.5: expected a whole number, got float.$"),
+    (["--gradient_checkpointing", "maybe"], r"AsyncGRPOConfig.gradient_checkpointing='maybe': expected true or false, got str.$"),
+    (["--reward_funcs", "[tandem.rewards.accuracy_reward, 3]"], r"reward_funcs=.*: expected a string \(or a list of them\)$"),
+    (["--tools", "[tandem.tasks.arithmetic:calculatr]"], "cannot import 'tandem.tasks.arithmetic:calculatr'"),
 ])
-def test_a_recipe_mistake_is_one_line_not_a_traceback(argv, message):
-    with pytest.raises(SystemExit, match=f"^tandem train: {message}"):
-        main(argv + ["--dry-run"])
+def test_a_recipe_mistake_is_one_line_naming_the_field_the_value_and_the_type(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "examples/demo.yaml", *argv, "--dry-run"])
+    error = capsys.readouterr().err
+    assert stop.value.code == 2 and len(error.splitlines()) == 1, error
+    assert re.match(f"tandem train: examples/demo.yaml: {message}", error.strip()), error
+
+
+def test_a_missing_recipe_names_the_path_it_looked_for(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "examples/missing.yaml"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(f"no such recipe file (looked for {Path('examples/missing.yaml').resolve()})")
+
+
+def test_the_python_api_refuses_a_value_of_the_wrong_type_by_name():
+    with pytest.raises(ValueError, match=r"AsyncGRPOConfig.num_generations='8': expected a whole number, got str"):
+        AsyncGRPOConfig(num_generations="8")
+    assert AsyncGRPOConfig(learning_rate=1).learning_rate == 1, "a whole number is a number"
+    with pytest.raises(ValueError, match="expected a number, got bool"):
+        AsyncGRPOConfig(temperature=True)
 
 
 def test_tandem_serve_refuses_a_bad_weight_transfer_config_in_one_line():

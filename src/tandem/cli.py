@@ -6,6 +6,7 @@ import json
 import os
 import shlex
 import sys
+import typing
 
 import yaml
 
@@ -189,20 +190,26 @@ def longest_prompt(recipe, tools: list) -> int:
                 for row in rows if row.get("prompt")), default=0)
 
 
+def user_error(message: str) -> typing.NoReturn:
+    """A mistake in what the user gave: one line on stderr and exit code 2 (as argparse does), no traceback."""
+    print(message, file=sys.stderr)
+    sys.exit(2)
+
+
 def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
     from tandem.config import import_object, load_recipe
 
     try:
         recipe = load_recipe(ns.recipe, overrides)
-    except (OSError, ValueError, TypeError) as exc:  # a missing file, an unknown key, a value of the wrong type
-        raise SystemExit(f"tandem train: {ns.recipe}: {exc}") from None
+    except (OSError, ValueError, yaml.YAMLError) as exc:  # a missing file, an unknown key, a bad value, broken YAML
+        user_error(f"tandem train: {ns.recipe}: {exc}")
     try:  # an import path of the recipe that does not resolve
         reward_funcs, tools = [import_object(f) for f in recipe.reward_funcs], [import_object(t) for t in recipe.tools]
         environments = recipe.environment_factory
         environments = ({name: import_object(path) for name, path in environments.items()} if isinstance(environments, dict)
                         else import_object(environments) if environments else None)
     except ValueError as exc:
-        raise SystemExit(f"tandem train: {ns.recipe}: {exc}") from None
+        user_error(f"tandem train: {ns.recipe}: {exc}")
     if ns.dry_run:
         needed = longest_prompt(recipe, tools) + recipe.config.max_completion_length
         print(yaml.safe_dump({"model": recipe.model, "dataset": recipe.dataset, "reward_funcs": recipe.reward_funcs,

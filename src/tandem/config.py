@@ -7,9 +7,12 @@ value is checked up front so a bad one fails before any process starts, with the
 """
 
 import dataclasses
+import difflib
 import importlib
 import json
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,9 +56,10 @@ class AsyncGRPOConfig:
     model_init_kwargs: dict | None = None
     dtype: str = "float32"
     router_aux_loss_coef: float | None = None
-    fsdp_config: dict | None = None
+    fsdp_config: dict | str | None = None
     """Under torchrun (FSDP2): {"reshard_after_forward": bool} (default true; false keeps each layer's gathered
-    weights from its forward to its backward: more memory, one all-gather fewer)."""
+    weights from its forward to its backward: more memory, one all-gather fewer); as in transformers, also a JSON
+    string or the path of a JSON file."""
 
     # ---- generation ----
     num_generations: int = 8
@@ -114,6 +118,11 @@ class AsyncGRPOConfig:
     num_completions_to_print: int | None = None
 
     def __post_init__(self):
+        for item in dataclasses.fields(self):  # the type first: a value check on a wrong type would be a TypeError
+            expected = type_problem(getattr(self, item.name), item.type)
+            if expected:
+                raise ValueError(f"AsyncGRPOConfig.{item.name}={getattr(self, item.name)!r}: expected {expected}, got "
+                                 f"{type(getattr(self, item.name)).__name__}.")
         checks = [
             ("num_generations", self.num_generations >= 2 or self.algorithm != "grpo",
              "GRPO needs at least 2 generations per prompt to compare them"),
@@ -178,6 +187,33 @@ class AsyncGRPOConfig:
         return values
 
 
+TYPE_WORDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string", dict: "a mapping",
+              list: "a list", type(None): "null (None)"}
+
+
+def type_problem(value: Any, annotation: Any) -> str | None:
+    """None when `value` fits a field's annotation (an int does for a float, a bool for neither); else what was
+    expected, in words."""
+    options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    for option in options:
+        kind = typing.get_origin(option) or option
+        if kind is Any or (kind is type(None) and value is None) or (kind is bool and isinstance(value, bool)):
+            return None
+        if isinstance(value, bool):
+            continue
+        if (kind is int and isinstance(value, int)) or (kind is float and isinstance(value, (int, float))):
+            return None
+        if kind in (str, dict, list) and isinstance(value, kind):
+            return None
+    return described(annotation)
+
+
+def described(annotation: Any) -> str:
+    """A field's type in words: `int | None` -> 'a whole number or null (None)'."""
+    options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    return " or ".join(TYPE_WORDS.get(typing.get_origin(o) or o, str(o)) for o in options)
+
+
 RESHARD_KEYS = ("reshard_after_forward", "fsdp_reshard_after_forward")
 
 
@@ -212,6 +248,10 @@ class Recipe:
 
 
 RECIPE_KEYS = ("model", "dataset", "reward_funcs", "tools", "environment_factory", "lora")
+RECIPE_TYPES = {"model": str, "dataset": str | None, "reward_funcs": str, "tools": str}
+"""The recipe keys beside the config's fields, by type (`environment_factory` and `lora` are checked by shape)."""
+LISTS = ("reward_funcs", "tools")
+"""Recipe keys that take one import path or a list of them."""
 
 
 def _field_types() -> dict[str, Any]:
@@ -253,6 +293,8 @@ def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
     """Read a YAML recipe and apply command-line overrides; unknown keys fail with the valid ones listed."""
     raw: dict[str, Any] = {}
     if path is not None:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"no such recipe file (looked for {Path(path).resolve()})")
         raw = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: a recipe is a YAML mapping of config fields, got {type(raw).__name__}")
@@ -261,7 +303,15 @@ def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
     known = set(_field_types()) | set(RECIPE_KEYS)
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise ValueError(f"unknown recipe key(s) {unknown}. Valid keys: {', '.join(sorted(known))}")
+        guesses = {key: difflib.get_close_matches(key, known, n=1) for key in unknown}
+        named = "; ".join(f"{key!r}" + (f" (did you mean {guess[0]!r}?)" if guess else "") for key, guess in guesses.items())
+        listing = "" if all(guesses.values()) else f". Valid keys: {', '.join(sorted(known))}"
+        raise ValueError(f"unknown recipe key{'s' if len(unknown) > 1 else ''} {named}{listing}")
+    for key in set(RECIPE_TYPES) & set(raw):
+        values = raw[key] if key in LISTS and isinstance(raw[key], list) else [raw[key]]
+        if any(type_problem(value, RECIPE_TYPES[key]) for value in values):
+            many = " (or a list of them)" if key in LISTS else ""
+            raise ValueError(f"{key}={raw[key]!r}: expected {described(RECIPE_TYPES[key])}{many}")
     if "model" not in raw:
         raise ValueError("the recipe has no 'model': give a model folder, a hub id, or 'tiny' for the built-in model")
     funcs, tools = raw.pop("reward_funcs", []), raw.pop("tools", [])
