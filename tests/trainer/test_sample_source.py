@@ -7,7 +7,7 @@ import pytest
 
 from tandem.metrics.window import MetricWindow
 from tandem.rollout.pacing import TokenAllowance
-from tandem.trainer.sample_source import SampleSource
+from tandem.trainer.sample_source import SampleSource, StalledError
 from tests.packing.samples import sample
 
 
@@ -33,10 +33,10 @@ def group(position, size=2, version=0, tokens=5):
     return samples
 
 
-def source_of(*messages, start=0, max_staleness=1, token_budget=100, end=None):
+def source_of(*messages, start=0, max_staleness=1, token_budget=100, end=None, stall_timeout=None):
     source = SampleSource(ListInbox(*messages), counters(), MetricWindow(), start_position=start,
                           max_staleness=max_staleness, token_budget=token_budget, end_position=end,
-                          regenerate=lambda position: source.regenerated.append(position))
+                          regenerate=lambda position: source.regenerated.append(position), stall_timeout=stall_timeout)
     source.regenerated = []
     return source
 
@@ -163,3 +163,24 @@ def test_a_unit_is_the_run_of_samples_sharing_a_key_a_group_or_a_rollout():
     assert source.peek_unit(0) == [a[0]]
     assert source.peek_unit(0, same=lambda s: s.position) == a, "the whole group of position 0"
     assert source.peek_unit(0, same=lambda s: s.rollout_id) == a[:2], "one rollout of it"
+
+
+def test_fifty_groups_dropped_in_a_row_are_said_once_with_their_rewards_then_a_sample_starts_afresh():
+    dropped = [m for position in range(50) for m in (("metrics", {"reward_dropped": [0.0] * 4}), ("skip", position))]
+    source = source_of(*dropped, ("samples", group(50)))
+    said = []
+    source.say = said.append
+    assert source.peek(model_version=0).position == 50
+    assert len(said) == 1, said
+    assert "50 groups dropped without reward variance" in said[0] and "rewards seen: 0 x200" in said[0]
+    assert source.stall.groups_dropped == 0, "a trainable sample ends the stall"
+
+
+def test_a_wait_past_stall_timeout_stops_with_the_reasons():
+    source = source_of(("skip", 0), ("metrics", {"reward_dropped": [1.0, 1.0], "rollout/vllm_retry_count": [3]}),
+                       stall_timeout=10)
+    source.drain()
+    source.stall.since -= 11  # the last trainable sample came 11 s ago
+    with pytest.raises(StalledError, match=r"no trainable sample for 11s: 1 groups dropped .*rewards seen: 1 x2\), "
+                                           r"0 samples dropped stale, 0 too long for token_budget, 3 requests retried"):
+        source.peek(model_version=0)

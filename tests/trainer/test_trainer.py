@@ -17,6 +17,7 @@ from datasets import Dataset
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop, Rollout
 from tandem.rewards import accuracy_reward
 from tandem.rollout.worker import WorkerError
+from tandem.trainer.sample_source import StalledError
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
 from tests.conftest import ServerThread
 
@@ -124,6 +125,21 @@ def test_resume_trains_every_prompt_of_the_epoch(tmp_path):
                             train_dataset=data)
     full.train()
     assert set(full.source.ledger.finished) == set(range(48))
+
+
+def never_varies(completions, **kwargs):
+    """A reward the model never moves: every group has zero variance and trains nothing."""
+    return [0.0] * len(completions)
+
+
+def test_a_reward_that_never_varies_is_said_and_stops_the_run_instead_of_a_silent_wait(tmp_path, capsys):
+    args = config(tmp_path, stall_timeout=15, max_steps=2)
+    trainer = AsyncGRPOTrainer("tiny", never_varies, args=args, train_dataset=small_dataset(200))
+    with pytest.raises(StalledError, match=r"no trainable sample for 1\ds: \d+ groups dropped without reward variance "
+                                           r"or filtered out \(rewards seen: 0 x\d+\).*stall_timeout=15s"):
+        trainer.train()
+    said = capsys.readouterr().err
+    assert "tandem: no trainable sample for" in said, "50 dropped groups are said before the stop"
 
 
 def test_errors_before_any_training_work(tmp_path):

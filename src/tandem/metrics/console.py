@@ -172,6 +172,10 @@ class RunConsole:
                                         f"{self.number('rollout/concurrency_cap', '.0f')}")
         return Group(top, grid)
 
+    def say(self, text: str) -> None:
+        """A line about the run (above the dashboard in a terminal), never cut."""
+        self.console.print(Text(f"tandem: {text}", style="yellow"), soft_wrap=True, highlight=False)
+
     def print_completions(self, examples: list, limit: int | None) -> None:
         table = Table("prompt", "completion", "reward", title="completions")
         for prompt, completion, reward in examples[: limit or len(examples)]:

@@ -10,15 +10,54 @@ in, so its rules are tested without processes.
 """
 
 import itertools
+import sys
 import time
 import warnings
-from collections import deque
+from collections import Counter, deque
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from tandem.metrics.window import MetricWindow
 from tandem.rollout.records import Sample
 
 POLL_S = 0.05
+STALL_SAY_S = 60.0
+"""Seconds without a trainable sample before the trainer says why (and again as often while it lasts)."""
+STALL_SAY_GROUPS = 50
+"""Groups dropped in a row before the trainer says why, however short the wait."""
+
+
+class StalledError(RuntimeError):
+    """No trainable sample arrived for `stall_timeout` seconds."""
+
+
+@dataclass
+class Stall:
+    """What kept trainable samples away since the last one, counted so a long wait says why with numbers."""
+
+    since: float = field(default_factory=time.monotonic)
+    said: float | None = None
+    """When the trainer last said why (None: not yet in this stall)."""
+    groups_dropped: int = 0
+    """Groups the worker dropped or skipped (no reward variance, or filtered out)."""
+    rewards: Counter = field(default_factory=Counter)
+    """The rewards of the dropped groups, by value."""
+    stale: int = 0
+    oversize: int = 0
+    retries: int = 0
+    """Requests the worker retried (server errors)."""
+
+    def seen(self, metrics: dict[str, list]) -> None:
+        self.rewards.update(round(v, 4) for v in metrics.get("reward_dropped", []))
+        self.retries += int(sum(metrics.get("rollout/vllm_retry_count", [])))
+
+    def reason(self, now: float) -> str:
+        rewards = ", ".join(f"{value:g} x{count}" for value, count in self.rewards.most_common(5)) or "none scored"
+        return (f"no trainable sample for {now - self.since:.0f}s: {self.groups_dropped} groups dropped without reward "
+                f"variance or filtered out (rewards seen: {rewards}), {self.stale} samples dropped stale, "
+                f"{self.oversize} too long for token_budget, {self.retries} requests retried. A reward that never "
+                "varies within a group trains nothing: check the reward function against a few completions "
+                "(log_completions=True), or make the task easier.")
 
 
 class Inbox(Protocol):
@@ -62,7 +101,8 @@ class SampleSource:
 
     def __init__(self, inbox: Inbox, counters, window: MetricWindow, *, start_position: int, max_staleness: int,
                  token_budget: int, end_position: int | None = None, regenerate=lambda position: None,
-                 health_check=lambda: None):
+                 health_check=lambda: None, stall_timeout: float | None = None,
+                 say=lambda text: print(f"tandem: {text}", file=sys.stderr)):
         self.inbox, self.counters, self.window = inbox, counters, window
         self.ledger = PositionLedger(start_position)
         self.max_staleness, self.token_budget = max_staleness, token_budget
@@ -83,6 +123,8 @@ class SampleSource:
         """Positions with a sample in a row already: their group is partly trained, so it is not generated again."""
         self.wait_s = 0.0
         """Total time spent waiting for the worker (a counter: a step reads its growth)."""
+        self.stall, self.stall_timeout, self.say = Stall(), stall_timeout, say
+        """Since the last trainable sample; a wait past `stall_timeout` seconds stops the run (None: never)."""
 
     def pull(self, timeout_s: float) -> bool:
         """Handle one message from the worker, waiting up to `timeout_s`; False when none came."""
@@ -101,8 +143,10 @@ class SampleSource:
         elif kind == "skip":
             self.pending.discard(payload)
             self.ledger.finish(payload)
+            self.stall.groups_dropped += 1
         elif kind == "metrics":
             self.window.extend(payload)
+            self.stall.seen(payload)
         elif kind == "end":
             self.ended = True
         return True
@@ -130,6 +174,7 @@ class SampleSource:
                 start = time.perf_counter()
                 self.pull(POLL_S)
                 self.wait_s += time.perf_counter() - start
+                self._check_stall()
                 continue
             sample = self.buffer[0]
             if model_version - sample.model_version > self.max_staleness and sample.position in self.admitted:
@@ -141,7 +186,22 @@ class SampleSource:
                               stacklevel=2)
                 self._discard("batch/dropped_oversize_count")
             else:
+                self.stall = Stall()
                 return sample
+
+    def _check_stall(self) -> None:
+        """Say why no trainable sample arrives, once the wait or the drops grew long, and again every STALL_SAY_S
+        while it lasts; past `stall_timeout`, stop the run with the same numbers."""
+        now, stall = time.monotonic(), self.stall
+        if self.stall_timeout is not None and now - stall.since > self.stall_timeout:
+            raise StalledError(f"{stall.reason(now)} Stopped after stall_timeout={self.stall_timeout:g}s.")
+        if stall.said is None:
+            due = now - stall.since >= STALL_SAY_S or stall.groups_dropped >= STALL_SAY_GROUPS
+        else:
+            due = now - stall.said >= STALL_SAY_S
+        if due:
+            stall.said = now
+            self.say(stall.reason(now))
 
     def peek_unit(self, model_version: int, same=None) -> list[Sample] | None:
         """The next trainable sample, and with `same` (a key: the group's position, the rollout's id) the samples after
@@ -190,6 +250,8 @@ class SampleSource:
 
     def _discard(self, counter: str) -> None:
         self.window.add(counter, 1)
+        self.stall.stale += counter == "sample/dropped_stale_count"
+        self.stall.oversize += counter == "batch/dropped_oversize_count"
         self._consume(self.take())
 
     def _drop_stale_group(self, position: int) -> None:
@@ -199,6 +261,7 @@ class SampleSource:
         self.buffer = deque(s for s in self.buffer if s.position != position)
         self.unpublished += sum(s.num_tokens for s in stale)
         self.window.add("sample/dropped_stale_count", len(stale))
+        self.stall.stale += len(stale)
         self.ledger.remaining.pop(position, None)
         self.pending.add(position)
         self.regenerate(position)

@@ -457,7 +457,8 @@ class AsyncGRPOTrainer:
         self.source = SampleSource(worker, worker.channels, self.window, start_position=self.state.dataset_start_index,
                                    max_staleness=args.max_staleness, token_budget=self.token_budget,
                                    end_position=self._num_positions(), regenerate=worker.channels.retry.put,
-                                   health_check=session.check_server)
+                                   health_check=session.check_server, stall_timeout=args.stall_timeout,
+                                   say=session.progress.say)
 
     def _served_path(self) -> str:
         """A folder with exactly the trainer's weights for the embedded server: the model's own, or a saved copy."""
