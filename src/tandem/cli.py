@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import sys
 import typing
 
@@ -234,7 +235,7 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
                                train_dataset=datasets.load(recipe.dataset) if recipe.dataset else None,
                                peft_config=lora_config(recipe.lora) if recipe.lora is not None else None,
                                tools=tools or None, environment_factory=environments)
-    output = trainer.train()
+    output = trainer.train(resume_from_checkpoint=recipe.resume_from_checkpoint)
     if trainer.ranks.several:  # torchrun: rank 0 reports for all
         import torch.distributed
 
@@ -247,6 +248,8 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
     if history:
         head, tail = history[:20], history[-20:]
         print(f"mean reward, first {len(head)} steps: {sum(head) / len(head):.3f}   last {len(tail)} steps: {sum(tail) / len(tail):.3f}")
+    if trainer.preempted.is_set():
+        sys.exit(128 + signal.SIGTERM)  # as a process SIGTERM ended: a job script must not take the run as finished
 
 
 def main(argv: list[str] | None = None) -> None:

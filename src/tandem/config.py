@@ -52,6 +52,9 @@ class AsyncGRPOConfig:
     """steps | no. Checkpoints are also written at the end of training unless 'no'."""
     save_steps: int = 500
     save_total_limit: int | None = None
+    enable_jit_checkpoint: bool = False
+    """On SIGTERM (a preemption notice), finish the step in progress, write a checkpoint and stop, so the job resumes
+    where it stopped (default off, as in transformers: SIGTERM then ends the process at once)."""
     seed: int = 42
     model_init_kwargs: dict | None = None
     dtype: str = "float32"
@@ -251,10 +254,13 @@ class Recipe:
     """The import path of an environment class (or factory), or a mapping of environment names to import paths."""
     lora: dict | None = None
     """peft.LoraConfig fields: train a LoRA adapter instead of the whole model."""
+    resume_from_checkpoint: bool | str | None = None
+    """true: the latest checkpoint in output_dir; a path: that checkpoint; passed to `train()`."""
 
 
-RECIPE_KEYS = ("model", "dataset", "reward_funcs", "tools", "environment_factory", "lora")
-RECIPE_TYPES = {"model": str, "dataset": str | None, "reward_funcs": str, "tools": str}
+RECIPE_KEYS = ("model", "dataset", "reward_funcs", "tools", "environment_factory", "lora", "resume_from_checkpoint")
+RECIPE_TYPES = {"model": str, "dataset": str | None, "reward_funcs": str, "tools": str,
+                "resume_from_checkpoint": bool | str | None}
 """The recipe keys beside the config's fields, by type (`environment_factory` and `lora` are checked by shape)."""
 LISTS = ("reward_funcs", "tools")
 """Recipe keys that take one import path or a list of them."""
@@ -330,7 +336,8 @@ def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
         raise ValueError(f"lora: expected a mapping of peft.LoraConfig fields (r, lora_alpha, target_modules, ...), got {lora!r}")
     default_dataset = None if environments else "arithmetic"  # environments may make their own tasks
     return Recipe(model=raw.pop("model"), dataset=raw.pop("dataset", default_dataset), reward_funcs=_paths(funcs),
-                  tools=_paths(tools), environment_factory=environments, lora=lora, config=AsyncGRPOConfig(**raw))
+                  tools=_paths(tools), environment_factory=environments, lora=lora,
+                  resume_from_checkpoint=raw.pop("resume_from_checkpoint", None), config=AsyncGRPOConfig(**raw))
 
 
 def _paths(value) -> list[str]:

@@ -142,6 +142,23 @@ def test_a_reward_that_never_varies_is_said_and_stops_the_run_instead_of_a_silen
     assert "tandem: no trainable sample for" in said, "50 dropped groups are said before the stop"
 
 
+def test_sigterm_with_enable_jit_checkpoint_saves_the_step_it_ends_and_exits_as_terminated(tmp_path):
+    run = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "tandem", "train", "examples/demo.yaml", "--max_steps", "300",
+                                "--save_steps", "1000", "--enable_jit_checkpoint", "true", "--output_dir", str(run)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not ((run / "metrics.jsonl").is_file() and len((run / "metrics.jsonl").read_text().splitlines()) >= 3):
+        assert process.poll() is None and time.monotonic() < deadline, "the run did not reach step 3"
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, err[-2000:]
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    assert [p.name for p in run.glob("checkpoint-*")] == [f"checkpoint-{last}"], "the step it stopped at is saved"
+    assert f"stopped on SIGTERM after a checkpoint at step {last}" in err
+
+
 def test_errors_before_any_training_work(tmp_path):
     with pytest.raises(ValueError, match="no 'prompt' column"):
         AsyncGRPOTrainer("tiny", accuracy_reward, args=config(tmp_path), train_dataset=Dataset.from_list([{"question": "hi"}]))

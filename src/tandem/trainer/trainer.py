@@ -11,9 +11,12 @@ import copy
 import json
 import math
 import os
+import signal
+import sys
+import threading
 import time
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,6 +129,8 @@ class AsyncGRPOTrainer:
         self.callback_handler = callback_handler(callbacks or [], self.model, self.tokenizer, self.optimizer, self.scheduler)
         """transformers' TrainerCallback objects, called with (args, state, control) at each event of the loop."""
         self.control = TrainerControl()
+        self.preempted = threading.Event()
+        """Set by SIGTERM while training with enable_jit_checkpoint: the step in progress ends with a checkpoint."""
         self.saved_step: int | None = None
         """The step of the last checkpoint written, so the end of a run does not write the same one again."""
         self._callback_event("on_init_end")
@@ -147,9 +152,13 @@ class AsyncGRPOTrainer:
         if self.args.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
-        with Session(self.args.vllm_server_timeout, self.args.vllm_server_api_key) as self.session:
+        with Session(self.args.vllm_server_timeout, self.args.vllm_server_api_key) as self.session, \
+                on_sigterm(self.args.enable_jit_checkpoint, self.preempted):
             self._connect(resumed=resume is not None)
             output = self._loop()
+        if self.preempted.is_set():
+            print(f"tandem: stopped on SIGTERM after a checkpoint at step {self.state.step}; resume with "
+                  "train(resume_from_checkpoint=True), or tandem train with --resume_from_checkpoint true", file=sys.stderr)
         self._callback_event("on_train_end")
         return output
 
@@ -219,6 +228,8 @@ class AsyncGRPOTrainer:
                                   forward=step.forward_s, forward_backward=forward_backward_s, optimizer=optimizer_s)
                 self._record(rows, len(micro_batches), step.loss, grad_norm, times)
             self._callback_event("on_step_end")
+            if self.preempted.is_set():  # SIGTERM with enable_jit_checkpoint: save this step, then stop
+                self.control.should_save = self.control.should_training_stop = True
             control = self._agreed_control()
             if state.step % args.logging_steps == 0 or control.should_log:
                 metrics = self._log()
@@ -572,3 +583,18 @@ def _reward_list(reward_funcs, environment_rewards: bool) -> list:
         if not callable(func):
             raise TypeError(f"reward function {func!r} is not callable; pass functions, not {type(func).__name__}")
     return funcs
+
+
+@contextmanager
+def on_sigterm(enabled: bool, flag: threading.Event):
+    """While training with `enabled` (enable_jit_checkpoint): SIGTERM, a scheduler's preemption notice, sets `flag`
+    instead of killing the process, so the loop checkpoints the step it is in and stops. The previous handler is
+    restored after. Signals reach only the main thread: elsewhere this does nothing."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: flag.set())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
