@@ -235,7 +235,10 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
                                train_dataset=datasets.load(recipe.dataset) if recipe.dataset else None,
                                peft_config=lora_config(recipe.lora) if recipe.lora is not None else None,
                                tools=tools or None, environment_factory=environments)
-    output = trainer.train(resume_from_checkpoint=recipe.resume_from_checkpoint)
+    try:
+        output = trainer.train(resume_from_checkpoint=recipe.resume_from_checkpoint)
+    except FileNotFoundError as exc:  # resume_from_checkpoint with no checkpoint there
+        user_error(f"tandem train: {ns.recipe}: {exc}")
     if trainer.ranks.several:  # torchrun: rank 0 reports for all
         import torch.distributed
 
@@ -248,7 +251,7 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
     if history:
         head, tail = history[:20], history[-20:]
         print(f"mean reward, first {len(head)} steps: {sum(head) / len(head):.3f}   last {len(tail)} steps: {sum(tail) / len(tail):.3f}")
-    if trainer.preempted.is_set():
+    if trainer.preempted.is_set() and not 0 < recipe.config.max_steps <= output.global_step:
         sys.exit(128 + signal.SIGTERM)  # as a process SIGTERM ended: a job script must not take the run as finished
 
 

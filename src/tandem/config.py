@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import importlib
 import json
+import numbers
 import os
 import types
 import typing
@@ -45,7 +46,7 @@ class AsyncGRPOConfig:
     """Autocast the trainer's forward to bfloat16. Default: on with CUDA, off on CPU (where it is slow)."""
     gradient_checkpointing: bool = True
     logging_steps: int = 1
-    report_to: str | list[str] = "none"
+    report_to: str | list[str] | None = "none"
     """Extra metric sinks: trackio, tensorboard, wandb (offline). metrics.jsonl is always written."""
     run_name: str | None = None
     save_strategy: str = "steps"
@@ -201,18 +202,19 @@ TYPE_WORDS = {int: "a whole number", float: "a number", bool: "true or false", s
 
 
 def type_problem(value: Any, annotation: Any) -> str | None:
-    """None when `value` fits a field's annotation (an int does for a float, a bool for neither); else what was
-    expected, in words."""
+    """None when `value` fits a field's annotation (any whole number is a number, numpy's included; a bool is
+    neither; an annotation this check does not know refuses nothing); else what was expected, in words."""
     options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    is_bool = type(value).__name__ in ("bool", "bool_")  # Python's and numpy's, without importing numpy
     for option in options:
         kind = typing.get_origin(option) or option
-        if kind is Any or (kind is type(None) and value is None) or (kind is bool and isinstance(value, bool)):
+        if kind not in TYPE_WORDS or (kind is type(None) and value is None) or (kind is bool and is_bool):
             return None
-        if isinstance(value, bool):
+        if is_bool:
             continue
-        if (kind is int and isinstance(value, int)) or (kind is float and isinstance(value, (int, float))):
+        if (kind is int and isinstance(value, numbers.Integral)) or (kind is float and isinstance(value, numbers.Real)):
             return None
-        if kind in (str, dict, list) and isinstance(value, kind):
+        if kind in (str, dict) and isinstance(value, kind) or kind is list and isinstance(value, (list, tuple)):
             return None
     return described(annotation)
 

@@ -180,7 +180,7 @@ def test_a_wait_past_stall_timeout_stops_with_the_reasons():
     source = source_of(("skip", 0), ("metrics", {"reward_dropped": [1.0, 1.0], "rollout/vllm_retry_count": [3]}),
                        stall_timeout=10)
     source.drain()
-    source.stall.since -= 11  # the last trainable sample came 11 s ago
-    with pytest.raises(StalledError, match=r"no trainable sample for 11s: 1 groups dropped .*rewards seen: 1 x2\), "
+    source.stall.waited = 11  # the trainer waited 11 s since the last trainable sample
+    with pytest.raises(StalledError, match=r"no trainable sample for 11s of waiting: 1 groups dropped .*rewards seen: 1 x2\), "
                                            r"0 samples dropped stale, 0 too long for token_budget, 3 requests retried"):
         source.peek(model_version=0)

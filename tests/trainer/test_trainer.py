@@ -135,7 +135,7 @@ def never_varies(completions, **kwargs):
 def test_a_reward_that_never_varies_is_said_and_stops_the_run_instead_of_a_silent_wait(tmp_path, capsys):
     args = config(tmp_path, stall_timeout=15, max_steps=2)
     trainer = AsyncGRPOTrainer("tiny", never_varies, args=args, train_dataset=small_dataset(200))
-    with pytest.raises(StalledError, match=r"no trainable sample for 1\ds: \d+ groups dropped without reward variance "
+    with pytest.raises(StalledError, match=r"no trainable sample for 1\ds of waiting: \d+ groups dropped without reward variance "
                                            r"or filtered out \(rewards seen: 0 x\d+\).*stall_timeout=15s"):
         trainer.train()
     said = capsys.readouterr().err
@@ -146,12 +146,12 @@ def test_sigterm_with_enable_jit_checkpoint_saves_the_step_it_ends_and_exits_as_
     run = tmp_path / "run"
     process = subprocess.Popen([sys.executable, "-m", "tandem", "train", "examples/demo.yaml", "--max_steps", "300",
                                 "--save_steps", "1000", "--enable_jit_checkpoint", "true", "--output_dir", str(run)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 180
     while not ((run / "metrics.jsonl").is_file() and len((run / "metrics.jsonl").read_text().splitlines()) >= 3):
         assert process.poll() is None and time.monotonic() < deadline, "the run did not reach step 3"
         time.sleep(0.2)
-    process.send_signal(signal.SIGTERM)
+    os.killpg(process.pid, signal.SIGTERM)  # as torchrun and SLURM do: the server and the worker get it too
     _, err = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM, err[-2000:]
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"]

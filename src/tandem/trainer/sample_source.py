@@ -35,9 +35,10 @@ class StalledError(RuntimeError):
 class Stall:
     """What kept trainable samples away since the last one, counted so a long wait says why with numbers."""
 
-    since: float = field(default_factory=time.monotonic)
+    waited: float = 0.0
+    """Seconds the trainer waited for samples since the last trainable one (its steps not counted)."""
     said: float | None = None
-    """When the trainer last said why (None: not yet in this stall)."""
+    """`waited` when the trainer last said why (None: not yet in this stall)."""
     groups_dropped: int = 0
     """Groups the worker dropped or skipped (no reward variance, or filtered out)."""
     rewards: Counter = field(default_factory=Counter)
@@ -51,9 +52,12 @@ class Stall:
         self.rewards.update(round(v, 4) for v in metrics.get("reward_dropped", []))
         self.retries += int(sum(metrics.get("rollout/vllm_retry_count", [])))
 
-    def reason(self, now: float) -> str:
+    def reason(self) -> str:
+        if not (self.groups_dropped or self.stale or self.oversize):
+            return (f"no trainable sample for {self.waited:.0f}s of waiting, and nothing dropped: generation is slow or "
+                    f"stuck ({self.retries} requests retried). Check the server's log and /metrics.")
         rewards = ", ".join(f"{value:g} x{count}" for value, count in self.rewards.most_common(5)) or "none scored"
-        return (f"no trainable sample for {now - self.since:.0f}s: {self.groups_dropped} groups dropped without reward "
+        return (f"no trainable sample for {self.waited:.0f}s of waiting: {self.groups_dropped} groups dropped without reward "
                 f"variance or filtered out (rewards seen: {rewards}), {self.stale} samples dropped stale, "
                 f"{self.oversize} too long for token_budget, {self.retries} requests retried. A reward that never "
                 "varies within a group trains nothing: check the reward function against a few completions "
@@ -102,7 +106,7 @@ class SampleSource:
     def __init__(self, inbox: Inbox, counters, window: MetricWindow, *, start_position: int, max_staleness: int,
                  token_budget: int, end_position: int | None = None, regenerate=lambda position: None,
                  health_check=lambda: None, stall_timeout: float | None = None,
-                 say=lambda text: print(f"tandem: {text}", file=sys.stderr)):
+                 say=lambda text: print(f"tandem: {text}", file=sys.stderr), stop=lambda: False):
         self.inbox, self.counters, self.window = inbox, counters, window
         self.ledger = PositionLedger(start_position)
         self.max_staleness, self.token_budget = max_staleness, token_budget
@@ -125,6 +129,8 @@ class SampleSource:
         """Total time spent waiting for the worker (a counter: a step reads its growth)."""
         self.stall, self.stall_timeout, self.say = Stall(), stall_timeout, say
         """Since the last trainable sample; a wait past `stall_timeout` seconds stops the run (None: never)."""
+        self.stop = stop
+        """True when the run must end now (a preemption): a wait for samples gives up, as if the worker had ended."""
 
     def pull(self, timeout_s: float) -> bool:
         """Handle one message from the worker, waiting up to `timeout_s`; False when none came."""
@@ -168,12 +174,19 @@ class SampleSource:
         """The next trainable sample, waiting for the worker when none is buffered; None once nothing more will come."""
         while True:
             if not self.buffer:
-                if self.finished:
+                if self.finished or self.stop():
                     return None
                 self._publish_consumed()  # the worker may need this room to send what we wait for
                 start = time.perf_counter()
-                self.pull(POLL_S)
-                self.wait_s += time.perf_counter() - start
+                try:
+                    self.pull(POLL_S)
+                except Exception:
+                    if self.stop():  # the worker or the server ended with the job's SIGTERM
+                        return None
+                    raise
+                waited = time.perf_counter() - start
+                self.wait_s += waited
+                self.stall.waited += waited
                 self._check_stall()
                 continue
             sample = self.buffer[0]
@@ -192,16 +205,16 @@ class SampleSource:
     def _check_stall(self) -> None:
         """Say why no trainable sample arrives, once the wait or the drops grew long, and again every STALL_SAY_S
         while it lasts; past `stall_timeout`, stop the run with the same numbers."""
-        now, stall = time.monotonic(), self.stall
-        if self.stall_timeout is not None and now - stall.since > self.stall_timeout:
-            raise StalledError(f"{stall.reason(now)} Stopped after stall_timeout={self.stall_timeout:g}s.")
+        stall = self.stall
+        if self.stall_timeout is not None and stall.waited > self.stall_timeout:
+            raise StalledError(f"{stall.reason()} Stopped after stall_timeout={self.stall_timeout:g}s.")
         if stall.said is None:
-            due = now - stall.since >= STALL_SAY_S or stall.groups_dropped >= STALL_SAY_GROUPS
+            due = stall.waited >= STALL_SAY_S or stall.groups_dropped >= STALL_SAY_GROUPS
         else:
-            due = now - stall.said >= STALL_SAY_S
+            due = stall.waited - stall.said >= STALL_SAY_S
         if due:
-            stall.said = now
-            self.say(stall.reason(now))
+            stall.said = stall.waited
+            self.say(stall.reason())
 
     def peek_unit(self, model_version: int, same=None) -> list[Sample] | None:
         """The next trainable sample, and with `same` (a key: the group's position, the rollout's id) the samples after

@@ -144,6 +144,7 @@ class AsyncGRPOTrainer:
                           "embedded server and the rollout worker (the demo ran 1.4x slower). Start Python with "
                           "OMP_WAIT_POLICY=PASSIVE, or import tandem before torch.", stacklevel=2)
         check_picklable({f"reward function {i}": f for i, f in enumerate(self.reward_funcs)} | {"loop_cls": self.loop_cls})
+        self.preempted.clear()
         torch.manual_seed(self.args.seed)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         resume = checkpoint.resolve(resume_from_checkpoint, self.output_dir)
@@ -220,15 +221,19 @@ class AsyncGRPOTrainer:
             grad_norm = self.optimizer_step()
             optimizer_s, forward_backward_s = self._clock() - optimizer_start, optimizer_start - step_start
             self._step_done(rows)
-            if state.step % args.weight_sync_steps == 0:
-                self._sync(state.model_version + 1)
+            if state.step % args.weight_sync_steps == 0 and not self._preempted():  # a preempted run checkpoints
+                try:  # first: its server may be ending too (a SIGTERM to the whole job)
+                    self._sync(state.model_version + 1)
+                except Exception:
+                    if not self.preempted.is_set():
+                        raise  # a SIGTERM during the sync: the server went with it; the trained step is still saved
             if main:
                 self.source.publish(tokens_per_step=sum(row.raw_tokens for row in rows))  # after the sync (sample_source.py)
                 times = StepTimes(total=time.perf_counter() - start, rollout_wait=self.source.wait_s - waited,
                                   forward=step.forward_s, forward_backward=forward_backward_s, optimizer=optimizer_s)
                 self._record(rows, len(micro_batches), step.loss, grad_norm, times)
             self._callback_event("on_step_end")
-            if self.preempted.is_set():  # SIGTERM with enable_jit_checkpoint: save this step, then stop
+            if self._preempted():  # SIGTERM with enable_jit_checkpoint: save this step, then stop
                 self.control.should_save = self.control.should_training_stop = True
             control = self._agreed_control()
             if state.step % args.logging_steps == 0 or control.should_log:
@@ -239,7 +244,7 @@ class AsyncGRPOTrainer:
                 break
         if self.ranks.broadcast(bool(self.window.values)):  # what came in after the last log (drops while the worker finished)
             metrics = self._log()
-        if args.save_strategy != "no" and state.step > 0 and self.saved_step != state.step:
+        if (args.save_strategy != "no" or self.preempted.is_set()) and state.step > 0 and self.saved_step != state.step:
             self._checkpoint()
         return TrainOutput(state.step, sum(self.losses) / len(self.losses) if self.losses else 0.0, metrics)
 
@@ -363,6 +368,14 @@ class AsyncGRPOTrainer:
             self.args.max_steps, self.args.logging_steps, self.args.save_steps)
         self.control = getattr(self.callback_handler, event)(self.args, self.state, self.control, **kwargs)
 
+    def _preempted(self) -> bool:
+        """Whether any rank got SIGTERM (with enable_jit_checkpoint): every rank stops at the same step."""
+        if not self.args.enable_jit_checkpoint:
+            return False
+        if self.ranks.several:
+            return self.ranks.total(float(self.preempted.is_set())) > 0
+        return self.preempted.is_set()
+
     def _agreed_control(self) -> TrainerControl:
         """This step's `should_log` / `should_save` / `should_training_stop` as rank 0's callbacks set them, on every
         rank (logging and saving are collective); `on_step_begin` clears the first two, as in transformers."""
@@ -469,7 +482,7 @@ class AsyncGRPOTrainer:
                                    max_staleness=args.max_staleness, token_budget=self.token_budget,
                                    end_position=self._num_positions(), regenerate=worker.channels.retry.put,
                                    health_check=session.check_server, stall_timeout=args.stall_timeout,
-                                   say=session.progress.say)
+                                   say=session.progress.say, stop=self.preempted.is_set)
 
     def _served_path(self) -> str:
         """A folder with exactly the trainer's weights for the embedded server: the model's own, or a saved copy."""
