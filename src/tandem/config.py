@@ -127,10 +127,10 @@ class AsyncGRPOConfig:
 
     def __post_init__(self):
         for item in dataclasses.fields(self):  # the type first: a value check on a wrong type would be a TypeError
-            expected = type_problem(getattr(self, item.name), item.type)
+            value = getattr(self, item.name)
+            expected = type_problem(value, item.type)
             if expected:
-                raise ValueError(f"AsyncGRPOConfig.{item.name}={getattr(self, item.name)!r}: expected {expected}, got "
-                                 f"{type(getattr(self, item.name)).__name__}.")
+                raise ValueError(f"AsyncGRPOConfig.{item.name}={value!r}: expected {expected}, got {type(value).__name__}.")
         checks = [
             ("num_generations", self.num_generations >= 2 or self.algorithm != "grpo",
              "GRPO needs at least 2 generations per prompt to compare them"),
@@ -204,10 +204,8 @@ TYPE_WORDS = {int: "a whole number", float: "a number", bool: "true or false", s
 def type_problem(value: Any, annotation: Any) -> str | None:
     """None when `value` fits a field's annotation (any whole number is a number, numpy's included; a bool is
     neither; an annotation this check does not know refuses nothing); else what was expected, in words."""
-    options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
     is_bool = type(value).__name__ in ("bool", "bool_")  # Python's and numpy's, without importing numpy
-    for option in options:
-        kind = typing.get_origin(option) or option
+    for kind in kinds(annotation):
         if kind not in TYPE_WORDS or (kind is type(None) and value is None) or (kind is bool and is_bool):
             return None
         if is_bool:
@@ -221,8 +219,13 @@ def type_problem(value: Any, annotation: Any) -> str | None:
 
 def described(annotation: Any) -> str:
     """A field's type in words: `int | None` -> 'a whole number or null (None)'."""
+    return " or ".join(TYPE_WORDS.get(kind, str(kind)) for kind in kinds(annotation))
+
+
+def kinds(annotation: Any) -> list:
+    """The plain types an annotation allows: `list[str] | None` -> [list, NoneType]."""
     options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
-    return " or ".join(TYPE_WORDS.get(typing.get_origin(o) or o, str(o)) for o in options)
+    return [typing.get_origin(option) or option for option in options]
 
 
 RESHARD_KEYS = ("reshard_after_forward", "fsdp_reshard_after_forward")

@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tandem.metrics import doctor
+from tandem.metrics.report import backward_s
 
 SPARK = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 40
@@ -129,12 +130,13 @@ class RunConsole:
                 parts.append(f"{label} {self.metrics[name]:{fmt}}{unit}")
         return parts
 
+    def step_label(self) -> str:
+        return f"train step {self.step}" + (f"/{self.total_steps}" if self.total_steps else "")
+
     def plain_line(self) -> str:
         """`train step 12/300  reward 0.412 ...  elapsed 0:00:42  eta 0:03:10`."""
         elapsed, eta = self.timing()
-        of = f"/{self.total_steps}" if self.total_steps else ""
-        return "  ".join([f"train step {self.step}{of}", *self.headline(), f"elapsed {elapsed}",
-                          *([f"eta {eta}"] if eta else [])])
+        return "  ".join([self.step_label(), *self.headline(), f"elapsed {elapsed}", *([f"eta {eta}"] if eta else [])])
 
     def number(self, name: str, fmt: str = ".2f", unit: str = "") -> str:
         value = self.latest.get(name)
@@ -143,14 +145,12 @@ class RunConsole:
     def dashboard(self):
         """The live view: progress, reward and its sparkline, spec 002's pairs, the step split, sync health."""
         elapsed, eta = self.timing()
-        of = f"/{self.total_steps}" if self.total_steps else ""
         top = Table.grid(padding=(0, 2))
-        top.add_row(Text(f"train step {self.step}{of}", style="bold"),
+        top.add_row(Text(self.step_label(), style="bold"),
                     ProgressBar(total=self.total_steps or None, completed=self.step, width=30),
                     f"elapsed {elapsed}" + (f"  eta {eta}" if eta else ""))
         if not self.latest:
             return Group(top, Text("waiting for the first samples", style="dim"))
-        backward = self.latest.get("perf/fwd_bwd_s", 0.0) - self.latest.get("perf/fwd_s", 0.0)
         grid = Table.grid(padding=(0, 2))
         grid.add_column(style="cyan", no_wrap=True)
         grid.add_column()
@@ -162,7 +162,7 @@ class RunConsole:
                                                  f"{self.number('batch/samples_per_step', '.0f')}")
         grid.add_row("backpressure / score block", f"{self.number('rollout/backpressure_s', unit='s')} / "
                                                    f"{self.number('rollout/score_block_s', unit='s')}")
-        grid.add_row("step split", f"forward {self.number('perf/fwd_s')}  backward {backward:.2f}  optimizer "
+        grid.add_row("step split", f"forward {self.number('perf/fwd_s')}  backward {backward_s(self.latest):.2f}  optimizer "
                                    f"{self.number('perf/optimizer_s')}  sync {self.number('perf/weight_sync_s')}  "
                                    f"wait {self.number('perf/rollout_wait_s')} (s)")
         grid.add_row("staleness / ratio", f"{self.number('sample/staleness_mean', '.1f')} (max "

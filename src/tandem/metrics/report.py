@@ -62,6 +62,11 @@ def value(row: dict, name: str) -> float | None:
     return number if isinstance(number, (int, float)) and math.isfinite(number) else None
 
 
+def backward_s(metrics: dict) -> float:
+    """The backward's seconds of a logged window: forward+backward less the forward (0 when not logged)."""
+    return max((value(metrics, "perf/fwd_bwd_s") or 0.0) - (value(metrics, "perf/fwd_s") or 0.0), 0.0)
+
+
 def series(rows: list[dict], name: str) -> tuple[list[int], list[float]]:
     """(steps, values) of the rows that logged `name`."""
     points = [(row.get("step", 0), value(row, name)) for row in rows]
@@ -136,7 +141,7 @@ def draw_step_time(axes, rows: list[dict]) -> None:
     parts = []
     for label, name in STEP_PARTS:
         if name is None:  # backward: what forward+backward took beyond the forward
-            parts.append([max((value(r, "perf/fwd_bwd_s") or 0.0) - (value(r, "perf/fwd_s") or 0.0), 0.0) for r in timed])
+            parts.append([backward_s(r) for r in timed])
         else:
             parts.append([value(r, name) or 0.0 for r in timed])
     axes.stackplot(steps, *parts, labels=[label for label, _ in STEP_PARTS], alpha=0.8)
