@@ -118,6 +118,9 @@ class AsyncGRPOConfig:
     differ from the trainer's forward by more than this (1e-5 holds in fp32 with exact decoding). None: no check.
     tandem's own field, not in the spec."""
     rollout_worker_timeout: float = 300.0
+    reward_timeout: float | None = 600.0
+    """Seconds one reward function may take on a group; a late or raising call is made once more, then the group is
+    dropped (rollout/failed_count). None: no limit. tandem's own field."""
     stall_timeout: float | None = 3600.0
     """Seconds without a trainable sample before the run stops, saying why (groups dropped without reward variance
     and their rewards, stale and oversize drops, retried requests); it says so every minute before that. None: wait
@@ -152,6 +155,8 @@ class AsyncGRPOConfig:
             ("weight_sync_check_atol", self.weight_sync_check_atol is None or self.weight_sync_check_atol > 0,
              "must be a positive tolerance (e.g. 1e-5), or None to skip the check"),
             ("max_concurrent_rollouts", self.max_concurrent_rollouts >= 1, "must be at least 1"),
+            ("reward_timeout", self.reward_timeout is None or self.reward_timeout > 0,
+             "must be a positive number of seconds, or None for no limit"),
             ("stall_timeout", self.stall_timeout is None or self.stall_timeout > 0,
              "must be a positive number of seconds, or None to wait for ever"),
             ("vllm_importance_sampling_clip_min", 0 <= self.vllm_importance_sampling_clip_min <= 1,

@@ -101,6 +101,32 @@ async def test_retries_give_up_after_max_retries():
     assert info.value.status == 503
 
 
+async def test_a_server_that_comes_back_within_retry_for_s_is_waited_for():
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    async def handler(request):
+        return web.json_response({"choices": [{"token_ids": [7], "logprobs": {"token_logprobs": [-0.5]}, "finish_reason": "length"}]})
+
+    async def come_back_after(seconds):
+        await asyncio.sleep(seconds)
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner
+
+    server = asyncio.ensure_future(come_back_after(1.5))
+    try:
+        async with GenerationClient(url, backoff_s=0.05, max_backoff_s=0.2, max_retries=0, retry_for_s=30) as client:
+            [completion] = await client.complete([1], max_tokens=1)
+            assert client.retries >= 3, "refused connections were retried until the server was back"
+    finally:
+        await (await server).cleanup()
+    assert completion.token_ids == [7]
+
+
 async def test_unreachable_server_raises_connection_error_naming_the_url():
     url = f"http://127.0.0.1:{free_port()}"
     async with GenerationClient(url, backoff_s=0.01, max_retries=1) as client:

@@ -7,7 +7,9 @@ import pytest
 
 from tandem.metrics.window import MetricWindow
 from tandem.rollout.pacing import TokenAllowance
-from tandem.trainer.sample_source import SampleSource, StalledError
+from tandem.rollout.worker import WorkerLost
+from tandem.trainer import checkpoint
+from tandem.trainer.sample_source import ResumePoint, SampleSource, StalledError
 from tests.packing.samples import sample
 
 
@@ -33,8 +35,8 @@ def group(position, size=2, version=0, tokens=5):
     return samples
 
 
-def source_of(*messages, start=0, max_staleness=1, token_budget=100, end=None, stall_timeout=None):
-    source = SampleSource(ListInbox(*messages), counters(), MetricWindow(), start_position=start,
+def source_of(*messages, start=0, max_staleness=1, token_budget=100, end=None, stall_timeout=None, resume=None):
+    source = SampleSource(ListInbox(*messages), counters(), MetricWindow(), resume=resume or ResumePoint(start),
                           max_staleness=max_staleness, token_budget=token_budget, end_position=end,
                           regenerate=lambda position: source.regenerated.append(position), stall_timeout=stall_timeout)
     source.regenerated = []
@@ -46,7 +48,7 @@ def test_samples_come_out_in_order_and_taking_one_frees_its_tokens_for_the_worke
     source = source_of(("samples", first), ("samples", second), ("end", None))
     assert source.drain() == 4, "rollout/queue_size counts samples, not messages"
     taken = []
-    while (s := source.peek(model_version=0)) is not None:
+    while source.peek(model_version=0) is not None:
         taken.append(source.take())
     assert taken == first + second
     source.publish(tokens_per_step=20)  # after the step's weight sync
@@ -126,6 +128,70 @@ def test_the_ledger_runs_across_an_epoch_wrap_and_a_resume_starts_at_the_waterma
     assert resumed.peek(model_version=0).position == 4 and resumed.ledger.watermark == 4
 
 
+def train_all(source, model_version=0):
+    while source.peek(model_version) is not None:
+        source.trained([source.take()])
+
+
+def test_a_resume_point_carries_the_queue_and_the_partly_trained_groups_so_no_position_finishes_twice():
+    g0, g1, g2 = group(0), group(1), group(2)
+    first = source_of(("samples", g0 + g1 + g2), ("skip", 3))
+    first.drain()
+    for _ in range(3):  # a step trains group 0 and half of group 1
+        first.peek(model_version=0)
+        first.trained([first.take()])
+    point = first.resume_point()
+    assert (point.start, point.finished, point.remaining) == (1, [3], {1: 1})
+    assert point.samples == [g1[1]] + g2 and point.received == {1, 2, 3} and point.queued_tokens == 3 * 5
+
+    resumed = source_of(("samples", group(4)), ("end", None), resume=point, end=5)
+    train_all(resumed)
+    assert sorted(first.ledger.finished + resumed.ledger.finished) == [0, 1, 2, 3, 4], "each position finished once"
+    assert resumed.ledger.watermark == 5
+
+
+def test_a_resume_point_survives_the_checkpoint_files(tmp_path):
+    queued = group(2, size=2)
+    queued[0].sampler_top = [{5: -0.1, 7: -2.5}, None]
+    point = ResumePoint(1, finished=[3, 5], remaining={2: 1}, samples=queued)
+    checkpoint.save_resume_point(tmp_path, point)
+    again = checkpoint.load_resume_point(tmp_path)
+    assert (again.start, again.finished, again.remaining) == (1, [3, 5], {2: 1})
+    assert repr(again.samples) == repr(queued), "every field back as it was (NaN rewards, int token ids included)"
+
+
+class LostInbox:
+    """A worker that was killed: every read says so."""
+
+    def get(self, timeout_s):
+        raise WorkerLost("the rollout worker exited with code -9 without reporting an error")
+
+
+def test_a_lost_worker_is_replaced_once_from_where_it_left_off_and_a_second_loss_stops_the_run():
+    started = []
+
+    def restart(point):
+        started.append(point)
+        return ListInbox(("samples", group(2)), ("end", None)), counters()
+
+    source = SampleSource(ListInbox(("samples", group(0) + group(1))), counters(), MetricWindow(), resume=ResumePoint(0),
+                          max_staleness=1, token_budget=100, restart_worker=restart, say=lambda text: None)
+    source.peek(model_version=0)
+    source.trained([source.take(), source.take()])  # group 0 trained, group 1 queued
+    source.inbox = LostInbox()
+    assert source.drain() == 4, "the queue survives the worker (2), and the new one sends position 2 (2)"
+    train_all(source)
+    [point] = started
+    assert point.start == 1 and point.received == {1}, "the new worker starts after what the trainer holds"
+    assert source.window.get("rollout/worker_restart_count") == 1
+    assert source.ledger.finished == [0, 1, 2]
+
+    source.inbox = LostInbox()
+    with pytest.raises(WorkerLost, match="code -9"):
+        source.drain()
+    assert len(started) == 1, "restarted once per run"
+
+
 def test_the_worker_may_start_a_group_again_once_the_trainer_takes_what_was_queued():
     allowance = TokenAllowance(max_staleness=1, full_step_tokens=20)
     samples = group(0, size=4, tokens=5)  # the worker produced 20 tokens: a whole step's worth
@@ -181,6 +247,6 @@ def test_a_wait_past_stall_timeout_stops_with_the_reasons():
                        stall_timeout=10)
     source.drain()
     source.stall.waited = 11  # the trainer waited 11 s since the last trainable sample
-    with pytest.raises(StalledError, match=r"no trainable sample for 11s of waiting: 1 groups dropped .*rewards seen: 1 x2\), "
+    with pytest.raises(StalledError, match=r"no trainable sample for 11s of waiting: 1 groups dropped .*rewards seen: 1 x2; 0 failed\), "
                                            r"0 samples dropped stale, 0 too long for token_budget, 3 requests retried"):
         source.peek(model_version=0)

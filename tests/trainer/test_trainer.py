@@ -2,19 +2,24 @@
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
 import pytest
 from datasets import Dataset
+from transformers import TrainerCallback
 
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop, Rollout
+from tandem.generation.launcher import EmbeddedServer
 from tandem.rewards import accuracy_reward
 from tandem.rollout.worker import WorkerError
 from tandem.trainer.sample_source import StalledError
@@ -98,33 +103,72 @@ def test_staleness_is_bounded_stale_samples_are_dropped_and_the_allowance_holds(
     assert used and max(used) <= 1.0 + 1e-9, f"queued + in-flight tokens exceeded the allowance: {max(used)}"
 
 
-class CrashAfterThree(AsyncGRPOTrainer):
+class StopAt(TrainerCallback):
+    """Checkpoint and stop after `step`, as a preempted job does."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_save = control.should_training_stop = True
+        return control
+
+
+class RecordingTrainer(AsyncGRPOTrainer):
+    """Keeps the rollout id of every sample it trains."""
+
     def training_step(self, micro_batches):
-        if self.state.step == 3:
-            raise KeyboardInterrupt("simulated crash after step 3")
+        self.trained_rollouts = getattr(self, "trained_rollouts", []) + [s.rollout_id for rows in micro_batches
+                                                                         for row in rows for s in row.samples]
         return super().training_step(micro_batches)
 
 
-@pytest.mark.report
-def test_resume_trains_every_prompt_of_the_epoch(tmp_path):
+def test_stopped_and_resumed_at_three_random_points_a_run_finishes_every_prompt_exactly_once(tmp_path):
+    seed = random.randrange(1_000_000)
+    stops = sorted(random.Random(seed).sample(range(1, 5), 3))  # the epoch takes 5 steps or more
     data = small_dataset(48)
-    # A small budget (about two groups a row) so the epoch takes more than the three steps before the crash.
-    args = config(tmp_path, max_steps=-1, num_train_epochs=1, save_strategy="steps", save_steps=2, max_staleness=1, token_budget=100)
-    first = CrashAfterThree("tiny", accuracy_reward, args=args, train_dataset=data)
-    with pytest.raises(KeyboardInterrupt):
-        first.train()
-    assert "reward" in (tmp_path / "run" / "report.html").read_text(), "a crashed run still writes its report"
-    before = set(first.source.ledger.finished)
-    resumed = AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=data)
-    resumed.train(resume_from_checkpoint=True)
-    start = json.loads((tmp_path / "run" / "checkpoint-2" / "rollout_state.json").read_text())["dataset_start_index"]
-    assert set(resumed.source.ledger.finished) >= set(range(start, 48)), "the resumed run covers everything from the watermark"
-    assert before | set(resumed.source.ledger.finished) == set(range(48)), "no prompt of the epoch is skipped"
+    # A small budget (about two groups a row) so the epoch takes more steps than the last stop.
+    args = config(tmp_path, max_steps=-1, num_train_epochs=1, max_staleness=1, token_budget=100)
+    finished, trained = [], []
+    for index, stop in enumerate(stops + [None]):
+        trainer = RecordingTrainer("tiny", accuracy_reward, args=args, train_dataset=data,
+                                   callbacks=[StopAt(stop)] if stop else None)
+        trainer.train(resume_from_checkpoint=index > 0)
+        assert stop is None or trainer.state.step == stop, f"stops {stops} (seed {seed}): the epoch ended before {stop}"
+        finished += trainer.source.ledger.finished
+        trained += getattr(trainer, "trained_rollouts", [])
+    assert Counter(finished) == Counter(range(48)), \
+        f"stops {stops} (seed {seed}): positions finished twice {sorted(p for p, n in Counter(finished).items() if n > 1)}, " \
+        f"never {sorted(set(range(48)) - set(finished))}"
+    assert max(Counter(trained).values()) == 1, f"stops {stops} (seed {seed}): a saved sample was trained twice"
 
-    full = AsyncGRPOTrainer("tiny", accuracy_reward, args=config(tmp_path / "full", max_steps=-1, num_train_epochs=1, max_staleness=1),
-                            train_dataset=data)
-    full.train()
-    assert set(full.source.ledger.finished) == set(range(48))
+
+class KillOnce(AsyncGRPOTrainer):
+    """kill -9 of one of the run's processes (`victim`: "server" or "worker") at the start of step `after` + 1: mid-run,
+    with requests in flight."""
+
+    victim, after = "server", 2
+
+    def training_step(self, micro_batches):
+        if self.state.step == self.after and not hasattr(self, "killed"):
+            self.killed = getattr(self.session, self.victim).process.pid
+            os.kill(self.killed, signal.SIGKILL)
+        return super().training_step(micro_batches)
+
+
+class KillWorkerAfterStepOne(KillOnce):
+    victim, after = "worker", 1
+
+
+def test_a_killed_worker_is_restarted_once_where_it_left_off_and_the_epoch_is_trained_whole(tmp_path, capsys):
+    args = config(tmp_path, max_steps=-1, num_train_epochs=1, token_budget=100)  # ~2 groups a row: several steps
+    trainer = KillWorkerAfterStepOne("tiny", accuracy_reward, args=args, train_dataset=small_dataset(24))
+    trainer.train()
+    assert trainer.session.worker.process.pid != trainer.killed
+    assert sum(r.get("rollout/worker_restart_count", 0) for r in logged(tmp_path)) == 1
+    assert Counter(trainer.source.ledger.finished) == Counter(range(24)), "every prompt finished once across the restart"
+    assert "exited with code -9 without reporting an error. Restarted it from prompt position" in capsys.readouterr().err
 
 
 def never_varies(completions, **kwargs):
@@ -135,8 +179,8 @@ def never_varies(completions, **kwargs):
 def test_a_reward_that_never_varies_is_said_and_stops_the_run_instead_of_a_silent_wait(tmp_path, capsys):
     args = config(tmp_path, stall_timeout=15, max_steps=2)
     trainer = AsyncGRPOTrainer("tiny", never_varies, args=args, train_dataset=small_dataset(200))
-    with pytest.raises(StalledError, match=r"no trainable sample for 1\ds of waiting: \d+ groups dropped without reward variance "
-                                           r"or filtered out \(rewards seen: 0 x\d+\).*stall_timeout=15s"):
+    with pytest.raises(StalledError, match=r"no trainable sample for 1\ds of waiting: \d+ groups dropped without reward variance, "
+                                           r"filtered out or failed \(rewards seen: 0 x\d+; 0 failed\).*stall_timeout=15s"):
         trainer.train()
     said = capsys.readouterr().err
     assert "tandem: no trainable sample for" in said, "50 dropped groups are said before the stop"
@@ -214,9 +258,11 @@ class HangingTrainer(AsyncGRPOTrainer):
     loop_cls = HangingLoop
 
 
-def test_a_crashed_worker_stops_training_with_its_traceback(tmp_path):
+@pytest.mark.report
+def test_a_crashed_worker_stops_training_with_its_traceback_and_no_restart(tmp_path):
     with pytest.raises(WorkerError, match="(?s)boom from the rollout loop.*Traceback|Traceback.*boom from the rollout loop"):
         CrashingTrainer("tiny", accuracy_reward, args=config(tmp_path), train_dataset=small_dataset()).train()
+    assert "reward" in (tmp_path / "run" / "report.html").read_text(), "a crashed run still writes its report"
 
 
 def test_a_hung_worker_is_detected_by_its_heartbeat(tmp_path):
@@ -226,16 +272,64 @@ def test_a_hung_worker_is_detected_by_its_heartbeat(tmp_path):
     assert time.monotonic() - start < 25
 
 
-class KillServerTrainer(AsyncGRPOTrainer):
+def test_a_killed_embedded_server_is_restarted_with_the_current_weights_and_the_run_goes_on(tmp_path, capsys):
+    # max_staleness 0: every sample trained after the restart was generated by it, under the current version
+    args = config(tmp_path, max_staleness=0, max_steps=6, learning_rate=1e-3)
+    trainer = KillOnce("tiny", accuracy_reward, args=args, train_dataset=small_dataset(48))
+    trainer.train()
+    rows = logged(tmp_path)
+    assert trainer.state.step == 6 and trainer.session.server.process.pid != trainer.killed
+    assert sum(r.get("rollout/server_restart_count", 0) for r in rows) == 1
+    ratios = [r["sampling/importance_sampling_ratio/mean"] for r in rows if r["step"] >= 3]
+    assert all(abs(ratio - 1.0) < 1e-4 for ratio in ratios), f"the restarted server samples from the trained weights: {ratios}"
+    assert "the embedded tandem serve exited (code -9); restarting it with the weights of step" in capsys.readouterr().err
+
+
+def test_an_embedded_server_that_keeps_dying_stops_the_run_with_its_log(tmp_path, monkeypatch):
+    monkeypatch.setattr("tandem.trainer.trainer.SERVER_RESTARTS", 0)
+    with pytest.raises(RuntimeError, match=r"the embedded tandem serve exited \(code -9\)"):
+        KillOnce("tiny", accuracy_reward, args=config(tmp_path, max_steps=20), train_dataset=small_dataset()).train()
+
+
+def external_server(port: int, log_path) -> EmbeddedServer:
+    """`tandem serve` as a user starts it beside the trainer, receiving weights over gloo."""
+    return EmbeddedServer(TINY_MODEL_PATH, log_path=log_path, extra_args=[
+        "--port", str(port), "--served-model-name", TINY_MODEL_PATH, "--logprobs-mode", "processed_logprobs",
+        "--weight-transfer-config", '{"backend": "gloo"}', "--weight-transfer-timeout-s", "20"])
+
+
+class BounceExternalServer(AsyncGRPOTrainer):
+    """After step 1 the external server is killed, and started again on its port 3 s later."""
+
     def training_step(self, micro_batches):
-        if self.state.step == 1:
-            os.kill(self.session.server.process.pid, signal.SIGKILL)
+        if self.state.step == 1 and not hasattr(self, "back"):
+            os.kill(self.server.process.pid, signal.SIGKILL)
+            self.back = []
+            port = int(self.args.vllm_server_base_url.rsplit(":", 1)[1])
+            threading.Timer(3, lambda: self.back.append(external_server(port, self.server.log_path))).start()
         return super().training_step(micro_batches)
 
 
-def test_the_embedded_servers_death_is_reported(tmp_path):
-    with pytest.raises(RuntimeError, match=r"the embedded tandem serve exited \(code -9\)"):
-        KillServerTrainer("tiny", accuracy_reward, args=config(tmp_path, max_steps=20), train_dataset=small_dataset()).train()
+def test_an_external_server_that_goes_away_and_comes_back_within_vllm_server_timeout_loses_no_group(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    first = external_server(port, tmp_path / "server.log")
+    args = config(tmp_path, vllm_server_base_url=f"http://127.0.0.1:{port}", max_steps=-1, num_train_epochs=1,
+                  token_budget=100)
+    trainer = BounceExternalServer("tiny", accuracy_reward, args=args, train_dataset=small_dataset(24))
+    trainer.server = first
+    try:
+        trainer.train()
+    finally:
+        first.stop()
+        for server in getattr(trainer, "back", []):
+            server.stop()
+    rows = logged(tmp_path)
+    assert len(trainer.back) == 1, "the server was started again"
+    assert sum(r.get("rollout/vllm_retry_count", 0) for r in rows) > 0, "requests waited for it with backoff"
+    assert sum(r.get("rollout/server_reconnect_count", 0) for r in rows) == 1, "the next sync joined its new transfer group"
+    assert Counter(trainer.source.ledger.finished) == Counter(range(24)), "no group lost"
 
 
 @dataclass

@@ -3,8 +3,9 @@
 `GenerationClient` sends token ids and reads back token ids with their sampler log-probs;
 `ControlClient` drives the server around weight syncs (health, pause/resume, reload, LoRA,
 `/metrics`). Both use only protocol facts from reference/vllm_protocol.md, so they work unchanged
-against real vLLM. Transport errors and 502/503/504 are retried with exponential backoff; a 4xx
-is the caller's mistake and is raised at once.
+against real vLLM. Transport errors and 502/503/504 are retried with exponential backoff (`max_retries`
+times, or for `retry_for_s` seconds: a server that restarts is waited for); a 4xx is the caller's mistake
+and is raised at once.
 """
 
 import asyncio
@@ -52,11 +53,14 @@ class ServerMetrics:
 
 class _Http:
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 600.0,
-                 max_retries: int = 5, backoff_s: float = 0.5, max_backoff_s: float = 8.0, connections: int = 0):
+                 max_retries: int = 5, retry_for_s: float = 0.0, backoff_s: float = 0.5, max_backoff_s: float = 8.0,
+                 connections: int = 0):
         self.base_url, self.api_key = base_url.rstrip("/"), api_key
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
+        self.max_retries, self.retry_for_s = max_retries, retry_for_s
+        """Transient failures are retried at least `max_retries` times, and for up to `retry_for_s` seconds."""
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.connections = connections
         self.retries = 0
         """Requests re-sent after a transport error or a 502/503/504 (the trainer logs it as rollout/vllm_retry_count)."""
@@ -84,18 +88,20 @@ class _Http:
         """Send one request (retrying transient failures); returns (status, text) of a 2xx, raises ServerError otherwise."""
         url = f"{self.base_url}{path}"
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None
-        attempt = 0
+        attempt, start = 0, time.monotonic()
         while True:
+            may_retry = retry and (attempt < self.max_retries or time.monotonic() - start < self.retry_for_s)
             try:
                 async with self._client().request(method, url, json=body, params=params, timeout=timeout) as response:
                     text = await response.text()
                     if response.status < 300:
                         return response.status, text
-                    if not (retry and response.status in RETRY_STATUSES and attempt < self.max_retries):
+                    if not (may_retry and response.status in RETRY_STATUSES):
                         raise ServerError(response.status, _error_message(text), url)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-                if not retry or attempt >= self.max_retries:
-                    raise ConnectionError(f"{url} could not be reached after {attempt + 1} attempt(s): {exc!r}") from exc
+                if not may_retry:
+                    raise ConnectionError(f"{url} could not be reached after {attempt + 1} attempt(s) in "
+                                          f"{time.monotonic() - start:.0f}s: {exc!r}") from exc
             attempt += 1
             self.retries += 1
             delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))

@@ -15,6 +15,7 @@ import json
 import math
 import queue
 import random
+import sys
 import time
 import warnings
 from collections import defaultdict, deque
@@ -41,7 +42,12 @@ RENDER_CACHE_SIZE = 4096
 REPORT_EVERY_S = 1.0
 IDLE_POLL_S = 0.05
 RECENT_GROUPS = 16
+FAILED_IN_A_ROW = 5
+"""Groups dropped in a row for failures (a reward function, or the server twice) before the worker stops the run."""
 GROUP_VERSION: contextvars.ContextVar[int] = contextvars.ContextVar("group_version", default=0)
+SEEDS: contextvars.ContextVar[random.Random] = contextvars.ContextVar("seeds", default=random.Random(0))
+"""The sampling seeds of the rollout (or whole group) being generated: drawn from a generator seeded by the run's seed,
+the prompt position and the rollout's index, so a group generated again (after a restart) is sampled alike."""
 
 
 @dataclass
@@ -72,7 +78,9 @@ class AsyncRolloutLoop:
         self.channels = channels
         self.base_url, self.api_key = settings.base_url, settings.api_key
         """The generation server the hooks may call too (e.g. a client of their own made in `setup`)."""
-        self.client = GenerationClient(settings.base_url, api_key=settings.api_key, timeout_s=config.vllm_server_timeout)
+        self.client = GenerationClient(settings.base_url, api_key=settings.api_key, timeout_s=config.vllm_server_timeout,
+                                       retry_for_s=config.vllm_server_timeout)
+        """Requests wait up to vllm_server_timeout for a server that went away (restarting) to answer again."""
         self.control = ControlClient(settings.base_url, api_key=settings.api_key, timeout_s=30)
         self.allowance = TokenAllowance(config.max_staleness, settings.full_step_tokens)
         self.cap = ConcurrencyCap(config.max_concurrent_rollouts)
@@ -87,12 +95,11 @@ class AsyncRolloutLoop:
         """Whether requests go to /inference/v1/generate for each token's kept set (top-k / top-p; see run)."""
         self.top_logprobs = config.num_sampler_logprobs if config.score_centering and not self.flash else 0
         """How many of the sampler's most likely tokens to ask for at each position (score centering needs them)."""
-        self.rng = random.Random(config.seed + settings.dataset_start_index)
         self.score_queue: asyncio.Queue = asyncio.Queue(maxsize=SCORE_QUEUE_MAXSIZE)
         self.slot = asyncio.Condition()
         self.failure: BaseException | None = None
         self.records: dict[str, list] = defaultdict(list)
-        self.produced_tokens = self.in_flight_tokens = 0.0
+        self.produced_tokens, self.in_flight_tokens = settings.queued_tokens, 0.0
         self.groups_in_flight = self.groups_finished = self.rollouts_in_flight = 0
         self.generated_tokens = 0
         self.kept_tokens: deque[int] = deque(maxlen=RECENT_GROUPS)
@@ -101,6 +108,12 @@ class AsyncRolloutLoop:
         """Positions to generate again: groups the trainer dropped as stale, or whose LoRA version was unloaded."""
         self.unscored = 0
         """Groups generated and not yet scored."""
+        self.generating: dict[asyncio.Task, tuple[int, int]] = {}
+        """Groups being generated: their task -> (policy version they sample from, prompt position)."""
+        self.failed_once: set[int] = set()
+        """Positions whose group failed on the server once and is being generated again."""
+        self.failed_in_a_row: dict[str, int] = defaultdict(int)
+        """Groups dropped in a row, by cause: a reward function's name, or "the server"."""
         self.rendered: dict[str, list[int]] = {}
 
     # ---- hooks ------------------------------------------------------------------------------------
@@ -170,13 +183,13 @@ class AsyncRolloutLoop:
             completions = await self.client.generate(prompt_ids, model=self._served_model(), sampling_params={
                 "max_tokens": max_tokens, "n": n, "temperature": c.temperature, "top_p": c.top_p,
                 "top_k": c.top_k or self.vocab_size, "min_p": c.min_p or 0.0, "repetition_penalty": c.repetition_penalty,
-                "seed": self.rng.getrandbits(62), "logprobs": self.top_logprobs, "stop_token_ids": self.eos_token_ids,
+                "seed": SEEDS.get().getrandbits(62), "logprobs": self.top_logprobs, "stop_token_ids": self.eos_token_ids,
                 "skip_special_tokens": False})
         else:
             completions = await self.client.complete(
                 prompt_ids, model=self._served_model(), max_tokens=max_tokens, n=n, temperature=c.temperature,
                 top_p=c.top_p, top_k=c.top_k, min_p=c.min_p or 0.0, repetition_penalty=c.repetition_penalty,
-                seed=self.rng.getrandbits(62), logprobs=self.top_logprobs, stop_token_ids=self.eos_token_ids,
+                seed=SEEDS.get().getrandbits(62), logprobs=self.top_logprobs, stop_token_ids=self.eos_token_ids,
             )
         self.generated_tokens += sum(len(x.token_ids) for x in completions)
         return [TurnRecord(prompt_ids=list(prompt_ids), output_ids=x.token_ids, output_log_probs=x.logprobs,
@@ -279,6 +292,7 @@ class AsyncRolloutLoop:
             await self._init_cap()
             background.append(asyncio.create_task(self._poll_server()))
             background.append(self._watch(asyncio.create_task(self._scorer())))
+            background.append(self._watch(asyncio.create_task(self._cancel_doomed())))
             await self._dispatch_all()
             self._flush_records()
         finally:
@@ -308,7 +322,9 @@ class AsyncRolloutLoop:
                 accepted_in_epoch = 0 if row_index == 0 else accepted_in_epoch
                 row = self._row(position)
                 task = None
-                if self.filter_prompt(row_index, row, epoch):
+                if position in self.settings.received:  # the trainer holds it already (a resumed run, a restarted worker)
+                    accepted_in_epoch += 1
+                elif self.filter_prompt(row_index, row, epoch):
                     accepted_in_epoch += 1
                     task = await self._start_group(row, position, group_id)
                 else:
@@ -350,7 +366,8 @@ class AsyncRolloutLoop:
         await self._wait_for_allowance(reservation)
         self.groups_in_flight += 1  # counted now, not when the task first runs
         self.in_flight_tokens += reservation
-        return self._watch(asyncio.create_task(self._run_group(row, position, group_id, reservation)))
+        version = self.channels.model_version.value
+        return self._watch(asyncio.create_task(self._run_group(row, position, group_id, reservation, version)))
 
     def _reservation(self, prompt: list[dict] | None) -> float:
         """The tokens a group may put on the queue: single-turn, at most G × (prompt + max_completion_length);
@@ -373,35 +390,48 @@ class AsyncRolloutLoop:
         if self.groups_finished:  # the allowance binds once the first group has finished
             self.record("rollout/allowance_used_max", used / limit)
 
-    async def _run_group(self, row: dict, position: int, group_id: int, reservation: float) -> None:
-        version = self.channels.model_version.value
+    async def _run_group(self, row: dict, position: int, group_id: int, reservation: float, version: int) -> None:
         GROUP_VERSION.set(version)  # this group's requests (its own task) sample from this policy version
+        SEEDS.set(self._seeds(position))
+        self.generating[asyncio.current_task()] = (version, position)  # only a running group is cancelled: its finally runs
         try:
             if self._single_request_groups():
                 episodes = await self._whole_group(row["prompt"])
             else:
-                episodes = await self._rollouts(row, group_id)
+                episodes = await self._rollouts(row, position, group_id)
         except ServerError as exc:
             # LoRA: the trainer unloads versions older than max_staleness allows; a group that started on one
             # can no longer be sampled, and its samples would be dropped as stale anyway: generate it again.
-            if not (self.adapter_name and exc.status == 404 and version < self.channels.model_version.value):
-                raise
-            self.record("rollout/stale_adapter_count", 1)
-            self.retries.append(position)
+            if self.adapter_name and exc.status == 404 and version < self.channels.model_version.value:
+                self.record("rollout/stale_adapter_count", 1)
+                self.retries.append(position)
+            elif position not in self.failed_once:  # one failed request: the group is generated again, once
+                self.failed_once.add(position)
+                self.retries.append(position)
+            else:
+                self.failed_once.discard(position)
+                self._drop_failed("the server", position, f"a request of the group failed, and again when the group was "
+                                  f"generated anew: {exc}")
             return
         finally:
             self.groups_in_flight -= 1
             self.in_flight_tokens -= reservation
+            self.generating.pop(asyncio.current_task(), None)
         group = self._group(row, position, group_id, version, episodes)
         block = time.monotonic()
         self.unscored += 1
         await self.score_queue.put((group, [e.rollout for e in episodes], position))
         self.record("rollout/score_block_s", time.monotonic() - block)
 
-    async def _rollouts(self, row: dict, group_id: int) -> list[Episode]:
+    def _seeds(self, position: int, rollout: int | None = None) -> random.Random:
+        """The seeds of a group's requests (or of one of its rollouts): from the run's seed and the prompt position."""
+        return random.Random(f"{self.config.seed}:{position}" + ("" if rollout is None else f":{rollout}"))
+
+    async def _rollouts(self, row: dict, position: int, group_id: int) -> list[Episode]:
         """The group's rollouts, concurrently; when one fails the others are cancelled (their slots and environments
         go back at once)."""
-        tasks = [asyncio.ensure_future(self._one_rollout(row, group_id)) for _ in range(self.config.num_generations)]
+        tasks = [asyncio.ensure_future(self._one_rollout(row, group_id, self._seeds(position, index)))
+                 for index in range(self.config.num_generations)]
         try:
             return await asyncio.gather(*tasks)
         except BaseException:
@@ -429,9 +459,11 @@ class AsyncRolloutLoop:
         return [Episode(prompt, Rollout(completion=[self.reply(t.output_ids, parse=False)[0]], completion_ids=list(t.output_ids),
                                         turns=[t])) for t in turns]
 
-    async def _one_rollout(self, row: dict, group_id: int) -> Episode:
-        """One rollout of the row's prompt; with environments, on an instance reset from the row, which scores it
-        (get_reward) before going back to the pool."""
+    async def _one_rollout(self, row: dict, group_id: int, seeds: random.Random | None = None) -> Episode:
+        """One rollout of the row's prompt (its requests seeded from `seeds`); with environments, on an instance reset
+        from the row, which scores it (get_reward) before going back to the pool."""
+        if seeds is not None:
+            SEEDS.set(seeds)  # this rollout's own task
         if not self.factories:
             return Episode(row["prompt"], await self._generate(row["prompt"], self.tools, group_id))
         name = route(row, self.factories)
@@ -525,7 +557,14 @@ class AsyncRolloutLoop:
         """Reward the group, compute its advantages, and send its samples to the trainer (or drop it)."""
         self.record("rollout/score_wait_s", time.monotonic() - group.queued_at)
         start = time.monotonic()
-        columns = await self._reward(group)
+        self.failed_once.discard(position)
+        try:
+            columns = await self._reward(group)
+        except scoring.RewardFailed as failed:
+            self._drop_failed(f"reward function {failed.name!r}", position, f"it failed on the group, and again when "
+                              f"called once more: {failed.traceback.splitlines()[-1]}", failed.traceback)
+            return
+        self.failed_in_a_row.clear()
         advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
         if advantages.shape != (len(rollouts),):
             raise ValueError(f"compute_advantages returned shape {advantages.shape}; it must return one advantage per "
@@ -550,12 +589,25 @@ class AsyncRolloutLoop:
         g = len(group.completions)
         kwargs = {"prompts": group.prompts, "completions": group.completions, "completion_ids": group.completions_ids,
                   **group.reward_kwargs}
-        columns = await scoring.score(self.reward_funcs, kwargs, g) | scoring.environment_columns(group.env_rewards)
+        columns = (await scoring.score(self.reward_funcs, kwargs, g, self.config.reward_timeout)
+                   | scoring.environment_columns(group.env_rewards))
         sources = list(columns.values())
         if any(r is not None for r in group.rollout_rewards):
             sources.append(np.array([math.nan if r is None else float(r) for r in group.rollout_rewards]))
         group.rewards = scoring.total_reward(sources, g)
         return columns
+
+    def _drop_failed(self, cause: str, position: int, reason: str, details: str = "") -> None:
+        """Drop a group that failed (counted in rollout/failed_count), say so and go on; FAILED_IN_A_ROW groups in a
+        row failing for the same cause stop the run with the reason and `details` (a traceback)."""
+        self.failed_in_a_row[cause] += 1
+        if self.failed_in_a_row[cause] >= FAILED_IN_A_ROW:
+            raise RuntimeError(f"{FAILED_IN_A_ROW} groups in a row were dropped because {cause} failed; the last time "
+                               f"{reason}\n{details}".rstrip())
+        print(f"tandem: dropped the group of prompt position {position}: {cause} failed ({reason})", file=sys.stderr)
+        self.record("rollout/failed_count", 1)
+        self._flush_records()
+        self.emit("skip", position)
 
     @staticmethod
     def _samples(group: RolloutGroup, rollouts: list[Rollout], advantages: np.ndarray, position: int) -> list[Sample]:
@@ -594,6 +646,20 @@ class AsyncRolloutLoop:
             previous = metrics.preemptions if self.last_preemptions is None else self.last_preemptions
             self.record("rollout/vllm_preemption_count", metrics.preemptions - previous)
             self.last_preemptions = metrics.preemptions
+
+    async def _cancel_doomed(self) -> None:
+        """Cancel the groups still generating under a policy more than max_staleness versions old: they can only arrive
+        stale, to be dropped. Cancelling closes their requests (the server aborts a request whose client left), and the
+        position is generated again under the current policy (rollout/cancelled_stale_count)."""
+        while True:
+            await asyncio.sleep(IDLE_POLL_S)
+            oldest = self.channels.model_version.value - self.config.max_staleness
+            for task, (version, position) in list(self.generating.items()):
+                if version < oldest:
+                    del self.generating[task]
+                    task.cancel()
+                    self.retries.append(position)
+                    self.record("rollout/cancelled_stale_count", 1)
 
     async def _heartbeat(self) -> None:
         while True:

@@ -1,9 +1,12 @@
 """Scoring a group: every reward function runs concurrently (async awaited, sync in threads), the
-results are summed per rollout, and `None` means "this function does not score this rollout"."""
+results are summed per rollout, and `None` means "this function does not score this rollout".
+A function that raises or passes `timeout_s` is called once more (judges over the network are flaky);
+a second failure is a `RewardFailed`, and the loop drops the group."""
 
 import asyncio
 import inspect
 import math
+import traceback
 
 import numpy as np
 
@@ -12,15 +15,35 @@ def reward_name(func) -> str:
     return getattr(func, "__name__", None) or type(func).__name__
 
 
+class RewardFailed(Exception):
+    """A reward function raised (or timed out) on a group twice in a row."""
+
+    def __init__(self, name: str, error: BaseException):
+        super().__init__(f"reward function {name!r} failed twice on one group: {error!r}")
+        self.name = name
+        self.traceback = "".join(traceback.format_exception(error)).rstrip()
+
+
 async def _call(func, kwargs: dict) -> list:
     if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None)):
         return await func(**kwargs)
-    return await asyncio.to_thread(func, **kwargs)
+    return await asyncio.to_thread(func, **kwargs)  # a sync call past its timeout finishes in its thread, unread
 
 
-async def score(reward_funcs: list, kwargs: dict, size: int) -> dict[str, np.ndarray]:
+async def _call_twice(func, kwargs: dict, timeout_s: float | None) -> list:
+    for attempt in (1, 2):
+        try:
+            return await asyncio.wait_for(_call(func, kwargs), timeout_s)
+        except asyncio.TimeoutError:
+            error: Exception = TimeoutError(f"no answer within reward_timeout={timeout_s:g}s")
+        except Exception as exc:  # noqa: BLE001 - the user's function: any error is its failure
+            error = exc
+    raise RewardFailed(reward_name(func), error)
+
+
+async def score(reward_funcs: list, kwargs: dict, size: int, timeout_s: float | None = None) -> dict[str, np.ndarray]:
     """One float array per reward function (NaN where it returned None), in `reward_funcs` order."""
-    results = await asyncio.gather(*[_call(f, kwargs) for f in reward_funcs])
+    results = await asyncio.gather(*[_call_twice(f, kwargs, timeout_s) for f in reward_funcs])
     columns = {}
     for func, values in zip(reward_funcs, results):
         name = reward_name(func)

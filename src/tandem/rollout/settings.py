@@ -21,6 +21,10 @@ class RolloutSettings:
     environment_factory: object = None
     dataset_start_index: int = 0
     """The first prompt position to generate for (a resumed run's watermark)."""
+    received: frozenset[int] = frozenset()
+    """Positions past `dataset_start_index` the trainer already holds (a resumed run, a restarted worker): not generated."""
+    queued_tokens: float = 0.0
+    """Tokens of the samples the trainer holds untrained: on the queue, as far as the allowance is concerned."""
     full_step_tokens: float = 0.0
     """The tokens one step consumes when every row is full: the allowance before the trainer's first step."""
     num_positions: int | None = None

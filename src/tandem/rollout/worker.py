@@ -29,6 +29,11 @@ class WorkerError(RuntimeError):
     pass
 
 
+class WorkerLost(WorkerError):
+    """The worker died without reporting an error of its own (killed, out of memory) or stopped beating: the trainer
+    may start another one. An error the worker reports (a traceback from the loop's code) is a WorkerError."""
+
+
 def check_picklable(objects: dict[str, object]) -> None:
     """Everything sent to the worker is pickled; name the first object that is not, and the fix."""
     for label, obj in objects.items():
@@ -114,8 +119,8 @@ class RolloutWorker:
                     f"the rollout worker exited with code {self.process.exitcode} before it started: it is a spawned "
                     "process, which imports your main script first, and that failed (see the traceback above). A script "
                     "that starts training at module level must do it under `if __name__ == \"__main__\":`.")
-            raise WorkerError(f"the rollout worker exited with code {self.process.exitcode} without reporting an error")
+            raise WorkerLost(f"the rollout worker exited with code {self.process.exitcode} without reporting an error")
         silent = time.time() - self.channels.heartbeat.value
         if silent > self.timeout_s:
-            raise WorkerError(f"the rollout worker sent no heartbeat for {silent:.0f}s (rollout_worker_timeout="
+            raise WorkerLost(f"the rollout worker sent no heartbeat for {silent:.0f}s (rollout_worker_timeout="
                               f"{self.timeout_s:.0f}s): it is hung. Raise rollout_worker_timeout if rewards are that slow.")

@@ -6,12 +6,15 @@ counters of the run.
                                                     (the adapter alone for a LoRA run)
       distributed/                                  DCP: trainable weights and optimizer state, sharded by rank,
                                                     loadable on any number of ranks
-      scheduler.pt, trainer_state.json, rollout_state.json
+      scheduler.pt, trainer_state.json
+      rollout_state.json, rollout_queue.pt          where the prompt stream resumes (sample_source.ResumePoint)
 
 Every rank calls `save` and `load` (DCP is collective); rank 0 alone writes the small files. A checkpoint is
 written to a temporary folder and renamed into place, so a crash never leaves a half-written `checkpoint-N`.
-`rollout_state.json` holds the first prompt position not yet trained: resuming starts the worker there, so no
-prompt is skipped (a few may be trained twice).
+`rollout_state.json` holds the first prompt position not yet finished, the positions past it that are, and the groups
+partly trained; `rollout_queue.pt` the samples received and not yet trained. A resumed run starts its worker at that
+position, leaving out what the checkpoint holds, and trains the saved queue first: stopped and resumed, a run finishes
+every prompt position exactly once, as an uninterrupted one does.
 """
 
 import json
@@ -19,7 +22,7 @@ import re
 import shutil
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -27,7 +30,9 @@ import torch.distributed.checkpoint as dcp
 import transformers
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from tandem.rollout.records import Sample
 from tandem.trainer.distributed import Ranks, full_tensor
+from tandem.trainer.sample_source import ResumePoint
 from tandem.trainer.weight_sync import quiet_progress
 
 PATTERN = re.compile(r"^checkpoint-(\d+)$")
@@ -101,7 +106,8 @@ def _non_persistent(model, buffer_name: str) -> set[str]:
 
 
 def save(folder: Path, model, tokenizer, optimizer, scheduler, state: TrainerState, save_total_limit: int | None,
-         ranks: Ranks) -> Path:
+         ranks: Ranks, resume: ResumePoint | None = None) -> Path:
+    """The checkpoint of `state.step`; `resume` (rank 0's) is where its prompt stream goes on."""
     target = folder / f"checkpoint-{state.step}"
     staging = folder / f".checkpoint-{state.step}.tmp"
     if ranks.main:
@@ -118,7 +124,7 @@ def save(folder: Path, model, tokenizer, optimizer, scheduler, state: TrainerSta
         (staging / "trainer_state.json").write_text(json.dumps({
             "step": state.step, "model_version": state.model_version, "num_tokens": state.num_tokens,
             "world_size": ranks.world_size, "log_history": state.log_history}, indent=2))
-        (staging / "rollout_state.json").write_text(json.dumps({"dataset_start_index": state.dataset_start_index}, indent=2))
+        save_resume_point(staging, resume or ResumePoint(state.dataset_start_index))
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
         if save_total_limit:
@@ -126,6 +132,22 @@ def save(folder: Path, model, tokenizer, optimizer, scheduler, state: TrainerSta
                 shutil.rmtree(old, ignore_errors=True)
     ranks.barrier()
     return target
+
+
+def save_resume_point(folder: Path, point: ResumePoint) -> None:
+    (folder / "rollout_state.json").write_text(json.dumps({
+        "dataset_start_index": point.start, "finished": point.finished,
+        "remaining": {str(position): left for position, left in point.remaining.items()}}, indent=2))
+    torch.save([asdict(sample) for sample in point.samples], folder / "rollout_queue.pt")
+
+
+def load_resume_point(folder: Path) -> ResumePoint:
+    """Where the checkpoint's prompt stream goes on (a checkpoint written before the queue was saved: its watermark)."""
+    rollout = json.loads((folder / "rollout_state.json").read_text())
+    queue = folder / "rollout_queue.pt"
+    samples = [Sample(**fields) for fields in torch.load(queue, weights_only=True)] if queue.is_file() else []
+    return ResumePoint(rollout["dataset_start_index"], rollout.get("finished", []),
+                       {int(position): left for position, left in rollout.get("remaining", {}).items()}, samples)
 
 
 def checkpoints(folder: Path) -> list[Path]:

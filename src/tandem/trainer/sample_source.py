@@ -19,6 +19,7 @@ from typing import Protocol
 
 from tandem.metrics.window import MetricWindow
 from tandem.rollout.records import Sample
+from tandem.rollout.worker import WorkerLost
 
 POLL_S = 0.05
 STALL_SAY_S = 60.0
@@ -47,21 +48,53 @@ class Stall:
     oversize: int = 0
     retries: int = 0
     """Requests the worker retried (server errors)."""
+    failed: int = 0
+    """Groups dropped because a reward function or the server failed on them twice."""
 
     def seen(self, metrics: dict[str, list]) -> None:
         self.rewards.update(round(v, 4) for v in metrics.get("reward_dropped", []))
         self.retries += int(sum(metrics.get("rollout/vllm_retry_count", [])))
+        self.failed += int(sum(metrics.get("rollout/failed_count", [])))
 
     def reason(self) -> str:
+        if self.failed and self.failed == self.groups_dropped:
+            return (f"no trainable sample for {self.waited:.0f}s of waiting: {self.failed} groups dropped because a reward "
+                    f"function or the server failed on them twice ({self.retries} requests retried): see the lines "
+                    "'tandem: dropped the group ...' above.")
         if not (self.groups_dropped or self.stale or self.oversize):
             return (f"no trainable sample for {self.waited:.0f}s of waiting, and nothing dropped: generation is slow or "
                     f"stuck ({self.retries} requests retried). Check the server's log and /metrics.")
         rewards = ", ".join(f"{value:g} x{count}" for value, count in self.rewards.most_common(5)) or "none scored"
         return (f"no trainable sample for {self.waited:.0f}s of waiting: {self.groups_dropped} groups dropped without reward "
-                f"variance or filtered out (rewards seen: {rewards}), {self.stale} samples dropped stale, "
+                f"variance, filtered out or failed (rewards seen: {rewards}; {self.failed} failed), {self.stale} samples "
+                f"dropped stale, "
                 f"{self.oversize} too long for token_budget, {self.retries} requests retried. A reward that never "
                 "varies within a group trains nothing: check the reward function against a few completions "
                 "(log_completions=True), or make the task easier.")
+
+
+@dataclass
+class ResumePoint:
+    """Where a worker starts so that nothing is trained twice or lost: the watermark, and what the trainer already
+    holds beyond it. Saved with each checkpoint (a resumed run) and handed to a restarted worker."""
+
+    start: int
+    """The first unfinished prompt position (the ledger's watermark)."""
+    finished: list[int] = field(default_factory=list)
+    """Positions past `start` that are finished (trained, dropped or skipped)."""
+    remaining: dict[int, int] = field(default_factory=dict)
+    """Groups partly trained: their samples not yet in a row, by position."""
+    samples: list[Sample] = field(default_factory=list)
+    """Samples received and not yet trained (the queue)."""
+
+    @property
+    def received(self) -> frozenset[int]:
+        """Positions past `start` the worker must not generate again."""
+        return frozenset(self.finished) | self.remaining.keys() | {s.position for s in self.samples}
+
+    @property
+    def queued_tokens(self) -> float:
+        return float(sum(s.num_tokens for s in self.samples))
 
 
 class Inbox(Protocol):
@@ -73,12 +106,12 @@ class PositionLedger:
     """Which prompt positions are finished (all their samples trained or discarded, or skipped); the
     watermark — the first unfinished position — is where a resumed run starts."""
 
-    def __init__(self, start: int):
+    def __init__(self, start: int, finished=(), remaining: dict[int, int] | None = None):
         self.watermark = start
-        self.remaining: dict[int, int] = {}
-        self.done: set[int] = set()
+        self.remaining: dict[int, int] = dict(remaining or {})
+        self.done: set[int] = set(finished)
         self.finished: list[int] = []
-        """Every finished position, in order (what a run covered)."""
+        """Every position this run finished, in order (what it covered)."""
 
     def finish(self, position: int) -> None:
         self.finished.append(position)
@@ -103,19 +136,19 @@ class SampleSource:
     worker's allowance. Worker metrics that arrive with the samples go to `window`.
     """
 
-    def __init__(self, inbox: Inbox, counters, window: MetricWindow, *, start_position: int, max_staleness: int,
+    def __init__(self, inbox: Inbox, counters, window: MetricWindow, *, resume: ResumePoint, max_staleness: int,
                  token_budget: int, end_position: int | None = None, regenerate=lambda position: None,
                  health_check=lambda: None, stall_timeout: float | None = None,
-                 say=lambda text: print(f"tandem: {text}", file=sys.stderr), stop=lambda: False):
+                 say=lambda text: print(f"tandem: {text}", file=sys.stderr), stop=lambda: False, restart_worker=None):
         self.inbox, self.counters, self.window = inbox, counters, window
-        self.ledger = PositionLedger(start_position)
+        self.ledger = PositionLedger(resume.start, resume.finished, resume.remaining)
         self.max_staleness, self.token_budget = max_staleness, token_budget
         self.end_position = end_position
         """Where the run's prompt positions end (None: an endless stream, max_steps decides)."""
         self.regenerate = regenerate
         """Asks the worker to generate a prompt position again."""
         self.health_check = health_check
-        self.buffer: deque[Sample] = deque()
+        self.buffer: deque[Sample] = deque(resume.samples)
         self.ended = False
         """The worker said it had nothing left to send (it sends more if asked to regenerate)."""
         self.unpublished = 0.0
@@ -123,7 +156,7 @@ class SampleSource:
         the trainer has to wait for the worker (so a half-filled row never deadlocks the allowance)."""
         self.pending: set[int] = set()
         """Positions sent back to the worker whose new group has not arrived yet."""
-        self.admitted: set[int] = set()
+        self.admitted: set[int] = set(resume.remaining)
         """Positions with a sample in a row already: their group is partly trained, so it is not generated again."""
         self.wait_s = 0.0
         """Total time spent waiting for the worker (a counter: a step reads its growth)."""
@@ -131,11 +164,23 @@ class SampleSource:
         """Since the last trainable sample; a wait past `stall_timeout` seconds stops the run (None: never)."""
         self.stop = stop
         """True when the run must end now (a preemption): a wait for samples gives up, as if the worker had ended."""
+        self.restart_worker = restart_worker
+        """Starts a new worker from a ResumePoint and returns (its inbox, its counters): a worker lost without an error
+        of its own (killed, hung) is replaced once. None: a lost worker stops the run."""
+
+    def resume_point(self) -> ResumePoint:
+        """What a new worker (a resumed run's, or a restarted one) needs to go on from here."""
+        ledger = self.ledger
+        return ResumePoint(ledger.watermark, sorted(ledger.done), dict(ledger.remaining), list(self.buffer))
 
     def pull(self, timeout_s: float) -> bool:
         """Handle one message from the worker, waiting up to `timeout_s`; False when none came."""
         try:
             message = self.inbox.get(timeout_s)
+        except WorkerLost as lost:
+            self.health_check()  # a server that died takes precedence
+            self._replace_worker(lost)
+            return True
         except Exception:
             self.health_check()  # a worker that failed because the server died: name the server
             raise
@@ -156,6 +201,19 @@ class SampleSource:
         elif kind == "end":
             self.ended = True
         return True
+
+    def _replace_worker(self, lost: WorkerLost) -> None:
+        """Start a new worker where this one left off: from the watermark, leaving out the positions already received,
+        so nothing is generated twice; the groups it had in flight are generated again. Once per run."""
+        if self.restart_worker is None:
+            raise lost
+        restart, self.restart_worker = self.restart_worker, None
+        point = self.resume_point()
+        self.inbox, self.counters = restart(point)
+        self.unpublished = 0.0  # the old worker's token accounting went with it
+        self.window.add("rollout/worker_restart_count", 1)
+        self.say(f"{lost}. Restarted it from prompt position {point.start}, leaving out the {len(point.received)} "
+                 "positions past it already received; a second loss stops the run.")
 
     def drain(self) -> int:
         """Read every message already waiting; returns the samples now buffered (`rollout/queue_size`)."""

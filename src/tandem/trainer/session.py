@@ -8,6 +8,7 @@ an error and on Ctrl-C, in the reverse order of starting. The trainer asks it fo
 import asyncio
 import json
 import sys
+import urllib.parse
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -25,6 +26,7 @@ class Session:
         self.stack = ExitStack()
         self.runner = asyncio.Runner()
         self.server: EmbeddedServer | None = None
+        self.server_args: list[str] = []
         self.control: ControlClient | None = None
         self.worker: RolloutWorker | None = None
         self.sinks: list = []
@@ -52,8 +54,17 @@ class Session:
     def start_server(self, model_path: str, log_path: Path, extra_args: list[str]) -> str:
         """The embedded `tandem serve` for `model_path` (its output in `log_path`); returns its URL."""
         self.server = EmbeddedServer(model_path, log_path=log_path, extra_args=extra_args)
-        self.stack.callback(self.server.stop)
+        self.server_args = extra_args
+        self.stack.callback(lambda: self.server.stop())  # the one running then (it may have been restarted)
         return self.server.url
+
+    def restart_server(self, model_path: str) -> None:
+        """A new embedded server in place of the one that died: the same flags and port (requests in flight retry
+        until it answers), serving `model_path`."""
+        dead = self.server
+        port = urllib.parse.urlsplit(dead.url).port
+        self.server = EmbeddedServer(model_path, log_path=dead.log_path, extra_args=[*self.server_args, "--port", str(port)])
+        self.run(self.control.wait_healthy(self.timeout_s))
 
     def connect(self, url: str) -> ControlClient:
         """The control-plane client, once the server at `url` answers /health."""

@@ -44,10 +44,14 @@ from tandem.trainer.flops import model_shape, peak_flops, rows_flops
 from tandem.trainer.model import check_dataset, eos_ids, load_model, served_dtype, use_bf16, with_adapter
 from tandem.trainer.objectives import LossShare, make_objective
 from tandem.trainer.optimization import clip_gradients, make_optimizer, make_scheduler
-from tandem.trainer.sample_source import SampleSource
+from tandem.trainer.sample_source import ResumePoint, SampleSource
 from tandem.trainer.session import Session
 from tandem.trainer.step_metrics import StepTimes, record_micro_batch, record_samples, record_step
-from tandem.trainer.weight_sync import ADAPTER_NAME, LoraSync, choose_sync, follower_sync, lora_server_flags
+from tandem.trainer.weight_sync import ADAPTER_NAME, LoraSync, choose_sync, follower_sync, lora_server_flags, publish
+
+SERVER_RESTARTS = 3
+SERVER_RESTART_WINDOW_S = 600.0
+"""The embedded server is restarted when it dies, unless it died SERVER_RESTARTS times in the last 10 minutes."""
 
 
 def callback_handler(callbacks: list, model, tokenizer, optimizer, scheduler) -> CallbackHandler:
@@ -131,6 +135,8 @@ class AsyncGRPOTrainer:
         self.control = TrainerControl()
         self.preempted = threading.Event()
         """Set by SIGTERM while training with enable_jit_checkpoint: the step in progress ends with a checkpoint."""
+        self.server_restarts: list[float] = []
+        """When the embedded server was restarted (monotonic seconds): one that keeps dying stops the run."""
         self.saved_step: int | None = None
         """The step of the last checkpoint written, so the end of a run does not write the same one again."""
         self._callback_event("on_init_end")
@@ -354,7 +360,7 @@ class AsyncGRPOTrainer:
     def _checkpoint(self) -> Path:
         self.state.dataset_start_index = self.ranks.broadcast(self.state.dataset_start_index)
         folder = checkpoint.save(self.output_dir, self.model, self.tokenizer, self.optimizer, self.scheduler, self.state,
-                                 self.args.save_total_limit, self.ranks)
+                                 self.args.save_total_limit, self.ranks, self.source.resume_point() if self.ranks.main else None)
         self.saved_step = self.state.step
         self._callback_event("on_save")
         return folder
@@ -415,7 +421,12 @@ class AsyncGRPOTrainer:
         start = time.perf_counter()
         self.ranks.barrier()  # the gathers of the sync start when the slowest rank has finished its step
         waited = time.perf_counter() - start
-        timings = self._push(version)
+        try:
+            timings = self._push(version)
+        except Exception as error:
+            if not self._reconnect(version, error):  # the server brought back serves this version
+                raise
+            timings = {}
         if self.ranks.several:
             timings["perf/weight_sync_barrier_s"] = waited
         if self.ranks.main:
@@ -441,6 +452,58 @@ class AsyncGRPOTrainer:
                 timings["weight_sync/served_logprob_gap"] = gap.max_abs
         return timings
 
+    def _check_server(self) -> None:
+        """The embedded server's health, checked at every read of the worker's queue: one that died is restarted with
+        the trainer's current weights, unless it died too often (then the run stops with its log's tail)."""
+        server = self.session.server
+        if server is not None and not server.alive() and self._may_restart():
+            self._restart_server(self.state.model_version)
+        self.session.check_server()
+
+    def _reconnect(self, version: int, error: Exception) -> bool:
+        """After a failed sync: restart an embedded server that died, or wait (up to vllm_server_timeout) for an external
+        one to answer, join its transfer group anew (a restarted server has a new one) and sync `version` again.
+        False when there is nothing to try (an embedded server alive, several ranks)."""
+        session, args = self.session, self.args
+        if self.ranks.several:
+            return False
+        if session.server is not None:
+            if session.server.alive() or not self._may_restart():
+                return False
+            self._restart_server(version)
+            return True
+        session.progress.say(f"the weight sync to {session.control.base_url} failed ({error}); syncing again once it "
+                             f"answers (waiting up to vllm_server_timeout={args.vllm_server_timeout:g}s)")
+        session.run(session.control.wait_healthy(args.vllm_server_timeout))
+        self.sync = choose_sync(session.control, session, self.served_name, self.model, args, self.lora, self.ranks)
+        self.sync.push(self.model, version, announce=self._announce)
+        self.window.add("rollout/server_reconnect_count", 1)
+        return True
+
+    def _may_restart(self) -> bool:
+        """On one process, and fewer than SERVER_RESTARTS restarts in the last SERVER_RESTART_WINDOW_S."""
+        now = time.monotonic()
+        self.server_restarts = [t for t in self.server_restarts if now - t < SERVER_RESTART_WINDOW_S]
+        return not self.ranks.several and len(self.server_restarts) < SERVER_RESTARTS
+
+    def _restart_server(self, version: int) -> None:
+        """Start the embedded server again where it was, serving the model as it is now under `version`: full weights
+        from a folder they are written to, a LoRA adapter loaded on the base model. Requests in flight retry until
+        it answers; a group that failed meanwhile is generated again."""
+        session, start = self.session, time.perf_counter()
+        self.server_restarts.append(time.monotonic())
+        session.progress.say(f"the embedded tandem serve exited (code {session.server.process.poll()}); restarting it with "
+                             f"the weights of step {self.state.step} (log: {session.server.log_path})")
+        folder = self.served_path if self.lora else str(publish(self.model, self.output_dir / ".weights", "current", self.ranks))
+        session.restart_server(folder)
+        self.sync = choose_sync(session.control, session, self.served_name, self.model, self.args, self.lora, self.ranks)
+        if self.lora:
+            self.sync.push(self.model, version, announce=self._announce)
+        else:
+            self._announce(version)
+        self.window.add("rollout/server_restart_count", 1)
+        self.window.add("perf/server_restart_s", time.perf_counter() - start)
+
     def _announce(self, version: int) -> None:
         """Called by the sync once the server serves `version`: the groups started from now on sample from it."""
         if self.session.worker is not None:
@@ -451,15 +514,16 @@ class AsyncGRPOTrainer:
         """Weights, optimizer, schedule and counters from the checkpoint `resume` (resharded to this run's ranks), or
         fresh counters."""
         self.state = checkpoint.load(resume, self.model, self.optimizer, self.scheduler) if resume is not None else TrainerState()
+        self.resume_point = checkpoint.load_resume_point(resume) if resume is not None else ResumePoint(0)
         self.window, self.losses, self.reward_history = MetricWindow(), [], []
 
     def _connect(self, resumed: bool) -> None:
         """Reach the server, check the data fits it, bring it to our weights, then start the worker. Rank 0 talks to
         the server and owns the worker; every rank takes part in the saves and syncs."""
         args, session, main = self.args, self.session, self.ranks.main
-        served_path = self._served_path() if args.vllm_server_base_url is None else None
+        self.served_path = self._served_path() if args.vllm_server_base_url is None else None
         if main:
-            url = args.vllm_server_base_url or session.start_server(served_path, self.output_dir / "server.log",
+            url = args.vllm_server_base_url or session.start_server(self.served_path, self.output_dir / "server.log",
                                                                     self._server_args())
             control = session.connect(url)
             max_model_len = session.run(control.max_model_len())
@@ -477,12 +541,29 @@ class AsyncGRPOTrainer:
             return
         session.open_sinks(args.report_to, self.output_dir, args.run_name, args.to_dict(),
                            args.max_steps if args.max_steps > 0 else None)
-        worker = session.start_worker(self._worker_spec(url, served_name), args.rollout_worker_timeout, self.state.model_version)
-        self.source = SampleSource(worker, worker.channels, self.window, start_position=self.state.dataset_start_index,
+        self.served_url, self.served_name = url, served_name
+        worker = self._start_worker(self.resume_point)
+        self.source = SampleSource(worker, worker.channels, self.window, resume=self.resume_point,
                                    max_staleness=args.max_staleness, token_budget=self.token_budget,
-                                   end_position=self._num_positions(), regenerate=worker.channels.retry.put,
-                                   health_check=session.check_server, stall_timeout=args.stall_timeout,
-                                   say=session.progress.say, stop=self.preempted.is_set)
+                                   end_position=self._num_positions(), regenerate=self._regenerate,
+                                   health_check=self._check_server, stall_timeout=args.stall_timeout,
+                                   say=session.progress.say, stop=self.preempted.is_set, restart_worker=self._restart_worker)
+
+    def _start_worker(self, point: ResumePoint):
+        """The rollout worker, generating from `point` on (its start, leaving out what the trainer holds past it)."""
+        spec = self._worker_spec(self.served_url, self.served_name, point)
+        return self.session.start_worker(spec, self.args.rollout_worker_timeout, self.state.model_version)
+
+    def _restart_worker(self, point: ResumePoint):
+        """A new worker where a lost one left off (the sample source asks once); returns its inbox and counters."""
+        lost = self.session.worker
+        lost.stop()
+        worker = self._start_worker(point)
+        worker.channels.tokens_per_step.value = lost.channels.tokens_per_step.value
+        return worker, worker.channels
+
+    def _regenerate(self, position: int) -> None:
+        self.session.worker.channels.retry.put(position)
 
     def _served_path(self) -> str:
         """A folder with exactly the trainer's weights for the embedded server: the model's own, or a saved copy."""
@@ -571,7 +652,7 @@ class AsyncGRPOTrainer:
         print(f"tandem: the chat template is not prefix-preserving ({problem}); training with tandem's {family} training "
               "template, which renders earlier turns unchanged")
 
-    def _worker_spec(self, url: str, served_name: str) -> WorkerSpec:
+    def _worker_spec(self, url: str, served_name: str, point: ResumePoint) -> WorkerSpec:
         args = self.args
         tokenizer_path = self.output_dir / ".tokenizer"
         tokenizer = copy.copy(self.tokenizer)  # the training template renders rollouts; checkpoints keep the model's own
@@ -581,7 +662,7 @@ class AsyncGRPOTrainer:
             config=args, model_name=served_name, tokenizer_path=str(tokenizer_path), dataset=self.dataset,
             reward_funcs=self.reward_funcs, eos_token_ids=eos_ids(self.tokenizer, self.model), base_url=url,
             tools=self.tools, environment_factory=self.environment_factory, api_key=args.vllm_server_api_key,
-            dataset_start_index=self.state.dataset_start_index,
+            dataset_start_index=point.start, received=point.received, queued_tokens=point.queued_tokens,
             full_step_tokens=self.token_budget * args.gradient_accumulation_steps, num_positions=self._num_positions(),
             adapter_name=ADAPTER_NAME if isinstance(self.sync, LoraSync) else None)
         return WorkerSpec(loop_cls=self.loop_cls, settings=settings)

@@ -1,0 +1,116 @@
+"""Soak: the demo recipe trained for `--minutes` (30) with its embedded server killed (`kill -9`) every `--kill-every`
+minutes (5), as a crashing server would be. The trainer runs in this process, so what it leaves behind is measured
+directly. Reported:
+
+- prompt positions finished, against those the run's watermark says it covered: each exactly once (none twice,
+  none missing), across every restart;
+- processes, threads and file descriptors left after `train()` returns, against before it started (goal: none);
+- resident memory of the trainer's process at the first kill (warm) and at the end;
+- server restarts, steps, and the reward of the first and last 20 steps.
+
+    python benchmarks/soak.py [--minutes 30] [--kill-every 5] [--markdown PATH]
+
+The embedded server is restarted at most 3 times in 10 minutes (more stops the run): keep --kill-every above 3.5
+minutes for long soaks.
+"""
+
+import argparse
+import os
+import signal
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+from transformers import TrainerCallback
+
+from tandem import AsyncGRPOTrainer
+from tandem.config import import_object, load_recipe
+from tandem.tasks import datasets
+
+from tables import add_markdown_flag, emit, markdown_table
+
+RECIPE = Path(__file__).resolve().parent.parent / "examples" / "demo.yaml"
+
+
+def resources() -> dict[str, int]:
+    """This process's live children, threads and open file descriptors."""
+    me = psutil.Process()
+    return {"processes": len([c for c in me.children(recursive=True) if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]),
+            "threads": threading.active_count(), "fds": me.num_fds()}
+
+
+class KillServer(TrainerCallback):
+    """Kills the embedded server every `every_s` seconds (at a step's end: the worker has requests in flight) and ends
+    the run after `total_s`; keeps the trainer's resident memory at each kill."""
+
+    def __init__(self, trainer: AsyncGRPOTrainer, total_s: float, every_s: float):
+        self.trainer, self.total_s, self.every_s = trainer, total_s, every_s
+        self.start = self.next_kill = None
+        self.kills: list[int] = []
+        self.rss_mb: list[float] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now = time.monotonic()
+        if self.start is None:
+            self.start, self.next_kill = now, now + self.every_s
+        if now >= self.next_kill:
+            server = self.trainer.session.server
+            os.kill(server.process.pid, signal.SIGKILL)
+            self.kills.append(state.global_step)
+            self.rss_mb.append(psutil.Process().memory_info().rss / 2**20)
+            self.next_kill += self.every_s
+            print(f"soak: {(now - self.start) / 60:.1f} min, step {state.global_step}: killed the server (pid "
+                  f"{server.process.pid}), resident memory {self.rss_mb[-1]:.0f} MiB", flush=True)
+        if now - self.start >= self.total_s:
+            control.should_training_stop = True
+        return control
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--kill-every", type=float, default=5.0, help="minutes between two kills of the server")
+    add_markdown_flag(parser)
+    ns = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        recipe = load_recipe(str(RECIPE), ["--max_steps", "1000000", "--save_steps", "500", "--output_dir", tmp])
+        trainer = AsyncGRPOTrainer(recipe.model, [import_object(f) for f in recipe.reward_funcs], args=recipe.config,
+                                   train_dataset=datasets.load(recipe.dataset))
+        killer = KillServer(trainer, ns.minutes * 60, ns.kill_every * 60)
+        trainer.add_callback(killer)
+        before = resources()
+        started = time.monotonic()
+        trainer.train()
+        elapsed = time.monotonic() - started
+        time.sleep(2)  # processes stopped at the end finish exiting
+        after = resources()
+        end_rss = psutil.Process().memory_info().rss / 2**20
+        ledger = trainer.source.ledger
+        restarts = sum(row.get("rollout/server_restart_count", 0) for row in trainer.state.log_history)
+
+    counts = Counter(ledger.finished)
+    twice = sum(1 for n in counts.values() if n > 1)
+    missing = len(set(range(ledger.watermark)) - set(counts))
+    history = trainer.reward_history
+    warm = killer.rss_mb[0] if killer.rss_mb else end_rss
+    leaked = {name: after[name] - before[name] for name in before}
+    print(f"\nsoak: {elapsed / 60:.1f} min, {trainer.state.step} steps, server killed {len(killer.kills)} times "
+          f"(steps {killer.kills}), restarted {restarts:.0f} times")
+    print(f"prompt positions: {len(counts)} finished, watermark {ledger.watermark}; {twice} twice, {missing} missing")
+    print(f"left behind: {leaked} (before {before}, after {after})")
+    print(f"resident memory: {warm:.0f} MiB at the first kill, {end_rss:.0f} MiB at the end ({end_rss - warm:+.0f} MiB)")
+    rows = [[f"{elapsed / 60:.0f}", str(len(killer.kills)), f"{restarts:.0f}", str(trainer.state.step),
+             f"{len(counts)} of {max(ledger.watermark, len(counts))}", str(twice), str(missing),
+             f"{leaked['processes']} / {leaked['threads']} / {leaked['fds']}", f"{warm:.0f} → {end_rss:.0f}",
+             f"{sum(history[:20]) / max(1, len(history[:20])):.2f} → {sum(history[-20:]) / max(1, len(history[-20:])):.2f}"]]
+    emit(markdown_table(["minutes", "server kills", "restarts", "steps", "prompts finished", "twice", "missing",
+                         "leaked processes / threads / fds", "trainer RSS MiB (first kill → end)", "reward"],
+                        "rrrrrrrlrr", rows), ns.markdown)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""Checkpoints on their own: a write killed half-way is never read, and what resumes is the last complete one."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tandem import AsyncGRPOConfig
+from tandem.tasks import TINY_MODEL_PATH
+from tandem.trainer import checkpoint
+from tandem.trainer.checkpoint import TrainerState
+from tandem.trainer.distributed import Ranks
+from tandem.trainer.optimization import make_optimizer, make_scheduler
+from tandem.trainer.sample_source import ResumePoint
+
+
+def test_a_checkpoint_write_killed_half_way_is_never_read_and_the_last_complete_one_resumes(tmp_path, monkeypatch):
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=10)
+    optimizer = make_optimizer(model, args)
+    scheduler = make_scheduler(optimizer, args)
+
+    def save(step: int):
+        return checkpoint.save(tmp_path, model, tokenizer, optimizer, scheduler, TrainerState(global_step=step),
+                               None, Ranks(), ResumePoint(step * 3, finished=[step * 3 + 2]))
+
+    save(2)
+    monkeypatch.setattr(tokenizer, "save_pretrained", lambda folder: (_ for _ in ()).throw(KeyboardInterrupt("killed")))
+    with pytest.raises(KeyboardInterrupt):  # the process dies with the weights written and the rest not
+        save(4)
+    assert (tmp_path / ".checkpoint-4.tmp" / checkpoint.SHARDS).is_dir(), "the half-written one is in its staging folder"
+    assert checkpoint.checkpoints(tmp_path) == [tmp_path / "checkpoint-2"]
+    resumed = checkpoint.resolve(True, tmp_path)
+    assert resumed == tmp_path / "checkpoint-2"
+    state = checkpoint.load(resumed, model, optimizer, scheduler)
+    assert state.step == 2 and checkpoint.load_resume_point(resumed).finished == [8]
+
+    monkeypatch.undo()
+    save(4)  # the next run writes step 4 again over the leftovers
+    assert checkpoint.checkpoints(tmp_path)[-1].name == "checkpoint-4" and not (tmp_path / ".checkpoint-4.tmp").exists()
