@@ -33,7 +33,8 @@ class ServerProcess:
         else:
             env.pop("OMP_WAIT_POLICY", None)
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
-        threading.Thread(target=self._read_output, daemon=True).start()
+        self.reader = threading.Thread(target=self._read_output, daemon=True)
+        self.reader.start()
         self._wait_ready(shlex.join(command), startup_timeout_s)
 
     def _read_output(self) -> None:
@@ -73,6 +74,7 @@ class ServerProcess:
         return self.process.poll() is None
 
     def stop(self) -> None:
+        """End the process (SIGTERM, SIGKILL after 30 s) and close its output pipe once all of it was read."""
         if self.process.poll() is None:
             self.process.terminate()
             try:
@@ -80,6 +82,9 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self.reader.join(timeout=5)
+        if not self.reader.is_alive():
+            self.process.stdout.close()
 
     def __enter__(self):
         return self

@@ -96,10 +96,14 @@ class RolloutWorker:
             self.process.start()
 
     def stop(self) -> None:
+        """End the process and close this side of its queues (their pipes and the thread that feeds `retry`)."""
         self.channels.stop.set()
         if self.process.is_alive():
             self.process.terminate()
         self.process.join(timeout=10)
+        for channel in (self.channels.out, self.channels.retry):
+            channel.close()
+            channel.join_thread()
 
     def get(self, timeout_s: float) -> tuple[str, object] | None:
         """The next message, or None after `timeout_s`; raises WorkerError if the worker failed or hung."""

@@ -62,6 +62,7 @@ class Session:
         """A new embedded server in place of the one that died: the same flags and port (requests in flight retry
         until it answers), serving `model_path`."""
         dead = self.server
+        dead.stop()  # reaps it and closes its output
         port = urllib.parse.urlsplit(dead.url).port
         self.server = EmbeddedServer(model_path, log_path=dead.log_path, extra_args=[*self.server_args, "--port", str(port)])
         self.run(self.control.wait_healthy(self.timeout_s))

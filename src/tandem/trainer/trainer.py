@@ -159,10 +159,13 @@ class AsyncGRPOTrainer:
         if self.args.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
-        with Session(self.args.vllm_server_timeout, self.args.vllm_server_api_key) as self.session, \
-                on_sigterm(self.args.enable_jit_checkpoint, self.preempted):
-            self._connect(resumed=resume is not None)
-            output = self._loop()
+        try:
+            with Session(self.args.vllm_server_timeout, self.args.vllm_server_api_key) as self.session, \
+                    on_sigterm(self.args.enable_jit_checkpoint, self.preempted):
+                self._connect(resumed=resume is not None)
+                output = self._loop()
+        finally:
+            self.sync = None  # its transfer group (sockets, threads) joined the server the session stopped
         if self.preempted.is_set():
             print(f"tandem: stopped on SIGTERM after a checkpoint at step {self.state.step}; resume with "
                   "train(resume_from_checkpoint=True), or tandem train with --resume_from_checkpoint true", file=sys.stderr)
