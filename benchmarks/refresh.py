@@ -31,6 +31,7 @@ BENCHMARKS = {  # in README order, with about how long each takes on the project
     "fsdp": "~2 min",
     "serve_throughput": "~2 min",
     "multiturn": "~30 s",
+    "soak": "~30 min",
 }
 
 

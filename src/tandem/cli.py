@@ -78,6 +78,8 @@ def proxy_parser(sub) -> None:
                                                                      "the replicas cache them (default: by their text)")
     p.add_argument("--stats-interval-s", type=float, default=60.0,
                    help="print '[proxy] stats {json}' (per-replica load, router counts) this often; 0 = never (default 60)")
+    p.add_argument("--probe-interval-s", type=float, default=1.0,
+                   help="ask a down replica's /health this often; once it answers it is caught up, then routed to (default 1)")
 
 
 def run_doctor(ns: argparse.Namespace) -> None:
@@ -113,7 +115,9 @@ def run_proxy(ns: argparse.Namespace) -> None:
     args = ProxyArgs(upstreams=ns.upstream, host=ns.host, port=ns.port, block_size=ns.block_size, imbalance=ns.imbalance,
                      lora_retry_s=ns.lora_retry_s, lora_load_timeout_s=ns.lora_load_timeout_s,
                      connect_timeout_s=ns.connect_timeout_s, api_key=ns.api_key, upstream_api_key=ns.upstream_api_key,
-                     tokenizer=ns.tokenizer, stats_interval_s=ns.stats_interval_s)
+                     tokenizer=ns.tokenizer, stats_interval_s=ns.stats_interval_s, probe_interval_s=ns.probe_interval_s)
+    if not args.probe_interval_s > 0:
+        user_error(f"tandem proxy: --probe-interval-s {args.probe_interval_s:g}: must be a positive number of seconds")
     run_until_interrupted(start_proxy(args), lambda port: f"tandem proxy: http://{args.host}:{port} -> {', '.join(args.upstreams)}")
 
 

@@ -77,21 +77,21 @@ rollout_worker_timeout: 60
     assert max((reloaded[name] - initial[name]).abs().max() for name in weights) > 0, "the checkpoint holds trained weights"
 
 
-@pytest.mark.parametrize("first, second", [(2, 1), (1, 2)])
-def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path, first, second):
+def test_a_checkpoint_resumes_on_another_number_of_ranks_each_way(tmp_path):
+    """Two ranks crash after step 2; one rank resumes from their checkpoint and crashes after step 4; two ranks resume
+    from that one and finish the epoch. Each resume finishes exactly what its checkpoint had not."""
     fields = ["--max_steps", -1, "--num_train_epochs", 1, "--save_strategy", "steps", "--save_steps", 2,
               "--max_staleness", 1, "--token_budget", 100, "--prompts", 48]
-    crashed = run(first, HERE / "run_trainer.py", tmp_path, "first", "--crash-after", 2, *fields)
-    assert crashed.returncode != 0 and "simulated crash after step 2" in crashed.stderr
-    check(run(second, HERE / "run_trainer.py", tmp_path, "second", "--resume", *fields))
-    before = set(json.loads((tmp_path / "finished-first.json").read_text()))
-    after = json.loads((tmp_path / "finished-second.json").read_text())
-    saved = json.loads((tmp_path / "run" / "checkpoint-2" / "rollout_state.json").read_text())
-    start = saved["dataset_start_index"]
-    assert 0 < start < 48, "the crash came mid-epoch"
-    assert sorted(after) == sorted(set(range(start, 48)) - set(saved["finished"])), \
-        "the resumed run finishes what the checkpoint had not, each position once"
-    assert before | set(after) == set(range(48)), "no prompt of the epoch is skipped"
+    for ranks, tag, flags in [(2, "first", ["--crash-after", 2]), (1, "second", ["--resume", "--crash-after", 4])]:
+        crashed = run(ranks, HERE / "run_trainer.py", tmp_path, tag, *flags, *fields)
+        assert crashed.returncode != 0 and f"simulated crash after step {flags[-1]}" in crashed.stderr, crashed.stderr[-2000:]
+    check(run(2, HERE / "run_trainer.py", tmp_path, "third", "--resume", *fields))
+    finished = {tag: json.loads((tmp_path / f"finished-{tag}.json").read_text()) for tag in ("first", "second", "third")}
+    saved = {step: json.loads((tmp_path / "run" / f"checkpoint-{step}" / "rollout_state.json").read_text()) for step in (2, 4)}
+    assert 0 < saved[2]["dataset_start_index"] <= saved[4]["dataset_start_index"] < 48, "both crashes came mid-epoch"
+    assert sorted(finished["third"]) == sorted(set(range(saved[4]["dataset_start_index"], 48)) - set(saved[4]["finished"])), \
+        "the last resume finishes what its checkpoint had not, each position once"
+    assert set().union(*finished.values()) == set(range(48)), "no prompt of the epoch is skipped"
 
 
 def test_lora_under_two_ranks_syncs_the_gathered_adapter(tmp_path):

@@ -18,14 +18,14 @@ TEMPLATE = list(range(1000, 1016))
 
 
 class FakeReplica:
-    def __init__(self, index: int, lag: int = 0, fail_load: bool = False):
+    def __init__(self, index: int, lag: int = 0, fail_load: bool = False, port: int | None = None):
         self.index, self.lag, self.fail_load = index, lag, fail_load
         self.calls: dict[str, int] = {}
         self.loaded: set[str] = set()
         self.healthy = True
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self.handle)
-        self.server = TestServer(app)
+        self.server = TestServer(app, port=port)
 
     async def handle(self, request: web.Request) -> web.Response:
         path = request.path
@@ -54,6 +54,8 @@ class FakeReplica:
             return web.Response(text="ok")
         if path == "/health":
             return web.Response(status=200 if self.healthy else 503)
+        if path == "/get_world_size":
+            return web.json_response({"world_size": 1})
         if path == "/metrics":
             return web.Response(text=f"vllm:num_requests_running{{engine=\"0\"}} {3 + self.index}\n"
                                      f"vllm:kv_cache_usage_perc{{engine=\"0\"}} {0.5 - 0.25 * self.index}\n"
@@ -178,9 +180,12 @@ async def test_health_metrics_and_a_dead_replica():
         await dying.server.close()
         start = time.monotonic()
         async with s.get(url + "/health") as r:
-            assert r.status == 502
-        statuses = {(await post(s, url + "/v1/completions", {"prompt": [i] * 40}))[0] for i in range(4)}
-        assert statuses == {200, 502} and time.monotonic() - start < 5, "a dead replica answers 502 at once, never hangs"
+            assert r.status == 502, "a replica that stopped answering is found at once, never a hang"
+        answers = [await post(s, url + "/v1/completions", {"prompt": [i] * 40}) for i in range(4)]
+        assert {(status, upstream) for status, upstream, _ in answers} == {(200, "0")}, "the others serve its requests"
+        assert time.monotonic() - start < 5
+        async with s.get(url + "/health") as r:
+            assert r.status == 200 and "serving without" in await r.text(), "the proxy serves while one replica is down"
         async with s.get(url + "/v1/models") as r:
             assert r.status == 200 and (await r.json())["from"] == 0
     await runner.cleanup()
@@ -195,9 +200,11 @@ async def test_a_replica_that_refuses_connections_loses_its_blocks_at_once():
         assert [(await post(s, url + "/v1/completions", {"prompt": p}))[1] for p in (kept, lost)] == ["0", "1"]
         await replicas[1].server.close()  # a restarting replica: its cache is gone
         status, upstream, _ = await post(s, url + "/v1/completions", {"prompt": lost})
-        assert (status, upstream) == (502, "1")
+        assert (status, upstream) == (200, "0"), "the request that found it down was sent to the other replica"
         async with s.get(url + "/proxy/stats") as r:
-            assert (await r.json())["router"]["tracked_blocks"] == 5, "only replica 0's blocks are left"
+            stats = await r.json()
+        assert [u["state"] for u in stats["upstreams"]] == ["up", "down"]
+        assert stats["router"]["tracked_blocks"] == 10, "replica 1's blocks are forgotten; replica 0 holds both prompts now"
     await runner.cleanup()
     await replicas[0].server.close()
 
@@ -264,3 +271,67 @@ async def test_the_proxy_prints_its_stats_line_with_each_replicas_load(capsys):
     stats = json.loads(lines[-1].removeprefix("[proxy] stats "))
     assert len(lines) >= 2 and [u["inflight"] for u in stats["upstreams"]] == [0, 0]
     assert sum(u["routed"] for u in stats["upstreams"]) == 1 and stats["router"]["routed"] == 1
+
+
+async def states(session, url) -> list[str]:
+    async with session.get(url + "/proxy/stats") as r:
+        return [u["state"] for u in (await r.json())["upstreams"]]
+
+
+async def until(session, url, wanted: list[str], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (found := await states(session, url)) != wanted:
+        assert time.monotonic() < deadline, f"replica states {found}, waited for {wanted}"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_replica_that_comes_back_is_given_the_adapters_loaded_meanwhile_before_any_request():
+    replicas = [FakeReplica(0), FakeReplica(1)]
+    runner, url = await started(replicas, probe_interval_s=0.05)
+    async with aiohttp.ClientSession() as s:
+        assert (await post(s, url + "/v1/load_lora_adapter", {"lora_name": "v1", "lora_path": "/adapters/v1"}))[0] == 200
+        port = replicas[1].server.port
+        await replicas[1].server.close()
+        assert (await post(s, url + "/v1/completions", {"prompt": [5] * 40}))[:2] == (200, "0")  # found down
+        assert (await post(s, url + "/v1/load_lora_adapter", {"lora_name": "v2", "lora_path": "/adapters/v2"}))[0] == 200, \
+            "an adapter load succeeds on the replicas up"
+        assert (await post(s, url + "/v1/unload_lora_adapter", {"lora_name": "v1"}))[0] == 200
+        back = FakeReplica(1, port=port)
+        await back.server.start_server()
+        await until(s, url, ["up", "up"])
+        assert back.loaded == {"v2"} and "/v1/completions" not in back.calls, "brought to the adapters of now first"
+        upstreams = {(await post(s, url + "/v1/completions", {"prompt": [i] * 40}))[1] for i in range(8)}
+        assert upstreams == {"0", "1"}, "it gets traffic again"
+    await runner.cleanup()
+    for replica in (replicas[0], back):
+        await replica.server.close()
+
+
+async def test_a_transfer_group_is_formed_again_without_a_replica_that_went_down_and_with_it_once_back():
+    replicas = [FakeReplica(0), FakeReplica(1)]
+    runner, url = await started(replicas, probe_interval_s=0.05)
+    init = {"init_info": {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 3}}
+    transfer = [("/start_weight_update", {}), ("/update_weights", {"update_info": {}}), ("/finish_weight_update", {})]
+    async with aiohttp.ClientSession() as s:
+        assert (await post(s, url + "/init_weight_transfer_engine", init))[0] == 200
+        port = replicas[1].server.port
+        await replicas[1].server.close()
+        async with s.get(url + "/health") as r:  # the trainer's next call finds it down
+            assert r.status == 502
+        status, _, text = await post(s, url + "/start_weight_update", {})
+        assert status == 409 and "Initialise the transfer again" in text, "the trainer is told to form the group anew"
+        assert (await post(s, url + "/init_weight_transfer_engine", init | {"init_info": init["init_info"] | {"world_size": 2}}))[0] == 200
+        assert [(await post(s, url + path, body))[0] for path, body in transfer] == [200, 200, 200]
+
+        back = FakeReplica(1, port=port)
+        await back.server.start_server()
+        await until(s, url, ["up", "behind"])
+        assert {(await post(s, url + "/v1/completions", {"prompt": [i] * 40}))[1] for i in range(6)} == {"0"}, \
+            "no traffic before it has the current weights"
+        assert (await post(s, url + "/start_weight_update", {}))[0] == 409
+        assert (await post(s, url + "/init_weight_transfer_engine", init))[0] == 200
+        assert [(await post(s, url + path, body))[0] for path, body in transfer] == [200, 200, 200]
+        assert await states(s, url) == ["up", "up"] and back.calls["/finish_weight_update"] == 1
+    await runner.cleanup()
+    for replica in (replicas[0], back):
+        await replica.server.close()

@@ -1,5 +1,6 @@
-"""One failure is not fatal: a reward function that raises, or a request the server fails, costs at most its group.
-The rollout loop runs in-process here, its replies scripted and its messages read from real channels."""
+"""One failure is not fatal: a reward function that raises, or a request the server fails, costs at most its group;
+a mistake in the user's code stops the run at once, naming it. The rollout loop runs in-process here, its replies
+scripted and its messages read from real channels."""
 
 import asyncio
 import multiprocessing as mp
@@ -42,7 +43,8 @@ class ScriptedLoop(AsyncRolloutLoop):
         return TurnRecord(prompt_ids=list(prompt_ids), output_ids=ids, output_log_probs=[-0.5] * len(ids))
 
 
-def run_loop(reward, prompts: int = 6, failing_requests=None, slow_until_synced=None, **config) -> tuple[list, dict]:
+def run_loop(reward, prompts: int = 6, failing_requests=None, slow_until_synced=None, loop_cls=ScriptedLoop,
+             **config) -> tuple[list, dict]:
     """Run the loop over `prompts` prompts until it says "end"; returns its messages and its metrics merged."""
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"prompt {i}"}]} for i in range(prompts)])
     settings = RolloutSettings(
@@ -50,7 +52,7 @@ def run_loop(reward, prompts: int = 6, failing_requests=None, slow_until_synced=
         tokenizer_path=TINY_MODEL_PATH, dataset=dataset, reward_funcs=[reward], eos_token_ids=[TOKENIZER.eos_token_id],
         base_url="http://127.0.0.1:9", num_positions=prompts, full_step_tokens=10_000)
     channels = Channels.create(mp.get_context("spawn"))
-    loop = ScriptedLoop(settings, processing_class=TOKENIZER, channels=channels)
+    loop = loop_cls(settings, processing_class=TOKENIZER, channels=channels)
     loop.failing_requests = dict(failing_requests or {})
     loop.slow_until_synced = slow_until_synced
     loop.control.max_retries = 0  # there is no server to ask for /metrics: give up at once
@@ -154,3 +156,22 @@ def test_a_group_that_can_only_arrive_stale_is_cancelled_and_generated_again_und
     assert sum(metrics["rollout/cancelled_stale_count"]) == 1
     versions = {s.position: s.model_version for kind, payload in messages if kind == "samples" for s in payload}
     assert sorted(versions) == list(range(6)) and versions[2] == 1, "position 2 came back sampled from version 1"
+
+
+def wrong_count(completions, **kwargs):
+    return [1.0]
+
+
+def test_a_reward_returning_the_wrong_count_stops_the_run_with_its_name_at_once():
+    with pytest.raises(ValueError, match="reward function 'wrong_count' returned 1 values for a group of 2"):
+        run_loop(wrong_count)
+
+
+class RejectEverything(ScriptedLoop):
+    def filter_prompt(self, row_index, row, epoch):
+        return False
+
+
+def test_rejecting_a_whole_epoch_raises():
+    with pytest.raises(ValueError, match="rejected every prompt of epoch 0"):
+        run_loop(by_reply, loop_cls=RejectEverything)

@@ -96,10 +96,10 @@ def test_a_sample_longer_than_the_token_budget_is_dropped_with_a_warning():
     assert source.window.get("batch/dropped_oversize_count") == 1
 
 
-def test_worker_metrics_and_skips_reach_the_window_and_the_ledger():
+def test_worker_metrics_and_skips_reach_the_worker_window_and_the_ledger():
     source = source_of(("metrics", {"reward": [1.0, 0.0]}), ("skip", 0), ("end", None))
     assert source.peek(model_version=0) is None and source.ended
-    assert source.window.get("reward") == 0.5
+    assert source.worker_metrics.get("reward") == 0.5 and source.window.get("reward") is None
     assert source.ledger.finished == [0] and source.ledger.watermark == 1
 
 
@@ -234,11 +234,13 @@ def test_a_unit_is_the_run_of_samples_sharing_a_key_a_group_or_a_rollout():
 def test_fifty_groups_dropped_in_a_row_are_said_once_with_their_rewards_then_a_sample_starts_afresh():
     dropped = [m for position in range(50) for m in (("metrics", {"reward_dropped": [0.0] * 4}), ("skip", position))]
     source = source_of(*dropped, ("samples", group(50)))
-    said = []
+    said, source.stalls = [], []
     source.say = said.append
+    source.on_stall = lambda stall: source.stalls.append(stall.groups_dropped)
     assert source.peek(model_version=0).position == 50
     assert len(said) == 1, said
     assert "50 groups dropped without reward variance" in said[0] and "rewards seen: 0 x200" in said[0]
+    assert source.stalls == [50], "the stall's moment is handed to the trainer, which logs the worker's metrics then"
     assert source.stall.groups_dropped == 0, "a trainable sample ends the stall"
 
 

@@ -177,13 +177,15 @@ def never_varies(completions, **kwargs):
 
 
 def test_a_reward_that_never_varies_is_said_and_stops_the_run_instead_of_a_silent_wait(tmp_path, capsys):
-    args = config(tmp_path, stall_timeout=15, max_steps=2)
+    args = config(tmp_path, stall_timeout=12, max_steps=2)
     trainer = AsyncGRPOTrainer("tiny", never_varies, args=args, train_dataset=small_dataset(200))
     with pytest.raises(StalledError, match=r"no trainable sample for 1\ds of waiting: \d+ groups dropped without reward variance, "
-                                           r"filtered out or failed \(rewards seen: 0 x\d+; 0 failed\).*stall_timeout=15s"):
+                                           r"filtered out or failed \(rewards seen: 0 x\d+; 0 failed\).*stall_timeout=12s"):
         trainer.train()
     said = capsys.readouterr().err
     assert "tandem: no trainable sample for" in said, "50 dropped groups are said before the stop"
+    stalled = [row for row in logged(tmp_path) if "stalled_s" in row]
+    assert stalled and "rollout/generated_tokens_per_s" in stalled[0], "the worker's metrics are logged while nothing trains"
 
 
 def test_sigterm_with_enable_jit_checkpoint_saves_the_step_it_ends_and_exits_as_terminated(tmp_path):
@@ -212,17 +214,6 @@ def test_errors_before_any_training_work(tmp_path):
     with pytest.raises(TypeError, match="not picklable.*module-level function"):
         trainer.train()
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
-
-
-def wrong_count(completions, **kwargs):
-    return [1.0]
-
-
-def test_a_reward_returning_the_wrong_count_stops_training_with_its_name(tmp_path):
-    trainer = AsyncGRPOTrainer("tiny", wrong_count, args=config(tmp_path), train_dataset=small_dataset())
-    with pytest.raises(WorkerError, match="reward function 'wrong_count' returned 1 values for a group of 4"):
-        trainer.train()
-    assert trainer.state.step == 0
 
 
 def test_unreachable_server_is_named(tmp_path):
@@ -361,20 +352,6 @@ def test_the_spec_curriculum_loop_runs(tmp_path):
     values = {k: v for k, v in vars(config(tmp_path, max_steps=3)).items()}
     trainer = CurriculumTrainer("tiny", accuracy_reward, args=CurriculumConfig(**values, pass_rate_cap=0.5), train_dataset=small_dataset())
     assert trainer.train().global_step == 3
-
-
-class RejectEverything(AsyncRolloutLoop):
-    def filter_prompt(self, row_index, row, epoch):
-        return False
-
-
-class RejectingTrainer(AsyncGRPOTrainer):
-    loop_cls = RejectEverything
-
-
-def test_rejecting_a_whole_epoch_raises(tmp_path):
-    with pytest.raises(WorkerError, match="rejected every prompt of epoch 0"):
-        RejectingTrainer("tiny", accuracy_reward, args=config(tmp_path), train_dataset=small_dataset()).train()
 
 
 def test_samples_longer_than_the_token_budget_are_dropped_with_a_warning(tmp_path):

@@ -76,6 +76,7 @@ class Receiver:
         self.group = join_group(str(init_info["master_address"]), int(init_info["master_port"]),
                                 int(init_info["rank_offset"]), int(init_info["world_size"]), self.timeout_s)
         self.rank = int(init_info["rank_offset"])
+        self.active, self.failed, self.staged = False, False, {}  # an update left open in the old group is dropped
 
     def start(self) -> None:
         if self.group is None:

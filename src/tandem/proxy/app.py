@@ -11,14 +11,21 @@ the directory yet) is retried until a deadline, any other failure unloads the ad
 that took it. `/health` is 200 only when every replica is; `/metrics` concatenates the replicas' metrics
 with a `replica` label (the trainer's concurrency cap sums them) plus `tandem_proxy:*` totals; other reads
 go to the first replica that answers.
-A dead replica answers 502 at once (connection refused) or after `connect_timeout_s`, never a hang; a refused
-connection or 3 failures in a row make the router forget the replica's blocks (a restart empties its cache).
+
+A replica that refuses a connection (or fails 3 times in a row) is down: the router forgets its blocks (a restart
+empties its cache), its generation requests go to the others (a request that failed on it is sent again), and it
+is left out of broadcasts, adapter loads and weight transfers. Every `probe_interval_s` a down replica's `/health`
+is asked; once it answers, it is brought to the current weights before it gets traffic again: the last
+`reload_weights` and the adapters loaded now are replayed on it; with a weight-transfer group it waits instead for
+the trainer to form the group again (the next `/start_weight_update` answers 409 while the replicas differ from the
+group's, which makes the trainer join anew) and is routed to once a transfer has finished on it.
 """
 
 import asyncio
 import json
+import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
@@ -51,6 +58,8 @@ class ProxyArgs:
     """Renders chat `messages` to the token ids the replicas will cache, so they share blocks with token prompts."""
     stats_interval_s: float = 60.0
     """Print `[proxy] stats {json}` (each replica's load, the router's counts) this often; <= 0: never."""
+    probe_interval_s: float = 1.0
+    """How often a down replica's /health is asked."""
 
 
 @dataclass
@@ -60,7 +69,9 @@ class Upstream:
     """Generation requests in flight (control calls and probes are not load)."""
     routed: int = 0
     failures: int = 0
-    loaded: set[str] = field(default_factory=set)
+    state: str = "up"
+    """"up" (routed to); "down" (not answering: left out of everything until its /health answers); "behind" (back, but
+    without the current weights: it joins weight transfers and gets no generation until one has finished on it)."""
 
 
 def error(status: int, message: str) -> web.Response:
@@ -126,6 +137,8 @@ class Proxy:
     def __init__(self, args: ProxyArgs):
         if not args.upstreams:
             raise ValueError("tandem proxy needs at least one --upstream URL")
+        if not args.probe_interval_s > 0:
+            raise ValueError(f"--probe-interval-s {args.probe_interval_s:g}: must be a positive number of seconds")
         self.args = args
         self.upstreams = [Upstream(url.rstrip("/")) for url in args.upstreams]
         self.router = PrefixRouter(len(self.upstreams), args.block_size, args.imbalance)
@@ -133,6 +146,13 @@ class Proxy:
         self.stats_task: asyncio.Task | None = None
         self.transfer_failed = False
         """The open weight update failed on some replica: its finish tells every replica to discard it."""
+        self.group: set[int] | None = None
+        """The replicas in the weight-transfer group (None: no group formed)."""
+        self.reload: bytes | None = None
+        """The last `/collective_rpc` reload_weights body: what a replica that comes back replays."""
+        self.adapters: dict[str, bytes] = {}
+        """The adapters loaded now, by name, with their load body: what a replica that comes back loads."""
+        self.probe_task: asyncio.Task | None = None
         self.tokenizer = None
         if args.tokenizer:
             from transformers import AutoTokenizer  # only with --tokenizer: the proxy starts fast without it
@@ -162,15 +182,17 @@ class Proxy:
         self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=1024))
         if self.args.stats_interval_s > 0:
             self.stats_task = asyncio.create_task(self._print_stats())
+        self.probe_task = asyncio.create_task(self._probe_down())
 
     async def _stop(self, _app) -> None:
-        if self.stats_task is not None:
-            self.stats_task.cancel()
-            await asyncio.gather(self.stats_task, return_exceptions=True)
+        for task in (self.stats_task, self.probe_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self.session.close()
 
     def _stats(self) -> dict:
-        return {"upstreams": [{"url": u.url, "inflight": u.inflight, "routed": u.routed} for u in self.upstreams],
+        return {"upstreams": [{"url": u.url, "state": u.state, "inflight": u.inflight, "routed": u.routed} for u in self.upstreams],
                 "router": self.router.stats()}
 
     async def _print_stats(self) -> None:
@@ -188,11 +210,44 @@ class Proxy:
 
     def _failed(self, upstream: Upstream, exc: BaseException) -> str:
         """Count a transport failure and say what it was. A refused connection means the process is gone (restarting
-        or dead), and one that keeps failing has likely restarted: either way its prefix cache is gone."""
+        or dead), and one that keeps failing has likely restarted: either way it is down and its prefix cache gone."""
         upstream.failures += 1
-        if isinstance(exc, aiohttp.ClientConnectorError) or upstream.failures >= 3:
+        message = f"proxy: {upstream.url}: {type(exc).__name__}: {exc}"
+        if (isinstance(exc, aiohttp.ClientConnectorError) or upstream.failures >= 3) and upstream.state != "down":
+            upstream.state = "down"
             self.router.forget(self.upstreams.index(upstream))
-        return f"proxy: {upstream.url}: {type(exc).__name__}: {exc}"
+            print(f"[proxy] {upstream.url} is down ({type(exc).__name__}): its requests go to the other replicas; left "
+                  "out of weight syncs and adapter loads until it answers again", flush=True)
+        return message
+
+    def _members(self) -> list[Upstream]:
+        """The replicas control calls reach: all but the down ones."""
+        return [u for u in self.upstreams if u.state != "down"]
+
+    async def _probe_down(self) -> None:
+        """Ask each down replica's /health every probe_interval_s; bring one that answers to the current weights."""
+        while True:
+            await asyncio.sleep(self.args.probe_interval_s)
+            for upstream in [u for u in self.upstreams if u.state == "down"]:
+                status, _, _ = await self._send(upstream, "GET", "/health", None, {})
+                if status == 200:
+                    await self._catch_up(upstream)
+
+    async def _catch_up(self, upstream: Upstream) -> None:
+        """Replay the last reload and the adapters loaded now on a replica that came back; with a transfer group it is
+        "behind" until the trainer's next transfer reaches it, else up at once. A failed replay leaves it down."""
+        calls = [("/collective_rpc", self.reload)] if self.reload else []
+        calls += [("/v1/load_lora_adapter", body) for body in self.adapters.values()]
+        for path, body in calls + [("/reset_prefix_cache", None)]:
+            status, _, data = await self._send(upstream, "POST", path, body, {"Content-Type": "application/json"})
+            if status != 200:
+                print(f"[proxy] {upstream.url} answers again but {path} failed ({status} {data[:200]!r}): still down",
+                      flush=True)
+                return
+        upstream.failures = 0
+        upstream.state = "behind" if self.group is not None else "up"
+        print(f"[proxy] {upstream.url} is back" + (": it gets traffic once the trainer's next weight transfer reaches it"
+                                                   if upstream.state == "behind" else ", with the current weights"), flush=True)
 
     async def _send(self, upstream: Upstream, method: str, path_qs: str, body: bytes | None, headers) -> tuple[int, dict, bytes]:
         """One upstream call, fully buffered; a transport failure is a 502 naming the replica."""
@@ -230,22 +285,25 @@ class Proxy:
         return web.json_response(merged, headers={"X-Proxy-Upstream": replicas})
 
     def _choose(self, request: web.Request, body: dict) -> Upstream:
-        """The replica the router picks for this request's prompt (counted as routed)."""
-        decision = self.router.choose(str(body.get("model") or ""), prompt_of(request.path, body, self.tokenizer),
-                                      [u.inflight for u in self.upstreams])
+        """The replica the router picks for this request's prompt among those up (counted as routed)."""
+        load = [u.inflight if u.state == "up" else math.inf for u in self.upstreams]  # never chosen while one is up
+        decision = self.router.choose(str(body.get("model") or ""), prompt_of(request.path, body, self.tokenizer), load)
         upstream = self.upstreams[decision.replica]
         upstream.routed += 1
         return upstream
 
     async def _route(self, request: web.Request, body: dict, raw: bytes) -> tuple[int, dict, bytes, int]:
-        """Send one generation request to the replica the router picks for its prompt."""
-        upstream = self._choose(request, body)
-        upstream.inflight += 1
-        try:
-            status, headers, data = await self._send(upstream, "POST", request.path_qs, raw, request.headers)
-        finally:
-            upstream.inflight -= 1
-        return status, headers, data, self.upstreams.index(upstream)
+        """Send one generation request to the replica the router picks for its prompt; one that goes down meanwhile
+        has it sent to another (the request is seeded: it is generated alike)."""
+        while True:
+            upstream = self._choose(request, body)
+            upstream.inflight += 1
+            try:
+                status, headers, data = await self._send(upstream, "POST", request.path_qs, raw, request.headers)
+            finally:
+                upstream.inflight -= 1
+            if not (status == 502 and upstream.state == "down" and any(u.state == "up" for u in self.upstreams)):
+                return status, headers, data, self.upstreams.index(upstream)
 
     async def _route_stream(self, request: web.Request, body: dict, raw: bytes) -> web.StreamResponse:
         """A streamed request, routed as any other (a batch whole, by its first prompt) and passed back chunk by chunk
@@ -278,26 +336,44 @@ class Proxy:
         finally:
             upstream.inflight -= 1
 
-    async def _all(self, request: web.Request, raw: bytes | None = None) -> list[tuple[int, dict, bytes]]:
+    async def _all(self, request: web.Request, raw: bytes | None = None, upstreams=None) -> list[tuple[int, dict, bytes]]:
         raw = await request.read() if raw is None else raw
         return await asyncio.gather(*(self._send(u, request.method, request.path_qs, raw or None, request.headers)
-                                      for u in self.upstreams))
+                                      for u in (self.upstreams if upstreams is None else upstreams)))
 
     async def broadcast(self, request: web.Request) -> web.Response:
-        results = await self._all(request)
+        members, raw = self._members(), await request.read()
+        if not members:
+            return error(502, f"proxy: every replica is down; {request.path} reached none")
+        results = await self._all(request, raw, members)
         if request.path == "/reset_prefix_cache":
-            for index, (status, _, _) in enumerate(results):
+            for upstream, (status, _, _) in zip(members, results):
                 if status == 200:
-                    self.router.forget(index)
-        failed = [(u, r) for u, r in zip(self.upstreams, results) if r[0] != 200]
+                    self.router.forget(self.upstreams.index(upstream))
+        failed = [(u, r) for u, r in zip(members, results) if r[0] != 200 and u.state != "down"]  # one found down: left out
         if request.path == "/v1/unload_lora_adapter":  # vLLM: unloading a name that is not loaded is fine
             failed = [(u, r) for u, r in failed if r[0] not in (400, 404)]
+        if not failed:
+            self._remember(request.path, raw)
         if failed:
             (upstream, (status, _, data)) = failed[0]
             return error(status, f"proxy: {len(failed)}/{len(results)} servers failed {request.path}; first: "
                                  f"{upstream.url} -> {status} {data[:300].decode(errors='replace')}")
-        status, headers, data = results[0]
-        return web.Response(status=200, body=data, headers=headers)
+        status, headers, data = next((r for r in results if r[0] == 200), results[0])
+        return web.Response(status=status, body=data, headers=headers)
+
+    def _remember(self, path: str, raw: bytes) -> None:
+        """What a replica that comes back must replay: the last reload, the adapters loaded now."""
+        try:
+            body = json.loads(raw or b"{}")
+        except json.JSONDecodeError:
+            return
+        if path == "/collective_rpc" and isinstance(body, dict) and body.get("method") == "reload_weights":
+            self.reload = raw
+        elif path == "/v1/load_lora_adapter" and isinstance(body, dict):
+            self.adapters[str(body.get("lora_name"))] = raw
+        elif path == "/v1/unload_lora_adapter" and isinstance(body, dict):
+            self.adapters.pop(str(body.get("lora_name")), None)
 
     async def world_size(self, request: web.Request) -> web.Response:
         """The replicas' workers together: the trainer sizes its transfer group from this."""
@@ -305,7 +381,7 @@ class Proxy:
         return web.json_response({"world_size": sum(sizes)}) if sizes else error(502, "proxy: a replica did not tell its world size")
 
     async def _world_sizes(self, request: web.Request) -> list[int] | None:
-        results = await asyncio.gather(*(self._send(u, "GET", "/get_world_size", None, request.headers) for u in self.upstreams))
+        results = await asyncio.gather(*(self._send(u, "GET", "/get_world_size", None, request.headers) for u in self._members()))
         if any(status != 200 for status, _, _ in results):
             return None
         try:
@@ -324,19 +400,34 @@ class Proxy:
             return error(400, f"proxy: the request body is not valid JSON: {exc}")
         if not isinstance(body, dict):
             return error(400, "proxy: the request body must be a JSON object")
+        members = self._members()
+        joined = {self.upstreams.index(u) for u in members}
         if request.path == "/start_weight_update":
             self.transfer_failed = False
-        bodies = await self._transfer_bodies(request, body)
+            if self.group is not None and joined != self.group:
+                return error(409, f"proxy: the replicas up ({sorted(joined)}) are not those of the weight-transfer group "
+                                  f"({sorted(self.group)}): one went down or came back. Initialise the transfer again "
+                                  "(/init_weight_transfer_engine) to form the group anew.")
+        bodies = await self._transfer_bodies(request, body, members)
         if isinstance(bodies, web.Response):
             return bodies
         if request.path == "/finish_weight_update" and self.transfer_failed:
             bodies = [b | {"discard": True} for b in bodies]
         results = await asyncio.gather(*(self._send(u, "POST", request.path_qs, json.dumps(b).encode(),
                                                     {"Content-Type": "application/json"})
-                                         for u, b in zip(self.upstreams, bodies)))
-        failed = [(u, r) for u, r in zip(self.upstreams, results) if r[0] != 200]
+                                         for u, b in zip(members, bodies)))
+        failed = [(u, r) for u, r in zip(members, results) if r[0] != 200]
         if failed and request.path == "/update_weights":
             self.transfer_failed = True
+        if failed and request.path == "/start_weight_update":  # the replicas that started close their update unused
+            discard = json.dumps({"discard": True}).encode()
+            await asyncio.gather(*(self._send(u, "POST", "/finish_weight_update", discard, {"Content-Type": "application/json"})
+                                   for u, r in zip(members, results) if r[0] == 200))
+        if not failed and request.path == "/init_weight_transfer_engine":
+            self.group = joined
+        if not failed and request.path == "/finish_weight_update" and not self.transfer_failed:
+            for upstream in members:  # it has the current weights now
+                upstream.state = "up"
         if failed:
             upstream, (status, _, data) = failed[0]
             return error(status, f"proxy: {len(failed)}/{len(results)} servers failed {request.path}; first: {upstream.url} "
@@ -344,11 +435,13 @@ class Proxy:
         status, headers, data = results[0]
         return web.Response(status=200, body=data, headers=headers)
 
-    async def _transfer_bodies(self, request: web.Request, body: dict) -> list[dict] | web.Response:
-        """Each replica's body of a weight-transfer call."""
+    async def _transfer_bodies(self, request: web.Request, body: dict, members: list[Upstream]) -> list[dict] | web.Response:
+        """Each member's body of a weight-transfer call."""
+        if not members:
+            return error(502, f"proxy: every replica is down; {request.path} reached none")
         per_worker = request.path == "/update_weights" and isinstance(body.get("update_info"), list)
         if request.path != "/init_weight_transfer_engine" and not per_worker:  # the same body for every replica
-            return [body] * len(self.upstreams)
+            return [body] * len(members)
         sizes = await self._world_sizes(request)
         if sizes is None:
             return error(502, "proxy: a replica did not tell its world size (GET /get_world_size)")
@@ -380,13 +473,18 @@ class Proxy:
                     return status, data, attempts
                 await asyncio.sleep(self.args.lora_retry_s)
 
-        results = await asyncio.gather(*(load_one(u) for u in self.upstreams))
-        failed = [(u, r) for u, r in zip(self.upstreams, results) if r[0] != 200]
-        if not failed:
-            return web.Response(status=200, body=results[0][1], content_type="application/json")
+        members = self._members()
+        if not members:
+            return error(502, f"proxy: every replica is down; {name} was loaded on none")
+        results = await asyncio.gather(*(load_one(u) for u in members))
+        failed = [(u, r) for u, r in zip(members, results) if r[0] != 200 and u.state != "down"]  # one found down: left out
+        if not failed and any(status == 200 for status, _, _ in results):
+            self._remember(request.path, raw)
+            return web.Response(status=200, body=next(data for status, data, _ in results if status == 200),
+                                content_type="application/json")
         unload = json.dumps({"lora_name": name}).encode()
         rollbacks = await asyncio.gather(*(self._send(u, "POST", "/v1/unload_lora_adapter", unload, {"Content-Type": "application/json"})
-                                           for u, r in zip(self.upstreams, results) if r[0] == 200))
+                                           for u, r in zip(members, results) if r[0] == 200))
         upstream, (status, data, attempts) = failed[0]
         timed_out = b"No adapter found" in data
         not_rolled_back = sum(1 for s, _, _ in rollbacks if s != 200)
@@ -396,12 +494,18 @@ class Proxy:
                      f"{status} after {attempts} attempt(s): {data[:300].decode(errors='replace')}")
 
     async def health(self, request: web.Request) -> web.Response:
-        results = await self._all(request, b"")
-        bad = [(u, r[0]) for u, r in zip(self.upstreams, results) if r[0] != 200]
+        """200 when every replica not known to be down is healthy (the proxy serves while one is down; the answer
+        names them), else the first unhealthy one's status."""
+        members = self._members()
+        results = await self._all(request, b"", members)
+        bad = [(u, r[0]) for u, r in zip(members, results) if r[0] != 200]
+        if not members:
+            return web.Response(status=503, text="proxy: every replica is down")
         if bad:
             return web.Response(status=bad[0][1] if bad[0][1] >= 500 else 503,
                                 text=f"proxy: {len(bad)}/{len(results)} servers unhealthy; first: {bad[0][0].url} -> {bad[0][1]}")
-        return web.Response(status=200)
+        down = [u.url for u in self.upstreams if u.state == "down"]
+        return web.Response(status=200, text=f"proxy: serving without {', '.join(down)} (down)" if down else "")
 
     async def metrics(self, request: web.Request) -> web.Response:
         results = await self._all(request, b"")

@@ -133,14 +133,17 @@ class SampleSource:
 
     `counters` are the values shared with the worker: `consumed_tokens` (what left the queue for good:
     taken into a row or discarded) and `tokens_per_step` (what the last step consumed), which set the
-    worker's allowance. Worker metrics that arrive with the samples go to `window`.
+    worker's allowance. The source's own counts go to `window`; the worker's metrics, which arrive with the samples,
+    to `worker_metrics` (the trainer logs them with its step, or alone while a stall lasts).
     """
 
     def __init__(self, inbox: Inbox, counters, window: MetricWindow, *, resume: ResumePoint, max_staleness: int,
                  token_budget: int, end_position: int | None = None, regenerate=lambda position: None,
                  health_check=lambda: None, stall_timeout: float | None = None,
-                 say=lambda text: print(f"tandem: {text}", file=sys.stderr), stop=lambda: False, restart_worker=None):
+                 say=lambda text: print(f"tandem: {text}", file=sys.stderr), stop=lambda: False, restart_worker=None,
+                 on_stall=lambda stall: None):
         self.inbox, self.counters, self.window = inbox, counters, window
+        self.worker_metrics = MetricWindow()
         self.ledger = PositionLedger(resume.start, resume.finished, resume.remaining)
         self.max_staleness, self.token_budget = max_staleness, token_budget
         self.end_position = end_position
@@ -160,10 +163,14 @@ class SampleSource:
         """Positions with a sample in a row already: their group is partly trained, so it is not generated again."""
         self.wait_s = 0.0
         """Total time spent waiting for the worker (a counter: a step reads its growth)."""
+        self.heard = False
+        """Whether the worker has sent anything yet: the stall clock starts then."""
         self.stall, self.stall_timeout, self.say = Stall(), stall_timeout, say
         """Since the last trainable sample; a wait past `stall_timeout` seconds stops the run (None: never)."""
         self.stop = stop
         """True when the run must end now (a preemption): a wait for samples gives up, as if the worker had ended."""
+        self.on_stall = on_stall
+        """Called each time a stall is said, with it (the trainer logs the worker's metrics then: no step will)."""
         self.restart_worker = restart_worker
         """Starts a new worker from a ResumePoint and returns (its inbox, its counters): a worker lost without an error
         of its own (killed, hung) is replaced once. None: a lost worker stops the run."""
@@ -187,6 +194,7 @@ class SampleSource:
         self.health_check()
         if message is None:
             return False
+        self.heard = True
         kind, payload = message
         if kind == "samples":
             self.buffer.extend(payload)
@@ -196,7 +204,7 @@ class SampleSource:
             self.ledger.finish(payload)
             self.stall.groups_dropped += 1
         elif kind == "metrics":
-            self.window.extend(payload)
+            self.worker_metrics.extend(payload)
             self.stall.seen(payload)
         elif kind == "end":
             self.ended = True
@@ -244,7 +252,8 @@ class SampleSource:
                     raise
                 waited = time.perf_counter() - start
                 self.wait_s += waited
-                self.stall.waited += waited
+                if self.heard:  # a worker still starting (imports, the server's warm-up) is not a stall
+                    self.stall.waited += waited
                 self._check_stall()
                 continue
             sample = self.buffer[0]
@@ -273,6 +282,7 @@ class SampleSource:
         if due:
             stall.said = stall.waited
             self.say(stall.reason())
+            self.on_stall(stall)
 
     def peek_unit(self, model_version: int, same=None) -> list[Sample] | None:
         """The next trainable sample, and with `same` (a key: the group's position, the rollout's id) the samples after

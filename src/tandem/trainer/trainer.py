@@ -251,7 +251,8 @@ class AsyncGRPOTrainer:
                 self._checkpoint()
             if control.should_training_stop or self._agreed_control().should_training_stop:  # asked in on_log/on_save
                 break
-        if self.ranks.broadcast(bool(self.window.values)):  # what came in after the last log (drops while the worker finished)
+        leftover = self.window.values or (main and self.source.worker_metrics.values)
+        if self.ranks.broadcast(bool(leftover)):  # what came in after the last log (drops while the worker finished)
             metrics = self._log()
         if (args.save_strategy != "no" or self.preempted.is_set()) and state.step > 0 and self.saved_step != state.step:
             self._checkpoint()
@@ -340,6 +341,8 @@ class AsyncGRPOTrainer:
             return {}
         for records in others[1:]:
             self.window.extend(records)
+        self.window.extend(self.source.worker_metrics.values)
+        self.source.worker_metrics = MetricWindow()
         examples = self.window.values.get("completions/examples")
         metrics = self.window.flush()
         metrics["num_tokens"] = self.state.num_tokens
@@ -359,6 +362,14 @@ class AsyncGRPOTrainer:
         if examples:
             self.session.progress.print_completions(examples, self.args.num_completions_to_print)
         return metrics
+
+    def _log_stalled(self, stall) -> None:
+        """While no step is possible, the worker's metrics still reach the sinks every minute, under the last step and
+        with `stalled_s` (the seconds waited): what generation and scoring do while nothing trains."""
+        metrics = self.source.worker_metrics.flush()
+        if metrics:
+            for sink in self.session.sinks:
+                sink.log(self.state.step, {**metrics, "stalled_s": stall.waited})
 
     def _checkpoint(self) -> Path:
         self.state.dataset_start_index = self.ranks.broadcast(self.state.dataset_start_index)
@@ -550,7 +561,8 @@ class AsyncGRPOTrainer:
                                    max_staleness=args.max_staleness, token_budget=self.token_budget,
                                    end_position=self._num_positions(), regenerate=self._regenerate,
                                    health_check=self._check_server, stall_timeout=args.stall_timeout,
-                                   say=session.progress.say, stop=self.preempted.is_set, restart_worker=self._restart_worker)
+                                   say=session.progress.say, stop=self.preempted.is_set, restart_worker=self._restart_worker,
+                                   on_stall=self._log_stalled)
 
     def _start_worker(self, point: ResumePoint):
         """The rollout worker, generating from `point` on (its start, leaving out what the trainer holds past it)."""
