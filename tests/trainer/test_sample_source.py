@@ -244,6 +244,18 @@ def test_fifty_groups_dropped_in_a_row_are_said_once_with_their_rewards_then_a_s
     assert source.stall.groups_dropped == 0, "a trainable sample ends the stall"
 
 
+def test_a_saturated_run_that_drops_fifty_groups_before_each_sample_is_told_once_a_minute():
+    dropped = [("skip", position) for position in range(50)]
+    messages = dropped + [("samples", group(50))] + [("skip", 51 + p) for p in range(50)] + [("samples", group(101))]
+    source = source_of(*messages)
+    said = []
+    source.say = said.append
+    assert source.peek(model_version=0).position == 50
+    source.trained([source.take(), source.take()])
+    assert source.peek(model_version=0).position == 101
+    assert len(said) == 1, "the second run of 50 dropped groups, within the minute, is not said again"
+
+
 def test_a_wait_past_stall_timeout_stops_with_the_reasons():
     source = source_of(("skip", 0), ("metrics", {"reward_dropped": [1.0, 1.0], "rollout/vllm_retry_count": [3]}),
                        stall_timeout=10)

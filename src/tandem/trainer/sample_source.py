@@ -163,6 +163,8 @@ class SampleSource:
         """Positions with a sample in a row already: their group is partly trained, so it is not generated again."""
         self.wait_s = 0.0
         """Total time spent waiting for the worker (a counter: a step reads its growth)."""
+        self.last_said: float | None = None
+        """When a stall was last said (monotonic seconds)."""
         self.heard = False
         """Whether the worker has sent anything yet: the stall clock starts then."""
         self.stall, self.stall_timeout, self.say = Stall(), stall_timeout, say
@@ -271,7 +273,8 @@ class SampleSource:
 
     def _check_stall(self) -> None:
         """Say why no trainable sample arrives, once the wait or the drops grew long, and again every STALL_SAY_S
-        while it lasts; past `stall_timeout`, stop the run with the same numbers."""
+        while it lasts, at most once a STALL_SAY_S in all (a run whose reward saturates drops 50 groups between most
+        steps: one line a minute says it); past `stall_timeout`, stop the run with the same numbers."""
         stall = self.stall
         if self.stall_timeout is not None and stall.waited > self.stall_timeout:
             raise StalledError(f"{stall.reason()} Stopped after stall_timeout={self.stall_timeout:g}s.")
@@ -279,8 +282,9 @@ class SampleSource:
             due = stall.waited >= STALL_SAY_S or stall.groups_dropped >= STALL_SAY_GROUPS
         else:
             due = stall.waited - stall.said >= STALL_SAY_S
-        if due:
-            stall.said = stall.waited
+        now = time.monotonic()
+        if due and (self.last_said is None or now - self.last_said >= STALL_SAY_S):
+            stall.said, self.last_said = stall.waited, now
             self.say(stall.reason())
             self.on_stall(stall)
 

@@ -44,7 +44,7 @@ from tandem.trainer.flops import model_shape, peak_flops, rows_flops
 from tandem.trainer.model import check_dataset, eos_ids, load_model, served_dtype, use_bf16, with_adapter
 from tandem.trainer.objectives import LossShare, make_objective
 from tandem.trainer.optimization import clip_gradients, make_optimizer, make_scheduler
-from tandem.trainer.sample_source import ResumePoint, SampleSource
+from tandem.trainer.sample_source import ResumePoint, SampleSource, Stall
 from tandem.trainer.session import Session
 from tandem.trainer.step_metrics import StepTimes, record_micro_batch, record_samples, record_step
 from tandem.trainer.weight_sync import ADAPTER_NAME, LoraSync, choose_sync, follower_sync, lora_server_flags, publish
@@ -135,6 +135,13 @@ class AsyncGRPOTrainer:
         self.control = TrainerControl()
         self.preempted = threading.Event()
         """Set by SIGTERM while training with enable_jit_checkpoint: the step in progress ends with a checkpoint."""
+        self.resume_point = ResumePoint(0)
+        """Where this run's prompt stream starts: a checkpoint's, or the beginning."""
+        self.served_path: str | None = None
+        """The folder the embedded server was started from (None with an external server)."""
+        self.served_url: str | None = None
+        self.served_name: str | None = None
+        """The server the worker generates from, and the model name it is asked for."""
         self.server_restarts: list[float] = []
         """When the embedded server was restarted (monotonic seconds): one that keeps dying stops the run."""
         self.saved_step: int | None = None
@@ -363,7 +370,7 @@ class AsyncGRPOTrainer:
             self.session.progress.print_completions(examples, self.args.num_completions_to_print)
         return metrics
 
-    def _log_stalled(self, stall) -> None:
+    def _log_stalled(self, stall: Stall) -> None:
         """While no step is possible, the worker's metrics still reach the sinks every minute, under the last step and
         with `stalled_s` (the seconds waited): what generation and scoring do while nothing trains."""
         metrics = self.source.worker_metrics.flush()
