@@ -27,9 +27,10 @@ from tandem.tasks import TINY_MODEL_PATH
 
 from .samples import tries
 
-TOLERANCE = 1e-5
-LOGPROB_TOLERANCE = {"exact": TOLERANCE, "sdpa": 2e-5, "flex": 1e-4}
-"""SDPA's fused kernel sums a packed row in another order than the unpacked sequence: fp32 rounding, ~1e-6 relative."""
+LOGPROB_TOLERANCE = {"exact": 2e-5, "sdpa": 2e-5, "flex": 1e-4}
+"""Against transformers' own attention on one sample at a time, the packed row's matmuls have other shapes (and SDPA's
+fused kernel sums in another order): fp32 rounding, ~1e-6 relative (a 4-token sample at log-prob -9.52 once differed
+by 1.05e-5)."""
 GRADIENT_TOLERANCE = {"exact": 2e-5, "sdpa": 2e-5}
 NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target)
 TEMPERATURE = 0.7

@@ -177,15 +177,15 @@ def never_varies(completions, **kwargs):
 
 
 def test_a_reward_that_never_varies_is_said_and_stops_the_run_instead_of_a_silent_wait(tmp_path, capsys):
-    args = config(tmp_path, stall_timeout=12, max_steps=2)
+    args = config(tmp_path, stall_timeout=8, max_steps=2)  # counted from the worker's first message
     trainer = AsyncGRPOTrainer("tiny", never_varies, args=args, train_dataset=small_dataset(200))
-    with pytest.raises(StalledError, match=r"no trainable sample for 1\ds of waiting: \d+ groups dropped without reward variance, "
-                                           r"filtered out or failed \(rewards seen: 0 x\d+; 0 failed\).*stall_timeout=12s"):
+    with pytest.raises(StalledError, match=r"no trainable sample for \ds of waiting: \d+ groups dropped without reward variance, "
+                                           r"filtered out or failed \(rewards seen: 0 x\d+; 0 failed\).*stall_timeout=8s"):
         trainer.train()
     said = capsys.readouterr().err
     assert "tandem: no trainable sample for" in said, "50 dropped groups are said before the stop"
     stalled = [row for row in logged(tmp_path) if "stalled_s" in row]
-    assert stalled and "rollout/generated_tokens_per_s" in stalled[0], "the worker's metrics are logged while nothing trains"
+    assert stalled and stalled[0]["frac_reward_zero_std"] == 1.0, "the worker's metrics are logged while nothing trains"
 
 
 def test_sigterm_with_enable_jit_checkpoint_saves_the_step_it_ends_and_exits_as_terminated(tmp_path):
@@ -290,14 +290,14 @@ def external_server(port: int, log_path) -> EmbeddedServer:
 
 
 class BounceExternalServer(AsyncGRPOTrainer):
-    """After step 1 the external server is killed, and started again on its port 3 s later."""
+    """After step 1 the external server is killed, and started again on its port 1 s later."""
 
     def training_step(self, micro_batches):
         if self.state.step == 1 and not hasattr(self, "back"):
             os.kill(self.server.process.pid, signal.SIGKILL)
             self.back = []
             port = int(self.args.vllm_server_base_url.rsplit(":", 1)[1])
-            threading.Timer(3, lambda: self.back.append(external_server(port, self.server.log_path))).start()
+            threading.Timer(1, lambda: self.back.append(external_server(port, self.server.log_path))).start()
         return super().training_step(micro_batches)
 
 
@@ -446,6 +446,7 @@ def test_an_adapter_on_lm_head_is_refused(tmp_path):
                          peft_config=LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
 
 
+@pytest.mark.long
 def test_the_two_replica_lora_example_trains_through_the_proxy_exactly_on_policy(tmp_path):
     """examples/lora_two_replicas.py, shortened: at staleness 0 every rollout, whichever replica served it, sampled
     from exactly the adapter being trained, and every sync reached both replicas."""
@@ -462,6 +463,7 @@ def test_the_two_replica_lora_example_trains_through_the_proxy_exactly_on_policy
     assert stats["router"]["affinity"] > 0, f"groups of one prompt stick to a replica: {stats}"
 
 
+@pytest.mark.long
 def test_a_script_without_a_main_guard_is_told_how_to_fix_it(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(
