@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop, Rollout
-from tandem.generation.launcher import EmbeddedServer
+from tandem.generation.launcher import EmbeddedProxy, EmbeddedServer
 from tandem.rewards import accuracy_reward
 from tandem.rollout.worker import WorkerError
 from tandem.trainer.sample_source import StalledError
@@ -321,6 +322,59 @@ def test_an_external_server_that_goes_away_and_comes_back_within_vllm_server_tim
     assert sum(r.get("rollout/vllm_retry_count", 0) for r in rows) > 0, "requests waited for it with backoff"
     assert sum(r.get("rollout/server_reconnect_count", 0) for r in rows) == 1, "the next sync joined its new transfer group"
     assert Counter(trainer.source.ledger.finished) == Counter(range(24)), "no group lost"
+
+
+class KillReplicaAfterStepTwo(TrainerCallback):
+    """kill -9 of replica 1 behind the proxy after step 2; it is started again on its port 3 s later. The run stops two
+    steps after the proxy routes to both replicas again."""
+
+    def __init__(self, replicas: list[EmbeddedServer], flags: list[str], proxy_url: str):
+        self.replicas, self.flags, self.proxy_url, self.back, self.timer = replicas, flags, proxy_url, [], None
+        self.both_up_at: int | None = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.timer is not None and self.both_up_at is None:
+            with urllib.request.urlopen(self.proxy_url + "/proxy/stats") as response:
+                if [u["state"] for u in json.load(response)["upstreams"]] == ["up", "up"]:
+                    self.both_up_at = state.global_step
+        if self.both_up_at is not None and state.global_step >= self.both_up_at + 2:
+            control.should_training_stop = True
+        if state.global_step == 2 and self.timer is None:
+            victim = self.replicas[1]
+            os.kill(victim.process.pid, signal.SIGKILL)
+            port = victim.url.rsplit(":", 1)[1]
+            self.timer = threading.Timer(3, lambda: self.back.append(EmbeddedServer(
+                TINY_MODEL_PATH, log_path=victim.log_path, extra_args=[*self.flags, "--port", port])))
+            self.timer.start()
+
+
+@pytest.mark.long
+def test_a_replica_killed_behind_the_proxy_is_left_out_then_brought_to_the_current_weights(tmp_path):
+    """Trainer -> tandem proxy -> two tandem serve replicas receiving weights over gloo. Replica 1 dies after step 2:
+    the next sync is refused (409) and the trainer forms the transfer group with replica 0 alone; replica 1 comes back
+    behind, the next sync forms the group with both, and it serves again. Every sync is checked and staleness is 0."""
+    flags = ["--served-model-name", TINY_MODEL_PATH, "--logprobs-mode", "processed_logprobs", "--max-logprobs", "20",
+             "--weight-transfer-config", '{"backend": "gloo"}', "--weight-transfer-timeout-s", "30"]
+    replicas = [EmbeddedServer(TINY_MODEL_PATH, log_path=tmp_path / f"replica{i}.log", extra_args=flags) for i in range(2)]
+    proxy = EmbeddedProxy([r.url for r in replicas], log_path=tmp_path / "proxy.log", extra_args=["--tokenizer", TINY_MODEL_PATH])
+    kill = KillReplicaAfterStepTwo(replicas, flags, proxy.url)
+    args = config(tmp_path, vllm_server_base_url=proxy.url, max_steps=100, max_staleness=0, token_budget=100,
+                  weight_sync_check_atol=1e-5)
+    try:
+        AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=small_dataset(96), callbacks=[kill]).train()
+        with urllib.request.urlopen(proxy.url + "/proxy/stats") as response:
+            stats = json.load(response)
+    finally:
+        if kill.timer is not None:
+            kill.timer.join()
+        for process in [proxy, *replicas, *kill.back]:
+            process.stop()
+    rows = [r for r in logged(tmp_path) if "loss" in r]
+    assert kill.both_up_at is not None and len(rows) < 100, "replica 1 served again before the run's end"
+    assert sum(r.get("rollout/server_reconnect_count", 0) for r in rows) == 2, "the group formed without it, then with it"
+    assert [u["state"] for u in stats["upstreams"]] == ["up", "up"], stats
+    assert all(abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4 for r in rows), "exactly on-policy throughout"
+    assert all(r["weight_sync/served_logprob_gap"] <= 1e-5 for r in rows if "weight_sync/served_logprob_gap" in r)
 
 
 @dataclass

@@ -366,8 +366,7 @@ class AsyncRolloutLoop:
         await self._wait_for_allowance(reservation)
         self.groups_in_flight += 1  # counted now, not when the task first runs
         self.in_flight_tokens += reservation
-        version = self.channels.model_version.value
-        return self._watch(asyncio.create_task(self._run_group(row, position, group_id, reservation, version)))
+        return self._watch(asyncio.create_task(self._run_group(row, position, group_id, reservation)))
 
     def _reservation(self, prompt: list[dict] | None) -> float:
         """The tokens a group may put on the queue: single-turn, at most G × (prompt + max_completion_length);
@@ -390,7 +389,8 @@ class AsyncRolloutLoop:
         if self.groups_finished:  # the allowance binds once the first group has finished
             self.record("rollout/allowance_used_max", used / limit)
 
-    async def _run_group(self, row: dict, position: int, group_id: int, reservation: float, version: int) -> None:
+    async def _run_group(self, row: dict, position: int, group_id: int, reservation: float) -> None:
+        version = self.channels.model_version.value  # read as it runs: its first request goes out under this version
         GROUP_VERSION.set(version)  # this group's requests (its own task) sample from this policy version
         SEEDS.set(self._seeds(position))
         self.generating[asyncio.current_task()] = (version, position)  # only a running group is cancelled: its finally runs
