@@ -34,7 +34,7 @@ def test_a_decaying_schedule_needs_max_steps():
 
 def test_unknown_fields_are_refused():
     with pytest.raises(TypeError):
-        AsyncGRPOConfig(per_device_train_batch_size=8)
+        AsyncGRPOConfig(per_device_train_batch_sise=8)
 
 
 def test_recipe_overrides_are_typed(tmp_path):

@@ -57,6 +57,7 @@ def serve_parser(sub) -> None:
                    help="how replies write tool calls: hermes (<tool_call> JSON blocks, as Qwen and Hermes models)")
     p.add_argument("--prefix-cache-max-tokens", type=int, default=None,
                    help="tokens the prefix cache keeps at most, least recently used evicted (default: --max-num-seqs x --max-model-len)")
+    p.add_argument("--trust-remote-code", action="store_true", help="load a model and tokenizer that ship their own code")
 
 
 def proxy_parser(sub) -> None:
@@ -218,6 +219,7 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
     if ns.dry_run:
         needed = longest_prompt(recipe, tools) + recipe.config.max_completion_length
         print(yaml.safe_dump({"model": recipe.model, "dataset": recipe.dataset, "reward_funcs": recipe.reward_funcs,
+                              **({"eval_dataset": recipe.eval_dataset} if recipe.eval_dataset else {}),
                               **({"tools": recipe.tools} if recipe.tools else {}),
                               **({"environment_factory": recipe.environment_factory} if recipe.environment_factory else {}),
                               **({"lora": recipe.lora} if recipe.lora is not None else {}), **recipe.config.to_dict()},
@@ -237,10 +239,11 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
 
     trainer = AsyncGRPOTrainer(model=recipe.model, reward_funcs=reward_funcs, args=recipe.config,
                                train_dataset=datasets.load(recipe.dataset) if recipe.dataset else None,
+                               eval_dataset=datasets.load(recipe.eval_dataset) if recipe.eval_dataset else None,
                                peft_config=lora_config(recipe.lora) if recipe.lora is not None else None,
                                tools=tools or None, environment_factory=environments)
     try:
-        output = trainer.train(resume_from_checkpoint=recipe.resume_from_checkpoint)
+        output = trainer.train()
     except FileNotFoundError as exc:  # resume_from_checkpoint with no checkpoint there
         user_error(f"tandem train: {ns.recipe}: {exc}")
     if trainer.ranks.several:  # torchrun: rank 0 reports for all

@@ -466,9 +466,10 @@ def test_lora_training_syncs_versioned_adapters_and_samples_from_them(tmp_path):
     assert (tmp_path / "run" / "checkpoint-4" / "adapter_model.safetensors").exists(), "checkpoints keep the adapter"
 
     # Resuming loads the adapter and serves it under the run's current version: still exactly on policy.
-    args = config(tmp_path, max_staleness=0, max_steps=6, learning_rate=1e-3, save_strategy="steps", save_steps=4)
+    args = config(tmp_path, max_staleness=0, max_steps=6, learning_rate=1e-3, save_strategy="steps", save_steps=4,
+                  resume_from_checkpoint=True)  # the config's field, as a recipe sets it
     resumed = AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=small_dataset(), peft_config=lora)
-    out = resumed.train(resume_from_checkpoint=True)
+    out = resumed.train()
     assert out.global_step == 6 and abs(out.metrics["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4
 
 

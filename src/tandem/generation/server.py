@@ -71,6 +71,7 @@ class ServeArgs:
     step_delay_s: float = 0.0
     enable_prefix_caching: bool = True
     prefix_cache_max_tokens: int | None = None
+    trust_remote_code: bool = False
     weight_transfer_config: str | None = None
     """JSON, as vLLM's flag: '{"backend": "gloo"}' enables the weight-transfer routes (generation/weight_transfer.py)."""
     weight_transfer_timeout_s: float = 600.0
@@ -150,7 +151,8 @@ def load_model(args: ServeArgs) -> tuple[torch.nn.Module, bool]:
     if args.decode_mode not in ("auto", "exact", "fast"):
         raise ValueError(f"--decode-mode {args.decode_mode!r} is not one of auto, exact, fast")
     exact = args.decode_mode == "exact" or (args.decode_mode == "auto" and device.type == "cpu")
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=pick_dtype(args.dtype), attn_implementation="eager" if exact else "sdpa")
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=pick_dtype(args.dtype), trust_remote_code=args.trust_remote_code,
+                                                 attn_implementation="eager" if exact else "sdpa")
     return model.to(device).eval(), exact
 
 
@@ -160,7 +162,7 @@ class Server:
     def __init__(self, args: ServeArgs):
         check_tool_flags(args)
         self.args = args
-        self.tokenizer = AutoTokenizer.from_pretrained(args.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
         model, exact = load_model(args)
         config = model.config
         self.max_model_len = args.max_model_len or getattr(config, "max_position_embeddings", 2048)

@@ -76,7 +76,8 @@ class FindingWatch:
 class RunConsole:
     """The run's console: the live dashboard in a terminal, plain lines elsewhere, and the doctor's warnings."""
 
-    def __init__(self, total_steps: int | None, config: dict | None = None, console: Console | None = None):
+    def __init__(self, total_steps: int | None, config: dict | None = None, console: Console | None = None,
+                 dashboard: bool = True):
         self.console = console or Console(stderr=True)
         self.total_steps, self.started, self.first_step = total_steps, time.monotonic(), None
         self.step, self.metrics, self.latest, self.rewards = 0, {}, {}, deque(maxlen=SPARK_WIDTH)
@@ -84,7 +85,7 @@ class RunConsole:
         without a metric, such as the last one after the worker finished, keeps showing the one before)."""
         self.watch: FindingWatch | None = FindingWatch(config or {})
         self.live = None
-        if self.console.is_terminal:
+        if self.console.is_terminal and dashboard:
             self.live = Live(get_renderable=self.dashboard, console=self.console, refresh_per_second=2, transient=False)
             self.live.start()
 

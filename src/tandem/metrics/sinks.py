@@ -1,5 +1,8 @@
 """Where metrics go: `metrics.jsonl` in the output folder always, and trackio / tensorboard / wandb (offline) when
-`report_to` names them. The console is metrics/console.py's."""
+`report_to` names them. The console is metrics/console.py's.
+
+The sinks log each metric under its catalogue name (`reward`, `perf/step_s`, `eval/reward`), as the spec's
+dashboards show them; transformers' integration callbacks would rename them `train/...`."""
 
 import json
 import time
@@ -36,12 +39,15 @@ class TensorboardSink:
 
 
 class WandbSink:
-    def __init__(self, folder: Path, run_name: str | None, config: dict):
+    """An offline wandb run in the output folder (`wandb sync` uploads it), under `project` and `run_name`."""
+
+    def __init__(self, folder: Path, config: dict):
         try:
             import wandb
         except ImportError as exc:
             raise ImportError("report_to='wandb' needs the wandb package: pip install 'tandem[wandb]'") from exc
-        self.run = wandb.init(mode="offline", dir=str(folder), name=run_name, config=config)
+        self.run = wandb.init(mode="offline", dir=str(folder), project=config["project"], name=config["run_name"],
+                              config=config)
 
     def log(self, step: int, metrics: dict) -> None:
         self.run.log(metrics, step=step)
@@ -51,22 +57,31 @@ class WandbSink:
 
 
 class TrackioSink:
-    def __init__(self, run_name: str | None, config: dict):
+    """A trackio run under `project` and `run_name`: local, or hosted on `trackio_space_id` (synced to
+    `trackio_bucket_id`); a hosted run is frozen into a static Space when it ends unless `trackio_static_space_id` is
+    False (transformers' convention)."""
+
+    def __init__(self, config: dict):
         try:
             import trackio
         except ImportError as exc:
             raise ImportError("report_to='trackio' needs the trackio package: pip install 'tandem[trackio]'") from exc
-        self.trackio = trackio
-        trackio.init(project="tandem", name=run_name, config=config)
+        self.trackio, self.config = trackio, config
+        trackio.init(project=config["project"], name=config["run_name"], space_id=config["trackio_space_id"],
+                     bucket_id=config["trackio_bucket_id"], config=config, resume="allow")
 
     def log(self, step: int, metrics: dict) -> None:
         self.trackio.log(metrics, step=step)
 
     def close(self) -> None:
         self.trackio.finish()
+        static, space = self.config["trackio_static_space_id"], self.config["trackio_space_id"]
+        if space and static is not False:
+            self.trackio.freeze(space_id=space, project=self.config["project"], new_space_id=static or None)
 
 
-def make_sinks(report_to, output_dir: Path, run_name: str | None, config: dict) -> list:
+def make_sinks(report_to, output_dir: Path, config: dict) -> list:
+    """The sinks of `report_to`; `config` is the run's AsyncGRPOConfig as a dict (names, projects, Spaces)."""
     names = [report_to] if isinstance(report_to, str) else list(report_to or [])
     names = [n for n in names if n not in ("none", "")]
     sinks: list = [JsonlSink(output_dir / "metrics.jsonl")]
@@ -74,9 +89,9 @@ def make_sinks(report_to, output_dir: Path, run_name: str | None, config: dict) 
         if name == "tensorboard":
             sinks.append(TensorboardSink(output_dir / "runs"))
         elif name == "wandb":
-            sinks.append(WandbSink(output_dir, run_name, config))
+            sinks.append(WandbSink(output_dir, config))
         elif name == "trackio":
-            sinks.append(TrackioSink(run_name, config))
+            sinks.append(TrackioSink(config))
         else:
             raise ValueError(f"report_to={name!r} is not one of: none, tensorboard, wandb, trackio")
     return sinks

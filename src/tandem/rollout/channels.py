@@ -3,7 +3,8 @@
 The worker puts tagged messages on `out`: ("samples", [Sample]), ("skip", position), ("metrics",
 {name: [values]}), ("end", None) when it has nothing left to generate, and ("error", traceback text). The
 trainer puts on `retry` the positions of groups it dropped as stale, to be generated again (the worker then
-sends their samples, and "end" once more). It publishes the policy version and its token consumption in
+sends their samples, and "end" once more), and on `evaluate` (step, policy version) to have the eval prompts generated and
+scored (the worker answers ("eval", (step, {name: [values]}))). It publishes the policy version and its token consumption in
 shared values; the worker beats `heartbeat` twice a second.
 """
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 class Channels:
     out: mp.Queue
     retry: mp.Queue
+    evaluate: mp.Queue
     model_version: "mp.sharedctypes.Synchronized"
     tokens_per_step: "mp.sharedctypes.Synchronized"
     consumed_tokens: "mp.sharedctypes.Synchronized"
@@ -25,6 +27,6 @@ class Channels:
 
     @classmethod
     def create(cls, context) -> "Channels":
-        return cls(out=context.Queue(), retry=context.Queue(), model_version=context.Value("q", 0), tokens_per_step=context.Value("d", 0.0),
+        return cls(out=context.Queue(), retry=context.Queue(), evaluate=context.Queue(), model_version=context.Value("q", 0), tokens_per_step=context.Value("d", 0.0),
                    consumed_tokens=context.Value("d", 0.0), heartbeat=context.Value("d", 0.0), stop=context.Event(),
                    running=context.Event())

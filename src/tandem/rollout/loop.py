@@ -10,6 +10,7 @@ and override the hooks; set the subclass as the trainer's `loop_cls`.
 
 import asyncio
 import contextvars
+import functools
 import inspect
 import json
 import math
@@ -48,6 +49,12 @@ GROUP_VERSION: contextvars.ContextVar[int] = contextvars.ContextVar("group_versi
 SEEDS: contextvars.ContextVar[random.Random] = contextvars.ContextVar("seeds", default=random.Random(0))
 """The sampling seeds of the rollout (or whole group) being generated: drawn from a generator seeded by the run's seed,
 the prompt position and the rollout's index, so a group generated again (after a restart) is sampled alike."""
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(seed: int, epoch: int, num_rows: int) -> list[int]:
+    """The rows of one epoch in a shuffled order, the same for a seed wherever (and however often) it is drawn."""
+    return random.Random(f"{seed}:{epoch}").sample(range(num_rows), num_rows)
 
 
 @dataclass
@@ -293,6 +300,7 @@ class AsyncRolloutLoop:
             background.append(asyncio.create_task(self._poll_server()))
             background.append(self._watch(asyncio.create_task(self._scorer())))
             background.append(self._watch(asyncio.create_task(self._cancel_doomed())))
+            background.append(self._watch(asyncio.create_task(self._evaluations())))
             await self._dispatch_all()
             self._flush_records()
         finally:
@@ -319,7 +327,7 @@ class AsyncRolloutLoop:
                 task = await self._start_group(self._row(retry), retry, group_id)
             elif end is None or position < end:
                 epoch, row_index = self._epoch_row(position)
-                accepted_in_epoch = 0 if row_index == 0 else accepted_in_epoch
+                accepted_in_epoch = 0 if self._epoch_starts(position) else accepted_in_epoch
                 row = self._row(position)
                 task = None
                 if position in self.settings.received:  # the trainer holds it already (a resumed run, a restarted worker)
@@ -353,9 +361,19 @@ class AsyncRolloutLoop:
                 return
 
     def _epoch_row(self, position: int) -> tuple[int, int]:
-        """(epoch, dataset row) of a prompt position; without a dataset (environments that sample their own tasks)
-        every position is a new row of epoch 0."""
-        return divmod(position, len(self.dataset)) if self.dataset is not None else (0, position)
+        """(epoch, dataset row) of a prompt position: the epoch's order of rows, the dataset's own or shuffled
+        (train_sampling_strategy 'random'); without a dataset (environments that sample their own tasks) every
+        position is a new row of epoch 0."""
+        if self.dataset is None:
+            return 0, position
+        epoch, index = divmod(position, len(self.dataset))
+        config = self.config
+        if config.train_sampling_strategy == "random":
+            index = epoch_order(config.seed if config.data_seed is None else config.data_seed, epoch, len(self.dataset))[index]
+        return epoch, index
+
+    def _epoch_starts(self, position: int) -> bool:
+        return position == 0 if self.dataset is None else position % len(self.dataset) == 0
 
     def _row(self, position: int) -> dict:
         return dict(self.dataset[self._epoch_row(position)[1]]) if self.dataset is not None else {}
@@ -392,13 +410,9 @@ class AsyncRolloutLoop:
     async def _run_group(self, row: dict, position: int, group_id: int, reservation: float) -> None:
         version = self.channels.model_version.value  # read as it runs: its first request goes out under this version
         GROUP_VERSION.set(version)  # this group's requests (its own task) sample from this policy version
-        SEEDS.set(self._seeds(position))
         self.generating[asyncio.current_task()] = (version, position)  # only a running group is cancelled: its finally runs
         try:
-            if self._single_request_groups():
-                episodes = await self._whole_group(row["prompt"])
-            else:
-                episodes = await self._rollouts(row, position, group_id)
+            episodes = await self._episodes(row, position, group_id)
         except ServerError as exc:
             # LoRA: the trainer unloads versions older than max_staleness allows; a group that started on one
             # can no longer be sampled, and its samples would be dropped as stale anyway: generate it again.
@@ -417,17 +431,25 @@ class AsyncRolloutLoop:
             self.groups_in_flight -= 1
             self.in_flight_tokens -= reservation
             self.generating.pop(asyncio.current_task(), None)
-        group = self._group(row, position, group_id, version, episodes)
+        group = self._group(row, self._epoch_row(position)[1], group_id, version, episodes, self._reconciled(episodes))
         block = time.monotonic()
         self.unscored += 1
         await self.score_queue.put((group, [e.rollout for e in episodes], position))
         self.record("rollout/score_block_s", time.monotonic() - block)
 
-    def _seeds(self, position: int, rollout: int | None = None) -> random.Random:
-        """The seeds of a group's requests (or of one of its rollouts): from the run's seed and the prompt position."""
+    async def _episodes(self, row: dict, position: int | str, group_id: int) -> list[Episode]:
+        """The group's rollouts: one request with n = num_generations when the hooks allow it, else one rollout each."""
+        SEEDS.set(self._seeds(position))
+        if self._single_request_groups():
+            return await self._whole_group(row["prompt"])
+        return await self._rollouts(row, position, group_id)
+
+    def _seeds(self, position: int | str, rollout: int | None = None) -> random.Random:
+        """The seeds of a group's requests (or of one of its rollouts): from the run's seed and the prompt position
+        (an evaluation's positions are named 'eval:STEP:ROW')."""
         return random.Random(f"{self.config.seed}:{position}" + ("" if rollout is None else f":{rollout}"))
 
-    async def _rollouts(self, row: dict, position: int, group_id: int) -> list[Episode]:
+    async def _rollouts(self, row: dict, position: int | str, group_id: int) -> list[Episode]:
         """The group's rollouts, concurrently; when one fails the others are cancelled (their slots and environments
         go back at once)."""
         tasks = [asyncio.ensure_future(self._one_rollout(row, group_id, self._seeds(position, index)))
@@ -520,9 +542,8 @@ class AsyncRolloutLoop:
             self.rollouts_in_flight -= slots
             self.slot.notify_all()
 
-    def _group(self, row: dict, position: int, group_id: int, version: int, episodes: list[Episode]) -> RolloutGroup:
-        g = len(episodes)
-        extra = {k: [v] * g for k, v in row.items() if k not in ("prompt", ROUTE_COLUMN)}
+    def _reconciled(self, episodes: list[Episode]) -> list[list]:
+        """Each rollout's turns as training sequences (forks where a re-rendered turn drifted), recorded."""
         sequences = []
         for episode in episodes:
             turns = episode.rollout.turns
@@ -535,14 +556,55 @@ class AsyncRolloutLoop:
                 self.record("rollout/fork_frac", *([1.0] * stats.forks + [0.0] * (stats.transitions - stats.forks)))
                 self.record("rollout/drift_tokens_mean", *stats.drift_tokens)
                 self.record("rollout/drift_tokens_max", *stats.drift_tokens)
+        return sequences
+
+    def _group(self, row: dict, row_index: int, group_id: int, version: int, episodes: list[Episode],
+               sequences: list[list]) -> RolloutGroup:
+        g = len(episodes)
+        extra = {k: [v] * g for k, v in row.items() if k not in ("prompt", ROUTE_COLUMN)}
         rollouts = [e.rollout for e in episodes]
         return RolloutGroup(
             prompts=[e.prompt for e in episodes], reward_kwargs=extra, completions=[r.completion for r in rollouts],
             completions_ids=[r.completion_ids for r in rollouts], completions_sequences=sequences,
             tool_call_counts=[r.tool_call_count for r in rollouts], tool_failure_counts=[r.tool_failure_count for r in rollouts],
-            model_version=version, group_id=group_id, row_index=self._epoch_row(position)[1],
+            model_version=version, group_id=group_id, row_index=row_index,
             env_rewards=[e.env_reward for e in episodes], rollout_rewards=[r.reward for r in rollouts], queued_at=time.monotonic(),
         )
+
+    # ---- evaluation -----------------------------------------------------------------------------------
+    async def _evaluations(self) -> None:
+        """Start each evaluation the trainer asks for, (its step, the policy version the server serves now), at once:
+        the trainer waits for it, so it must not wait behind the allowance as training groups do."""
+        while True:
+            try:
+                step, version = self.channels.evaluate.get_nowait()
+            except queue.Empty:
+                await asyncio.sleep(IDLE_POLL_S)
+                continue
+            self._watch(asyncio.create_task(self._evaluate(step, version)))
+
+    async def _evaluate(self, step: int, version: int) -> None:
+        """Generate every eval prompt under `version` and score it with the reward functions; send the eval/* records.
+        Nothing is trained, and the allowance is untouched: evaluation is not paced with training."""
+        GROUP_VERSION.set(version)
+        records: dict[str, list] = defaultdict(list)
+        outcomes = await asyncio.gather(*[self._evaluate_row(dict(row), index, step, version, records)
+                                          for index, row in enumerate(self.settings.eval_dataset)])
+        records["eval/failed_count"].append(outcomes.count(False))
+        self.emit("eval", (step, dict(records)))
+
+    async def _evaluate_row(self, row: dict, index: int, step: int, version: int, records: dict) -> bool:
+        """One eval prompt's group, recorded as eval/<the group's metric>; False when it failed (twice, as in training)."""
+        try:
+            episodes = await self._episodes(row, f"eval:{step}:{index}", group_id=-1)
+            group = self._group(row, index, -1, version, episodes, sequences=[])
+            columns = await self._reward(group)
+        except (ServerError, scoring.RewardFailed) as exc:
+            print(f"tandem: evaluation at step {step}: eval_dataset row {index} failed ({exc})", file=sys.stderr)
+            return False
+        record_group(lambda name, *values: records[f"eval/{name}"].extend(values), group, columns,
+                     scoring.keeps_signal(group.rewards), self.eos_token_ids, log_completions=False)
+        return True
 
     async def _scorer(self) -> None:
         while True:

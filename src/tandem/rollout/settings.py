@@ -29,5 +29,7 @@ class RolloutSettings:
     """The tokens one step consumes when every row is full: the allowance before the trainer's first step."""
     num_positions: int | None = None
     """Where the prompt stream ends (epochs × rows), or None for an endless stream (max_steps decides)."""
+    eval_dataset: object = None
+    """Prompts the trainer has evaluated (generated and scored, never trained) when it asks on `Channels.evaluate`."""
     adapter_name: str | None = None
     """LoRA training: requests name the adapter version current when their group started, e.g. 'tandem-policy-v{version}'."""

@@ -101,7 +101,7 @@ class RolloutWorker:
         if self.process.is_alive():
             self.process.terminate()
         self.process.join(timeout=10)
-        for channel in (self.channels.out, self.channels.retry):
+        for channel in (self.channels.out, self.channels.retry, self.channels.evaluate):
             channel.close()
             channel.join_thread()
 

@@ -10,6 +10,8 @@ BUILT_IN = {
     "arithmetic": lambda: Dataset.from_list(arithmetic.make_rows(2000, split="train", seed=0)),
     # 128 problems seen many times: what the demo trains on, so a few minutes show a clear rise.
     "arithmetic-small": lambda: Dataset.from_list(arithmetic.make_rows(128, split="train", seed=1)),
+    # held out of the tiny model's pretraining and of the training sets: an eval_dataset
+    "arithmetic-test": lambda: Dataset.from_list(arithmetic.make_rows(64, split="test", seed=2)),
 }
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 

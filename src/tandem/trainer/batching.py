@@ -5,6 +5,7 @@ by several samples counts once) and as many loss terms. A sample goes to the lea
 already holds its group (so its prompt is shared) when it fits there; when it does not, to another row
 only if that row is empty or would stay under the most loaded row, which sets the micro-batch's time;
 a sample of a new group goes to the least-loaded row it fits. When nothing fits, the micro-batch closes.
+`max_samples` (per_device_train_batch_size) caps the samples of a row as well.
 """
 
 from tandem.packing import PackedRow, TrieRow
@@ -12,10 +13,10 @@ from tandem.rollout.records import Sample
 
 
 class TokenBudgetBatcher:
-    def __init__(self, token_budget: int, num_rows: int = 1, share_prefixes: bool = True):
+    def __init__(self, token_budget: int, num_rows: int = 1, share_prefixes: bool = True, max_samples: int | None = None):
         if token_budget < 1:
             raise ValueError(f"token_budget={token_budget}: a row must hold at least one token")
-        self.token_budget = token_budget
+        self.token_budget, self.max_samples = token_budget, max_samples
         self.num_rows = num_rows
         self.share_prefixes = share_prefixes
         self.rows = self._fresh_rows()
@@ -31,7 +32,8 @@ class TokenBudgetBatcher:
         """Place `sample` in a row and return True, or return False: it fits nowhere, close the micro-batch first."""
         costs = [row.cost(sample) for row in self.rows]
         fitting = [i for i, (row, cost) in enumerate(zip(self.rows, costs))
-                   if row.num_tokens + cost.new_tokens <= self.token_budget and row.num_terms + cost.new_terms <= self.token_budget]
+                   if row.num_tokens + cost.new_tokens <= self.token_budget and row.num_terms + cost.new_terms <= self.token_budget
+                   and (self.max_samples is None or len(row.samples) < self.max_samples)]
         home = [i for i, row in enumerate(self.rows) if sample.group_id in row.groups]
         candidates = [i for i in home if i in fitting]
         if home and not candidates:  # its group's row is full: move only where it does not slow the micro-batch

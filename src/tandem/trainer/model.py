@@ -1,6 +1,8 @@
 """The policy the trainer trains: loaded from a path, a hub id, "tiny" or an object, switched to tree
 attention (every packed row needs it), optionally wrapped with a trainable LoRA adapter."""
 
+import inspect
+
 import torch
 from peft import get_peft_model
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -15,8 +17,9 @@ def load_model(model, args: AsyncGRPOConfig) -> tuple[str, PreTrainedModel]:
     """(the name the server knows it by, the model ready to train)."""
     if isinstance(model, str):
         name = TINY_MODEL_PATH if model == "tiny" else model
-        loaded = AutoModelForCausalLM.from_pretrained(name, **{"dtype": args.dtype, **(args.model_init_kwargs or {})})
-        if torch.cuda.is_available():
+        kwargs = {"dtype": args.dtype, "trust_remote_code": args.trust_remote_code, **(args.model_init_kwargs or {})}
+        loaded = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+        if torch.cuda.is_available() and not args.use_cpu:
             loaded.to("cuda")
     elif isinstance(model, PreTrainedModel):
         name, loaded = model.name_or_path or "tandem-policy", model
@@ -38,6 +41,15 @@ def with_adapter(model: PreTrainedModel, peft_config):
     return get_peft_model(model, peft_config)
 
 
+def enable_checkpointing(model, kwargs: dict) -> None:
+    """Activation (gradient) checkpointing with `kwargs` for torch.utils.checkpoint; transformers renamed the method in
+    5.x and deprecated the old name."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def served_dtype(model) -> str:
     """The `--dtype` the embedded server needs to sample from exactly these weights."""
     return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[next(model.parameters()).dtype]
@@ -52,7 +64,35 @@ def eos_ids(tokenizer, model) -> list[int]:
 
 
 def use_bf16(args: AsyncGRPOConfig, device: torch.device) -> bool:
-    return args.bf16 if args.bf16 is not None else device.type == "cuda"
+    return not args.fp16 and (args.bf16 if args.bf16 is not None else device.type == "cuda")
+
+
+def autocast_dtype(args: AsyncGRPOConfig, device: torch.device) -> torch.dtype | None:
+    """The dtype the trainer's forward autocasts to: float16 (fp16), bfloat16 (bf16), or None (the weights' own)."""
+    if args.fp16:
+        return torch.float16
+    return torch.bfloat16 if use_bf16(args, device) else None
+
+
+def check_precision(args: AsyncGRPOConfig, device: torch.device, several_ranks: bool):
+    """Apply tf32 and return fp16's gradient scaler (None without fp16), refusing what the device cannot do."""
+    if args.tf32 is not None:
+        if device.type != "cuda" and args.tf32:
+            raise ValueError("AsyncGRPOConfig.tf32=True needs an Ampere or newer NVIDIA GPU: TensorFloat-32 is a mode of "
+                             "its matmul units, and this run trains on the CPU. Leave tf32 unset.")
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
+    if not args.fp16:
+        return None
+    if device.type != "cuda":
+        raise ValueError("AsyncGRPOConfig.fp16=True needs a GPU: on the CPU float16 autocast is slower than float32 and "
+                         "loses precision for nothing. Train in float32 (the CPU default), or bf16=True.")
+    if several_ranks:
+        raise ValueError("AsyncGRPOConfig.fp16=True is not supported under torchrun (FSDP2 would need a sharded gradient "
+                         "scaler): use bf16=True.")
+    if args.dtype == "float16":
+        raise ValueError("AsyncGRPOConfig.fp16=True keeps float32 master weights and scales float16 gradients: load the "
+                         "model with dtype='float32', not 'float16'.")
+    return torch.amp.GradScaler("cuda")
 
 
 def check_dataset(dataset, *, environments: bool = False, max_steps: int = -1):
@@ -82,3 +122,18 @@ def check_dataset(dataset, *, environments: bool = False, max_steps: int = -1):
                              f"{{'role': ..., 'content': ...}} messages; got {type(prompt).__name__} {str(prompt)[:80]!r}. "
                              "Wrap plain text as [{'role': 'user', 'content': text}].")
     return dataset
+
+
+def drop_unused_columns(dataset, reward_funcs: list, environments: bool):
+    """remove_unused_columns=True: the dataset with only 'prompt' and the columns a reward function names as a
+    parameter (a reward's **kwargs gets only those)."""
+    if environments:
+        raise ValueError("AsyncGRPOConfig.remove_unused_columns=True cannot be used with an environment_factory: reset() "
+                         "receives every column of its row. Leave it False.")
+    named = {name for func in reward_funcs for name, parameter in inspect.signature(func).parameters.items()
+             if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)}
+    columns = getattr(dataset, "column_names", None) or list(dataset[0])
+    unused = [column for column in columns if column != "prompt" and column not in named]
+    if hasattr(dataset, "remove_columns"):
+        return dataset.remove_columns(unused)
+    return [{key: value for key, value in row.items() if key not in unused} for row in dataset]

@@ -1,4 +1,5 @@
-"""The optimizer, the learning-rate schedule and gradient clipping, with transformers' conventions."""
+"""The optimizer, the learning-rate schedule and gradient clipping, with transformers' conventions: its `optim`
+names, its weight-decay groups and its schedules, taken from transformers itself."""
 
 import math
 
@@ -9,26 +10,31 @@ from tandem.trainer.distributed import full_tensor
 
 
 def make_optimizer(model: torch.nn.Module, args: AsyncGRPOConfig) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters (with LoRA: the adapter only)."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(trainable, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                             eps=args.adam_epsilon, weight_decay=args.weight_decay)
+    """transformers' optimizer for `args.optim` over the trainable parameters (with LoRA: the adapter only); weight
+    decay spares biases and normalisation weights, as in transformers' Trainer."""
+    from transformers import Trainer  # heavy: imported when a trainer is built, not with tandem
+
+    try:
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    except ValueError as exc:
+        raise ValueError(f"AsyncGRPOConfig.optim={args.optim!r}: {exc}. Try adamw_torch_fused, adamw_torch, adafactor "
+                         "or sgd (transformers' OptimizerNames lists the rest).") from None
+    decayed = set(Trainer.get_decay_parameter_names(None, model))
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for name, p in trainable if name in decayed], "weight_decay": args.weight_decay},
+              {"params": [p for name, p in trainable if name not in decayed], "weight_decay": 0.0}]
+    return cls([group for group in groups if group["params"]], **kwargs)
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, args: AsyncGRPOConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup (`warmup_steps`, a fraction of max_steps when < 1), then constant, linear or cosine decay."""
-    warmup = args.warmup_steps * args.max_steps if 0 < args.warmup_steps < 1 else args.warmup_steps
-    total = max(args.max_steps, 1)
+def make_scheduler(optimizer: torch.optim.Optimizer, args: AsyncGRPOConfig) -> torch.optim.lr_scheduler.LRScheduler:
+    """transformers' schedule `lr_scheduler_type` with `lr_scheduler_kwargs`, after `warmup_steps` of linear warm-up
+    (a fraction of max_steps when below 1). Warm-up applies to 'constant' too (transformers would ignore it)."""
+    from transformers import get_scheduler
 
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if args.lr_scheduler_type in ("constant", "constant_with_warmup"):
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1.0, total - warmup))
-        return 1.0 - progress if args.lr_scheduler_type == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    warmup = math.ceil(args.warmup_steps * args.max_steps) if 0 < args.warmup_steps < 1 else int(args.warmup_steps)
+    name = "constant_with_warmup" if args.lr_scheduler_type == "constant" and warmup else args.lr_scheduler_type
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup,
+                         num_training_steps=max(args.max_steps, 1), scheduler_specific_kwargs=args.lr_scheduler_kwargs)
 
 
 def clip_gradients(model: torch.nn.Module, max_grad_norm: float | None) -> torch.Tensor:

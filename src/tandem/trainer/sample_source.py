@@ -173,6 +173,10 @@ class SampleSource:
         """True when the run must end now (a preemption): a wait for samples gives up, as if the worker had ended."""
         self.on_stall = on_stall
         """Called each time a stall is said, with it (the trainer logs the worker's metrics then: no step will)."""
+        self.evaluations: dict[int, dict[str, list]] = {}
+        """The eval records the worker sent, by the step that asked for them."""
+        self.asked: dict[int, int] = {}
+        """Evaluations asked for and not answered yet: step -> policy version (asked again of a restarted worker)."""
         self.restart_worker = restart_worker
         """Starts a new worker from a ResumePoint and returns (its inbox, its counters): a worker lost without an error
         of its own (killed, hung) is replaced once. None: a lost worker stops the run."""
@@ -208,9 +212,24 @@ class SampleSource:
         elif kind == "metrics":
             self.worker_metrics.extend(payload)
             self.stall.seen(payload)
+        elif kind == "eval":
+            step, records = payload
+            self.asked.pop(step, None)
+            self.evaluations[step] = records
         elif kind == "end":
             self.ended = True
         return True
+
+    def evaluate(self, step: int, model_version: int) -> dict[str, list] | None:
+        """Have the worker generate and score the eval prompts under `model_version`, and wait for its records (samples
+        that arrive meanwhile are buffered); None when the run must stop now."""
+        self.asked[step] = model_version
+        self.counters.evaluate.put((step, model_version))
+        while step not in self.evaluations:
+            if self.stop():
+                return None
+            self.pull(POLL_S)
+        return self.evaluations.pop(step)
 
     def _replace_worker(self, lost: WorkerLost) -> None:
         """Start a new worker where this one left off: from the watermark, leaving out the positions already received,
@@ -221,6 +240,8 @@ class SampleSource:
         point = self.resume_point()
         self.inbox, self.counters = restart(point)
         self.unpublished = 0.0  # the old worker's token accounting went with it
+        for step, version in self.asked.items():  # evaluations the lost worker did not answer
+            self.counters.evaluate.put((step, version))
         self.window.add("rollout/worker_restart_count", 1)
         self.say(f"{lost}. Restarted it from prompt position {point.start}, leaving out the {len(point.received)} "
                  "positions past it already received; a second loss stops the run.")

@@ -80,15 +80,15 @@ class Session:
         self.stack.callback(lambda: self.run(client.close()))
         return client
 
-    def open_sinks(self, report_to, output_dir: Path, run_name: str | None, config: dict, total_steps: int | None) -> None:
+    def open_sinks(self, report_to, output_dir: Path, config: dict, total_steps: int | None, dashboard: bool = True) -> None:
         """`metrics.jsonl` and the `report_to` sinks, the console (dashboard or plain lines), and report.html drawn when the run leaves
-        the session (after the sinks closed: at its end, on Ctrl-C, on a crash)."""
+        the session (after the sinks closed: at its end, on Ctrl-C, on a crash). `dashboard` False: plain lines even in a terminal."""
         (output_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))  # what tandem doctor reads
         self.report_dir = output_dir
-        self.sinks = make_sinks(report_to, output_dir, run_name, config)
+        self.sinks = make_sinks(report_to, output_dir, config)
         for sink in self.sinks:
             self.stack.callback(sink.close)
-        self.progress = RunConsole(total_steps, config)
+        self.progress = RunConsole(total_steps, config, dashboard=dashboard)
         self.stack.callback(self.progress.close)
 
     def write_report(self) -> None:

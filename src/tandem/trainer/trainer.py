@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, TrainerControl
 from transformers.trainer_callback import CallbackHandler
+from transformers.trainer_utils import enable_full_determinism
 from transformers.utils import logging as hf_logging
 
 from tandem.config import AsyncGRPOConfig
@@ -41,7 +42,8 @@ from tandem.trainer import OPENMP_POLICY_TOO_LATE, checkpoint, distributed, sync
 from tandem.trainer.batching import TokenBudgetBatcher
 from tandem.trainer.checkpoint import TrainerState
 from tandem.trainer.flops import model_shape, peak_flops, rows_flops
-from tandem.trainer.model import check_dataset, eos_ids, load_model, served_dtype, use_bf16, with_adapter
+from tandem.trainer.model import (autocast_dtype, check_dataset, check_precision, drop_unused_columns, eos_ids,
+                                  enable_checkpointing, load_model, served_dtype, use_bf16, with_adapter)
 from tandem.trainer.objectives import LossShare, make_objective
 from tandem.trainer.optimization import clip_gradients, make_optimizer, make_scheduler
 from tandem.trainer.sample_source import ResumePoint, SampleSource, Stall
@@ -65,6 +67,24 @@ def callback_handler(callbacks: list, model, tokenizer, optimizer, scheduler) ->
         hf_logging.set_verbosity(verbosity)
 
 
+def seed_run(args: AsyncGRPOConfig) -> None:
+    """The trainer's random state from `seed`; with full_determinism also deterministic algorithms (transformers')."""
+    if args.full_determinism:
+        enable_full_determinism(args.seed)
+    else:
+        torch.manual_seed(args.seed)
+
+
+def run_log_level(args: AsyncGRPOConfig, main: bool) -> str:
+    return args.log_level if main else args.log_level_replica
+
+
+def set_log_level(level: str) -> None:
+    """transformers' logging verbosity for the run, as its Trainer sets it (`passive` leaves it alone)."""
+    if level != "passive":
+        hf_logging.set_verbosity(hf_logging.log_levels[level])
+
+
 @dataclass
 class TrainOutput:
     global_step: int
@@ -85,11 +105,14 @@ class AsyncGRPOTrainer:
 
     def __init__(self, model, reward_funcs=None, args: AsyncGRPOConfig | None = None, train_dataset=None,
                  processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None, tools=None,
-                 environment_factory=None):
+                 environment_factory=None, eval_dataset=None):
         self.args = args = args or AsyncGRPOConfig()
         self.tools, self.environment_factory = list(tools or []), environment_factory
         self.dataset = check_dataset(train_dataset, environments=environment_factory is not None, max_steps=args.max_steps)
         self.reward_funcs = _reward_list(reward_funcs, self._check_agents())
+        self.eval_dataset = check_eval_dataset(eval_dataset, args)
+        if args.remove_unused_columns and self.dataset is not None:
+            self.dataset = drop_unused_columns(self.dataset, self.reward_funcs, environment_factory is not None)
         self.ranks = distributed.join(args.vllm_server_timeout)
         """This process's place among the torchrun ranks (one rank of one without torchrun)."""
         self.model_name, self.model = load_model(model, args)
@@ -98,7 +121,8 @@ class AsyncGRPOTrainer:
             self.model = with_adapter(self.model, peft_config)
         if self.ranks.several:
             distributed.shard(self.model, self.ranks, args.fsdp_config, use_bf16(args, next(self.model.parameters()).device))
-        self.tokenizer = processing_class or AutoTokenizer.from_pretrained(self.model_name if isinstance(model, str) else model.name_or_path)
+        self.tokenizer = processing_class or AutoTokenizer.from_pretrained(
+            self.model_name if isinstance(model, str) else model.name_or_path, trust_remote_code=args.trust_remote_code)
         self.rollout_template: str | None = None
         """A training-safe chat template the worker renders rollouts with, when the model's is not prefix-preserving."""
         if self.tools or environment_factory is not None:
@@ -106,14 +130,21 @@ class AsyncGRPOTrainer:
         self.optimizer = optimizers[0] or make_optimizer(self.model, args)
         self.scheduler = optimizers[1] or make_scheduler(self.optimizer, args)
         self.device = next(self.model.parameters()).device
+        self.scaler = check_precision(args, self.device, self.ranks.several)
+        """fp16's gradient scaler (None without fp16)."""
         self.kernel = args.tree_attention_kernel or tree_attention.default_kernel(self.device)
         if self.kernel == "flex" and self.device.type != "cuda":
             raise ValueError("tree_attention_kernel='flex' needs a GPU: FlexAttention has no backward pass on CPU. "
                              "Use 'exact' or 'sdpa'.")
-        self.peak_flops = peak_flops(self.device, use_bf16(args, self.device))
+        self.peak_flops = peak_flops(self.device, autocast_dtype(args, self.device) is not None)
         """One GPU's peak FLOP/s for perf/*_mfu; None on CPU or an unknown GPU (trainer/flops.py)."""
         self.flops_shape = model_shape(self.model) if self.peak_flops else None
-        model_coef = getattr(self.model.config.get_text_config(), "router_aux_loss_coef", 0.0) or 0.0
+        text_config = self.model.config.get_text_config()
+        if args.router_aux_loss_coef is not None and not hasattr(text_config, "router_aux_loss_coef"):
+            raise ValueError(f"AsyncGRPOConfig.router_aux_loss_coef={args.router_aux_loss_coef}: the model is not a "
+                             "Mixture-of-Experts model (its config has no router), so there is no balancing loss to weigh. "
+                             "Leave it None.")
+        model_coef = getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0
         self.objective = make_objective(args, args.router_aux_loss_coef if args.router_aux_loss_coef is not None else model_coef)
         self.output_dir = Path(args.output_dir)
         self.state = TrainerState()
@@ -144,6 +175,8 @@ class AsyncGRPOTrainer:
         """The server the worker generates from, and the model name it is asked for."""
         self.server_restarts: list[float] = []
         """When the embedded server was restarted (monotonic seconds): one that keeps dying stops the run."""
+        self.eval_pending = False
+        """An evaluation is due: it runs right after the next weight sync, on the policy just synced."""
         self.saved_step: int | None = None
         """The step of the last checkpoint written, so the end of a run does not write the same one again."""
         self._callback_event("on_init_end")
@@ -158,18 +191,24 @@ class AsyncGRPOTrainer:
                           "OMP_WAIT_POLICY=PASSIVE, or import tandem before torch.", stacklevel=2)
         check_picklable({f"reward function {i}": f for i, f in enumerate(self.reward_funcs)} | {"loop_cls": self.loop_cls})
         self.preempted.clear()
-        torch.manual_seed(self.args.seed)
+        seed_run(self.args)
+        set_log_level(run_log_level(self.args, self.ranks.main))
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        if resume_from_checkpoint is None:
+            resume_from_checkpoint = self.args.resume_from_checkpoint
         resume = checkpoint.resolve(resume_from_checkpoint, self.output_dir)
         self._restore(resume)
         self._callback_event("on_train_begin")
         if self.args.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(self.model, self.args.gradient_checkpointing_kwargs or {"use_reentrant": False})
         self.model.train()
         try:
             with Session(self.args.vllm_server_timeout, self.args.vllm_server_api_key) as self.session, \
                     on_sigterm(self.args.enable_jit_checkpoint, self.preempted):
                 self._connect(resumed=resume is not None)
+                self.eval_pending = self.args.eval_on_start and self.eval_dataset is not None
+                if self.eval_pending and self.ranks.main:  # the policy the server serves now: the starting one
+                    self._evaluate()
                 output = self._loop()
         finally:
             self.sync = None  # its transfer group (sockets, threads) joined the server the session stopped
@@ -207,11 +246,14 @@ class AsyncGRPOTrainer:
                 scored = self._forward(row)
                 forward_s += self._clock() - start
                 row_loss = self.objective.row_loss(row, scored, share)
-                (row_loss.loss if real else row_loss.loss * 0.0).backward()
+                self._backward(row_loss.loss if real else row_loss.loss * 0.0)
                 if real:
                     self.window.extend(row_loss.metrics)
                     loss += row_loss.loss.item()
         return StepLoss(self.ranks.total(loss), forward_s)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def save_model(self, output_dir: str | None = None) -> None:
         """The model (or the LoRA adapter) and tokenizer as a folder transformers, vLLM and `tandem serve` load.
@@ -237,12 +279,15 @@ class AsyncGRPOTrainer:
             grad_norm = self.optimizer_step()
             optimizer_s, forward_backward_s = self._clock() - optimizer_start, optimizer_start - step_start
             self._step_done(rows)
+            self.eval_pending = self.eval_pending or self._eval_due()
             if state.step % args.weight_sync_steps == 0 and not self._preempted():  # a preempted run checkpoints
                 try:  # first: its server may be ending too (a SIGTERM to the whole job)
                     self._sync(state.model_version + 1)
                 except Exception:
                     if not self.preempted.is_set():
                         raise  # a SIGTERM during the sync: the server went with it; the trained step is still saved
+                if self.eval_pending and main:
+                    self._evaluate()
             if main:
                 self.source.publish(tokens_per_step=sum(row.raw_tokens for row in rows))  # after the sync (sample_source.py)
                 times = StepTimes(total=time.perf_counter() - start, rollout_wait=self.source.wait_s - waited,
@@ -252,7 +297,7 @@ class AsyncGRPOTrainer:
             if self._preempted():  # SIGTERM with enable_jit_checkpoint: save this step, then stop
                 self.control.should_save = self.control.should_training_stop = True
             control = self._agreed_control()
-            if state.step % args.logging_steps == 0 or control.should_log:
+            if self._log_now() or control.should_log:
                 metrics = self._log()
             if (args.save_strategy == "steps" and state.step % args.save_steps == 0) or control.should_save:
                 self._checkpoint()
@@ -313,8 +358,14 @@ class AsyncGRPOTrainer:
     def optimizer_step(self) -> float:
         """Clip the accumulated gradients, step the optimizer and the schedule, zero the gradients; returns the
         gradient norm before clipping."""
+        if self.scaler:  # fp16: the gradients are clipped and measured unscaled; a step with inf/NaN ones is skipped
+            self.scaler.unscale_(self.optimizer)
         grad_norm = clip_gradients(self.model, self.args.max_grad_norm)
-        self.optimizer.step()
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
@@ -329,9 +380,15 @@ class AsyncGRPOTrainer:
             self.source.trained([s for row in rows for s in row.samples])
             state.dataset_start_index = self.source.ledger.watermark
 
+    def _log_now(self) -> bool:
+        """logging_strategy 'steps': every logging_steps steps, and after the first with logging_first_step."""
+        args, step = self.args, self.state.step
+        return args.logging_strategy == "steps" and (step % args.logging_steps == 0 or (args.logging_first_step and step == 1))
+
     def _record(self, rows: list[PackedRow], num_micro_batches: int, loss: float, grad_norm: float, times: StepTimes) -> None:
-        self.losses.append(loss)
-        self.window.add("loss", loss)
+        if math.isfinite(loss):  # logging_nan_inf_filter, always on: a NaN or infinite loss is left out of `loss`
+            self.losses.append(loss)
+            self.window.add("loss", loss)
         self.window.add("grad_norm", grad_norm)
         self.window.add("learning_rate", self.scheduler.get_last_lr()[0])
         record_step(self.window, rows, num_micro_batches, times)
@@ -368,6 +425,32 @@ class AsyncGRPOTrainer:
         self.session.progress.update(self.state.step, metrics)
         if examples:
             self.session.progress.print_completions(examples, self.args.num_completions_to_print)
+        return metrics
+
+    def _eval_due(self) -> bool:
+        """eval_strategy 'steps': every eval_steps steps (logging_steps when unset), from eval_delay on."""
+        args, step = self.args, self.state.step
+        return (args.eval_strategy == "steps" and step >= args.eval_delay
+                and step % (args.eval_steps or args.logging_steps) == 0)
+
+    def _evaluate(self) -> dict:
+        """The eval prompts generated by the server under the policy version it serves now, scored by the reward
+        functions and logged as eval/* under this step; never trained. Rank 0 (the worker's owner) only."""
+        state, start = self.state, time.perf_counter()
+        self.eval_pending = False
+        records = self.source.evaluate(state.step, state.model_version)
+        if records is None:  # the run is stopping (SIGTERM)
+            return {}
+        window = MetricWindow()
+        window.extend(records)
+        metrics = window.flush() | {"eval/runtime_s": time.perf_counter() - start, "eval/model_version": state.model_version,
+                                    "eval/num_prompts": len(self.eval_dataset)}
+        state.log_history.append({**metrics, "step": state.step})
+        self._callback_event("on_evaluate", metrics=metrics)
+        for sink in self.session.sinks:
+            sink.log(state.step, metrics)
+        self.session.progress.say(f"eval at step {state.step} (policy version {state.model_version}): reward "
+                                  f"{metrics.get('eval/reward', math.nan):.3f} over {len(self.eval_dataset)} prompts")
         return metrics
 
     def _log_stalled(self, stall: Stall) -> None:
@@ -418,8 +501,8 @@ class AsyncGRPOTrainer:
 
     def _forward(self, row: PackedRow) -> TokenLogprobs:
         """The row's log-probs at its trained positions (bf16 autocast where configured)."""
-        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if use_bf16(self.args, self.device) else nullcontext()
-        with autocast:
+        dtype = autocast_dtype(self.args, self.device)
+        with torch.autocast(self.device.type, dtype=dtype) if dtype else nullcontext():
             return row_logprobs(self.model, row, self.kernel, self.args.temperature)
 
     def _score(self, row: PackedRow) -> TokenLogprobs:
@@ -554,14 +637,15 @@ class AsyncGRPOTrainer:
         if not main:
             self.sync = follower_sync(kind, self.output_dir, served_name, args.max_staleness, self.ranks)
         self.token_budget = args.token_budget or max_model_len
-        self.batcher = TokenBudgetBatcher(self.token_budget, num_rows=self.ranks.world_size)
+        self.batcher = TokenBudgetBatcher(self.token_budget, num_rows=self.ranks.world_size,
+                                          max_samples=args.per_device_train_batch_size)
         self._check_prompt_lengths(max_model_len)
         if resumed or args.vllm_server_base_url is not None or self.lora:
             self._push(self.state.model_version)  # the server must sample from our weights
         if not main:
             return
-        session.open_sinks(args.report_to, self.output_dir, args.run_name, args.to_dict(),
-                           args.max_steps if args.max_steps > 0 else None)
+        session.open_sinks(args.report_to, self.output_dir, args.to_dict(), args.max_steps if args.max_steps > 0 else None,
+                           dashboard=not args.disable_tqdm)
         self.served_url, self.served_name = url, served_name
         worker = self._start_worker(self.resume_point)
         self.source = SampleSource(worker, worker.channels, self.window, resume=self.resume_point,
@@ -611,6 +695,8 @@ class AsyncGRPOTrainer:
             extra += ["--host", args.vllm_server_host]
         if args.vllm_server_api_key:
             extra += ["--api-key", args.vllm_server_api_key]
+        if args.trust_remote_code:
+            extra += ["--trust-remote-code"]
         return extra
 
     def _served_name(self) -> str:
@@ -686,8 +772,26 @@ class AsyncGRPOTrainer:
             tools=self.tools, environment_factory=self.environment_factory, api_key=args.vllm_server_api_key,
             dataset_start_index=point.start, received=point.received, queued_tokens=point.queued_tokens,
             full_step_tokens=self.token_budget * args.gradient_accumulation_steps, num_positions=self._num_positions(),
+            eval_dataset=self.eval_dataset,
             adapter_name=ADAPTER_NAME if isinstance(self.sync, LoraSync) else None)
         return WorkerSpec(loop_cls=self.loop_cls, settings=settings)
+
+
+def check_eval_dataset(eval_dataset, args: AsyncGRPOConfig):
+    """The eval prompts, when evaluation is asked for and they can be generated; neither is silently ignored."""
+    if eval_dataset is None:
+        if args.eval_strategy != "no" or args.eval_on_start:
+            raise ValueError(f"eval_strategy={args.eval_strategy!r} / eval_on_start={args.eval_on_start} needs an "
+                             "eval_dataset (prompts generated and scored, never trained): pass one to AsyncGRPOTrainer, "
+                             "or an eval_dataset key in the recipe")
+        return None
+    if args.eval_strategy == "no" and not args.eval_on_start:
+        warnings.warn("an eval_dataset was given but eval_strategy='no' and eval_on_start=False: it is never evaluated. "
+                      "Set eval_strategy='steps' (every eval_steps steps) or eval_on_start=True.", stacklevel=3)
+    try:
+        return check_dataset(eval_dataset)
+    except ValueError as exc:
+        raise ValueError(f"eval_dataset: {exc}".replace("train_dataset", "eval_dataset")) from None
 
 
 def _reward_list(reward_funcs, environment_rewards: bool) -> list:

@@ -1,0 +1,360 @@
+"""The fields users bring from transformers' TrainingArguments: each one works, or is refused when set, saying why.
+docs/config.md maps every field to the test that shows it works or to its refusal; the first tests keep it honest."""
+
+import asyncio
+import dataclasses
+import json
+import multiprocessing as mp
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from rich.console import Console
+from transformers import AutoModelForCausalLM
+
+from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
+from tandem.config import REFUSED, type_problem
+from tandem.metrics.console import RunConsole
+from tandem.rewards import accuracy_reward
+from tandem.rollout.loop import epoch_order
+from tandem.tasks import TINY_MODEL_PATH, arithmetic
+from tandem.packing import pack
+from tandem.trainer.batching import TokenBudgetBatcher
+from tandem.trainer.objectives import make_objective
+from tandem.trainer.optimization import make_optimizer, make_scheduler
+from tests.packing.samples import sample
+from tests.rollout.test_failures import ScriptedLoop, by_reply, run_loop
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Dataset.from_list(arithmetic.make_rows(4, seed=0))
+
+
+def non_default(item: dataclasses.Field):
+    """A value of the field's type that is not its default."""
+    default = item.default_factory() if item.default_factory is not dataclasses.MISSING else item.default
+    for candidate in (True, 7, 0.5, "other", ["x"], {"x": 1}, False):
+        if type_problem(candidate, item.type) is None and candidate != default:
+            return candidate
+    raise AssertionError(f"no non-default value found for {item.name}")
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_refused_field_set_to_anything_but_its_default_fails_with_the_reason(name):
+    item = next(f for f in dataclasses.fields(AsyncGRPOConfig) if f.name == name)
+    value = non_default(item)
+    with pytest.raises(ValueError, match=rf"AsyncGRPOConfig\.{name}=.* is not supported: .*Leave it at"):
+        AsyncGRPOConfig(**{name: value})
+    AsyncGRPOConfig(**{name: getattr(AsyncGRPOConfig(), name)})  # its default is accepted
+
+
+def table_rows() -> dict[str, tuple[str, str]]:
+    """docs/config.md's table: field -> (status, the test or the reason)."""
+    rows = {}
+    for line in (ROOT / "docs" / "config.md").read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`") and cells[0] != "`field`":
+            name = cells[0].strip("`")
+            assert name not in rows, f"docs/config.md lists {name} twice"
+            rows[name] = (cells[2], cells[3])
+    return rows
+
+
+def test_the_field_table_maps_every_field_to_a_test_that_exists_or_to_its_refusal():
+    rows, fields = table_rows(), {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
+    assert set(rows) == fields, f"missing from docs/config.md: {sorted(fields - set(rows))}; not fields: {sorted(set(rows) - fields)}"
+    for name, (status, where) in rows.items():
+        assert status in ("works", "refused"), f"{name}: status {status!r}"
+        assert (status == "refused") == (name in REFUSED), f"{name}: the table says {status}, config.REFUSED disagrees"
+        if status == "works":
+            path, _, test = where.strip("`").partition("::")
+            source = (ROOT / path).read_text() if (ROOT / path).is_file() else ""
+            assert re.search(rf"^(async )?def {re.escape(test)}\(", source, re.M), f"{name}: no test {where} in {path}"
+
+
+@pytest.mark.parametrize("optim, optim_args, expected", [
+    ("adamw_torch", None, torch.optim.AdamW), ("adamw_torch_fused", None, torch.optim.AdamW),
+    ("adafactor", None, "Adafactor"), ("sgd", "momentum=0.9", torch.optim.SGD)])
+def test_transformers_optimizer_names_build_their_optimizers_with_decay_spared_on_biases_and_norms(optim, optim_args, expected):
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH)
+    optimizer = make_optimizer(model, AsyncGRPOConfig(optim=optim, optim_args=optim_args, weight_decay=0.1, adam_beta1=0.8,
+                                                      adam_beta2=0.95, adam_epsilon=1e-6))
+    assert isinstance(optimizer, expected) if isinstance(expected, type) else type(optimizer).__name__ == expected
+    decayed, spared = optimizer.param_groups
+    assert decayed["weight_decay"] == 0.1 and spared["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all("norm" in names[id(p)] or "bias" in names[id(p)] for p in spared["params"])
+    assert len(decayed["params"]) + len(spared["params"]) == len(list(model.parameters()))
+    if optim_args:
+        assert decayed["momentum"] == 0.9
+    if optim.startswith("adamw"):
+        assert (decayed["betas"], decayed["eps"]) == ((0.8, 0.95), 1e-6)
+    if optim == "adamw_torch_fused":
+        assert decayed["fused"]
+
+
+def test_an_unknown_optimizer_name_says_which_names_work():
+    with pytest.raises(ValueError, match="optim='adamw_typo'.*adamw_torch_fused"):
+        make_optimizer(torch.nn.Linear(2, 2), AsyncGRPOConfig(optim="adamw_typo"))
+
+
+def lrs(args: AsyncGRPOConfig) -> list[float]:
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=args.learning_rate)
+    scheduler, seen = make_scheduler(optimizer, args), []
+    for _ in range(args.max_steps):
+        seen.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    return seen
+
+
+def test_lr_scheduler_kwargs_reach_transformers_schedule_and_warmup_applies_to_constant():
+    floor = lrs(AsyncGRPOConfig(learning_rate=1.0, max_steps=11, lr_scheduler_type="cosine_with_min_lr",
+                                lr_scheduler_kwargs='{"min_lr_rate": 0.25}'))  # a JSON string, as transformers takes
+    assert floor[0] == 1.0 and floor[-1] == pytest.approx(0.25 + 0.75 * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * 10 / 11)).item()))
+    assert min(floor) >= 0.25, "min_lr_rate keeps the rate at a quarter"
+    assert lrs(AsyncGRPOConfig(learning_rate=1.0, max_steps=4, warmup_steps=2)) == [0.0, 0.5, 1.0, 1.0]
+    with pytest.raises(ValueError, match="the 'constant' schedule takes none"):
+        AsyncGRPOConfig(lr_scheduler_kwargs={"min_lr_rate": 0.1})
+    with pytest.raises(ValueError, match="must be one of linear, cosine"):
+        AsyncGRPOConfig(lr_scheduler_type="cosine_typo", max_steps=4)
+
+
+def test_mapping_fields_take_json_strings_as_transformers_does():
+    args = AsyncGRPOConfig(gradient_checkpointing_kwargs='{"use_reentrant": true}', model_init_kwargs='{"revision": "main"}')
+    assert args.gradient_checkpointing_kwargs == {"use_reentrant": True} and args.model_init_kwargs == {"revision": "main"}
+    with pytest.raises(ValueError, match="gradient_checkpointing_kwargs=.*JSON object"):
+        AsyncGRPOConfig(gradient_checkpointing_kwargs="use_reentrant")
+
+
+def test_fp16_and_tf32_are_refused_on_the_cpu_with_the_reason(tmp_path):
+    with pytest.raises(ValueError, match="fp16=True needs a GPU"):
+        AsyncGRPOTrainer("tiny", accuracy_reward, args=AsyncGRPOConfig(output_dir=str(tmp_path), fp16=True), train_dataset=DATA)
+    with pytest.raises(ValueError, match="tf32=True needs an Ampere or newer"):
+        AsyncGRPOTrainer("tiny", accuracy_reward, args=AsyncGRPOConfig(output_dir=str(tmp_path), tf32=True), train_dataset=DATA)
+    with pytest.raises(ValueError, match="fp16 and bf16 cannot both be set"):
+        AsyncGRPOConfig(fp16=True, bf16=True)
+
+
+def test_use_cpu_keeps_the_model_on_the_cpu_where_cuda_is_available(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True),
+                               train_dataset=DATA)
+    assert trainer.device.type == "cpu"
+
+
+def test_trust_remote_code_loads_a_model_that_ships_its_own_code(tmp_path):
+    folder = tmp_path / "custom"
+    shutil.copytree(TINY_MODEL_PATH, folder)
+    (folder / "custom_model.py").write_text(
+        "from transformers import Qwen2Config, Qwen2ForCausalLM\n\n\n"
+        "class CustomConfig(Qwen2Config):\n    model_type = 'tandem_custom'\n\n\n"
+        "class CustomForCausalLM(Qwen2ForCausalLM):\n    config_class = CustomConfig\n")
+    config = json.loads((folder / "config.json").read_text())
+    config |= {"model_type": "tandem_custom", "architectures": ["CustomForCausalLM"],
+               "auto_map": {"AutoConfig": "custom_model.CustomConfig", "AutoModelForCausalLM": "custom_model.CustomForCausalLM"}}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        AsyncGRPOTrainer(str(folder), accuracy_reward, args=AsyncGRPOConfig(output_dir=str(tmp_path)), train_dataset=DATA)
+    trainer = AsyncGRPOTrainer(str(folder), accuracy_reward, train_dataset=DATA,
+                               args=AsyncGRPOConfig(output_dir=str(tmp_path), trust_remote_code=True))
+    assert type(trainer.model).__name__ == "CustomForCausalLM"
+    assert "--trust-remote-code" in trainer._server_args(), "the embedded server loads the same code"
+
+
+def test_remove_unused_columns_keeps_the_prompt_and_the_columns_rewards_name(tmp_path):
+    def exact_answer(completions, solution, **kwargs):
+        return [0.0 for _ in completions]
+
+    rows = Dataset.from_list([{**row, "note": "unused", "source": "x"} for row in arithmetic.make_rows(4, seed=0)])
+    kept = AsyncGRPOTrainer("tiny", exact_answer, train_dataset=rows,
+                            args=AsyncGRPOConfig(output_dir=str(tmp_path), remove_unused_columns=True)).dataset
+    assert kept.column_names == ["prompt", "solution"]
+    untouched = AsyncGRPOTrainer("tiny", exact_answer, train_dataset=rows, args=AsyncGRPOConfig(output_dir=str(tmp_path))).dataset
+    assert set(untouched.column_names) == {"prompt", "solution", "note", "source"}
+
+
+def test_per_device_train_batch_size_caps_the_samples_of_a_row():
+    prompt = [1, 2, 3, 4]
+    batcher = TokenBudgetBatcher(token_budget=1000, num_rows=2, max_samples=1)
+    assert batcher.offer(sample(prompt + [5], [0] * 4 + [1], group=0))
+    assert batcher.offer(sample(prompt + [6], [0] * 4 + [1], group=0))  # the second row: its group's row is full
+    assert not batcher.offer(sample(prompt + [7], [0] * 4 + [1], group=0))
+    assert [len(row.samples) for row in batcher.close()] == [1, 1]
+
+
+def test_disable_tqdm_prints_plain_lines_even_in_a_terminal(capsys):
+    console = Console(force_terminal=True, width=120, record=True)
+    progress = RunConsole(10, console=console, dashboard=False)
+    progress.update(1, {"reward": 0.5})
+    assert progress.live is None and "reward" in console.export_text()
+
+
+class OrderedLoop(ScriptedLoop):
+    """Writes down the dataset rows in the order the loop takes them."""
+
+    taken: list[int] = []
+
+    def filter_prompt(self, row_index, row, epoch):
+        OrderedLoop.taken.append(row_index)
+        return True
+
+
+@pytest.mark.parametrize("strategy, data_seed", [("sequential", None), ("random", 7), ("random", 8), ("random", None)])
+def test_train_sampling_strategy_random_orders_each_epoch_by_data_seed_or_seed(strategy, data_seed):
+    OrderedLoop.taken = []
+    run_loop(by_reply, prompts=6, loop_cls=OrderedLoop, train_sampling_strategy=strategy, data_seed=data_seed, seed=5)
+    expected = list(range(6)) if strategy == "sequential" else epoch_order(5 if data_seed is None else data_seed, 0, 6)
+    assert OrderedLoop.taken == expected and sorted(expected) == list(range(6))
+    assert epoch_order(7, 0, 6) != epoch_order(8, 0, 6) != list(range(6)) and epoch_order(7, 1, 6) != epoch_order(7, 0, 6)
+
+
+def test_the_objective_takes_its_bounds_and_flash_fields_from_the_config():
+    objective = make_objective(AsyncGRPOConfig(vllm_importance_sampling_clip_min=0.25, vllm_importance_sampling_clip_max=2.0), 0.0)
+    assert (objective.bounds["clip_min"], objective.bounds["clip_max"]) == (0.25, 2.0)
+    flash = make_objective(AsyncGRPOConfig(algorithm="flash_reinforce", num_generations=1, flash_negative_token_fraction=0.3), 0.0)
+    assert flash.negative_token_fraction == 0.3
+
+
+def test_router_aux_loss_coef_overrides_the_models_own_and_needs_a_mixture_of_experts(tmp_path):
+    from transformers import AutoTokenizer, Qwen2MoeConfig
+
+    moe = AutoModelForCausalLM.from_config(Qwen2MoeConfig(
+        vocab_size=400, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        router_aux_loss_coef=0.01, max_position_embeddings=64))
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
+    build = lambda model, **args: AsyncGRPOTrainer(model, accuracy_reward, train_dataset=DATA, processing_class=tokenizer,
+                                                   args=AsyncGRPOConfig(output_dir=str(tmp_path), **args))
+    assert build(moe).objective.aux_loss_coef == 0.01, "the model's own coefficient by default"
+    assert build(moe, router_aux_loss_coef=0.5).objective.aux_loss_coef == 0.5
+    with pytest.raises(ValueError, match="router_aux_loss_coef=0.5: the model is not a Mixture-of-Experts"):
+        build("tiny", router_aux_loss_coef=0.5)
+
+
+def test_dtype_loads_the_weights_in_it_and_model_init_kwargs_takes_precedence(tmp_path):
+    build = lambda **args: AsyncGRPOTrainer("tiny", accuracy_reward, train_dataset=DATA,
+                                            args=AsyncGRPOConfig(output_dir=str(tmp_path), **args))
+    bf16 = build(dtype="bfloat16")
+    assert bf16.device.type == "cpu" and next(bf16.model.parameters()).dtype == torch.bfloat16
+    assert "--dtype bfloat16" in " ".join(bf16._server_args()), "the embedded server samples in the same dtype"
+    assert next(build(dtype="bfloat16", model_init_kwargs={"dtype": "float16"}).model.parameters()).dtype == torch.float16
+
+
+def test_bf16_autocasts_the_trainers_forward_and_leaves_the_weights_in_float32(tmp_path):
+    row = pack([sample([5, 6, 7, 8, 9, 10, 11, 12])])
+    build = lambda **args: AsyncGRPOTrainer("tiny", accuracy_reward, train_dataset=DATA,
+                                            args=AsyncGRPOConfig(output_dir=str(tmp_path), **args))
+    mixed, plain = build(bf16=True), build(bf16=False)
+    assert next(mixed.model.parameters()).dtype == torch.float32
+    exact = plain._score(row).logprobs
+    torch.testing.assert_close(plain._forward(row).logprobs, exact, rtol=0, atol=0)
+    gap = (mixed._forward(row).logprobs.float() - exact).abs().max()
+    assert 1e-5 < gap < 0.5, f"bf16 rounds the forward a little ({gap})"
+
+
+def test_the_sampling_fields_reach_every_request(tmp_path):
+    from tandem import AsyncRolloutLoop
+    from tandem.rollout.channels import Channels
+    from tandem.rollout.settings import RolloutSettings
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
+    args = AsyncGRPOConfig(temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, repetition_penalty=1.2, num_sampler_logprobs=3)
+    settings = RolloutSettings(config=args, model_name="tiny", tokenizer_path=TINY_MODEL_PATH, dataset=DATA,
+                               reward_funcs=[accuracy_reward], eos_token_ids=[tokenizer.eos_token_id], base_url="http://127.0.0.1:9")
+    loop = AsyncRolloutLoop(settings, processing_class=tokenizer, channels=Channels.create(mp.get_context("spawn")))
+    sent = {}
+
+    async def complete(prompt_ids, **fields):
+        sent.update(fields)
+        return []
+
+    loop.client.complete = complete
+    asyncio.run(loop._sample([5, 6, 7], n=2))
+    assert {k: sent[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "logprobs", "n")} == \
+           {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2, "logprobs": 3, "n": 2}
+
+
+def test_chat_template_kwargs_reach_the_rendered_prompts(tmp_path):
+    from tandem import AsyncRolloutLoop
+    from tandem.rollout.channels import Channels
+    from tandem.rollout.settings import RolloutSettings
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
+    tokenizer.chat_template = "{{ persona | default('plain') }}:{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    rendered = {}
+    for kwargs in (None, {"persona": "tutor"}):
+        settings = RolloutSettings(config=AsyncGRPOConfig(chat_template_kwargs=kwargs), model_name="tiny",
+                                   tokenizer_path=TINY_MODEL_PATH, dataset=DATA, reward_funcs=[accuracy_reward],
+                                   eos_token_ids=[0], base_url="http://127.0.0.1:9")
+        loop = AsyncRolloutLoop(settings, processing_class=tokenizer, channels=Channels.create(mp.get_context("spawn")))
+        rendered[bool(kwargs)] = tokenizer.decode(loop.render([{"role": "user", "content": "hi"}]))
+    assert rendered == {False: "plain:hi", True: "tutor:hi"}
+
+
+def test_logging_strategy_no_logs_no_step_and_logging_first_step_logs_the_first(tmp_path):
+    def logged_steps(**args):
+        trainer = AsyncGRPOTrainer("tiny", accuracy_reward, train_dataset=DATA, args=AsyncGRPOConfig(output_dir=str(tmp_path), **args))
+        steps = []
+        for step in range(1, 7):
+            trainer.state.step = step
+            steps += [step] if trainer._log_now() else []
+        return steps
+
+    assert logged_steps(logging_steps=3) == [3, 6]
+    assert logged_steps(logging_steps=3, logging_first_step=True) == [1, 3, 6]
+    assert logged_steps(logging_strategy="no", logging_first_step=True) == []
+
+
+def test_nan_and_infinite_losses_are_left_out_of_the_logged_loss(tmp_path):
+    from tandem.trainer.step_metrics import StepTimes
+
+    rows, times = [pack([sample([5, 6, 7])])], StepTimes(total=1.0, rollout_wait=0.0, forward=0.5, forward_backward=0.8, optimizer=0.1)
+    trainer = AsyncGRPOTrainer("tiny", accuracy_reward, train_dataset=DATA, args=AsyncGRPOConfig(output_dir=str(tmp_path)))
+    for loss in (0.5, float("nan"), float("inf")):
+        trainer._record(rows, 1, loss, 1.0, times)
+    assert trainer.window.values["loss"] == [0.5] and trainer.losses == [0.5]
+
+
+def test_full_determinism_turns_on_deterministic_algorithms_and_log_levels_pick_the_rank(monkeypatch):
+    from transformers.utils import logging as hf_logging
+
+    from tandem.trainer.trainer import run_log_level, seed_run, set_log_level
+
+    try:
+        seed_run(AsyncGRPOConfig(full_determinism=True))
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    seed_run(AsyncGRPOConfig())
+    assert not torch.are_deterministic_algorithms_enabled()
+    args = AsyncGRPOConfig(log_level="info", log_level_replica="error")
+    assert (run_log_level(args, main=True), run_log_level(args, main=False)) == ("info", "error")
+    verbosity = hf_logging.get_verbosity()
+    try:
+        set_log_level("error")
+        assert hf_logging.get_verbosity() == hf_logging.ERROR
+        set_log_level("passive")
+        assert hf_logging.get_verbosity() == hf_logging.ERROR, "passive leaves it alone"
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def test_max_concurrent_rollouts_caps_the_loop_and_the_embedded_servers_batch(tmp_path):
+    from tandem import AsyncRolloutLoop
+    from tandem.rollout.channels import Channels
+    from tandem.rollout.settings import RolloutSettings
+    from transformers import AutoTokenizer
+
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), max_concurrent_rollouts=7)
+    trainer = AsyncGRPOTrainer("tiny", accuracy_reward, train_dataset=DATA, args=args)
+    assert "--max-num-seqs 7" in " ".join(trainer._server_args())
+    settings = RolloutSettings(config=args, model_name="tiny", tokenizer_path=TINY_MODEL_PATH, dataset=DATA,
+                               reward_funcs=[accuracy_reward], eos_token_ids=[0], base_url="http://127.0.0.1:9")
+    loop = AsyncRolloutLoop(settings, processing_class=AutoTokenizer.from_pretrained(TINY_MODEL_PATH),
+                            channels=Channels.create(mp.get_context("spawn")))
+    assert loop.cap.value == 7 and loop.runner.pool_size == 7
