@@ -1,5 +1,6 @@
-"""The `tandem` command line: `tandem train RECIPE.yaml [--field value ...] [--dry-run]`, `tandem serve MODEL` and
-`tandem proxy --upstream URL [--upstream URL ...]`."""
+"""The `tandem` command line: `tandem train RECIPE.yaml [--field value ...] [--dry-run]`, `tandem serve MODEL`,
+`tandem proxy --upstream URL [--upstream URL ...]`, `tandem doctor | report RUN_DIR` and
+`tandem export RUN_DIR/checkpoint-N`."""
 
 import argparse
 import json
@@ -107,6 +108,35 @@ def run_report(ns: argparse.Namespace) -> None:
     except (FileNotFoundError, json.JSONDecodeError) as exc:
         sys.exit(f"tandem report: {exc}")
     print(f"wrote {path} (plots also in {path.parent / 'report'})")
+
+
+def export_parser(sub) -> None:
+    p = sub.add_parser("export", help="a checkpoint as one model folder vllm serve, transformers and tandem serve load",
+                       description="Write RUN_DIR/checkpoint-N as one Hugging Face model folder (safetensors, config, "
+                                   "generation config, tokenizer) that loads without peft: a LoRA checkpoint's adapter "
+                                   "merged into its base model, a full-weight checkpoint's model without the training "
+                                   "state. torchrun checkpoints too (their model folder is saved whole).")
+    p.add_argument("checkpoint", help="a run's checkpoint-N folder")
+    p.add_argument("--output", default=None, metavar="DIR", help="the folder to write (default: checkpoint-N-merged beside it)")
+    p.add_argument("--force", action="store_true", help="replace --output when it exists and is not empty")
+    p.add_argument("--base-model", default=None, metavar="PATH",
+                   help="the base model a LoRA adapter merges into (default: the one the checkpoint records; 'tiny' "
+                        "is the built-in model)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the weights' dtype (default auto: the base model's, or the checkpoint's for full weights)")
+
+
+def run_export(ns: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from tandem.trainer.export import export
+
+    try:
+        folder = export(Path(ns.checkpoint), Path(ns.output) if ns.output else None, base_model=ns.base_model,
+                        dtype=ns.dtype, force=ns.force)
+    except (FileNotFoundError, FileExistsError, ValueError) as exc:
+        user_error(f"tandem export: {exc}")
+    print(f"tandem export: wrote {folder}")
 
 
 def run_proxy(ns: argparse.Namespace) -> None:
@@ -279,6 +309,7 @@ def main(argv: list[str] | None = None) -> None:
                                         "self-contained RUN_DIR/report.html and PNGs in RUN_DIR/report/. Every run writes "
                                         "it when it ends; this redraws it, also while a run is going.")
     report.add_argument("run_dir", help="a run's output_dir")
+    export_parser(sub)
     ns, rest = parser.parse_known_args(argv)
     if ns.command == "train":
         # Trainer, rollout worker and embedded server share the machine's cores. OpenMP threads that spin while
@@ -296,6 +327,8 @@ def main(argv: list[str] | None = None) -> None:
         run_doctor(ns)
     elif ns.command == "report":
         run_report(ns)
+    elif ns.command == "export":
+        run_export(ns)
     else:
         run_serve(ns)
 

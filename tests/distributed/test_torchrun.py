@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tandem.tasks import TINY_MODEL_PATH
+from tandem.trainer.export import export
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.slow
@@ -102,3 +103,7 @@ def test_lora_under_two_ranks_syncs_the_gathered_adapter(tmp_path):
     gaps = [r["weight_sync/served_logprob_gap"] for r in steps if "loss" in r]
     assert len(gaps) == 2 and max(gaps) <= 1e-5, "the server samples from the adapter both ranks trained"
     assert (tmp_path / "run" / "checkpoint-2" / "adapter_model.safetensors").is_file(), "checkpoints keep the adapter"
+    merged = AutoModelForCausalLM.from_pretrained(export(tmp_path / "run" / "checkpoint-2")).state_dict()
+    base = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH).state_dict()
+    assert merged.keys() == base.keys() and any(not torch.equal(merged[k], base[k]) for k in base), \
+        "the checkpoint exports as the base model with the adapter both ranks trained merged in"

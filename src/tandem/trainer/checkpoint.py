@@ -6,7 +6,8 @@ counters of the run.
                                                     (the adapter alone for a LoRA run)
       distributed/                                  DCP: trainable weights and optimizer state, sharded by rank,
                                                     loadable on any number of ranks
-      scheduler.pt, trainer_state.json
+      scheduler.pt, trainer_state.json              trainer_state.json also names the model the run started from
+                                                    (`base_model`: what a LoRA checkpoint's adapter merges into)
       rollout_state.json, rollout_queue.pt          where the prompt stream resumes (sample_source.ResumePoint)
 
 Every rank calls `save` and `load` (DCP is collective); rank 0 alone writes the small files. A checkpoint is
@@ -31,6 +32,7 @@ import transformers
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from tandem.rollout.records import Sample
+from tandem.tasks import TINY_MODEL_PATH
 from tandem.trainer.distributed import Ranks, full_tensor
 from tandem.trainer.sample_source import ResumePoint
 from tandem.trainer.weight_sync import quiet_progress
@@ -123,7 +125,8 @@ def save(folder: Path, model, tokenizer, optimizer, scheduler, state: TrainerSta
         torch.save(scheduler.state_dict(), staging / "scheduler.pt")
         (staging / "trainer_state.json").write_text(json.dumps({
             "step": state.step, "model_version": state.model_version, "num_tokens": state.num_tokens,
-            "world_size": ranks.world_size, "log_history": state.log_history}, indent=2))
+            "world_size": ranks.world_size, "base_model": base_model_name(model), "log_history": state.log_history},
+            indent=2))
         save_resume_point(staging, resume or ResumePoint(state.dataset_start_index))
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
@@ -132,6 +135,15 @@ def save(folder: Path, model, tokenizer, optimizer, scheduler, state: TrainerSta
                 shutil.rmtree(old, ignore_errors=True)
     ranks.barrier()
     return target
+
+
+def base_model_name(model) -> str:
+    """The model a run started from, as its checkpoints record it: "tiny" (the shipped model, wherever tandem is
+    installed), a local folder's absolute path (the run may have named it relative to another directory) or a hub id."""
+    name = model.name_or_path  # a PEFT model answers with its base model's; "" for one built in memory
+    if name and Path(name).is_dir():
+        return "tiny" if Path(name).resolve() == Path(TINY_MODEL_PATH).resolve() else str(Path(name).resolve())
+    return name
 
 
 def save_resume_point(folder: Path, point: ResumePoint) -> None:

@@ -13,6 +13,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -38,7 +39,7 @@ from tandem.rollout.settings import RolloutSettings
 from tandem.rollout.tools import validate_tools
 from tandem.rollout.worker import WorkerSpec, check_picklable
 from tandem.tool_calls import tool_schema
-from tandem.trainer import OPENMP_POLICY_TOO_LATE, checkpoint, distributed, sync_check
+from tandem.trainer import OPENMP_POLICY_TOO_LATE, checkpoint, distributed, export, sync_check
 from tandem.trainer.batching import TokenBudgetBatcher
 from tandem.trainer.checkpoint import TrainerState
 from tandem.trainer.flops import model_shape, peak_flops, rows_flops
@@ -255,10 +256,21 @@ class AsyncGRPOTrainer:
     def _backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def save_model(self, output_dir: str | None = None) -> None:
+    def save_model(self, output_dir: str | None = None, merged: bool = False) -> None:
         """The model (or the LoRA adapter) and tokenizer as a folder transformers, vLLM and `tandem serve` load.
-        Under torchrun every rank calls it."""
+        `merged=True` writes a LoRA model as `tandem export` does: its adapter merged into a fresh copy of the base
+        model, read again from the base's folder into host memory (one more copy of the base there, none on the
+        GPU), so the trained model is left as it is; a full-weight model is saved as it is. Under torchrun every rank
+        calls it; rank 0 merges."""
         target = Path(output_dir or self.args.output_dir)
+        if merged and self.lora:
+            with tempfile.TemporaryDirectory() as adapter:
+                checkpoint.save_model_folder(self.model, Path(adapter), self.ranks)  # gathered whole, on rank 0
+                if self.ranks.main:
+                    model = export.merge_adapter(Path(adapter), checkpoint.base_model_name(self.model), served_dtype(self.model))
+                    export.write(model, self.tokenizer, target)
+            self.ranks.barrier()
+            return
         checkpoint.save_model_folder(self.model, target, self.ranks)
         if self.ranks.main:
             self.tokenizer.save_pretrained(target)
