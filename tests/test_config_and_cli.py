@@ -47,22 +47,30 @@ def test_recipe_overrides_are_typed(tmp_path):
         load_recipe(str(recipe), ["--lr", "1"])
 
 
+def served_command(out: str) -> str:
+    """The dry run's `vllm serve` command, its continuation lines joined."""
+    command = out[out.index("VLLM_SERVER_DEV_MODE=1 vllm serve"):].replace(" \\\n    ", " ").splitlines()[0]
+    assert "\\" not in command, "every continuation line is joined"
+    return command
+
+
 def test_dry_run_prints_the_recipe_and_the_server_command(capsys):
     main(["train", "examples/demo.yaml", "--dry-run", "--max_completion_length", "16"])
     out = capsys.readouterr().out
     assert "max_completion_length: 16" in out
-    command = next(line for line in out.splitlines() if "vllm serve" in line)
+    command = served_command(out)
     longest = int(out.split("# --max-model-len: the longest prompt (")[1].split(" tokens")[0])
     assert 10 < longest < 40, "the demo's arithmetic prompts render to about 20 tokens"
     assert "--logprobs-mode processed_logprobs" in command and f"--max-model-len {longest + 16}" in command
     assert "--weight-transfer-config" in command and "VLLM_SERVER_DEV_MODE=1" in command
-    assert "pip install 'tandem[vllm]' beside the trainer" in out, "the NCCL transfer needs vLLM's helpers"
+    assert "pip install 'tandem[vllm]' beside the trainer" in " ".join(out.replace("\n# ", " ").split()), \
+        "the NCCL transfer needs vLLM's helpers"
 
 
 def test_a_lora_recipe_prints_the_adapter_flags_its_server_needs(capsys, tmp_path):
     main(["train", "examples/lora.yaml", "--dry-run", "--max_staleness", "3"])
     out = capsys.readouterr().out
-    command = next(line for line in out.splitlines() if "vllm serve" in line)
+    command = served_command(out)
     assert "--enable-lora --max-loras 5 --max-cpu-loras 5 --max-lora-rank 8" in command, "max_staleness + 2 versions, rank 8"
     assert "lora:\n  r: 8" in out
     recipe = tmp_path / "bad.yaml"
@@ -72,12 +80,12 @@ def test_a_lora_recipe_prints_the_adapter_flags_its_server_needs(capsys, tmp_pat
 
 
 def test_flash_reinforce_dry_run_prints_settings_and_server_without_touching_cuda():
-    code = ("import torch; from tandem.cli import main; main(['train', 'examples/flash_reinforce.yaml', '--dry-run']); "
+    code = ("import torch; from tandem.cli import main; main(['train', 'examples/flash_reinforce/cpu.yaml', '--dry-run']); "
             "print('cuda initialised:', torch.cuda.is_initialized())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout
     assert "algorithm: flash_reinforce" in out and "num_generations: 1" in out and "flash_delta: 0.003" in out
     assert "vllm serve" in out and "cuda initialised: False" in out
-    assert not Path("runs/flash_reinforce").exists(), "a dry run starts nothing and writes nothing"
+    assert not Path("runs/flash_reinforce/cpu").exists(), "a dry run starts nothing and writes nothing"
 
 
 def test_flash_reinforce_needs_one_generation_per_prompt():

@@ -4,10 +4,12 @@
 
 import argparse
 import json
+import math
 import os
 import shlex
 import signal
 import sys
+import textwrap
 import typing
 
 import yaml
@@ -211,19 +213,119 @@ def lora_config(fields: dict):
         raise ValueError(f"lora: {exc}. Use peft.LoraConfig fields (r, lora_alpha, lora_dropout, target_modules, ...)") from None
 
 
-def longest_prompt(recipe, tools: list) -> int:
-    """The longest dataset prompt in tokens, rendered as the rollout loop renders it (with the tools' schemas)."""
+def local_rows(recipe):
+    """The recipe's dataset, or None and why not (a local file not there yet)."""
+    from tandem.tasks import datasets
+
+    if recipe.dataset is None:
+        return None, "the environment's reset() writes them"
+    try:
+        return datasets.load(recipe.dataset), ""
+    except ValueError as exc:  # not a built-in task, and no such local file (yet)
+        return None, str(exc)
+
+
+def longest_prompt(recipe, tools: list, rows) -> tuple[int | None, str]:
+    """The longest dataset prompt in tokens, rendered as the rollout loop renders it (with the tools' schemas); or None
+    and why not. The tokenizer is downloaded only when token_budget cannot size the server instead."""
     from transformers import AutoTokenizer
 
     from tandem.prompts import render_chat
-    from tandem.tasks import datasets
     from tandem.tool_calls import tool_schema
 
-    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_PATH if recipe.model == "tiny" else recipe.model)
-    rows = datasets.load(recipe.dataset) if recipe.dataset else []
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_PATH if recipe.model == "tiny" else recipe.model,
+                                                  local_files_only=recipe.config.token_budget is not None)
+    except OSError:
+        return None, f"the tokenizer of {recipe.model} is not on this machine yet"
     schemas = [tool_schema(tool) for tool in tools] or None
     return max((len(render_chat(tokenizer, row["prompt"], tools=schemas, chat_template_kwargs=recipe.config.chat_template_kwargs))
-                for row in rows if row.get("prompt")), default=0)
+                for row in rows if row.get("prompt")), default=0), ""
+
+
+def comment(text: str, indent: str = "# ", hang: str = "# ") -> str:
+    """`text` as comment lines of at most 80 columns."""
+    return textwrap.fill(text, 80, initial_indent=indent, subsequent_indent=hang, break_on_hyphens=False,
+                         break_long_words=False)
+
+
+def shell_lines(command: str) -> str:
+    """A command line cut before its options into lines of at most 80 columns (where they allow), joined by
+    backslashes: pasted into a shell it is the same command."""
+    lines: list[str] = []
+    for piece in command.split(" --"):
+        if not lines:
+            lines.append(piece)
+        elif len(f"{lines[-1]} --{piece} \\") <= 80:
+            lines[-1] += f" --{piece}"
+        else:
+            lines.append("    --" + piece)
+    return " \\\n".join(lines)
+
+
+def flash_plan(recipe, max_model_len: int, rows) -> list[str]:
+    """What a FlashREINFORCE recipe will train, computed from its fields (spec 004's terms: B prompts a step, one
+    rollout each, one update per batch; episodes are rollouts)."""
+    config = recipe.config
+    budget = config.token_budget or max_model_len  # the run's default token budget is the server's max_model_len
+    per_row = max(1, budget // max_model_len)
+    batch = config.gradient_accumulation_steps * per_row
+    if config.max_steps > 0:
+        steps, episodes = f"{config.max_steps} (max_steps)", f">= {config.max_steps * batch} rollouts (steps x batch)"
+    elif rows is not None:
+        total = math.ceil(config.num_train_epochs * len(rows))
+        steps = f"<= {math.ceil(total / batch)} (episodes / batch)"
+        episodes = f"{total} rollouts (num_train_epochs {config.num_train_epochs:g} x {len(rows)} prompts)"
+    else:
+        steps, episodes = "until the data ends", f"num_train_epochs {config.num_train_epochs:g} x the dataset's prompts"
+    per_row_why = (f"token_budget {budget} // {max_model_len}, the longest trajectory" if budget >= max_model_len else
+                   f"token_budget {budget} < {max_model_len}: longer trajectories are dropped, batch/dropped_oversize_count")
+    items = [
+        ("model", recipe.model),
+        ("delta", f"{config.flash_delta:g} (flash_delta): a trajectory trains only if its tokens' mean Bernoulli KL, "
+                  "sampler to policy, is at most this"),
+        ("q", f"{config.flash_negative_token_fraction:g} (flash_negative_token_fraction): a failed trajectory "
+              "(reward 0 or less) keeps this share of its tokens, highest entropy first"),
+        ("batch", f">= {batch} prompts a step, one rollout each: {config.gradient_accumulation_steps} micro-batches "
+                  f"(gradient_accumulation_steps) x {per_row} a row ({per_row_why}); x ranks under torchrun; more when "
+                  "rollouts are shorter"),
+        ("steps", steps),
+        ("episodes", episodes),
+    ]
+    return ["# FlashREINFORCE plan (spec 004), from this recipe:"] + [
+        comment(text, indent=f"#   {label:<10}", hang="#" + " " * 13) for label, text in items]
+
+
+def dry_run(source: str, recipe, tools: list, agent: bool) -> None:
+    """Print the resolved recipe, a FlashREINFORCE recipe's plan, and the `vllm serve` command it needs."""
+    config = recipe.config
+    print(yaml.safe_dump({"model": recipe.model, "dataset": recipe.dataset, "reward_funcs": recipe.reward_funcs,
+                          **({"eval_dataset": recipe.eval_dataset} if recipe.eval_dataset else {}),
+                          **({"tools": recipe.tools} if recipe.tools else {}),
+                          **({"environment_factory": recipe.environment_factory} if recipe.environment_factory else {}),
+                          **({"lora": recipe.lora} if recipe.lora is not None else {}), **config.changed()},
+                         sort_keys=False))
+    print(comment("every other AsyncGRPOConfig field at its default (docs/config.md lists them)"))
+    rows, why = local_rows(recipe)
+    longest, why = longest_prompt(recipe, tools, rows) if rows is not None else (None, why)
+    if longest is not None:
+        max_model_len, sized = longest + config.max_completion_length, f"the longest prompt ({longest} tokens) + max_completion_length"
+    elif config.token_budget:
+        max_model_len, sized = config.token_budget, f"token_budget, the longest trajectory trained (prompts not measured: {why})"
+    else:
+        user_error(f"tandem train: {source}: --dry-run cannot size the server's --max-model-len: the prompts are not "
+                   f"measured ({why}). Set token_budget to the longest trajectory to train.")
+    if config.algorithm == "flash_reinforce":
+        print("\n".join(flash_plan(recipe, max_model_len, rows)))
+    print(comment("Generation server for this recipe (the default without vllm_server_base_url is an embedded tandem serve):"))
+    print(comment(f"--max-model-len: {sized}"))
+    if agent and longest is not None:
+        print(comment("with tools, each later turn re-sends the whole conversation (tool output included) and one that "
+                      "would pass --max-model-len ends there (rollout/context_exhausted_count): raise it for longer tool loops"))
+    if recipe.lora is None:
+        print(comment("its weights arrive over NCCL through vLLM's own helpers: pip install 'tandem[vllm]' beside the "
+                      "trainer, which must be on a GPU (without --weight-transfer-config they go through a folder both share)"))
+    print(shell_lines(serve_command(recipe, max_model_len)))
 
 
 def user_error(message: str) -> typing.NoReturn:
@@ -239,6 +341,8 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
         recipe = load_recipe(ns.recipe, overrides)
     except (OSError, ValueError, yaml.YAMLError) as exc:  # a missing file, an unknown key, a bad value, broken YAML
         user_error(f"tandem train: {ns.recipe}: {exc}")
+    if os.getcwd() not in sys.path:  # the recipe's import paths resolve from here too, as under `python -m tandem`
+        sys.path.insert(0, os.getcwd())
     try:  # an import path of the recipe that does not resolve
         reward_funcs, tools = [import_object(f) for f in recipe.reward_funcs], [import_object(t) for t in recipe.tools]
         environments = recipe.environment_factory
@@ -247,22 +351,7 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
     except ValueError as exc:
         user_error(f"tandem train: {ns.recipe}: {exc}")
     if ns.dry_run:
-        needed = longest_prompt(recipe, tools) + recipe.config.max_completion_length
-        print(yaml.safe_dump({"model": recipe.model, "dataset": recipe.dataset, "reward_funcs": recipe.reward_funcs,
-                              **({"eval_dataset": recipe.eval_dataset} if recipe.eval_dataset else {}),
-                              **({"tools": recipe.tools} if recipe.tools else {}),
-                              **({"environment_factory": recipe.environment_factory} if recipe.environment_factory else {}),
-                              **({"lora": recipe.lora} if recipe.lora is not None else {}), **recipe.config.to_dict()},
-                             sort_keys=False))
-        print("# Generation server for this recipe (the default without vllm_server_base_url is an embedded tandem serve):")
-        print(f"# --max-model-len: the longest prompt ({needed - recipe.config.max_completion_length} tokens) + max_completion_length")
-        if tools or environments:
-            print("# with tools, each later turn re-sends the whole conversation (tool output included) and one that would "
-                  "pass --max-model-len ends there (rollout/context_exhausted_count): raise it for longer tool loops")
-        if recipe.lora is None:
-            print("# its weights arrive over NCCL through vLLM's own helpers: pip install 'tandem[vllm]' beside the trainer, "
-                  "which must be on a GPU (without --weight-transfer-config they go through a folder both share)")
-        print(serve_command(recipe, needed))
+        dry_run(ns.recipe, recipe, tools, agent=bool(tools or environments))
         return
     from tandem import AsyncGRPOTrainer
     from tandem.tasks import datasets

@@ -387,6 +387,11 @@ class AsyncGRPOConfig:
     def uses_truncated_sampling(self) -> bool:
         return self.top_k > 0 or self.top_p < 1 or self.min_p is not None
 
+    def changed(self) -> dict[str, Any]:
+        """The fields not at their defaults, as `to_dict` shows them (what a dry run prints)."""
+        defaults = AsyncGRPOConfig().to_dict()
+        return {name: value for name, value in self.to_dict().items() if value != defaults[name]}
+
     def to_dict(self) -> dict[str, Any]:
         """Every field, the API key masked (this is what logs, sinks and dry runs show)."""
         values = dataclasses.asdict(self)
