@@ -83,7 +83,7 @@ def test_flash_reinforce_dry_run_prints_settings_and_server_without_touching_cud
     code = ("import torch; from tandem.cli import main; main(['train', 'examples/flash_reinforce/cpu.yaml', '--dry-run']); "
             "print('cuda initialised:', torch.cuda.is_initialized())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout
-    assert "algorithm: flash_reinforce" in out and "num_generations: 1" in out and "flash_delta: 0.003" in out
+    assert "algorithm: flash_reinforce" in out and "num_generations: 1" in out and "0.003 (flash_delta)" in out
     assert "vllm serve" in out and "cuda initialised: False" in out
     assert not Path("runs/flash_reinforce/cpu").exists(), "a dry run starts nothing and writes nothing"
 
