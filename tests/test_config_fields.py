@@ -19,7 +19,7 @@ from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
 from tandem.config import REFUSED, type_problem
 from tandem.metrics.console import RunConsole
 from tandem.rewards import accuracy_reward
-from tandem.rollout.loop import epoch_order
+from tandem.rollout.prompt_stream import epoch_order
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
 from tandem.packing import pack
 from tandem.trainer.batching import TokenBudgetBatcher

@@ -20,7 +20,8 @@ ALLOWED = {
     "packing": {"rollout.records"},
     "rollout": {"generation.client", "metrics"},
     "trainer": {"generation.client", "generation.launcher", "generation.weight_transfer", "packing", "losses", "metrics", "rollout.records",
-                "rollout.loop", "rollout.settings", "rollout.worker", "rollout.tools", "rollout.environments"},
+                "rollout.loop", "rollout.settings", "rollout.worker", "rollout.tools", "rollout.environments",
+                "rollout.prompt_stream"},
 }
 """What each folder may import from the other folders (its own folder and NEUTRAL always)."""
 

@@ -219,8 +219,10 @@ def local_rows(recipe):
 
     if recipe.dataset is None:
         return None, "the environment's reset() writes them"
+    if recipe.dataset_streaming:
+        return None, "a streamed dataset is not read ahead of training"
     try:
-        return datasets.load(recipe.dataset), ""
+        return datasets.load(recipe.dataset, recipe.dataset_config, recipe.dataset_split), ""
     except ValueError as exc:  # not a built-in task, and no such local file (yet)
         return None, str(exc)
 
@@ -356,9 +358,14 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
     from tandem import AsyncGRPOTrainer
     from tandem.tasks import datasets
 
+    try:
+        train = datasets.load(recipe.dataset, recipe.dataset_config, recipe.dataset_split, recipe.dataset_streaming) \
+            if recipe.dataset else None
+        evaluate = datasets.load(recipe.eval_dataset, recipe.dataset_config, recipe.eval_split) if recipe.eval_dataset else None
+    except ValueError as exc:  # no such dataset, config or split
+        user_error(f"tandem train: {ns.recipe}: {exc}")
     trainer = AsyncGRPOTrainer(model=recipe.model, reward_funcs=reward_funcs, args=recipe.config,
-                               train_dataset=datasets.load(recipe.dataset) if recipe.dataset else None,
-                               eval_dataset=datasets.load(recipe.eval_dataset) if recipe.eval_dataset else None,
+                               train_dataset=train, eval_dataset=evaluate,
                                peft_config=lora_config(recipe.lora) if recipe.lora is not None else None,
                                tools=tools or None, environment_factory=environments)
     try:

@@ -484,10 +484,18 @@ class Recipe:
     config: AsyncGRPOConfig
     model: str
     dataset: str | None
-    """A built-in task or a local file; None only with an environment_factory that makes its own tasks."""
+    """A built-in task, a local file or folder, or a Hub id (the key `dataset_name` too, as TRL's scripts name it);
+    None only with an environment_factory that makes its own tasks."""
     reward_funcs: list[str] = field(default_factory=list)
+    dataset_config: str | None = None
+    """The Hub dataset's configuration (subset)."""
+    dataset_split: str = "train"
+    dataset_streaming: bool = False
+    """Read the dataset as training goes (an IterableDataset: never downloaded whole; max_steps sets the length)."""
     eval_dataset: str | None = None
-    """Prompts evaluated during training (eval_strategy): a built-in task or a local file, as `dataset`."""
+    """Prompts evaluated during training (eval_strategy): any of what `dataset` takes, with `dataset_config`."""
+    eval_split: str = "test"
+    """The split of a Hub or folder eval_dataset."""
     tools: list[str] = field(default_factory=list)
     """Import paths of tool functions."""
     environment_factory: str | dict[str, str] | None = None
@@ -496,8 +504,10 @@ class Recipe:
     """peft.LoraConfig fields: train a LoRA adapter instead of the whole model."""
 
 
-RECIPE_KEYS = ("model", "dataset", "eval_dataset", "reward_funcs", "tools", "environment_factory", "lora")
-RECIPE_TYPES = {"model": str, "dataset": str | None, "eval_dataset": str | None, "reward_funcs": str, "tools": str}
+RECIPE_KEYS = ("model", "dataset", "dataset_name", "dataset_config", "dataset_split", "dataset_streaming", "eval_dataset",
+               "eval_split", "reward_funcs", "tools", "environment_factory", "lora")
+RECIPE_TYPES = {"model": str, "dataset": str | None, "dataset_name": str, "dataset_config": str | None, "dataset_split": str,
+                "dataset_streaming": bool, "eval_dataset": str | None, "eval_split": str, "reward_funcs": str, "tools": str}
 """The recipe keys beside the config's fields, by type (`environment_factory` and `lora` are checked by shape)."""
 LISTS = ("reward_funcs", "tools")
 """Recipe keys that take one import path or a list of them."""
@@ -571,9 +581,14 @@ def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
     lora = raw.pop("lora", None)
     if lora is not None and not isinstance(lora, dict):
         raise ValueError(f"lora: expected a mapping of peft.LoraConfig fields (r, lora_alpha, target_modules, ...), got {lora!r}")
+    if "dataset" in raw and "dataset_name" in raw:
+        raise ValueError("the recipe has both 'dataset' and 'dataset_name', two names for the same thing: keep one")
     default_dataset = None if environments else "arithmetic"  # environments may make their own tasks
-    return Recipe(model=raw.pop("model"), dataset=raw.pop("dataset", default_dataset), reward_funcs=_paths(funcs),
-                  eval_dataset=raw.pop("eval_dataset", None),
+    dataset = raw.pop("dataset_name") if "dataset_name" in raw else raw.pop("dataset", default_dataset)
+    return Recipe(model=raw.pop("model"), dataset=dataset, reward_funcs=_paths(funcs),
+                  dataset_config=raw.pop("dataset_config", None), dataset_split=raw.pop("dataset_split", "train"),
+                  dataset_streaming=raw.pop("dataset_streaming", False), eval_dataset=raw.pop("eval_dataset", None),
+                  eval_split=raw.pop("eval_split", "test"),
                   tools=_paths(tools), environment_factory=environments, lora=lora, config=AsyncGRPOConfig(**raw))
 
 

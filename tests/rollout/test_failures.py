@@ -44,13 +44,15 @@ class ScriptedLoop(AsyncRolloutLoop):
 
 
 def run_loop(reward, prompts: int = 6, failing_requests=None, slow_until_synced=None, loop_cls=ScriptedLoop,
-             **config) -> tuple[list, dict]:
-    """Run the loop over `prompts` prompts until it says "end"; returns its messages and its metrics merged."""
+             settings: dict | None = None, **config) -> tuple[list, dict]:
+    """Run the loop over `prompts` prompts until it says "end"; returns its messages and its metrics merged.
+    `settings` overrides RolloutSettings fields (another dataset, a resumed run's start)."""
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"prompt {i}"}]} for i in range(prompts)])
-    settings = RolloutSettings(
-        config=AsyncGRPOConfig(num_generations=2, max_completion_length=8, **config), model_name="tiny",
-        tokenizer_path=TINY_MODEL_PATH, dataset=dataset, reward_funcs=[reward], eos_token_ids=[TOKENIZER.eos_token_id],
-        base_url="http://127.0.0.1:9", num_positions=prompts, full_step_tokens=10_000)
+    settings = RolloutSettings(**{
+        "config": AsyncGRPOConfig(num_generations=2, max_completion_length=8, **config), "model_name": "tiny",
+        "tokenizer_path": TINY_MODEL_PATH, "dataset": dataset, "reward_funcs": [reward],
+        "eos_token_ids": [TOKENIZER.eos_token_id], "base_url": "http://127.0.0.1:9", "num_positions": prompts,
+        "full_step_tokens": 10_000, **(settings or {})})
     channels = Channels.create(mp.get_context("spawn"))
     loop = loop_cls(settings, processing_class=TOKENIZER, channels=channels)
     loop.failing_requests = dict(failing_requests or {})

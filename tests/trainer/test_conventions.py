@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 from transformers import TrainerCallback
 from transformers.utils import logging as hf_logging
 
@@ -85,3 +85,21 @@ def test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask(tmp_p
     assert [step for step, _ in scalars["loss"]] == [1, 3, 4]
     assert scalars["reward"][-1] == (4, pytest.approx(train_rows[-1]["reward"]))
     assert json.loads((tmp_path / "run" / "config.json").read_text())["optim"] == "sgd"
+
+
+def arithmetic_stream(n: int):
+    """A generator's rows: an IterableDataset has no length and is read in order."""
+    yield from arithmetic.make_rows(n, split="train", seed=3)
+
+
+def test_an_iterable_dataset_trains_epoch_after_epoch(tmp_path):
+    stream = IterableDataset.from_generator(arithmetic_stream, gen_kwargs={"n": 6})
+    trainer = AsyncGRPOTrainer("tiny", accuracy_reward, train_dataset=stream, args=config(tmp_path, max_steps=4))
+    trainer.train()
+    assert max(trainer.source.ledger.finished) >= 6, "the stream was read again from its start: a second epoch"
+    assert all("epoch" not in row for row in logged(tmp_path)), "a stream has no length to count epochs by"
+    with pytest.raises(ValueError, match="IterableDataset, which has no length: set max_steps"):
+        AsyncGRPOTrainer("tiny", accuracy_reward, train_dataset=stream, args=config(tmp_path, max_steps=-1))
+    with pytest.raises(ValueError, match="shuffle the stream itself"):
+        AsyncGRPOTrainer("tiny", accuracy_reward, train_dataset=stream,
+                         args=config(tmp_path, train_sampling_strategy="random"))

@@ -24,7 +24,8 @@ class ListInbox:
 
 
 def counters():
-    return SimpleNamespace(consumed_tokens=SimpleNamespace(value=0.0), tokens_per_step=SimpleNamespace(value=0.0))
+    return SimpleNamespace(consumed_tokens=SimpleNamespace(value=0.0), tokens_per_step=SimpleNamespace(value=0.0),
+                           watermark=SimpleNamespace(value=0))
 
 
 def group(position, size=2, version=0, tokens=5):

@@ -20,6 +20,8 @@ class Channels:
     model_version: "mp.sharedctypes.Synchronized"
     tokens_per_step: "mp.sharedctypes.Synchronized"
     consumed_tokens: "mp.sharedctypes.Synchronized"
+    watermark: "mp.sharedctypes.Synchronized"
+    """The first prompt position the trainer has not finished: the worker forgets the rows below it."""
     heartbeat: "mp.sharedctypes.Synchronized"
     stop: mp.Event
     running: mp.Event
@@ -28,5 +30,5 @@ class Channels:
     @classmethod
     def create(cls, context) -> "Channels":
         return cls(out=context.Queue(), retry=context.Queue(), evaluate=context.Queue(), model_version=context.Value("q", 0), tokens_per_step=context.Value("d", 0.0),
-                   consumed_tokens=context.Value("d", 0.0), heartbeat=context.Value("d", 0.0), stop=context.Event(),
+                   consumed_tokens=context.Value("d", 0.0), watermark=context.Value("q", 0), heartbeat=context.Value("d", 0.0), stop=context.Event(),
                    running=context.Event())

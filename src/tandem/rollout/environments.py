@@ -9,6 +9,7 @@ its environment by its `environment` column. Each rollout takes an instance from
 import inspect
 from collections.abc import Callable
 
+from tandem.rollout.prompt_stream import columns_of
 from tandem.rollout.tools import validate_tools
 
 RESERVED = ("reset", "get_reward")
@@ -93,7 +94,7 @@ def validate_environments(environment_factory, tools: list[Callable], dataset) -
         classes.append(type(env))
     if None in factories:
         return classes
-    columns = getattr(dataset, "column_names", None) or (list(dataset[0]) if dataset is not None and len(dataset) else [])
+    columns = columns_of(dataset)
     if dataset is None or ROUTE_COLUMN not in columns:
         raise ValueError(f"environment_factory is a dict ({', '.join(map(repr, factories))}), so each dataset row must "
                          f"name its environment in an {ROUTE_COLUMN!r} column; the train_dataset has "

@@ -10,7 +10,6 @@ and override the hooks; set the subclass as the trainer's `loop_cls`.
 
 import asyncio
 import contextvars
-import functools
 import inspect
 import json
 import math
@@ -32,6 +31,7 @@ from tandem.rollout.channels import Channels
 from tandem.rollout.environments import ROUTE_COLUMN, EnvironmentPool, environment_tools, factories_of, reset_prompt, route
 from tandem.rollout.group_metrics import record_group
 from tandem.rollout.pacing import METRICS_POLL_S, ConcurrencyCap, TokenAllowance
+from tandem.rollout.prompt_stream import PromptStream
 from tandem.rollout.reconcile import reconcile
 from tandem.rollout.records import Rollout, RolloutGroup, Sample, TurnRecord
 from tandem.rollout.settings import RolloutSettings
@@ -51,12 +51,6 @@ SEEDS: contextvars.ContextVar[random.Random] = contextvars.ContextVar("seeds", d
 the prompt position and the rollout's index, so a group generated again (after a restart) is sampled alike."""
 
 
-@functools.lru_cache(maxsize=4)
-def epoch_order(seed: int, epoch: int, num_rows: int) -> list[int]:
-    """The rows of one epoch in a shuffled order, the same for a seed wherever (and however often) it is drawn."""
-    return random.Random(f"{seed}:{epoch}").sample(range(num_rows), num_rows)
-
-
 @dataclass
 class Episode:
     """One rollout as the loop keeps it until scoring: the prompt it started from (an environment's reset may have
@@ -73,6 +67,10 @@ class AsyncRolloutLoop:
         self.settings = settings
         self.model_name, self.adapter_name = settings.model_name, settings.adapter_name
         self.dataset = settings.dataset
+        self.prompts = PromptStream(settings.dataset, start=settings.dataset_start_index,
+                                    order_seed=(config.seed if config.data_seed is None else config.data_seed)
+                                    if config.train_sampling_strategy == "random" else None)
+        """The prompt of each position: the dataset's rows, epoch after epoch (rollout/prompt_stream.py)."""
         self.reward_funcs = list(settings.reward_funcs)
         self.tokenizer = processing_class
         self.eos_token_ids = list(settings.eos_token_ids)
@@ -322,24 +320,25 @@ class AsyncRolloutLoop:
         while not self.channels.stop.is_set():
             self._raise_failure()
             self._collect_retries()
+            self.prompts.forget_below(self.channels.watermark.value)
             if self.retries:
                 retry = self.retries.popleft()
-                task = await self._start_group(self._row(retry), retry, group_id)
+                task = await self._start_group(self.prompts.at(retry).row, retry, group_id)
             elif end is None or position < end:
-                epoch, row_index = self._epoch_row(position)
-                accepted_in_epoch = 0 if self._epoch_starts(position) else accepted_in_epoch
-                row = self._row(position)
+                prompt = self.prompts.at(position)
+                accepted_in_epoch = 0 if prompt.epoch_start else accepted_in_epoch
                 task = None
                 if position in self.settings.received:  # the trainer holds it already (a resumed run, a restarted worker)
                     accepted_in_epoch += 1
-                elif self.filter_prompt(row_index, row, epoch):
+                elif self.filter_prompt(prompt.index, prompt.row, prompt.epoch):
                     accepted_in_epoch += 1
-                    task = await self._start_group(row, position, group_id)
+                    task = await self._start_group(prompt.row, position, group_id)
                 else:
                     self.emit("skip", position)
                 position += 1
-                if self.dataset is not None and position % len(self.dataset) == 0 and accepted_in_epoch == 0:
-                    raise ValueError(f"filter_prompt rejected every prompt of epoch {epoch}: no sample can reach the trainer")
+                if self.dataset is not None and self.prompts.at(position).epoch_start and accepted_in_epoch == 0:
+                    raise ValueError(f"filter_prompt rejected every prompt of epoch {prompt.epoch}: no sample can reach "
+                                     "the trainer")
             else:  # everything dispatched: wait for the last groups, then for retries
                 if not ended and not groups and not self.unscored:
                     self.emit("end", None)
@@ -360,23 +359,6 @@ class AsyncRolloutLoop:
             except queue.Empty:
                 return
 
-    def _epoch_row(self, position: int) -> tuple[int, int]:
-        """(epoch, dataset row) of a prompt position: the epoch's order of rows, the dataset's own or shuffled
-        (train_sampling_strategy 'random'); without a dataset (environments that sample their own tasks) every
-        position is a new row of epoch 0."""
-        if self.dataset is None:
-            return 0, position
-        epoch, index = divmod(position, len(self.dataset))
-        config = self.config
-        if config.train_sampling_strategy == "random":
-            index = epoch_order(config.seed if config.data_seed is None else config.data_seed, epoch, len(self.dataset))[index]
-        return epoch, index
-
-    def _epoch_starts(self, position: int) -> bool:
-        return position == 0 if self.dataset is None else position % len(self.dataset) == 0
-
-    def _row(self, position: int) -> dict:
-        return dict(self.dataset[self._epoch_row(position)[1]]) if self.dataset is not None else {}
 
     async def _start_group(self, row: dict, position: int, group_id: int) -> asyncio.Task:
         """Wait for room in the allowance, reserve the group's tokens and start it."""
@@ -431,7 +413,7 @@ class AsyncRolloutLoop:
             self.groups_in_flight -= 1
             self.in_flight_tokens -= reservation
             self.generating.pop(asyncio.current_task(), None)
-        group = self._group(row, self._epoch_row(position)[1], group_id, version, episodes, self._reconciled(episodes))
+        group = self._group(row, self.prompts.at(position).index, group_id, version, episodes, self._reconciled(episodes))
         block = time.monotonic()
         self.unscored += 1
         await self.score_queue.put((group, [e.rollout for e in episodes], position))

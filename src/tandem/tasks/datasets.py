@@ -1,8 +1,10 @@
-"""Datasets by name for `tandem train`: a built-in task, or a local json / jsonl / parquet / csv file."""
+"""Datasets by name for `tandem train`: a built-in task, a local json / jsonl / parquet / csv file, a local folder (a
+`save_to_disk` folder, or data files), or a Hugging Face Hub id, read from this machine's datasets cache when the
+Hub cannot be reached."""
 
 from pathlib import Path
 
-from datasets import Dataset, load_dataset
+from datasets import Dataset, load_dataset, load_from_disk
 
 from tandem.tasks import arithmetic
 
@@ -16,11 +18,30 @@ BUILT_IN = {
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def load(name: str) -> Dataset:
-    if name in BUILT_IN:
-        return BUILT_IN[name]()
+def load(name: str, config: str | None = None, split: str = "train", streaming: bool = False):
+    """The rows of `name`: a Dataset, or with `streaming` an IterableDataset (read as training goes, never whole).
+    `config` and `split` choose within a Hub dataset or a folder."""
     path = Path(name)
-    if path.suffix in FORMATS and path.is_file():
-        return load_dataset(FORMATS[path.suffix], data_files=str(path), split="train")
-    raise ValueError(f"dataset {name!r} is neither a built-in task ({', '.join(BUILT_IN)}) nor a local "
-                     f"{'/'.join(FORMATS)} file")
+    if name in BUILT_IN:
+        dataset = BUILT_IN[name]()
+    elif path.suffix in FORMATS and path.is_file():
+        dataset = load_dataset(FORMATS[path.suffix], data_files=str(path), split="train", streaming=streaming)
+    elif path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+        saved = load_from_disk(str(path))  # a save_to_disk folder
+        dataset = saved[split] if (path / "dataset_dict.json").is_file() else saved
+    elif path.is_dir() or "/" in name and not path.suffix:
+        dataset = _from_hub_or_folder(name, config, split, streaming)
+    else:
+        raise ValueError(f"dataset {name!r} is neither a built-in task ({', '.join(BUILT_IN)}), a local "
+                         f"{'/'.join(FORMATS)} file or folder, nor a Hub id (namespace/name)")
+    return dataset.to_iterable_dataset() if streaming and isinstance(dataset, Dataset) else dataset
+
+
+def _from_hub_or_folder(name: str, config: str | None, split: str, streaming: bool):
+    """datasets' own loader: a folder of data files, or a Hub dataset (its cached copy when the Hub is out of reach)."""
+    try:
+        return load_dataset(name, config, split=split, streaming=streaming)
+    except (ConnectionError, FileNotFoundError) as exc:
+        raise ValueError(f"dataset {name!r} (config {config!r}, split {split!r}) could not be loaded: {exc}. With no "
+                         "network, a Hub dataset loads from this machine's datasets cache once it was loaded here with "
+                         "one (set HF_HUB_OFFLINE=1 to skip the Hub); or give a local file or folder.") from None

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from tandem.config import AsyncGRPOConfig
 from tandem.packing import attention as tree_attention
 from tandem.packing.logprobs import check_head
+from tandem.rollout.prompt_stream import columns_of, first_rows, is_iterable
 from tandem.tasks import TINY_MODEL_PATH
 
 
@@ -98,7 +99,8 @@ def check_precision(args: AsyncGRPOConfig, device: torch.device, several_ranks: 
 def check_dataset(dataset, *, environments: bool = False, max_steps: int = -1):
     """The dataset, if every row can be trained on: a conversational 'prompt' column, at least one row. With
     environments the prompt may come from reset() instead, and with no dataset at all (environments that sample
-    their own tasks) max_steps sets the run's length."""
+    their own tasks) max_steps sets the run's length, as it does for an IterableDataset (no length, no epochs to
+    count); its first rows are checked."""
     if dataset is None:
         if not environments:
             raise ValueError("train_dataset is required (only an environment_factory whose reset() makes the prompt "
@@ -107,16 +109,20 @@ def check_dataset(dataset, *, environments: bool = False, max_steps: int = -1):
             raise ValueError("without a train_dataset the environment makes every task, so nothing ends the run: set "
                              "max_steps (e.g. AsyncGRPOConfig(max_steps=1000))")
         return None
-    columns = getattr(dataset, "column_names", None) or (list(dataset[0]) if len(dataset) else [])
-    if len(dataset) == 0:
+    if is_iterable(dataset) and max_steps <= 0:
+        raise ValueError("train_dataset is an IterableDataset, which has no length: set max_steps (each pass over it is "
+                         "an epoch; it is read again from its start when it ends)")
+    rows = first_rows(dataset, 8)
+    if not rows:
         raise ValueError("train_dataset is empty")
+    columns = columns_of(dataset)
     if "prompt" not in columns:
         if environments:
             return dataset
         raise ValueError(f"train_dataset has no 'prompt' column (columns: {columns}). Each row needs a conversational "
                          "prompt: [{'role': 'user', 'content': '...'}]")
-    for index in range(min(len(dataset), 8)):
-        prompt = dataset[index]["prompt"]
+    for index, row in enumerate(rows):
+        prompt = row["prompt"]
         if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)):
             raise ValueError(f"train_dataset row {index}: 'prompt' must be conversational, a list of "
                              f"{{'role': ..., 'content': ...}} messages; got {type(prompt).__name__} {str(prompt)[:80]!r}. "
@@ -132,8 +138,7 @@ def drop_unused_columns(dataset, reward_funcs: list, environments: bool):
                          "receives every column of its row. Leave it False.")
     named = {name for func in reward_funcs for name, parameter in inspect.signature(func).parameters.items()
              if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)}
-    columns = getattr(dataset, "column_names", None) or list(dataset[0])
-    unused = [column for column in columns if column != "prompt" and column not in named]
+    unused = [column for column in columns_of(dataset) if column != "prompt" and column not in named]
     if hasattr(dataset, "remove_columns"):
         return dataset.remove_columns(unused)
     return [{key: value for key, value in row.items() if key not in unused} for row in dataset]

@@ -340,6 +340,7 @@ class SampleSource:
 
     def _publish_consumed(self) -> None:
         self.counters.consumed_tokens.value += self.unpublished
+        self.counters.watermark.value = self.ledger.watermark
         self.unpublished = 0.0
 
     def discard_oversize(self, count: int) -> None:

@@ -35,6 +35,7 @@ from tandem.packing.logprobs import TokenLogprobs, row_logprobs
 from tandem.prompts import check_prefix_preserving, render_chat, render_prompt, training_chat_template
 from tandem.rollout.environments import factories_of, validate_environments
 from tandem.rollout.loop import AsyncRolloutLoop
+from tandem.rollout.prompt_stream import first_rows, is_iterable
 from tandem.rollout.settings import RolloutSettings
 from tandem.rollout.tools import validate_tools
 from tandem.rollout.worker import WorkerSpec, check_picklable
@@ -52,6 +53,9 @@ from tandem.trainer.session import Session
 from tandem.trainer.step_metrics import StepTimes, record_micro_batch, record_samples, record_step
 from tandem.trainer.weight_sync import ADAPTER_NAME, LoraSync, choose_sync, follower_sync, lora_server_flags, publish
 
+PROMPTS_MEASURED = 1000
+"""An IterableDataset's first rows whose prompts are checked against the server's context length (a streamed dataset
+is not read through before training)."""
 SERVER_RESTARTS = 3
 SERVER_RESTART_WINDOW_S = 600.0
 """The embedded server is restarted when it dies, unless it died SERVER_RESTARTS times in the last 10 minutes."""
@@ -112,6 +116,9 @@ class AsyncGRPOTrainer:
         self.dataset = check_dataset(train_dataset, environments=environment_factory is not None, max_steps=args.max_steps)
         self.reward_funcs = _reward_list(reward_funcs, self._check_agents())
         self.eval_dataset = check_eval_dataset(eval_dataset, args)
+        if is_iterable(self.dataset) and args.train_sampling_strategy == "random":
+            raise ValueError("train_sampling_strategy='random' shuffles a dataset by its indices, and an IterableDataset "
+                             "has none: shuffle the stream itself (dataset.shuffle(seed=..., buffer_size=...)).")
         if args.remove_unused_columns and self.dataset is not None:
             self.dataset = drop_unused_columns(self.dataset, self.reward_funcs, environment_factory is not None)
         self.ranks = distributed.join(args.vllm_server_timeout)
@@ -423,7 +430,7 @@ class AsyncGRPOTrainer:
         metrics = self.window.flush()
         metrics["num_tokens"] = self.state.num_tokens
         metrics["model_version"] = self.state.model_version
-        if self.dataset is not None:
+        if self.dataset is not None and not is_iterable(self.dataset):
             metrics["epoch"] = self.source.ledger.watermark / len(self.dataset)
         if self.tools or self.environment_factory is not None:
             metrics.setdefault("tools/failure_frequency", math.nan)  # no call in the window (reference/metrics.md)
@@ -722,7 +729,8 @@ class AsyncGRPOTrainer:
     def _check_prompt_lengths(self, max_model_len: int) -> None:
         """Every dataset prompt (with the tools' schemas) leaves room to generate; an environment's reset() may add more."""
         schemas = [tool_schema(tool) for tool in self.tools] or None
-        for index, row in enumerate(self.dataset if self.dataset is not None else []):
+        rows = first_rows(self.dataset, PROMPTS_MEASURED) if is_iterable(self.dataset) else self.dataset or []
+        for index, row in enumerate(rows):
             if not row.get("prompt"):
                 continue
             length = len(render_chat(self.tokenizer, row["prompt"], tools=schemas, chat_template_kwargs=self.args.chat_template_kwargs))
@@ -740,7 +748,7 @@ class AsyncGRPOTrainer:
 
     def _first_prompt(self) -> list[dict]:
         """A prompt for the sync probe: the dataset's first, or a fixed one when environments make the prompts."""
-        row = self.dataset[0] if self.dataset is not None else {}
+        row = next(iter(first_rows(self.dataset, 1)), {})
         return row.get("prompt") or [{"role": "user", "content": "What is 2 + 2?"}]
 
     def _check_agents(self) -> bool:

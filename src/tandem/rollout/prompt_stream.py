@@ -1,0 +1,110 @@
+"""The run's prompts by position: what the rollout loop generates for, and what a position generated again reads.
+
+A dataset with a length is indexed: position p is row p mod len of epoch p div len, in the dataset's order or in
+an order drawn for each epoch (train_sampling_strategy 'random'). An IterableDataset (a streamed Hub dataset, a
+generator) has no length: it is read in its own order, one position per row, and from its start again when it
+ends (the next epoch); the rows of positions the trainer has not finished are kept, since such a position may be
+generated again. A resumed run reads past the examples its checkpoint consumed. Without a dataset (environments
+that make their own tasks) every position is an empty row of epoch 0.
+"""
+
+import functools
+import itertools
+import random
+from collections.abc import Sized
+from dataclasses import dataclass
+
+
+@dataclass
+class PromptRow:
+    epoch: int
+    index: int
+    """The dataset row (a dataset with a length), or the row's place in its epoch (an IterableDataset)."""
+    row: dict
+    epoch_start: bool
+    """The first position of its epoch."""
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(seed: int, epoch: int, num_rows: int) -> list[int]:
+    """The rows of one epoch in a shuffled order, the same for a seed wherever (and however often) it is drawn."""
+    return random.Random(f"{seed}:{epoch}").sample(range(num_rows), num_rows)
+
+
+def is_iterable(dataset) -> bool:
+    """A dataset read in order only (no length): an IterableDataset, streamed or not."""
+    return dataset is not None and not isinstance(dataset, Sized)
+
+
+def first_rows(dataset, count: int) -> list[dict]:
+    """The dataset's first `count` rows, whatever its kind (an IterableDataset is read that far, no further)."""
+    if dataset is None:
+        return []
+    if is_iterable(dataset):
+        return [dict(row) for row in itertools.islice(dataset, count)]
+    return [dict(dataset[i]) for i in range(min(count, len(dataset)))]
+
+
+def columns_of(dataset) -> list[str]:
+    return getattr(dataset, "column_names", None) or list(next(iter(first_rows(dataset, 1)), {}))
+
+
+class PromptStream:
+    def __init__(self, dataset, order_seed: int | None = None, start: int = 0):
+        """`order_seed`: shuffle each epoch of a dataset with a length from this seed; None keeps its order. `start`:
+        the positions below it are finished (a resumed run's), so an IterableDataset's rows there are read past."""
+        self.dataset, self.order_seed = dataset, order_seed
+        self.kept: dict[int, PromptRow] = {}
+        """An IterableDataset's rows read and not yet forgotten, by position."""
+        self.floor = start
+        """Rows below this position are not kept: the trainer finished them."""
+        self.read_to = 0
+        """The next position an IterableDataset's reader yields."""
+        self.rows = None
+        self.epoch = self.index = 0
+
+    def at(self, position: int) -> PromptRow:
+        if self.dataset is None:
+            return PromptRow(0, position, {}, position == 0)
+        if is_iterable(self.dataset):
+            return self._streamed(position)
+        epoch, index = divmod(position, len(self.dataset))
+        first = index == 0
+        if self.order_seed is not None:
+            index = epoch_order(self.order_seed, epoch, len(self.dataset))[index]
+        return PromptRow(epoch, index, dict(self.dataset[index]), first)
+
+    def forget_below(self, position: int) -> None:
+        """The trainer finished every position below `position`: their rows are not needed again."""
+        self.floor = max(self.floor, position)
+        for old in [p for p in self.kept if p < position]:
+            del self.kept[old]
+
+    def _streamed(self, position: int) -> PromptRow:
+        if position in self.kept:
+            return self.kept[position]
+        if position < max(self.read_to, self.floor):
+            raise RuntimeError(f"prompt position {position} of the IterableDataset was read and forgotten (the trainer "
+                               "had finished it), yet it is asked for again")
+        while self.read_to <= position:
+            row = self._read()
+            if self.read_to >= self.floor:
+                self.kept[self.read_to] = row
+            self.read_to += 1
+        return self.kept[position]
+
+    def _read(self) -> PromptRow:
+        """The stream's next row; at its end, the first row of the next epoch."""
+        if self.rows is None:
+            if hasattr(self.dataset, "set_epoch"):  # a shuffled IterableDataset draws each epoch's order from it
+                self.dataset.set_epoch(self.epoch)
+            self.rows = iter(self.dataset)
+        try:
+            row = next(self.rows)
+        except StopIteration:
+            if self.index == 0:
+                raise ValueError("train_dataset, an IterableDataset, yields no rows") from None
+            self.epoch, self.index, self.rows = self.epoch + 1, 0, None
+            return self._read()
+        self.index += 1
+        return PromptRow(self.epoch, self.index - 1, dict(row), self.index == 1)
