@@ -358,3 +358,16 @@ def test_max_concurrent_rollouts_caps_the_loop_and_the_embedded_servers_batch(tm
     loop = AsyncRolloutLoop(settings, processing_class=AutoTokenizer.from_pretrained(TINY_MODEL_PATH),
                             channels=Channels.create(mp.get_context("spawn")))
     assert loop.cap.value == 7 and loop.runner.pool_size == 7
+
+
+def test_evaluation_is_never_asked_for_without_prompts_nor_given_prompts_it_ignores(tmp_path):
+    build = lambda eval_dataset=None, **args: AsyncGRPOTrainer(
+        "tiny", accuracy_reward, train_dataset=DATA, eval_dataset=eval_dataset, args=AsyncGRPOConfig(output_dir=str(tmp_path), **args))
+    with pytest.raises(ValueError, match="eval_strategy='steps' / eval_on_start=False needs an eval_dataset"):
+        build(eval_strategy="steps")
+    with pytest.warns(UserWarning, match="it is never evaluated"):
+        build(DATA)
+    with pytest.raises(ValueError, match="eval_dataset is an IterableDataset"):
+        build(DATA.to_iterable_dataset(), eval_strategy="steps")
+    with pytest.raises(ValueError, match="eval_dataset: eval_dataset has no 'prompt' column"):
+        build(DATA.remove_columns("prompt"), eval_strategy="steps")

@@ -115,7 +115,7 @@ class AsyncGRPOTrainer:
         self.tools, self.environment_factory = list(tools or []), environment_factory
         self.dataset = check_dataset(train_dataset, environments=environment_factory is not None, max_steps=args.max_steps)
         self.reward_funcs = _reward_list(reward_funcs, self._check_agents())
-        self.eval_dataset = check_eval_dataset(eval_dataset, args)
+        self.eval_dataset = check_eval_dataset(eval_dataset, args, environments=environment_factory is not None)
         if is_iterable(self.dataset) and args.train_sampling_strategy == "random":
             raise ValueError("train_sampling_strategy='random' shuffles a dataset by its indices, and an IterableDataset "
                              "has none: shuffle the stream itself (dataset.shuffle(seed=..., buffer_size=...)).")
@@ -797,7 +797,7 @@ class AsyncGRPOTrainer:
         return WorkerSpec(loop_cls=self.loop_cls, settings=settings)
 
 
-def check_eval_dataset(eval_dataset, args: AsyncGRPOConfig):
+def check_eval_dataset(eval_dataset, args: AsyncGRPOConfig, environments: bool):
     """The eval prompts, when evaluation is asked for and they can be generated; neither is silently ignored."""
     if eval_dataset is None:
         if args.eval_strategy != "no" or args.eval_on_start:
@@ -808,8 +808,11 @@ def check_eval_dataset(eval_dataset, args: AsyncGRPOConfig):
     if args.eval_strategy == "no" and not args.eval_on_start:
         warnings.warn("an eval_dataset was given but eval_strategy='no' and eval_on_start=False: it is never evaluated. "
                       "Set eval_strategy='steps' (every eval_steps steps) or eval_on_start=True.", stacklevel=3)
+    if is_iterable(eval_dataset):
+        raise ValueError("eval_dataset is an IterableDataset: each evaluation generates all of it, so it needs a length. "
+                         "Take a fixed set of rows, e.g. Dataset.from_list(list(eval_dataset.take(256))).")
     try:
-        return check_dataset(eval_dataset)
+        return check_dataset(eval_dataset, environments=environments)
     except ValueError as exc:
         raise ValueError(f"eval_dataset: {exc}".replace("train_dataset", "eval_dataset")) from None
 
