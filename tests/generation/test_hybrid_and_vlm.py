@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, Gemma2Config
 
 from tandem.generation.engine import Engine, EngineRequest
 from tandem.generation.sampling import SamplingParams
@@ -54,6 +55,18 @@ def test_a_hybrid_decodes_fast_through_transformers_own_cache():
     model = tiny_hybrid()
     _, requests = sampled(model, exact=False)
     assert max(gaps(model, requests)) < 1e-4
+
+
+def test_exact_decoding_keeps_the_attention_of_a_model_that_soft_caps_its_scores():
+    """tandem_exact computes plain softmax(QK^T)V: a Gemma 2 keeps its own eager attention, soft-capping included."""
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=16, sliding_window=8, attn_logit_softcapping=0.5,
+                          query_pre_attn_scalar=1, initializer_range=0.2)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    _, requests = sampled(model, exact=True)
+    assert model.config._attn_implementation == "eager"
+    assert max(gaps(model, requests)) < 1e-5
 
 
 @pytest.mark.parametrize("exact", [True, False])
