@@ -120,9 +120,9 @@ def test_a_plain_attention_model_is_tree_packed():
     assert attention.prepare(model) == TREE and model.config._attn_implementation == attention.NAME
 
 
-def test_padded_rows_of_a_hybrid_give_each_samples_own_forward():
+def test_padded_rows_of_a_hybrid_give_each_samples_own_forward_and_gradients():
     """Gated DeltaNet layers scan every token before them: a padded row (one sequence per sample, padding after it)
-    gives each sample exactly what its own unpacked forward gives, shared prompt and all."""
+    gives each sample exactly what its own unpacked forward gives, shared prompt and all, and the same gradients."""
     model = tiny_hybrid()
     assert attention.prepare(model) == PADDED
     prompt = list(range(3, 40))
@@ -134,8 +134,15 @@ def test_padded_rows_of_a_hybrid_give_each_samples_own_forward():
     for s in samples:
         logits = model(input_ids=torch.tensor([s.input_ids])).logits[0]
         expected += [logits[j - 1].log_softmax(-1)[s.input_ids[j]] for j in range(1, s.num_tokens) if s.trained[j]]
+    expected = torch.stack(expected)
+    expected.sum().backward()
+    expected_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
     got = row_logprobs(model, row, "exact").logprobs
-    torch.testing.assert_close(got, torch.stack(expected).detach(), atol=1e-5, rtol=0)
+    got.sum().backward()
+    torch.testing.assert_close(got, expected.detach(), atol=1e-5, rtol=0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected_grads[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_an_unknown_kernel_names_the_choices():
