@@ -116,7 +116,8 @@ class TrieRow:
 
     def _padded_cost(self, sample: Sample) -> Insertion:
         """A padded row forwards every sample at the longest one's width: what `sample` adds, padding included."""
-        count, width = len(self.samples) + 1, max([sample.num_tokens] + [s.num_tokens for s in self.samples])
+        width = max(sample.num_tokens, self.num_tokens // len(self.samples) if self.samples else 0)  # tokens = samples x width
+        count = len(self.samples) + 1
         return Insertion(new_tokens=count * width - self.num_tokens, new_terms=sum(sample.trained[1:]),
                          new_load=count * width * (width + 1) // 2 - self.load)
 
