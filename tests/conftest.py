@@ -8,7 +8,8 @@ import urllib.parse
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, Qwen2_5_VLConfig,
+                          Qwen3_5TextConfig)
 
 from tandem.generation.server import SERVER_KEY, ServeArgs, start_server
 from tandem.tasks import TINY_MODEL_PATH
@@ -24,6 +25,47 @@ def no_run_report(request, monkeypatch):
 @pytest.fixture(scope="session")
 def tokenizer():
     return AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
+
+
+def tiny_hybrid() -> torch.nn.Module:
+    """A Qwen3.5-style hybrid over the tiny tokenizer's vocabulary: two gated DeltaNet layers, then full attention."""
+    torch.manual_seed(0)
+    config = Qwen3_5TextConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_key_head_dim=8,
+                               linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                               layer_types=["linear_attention", "linear_attention", "full_attention"],
+                               max_position_embeddings=1024, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
+                               initializer_range=0.2)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def tiny_vlm() -> torch.nn.Module:
+    """A Qwen2.5-VL-style vision-language model over the tiny tokenizer's vocabulary, with a one-block vision tower."""
+    torch.manual_seed(0)
+    text = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=1024, eos_token_id=2, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, fullatt_block_indexes=[0])
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=500, video_token_id=501,
+                              vision_start_token_id=502, vision_end_token_id=503)
+    return AutoModelForImageTextToText.from_config(config).eval()
+
+
+def saved_with_tiny_tokenizer(model: torch.nn.Module, folder) -> str:
+    """`model` saved to `folder` with the tiny model's tokenizer and chat template: a checkpoint trainer and server load."""
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(TINY_MODEL_PATH).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def hybrid_path(tmp_path_factory) -> str:
+    return saved_with_tiny_tokenizer(tiny_hybrid(), tmp_path_factory.mktemp("hybrid"))
+
+
+@pytest.fixture(scope="session")
+def vlm_path(tmp_path_factory) -> str:
+    return saved_with_tiny_tokenizer(tiny_vlm(), tmp_path_factory.mktemp("vlm"))
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import tandem
 SOURCE = Path(tandem.__file__).parent
 
 NEUTRAL = {"tandem.__version__", "tandem.config", "tandem.prompts", "tandem.tool_calls", "tandem.exact_attention",
-           "tandem.httpapp", "tandem.tasks"}
+           "tandem.architecture", "tandem.httpapp", "tandem.tasks"}
 """Modules any layer may use: the package itself (its version), plain settings and small shared helpers."""
 
 ALLOWED = {

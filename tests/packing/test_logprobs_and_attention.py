@@ -1,11 +1,12 @@
-"""Chunked log-probs equal the full log-softmax; tree attention refuses models it would get wrong."""
+"""Chunked log-probs equal the full log-softmax; models a tree row would change get padded rows, which are exact too."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM, Gemma2Config, Qwen2Config
 
-from tandem.packing import attention, pack
+from tandem.packing import PADDED, TREE, attention, pack
 from tandem.packing.logprobs import chunked_logprobs, row_logprobs
+from tests.conftest import tiny_hybrid
 
 from .samples import sample
 
@@ -85,30 +86,63 @@ def test_sliding_window_layers_see_only_their_window_in_the_tree():
         torch.testing.assert_close(got, torch.stack(expected).detach(), atol=1e-5, rtol=0)
 
 
-def test_layers_that_scan_across_tokens_are_refused():
-    config = tiny_config(layer_types=["full_attention", "linear_attention"])
+def test_layers_that_scan_across_tokens_get_padded_rows():
     model = AutoModelForCausalLM.from_config(tiny_config())
-    model.config.layer_types = config.layer_types
-    with pytest.raises(NotImplementedError, match="linear_attention"):
-        attention.prepare(model)
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    assert attention.padded_reasons(model) == ["linear_attention reads across tokens outside attention"]
+    assert attention.prepare(model) == PADDED and model.config._attn_implementation != attention.NAME
 
 
-def test_modules_that_scan_across_tokens_are_refused():
+def test_modules_that_scan_across_tokens_get_padded_rows():
     model = AutoModelForCausalLM.from_config(tiny_config())
 
     class MambaMixer(torch.nn.Module):
         pass
 
     model.model.layers[0].mixer = MambaMixer()
-    with pytest.raises(NotImplementedError, match="MambaMixer"):
-        attention.prepare(model)
+    assert attention.padded_reasons(model) == ["MambaMixer reads across tokens outside attention"]
+    assert attention.prepare(model) == PADDED
 
 
-def test_attention_sinks_are_refused():
+def test_attention_sinks_and_soft_capped_scores_get_padded_rows():
+    sinks = AutoModelForCausalLM.from_config(tiny_config())
+    sinks.model.layers[0].self_attn.sinks = torch.nn.Parameter(torch.zeros(4))
+    capped = AutoModelForCausalLM.from_config(Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                            num_hidden_layers=2, num_attention_heads=4,
+                                                            num_key_value_heads=2, head_dim=8))
+    assert [attention.prepare(m) for m in (sinks, capped)] == [PADDED, PADDED]
+    assert "sinks" in attention.padded_reasons(sinks)[0] and "attn_logit_softcapping" in attention.padded_reasons(capped)[0]
+    assert capped.config._attn_implementation == "eager", "gemma2 keeps the attention that soft-caps its scores"
+
+
+def test_a_plain_attention_model_is_tree_packed():
     model = AutoModelForCausalLM.from_config(tiny_config())
-    model.model.layers[0].self_attn.sinks = torch.nn.Parameter(torch.zeros(4))
-    with pytest.raises(NotImplementedError, match="sinks"):
-        attention.prepare(model)
+    assert attention.prepare(model) == TREE and model.config._attn_implementation == attention.NAME
+
+
+def test_padded_rows_of_a_hybrid_give_each_samples_own_forward_and_gradients():
+    """Gated DeltaNet layers scan every token before them: a padded row (one sequence per sample, padding after it)
+    gives each sample exactly what its own unpacked forward gives, shared prompt and all, and the same gradients."""
+    model = tiny_hybrid()
+    assert attention.prepare(model) == PADDED
+    prompt = list(range(3, 40))
+    samples = [sample(prompt + [50, 51, 52], [0] * 37 + [1, 1, 1]), sample(prompt + [60], [0] * 37 + [1], group=1),
+               sample([7, 8, 9], [0, 1, 1], group=2)]
+    row = pack(samples, layout=PADDED)
+    assert row.num_tokens == 3 * 40 and row.packing_ratio == 81 / 120, "padded to the longest sample, nothing shared"
+    expected = []
+    for s in samples:
+        logits = model(input_ids=torch.tensor([s.input_ids])).logits[0]
+        expected += [logits[j - 1].log_softmax(-1)[s.input_ids[j]] for j in range(1, s.num_tokens) if s.trained[j]]
+    expected = torch.stack(expected)
+    expected.sum().backward()
+    expected_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    got = row_logprobs(model, row, "exact").logprobs
+    got.sum().backward()
+    torch.testing.assert_close(got, expected.detach(), atol=1e-5, rtol=0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected_grads[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_an_unknown_kernel_names_the_choices():

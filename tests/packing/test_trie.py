@@ -2,7 +2,7 @@
 
 import torch
 
-from tandem.packing import TrieRow, pack
+from tandem.packing import PADDED, TrieRow, pack
 
 from .samples import sample
 
@@ -47,6 +47,16 @@ def test_without_sharing_identical_samples_stay_apart():
     row = pack([sample([5, 6, 7]), sample([5, 6, 7])], share_prefixes=False)
     assert row.input_ids.tolist() == [5, 6, 7, 5, 6, 7]
     assert row.predict_index.tolist() == [0, 1, 3, 4]
+
+
+def test_a_padded_row_lays_its_samples_side_by_side_padded_to_the_longest():
+    """The layout of models a tree row would change: nothing shared, each sample one right-padded sequence."""
+    row = pack([sample([5, 6, 7]), sample([5, 6])], layout=PADDED)
+    assert row.input_ids.tolist() == [5, 6, 7, 5, 6, 0]
+    assert row.position_ids.tolist() == [0, 1, 2, 0, 1, 2]
+    assert row.predict_index.tolist() == [0, 1, 3]  # the second sample starts at its block, index 3
+    assert row.end.tolist() == [2, 2, 2, 5, 5, 5]  # as a tree: each block sees only itself, causally
+    assert (row.raw_tokens, row.num_tokens, row.load) == (5, 6, 12)
 
 
 def test_duplicates_share_every_token_but_keep_their_own_terms():

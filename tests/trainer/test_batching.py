@@ -2,6 +2,7 @@
 
 import pytest
 
+from tandem.packing import PADDED
 from tandem.trainer.batching import TokenBudgetBatcher
 from tests.packing.samples import sample
 
@@ -20,6 +21,16 @@ def test_shared_prompt_tokens_count_once_against_the_budget():
     (row,) = batcher.close()
     assert (row.num_tokens, row.raw_tokens) == (11, 16)
     assert batcher.empty
+
+
+def test_in_the_padded_layout_the_budget_counts_every_sample_padded_to_the_longest():
+    batcher = TokenBudgetBatcher(token_budget=24, layout=PADDED)
+    assert batcher.offer(rollout(0, 10, 11))          # 8 tokens
+    assert batcher.offer(rollout(0, 20))              # 7 tokens, padded to 8: nothing shared, 16 in all
+    assert not batcher.offer(rollout(0, 30, 31, 32))  # 9 tokens would widen all three to 27
+    assert batcher.offer(rollout(0, 40, 41))          # 24
+    (row,) = batcher.close()
+    assert (row.num_tokens, row.raw_tokens, row.layout) == (24, 23, PADDED)
 
 
 def test_loss_terms_are_bounded_by_the_budget_too():

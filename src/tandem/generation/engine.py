@@ -10,10 +10,15 @@ With the prefix cache (prefix_cache.py) a prompt's cached leading blocks are cop
 only the rest is prefilled, as a window of the row like a decode step's: each row rounds as in a full
 forward, so exact decoding matches a teacher-forced forward with the cache wherever it does without it.
 A sequence's blocks are stored once prefilled and again when it retires.
+
+A model with layers that carry state across tokens (gated DeltaNet, Mamba) has no prefix cache and no slots: each
+sequence decodes on its own through transformers' cache (kv_cache.SequenceStates), or, in exact mode, forwards its
+whole sequence every step, as the trainer does. A vision-language model serves its language model, text only.
 """
 
 import collections
 import concurrent.futures
+import logging
 import os
 import queue
 import threading
@@ -23,8 +28,8 @@ from typing import Callable
 
 import torch
 
-from tandem import exact_attention
-from tandem.generation.kv_cache import SlotKVCache
+from tandem import architecture, exact_attention
+from tandem.generation.kv_cache import SequenceStates, SlotKVCache
 from tandem.generation.lora import AdapterSet
 from tandem.generation.prefix_cache import PrefixCache
 from tandem.generation.sampling import SamplingParams, apply_penalties, process_logits, sample
@@ -33,6 +38,7 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed
 ENGINE_STOPPED = "The generation engine has stopped: see the server log."
 MAX_PREFILL_TOKENS = 8192
 """Prompt tokens prefilled in one step at most, so running sequences keep decoding while many arrive."""
+logger = logging.getLogger("tandem.serve")
 
 
 @dataclass
@@ -98,7 +104,7 @@ def _generator(seed: int | None, child: int) -> torch.Generator:
 
 def kv_cache_for(model: torch.nn.Module, max_model_len: int) -> SlotKVCache:
     """A KV cache shaped for the model's layers and heads, on its device and in its dtype."""
-    config = model.config
+    config = model.config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     param = next(model.parameters())
     return SlotKVCache(config.num_hidden_layers, config.num_key_value_heads, head_dim, max_model_len, param.dtype, param.device)
@@ -143,15 +149,21 @@ class Engine:
         """Extra seconds per decode step: lets benchmarks stand in a slower (GPU-sized) server. The wait comes
         between steps, so pauses and weight reloads do not sit behind it."""
         self._next_step_at = 0.0
-        if exact:
+        if exact and not architecture.attention_extras(model):  # sinks, soft-capping: the model's own eager attention
             model.set_attn_implementation(exact_attention.NAME)
-        config = model.config
+        config = model.config.get_text_config()
         self.vocab_size = config.vocab_size
         self.device = next(model.parameters()).device
-        self.cache = kv_cache_for(model, max_model_len)
+        scanning = architecture.scanning_layers(model)
+        self.cache = SequenceStates(reforward=exact) if scanning else kv_cache_for(model, max_model_len)
+        if scanning and prefix_caching:
+            logger.warning("tandem serve: %s carry state across tokens, which no cached block of keys and values holds: "
+                           "prefix caching is off, and each sequence decodes on its own, %s", ", ".join(scanning),
+                           "forwarded whole every step (exact mode)" if exact else "through transformers' own cache")
         bound = max_num_seqs * max_model_len if prefix_cache_max_tokens is None else prefix_cache_max_tokens
-        self.prefix_cache = PrefixCache(bound) if prefix_caching else None
-        """None when off; by default it may hold as many tokens as the slot cache (--max-num-seqs x --max-model-len)."""
+        self.prefix_cache = PrefixCache(bound) if prefix_caching and not scanning else None
+        """None when off (or for a model with recurrent layers); by default it may hold as many tokens as the slot cache
+        (--max-num-seqs x --max-model-len)."""
         self.layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
         self.sliding_window = getattr(config, "sliding_window", None)
 
@@ -346,17 +358,31 @@ class Engine:
             query_pos = write_pos[:, None, :, None]
             masks["sliding_attention"] = mask & (query_pos - torch.arange(kv_len, device=self.device) < self.sliding_window)
         masks = {kind: exact_attention.model_mask(m, self.model) for kind, m in masks.items()}
-        kwargs = {}
-        wanted = {a for a in adapters if a}
-        if self.adapters is not None and (wanted or self.adapters.active):
-            in_use = {r.adapter for r, _ in self.rows if r.adapter}
-            self.model = self.adapters.ensure_loaded(self.model, wanted, in_use)
-            kwargs["adapter_names"] = self.adapters.names_for(adapters)
+        kwargs = self._adapter_kwargs(adapters)
         out = self.model(
             input_ids=input_ids, position_ids=write_pos, attention_mask=masks, cache=self.cache,
             use_cache=True, logits_to_keep=0 if all_logits else self._positions_to_keep(input_ids.shape[0]), **kwargs,
         )
         return out.logits.float()
+
+    def _sequence_forward(self, windows: list[list[int]], totals: list[int], rows: slice, adapters, all_logits: bool) -> torch.Tensor:
+        """`_window_forward` for a model with recurrent layers: each sequence forwarded on its own from its own state,
+        the logits left-padded to a common width as a batched window's are."""
+        logits = []
+        for row, window, total, adapter in zip(range(rows.start, rows.stop), windows, totals, adapters):
+            kwargs = self._adapter_kwargs([adapter])  # may wrap self.model: read it after
+            logits.append(self.cache.forward(self.model, row, window, total, all_logits, **kwargs))
+        width = max(len(part) for part in logits)
+        return torch.stack([torch.nn.functional.pad(part, (0, 0, width - len(part), 0)) for part in logits]).float()
+
+    def _adapter_kwargs(self, adapters: list[str | None]) -> dict:
+        """The forward's `adapter_names` for these rows' adapters, loading any not loaded yet ({} without adapters)."""
+        wanted = {a for a in adapters if a}
+        if self.adapters is None or not (wanted or self.adapters.active):
+            return {}
+        in_use = {r.adapter for r, _ in self.rows if r.adapter}
+        self.model = self.adapters.ensure_loaded(self.model, wanted, in_use)
+        return {"adapter_names": self.adapters.names_for(adapters)}
 
     def _prefill(self, requests: list[EngineRequest]) -> None:
         # A request asking for prompt log-probs needs logits at every prompt position: prefill it alone.
@@ -393,6 +419,8 @@ class Engine:
         sequence, the row's last position once they run out (overwritten later, never attended), so padded
         batches need no special layout.
         """
+        if isinstance(self.cache, SequenceStates):
+            return self._sequence_forward(windows, totals, rows, adapters, all_logits)
         width = max(len(w) for w in windows)
         fillers = _filler_adapters(adapters, width) if self.exact else []
         if fillers:  # too few rows for the long-forward matmul path: add filler sequences in free cache rows

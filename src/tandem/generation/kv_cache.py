@@ -4,9 +4,15 @@ transformers' attention layers call `update(key, value, layer_idx)` on whatever 
 model is given; this one writes each new key/value at that row's own position (rows differ in
 length) and hands back the live rows' keys up to `kv_len`. The engine builds the attention mask in
 cache-position space, so padded and ragged batches need no special layout.
+
+`SequenceStates` stands in for it with models whose layers carry state across tokens (gated DeltaNet, Mamba).
 """
 
+import copy
+
 import torch
+
+from tandem.exact_attention import MIN_ROWS
 
 
 class SlotKVCache:
@@ -58,3 +64,45 @@ class SlotKVCache:
         for layer, (keys, values) in enumerate(zip(self.keys, self.values)):
             keys[row, :, :length] = kv[0, layer]
             values[row, :, :length] = kv[1, layer]
+
+
+class SequenceStates:
+    """Per-sequence state for models with layers that carry state from token to token (gated DeltaNet, Mamba), which
+    no slot of keys and values can hold: each row has its tokens and transformers' own cache for them. With
+    `reforward` (exact decoding) a row keeps no cache and every step forwards its whole sequence, as the trainer's
+    forward does: a recurrent layer's one-token update rounds differently from its chunked form over the sequence."""
+
+    def __init__(self, reforward: bool):
+        self.reforward = reforward
+        self.tokens: list[list[int]] = []
+        self.caches: list = []
+
+    def ensure_rows(self, n: int) -> None:
+        """Make rows 0..n-1 exist."""
+        while len(self.tokens) < n:
+            self.tokens.append([])
+            self.caches.append(None)
+
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Row `dst` becomes a copy of the first `length` tokens of row `src` (all it has processed)."""
+        self.tokens[dst] = self.tokens[src][:length]
+        self.caches[dst] = copy.deepcopy(self.caches[src])
+
+    def forward(self, model: torch.nn.Module, row: int, window: list[int], total: int, all_logits: bool, **kwargs) -> torch.Tensor:
+        """Logits of the last position of `window` (of every one with `all_logits`), the last tokens of row `row`'s
+        sequence, `total` tokens long; a window that is the whole sequence starts the row afresh."""
+        if total == len(window):
+            self.tokens[row], self.caches[row] = [], None
+        tokens, device = self.tokens[row] + window, next(model.parameters()).device
+        if self.reforward:  # matmuls of at least MIN_ROWS rows: fewer take another rounding path (exact_attention.py)
+            n = len(tokens)
+            start = max(min(n - len(window) if all_logits else n - 1, n - MIN_ROWS), 0)
+            ids = torch.tensor([tokens + [0] * max(MIN_ROWS - n, 0)], device=device)
+            keep = torch.arange(start, max(n, MIN_ROWS), device=device)
+            logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep, **kwargs).logits[0, : n - start]
+        else:
+            out = model(input_ids=torch.tensor([window], device=device), cache=self.caches[row], use_cache=True,
+                        logits_to_keep=0 if all_logits else 1, **kwargs)
+            logits, self.caches[row] = out.logits[0], out.cache
+        self.tokens[row] = tokens
+        return logits[-len(window):] if all_logits else logits[-1:]

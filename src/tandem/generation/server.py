@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 from aiohttp import web
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
-from tandem import __version__
+from tandem import __version__, architecture
 from tandem.generation import protocol, responses
 from tandem.generation.control import Control
 from tandem.generation.engine import ENGINE_STOPPED, Engine, EngineRequest
@@ -151,8 +151,9 @@ def load_model(args: ServeArgs) -> tuple[torch.nn.Module, bool]:
     if args.decode_mode not in ("auto", "exact", "fast"):
         raise ValueError(f"--decode-mode {args.decode_mode!r} is not one of auto, exact, fast")
     exact = args.decode_mode == "exact" or (args.decode_mode == "auto" and device.type == "cpu")
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=pick_dtype(args.dtype), trust_remote_code=args.trust_remote_code,
-                                                 attn_implementation="eager" if exact else "sdpa")
+    model = architecture.auto_class(args.model, trust_remote_code=args.trust_remote_code).from_pretrained(
+        args.model, dtype=pick_dtype(args.dtype), trust_remote_code=args.trust_remote_code,
+        attn_implementation="eager" if exact else None)
     return model.to(device).eval(), exact
 
 
@@ -164,7 +165,7 @@ class Server:
         self.args = args
         self.tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
         model, exact = load_model(args)
-        config = model.config
+        config = model.config.get_text_config()  # a vision-language model serves its language model
         self.max_model_len = args.max_model_len or getattr(config, "max_position_embeddings", 2048)
         self.names = args.served_model_name or [args.model]
         self.vocab_size = config.vocab_size
@@ -421,6 +422,11 @@ class Server:
             cards.append(self._model_card(lora, path, self.names[0], None))
         return web.json_response({"object": "list", "data": cards})
 
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching is on: asked for and possible (a model with recurrent layers has none)."""
+        return self.engine.prefix_cache is not None
+
     def config(self) -> dict:
         stats = self.engine.stats()
         lora = None
@@ -435,7 +441,7 @@ class Server:
                 "decode_mode": "exact" if self.engine.exact else "fast",
             },
             "cache_config": {"block_size": BLOCK_SIZE, "num_gpu_blocks": stats.kv_capacity_tokens // BLOCK_SIZE,
-                             "kv_cache_size_tokens": stats.kv_capacity_tokens, "enable_prefix_caching": self.args.enable_prefix_caching},
+                             "kv_cache_size_tokens": stats.kv_capacity_tokens, "enable_prefix_caching": self.prefix_caching},
             "scheduler_config": {"max_num_seqs": self.args.max_num_seqs},
             "parallel_config": {"data_parallel_size": 1, "tensor_parallel_size": 1, "pipeline_parallel_size": 1},
             "lora_config": lora,
@@ -454,7 +460,7 @@ class Server:
         return web.json_response({"world_size": 1})
 
     async def metrics(self, _: web.Request) -> web.Response:
-        return web.Response(body=prometheus_text(self.engine.stats(), self.names[0], self.args.enable_prefix_caching).encode(),
+        return web.Response(body=prometheus_text(self.engine.stats(), self.names[0], self.prefix_caching).encode(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 

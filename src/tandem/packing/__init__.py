@@ -1,5 +1,5 @@
 """Tree packing: rows as prefix tries (trie.py), tree attention (attention.py), chunked log-probs (logprobs.py)."""
 
-from tandem.packing.trie import PackedRow, TrieRow, pack
+from tandem.packing.trie import LAYOUTS, PADDED, TREE, PackedRow, TrieRow, pack
 
-__all__ = ["PackedRow", "TrieRow", "pack"]
+__all__ = ["LAYOUTS", "PADDED", "TREE", "PackedRow", "TrieRow", "pack"]

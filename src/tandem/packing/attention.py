@@ -7,6 +7,9 @@ backend `tandem_tree` takes the mask in one of three forms and picks the kernel 
     what `tandem serve --decode-mode exact` samples with (the CPU default, and the fallback anywhere);
   * a boolean mask -> PyTorch SDPA (CPU and GPU);
   * a FlexAttention BlockMask -> flex_attention, compiled on GPU (the GPU default; no backward on CPU).
+
+`prepare` decides a model's row layout once: a model a tree row would change (layers that scan across tokens,
+attention sinks, soft-capped scores) keeps its own attention and trains on padded rows (trie.py).
 """
 
 import torch
@@ -15,43 +18,31 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from tandem import architecture
 from tandem.exact_attention import additive_mask, exact_attention
+from tandem.packing.trie import PADDED, TREE
 
 NAME = "tandem_tree"
 KERNELS = ("exact", "sdpa", "flex")
-ATTENTION_LAYERS = ("full_attention", "sliding_attention")
-SCANNING_MODULES = ("mamba", "rwkv", "shortconv", "deltanet", "recurrent", "xlstm", "linearattention")
-"""Module class names that give away layers reading across tokens outside attention."""
 
 
 def default_kernel(device: torch.device) -> str:
     return "flex" if device.type == "cuda" else "exact"
 
 
-def check_supported(model: torch.nn.Module) -> None:
-    """Refuse models whose outputs a packed row would change: layers that scan across tokens would read
-    other samples' tokens, and sinks or score soft-capping are not in the tree kernels."""
-    config = model.config.get_text_config()
-    for layer_type in getattr(config, "layer_types", None) or []:
-        if layer_type not in ATTENTION_LAYERS:
-            raise NotImplementedError(f"{config.model_type}: layer type {layer_type!r} is not attention; tree packing "
-                                      "would let it scan across the samples of a row. tandem packs only models made of "
-                                      f"{' / '.join(ATTENTION_LAYERS)} layers.")
-    for name, module in model.named_modules():
-        kind = type(module).__name__.lower()
-        if any(word in kind for word in SCANNING_MODULES):
-            raise NotImplementedError(f"{name} ({type(module).__name__}) scans across tokens; tree packing would let it "
-                                      "read the other samples of a row, so tandem cannot train this model.")
-    if any(name.endswith("sinks") for name, _ in model.named_parameters()):
-        raise NotImplementedError("the model has attention sinks, which the tree attention kernels do not implement")
-    if getattr(config, "attn_logit_softcapping", None):
-        raise NotImplementedError("the model soft-caps attention scores, which the tree attention kernels do not implement")
+def padded_reasons(model: torch.nn.Module) -> list[str]:
+    """Why a tree row would change `model`'s outputs (none: tree packing reproduces its own forward)."""
+    scanning = [f"{name} reads across tokens outside attention" for name in architecture.scanning_layers(model)]
+    return scanning + [f"{extra}, which the tree kernels do not compute" for extra in architecture.attention_extras(model)]
 
 
-def prepare(model: torch.nn.Module) -> None:
-    """Check the model can be tree-packed and switch its attention to `tandem_tree`."""
-    check_supported(model)
+def prepare(model: torch.nn.Module) -> str:
+    """The model's row layout, decided once: TREE, its attention switched to `tandem_tree`, when tree packing
+    reproduces its own forward; else PADDED (one sequence per sample, through the model's own attention)."""
+    if padded_reasons(model):
+        return PADDED
     model.set_attn_implementation(NAME)
+    return TREE
 
 
 def tree_masks(end: torch.Tensor, position_ids: torch.Tensor, model: torch.nn.Module, kernel: str) -> dict:

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tandem.exact_attention import MIN_ROWS
 from tandem.packing.attention import tree_masks
-from tandem.packing.trie import PackedRow
+from tandem.packing.trie import PADDED, TREE, PackedRow
 
 CHUNK_SIZE = 1024
 
@@ -73,26 +73,40 @@ def _chunk(head, hidden, targets, temperature, kept, softcap, extra_ids):
 
 def row_logprobs(model: torch.nn.Module, row: PackedRow, kernel: str, temperature: float = 1.0,
                  chunk_size: int = CHUNK_SIZE) -> TokenLogprobs:
-    """Forward a packed row through `model` (attention set to `tandem_tree`) and score its loss terms."""
+    """Forward a row through `model` and score its loss terms: a tree row as one sequence under the tree mask
+    (attention set to `tandem_tree`), a padded row as a batch of plain causal sequences (the model's own attention)."""
     device = next(model.parameters()).device
-    input_ids, position_ids, end = row.input_ids, row.position_ids, row.end
-    if row.num_tokens < MIN_ROWS:  # CPU matmuls with fewer rows round differently (exact_attention.py)
-        filler = torch.arange(row.num_tokens, MIN_ROWS)
-        input_ids, position_ids, end = torch.cat([input_ids, filler * 0]), torch.cat([position_ids, filler * 0]), torch.cat([end, filler])
-    position_ids = position_ids.to(device)
-    masks = tree_masks(end.to(device), position_ids, model, kernel)
+    lengths = _sequence_lengths(row)
+    width = row.num_tokens // len(lengths)
+    wide = max(width, MIN_ROWS)  # CPU matmuls with fewer rows round differently (exact_attention.py)
+    inputs = _tree_inputs(row, wide, model, kernel, device) if row.layout == TREE else {}
+    input_ids = torch.nn.functional.pad(row.input_ids.view(len(lengths), width), (0, wide - width))
     moe = hasattr(model.config.get_text_config(), "output_router_logits")
-    router = {"output_router_logits": False} if moe else {}  # the model's own aux loss cannot read a tree mask
-    out = decoder_output(model, {"output_router_logits": True} if moe else {}, input_ids=input_ids[None].to(device),
-                         position_ids=position_ids[None], attention_mask=masks, use_cache=False, **router)
-    hidden = out.last_hidden_state[0, row.predict_index.to(device)]
+    router = {"output_router_logits": False} if moe else {}  # the model's own aux loss cannot read a tree or padding
+    out = decoder_output(model, {"output_router_logits": True} if moe else {}, input_ids=input_ids.to(device),
+                         use_cache=False, **inputs, **router)
+    hidden = out.last_hidden_state[:, :width].flatten(0, 1)[row.predict_index.to(device)]
     kept = row.kept_ids.to(device) if row.kept_ids is not None else None
     top = row.top_ids.to(device) if row.top_ids is not None else None
     scored = chunked_logprobs(hidden, model.get_output_embeddings(), row.targets.to(device), temperature, kept,
                               _softcap(model), chunk_size, extra_ids=top)
     if moe:
-        scored.aux_loss = _load_balancing_loss(model, out.router_logits, row.num_tokens, input_ids.numel())
+        real = torch.arange(wide)[None] < lengths[:, None]
+        scored.aux_loss = _load_balancing_loss(model, out.router_logits, real.long().to(device))
     return scored
+
+
+def _sequence_lengths(row: PackedRow) -> torch.Tensor:
+    """The real tokens of each sequence a row forwards: the whole tree row, or each padded sample."""
+    return torch.tensor([s.num_tokens for s in row.samples] if row.layout == PADDED else [row.num_tokens])
+
+
+def _tree_inputs(row: PackedRow, wide: int, model: torch.nn.Module, kernel: str, device: torch.device) -> dict:
+    """A tree row's depths and tree masks, `wide` tokens long: filler tokens at depth 0 that see only themselves."""
+    filler = torch.arange(row.num_tokens, wide)
+    position_ids = torch.cat([row.position_ids, filler * 0]).to(device)
+    end = torch.cat([row.end, filler]).to(device)
+    return {"position_ids": position_ids[None], "attention_mask": tree_masks(end, position_ids, model, kernel)}
 
 
 def decoder_output(model: torch.nn.Module, decoder_kwargs: dict, **inputs):
@@ -111,11 +125,11 @@ def decoder_output(model: torch.nn.Module, decoder_kwargs: dict, **inputs):
     return captured[-1]
 
 
-def _load_balancing_loss(model, router_logits, real_tokens: int, tokens: int) -> torch.Tensor:
-    """The model's own router load-balancing loss over the row's real tokens (filler rows left out)."""
+def _load_balancing_loss(model, router_logits, real: torch.Tensor) -> torch.Tensor:
+    """The model's own router load-balancing loss over the row's real tokens (`real`, [sequences, width]: fillers and
+    padding left out)."""
     config = model.config.get_text_config()
     balance = sys.modules[type(model).__module__].load_balancing_loss_func
-    real = (torch.arange(tokens) < real_tokens).long()[None].to(router_logits[0].device)
     experts = getattr(config, "num_experts", None) or config.num_local_experts
     return balance(router_logits, experts, config.num_experts_per_tok, real)
 

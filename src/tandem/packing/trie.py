@@ -7,6 +7,11 @@ single next token. Walking the trie depth-first and collapsing unary chains give
 may attend key k iff k <= q <= end[k] (DESIGN.md §4). Samples that share nothing are plain
 padding-free packing. Every trained token keeps its own loss term, read at the packed index of the
 token before it; a shared position can serve several samples.
+
+A model a tree row would change (layers that scan across tokens, attention the tree kernels lack) gets `padded`
+rows instead: no token shared, sample s laid out at indices s * width .. s * width + width - 1, right-padded to the
+longest sample (`width`), so the row reshapes to a [samples, width] batch of plain causal sequences. The same loss
+terms are gathered the same way, and its `end` (each sample's block) still states which tokens see which.
 """
 
 from dataclasses import dataclass, field
@@ -14,6 +19,9 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.rollout.records import Sample
+
+TREE, PADDED = "tree", "padded"
+LAYOUTS = (TREE, PADDED)
 
 
 @dataclass
@@ -54,6 +62,8 @@ class PackedRow:
     """Tokens before packing (each sample's full length)."""
     load: int
     """Attention-cost proxy: the sum over packed tokens of (depth + 1)."""
+    layout: str = TREE
+    """TREE: one sequence under the tree mask; PADDED: len(samples) right-padded sequences of equal width."""
 
     @property
     def num_tokens(self) -> int:
@@ -73,11 +83,14 @@ def _keys(ids: list[int]):
 
 
 class TrieRow:
-    """A row being filled: samples are inserted one by one, shared prefixes stored once."""
+    """A row being filled: samples are inserted one by one, shared prefixes stored once (in the tree layout)."""
 
-    def __init__(self, share_prefixes: bool = True):
+    def __init__(self, share_prefixes: bool = True, layout: str = TREE):
+        if layout not in LAYOUTS:
+            raise ValueError(f"row layout {layout!r} is not one of {LAYOUTS}")
         self.root = Node(token=-1, depth=-1)
-        self.share_prefixes = share_prefixes
+        self.layout = layout
+        self.share_prefixes = share_prefixes and layout == TREE
         self.samples: list[Sample] = []
         self.paths: list[list[Node]] = []
         """Each sample's nodes, one per token."""
@@ -88,6 +101,8 @@ class TrieRow:
 
     def cost(self, sample: Sample) -> Insertion:
         """The cost of inserting `sample`, without inserting it."""
+        if self.layout == PADDED:
+            return self._padded_cost(sample)
         node, shared = self.root, 0
         if self.share_prefixes:
             for key in _keys(sample.input_ids):
@@ -98,6 +113,13 @@ class TrieRow:
         n = sample.num_tokens
         new_load = sum(range(shared + 1, n + 1))  # a new node at depth j costs j + 1
         return Insertion(new_tokens=n - shared, new_terms=sum(sample.trained[1:]), new_load=new_load)
+
+    def _padded_cost(self, sample: Sample) -> Insertion:
+        """A padded row forwards every sample at the longest one's width: what `sample` adds, padding included."""
+        width = max(sample.num_tokens, self.num_tokens // len(self.samples) if self.samples else 0)  # tokens = samples x width
+        count = len(self.samples) + 1
+        return Insertion(new_tokens=count * width - self.num_tokens, new_terms=sum(sample.trained[1:]),
+                         new_load=count * width * (width + 1) // 2 - self.load)
 
     def add(self, sample: Sample) -> None:
         cost = self.cost(sample)
@@ -118,7 +140,42 @@ class TrieRow:
         self.load += cost.new_load
 
     def pack(self) -> PackedRow:
-        """Lay the trie out depth-first (pre-order) and gather every sample's loss terms."""
+        """Lay the row out (the trie depth-first, or the samples padded side by side) and gather every sample's loss terms."""
+        ids, positions, ends = self._lay_out_padded() if self.layout == PADDED else self._lay_out_tree()
+        predict, targets, old, adv, owner, kept, top = [], [], [], [], [], [], []
+        for s, (sample, path) in enumerate(zip(self.samples, self.paths)):
+            for j in range(1, sample.num_tokens):
+                if sample.trained[j]:
+                    predict.append(path[j - 1].index)
+                    targets.append(sample.input_ids[j])
+                    old.append(sample.logprobs[j])
+                    adv.append(sample.advantage)
+                    owner.append(s)
+                    kept.append(sample.sampling_mask[j] if sample.sampling_mask else None)
+                    top.append(sample.sampler_top[j] if sample.sampler_top else None)
+        return PackedRow(
+            input_ids=torch.tensor(ids, dtype=torch.long), position_ids=torch.tensor(positions, dtype=torch.long),
+            end=torch.tensor(ends, dtype=torch.long), predict_index=torch.tensor(predict, dtype=torch.long),
+            targets=torch.tensor(targets, dtype=torch.long), old_logprobs=torch.tensor(old, dtype=torch.float32),
+            advantages=torch.tensor(adv, dtype=torch.float32), term_sample=torch.tensor(owner, dtype=torch.long),
+            kept_ids=_pad_kept(kept), **_pad_top(top), samples=list(self.samples), raw_tokens=sum(s.num_tokens for s in self.samples),
+            load=self.load, layout=self.layout,
+        )
+
+    def _lay_out_padded(self) -> tuple[list[int], list[int], list[int]]:
+        """Sample s at indices s * width + j, pads (token 0) after it; each sample's block sees only itself."""
+        width = max(s.num_tokens for s in self.samples)
+        ids, positions, ends = [], [], []
+        for s, (sample, path) in enumerate(zip(self.samples, self.paths)):
+            for j, node in enumerate(path):
+                node.index = s * width + j
+            ids += sample.input_ids + [0] * (width - sample.num_tokens)
+            positions += range(width)
+            ends += [(s + 1) * width - 1] * width
+        return ids, positions, ends
+
+    def _lay_out_tree(self) -> tuple[list[int], list[int], list[int]]:
+        """The trie depth-first (pre-order), segment by segment: each node's packed index, token, depth and subtree end."""
         ids, positions, ends = [], [], []
         stack = list(reversed(self.root.children.values()))
         while stack:
@@ -138,25 +195,7 @@ class TrieRow:
                 node = next(iter(node.children.values()))
             stack += [start, len(ids), _CLOSE]
             stack += reversed(node.children.values())
-
-        predict, targets, old, adv, owner, kept, top = [], [], [], [], [], [], []
-        for s, (sample, path) in enumerate(zip(self.samples, self.paths)):
-            for j in range(1, sample.num_tokens):
-                if sample.trained[j]:
-                    predict.append(path[j - 1].index)
-                    targets.append(sample.input_ids[j])
-                    old.append(sample.logprobs[j])
-                    adv.append(sample.advantage)
-                    owner.append(s)
-                    kept.append(sample.sampling_mask[j] if sample.sampling_mask else None)
-                    top.append(sample.sampler_top[j] if sample.sampler_top else None)
-        return PackedRow(
-            input_ids=torch.tensor(ids, dtype=torch.long), position_ids=torch.tensor(positions, dtype=torch.long),
-            end=torch.tensor(ends, dtype=torch.long), predict_index=torch.tensor(predict, dtype=torch.long),
-            targets=torch.tensor(targets, dtype=torch.long), old_logprobs=torch.tensor(old, dtype=torch.float32),
-            advantages=torch.tensor(adv, dtype=torch.float32), term_sample=torch.tensor(owner, dtype=torch.long),
-            kept_ids=_pad_kept(kept), **_pad_top(top), samples=list(self.samples), raw_tokens=sum(s.num_tokens for s in self.samples), load=self.load,
-        )
+        return ids, positions, ends
 
 
 def _pad_kept(kept: list[list[int] | None]) -> torch.Tensor | None:
@@ -188,8 +227,8 @@ _CLOSE = object()
 """Stack marker: every node of the segment below it has been laid out; its subtree ends here."""
 
 
-def pack(samples: list[Sample], share_prefixes: bool = True) -> PackedRow:
-    row = TrieRow(share_prefixes)
+def pack(samples: list[Sample], share_prefixes: bool = True, layout: str = TREE) -> PackedRow:
+    row = TrieRow(share_prefixes, layout)
     for sample in samples:
         row.add(sample)
     return row.pack()

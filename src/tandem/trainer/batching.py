@@ -6,23 +6,26 @@ already holds its group (so its prompt is shared) when it fits there; when it do
 only if that row is empty or would stay under the most loaded row, which sets the micro-batch's time;
 a sample of a new group goes to the least-loaded row it fits. When nothing fits, the micro-batch closes.
 `max_samples` (per_device_train_batch_size) caps the samples of a row as well.
+In the padded layout (models a tree row would change) a row's tokens are its samples padded to the longest.
 """
 
-from tandem.packing import PackedRow, TrieRow
+from tandem.packing import TREE, PackedRow, TrieRow
 from tandem.rollout.records import Sample
 
 
 class TokenBudgetBatcher:
-    def __init__(self, token_budget: int, num_rows: int = 1, share_prefixes: bool = True, max_samples: int | None = None):
+    def __init__(self, token_budget: int, num_rows: int = 1, share_prefixes: bool = True, layout: str = TREE,
+                 max_samples: int | None = None):
         if token_budget < 1:
             raise ValueError(f"token_budget={token_budget}: a row must hold at least one token")
         self.token_budget, self.max_samples = token_budget, max_samples
         self.num_rows = num_rows
         self.share_prefixes = share_prefixes
+        self.layout = layout
         self.rows = self._fresh_rows()
 
     def _fresh_rows(self) -> list[TrieRow]:
-        return [TrieRow(self.share_prefixes) for _ in range(self.num_rows)]
+        return [TrieRow(self.share_prefixes, self.layout) for _ in range(self.num_rows)]
 
     @property
     def empty(self) -> bool:
@@ -57,7 +60,7 @@ class TokenBudgetBatcher:
         return False
 
     def _row_of(self, samples: list[Sample]) -> TrieRow:
-        row = TrieRow(self.share_prefixes)
+        row = TrieRow(self.share_prefixes, self.layout)
         for sample in samples:
             row.add(sample)
         return row

@@ -33,11 +33,10 @@ def peak_flops(device: torch.device, bf16: bool) -> float | None:
 
 
 def model_shape(model: torch.nn.Module) -> tuple[int, int, int, int]:
-    """(parameters outside the embedding and the head, hidden size, vocabulary, layers)."""
+    """(the decoder's parameters outside the embedding, hidden size, vocabulary, layers): a vision tower, which text rows
+    never run, is left out."""
     config = model.config.get_text_config()
-    embedding = model.get_input_embeddings().weight
-    head = model.get_output_embeddings().weight
-    outside = sum(p.numel() for p in model.parameters()) - embedding.numel() - (0 if head is embedding else head.numel())
+    outside = sum(p.numel() for p in model.get_decoder().parameters()) - model.get_input_embeddings().weight.numel()
     return outside, config.hidden_size, config.vocab_size, config.num_hidden_layers
 
 

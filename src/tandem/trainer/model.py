@@ -1,34 +1,60 @@
-"""The policy the trainer trains: loaded from a path, a hub id, "tiny" or an object, switched to tree
-attention (every packed row needs it), optionally wrapped with a trainable LoRA adapter."""
+"""The policy the trainer trains: loaded from a path, a hub id, "tiny" or an object (a vision-language checkpoint
+trains its language model, text only), given its row layout (tree packing, or padded rows for models a tree row
+would change), optionally wrapped with a trainable LoRA adapter."""
 
 import inspect
+import warnings
 
 import torch
 from peft import get_peft_model
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
+from tandem import architecture
 from tandem.config import AsyncGRPOConfig
+from tandem.packing import PADDED
 from tandem.packing import attention as tree_attention
 from tandem.packing.logprobs import check_head
 from tandem.rollout.prompt_stream import columns_of, first_rows, is_iterable
 from tandem.tasks import TINY_MODEL_PATH
 
+IMAGE_PARTS = ("image", "image_url", "input_image")
+"""Content-part types that carry an image (transformers' and OpenAI's chat formats)."""
+TEXT_ONLY = ("tandem trains vision-language models on text only: images reach neither the server nor the forward "
+             "(the vision tower stays frozen).")
 
-def load_model(model, args: AsyncGRPOConfig) -> tuple[str, PreTrainedModel]:
-    """(the name the server knows it by, the model ready to train)."""
+
+def load_model(model, args: AsyncGRPOConfig) -> tuple[str, PreTrainedModel, str]:
+    """(the name the server knows it by, the model ready to train, its row layout)."""
     if isinstance(model, str):
         name = TINY_MODEL_PATH if model == "tiny" else model
         kwargs = {"dtype": args.dtype, "trust_remote_code": args.trust_remote_code, **(args.model_init_kwargs or {})}
-        loaded = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+        loaded = architecture.auto_class(name, **kwargs).from_pretrained(name, **kwargs)
         if torch.cuda.is_available() and not args.use_cpu:
             loaded.to("cuda")
     elif isinstance(model, PreTrainedModel):
         name, loaded = model.name_or_path or "tandem-policy", model
     else:
         raise TypeError(f"model must be a path, a hub id, 'tiny' or a PreTrainedModel, not {type(model).__name__}")
-    tree_attention.prepare(loaded)
+    freeze_vision(loaded)
+    layout = tree_attention.prepare(loaded)
+    if layout == PADDED:
+        warnings.warn(f"{type(loaded).__name__} cannot be tree-packed ({'; '.join(tree_attention.padded_reasons(loaded))}): "
+                      "it trains on padded rows, one sequence per sample. A prompt shared by a group is computed once "
+                      "per rollout instead of once per row, and each row's samples are padded to its longest (the "
+                      "token budget counts the padding; batch/packing_ratio below 1 is what it costs).", stacklevel=3)
     check_head(loaded)
-    return name, loaded
+    return name, loaded, layout
+
+
+def freeze_vision(model: PreTrainedModel) -> None:
+    """A vision-language model trains its language model and head only: the rest (vision tower, projector) is frozen,
+    so it gets no gradients or optimizer state and no weight sync sends it (the server keeps the checkpoint's)."""
+    if not architecture.is_vision_language(model.config):
+        return
+    trained = {id(p) for part in (model.get_decoder(), model.get_output_embeddings()) for p in part.parameters()}
+    for param in model.parameters():
+        if id(param) not in trained:
+            param.requires_grad_(False)
 
 
 def with_adapter(model: PreTrainedModel, peft_config):
@@ -127,6 +153,7 @@ def check_dataset(dataset, *, environments: bool = False, max_steps: int = -1):
             raise ValueError(f"train_dataset row {index}: 'prompt' must be conversational, a list of "
                              f"{{'role': ..., 'content': ...}} messages; got {type(prompt).__name__} {str(prompt)[:80]!r}. "
                              "Wrap plain text as [{'role': 'user', 'content': text}].")
+    check_no_images(columns, (row["prompt"] for row in dataset))
     return dataset
 
 
@@ -142,3 +169,19 @@ def drop_unused_columns(dataset, reward_funcs: list, environments: bool):
     if hasattr(dataset, "remove_columns"):
         return dataset.remove_columns(unused)
     return [{key: value for key, value in row.items() if key not in unused} for row in dataset]
+
+
+def check_no_images(columns: list[str], prompts) -> None:
+    """Refuse image inputs, an image column or image content parts in a prompt, naming the fix."""
+    for column in ("images", "image"):
+        if column in columns:
+            raise ValueError(f"train_dataset has an {column!r} column: {TEXT_ONLY} Drop it "
+                             f"(dataset.remove_columns({column!r})) and keep text-only prompts.")
+    for index, prompt in enumerate(prompts):
+        for message in prompt if isinstance(prompt, list) else []:
+            content = message.get("content") if isinstance(message, dict) else None
+            kinds = [part.get("type") for part in content if isinstance(part, dict)] if isinstance(content, list) else []
+            if any(kind in IMAGE_PARTS for kind in kinds):
+                raise ValueError(f"train_dataset row {index}: a {message.get('role')!r} message has an image content "
+                                 f"part: {TEXT_ONLY} Keep its text parts only, e.g. "
+                                 "{'role': 'user', 'content': 'the question'}.")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.generation.client import GenerationClient
-from tandem.packing import pack
+from tandem.packing import TREE, pack
 from tandem.packing.logprobs import row_logprobs
 from tandem.rollout.records import Sample
 
@@ -50,9 +50,10 @@ def compare(served_name: str, served, ours: torch.Tensor) -> SyncGap:
     return SyncGap(served_name, len(gap), float(gap.max()))
 
 
-def policy_logprobs(model: torch.nn.Module, prompt_ids: list[int], completion_ids: list[int], kernel: str) -> torch.Tensor:
-    """log π_θ of each completion token given what precedes it: the trainer's own packed forward, no dropout (every
-    rank of a sharded model runs it)."""
+def policy_logprobs(model: torch.nn.Module, prompt_ids: list[int], completion_ids: list[int], kernel: str,
+                    layout: str = TREE) -> torch.Tensor:
+    """log π_θ of each completion token given what precedes it: the trainer's own forward of a row in the model's
+    `layout`, no dropout (every rank of a sharded model runs it)."""
     ids = list(prompt_ids) + list(completion_ids)
     sample = Sample(input_ids=ids, trained=[False] * len(prompt_ids) + [True] * len(completion_ids),
                     logprobs=[0.0] * len(ids), advantage=0.0, model_version=0, group_id=0, position=0,
@@ -61,7 +62,7 @@ def policy_logprobs(model: torch.nn.Module, prompt_ids: list[int], completion_id
     model.eval()
     try:
         with torch.no_grad():
-            return row_logprobs(model, pack([sample]), kernel).logprobs.double().cpu()
+            return row_logprobs(model, pack([sample], layout=layout), kernel).logprobs.double().cpu()
     finally:
         model.train(was_training)
 

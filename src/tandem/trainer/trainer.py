@@ -123,7 +123,8 @@ class AsyncGRPOTrainer:
             self.dataset = drop_unused_columns(self.dataset, self.reward_funcs, environment_factory is not None)
         self.ranks = distributed.join(args.vllm_server_timeout)
         """This process's place among the torchrun ranks (one rank of one without torchrun)."""
-        self.model_name, self.model = load_model(model, args)
+        self.model_name, self.model, self.layout = load_model(model, args)
+        """The rows this model trains on: tree-packed, or padded for models a tree row would change (packing/trie.py)."""
         self.lora = peft_config is not None
         if self.lora:
             self.model = with_adapter(self.model, peft_config)
@@ -568,7 +569,7 @@ class AsyncGRPOTrainer:
                 self.probe = self.probe or self.session.generation_client()
             served = self.ranks.broadcast(self.session.run(sync_check.probe(self.probe, name, self.probe_prompt))
                                           if self.ranks.main else None)
-            ours = sync_check.policy_logprobs(self.model, self.probe_prompt, served.token_ids, self.kernel)
+            ours = sync_check.policy_logprobs(self.model, self.probe_prompt, served.token_ids, self.kernel, self.layout)
             if self.ranks.main:
                 gap = sync_check.compare(name, served, ours)
                 sync_check.check(gap, atol)
@@ -656,7 +657,7 @@ class AsyncGRPOTrainer:
         if not main:
             self.sync = follower_sync(kind, self.output_dir, served_name, args.max_staleness, self.ranks)
         self.token_budget = args.token_budget or max_model_len
-        self.batcher = TokenBudgetBatcher(self.token_budget, num_rows=self.ranks.world_size,
+        self.batcher = TokenBudgetBatcher(self.token_budget, num_rows=self.ranks.world_size, layout=self.layout,
                                           max_samples=args.per_device_train_batch_size)
         self._check_prompt_lengths(max_model_len)
         if resumed or args.vllm_server_base_url is not None or self.lora:

@@ -1,11 +1,12 @@
-"""The `transfer` sync: the whole model streamed to the server without the disk (reference/vllm_protocol.md §6).
+"""The `transfer` sync: the trained weights streamed to the server without the disk (reference/vllm_protocol.md §6).
 
 One protocol layer, two data planes. `TransferSync` speaks vLLM's routes, the same for every server: once, at
 connect, the trainer (rank 0 of the group) opens a rendezvous at `weight_transfer_address` and, while it waits
 there, asks the server (or every replica behind `tandem proxy`) to join with `/init_weight_transfer_engine`. Each
-sync: pause (keep) where the plane needs it, `/start_weight_update`, then `/update_weights` with every parameter's
-name, dtype and shape, in order — on a thread, since it returns only when the server has received them — while the
-plane sends the tensors; `/finish_weight_update`, resume. The plane carries the tensors:
+sync: pause (keep) where the plane needs it, `/start_weight_update`, then `/update_weights` with every trained
+parameter's name, dtype and shape, in order (a frozen part, a vision tower, stays as the server loaded it) — on a
+thread, since it returns only when the server has received them — while the plane sends the tensors;
+`/finish_weight_update`, resume. The plane carries the tensors:
 - `GlooPlane`, into `tandem serve --weight-transfer-config '{"backend":"gloo"}'`: a torch.distributed gloo group,
   one CPU tensor at a time (the server's end is generation/weight_transfer.py). The server stages them and swaps
   them in between two engine steps, so it is not paused: it generates while the weights arrive;
@@ -169,8 +170,9 @@ class TransferSync:
         return workers
 
     def push(self, model: torch.nn.Module, version: int, announce=lambda version: None) -> dict[str, float]:
-        """Stream every parameter to the server as `version` (every rank takes part in the gathers)."""
-        params = list(model.named_parameters())  # tied weights once, as the server's own named_parameters
+        """Stream every trained parameter to the server as `version` (every rank takes part in the gathers); a frozen part
+        (a vision-language model's vision tower) keeps the weights the server loaded."""
+        params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # tied weights once, as served
         tensors = ((name, full_tensor(param.detach())) for name, param in params)
         if not self.ranks.main:
             collections.deque(tensors, maxlen=0)  # take part in every gather, keeping none

@@ -1,0 +1,44 @@
+"""What a model's architecture asks of the code that runs it, read the same way by the trainer and `tandem serve`.
+
+Three facts decide how a model is packed, decoded and loaded:
+  * layers that read across tokens outside attention (gated DeltaNet, Mamba, convolutions): a packed row would let
+    them read other samples, and their state is no key/value a slot cache or a prefix cache can hold;
+  * attention beyond softmax(QK^T)V (sinks, soft-capped scores), which tandem's exact and tree kernels do not compute;
+  * a vision-language checkpoint, which loads through its own auto class and trains and serves text only.
+"""
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+ATTENTION_LAYERS = ("full_attention", "sliding_attention")
+SCANNING_MODULES = ("mamba", "rwkv", "shortconv", "deltanet", "recurrent", "xlstm", "linearattention")
+"""Module class names that give away layers reading across tokens outside attention."""
+HUB_KWARGS = ("revision", "trust_remote_code", "token", "cache_dir", "local_files_only", "subfolder")
+"""The from_pretrained arguments that also decide which config is read."""
+
+
+def scanning_layers(model: torch.nn.Module) -> list[str]:
+    """The layer types and module classes of `model` that read across tokens outside attention (none: pure attention)."""
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
+    found = [t for t in layer_types if t not in ATTENTION_LAYERS]
+    found += [type(m).__name__ for m in model.modules() if any(w in type(m).__name__.lower() for w in SCANNING_MODULES)]
+    return list(dict.fromkeys(found))
+
+
+def attention_extras(model: torch.nn.Module) -> list[str]:
+    """What `model`'s attention computes beyond softmax(QK^T)V: sinks, soft-capped scores (none: plain attention)."""
+    extras = ["attention sinks"] if any(name.endswith("sinks") for name, _ in model.named_parameters()) else []
+    if getattr(model.config.get_text_config(), "attn_logit_softcapping", None):
+        extras.append("soft-capped attention scores (attn_logit_softcapping)")
+    return extras
+
+
+def is_vision_language(config) -> bool:
+    """Whether a checkpoint's config describes a vision-language model (a vision tower beside its language model)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def auto_class(name: str, **kwargs) -> type:
+    """The auto class checkpoint `name` loads through: a vision-language model's own, else the causal LM's."""
+    config = AutoConfig.from_pretrained(name, **{k: v for k, v in kwargs.items() if k in HUB_KWARGS})
+    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
