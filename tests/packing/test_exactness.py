@@ -7,7 +7,8 @@ How the two are compared, and why:
   * the model's gradient as one vector: the largest difference relative to its largest entry (when that
     exceeds 1), since the packed row sums each weight's per-token contributions in another order;
   * SDPA's CPU kernel (online softmax, blocked backward) rounds differently on a long packed row than on a
-    short sample: its gradients are held to 2e-5 (worst seen over 600 random tries: 1.06e-5). The `exact`
+    short sample: its gradients are held to 5e-5 (worst seen over 600 random tries: 1.06e-5; one drawn example
+    since: 2.22e-5, reproduced on an older commit, so rounding and not a change). The `exact`
     kernel, the CPU default, is held to 2e-5 too: its typical worst is 3e-6 (150 tries), but the tied embedding
     matrix collects contributions of both signs from every position, and one CI try reached 1.03e-5 of the
     largest entry (the summation order, nothing else: a wrong mask or position is off by orders more);
@@ -31,7 +32,7 @@ LOGPROB_TOLERANCE = {"exact": 2e-5, "sdpa": 2e-5, "flex": 1e-4}
 """Against transformers' own attention on one sample at a time, the packed row's matmuls have other shapes (and SDPA's
 fused kernel sums in another order): fp32 rounding, ~1e-6 relative (a 4-token sample at log-prob -9.52 once differed
 by 1.05e-5)."""
-GRADIENT_TOLERANCE = {"exact": 2e-5, "sdpa": 2e-5}
+GRADIENT_TOLERANCE = {"exact": 2e-5, "sdpa": 5e-5}
 NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target)
 TEMPERATURE = 0.7
 
