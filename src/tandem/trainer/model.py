@@ -153,7 +153,7 @@ def check_dataset(dataset, *, environments: bool = False, max_steps: int = -1):
             raise ValueError(f"train_dataset row {index}: 'prompt' must be conversational, a list of "
                              f"{{'role': ..., 'content': ...}} messages; got {type(prompt).__name__} {str(prompt)[:80]!r}. "
                              "Wrap plain text as [{'role': 'user', 'content': text}].")
-    check_no_images(columns, (row["prompt"] for row in dataset))
+    check_no_images(columns, (row["prompt"] for row in (rows if is_iterable(dataset) else dataset)))  # a stream: its start
     return dataset
 
 
