@@ -7,6 +7,8 @@ import json
 import multiprocessing as mp
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -320,18 +322,18 @@ def test_nan_and_infinite_losses_are_left_out_of_the_logged_loss(tmp_path):
     assert trainer.window.values["loss"] == [0.5] and trainer.losses == [0.5]
 
 
-def test_full_determinism_turns_on_deterministic_algorithms_and_log_levels_pick_the_rank(monkeypatch):
+def test_full_determinism_turns_on_deterministic_algorithms_and_log_levels_pick_the_rank():
     from transformers.utils import logging as hf_logging
 
-    from tandem.trainer.trainer import run_log_level, seed_run, set_log_level
+    from tandem.trainer.trainer import run_log_level, set_log_level
 
-    try:
-        seed_run(AsyncGRPOConfig(full_determinism=True))
-        assert torch.are_deterministic_algorithms_enabled()
-    finally:
-        torch.use_deterministic_algorithms(False)
-    seed_run(AsyncGRPOConfig())
-    assert not torch.are_deterministic_algorithms_enabled()
+    # In a process of its own: transformers' switch sets process-wide state (environment variables the servers and
+    # workers started later inherit) that slowed every later test of this process by a quarter.
+    code = ("import torch; from tandem.config import AsyncGRPOConfig; from tandem.trainer.trainer import seed_run; "
+            "seed_run(AsyncGRPOConfig()); print(torch.are_deterministic_algorithms_enabled()); "
+            "seed_run(AsyncGRPOConfig(full_determinism=True)); print(torch.are_deterministic_algorithms_enabled())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "True"], out.stderr[-2000:]
     args = AsyncGRPOConfig(log_level="info", log_level_replica="error")
     assert (run_log_level(args, main=True), run_log_level(args, main=False)) == ("info", "error")
     verbosity = hf_logging.get_verbosity()

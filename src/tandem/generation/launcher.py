@@ -70,7 +70,14 @@ class ServerProcess:
     def tail(self, n: int = 30) -> str:
         return "".join(self.lines[-n:])
 
-    def alive(self) -> bool:
+    def alive(self, wait_s: float = 0.0) -> bool:
+        """Whether the process runs, after waiting up to `wait_s` for it to end (one that just failed a request may be
+        in the middle of dying: its sockets reset before its exit is seen)."""
+        if wait_s:
+            try:
+                self.process.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                pass
         return self.process.poll() is None
 
     def stop(self) -> None:

@@ -20,6 +20,11 @@ from tandem.metrics.sinks import make_sinks
 from tandem.rollout.worker import RolloutWorker, WorkerSpec
 
 
+DYING_S = 3.0
+"""After a failed call, how long the embedded server gets to show it is exiting: a killed server resets its sockets a
+moment before its exit can be seen."""
+
+
 class Session:
     def __init__(self, timeout_s: float, api_key: str | None = None):
         self.timeout_s, self.api_key = timeout_s, api_key
@@ -48,7 +53,7 @@ class Session:
         try:
             return self.runner.run(coroutine)
         except Exception:
-            self.check_server()
+            self.check_server(wait_s=DYING_S)
             raise
 
     def start_server(self, model_path: str, log_path: Path, extra_args: list[str]) -> str:
@@ -112,7 +117,8 @@ class Session:
         self.worker.start()
         return self.worker
 
-    def check_server(self) -> None:
-        """Raise if the embedded server died (with its log's tail); an external server is the worker's to report."""
-        if self.server is not None and not self.server.alive():
+    def check_server(self, wait_s: float = 0.0) -> None:
+        """Raise if the embedded server died (with its log's tail), waiting up to `wait_s` for one that may be dying; an
+        external server is the worker's to report."""
+        if self.server is not None and not self.server.alive(wait_s):
             raise RuntimeError(f"the embedded tandem serve exited (code {self.server.process.poll()}):\n{self.server.tail()}")

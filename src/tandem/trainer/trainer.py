@@ -49,7 +49,7 @@ from tandem.trainer.model import (autocast_dtype, check_dataset, check_precision
 from tandem.trainer.objectives import LossShare, make_objective
 from tandem.trainer.optimization import clip_gradients, make_optimizer, make_scheduler
 from tandem.trainer.sample_source import ResumePoint, SampleSource, Stall
-from tandem.trainer.session import Session
+from tandem.trainer.session import DYING_S, Session
 from tandem.trainer.step_metrics import StepTimes, record_micro_batch, record_samples, record_step
 from tandem.trainer.weight_sync import ADAPTER_NAME, LoraSync, choose_sync, follower_sync, lora_server_flags, publish
 
@@ -592,8 +592,10 @@ class AsyncGRPOTrainer:
         if self.ranks.several:
             return False
         if session.server is not None:
-            if session.server.alive() or not self._may_restart():
+            if session.server.alive(wait_s=DYING_S):
                 return False
+            if not self._may_restart():
+                session.check_server()  # it died too often: stop with its exit code and log
             self._restart_server(version)
             return True
         session.progress.say(f"the weight sync to {session.control.base_url} failed ({error}); syncing again once it "
