@@ -28,7 +28,7 @@ def check(done: subprocess.CompletedProcess) -> None:
     assert done.returncode == 0, f"exit {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "flash_reinforce"])
+@pytest.mark.parametrize("algorithm", ["grpo", pytest.param("flash_reinforce", marks=pytest.mark.long)])
 def test_two_ranks_take_the_same_steps_as_one_process_on_the_same_rows(tmp_path, algorithm):
     check(run(1, HERE / "fixed_rows.py", tmp_path / "one.pt", algorithm))
     check(run(2, HERE / "fixed_rows.py", tmp_path / "two.pt", algorithm))
@@ -40,6 +40,7 @@ def test_two_ranks_take_the_same_steps_as_one_process_on_the_same_rows(tmp_path,
         torch.testing.assert_close(two["weights"][name], weight, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
 def test_torchrun_tandem_train_through_the_embedded_server(tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"""model: tiny

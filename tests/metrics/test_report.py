@@ -44,6 +44,7 @@ def decoded(source: str) -> Image.Image:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
 def test_the_demo_writes_a_report_whose_every_embedded_image_decodes(tmp_path):
     run = tmp_path / "demo"
     done = subprocess.run([sys.executable, "-m", "tandem", "train", "examples/demo.yaml", "--max_steps", "4",

@@ -141,6 +141,7 @@ def format_reward(completions, **kwargs) -> list[float]:  # trainer-owned: score
     return [float(bool(c and c[0].get("tool_calls"))) for c in completions]
 
 
+@pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
 def test_env_owned_and_trainer_owned_rewards_add_up(tmp_path):
     trainer = AsyncGRPOTrainer(model="tiny", args=args(tmp_path, max_steps=2), reward_funcs=format_reward,
                                environment_factory=IncrementEnv)
@@ -188,6 +189,7 @@ def reward_func(completions, **kwargs) -> list[float]:
     return [-float(len(c[-1].get("content") or "")) for c in completions]
 
 
+@pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
 def test_the_spec_multi_environment_routing_trains(tmp_path):
     dataset = Dataset.from_dict({"environment": ["coding", "game"] * 500})
     trainer = AsyncGRPOTrainer(model="tiny", args=args(tmp_path, max_steps=2), train_dataset=dataset,

@@ -557,6 +557,7 @@ class ForkingTrainer(AsyncGRPOTrainer):
     loop_cls = ForkingLoop
 
 
+@pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
 def test_forking_rollouts_train_every_prompt_of_both_epochs_without_stale_drops(tmp_path):
     """The pacing reserves what rollouts really produce (a forking group puts ~3x the tokens of a single-turn one
     on the queue), the room a step frees is published after its sync (groups it admits start under the new
