@@ -373,3 +373,11 @@ def test_evaluation_is_never_asked_for_without_prompts_nor_given_prompts_it_igno
         build(DATA.to_iterable_dataset(), eval_strategy="steps")
     with pytest.raises(ValueError, match="eval_dataset: eval_dataset has no 'prompt' column"):
         build(DATA.remove_columns("prompt"), eval_strategy="steps")
+
+
+def test_a_dry_run_lists_the_changed_fields_the_api_key_too_and_a_warmup_fraction_needs_max_steps(monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "from-the-environment")
+    changed = AsyncGRPOConfig(vllm_server_api_key="my-own", max_steps=10).changed()
+    assert changed == {"max_steps": 10, "vllm_server_api_key": "***"}, "masked, and listed although both mask alike"
+    with pytest.raises(ValueError, match="warmup_steps=0.1: below 1 is a fraction of max_steps, which is not set"):
+        AsyncGRPOConfig(warmup_steps=0.1)

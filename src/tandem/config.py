@@ -358,6 +358,8 @@ class AsyncGRPOConfig:
              "orders the prompts only with train_sampling_strategy='random'"),
             ("fp16", not (self.fp16 and self.bf16), "fp16 and bf16 cannot both be set"),
             ("eval_strategy", self.eval_strategy in ("no", "steps"), "must be 'no' or 'steps'"),
+            ("warmup_steps", not 0 < self.warmup_steps < 1 or self.max_steps > 0,
+             "below 1 is a fraction of max_steps, which is not set: set max_steps, or give whole steps"),
             ("eval_steps", self.eval_steps is None or self.eval_steps >= 1, "must be at least 1, or None for logging_steps"),
             ("token_budget", self.token_budget is None or self.token_budget >= 2, "must be at least 2 tokens"),
             ("tree_attention_kernel", self.tree_attention_kernel in (None, "exact", "sdpa", "flex"),
@@ -389,8 +391,8 @@ class AsyncGRPOConfig:
 
     def changed(self) -> dict[str, Any]:
         """The fields not at their defaults, as `to_dict` shows them (what a dry run prints)."""
-        defaults = AsyncGRPOConfig().to_dict()
-        return {name: value for name, value in self.to_dict().items() if value != defaults[name]}
+        defaults, values = dataclasses.asdict(AsyncGRPOConfig()), dataclasses.asdict(self)
+        return {name: value for name, value in self.to_dict().items() if values[name] != defaults[name]}
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, the API key masked (this is what logs, sinks and dry runs show)."""

@@ -116,3 +116,10 @@ def test_a_resumed_worker_generates_a_stream_from_the_examples_its_checkpoint_ha
                                                "received": frozenset({6})})
     generated = positions(messages, "samples")
     assert sorted(set(generated)) == [5, 7, 8, 9], "from the watermark on, leaving out what the trainer holds"
+
+
+def test_a_hub_id_with_a_dot_is_a_hub_id_not_a_file(monkeypatch):
+    asked = []
+    monkeypatch.setattr(datasets, "_from_hub_or_folder", lambda *args: asked.append(args) or Dataset.from_list(ROWS))
+    datasets.load("AI-MO/NuminaMath-1.5", "default", "train")
+    assert asked == [("AI-MO/NuminaMath-1.5", "default", "train", False)]

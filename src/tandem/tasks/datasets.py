@@ -29,7 +29,7 @@ def load(name: str, config: str | None = None, split: str = "train", streaming: 
     elif path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
         saved = load_from_disk(str(path))  # a save_to_disk folder
         dataset = saved[split] if (path / "dataset_dict.json").is_file() else saved
-    elif path.is_dir() or "/" in name and not path.suffix:
+    elif path.is_dir() or "/" in name and path.suffix not in FORMATS:  # a Hub id may hold a dot (org/name-1.5)
         dataset = _from_hub_or_folder(name, config, split, streaming)
     else:
         raise ValueError(f"dataset {name!r} is neither a built-in task ({', '.join(BUILT_IN)}), a local "

@@ -101,7 +101,7 @@ def autocast_dtype(args: AsyncGRPOConfig, device: torch.device) -> torch.dtype |
     return torch.bfloat16 if use_bf16(args, device) else None
 
 
-def check_precision(args: AsyncGRPOConfig, device: torch.device, several_ranks: bool):
+def check_precision(args: AsyncGRPOConfig, device: torch.device, several_ranks: bool, weights: torch.dtype):
     """Apply tf32 and return fp16's gradient scaler (None without fp16), refusing what the device cannot do."""
     if args.tf32 is not None:
         if device.type != "cuda" and args.tf32:
@@ -116,7 +116,7 @@ def check_precision(args: AsyncGRPOConfig, device: torch.device, several_ranks: 
     if several_ranks:
         raise ValueError("AsyncGRPOConfig.fp16=True is not supported under torchrun (FSDP2 would need a sharded gradient "
                          "scaler): use bf16=True.")
-    if args.dtype == "float16":
+    if weights == torch.float16:
         raise ValueError("AsyncGRPOConfig.fp16=True keeps float32 master weights and scales float16 gradients: load the "
                          "model with dtype='float32', not 'float16'.")
     return torch.amp.GradScaler("cuda")
@@ -166,6 +166,9 @@ def drop_unused_columns(dataset, reward_funcs: list, environments: bool):
     named = {name for func in reward_funcs for name, parameter in inspect.signature(func).parameters.items()
              if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)}
     unused = [column for column in columns_of(dataset) if column != "prompt" and column not in named]
+    if is_iterable(dataset) and not hasattr(dataset, "remove_columns"):
+        raise ValueError(f"AsyncGRPOConfig.remove_unused_columns=True: this stream ({type(dataset).__name__}) cannot drop "
+                         "columns as it goes; use a datasets.IterableDataset, or leave it False.")
     if hasattr(dataset, "remove_columns"):
         return dataset.remove_columns(unused)
     return [{key: value for key, value in row.items() if key not in unused} for row in dataset]

@@ -139,7 +139,7 @@ class AsyncGRPOTrainer:
         self.optimizer = optimizers[0] or make_optimizer(self.model, args)
         self.scheduler = optimizers[1] or make_scheduler(self.optimizer, args)
         self.device = next(self.model.parameters()).device
-        self.scaler = check_precision(args, self.device, self.ranks.several)
+        self.scaler = check_precision(args, self.device, self.ranks.several, next(self.model.parameters()).dtype)
         """fp16's gradient scaler (None without fp16)."""
         self.kernel = args.tree_attention_kernel or tree_attention.default_kernel(self.device)
         if self.kernel == "flex" and self.device.type != "cuda":
@@ -299,7 +299,7 @@ class AsyncGRPOTrainer:
             grad_norm = self.optimizer_step()
             optimizer_s, forward_backward_s = self._clock() - optimizer_start, optimizer_start - step_start
             self._step_done(rows)
-            self.eval_pending = self.eval_pending or self._eval_due()
+            self.eval_pending, eval_s = self.eval_pending or self._eval_due(), 0.0
             if state.step % args.weight_sync_steps == 0 and not self._preempted():  # a preempted run checkpoints
                 try:  # first: its server may be ending too (a SIGTERM to the whole job)
                     self._sync(state.model_version + 1)
@@ -307,10 +307,10 @@ class AsyncGRPOTrainer:
                     if not self.preempted.is_set():
                         raise  # a SIGTERM during the sync: the server went with it; the trained step is still saved
                 if self.eval_pending and main:
-                    self._evaluate()
+                    eval_s = self._evaluate().get("eval/runtime_s", 0.0)
             if main:
                 self.source.publish(tokens_per_step=sum(row.raw_tokens for row in rows))  # after the sync (sample_source.py)
-                times = StepTimes(total=time.perf_counter() - start, rollout_wait=self.source.wait_s - waited,
+                times = StepTimes(total=time.perf_counter() - start - eval_s, rollout_wait=self.source.wait_s - waited,
                                   forward=step.forward_s, forward_backward=forward_backward_s, optimizer=optimizer_s)
                 self._record(rows, len(micro_batches), step.loss, grad_norm, times)
             self._callback_event("on_step_end")
