@@ -257,17 +257,23 @@ def test_bf16_autocasts_the_trainers_forward_and_leaves_the_weights_in_float32(t
     assert 1e-5 < gap < 0.5, f"bf16 rounds the forward a little ({gap})"
 
 
-def test_the_sampling_fields_reach_every_request(tmp_path):
+def rollout_loop(args: AsyncGRPOConfig, tokenizer=None):
+    """The rollout loop built in-process, as the worker builds it (no server behind its address)."""
     from tandem import AsyncRolloutLoop
     from tandem.rollout.channels import Channels
     from tandem.rollout.settings import RolloutSettings
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
-    args = AsyncGRPOConfig(temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, repetition_penalty=1.2, num_sampler_logprobs=3)
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
     settings = RolloutSettings(config=args, model_name="tiny", tokenizer_path=TINY_MODEL_PATH, dataset=DATA,
-                               reward_funcs=[accuracy_reward], eos_token_ids=[tokenizer.eos_token_id], base_url="http://127.0.0.1:9")
-    loop = AsyncRolloutLoop(settings, processing_class=tokenizer, channels=Channels.create(mp.get_context("spawn")))
+                               reward_funcs=[accuracy_reward], eos_token_ids=[tokenizer.eos_token_id],
+                               base_url="http://127.0.0.1:9")
+    return AsyncRolloutLoop(settings, processing_class=tokenizer, channels=Channels.create(mp.get_context("spawn")))
+
+
+def test_the_sampling_fields_reach_every_request(tmp_path):
+    loop = rollout_loop(AsyncGRPOConfig(temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, repetition_penalty=1.2,
+                                        num_sampler_logprobs=3))
     sent = {}
 
     async def complete(prompt_ids, **fields):
@@ -281,19 +287,13 @@ def test_the_sampling_fields_reach_every_request(tmp_path):
 
 
 def test_chat_template_kwargs_reach_the_rendered_prompts(tmp_path):
-    from tandem import AsyncRolloutLoop
-    from tandem.rollout.channels import Channels
-    from tandem.rollout.settings import RolloutSettings
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
     tokenizer.chat_template = "{{ persona | default('plain') }}:{% for m in messages %}{{ m['content'] }}{% endfor %}"
     rendered = {}
     for kwargs in (None, {"persona": "tutor"}):
-        settings = RolloutSettings(config=AsyncGRPOConfig(chat_template_kwargs=kwargs), model_name="tiny",
-                                   tokenizer_path=TINY_MODEL_PATH, dataset=DATA, reward_funcs=[accuracy_reward],
-                                   eos_token_ids=[0], base_url="http://127.0.0.1:9")
-        loop = AsyncRolloutLoop(settings, processing_class=tokenizer, channels=Channels.create(mp.get_context("spawn")))
+        loop = rollout_loop(AsyncGRPOConfig(chat_template_kwargs=kwargs), tokenizer)
         rendered[bool(kwargs)] = tokenizer.decode(loop.render([{"role": "user", "content": "hi"}]))
     assert rendered == {False: "plain:hi", True: "tutor:hi"}
 
@@ -347,18 +347,10 @@ def test_full_determinism_turns_on_deterministic_algorithms_and_log_levels_pick_
 
 
 def test_max_concurrent_rollouts_caps_the_loop_and_the_embedded_servers_batch(tmp_path):
-    from tandem import AsyncRolloutLoop
-    from tandem.rollout.channels import Channels
-    from tandem.rollout.settings import RolloutSettings
-    from transformers import AutoTokenizer
-
     args = AsyncGRPOConfig(output_dir=str(tmp_path), max_concurrent_rollouts=7)
     trainer = AsyncGRPOTrainer("tiny", accuracy_reward, train_dataset=DATA, args=args)
     assert "--max-num-seqs 7" in " ".join(trainer._server_args())
-    settings = RolloutSettings(config=args, model_name="tiny", tokenizer_path=TINY_MODEL_PATH, dataset=DATA,
-                               reward_funcs=[accuracy_reward], eos_token_ids=[0], base_url="http://127.0.0.1:9")
-    loop = AsyncRolloutLoop(settings, processing_class=AutoTokenizer.from_pretrained(TINY_MODEL_PATH),
-                            channels=Channels.create(mp.get_context("spawn")))
+    loop = rollout_loop(args)
     assert loop.cap.value == 7 and loop.runner.pool_size == 7
 
 

@@ -96,6 +96,11 @@ class Session:
         self.progress = RunConsole(total_steps, config, dashboard=dashboard)
         self.stack.callback(self.progress.close)
 
+    def log(self, step: int, metrics: dict) -> None:
+        """Write one record to every sink (metrics.jsonl and the report_to ones)."""
+        for sink in self.sinks:
+            sink.log(step, metrics)
+
     def write_report(self) -> None:
         """report.html from whatever metrics.jsonl holds, once the sinks were opened. A report that cannot be drawn
         is said on stderr: it never hides the run's own error."""

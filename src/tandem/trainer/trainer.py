@@ -440,8 +440,7 @@ class AsyncGRPOTrainer:
         self.state.epoch = metrics.get("epoch")
         self.state.log_history.append({**metrics, "step": self.state.step})
         self._callback_event("on_log", logs=metrics)
-        for sink in self.session.sinks:
-            sink.log(self.state.step, metrics)
+        self.session.log(self.state.step, metrics)
         self.session.progress.update(self.state.step, metrics)
         if examples:
             self.session.progress.print_completions(examples, self.args.num_completions_to_print)
@@ -467,8 +466,7 @@ class AsyncGRPOTrainer:
                                     "eval/num_prompts": len(self.eval_dataset)}
         state.log_history.append({**metrics, "step": state.step})
         self._callback_event("on_evaluate", metrics=metrics)
-        for sink in self.session.sinks:
-            sink.log(state.step, metrics)
+        self.session.log(state.step, metrics)
         self.session.progress.say(f"eval at step {state.step} (policy version {state.model_version}): reward "
                                   f"{metrics.get('eval/reward', math.nan):.3f} over {len(self.eval_dataset)} prompts")
         return metrics
@@ -478,8 +476,7 @@ class AsyncGRPOTrainer:
         with `stalled_s` (the seconds waited): what generation and scoring do while nothing trains."""
         metrics = self.source.worker_metrics.flush()
         if metrics:
-            for sink in self.session.sinks:
-                sink.log(self.state.step, {**metrics, "stalled_s": stall.waited})
+            self.session.log(self.state.step, {**metrics, "stalled_s": stall.waited})
 
     def _checkpoint(self) -> Path:
         self.state.dataset_start_index = self.ranks.broadcast(self.state.dataset_start_index)
