@@ -153,3 +153,10 @@ def test_the_api_key_is_read_from_the_environment_and_masked_in_logs(monkeypatch
     monkeypatch.setenv("VLLM_API_KEY", "sekret")
     config = AsyncGRPOConfig()
     assert config.vllm_server_api_key == "sekret" and config.to_dict()["vllm_server_api_key"] == "***"
+
+
+def test_evaluation_asked_for_without_an_eval_dataset_is_one_line_not_a_traceback(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "examples/demo.yaml", "--eval_strategy", "steps", "--max_steps", "2"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "needs an eval_dataset" in err and "Traceback" not in err

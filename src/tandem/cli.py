@@ -362,12 +362,12 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
         train = datasets.load(recipe.dataset, recipe.dataset_config, recipe.dataset_split, recipe.dataset_streaming) \
             if recipe.dataset else None
         evaluate = datasets.load(recipe.eval_dataset, recipe.dataset_config, recipe.eval_split) if recipe.eval_dataset else None
-    except ValueError as exc:  # no such dataset, config or split
+        trainer = AsyncGRPOTrainer(model=recipe.model, reward_funcs=reward_funcs, args=recipe.config,
+                                   train_dataset=train, eval_dataset=evaluate,
+                                   peft_config=lora_config(recipe.lora) if recipe.lora is not None else None,
+                                   tools=tools or None, environment_factory=environments)
+    except ValueError as exc:  # no such dataset, config or split; settings the trainer refuses (evaluation with no prompts)
         user_error(f"tandem train: {ns.recipe}: {exc}")
-    trainer = AsyncGRPOTrainer(model=recipe.model, reward_funcs=reward_funcs, args=recipe.config,
-                               train_dataset=train, eval_dataset=evaluate,
-                               peft_config=lora_config(recipe.lora) if recipe.lora is not None else None,
-                               tools=tools or None, environment_factory=environments)
     try:
         output = trainer.train()
     except FileNotFoundError as exc:  # resume_from_checkpoint with no checkpoint there
