@@ -11,6 +11,7 @@ import signal
 import sys
 import textwrap
 import typing
+from pathlib import Path
 
 import yaml
 
@@ -172,8 +173,14 @@ def run_serve(ns: argparse.Namespace) -> None:
         sys.exit(f"tandem serve: {exc}")
     if args.model == "tiny":
         args.model = TINY_MODEL_PATH
-    run_until_interrupted(start_server(args),
-                          lambda port: f"tandem serve: {args.model} on http://{args.host}:{port} (vLLM {VLLM_PROTOCOL_VERSION} protocol)")
+    if args.model.startswith(("/", ".", "~")) and not Path(args.model).expanduser().is_dir():
+        user_error(f"tandem serve: {args.model}: no such model folder. Give a folder with config.json and safetensors "
+                   "weights, a Hub id (org/name, from this machine's cache when offline), or 'tiny'.")
+    try:
+        run_until_interrupted(start_server(args), lambda port: f"tandem serve: {args.model} on http://{args.host}:{port} "
+                                                              f"(vLLM {VLLM_PROTOCOL_VERSION} protocol)")
+    except OSError as exc:  # a Hub id that is not there, a port in use
+        user_error(f"tandem serve: {' '.join(str(exc).split())}")
 
 
 def train_parser(sub) -> None:
@@ -368,10 +375,14 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
                                    tools=tools or None, environment_factory=environments)
     except ValueError as exc:  # no such dataset, config or split; settings the trainer refuses (evaluation with no prompts)
         user_error(f"tandem train: {ns.recipe}: {exc}")
+    from tandem.trainer.server_checks import ServerProblem
+
     try:
         output = trainer.train()
     except FileNotFoundError as exc:  # resume_from_checkpoint with no checkpoint there
         user_error(f"tandem train: {ns.recipe}: {exc}")
+    except ServerProblem as exc:  # a server that cannot be reached, refuses the run, or serves other weights
+        user_error(f"tandem train: {exc}")
     if trainer.ranks.several:  # torchrun: rank 0 reports for all
         import torch.distributed
 

@@ -193,6 +193,10 @@ class ControlClient(_Http):
     async def max_model_len(self) -> int:
         return int((await self.models())[0]["max_model_len"])
 
+    async def version(self) -> dict:
+        """`{"version": ...}`; tandem serve adds `tandem_version`."""
+        return await self.get_json("/version")
+
     async def server_info(self) -> dict:
         return await self.get_json("/server_info", params={"config_format": "json"})
 

@@ -18,8 +18,11 @@ from tandem.metrics import report
 from tandem.metrics.console import RunConsole
 from tandem.metrics.sinks import make_sinks
 from tandem.rollout.worker import RolloutWorker, WorkerSpec
+from tandem.trainer.server_checks import ServerProblem
 
 
+QUICK_S = 5.0
+"""How long a server may take to answer /health before the run says it is waiting for it."""
 DYING_S = 3.0
 """After a failed call, how long the embedded server gets to show it is exiting: a killed server resets its sockets a
 moment before its exit can be seen."""
@@ -76,7 +79,16 @@ class Session:
         """The control-plane client, once the server at `url` answers /health."""
         self.control = ControlClient(url, api_key=self.api_key, timeout_s=self.timeout_s)
         self.stack.callback(lambda: self.run(self.control.close()))
-        self.run(self.control.wait_healthy(self.timeout_s))
+        try:
+            self.run(self.control.wait_healthy(min(self.timeout_s, QUICK_S)))
+        except TimeoutError:
+            if self.server is None:  # an external server: say what we wait for, then wait up to the timeout
+                print(f"tandem: waiting for the generation server at {url} to answer /health (up to "
+                      f"vllm_server_timeout={self.timeout_s:g}s)", file=sys.stderr)
+            try:
+                self.run(self.control.wait_healthy(self.timeout_s))
+            except TimeoutError as exc:
+                raise ServerProblem(str(exc)) from None
         return self.control
 
     def generation_client(self) -> GenerationClient:

@@ -28,6 +28,7 @@ from transformers.trainer_utils import enable_full_determinism
 from transformers.utils import logging as hf_logging
 
 from tandem.config import AsyncGRPOConfig
+from tandem.generation.client import ServerError
 from tandem.metrics.window import MetricWindow
 from tandem.packing import PackedRow
 from tandem.packing import attention as tree_attention
@@ -40,7 +41,8 @@ from tandem.rollout.settings import RolloutSettings
 from tandem.rollout.tools import validate_tools
 from tandem.rollout.worker import WorkerSpec, check_picklable
 from tandem.tool_calls import tool_schema
-from tandem.trainer import OPENMP_POLICY_TOO_LATE, checkpoint, distributed, export, sync_check
+from tandem.trainer import OPENMP_POLICY_TOO_LATE, checkpoint, distributed, export, server_checks, sync_check
+from tandem.trainer.server_checks import ENGINE_DEAD, ServerProblem
 from tandem.trainer.batching import TokenBudgetBatcher
 from tandem.trainer.checkpoint import TrainerState
 from tandem.trainer.flops import model_shape, peak_flops, rows_flops
@@ -57,6 +59,9 @@ PROMPTS_MEASURED = 1000
 """An IterableDataset's first rows whose prompts are checked against the server's context length (a streamed dataset
 is not read through before training)."""
 SERVER_RESTARTS = 3
+FORCED_PROBES = 2
+"""Against an external server the first syncs are always probed: the connect push (same weights) and the first trained
+weights (a reload that misses a layer shows only once the weights differ from the server's own)."""
 SERVER_RESTART_WINDOW_S = 600.0
 """The embedded server is restarted when it dies, unless it died SERVER_RESTARTS times in the last 10 minutes."""
 
@@ -165,9 +170,12 @@ class AsyncGRPOTrainer:
         self.sync = None
         """How weights reach the server (weight_sync.choose_sync), chosen when train() connects."""
         self.probe = None
-        """The client of the weight_sync_check_atol probe, opened at the first checked sync."""
-        self.probe_prompt = (render_prompt(self.tokenizer, self._first_prompt(), args.chat_template_kwargs)
-                             if args.weight_sync_check_atol is not None else None)
+        """The client of the sync probe, opened at the first checked sync."""
+        self.probe_prompt = render_prompt(self.tokenizer, self._first_prompt(), args.chat_template_kwargs)
+        self.compute_dtype = str(autocast_dtype(args, self.device) or next(self.model.parameters()).dtype).removeprefix("torch.")
+        """The dtype of the trainer's forward, which the server should decode in."""
+        self.pushes = 0
+        """Weight syncs pushed in this run: against an external server the first FORCED_PROBES are always probed."""
         self.losses: list[float] = []
         self.reward_history: list[float] = []
         self.callback_handler = callback_handler(callbacks or [], self.model, self.tokenizer, self.optimizer, self.scheduler)
@@ -544,7 +552,13 @@ class AsyncGRPOTrainer:
         waited = time.perf_counter() - start
         try:
             timings = self._push(version)
+        except ServerProblem:
+            raise  # the server answers but serves other weights, or refuses: syncing again would not change that
         except Exception as error:
+            if isinstance(error, ServerError) and ENGINE_DEAD in error.message:
+                raise ServerProblem(f"the weight sync failed because the server's engine died ({error}). Its HTTP front "
+                                    "still answers but it will not generate again: restart the server and resume with "
+                                    "resume_from_checkpoint.") from error
             if not self._reconnect(version, error):  # the server brought back serves this version
                 raise
             timings = {}
@@ -559,7 +573,8 @@ class AsyncGRPOTrainer:
         """Sync the weights as `version` (every rank takes part); with `weight_sync_check_atol` set, check the server
         now samples from them."""
         timings = self.sync.push(self.model, version, announce=self._announce)
-        atol = self.args.weight_sync_check_atol
+        self.pushes += 1
+        atol = self._probe_atol()
         if atol is not None:
             name = self.sync.name_for(version)
             if self.ranks.main:
@@ -572,6 +587,18 @@ class AsyncGRPOTrainer:
                 sync_check.check(gap, atol)
                 timings["weight_sync/served_logprob_gap"] = gap.max_abs
         return timings
+
+    def _probe_atol(self) -> float | None:
+        """How far the probe after this sync may land from the trainer's log-probs, or None for no probe: the user's
+        weight_sync_check_atol; against an external server also the dtype's off-policy bound, probed after the first
+        FORCED_PROBES syncs whatever the settings (the connect push, then the first trained weights)."""
+        atol = self.args.weight_sync_check_atol
+        if self.args.vllm_server_base_url is None:
+            return atol
+        bound = sync_check.OFF_POLICY_BOUND.get(self.compute_dtype, 1e-3)
+        if atol is None:
+            return bound if self.pushes <= FORCED_PROBES else None
+        return min(atol, bound)
 
     def _check_server(self) -> None:
         """The embedded server's health, checked at every read of the worker's queue: one that died is restarted with
@@ -649,6 +676,7 @@ class AsyncGRPOTrainer:
             url = args.vllm_server_base_url or session.start_server(self.served_path, self.output_dir / "server.log",
                                                                     self._server_args())
             control = session.connect(url)
+            server_checks.check(session.run(server_checks.read_facts(control)), url, self.compute_dtype, self.lora)
             max_model_len = session.run(control.max_model_len())
             served_name = self._served_name()
             self.sync = choose_sync(control, session, served_name, self.model, args, self.lora, self.ranks)

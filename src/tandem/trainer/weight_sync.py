@@ -24,6 +24,7 @@ from transformers.utils import logging as hf_logging
 
 from tandem.generation.client import ControlClient
 from tandem.trainer.distributed import Ranks
+from tandem.trainer.server_checks import ServerProblem, read_facts
 from tandem.trainer.weight_transfer import GlooPlane, TransferSync, VllmNcclPlane
 
 if TYPE_CHECKING:
@@ -117,6 +118,9 @@ class ReloadSync:
                 "perf/weight_sync_transfer_s": (written - start) + (done - paused)}
 
 
+GLOO_HINT = ("install tandem's vLLM plugin into vLLM's environment (pip install integrations/vllm_plugin, or "
+             "scripts/vllm_env.sh) and start vllm serve with --weight-transfer-config '{\"backend\": \"gloo\"}'.")
+
 ADAPTER_NAME = "tandem-policy-v{version}"
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -175,13 +179,13 @@ def choose_sync(control: ControlClient, run: "asyncio.Runner | Session", served_
     group when it has one (`TransferSync`), else written to a folder it reloads. A server holding too few or too small
     adapters is an error naming its flags. Called on rank 0; the other ranks build the same kind with `follower_sync`."""
     output_dir, max_staleness = Path(args.output_dir), args.max_staleness
-    info = run.run(control.server_info()).get("vllm_config")
-    info = info if isinstance(info, dict) else {}
+    facts = run.run(read_facts(control))
+    info = facts.config
     if not lora:
         transfer = info.get("weight_transfer_config")
         backend = transfer.get("backend", "nccl") if isinstance(transfer, dict) else None
         if backend in ("gloo", "nccl"):
-            plane = GlooPlane() if backend == "gloo" else nccl_plane(model)
+            plane = GlooPlane(stages=facts.tandem) if backend == "gloo" else nccl_plane(model)
             sync = TransferSync(control, run, served_name, ranks, args.weight_transfer_address, args.vllm_server_timeout,
                                 plane)
             sync.connect()
@@ -190,6 +194,10 @@ def choose_sync(control: ControlClient, run: "asyncio.Runner | Session", served_
             warnings.warn(f"the server transfers weights over {backend}, which tandem does not drive (it drives nccl, "
                           "into vllm serve, and gloo, into tandem serve); syncing through a folder it reloads instead, "
                           "which needs a filesystem it shares with this trainer.", stacklevel=4)
+        if not facts.tandem and facts.device == "cpu" and model.config.get_text_config().tie_word_embeddings:
+            raise ServerProblem(f"vLLM's CPU build does not refresh a tied LM head when it reloads weights (it keeps a "
+                                f"packed copy of the first ones: the policy drifts off the trainer's at every sync), and "
+                                f"this model ties its embeddings. Stream the weights instead: {GLOO_HINT}")
         return ReloadSync(control, output_dir, run, served_name, ranks)
     rank, needed = model.peft_config["default"].r, max_staleness + 2
     flags = " ".join(lora_server_flags(max_staleness, rank))

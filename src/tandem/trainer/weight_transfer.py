@@ -82,12 +82,16 @@ def control_call(control: ControlClient, timeout_s: float, call) -> Callable[[],
 
 
 class GlooPlane:
-    """tandem serve's data plane: a torch.distributed gloo group; one CPU tensor per broadcast, in order."""
+    """The gloo data plane: a torch.distributed group; one CPU tensor per broadcast, in order. Into tandem serve, which
+    stages what arrives and swaps it in between two engine steps (generation goes on meanwhile), or into vllm serve with
+    tandem's plugin (integrations/vllm_plugin), which loads each tensor into the running model (generation pauses)."""
 
     init_fields: dict = {}
-    after_failure = "The server keeps serving the previous weights."
-    pauses_generation = False
-    """tandem serve stages what arrives and swaps it in between two engine steps, so it generates on meanwhile."""
+
+    def __init__(self, stages: bool = True):
+        self.pauses_generation = not stages
+        self.after_failure = ("The server keeps serving the previous weights." if stages else
+                              "vllm serve may hold part of the new weights: restart it before training on.")
 
     def open(self, address: str, port: int, world_size: int, timeout_s: float) -> None:
         self.group = join_group(address, port, 0, world_size, timeout_s)

@@ -1,0 +1,103 @@
+"""vLLM's end of tandem's gloo weight stream (the trainer's end is tandem/trainer/weight_transfer.py, `GlooPlane`).
+
+    init_info   {master_address, master_port, rank_offset, world_size}: join the trainer's gloo group
+    update_info {names, dtype_names, shapes}: receive each tensor from rank 0, in order, into model.load_weights
+
+Each update runs inside vLLM's layerwise reload (like its NCCL engine): a layer is processed for its kernels once
+all its weights have arrived. A layer that owns no checkpoint name, the LM head tied to the embedding, is never
+processed by that reload, and on CPU its kernel keeps a packed copy of the *old* weight (an LM head 2% off after
+one step of the tiny model): `finish_weight_update` processes such tied layers again.
+"""
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+TIMEOUT_S = float(os.environ.get("TANDEM_WEIGHT_TRANSFER_TIMEOUT_S", "600"))
+"""How long one broadcast may wait for the trainer before the update fails instead of hanging."""
+
+
+@dataclass
+class GlooInitInfo(WeightTransferInitInfo):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+
+
+@dataclass
+class GlooUpdateInfo(WeightTransferUpdateInfo):
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+    def __post_init__(self):
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise ValueError(f"update_info: names, dtype_names and shapes must have equal lengths, got "
+                             f"{len(self.names)}, {len(self.dtype_names)} and {len(self.shapes)}")
+
+
+def tied_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Layers whose weight is processed for a kernel (`quant_method`) and shares its storage with another such layer's:
+    one of each pair gets no checkpoint name, so no reload processes it. Both are processed again (cheap: one pair)."""
+    by_storage: dict[int, list[torch.nn.Module]] = {}
+    for layer in model.modules():
+        weight = getattr(layer, "weight", None)
+        if getattr(layer, "quant_method", None) is None or not isinstance(weight, torch.Tensor) or weight.is_meta:
+            continue
+        by_storage.setdefault(weight.untyped_storage().data_ptr(), []).append(layer)
+    return [layer for layers in by_storage.values() if len(layers) > 1 for layer in layers]
+
+
+class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+    init_info_cls = GlooInitInfo
+    update_info_cls = GlooUpdateInfo
+    supports_draft_weight_update = False
+    group: dist.ProcessGroup | None = None
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        config = self.parallel_config
+        rank = init_info.rank_offset + config.data_parallel_index * config.world_size + config.rank
+        rendezvous = timedelta(seconds=min(TIMEOUT_S, 120))
+        store = dist.TCPStore(init_info.master_address, init_info.master_port, init_info.world_size, is_master=False,
+                              timeout=rendezvous, wait_for_workers=False)
+        group = dist.ProcessGroupGloo(store, rank, init_info.world_size, rendezvous)
+        group.set_timeout(timedelta(seconds=TIMEOUT_S))
+        self.group = group
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def update_weights(self, update_info: dict) -> None:
+        self.receive_weights(self.parse_update_info(update_info))  # gloo is synchronous: nothing to wait for after
+
+    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer: /update_weights before /init_weight_transfer_engine")
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        with disable_mtp_completeness_check():
+            for name, dtype, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+                self.group.broadcast(tensor, 0).wait()
+                self.model.load_weights([(name, tensor.to(self.device))])
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        for layer in tied_layers(self.model):
+            layer.quant_method.process_weights_after_loading(layer)
+
+    def shutdown(self) -> None:
+        self.group = None

