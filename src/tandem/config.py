@@ -540,8 +540,11 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
 
 
 def _coerce(key: str, value: Any) -> Any:
-    """YAML reads `1e-3` as a string; a float field takes it as the number it means."""
+    """YAML reads `1e-3` as a string and `no` as false; a float field takes the number meant, a string field the word
+    (`save_strategy: no`)."""
     annotation = str(_field_types().get(key, ""))
+    if isinstance(value, bool) and "str" in annotation and "bool" not in annotation:
+        return "yes" if value else "no"
     if isinstance(value, str) and "float" in annotation:
         try:
             return float(value)

@@ -24,6 +24,7 @@ from tandem.generation.launcher import EmbeddedProxy, EmbeddedServer
 from tandem.rewards import accuracy_reward
 from tandem.rollout.worker import WorkerError
 from tandem.trainer.sample_source import StalledError
+from tandem.trainer.server_checks import ServerProblem
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
 from tests.conftest import ServerThread
 
@@ -222,7 +223,7 @@ def test_unreachable_server_is_named(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     args = config(tmp_path, vllm_server_base_url=f"http://127.0.0.1:{port}", vllm_server_timeout=1.5)
-    with pytest.raises(TimeoutError, match=f"127.0.0.1:{port}/health did not answer"):
+    with pytest.raises(ServerProblem, match=f"127.0.0.1:{port}/health did not answer"):
         AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=small_dataset()).train()
 
 

@@ -78,7 +78,8 @@ class Preparer:
     def render_chat(self, req: protocol.ChatCompletionRequest | protocol.TokenizeRequest) -> list[int]:
         """The request's messages through the chat template, with its tools and template options."""
         try:
-            return render_chat(self.tokenizer, req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
+            tools = [as_vllm_renders(tool) for tool in req.tools] if req.tools else req.tools
+            return render_chat(self.tokenizer, req.messages, tools=tools, add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message, chat_template=req.chat_template,
                                chat_template_kwargs=req.chat_template_kwargs)
         except TEMPLATE_ERRORS as exc:  # the template rejecting these messages is the caller's input error
@@ -88,7 +89,7 @@ class Preparer:
         """vLLM's prompt checks: every id in the vocabulary, not empty, within the context."""
         bad = next((t for t in ids if t >= self.vocab_size), None)
         if bad is not None:
-            raise bad_request(f"Token id {bad} is out of vocabulary", "prompt", bad)
+            raise bad_request(f"Token id {bad} is out of vocabulary")  # vLLM names no parameter here
         if not ids:
             raise bad_request("The prompt is empty: send at least one token.", "prompt", ids)
         if len(ids) > self.max_model_len:
@@ -139,3 +140,17 @@ class Preparer:
             return next((s for s in stops if s in decoded), None)
 
         return check
+
+
+FUNCTION_FIELDS = ("name", "description", "parameters", "strict", "defer_loading")
+"""What vLLM keeps of a tool's function when it renders the chat template (its FunctionDefinition)."""
+
+
+def as_vllm_renders(tool: dict) -> dict:
+    """A request's tool as vLLM hands it to the chat template: the function's own fields, unset ones and extras (a
+    "return" schema, say) left out, so the same request renders to the same prompt on both servers."""
+    if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
+        return tool
+    function = {key: tool["function"][key] for key in FUNCTION_FIELDS if tool["function"].get(key) is not None}
+    return {"type": tool.get("type", "function"), "function": function}
+

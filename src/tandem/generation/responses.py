@@ -198,12 +198,15 @@ def chat_body(request_id: str, model: str, fingerprint: str, req: ChatCompletion
     }
 
 
-def generate_choice(req: GenerateRequest, seq: Sequence, text: TokenText, sampling_mask: bool) -> dict:
+def generate_choice(req: GenerateRequest, seq: Sequence, text: TokenText, sampling_mask: bool, weight_version: str) -> dict:
+    """One choice; its tokens are labelled with the weights served when it ended (vLLM labels spans, should the weights
+    change mid-sequence; tandem serve's swaps wait for no sequence, so a span boundary is not recorded)."""
     sp = req.sampling_params
     choice = {
         "index": seq.index, "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason,
         "token_ids": list(seq.output), "routed_experts": None,
-        "sampling_mask": seq.sampling_masks if sampling_mask else None, "weight_versions": None,
+        "sampling_mask": seq.sampling_masks if sampling_mask else None,
+        "weight_versions": [{"version": weight_version, "start": 0, "end": len(seq.output)}],
         "logprobs": generate_logprobs(seq) if sp.logprobs is not None else None,
     }
     if req.output_mode == "text":
@@ -212,12 +215,12 @@ def generate_choice(req: GenerateRequest, seq: Sequence, text: TokenText, sampli
 
 
 def generate_body(request_id: str, model: str, req: GenerateRequest, request: EngineRequest, text: TokenText,
-                  sampling_mask: bool) -> dict:
+                  sampling_mask: bool, weight_version: str) -> dict:
     """`/inference/v1/generate`: token ids out; `sampling_mask` when the server returns masks."""
     return {
         "request_id": request_id, "model": model, "created": int(time.time()), "usage": usage([request]),
         "prompt_logprobs": prompt_logprobs_json(request, text), "prompt_token_id_logprobs": None,
         "prompt_token_ids": list(req.token_ids), "mm_placeholders": None, "metrics": None,
         "kv_transfer_params": None, "ec_transfer_params": None, "output_mode": req.output_mode,
-        "choices": [generate_choice(req, s, text, sampling_mask) for s in request.sequences],
+        "choices": [generate_choice(req, s, text, sampling_mask, weight_version) for s in request.sequences],
     }

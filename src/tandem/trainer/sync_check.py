@@ -43,10 +43,10 @@ async def sync_gap(client: GenerationClient, served_name: str, model: torch.nn.M
     return compare(served_name, served, policy_logprobs(model, prompt_ids, served.token_ids, kernel))
 
 
-async def probe(client: GenerationClient, served_name: str, prompt_ids: list[int]):
-    """A completion of `PROBE_TOKENS` tokens under `served_name` at temperature 1 (full vocabulary, so raw and processed
+async def probe(client: GenerationClient, served_name: str, prompt_ids: list[int], tokens: int = PROBE_TOKENS):
+    """A completion of `tokens` tokens under `served_name` at temperature 1 (full vocabulary, so raw and processed
     log-probs coincide; past any end-of-sequence token, for a probe of fixed length), with its log-probs."""
-    return (await client.complete(prompt_ids, max_tokens=PROBE_TOKENS, model=served_name, seed=PROBE_SEED, ignore_eos=True))[0]
+    return (await client.complete(prompt_ids, max_tokens=tokens, model=served_name, seed=PROBE_SEED, ignore_eos=True))[0]
 
 
 def compare(served_name: str, served, ours: torch.Tensor) -> SyncGap:

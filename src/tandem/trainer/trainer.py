@@ -172,6 +172,8 @@ class AsyncGRPOTrainer:
         self.probe = None
         """The client of the sync probe, opened at the first checked sync."""
         self.probe_prompt = render_prompt(self.tokenizer, self._first_prompt(), args.chat_template_kwargs)
+        self.probe_tokens = sync_check.PROBE_TOKENS
+        """How long the probe's completion is: shorter when the server's context has no room for the full probe."""
         self.compute_dtype = str(autocast_dtype(args, self.device) or next(self.model.parameters()).dtype).removeprefix("torch.")
         """The dtype of the trainer's forward, which the server should decode in."""
         self.pushes = 0
@@ -577,10 +579,11 @@ class AsyncGRPOTrainer:
         atol = self._probe_atol()
         if atol is not None:
             name = self.sync.name_for(version)
+            served = None
             if self.ranks.main:
                 self.probe = self.probe or self.session.generation_client()
-            served = self.ranks.broadcast(self.session.run(sync_check.probe(self.probe, name, self.probe_prompt))
-                                          if self.ranks.main else None)
+                served = self.session.run(sync_check.probe(self.probe, name, self.probe_prompt, self.probe_tokens))
+            served = self.ranks.broadcast(served)
             ours = sync_check.policy_logprobs(self.model, self.probe_prompt, served.token_ids, self.kernel, self.layout)
             if self.ranks.main:
                 gap = sync_check.compare(name, served, ours)
@@ -684,6 +687,7 @@ class AsyncGRPOTrainer:
         if not main:
             self.sync = follower_sync(kind, self.output_dir, served_name, args.max_staleness, self.ranks)
         self.token_budget = args.token_budget or max_model_len
+        self.probe_tokens = max(1, min(sync_check.PROBE_TOKENS, max_model_len - len(self.probe_prompt)))
         self.batcher = TokenBudgetBatcher(self.token_budget, num_rows=self.ranks.world_size, layout=self.layout,
                                           max_samples=args.per_device_train_batch_size)
         self._check_prompt_lengths(max_model_len)

