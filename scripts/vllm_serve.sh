@@ -7,8 +7,10 @@
 #
 # The flags, and why: --enforce-eager (no compilation: up in about a minute); --dtype float32 (the trainer's on CPU);
 # --logprobs-mode processed_logprobs (the sampler's own log-probs); --max-num-batched-tokens 131072 (vLLM's CPU build
-# dies on a seeded request whose prefill it splits over two steps, and tandem seeds every group); the weight stream of
-# tandem's plugin (gloo). Dev-mode routes (pause, weight transfer) and runtime LoRA loading are switched on.
+# dies on a seeded request whose prefill it splits over two steps, and tandem seeds every group: 131072 = vLLM's 128
+# sequences x the tiny model's 1024 tokens, so none is split; for a model with a longer context give
+# --max-model-len L --max-num-batched-tokens 128xL after MODEL, or take `tandem train RECIPE --dry-run`'s command);
+# the weight stream of tandem's plugin (gloo). Dev-mode routes (pause, weight transfer) and runtime LoRA loading are on.
 # VLLM_CPU_KVCACHE_SPACE (GiB, default 1 here) sizes the KV cache.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"

@@ -45,6 +45,9 @@ def test_recipe_overrides_are_typed(tmp_path):
     assert r.reward_funcs == ["tandem.rewards.accuracy_reward"] and r.dataset == "arithmetic"
     with pytest.raises(ValueError, match="unknown recipe key.*'lr'"):
         load_recipe(str(recipe), ["--lr", "1"])
+    # YAML reads `no` as false; a field that takes words takes the word (TRL's recipes say `save_strategy: no`)
+    recipe.write_text("model: tiny\nsave_strategy: no\n")
+    assert load_recipe(str(recipe), ["--eval_strategy", "no"]).config.save_strategy == "no"
 
 
 def served_commands(out: str) -> dict[str, str]:
@@ -168,3 +171,17 @@ def test_evaluation_asked_for_without_an_eval_dataset_is_one_line_not_a_tracebac
         main(["train", "examples/demo.yaml", "--eval_strategy", "steps", "--max_steps", "2"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "needs an eval_dataset" in err and "Traceback" not in err
+
+
+def test_a_server_mistake_is_one_line_naming_what_to_check(capsys, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "tandem", "serve", "/nonexistent/model"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "/nonexistent/model: no such model folder" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    with pytest.raises(SystemExit) as exit_info:  # a URL where no server answers
+        main(["train", "examples/demo.yaml", "--vllm_server_base_url", "http://127.0.0.1:9", "--vllm_server_timeout", "2",
+              "--output_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "http://127.0.0.1:9/health did not answer 200 within 2s" in err, err
+    assert "Is the generation server running and is the URL right?" in err.strip().splitlines()[-1]
+

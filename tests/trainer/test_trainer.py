@@ -20,11 +20,11 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop, Rollout
+from tandem.generation.client import ServerProblem
 from tandem.generation.launcher import EmbeddedProxy, EmbeddedServer
 from tandem.rewards import accuracy_reward
 from tandem.rollout.worker import WorkerError
 from tandem.trainer.sample_source import StalledError
-from tandem.trainer.server_checks import ServerProblem
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
 from tests.conftest import ServerThread
 
@@ -225,6 +225,31 @@ def test_unreachable_server_is_named(tmp_path):
     args = config(tmp_path, vllm_server_base_url=f"http://127.0.0.1:{port}", vllm_server_timeout=1.5)
     with pytest.raises(ServerProblem, match=f"127.0.0.1:{port}/health did not answer"):
         AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=small_dataset()).train()
+
+
+def test_a_server_that_stops_serving_the_synced_weights_stops_the_run_with_the_numbers(tmp_path, monkeypatch):
+    """A failed probe is not a lost server: no waiting for it, no syncing again (which, for LoRA, reloaded a name vLLM
+    already held and died in a traceback). Here the third probe sees other weights."""
+    from tandem.trainer import sync_check
+
+    compare, probes = sync_check.compare, []
+
+    def drifting(name, served, ours):
+        probes.append(name)
+        gap = compare(name, served, ours)
+        return sync_check.SyncGap(gap.served_name, gap.tokens, 0.0167 if len(probes) == 3 else gap.max_abs)
+
+    monkeypatch.setattr(sync_check, "compare", drifting)
+    external = ServerThread(logprobs_mode="processed_logprobs", max_logprobs=20)
+    try:
+        args = config(tmp_path, vllm_server_base_url=external.url, max_staleness=0, max_steps=6,
+                      weight_sync_check_atol=1e-4)
+        trainer = AsyncGRPOTrainer(TINY_MODEL_PATH, accuracy_reward, args=args, train_dataset=small_dataset())
+        with pytest.raises(ServerProblem, match=r"differ from the trainer's by up to 0.0167 over \d+ tokens \(allowed: 0.0001, weight_sync_check_atol\)"):
+            trainer.train()
+    finally:
+        external.close()
+    assert len(probes) == 3 and trainer.state.global_step == 2, "stopped at the sync that failed, not synced again"
 
 
 def test_a_prompt_too_long_for_the_server_is_named(tmp_path):

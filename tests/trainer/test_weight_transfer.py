@@ -16,6 +16,7 @@ from tandem.packing import attention as tree_attention
 from tandem.tasks import TINY_MODEL_PATH
 from tandem.trainer import sync_check, weight_transfer
 from tandem.trainer.weight_sync import nccl_plane
+from tandem.generation.client import ServerProblem
 from tandem.trainer.weight_transfer import InThread, TransferFailed, TransferSync, VllmNcclPlane, control_call
 from tests.conftest import ServerThread, chat_prompt
 
@@ -159,7 +160,8 @@ def test_the_nccl_plane_drives_vllms_rendezvous_and_packed_broadcast(tokenizer, 
                                      "packed_num_buffers": producer["num_buffers"]}, "the packing told the server is used"
 
         vllm_stand_in.HANG.set()  # a peer that never takes part: NCCL would wait forever
-        with pytest.raises(TransferFailed, match="version 2 failed: the NCCL broadcast .* did not complete within 5s"):
+        # vLLM loads in place, so a failed transfer may have left part of it loaded: the run stops, it does not sync again
+        with pytest.raises(ServerProblem, match="version 2 failed: the NCCL broadcast .* did not complete within 5s.*restart"):
             sync.push(trained_model(seed=5), 2)
         vllm_stand_in.HANG.clear()
         assert gaps(run, [server.url], model, prompt)[0] <= ATOL, "a failed transfer must leave version 1 served"

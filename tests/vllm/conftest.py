@@ -30,10 +30,13 @@ def pytest_collection_modifyitems(items):
 
 
 class VllmServer:
-    """`scripts/vllm_serve.sh tiny` on a free port (its output in `log`); `start()` returns once /health answers."""
+    """A vLLM server process on a free port (its output in `log`): `launch()` starts it, `wait()` returns once /health
+    answers. `command` is scripts/vllm_serve.sh's by default; `env` adds variables to this process's."""
 
-    def __init__(self, log: Path, *flags: str):
-        self.log, self.flags, self.port, self.process = log, flags, free_port("127.0.0.1"), None
+    def __init__(self, log: Path, *flags: str, command: list[str] | None = None, env: dict | None = None):
+        self.log, self.port, self.process = log, free_port("127.0.0.1"), None
+        self.command = [*(command or [str(REPO / "scripts" / "vllm_serve.sh"), "tiny"]), *flags, "--port", str(self.port)]
+        self.env = os.environ | (env or {})
 
     @property
     def url(self) -> str:
@@ -41,8 +44,8 @@ class VllmServer:
 
     def launch(self) -> "VllmServer":
         with open(self.log, "ab") as out:
-            self.process = subprocess.Popen([str(REPO / "scripts" / "vllm_serve.sh"), "tiny", "--port", str(self.port),
-                                             *self.flags], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                            start_new_session=True)
         return self
 
     def wait(self) -> "VllmServer":
@@ -64,6 +67,17 @@ class VllmServer:
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, 9)
             self.process.wait()
+
+    def kill_engine(self) -> None:
+        """SIGKILL vLLM's engine process alone: its HTTP front stays up and answers 500 to every request."""
+        for stat in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                if b"EngineCore" in stat.read_bytes() and os.getpgid(int(stat.parent.name)) == self.process.pid:
+                    os.kill(int(stat.parent.name), 9)
+                    return
+            except OSError:  # a process that ended meanwhile
+                continue
+        raise RuntimeError(f"no engine process in vllm serve's group {self.process.pid}")
 
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])

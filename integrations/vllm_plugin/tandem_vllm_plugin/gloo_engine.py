@@ -79,7 +79,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict) -> None:
-        self.receive_weights(self.parse_update_info(update_info))  # gloo is synchronous: nothing to wait for after
+        """Receive the announced tensors (gloo is synchronous: nothing to wait for after). On a failure the reload is
+        finalised before the error goes on: vLLM's worker then refuses /finish_weight_update, and layers left on the meta
+        device would crash the next step. The model may hold part of the update: the trainer stops and says so."""
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            self.finish_weight_update()
+            raise
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.group is None:

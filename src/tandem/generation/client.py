@@ -18,6 +18,9 @@ from dataclasses import dataclass
 import aiohttp
 
 RETRY_STATUSES = (502, 503, 504)
+ENGINE_DEAD = "EngineCore encountered an issue"
+"""vLLM's answer (500) once its engine process has died: to the requests in flight, then its front exits (or, with
+VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1, stays up answering so to every request)."""
 
 
 class ServerError(Exception):
@@ -26,6 +29,21 @@ class ServerError(Exception):
     def __init__(self, status: int, message: str, url: str):
         super().__init__(f"{url} answered {status}: {message}")
         self.status, self.message, self.url = status, message, url
+
+
+class EngineDead(ServerError):
+    """vLLM's engine process died: that server will never generate again (a server restarted in its place would)."""
+
+
+def engine_died(error: EngineDead) -> str:
+    """What to tell the user when vLLM's engine died (its log has the cause)."""
+    return (f"the generation server's engine died ({error}; the server's log says why). It will not generate again: "
+            "restart the server and resume with resume_from_checkpoint.")
+
+
+class ServerProblem(RuntimeError):
+    """The server cannot serve this run as it was started, or it stopped serving: the message says what to change.
+    `tandem train` prints it as one line."""
 
 
 @dataclass
@@ -97,7 +115,8 @@ class _Http:
                     if response.status < 300:
                         return response.status, text
                     if not (may_retry and response.status in RETRY_STATUSES):
-                        raise ServerError(response.status, _error_message(text), url)
+                        message = _error_message(text)
+                        raise (EngineDead if ENGINE_DEAD in message else ServerError)(response.status, message, url)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                 if not may_retry:
                     raise ConnectionError(f"{url} could not be reached after {attempt + 1} attempt(s) in "

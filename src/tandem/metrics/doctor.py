@@ -167,9 +167,30 @@ def learning(first: list[dict], last: list[dict], config: dict) -> Finding:
     return Finding("learning", "healthy", evidence)
 
 
+OFF_POLICY_BOUND = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 1e-2}
+"""The largest gap between a token's log-prob under the server and under the trainer, at staleness 0, that is still
+rounding, by the dtype both compute in: fp32 against vLLM's CPU kernels measured 7e-6 (30 syncs of the demo); bf16
+rounding alone reaches about 1e-2 on the tiny model. A larger gap means the server samples from other weights."""
+
+
+def off_policy(rows: list[dict], config: dict) -> Finding | None:
+    """A step trained on fresh samples only (staleness 0) whose sampler and trainer log-probs differ beyond rounding."""
+    dtype = config.get("compute_dtype") or "bfloat16"  # runs that did not record it: the loosest bound
+    bound = OFF_POLICY_BOUND.get(dtype, OFF_POLICY_BOUND["bfloat16"])
+    gaps = [r["sampling/sampling_logp_difference/max"] for r in rows
+            if r.get("sample/staleness_max") == 0 and r.get("sampling/sampling_logp_difference/max") is not None]
+    if not gaps or max(gaps) <= bound:
+        return None
+    return Finding("sync", "off-policy at staleness 0", f"a trained token's log-prob differs by up to {max(gaps):.3g} "
+                   f"between server and trainer on fresh samples; {dtype} rounding stays under {bound:g}",
+                   "the server samples from other weights: check its --dtype and --logprobs-mode processed_logprobs, and "
+                   "how weights reach it (set weight_sync_check_atol to probe every sync)", critical=True)
+
+
 def sync(rows: list[dict], config: dict) -> list[Finding]:
-    """Whether the sampler and the trainer stay close: the importance ratio, samples dropped stale, the syncs' cost."""
-    findings = []
+    """Whether the sampler and the trainer stay close: the importance ratio, the log-prob gap at staleness 0, samples
+    dropped stale, the syncs' cost."""
+    findings = [finding for finding in [off_policy(rows, config)] if finding is not None]
     low, high = config.get("vllm_importance_sampling_clip_min", 0.5), config.get("vllm_importance_sampling_clip_max", 5.0)
     ratio = mean(rows, "sampling/importance_sampling_ratio/mean")
     if ratio is not None and not low <= ratio <= high:

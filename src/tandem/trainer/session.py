@@ -12,13 +12,12 @@ import urllib.parse
 from contextlib import ExitStack
 from pathlib import Path
 
-from tandem.generation.client import ControlClient, GenerationClient
+from tandem.generation.client import ControlClient, GenerationClient, ServerProblem
 from tandem.generation.launcher import EmbeddedServer
 from tandem.metrics import report
 from tandem.metrics.console import RunConsole
 from tandem.metrics.sinks import make_sinks
 from tandem.rollout.worker import RolloutWorker, WorkerSpec
-from tandem.trainer.server_checks import ServerProblem
 
 
 QUICK_S = 5.0
@@ -79,12 +78,14 @@ class Session:
         """The control-plane client, once the server at `url` answers /health."""
         self.control = ControlClient(url, api_key=self.api_key, timeout_s=self.timeout_s)
         self.stack.callback(lambda: self.run(self.control.close()))
+        if self.server is not None:  # the embedded one: its start is ours to wait for
+            self.run(self.control.wait_healthy(self.timeout_s))
+            return self.control
         try:
             self.run(self.control.wait_healthy(min(self.timeout_s, QUICK_S)))
-        except TimeoutError:
-            if self.server is None:  # an external server: say what we wait for, then wait up to the timeout
-                print(f"tandem: waiting for the generation server at {url} to answer /health (up to "
-                      f"vllm_server_timeout={self.timeout_s:g}s)", file=sys.stderr)
+        except TimeoutError:  # an external server that is starting, or none: say what we wait for
+            print(f"tandem: waiting for the generation server at {url} to answer /health (up to "
+                  f"vllm_server_timeout={self.timeout_s:g}s)", file=sys.stderr)
             try:
                 self.run(self.control.wait_healthy(self.timeout_s))
             except TimeoutError as exc:

@@ -10,18 +10,13 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.generation.client import GenerationClient
+from tandem.generation.client import GenerationClient, ServerProblem
 from tandem.packing import TREE, pack
 from tandem.packing.logprobs import row_logprobs
 from tandem.rollout.records import Sample
-from tandem.trainer.server_checks import ServerProblem
 
 PROBE_TOKENS = 16
 PROBE_SEED = 1234
-OFF_POLICY_BOUND = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 1e-2}
-"""The largest probe gap that is still rounding, by the dtype both sides compute in; a larger one means the server
-samples from other weights, and the run stops whatever weight_sync_check_atol says. fp32 against vLLM's CPU kernels
-measured 7e-6 (30 syncs of the demo); bf16 rounding alone reaches about 1e-2 on the tiny model."""
 
 
 class SyncMismatch(ServerProblem):
@@ -72,11 +67,15 @@ def policy_logprobs(model: torch.nn.Module, prompt_ids: list[int], completion_id
         model.train(was_training)
 
 
-def check(gap: SyncGap, atol: float) -> None:
-    if not gap.max_abs <= atol:
-        raise SyncMismatch(
-            f"weight sync check: the server's log-probs under {gap.served_name!r} differ from the trainer's by up to "
-            f"{gap.max_abs:.3g} over {gap.tokens} tokens (allowed: {atol:g}). The server is not sampling from the trained "
-            "weights under that name (a stale or missing adapter, the base model, a weight reload that missed a layer, "
-            "or a different dtype / decode mode), so training would be off-policy. Raise weight_sync_check_atol only if "
-            "the gap is expected rounding (--decode-mode fast).")
+def check(gap: SyncGap, atol: float, limit: str = "weight_sync_check_atol") -> None:
+    """Raise SyncMismatch when the gap passes `atol`; `limit` names where that bound comes from (the setting, or the
+    dtype's rounding bound, which no setting loosens)."""
+    if gap.max_abs <= atol:
+        return
+    advice = ("Raise weight_sync_check_atol only if the gap is expected rounding (--decode-mode fast)."
+              if limit == "weight_sync_check_atol" else "No rounding of that dtype reaches so far.")
+    raise SyncMismatch(
+        f"weight sync check: the server's log-probs under {gap.served_name!r} differ from the trainer's by up to "
+        f"{gap.max_abs:.3g} over {gap.tokens} tokens (allowed: {atol:g}, {limit}). The server is not sampling from the "
+        "trained weights under that name (a stale or missing adapter, the base model, a weight reload that missed a "
+        f"layer, or a different dtype / decode mode), so training would be off-policy. {advice}")

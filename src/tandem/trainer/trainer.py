@@ -28,7 +28,8 @@ from transformers.trainer_utils import enable_full_determinism
 from transformers.utils import logging as hf_logging
 
 from tandem.config import AsyncGRPOConfig
-from tandem.generation.client import ServerError
+from tandem.generation.client import EngineDead, ServerProblem, engine_died
+from tandem.metrics.doctor import OFF_POLICY_BOUND
 from tandem.metrics.window import MetricWindow
 from tandem.packing import PackedRow
 from tandem.packing import attention as tree_attention
@@ -42,7 +43,6 @@ from tandem.rollout.tools import validate_tools
 from tandem.rollout.worker import WorkerSpec, check_picklable
 from tandem.tool_calls import tool_schema
 from tandem.trainer import OPENMP_POLICY_TOO_LATE, checkpoint, distributed, export, server_checks, sync_check
-from tandem.trainer.server_checks import ENGINE_DEAD, ServerProblem
 from tandem.trainer.batching import TokenBudgetBatcher
 from tandem.trainer.checkpoint import TrainerState
 from tandem.trainer.flops import model_shape, peak_flops, rows_flops
@@ -556,11 +556,9 @@ class AsyncGRPOTrainer:
             timings = self._push(version)
         except ServerProblem:
             raise  # the server answers but serves other weights, or refuses: syncing again would not change that
+        except EngineDead as error:
+            raise ServerProblem(f"the weight sync failed: {engine_died(error)}") from None
         except Exception as error:
-            if isinstance(error, ServerError) and ENGINE_DEAD in error.message:
-                raise ServerProblem(f"the weight sync failed because the server's engine died ({error}). Its HTTP front "
-                                    "still answers but it will not generate again: restart the server and resume with "
-                                    "resume_from_checkpoint.") from error
             if not self._reconnect(version, error):  # the server brought back serves this version
                 raise
             timings = {}
@@ -572,12 +570,12 @@ class AsyncGRPOTrainer:
         self.state.model_version = version
 
     def _push(self, version: int) -> dict[str, float]:
-        """Sync the weights as `version` (every rank takes part); with `weight_sync_check_atol` set, check the server
+        """Sync the weights as `version` (every rank takes part), then, when `_probe_limit` says so, check that the server
         now samples from them."""
         timings = self.sync.push(self.model, version, announce=self._announce)
         self.pushes += 1
-        atol = self._probe_atol()
-        if atol is not None:
+        limit = self._probe_limit()
+        if limit is not None:
             name = self.sync.name_for(version)
             served = None
             if self.ranks.main:
@@ -587,21 +585,23 @@ class AsyncGRPOTrainer:
             ours = sync_check.policy_logprobs(self.model, self.probe_prompt, served.token_ids, self.kernel, self.layout)
             if self.ranks.main:
                 gap = sync_check.compare(name, served, ours)
-                sync_check.check(gap, atol)
+                sync_check.check(gap, *limit)
                 timings["weight_sync/served_logprob_gap"] = gap.max_abs
         return timings
 
-    def _probe_atol(self) -> float | None:
-        """How far the probe after this sync may land from the trainer's log-probs, or None for no probe: the user's
-        weight_sync_check_atol; against an external server also the dtype's off-policy bound, probed after the first
-        FORCED_PROBES syncs whatever the settings (the connect push, then the first trained weights)."""
+    def _probe_limit(self) -> tuple[float, str] | None:
+        """How far the probe after this sync may land from the trainer's log-probs, and where that bound comes from; None
+        for no probe. The user's weight_sync_check_atol; against an external server also the dtype's rounding bound,
+        probed after the first FORCED_PROBES syncs whatever the settings (the connect push, then the first trained
+        weights)."""
         atol = self.args.weight_sync_check_atol
+        user = (atol, "weight_sync_check_atol") if atol is not None else None
         if self.args.vllm_server_base_url is None:
-            return atol
-        bound = sync_check.OFF_POLICY_BOUND.get(self.compute_dtype, 1e-3)
-        if atol is None:
+            return user
+        bound = (OFF_POLICY_BOUND.get(self.compute_dtype, OFF_POLICY_BOUND["float32"]), f"{self.compute_dtype} rounding bound")
+        if user is None:
             return bound if self.pushes <= FORCED_PROBES else None
-        return min(atol, bound)
+        return min(user, bound)
 
     def _check_server(self) -> None:
         """The embedded server's health, checked at every read of the worker's queue: one that died is restarted with
@@ -627,9 +627,12 @@ class AsyncGRPOTrainer:
             return True
         session.progress.say(f"the weight sync to {session.control.base_url} failed ({error}); syncing again once it "
                              f"answers (waiting up to vllm_server_timeout={args.vllm_server_timeout:g}s)")
-        session.run(session.control.wait_healthy(args.vllm_server_timeout))
+        try:
+            session.run(session.control.wait_healthy(args.vllm_server_timeout))
+        except TimeoutError as exc:
+            raise ServerProblem(f"the weight sync failed ({error}) and the server did not come back: {exc}") from None
         self.sync = choose_sync(session.control, session, self.served_name, self.model, args, self.lora, self.ranks)
-        self.sync.push(self.model, version, announce=self._announce)
+        self._push(version)  # probed like any sync: the server that came back may serve other weights
         self.window.add("rollout/server_reconnect_count", 1)
         return True
 
@@ -679,7 +682,7 @@ class AsyncGRPOTrainer:
             url = args.vllm_server_base_url or session.start_server(self.served_path, self.output_dir / "server.log",
                                                                     self._server_args())
             control = session.connect(url)
-            server_checks.check(session.run(server_checks.read_facts(control)), url, self.compute_dtype, self.lora)
+            server_checks.check(session.run(server_checks.read_facts(control)), url, served_dtype(self.model), self.lora)
             max_model_len = session.run(control.max_model_len())
             served_name = self._served_name()
             self.sync = choose_sync(control, session, served_name, self.model, args, self.lora, self.ranks)
@@ -695,7 +698,8 @@ class AsyncGRPOTrainer:
             self._push(self.state.model_version)  # the server must sample from our weights
         if not main:
             return
-        session.open_sinks(args.report_to, self.output_dir, args.to_dict(), args.max_steps if args.max_steps > 0 else None,
+        config = args.to_dict() | {"compute_dtype": self.compute_dtype}  # tandem doctor's rounding bound
+        session.open_sinks(args.report_to, self.output_dir, config, args.max_steps if args.max_steps > 0 else None,
                            dashboard=not args.disable_tqdm)
         self.served_url, self.served_name = url, served_name
         worker = self._start_worker(self.resume_point)

@@ -22,9 +22,9 @@ from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 from transformers.utils import logging as hf_logging
 
-from tandem.generation.client import ControlClient
+from tandem.generation.client import ControlClient, ServerProblem
 from tandem.trainer.distributed import Ranks
-from tandem.trainer.server_checks import ServerProblem, read_facts
+from tandem.trainer.server_checks import read_facts
 from tandem.trainer.weight_transfer import GlooPlane, TransferSync, VllmNcclPlane
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from tandem.generation.client import ControlClient
+from tandem.generation.client import ControlClient, ServerProblem
 from tandem.generation.weight_transfer import RENDEZVOUS_S, join_group
 from tandem.trainer.distributed import Ranks, full_tensor
 
@@ -66,6 +66,22 @@ class InThread:
         if self.error is not None:
             raise self.error
         return self.value
+
+
+def first_failure(first: InThread, second: InThread, timeout_s: float) -> None:
+    """Wait for two calls that wait on each other (the server's /update_weights and the broadcast it receives): the first
+    error ends the wait at once (the other call, stuck on its peer, is left to its daemon thread). Each call is bounded
+    by `timeout_s` itself; this wait's own bound, a little later, only backs them up."""
+    end = time.monotonic() + timeout_s + 10
+    while first.thread.is_alive() or second.thread.is_alive():
+        for call in (first, second):
+            if not call.thread.is_alive() and call.error is not None:
+                raise call.error
+        if time.monotonic() > end:
+            raise TimeoutError(f"the server did not take the weights within {timeout_s:.0f}s")
+        time.sleep(0.02)
+    for call in (first, second):
+        call.result(0)
 
 
 def control_call(control: ControlClient, timeout_s: float, call) -> Callable[[], None]:
@@ -191,12 +207,14 @@ class TransferSync:
         shapes = [list(param.shape) for _, param in params]
         call = InThread(control_call(self.control, self.timeout_s,
                                      lambda client: client.update_weights(names, dtypes, shapes)))
+        sending = InThread(lambda: self.plane.send(tensors, self.timeout_s))
         try:
-            self.plane.send(tensors, self.timeout_s)
-            call.result(self.timeout_s)
+            first_failure(call, sending, self.timeout_s)
         except BaseException as exc:
             self._abandon()
-            raise TransferFailed(f"weight transfer of version {version} failed: {exc}. {self.plane.after_failure}") from exc
+            # A server that loads in place (vLLM) may now hold part of the new weights: no sync again can be trusted.
+            failed = ServerProblem if self.plane.pauses_generation else TransferFailed
+            raise failed(f"weight transfer of version {version} failed: {exc}. {self.plane.after_failure}") from exc
         self.run.run(self.control.finish_weight_update(str(version)))
         self.run.run(self.control.reset_prefix_cache())  # vLLM keeps its prefix cache across a transfer
         if self.plane.pauses_generation:
