@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from tandem.generation.client import parse_prometheus
 from tandem.tasks import TINY_MODEL_PATH
 from tandem.tasks.tools import calculator
 from tandem.tool_calls import tool_schema
@@ -172,3 +173,16 @@ def test_tandem_serve_answers_as_vllm_does(case, tandem_server, vllm_pair):
     unexplained = [d for d in found if not any(re.search(pattern, d) for pattern in ACCEPTED)]
     assert not unexplained, f"{case.name}: tandem serve against vLLM:\n  " + "\n  ".join(unexplained[:30]) + \
         f"\ntandem: {json.dumps(ours)[:1500]}\nvLLM:   {json.dumps(theirs)[:1500]}"
+
+
+def test_every_metric_tandem_serve_exposes_is_vllms_with_the_same_labels(tandem_server, vllm_pair):
+    def exposition(url: str) -> dict[str, set[str]]:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as answer:
+            return {name: set(labels) for name, labels, _ in parse_prometheus(answer.read().decode())}
+
+    ours, theirs = exposition(tandem_server.url), exposition(vllm_pair[1].url)
+    assert not ours.keys() - theirs.keys(), f"names vLLM does not expose: {sorted(ours.keys() - theirs.keys())}"
+    # the same label keys; the config info's are config fields, of which tandem serve has a few of vLLM's
+    relabelled = {name: ours[name] ^ theirs[name] for name in ours
+                  if not (ours[name] <= theirs[name] if name.endswith("_info") else ours[name] == theirs[name])}
+    assert not relabelled, f"label keys that differ: {relabelled}"

@@ -44,7 +44,7 @@ def test_the_demo_trains_against_the_vllm_its_dry_run_starts(tmp_path, dry_run_s
     assert done.returncode == 0, f"{done.stderr[-3000:]}\nserver:\n{dry_run_server.tail()}"
     assert "UserWarning" not in done.stderr, f"the command tandem printed is the one it wants:\n{done.stderr[-2000:]}"
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert len([r for r in rows if "reward" in r]) == 20
+    assert sorted(r["step"] for r in rows if "loss" in r) == list(range(1, 21)), "every step trained and logged"
     assert all(r["sampling/sampling_logp_difference/max"] <= 1e-4 for r in rows if r.get("sample/staleness_max") == 0)
 
 

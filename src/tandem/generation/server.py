@@ -469,9 +469,9 @@ def prometheus_text(stats, model_name: str, prefix_caching: bool) -> str:
     labels = f'engine="0",model_name="{model_name}"'
     lines = []
 
-    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]], common: str = labels) -> None:
         lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"])
-        lines.extend(f"{name}{{{extra}{labels}}} {float(value)}" for extra, value in samples)
+        lines.extend(f"{name}{{{extra}{common}}} {float(value)}" for extra, value in samples)
 
     usage = stats.kv_used_tokens / stats.kv_capacity_tokens if stats.kv_capacity_tokens else 0.0
     metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", [("", usage)])
@@ -489,7 +489,8 @@ def prometheus_text(stats, model_name: str, prefix_caching: bool) -> str:
     blocks = stats.kv_capacity_tokens // BLOCK_SIZE
     info = (f'block_size="{BLOCK_SIZE}",enable_prefix_caching="{prefix_caching}",kv_cache_size_tokens="{stats.kv_capacity_tokens}",'
             f'num_gpu_blocks="{blocks}",')
-    metric("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig", [(info, 1)])
+    metric("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig", [(info, 1)],
+           common='engine="0"')  # vLLM labels its config info by engine alone
     return "\n".join(lines) + "\n"
 
 
