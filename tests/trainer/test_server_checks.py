@@ -42,6 +42,9 @@ def test_lora_needs_runtime_adapter_loading_and_says_how():
     with pytest.raises(ServerProblem, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"):
         check(vllm(lora_env=False), URL, "float32", lora=True)
     assert warned(vllm(lora_env=False), lora=False) == [], "full-weight runs load no adapter"
+    unlisted = vllm()
+    unlisted.env = {}
+    assert warned(unlisted, lora=True) == [], "a vLLM that does not list its variables is not refused on a guess"
 
 
 def test_a_dtype_other_than_the_trainers_is_warned_about_on_any_server():

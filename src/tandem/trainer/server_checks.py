@@ -80,7 +80,7 @@ def check_vllm(facts: ServerFacts, url: str, lora: bool) -> None:
         warnings.warn(f"the server at {url} runs vLLM {facts.version or '(version unknown)'}; tandem was verified against "
                       f"vLLM {oldest}-{newest} (the README's table). Watch sampling/sampling_logp_difference/max in the "
                       "first steps.", stacklevel=4)
-    if lora and facts.env and not facts.env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+    if lora and not facts.env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", True):  # a vLLM that does not list it: unknown
         raise ServerProblem(f"the server at {url} cannot load adapters while it runs, and a LoRA run loads one per sync: "
                             "start vllm serve with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 in its environment.")
     scheduler = facts.config.get("scheduler_config") or {}

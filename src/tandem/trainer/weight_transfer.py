@@ -182,8 +182,8 @@ class TransferSync:
         try:
             self.plane.open(self.address, port, 1 + workers, self.timeout_s)
             call.result(self.timeout_s)
-        except Exception as exc:
-            raise TransferFailed(f"weight transfer: the server at {self.control.base_url} did not join the group at "
+        except Exception as exc:  # a setting to change, not a lost server: the run stops in one line
+            raise ServerProblem(f"weight transfer: the server at {self.control.base_url} did not join the group at "
                                  f"{self.address}:{port} ({exc}). It must reach that address: set "
                                  "weight_transfer_address to one of this machine's addresses the server can connect "
                                  "to, and open the port.") from exc
