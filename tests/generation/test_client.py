@@ -7,7 +7,8 @@ import time
 import pytest
 from aiohttp import web
 
-from tandem.generation.client import ControlClient, GenerationClient, ServerError, parse_metrics
+from tandem.generation.client import (ENGINE_DEAD, ControlClient, EngineDead, GenerationClient, ServerError, ServerProblem,
+                                      parse_metrics)
 from tests.conftest import chat_prompt
 
 
@@ -125,6 +126,31 @@ async def test_a_server_that_comes_back_within_retry_for_s_is_waited_for():
     finally:
         await (await server).cleanup()
     assert completion.token_ids == [7]
+
+
+async def test_vllms_dead_engine_is_told_from_other_server_errors_and_a_missing_dev_mode_is_named():
+    """vLLM 0.32's answers: 500 with the engine-dead message once its engine process died; 404 for /server_info
+    without VLLM_SERVER_DEV_MODE=1."""
+    from tandem.trainer.server_checks import read_facts
+
+    async def handler(request):
+        if request.path == "/v1/completions":
+            message = f"{ENGINE_DEAD}. See stack trace (above) for the root cause."
+            return web.json_response({"error": {"message": message, "type": "InternalServerError", "param": None,
+                                                "code": 500}}, status=500)
+        if request.path == "/version":
+            return web.json_response({"version": "0.32.0"})
+        return web.json_response({"detail": "Not Found"}, status=404)
+
+    runner, url = await fake_server(handler)
+    try:
+        async with GenerationClient(url) as client, ControlClient(url) as control:
+            with pytest.raises(EngineDead, match="answered 500: EngineCore encountered an issue"):
+                await client.complete([1], max_tokens=1)
+            with pytest.raises(ServerProblem, match="/server_info answered 404.*VLLM_SERVER_DEV_MODE=1"):
+                await read_facts(control)
+    finally:
+        await runner.cleanup()
 
 
 async def test_unreachable_server_raises_connection_error_naming_the_url():

@@ -1,9 +1,16 @@
 """What the trainer refuses or warns about at connect, from what a server says of itself. The facts are shaped as
 vLLM 0.32.0 answered `/version` and `/server_info?config_format=json` on this machine (the `vllm` tier talks to it)."""
 
+import asyncio
 import warnings
 
 import pytest
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from tandem.config import AsyncGRPOConfig
+from tandem.tasks import TINY_MODEL_PATH
+from tandem.trainer.weight_sync import LoraSync, ReloadSync, choose_sync
 
 from tandem.generation.client import ServerProblem
 from tandem.trainer.server_checks import ServerFacts, check, release
@@ -18,33 +25,69 @@ def vllm(version="0.32.0", device="cpu", dtype="torch.float32", chunked=True, ba
     return ServerFacts(version, tandem=False, config=config, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": lora_env})
 
 
-def warned(facts: ServerFacts, trainer_dtype="float32", lora=False) -> list[str]:
+def warned(facts: ServerFacts, trainer_dtype="float32") -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        check(facts, URL, trainer_dtype, lora)
+        check(facts, URL, trainer_dtype)
     return [str(w.message) for w in caught]
 
 
 def test_a_server_configured_as_the_dry_run_prints_passes_silently():
     assert warned(vllm()) == []
-    assert warned(vllm(lora_env=True), lora=True) == []
 
 
 def test_vllm_too_old_is_refused_and_newer_than_verified_is_warned_about():
     with pytest.raises(ServerProblem, match="vLLM 0.29.1; tandem needs 0.30 or later"):
-        check(vllm("0.29.1"), URL, "float32", False)
+        check(vllm("0.29.1"), URL, "float32")
     [message] = warned(vllm("0.33.1rc2.dev7+cpu"))
     assert "vLLM 0.33.1rc2.dev7+cpu; tandem was verified against vLLM 0.30-0.32" in message
     assert release("0.32.0") == (0, 32) and release("nightly") is None
 
 
-def test_lora_needs_runtime_adapter_loading_and_says_how():
+class Control:
+    """The control client's two reads, answering what `facts` says (the rest of choose_sync's calls are not made)."""
+
+    base_url = URL
+
+    def __init__(self, facts: ServerFacts):
+        self.facts = facts
+
+    async def version(self):
+        return {"version": self.facts.version}
+
+    async def server_info(self):
+        return {"vllm_config": self.facts.config, "vllm_env": self.facts.env}
+
+
+def sync_for(facts: ServerFacts, tmp_path, lora: bool):
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH)
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj"]))
+    with asyncio.Runner() as run:
+        return choose_sync(Control(facts), run, TINY_MODEL_PATH, model, AsyncGRPOConfig(output_dir=str(tmp_path)), lora)
+
+
+def test_lora_needs_runtime_adapter_loading_and_says_how(tmp_path):
+    adapters = vllm()
+    adapters.config |= {"lora_config": {"max_loras": 6, "max_lora_rank": 8}, "parallel_config": {}}  # max_staleness 4 + 2
+    assert isinstance(sync_for(adapters, tmp_path, lora=True), LoraSync)
+    adapters.env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": False}
     with pytest.raises(ServerProblem, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"):
-        check(vllm(lora_env=False), URL, "float32", lora=True)
-    assert warned(vllm(lora_env=False), lora=False) == [], "full-weight runs load no adapter"
-    unlisted = vllm()
-    unlisted.env = {}
-    assert warned(unlisted, lora=True) == [], "a vLLM that does not list its variables is not refused on a guess"
+        sync_for(adapters, tmp_path, lora=True)
+    adapters.env = {}
+    assert isinstance(sync_for(adapters, tmp_path, lora=True), LoraSync), "a vLLM that lists no variables: not refused"
+
+
+def test_a_tied_model_is_refused_a_folder_reload_into_vllms_cpu_build_lora_fallback_included(tmp_path):
+    reloads = vllm()
+    reloads.config["weight_transfer_config"] = None
+    with pytest.raises(ServerProblem, match="does not refresh a tied LM head"):
+        sync_for(reloads, tmp_path, lora=False)
+    with pytest.warns(UserWarning, match="syncing the merged model"), \
+            pytest.raises(ServerProblem, match="does not refresh a tied LM head"):
+        sync_for(reloads, tmp_path, lora=True)  # no LoRA on the server: the merged model would go through the reload
+    reloads.config["device_config"] = {"device": "cuda"}
+    assert isinstance(sync_for(reloads, tmp_path, lora=False), ReloadSync), "vLLM's GPU build reads the tied weight itself"
 
 
 def test_a_dtype_other_than_the_trainers_is_warned_about_on_any_server():

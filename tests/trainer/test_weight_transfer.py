@@ -4,6 +4,8 @@ with gloo stand-ins for them (tests/trainer/vllm_stand_in: vLLM is not installed
 
 import asyncio
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from tandem.tasks import TINY_MODEL_PATH
 from tandem.trainer import sync_check, weight_transfer
 from tandem.trainer.weight_sync import nccl_plane
 from tandem.generation.client import ServerProblem
-from tandem.trainer.weight_transfer import InThread, TransferFailed, TransferSync, VllmNcclPlane, control_call
+from tandem.trainer.weight_transfer import InThread, TransferFailed, TransferSync, VllmNcclPlane, control_call, first_failure
 from tests.conftest import ServerThread, chat_prompt
 
 ATOL = 1e-5
@@ -128,7 +130,7 @@ def test_the_nccl_plane_without_vllm_or_a_gpu_says_what_to_do(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # as when the vllm extra is not installed
     with pytest.raises(ImportError, match=r"pip install 'tandem\[vllm\]'.*or start vllm serve without"):
         VllmNcclPlane(torch.device("cpu"))
-    with pytest.raises(ValueError, match="over NCCL, which needs the trainer on a GPU; this model is on cpu"):
+    with pytest.raises(ServerProblem, match="over NCCL, which needs the trainer on a GPU; this model is on cpu"):
         nccl_plane(torch.nn.Linear(2, 2))
 
 
@@ -161,9 +163,25 @@ def test_the_nccl_plane_drives_vllms_rendezvous_and_packed_broadcast(tokenizer, 
 
         vllm_stand_in.HANG.set()  # a peer that never takes part: NCCL would wait forever
         # vLLM loads in place, so a failed transfer may have left part of it loaded: the run stops, it does not sync again
-        with pytest.raises(ServerProblem, match="version 2 failed: the NCCL broadcast .* did not complete within 5s.*restart"):
+        # Both ends wait 5 s: whichever gives up first is the error (the broadcast, or the server's receive)
+        with pytest.raises(ServerProblem, match="version 2 failed: .*(NCCL broadcast .* did not complete within 5s|Timed "
+                                                "out waiting 5000ms).*restart"):
             sync.push(trained_model(seed=5), 2)
         vllm_stand_in.HANG.clear()
         assert gaps(run, [server.url], model, prompt)[0] <= ATOL, "a failed transfer must leave version 1 served"
         run.run(control.close())
     server.close()
+
+
+def test_the_first_error_of_two_calls_that_wait_on_each_other_ends_the_wait():
+    """vLLM refusing /update_weights at once must not leave the trainer in a broadcast nobody joins (up to 30 min)."""
+    never = threading.Event()
+
+    def refuse():
+        raise RuntimeError("update_weights answered 500")
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="answered 500"):
+        first_failure(InThread(lambda: never.wait(60)), InThread(refuse), timeout_s=60)
+    assert time.monotonic() - start < 5
+

@@ -1,8 +1,9 @@
 """The `vllm` tier: real `vllm serve` processes (vLLM's CPU build, from the environment scripts/vllm_env.sh builds)
 serving the tiny model. Left out of the default run; `python -m pytest -m vllm` runs it, `.ci/run` after the main suite.
 
-Two servers live for the whole session (each about 3 GB and a minute to start): both take adapters at run time and
-tandem's gloo weight stream. Tests that train change a server's weights; every run pushes its own at connect.
+Two servers live for the whole session (each about 3 GB and under a minute to start): both take adapters at run time
+and tandem's gloo weight stream. Full-weight training goes to the first only, so the second always serves the tiny
+model's own weights (the differential check and LoRA, whose adapter sits on them, use it).
 """
 
 import os
@@ -114,6 +115,7 @@ def vllm_pair(tmp_path_factory):
 
 @pytest.fixture
 def vllm_server(vllm_pair) -> VllmServer:
+    """The session's first server: full-weight training changes its weights (every run pushes its own at connect)."""
     return vllm_pair[0]
 
 

@@ -1,10 +1,9 @@
-"""Training against real vLLM at staleness 0: every sampled token's log-prob under the server must be the trainer's
+"""Training against real vLLM at staleness 0 (full weights and tools into the session's first server, LoRA into the
+second, whose base weights nothing changes): every sampled token's log-prob under the server must be the trainer's
 (the sampler's log-probs are the behaviour policy, DESIGN.md §3 invariant 1), at every step, for each way the policy
 reaches the server: full weights streamed (tandem's gloo plugin), a LoRA adapter per version, and multi-turn tools."""
 
 import json
-
-import pytest
 
 from tests.vllm.conftest import run_tandem
 
@@ -32,9 +31,9 @@ def assert_on_policy(records: list[dict], steps: int) -> None:
         assert r["weight_sync/served_logprob_gap"] <= TOKEN_GAP, (step, r["weight_sync/served_logprob_gap"])
 
 
-def test_lora_adapters_sync_exactly_into_vllm(tmp_path, vllm_server):
-    # First on a fresh server: the base weights are the tiny model's own (a full-weight run would have changed them).
-    assert_on_policy(train(tmp_path, vllm_server, "examples/lora.yaml", 30), 30)
+def test_lora_adapters_sync_exactly_into_vllm(tmp_path, vllm_pair):
+    # On the server no test trains full weights into: its base weights stay the tiny model's own, as the adapter's
+    assert_on_policy(train(tmp_path, vllm_pair[1], "examples/lora.yaml", 30), 30)
 
 
 def test_full_weights_stream_exactly_into_vllm(tmp_path, vllm_server):

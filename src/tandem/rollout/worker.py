@@ -119,6 +119,14 @@ class RolloutWorker:
             raise ServerProblem(f"the rollout worker stopped: {payload}")
         return kind, payload
 
+    def raise_if_stopped(self) -> None:
+        """When the worker has failed (exited non-zero), raise the reason it sent (a ServerProblem, a WorkerError); the
+        samples still queued are dropped with it, since the run ends. A worker that runs, or ended well, says nothing."""
+        if self.process.is_alive() or self.process.exitcode in (0, None):
+            return
+        while True:
+            self.get(timeout_s=1.0)  # raises at the worker's message, or at its exit once the queue is empty
+
     def _check_alive(self) -> None:
         if not self.process.is_alive() and self.process.exitcode not in (0, None):
             if not self.channels.running.is_set():

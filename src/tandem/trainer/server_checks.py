@@ -58,11 +58,11 @@ def release(version: str) -> tuple[int, int] | None:
     return (int(match[1]), int(match[2])) if match else None
 
 
-def check(facts: ServerFacts, url: str, weights_dtype: str, lora: bool) -> None:
+def check(facts: ServerFacts, url: str, weights_dtype: str) -> None:
     """Refuse a server this run cannot train against; warn about one that would train worse than it could.
     `weights_dtype` is the trainer's weights' (what the embedded server is started with)."""
     if not facts.tandem:
-        check_vllm(facts, url, lora)
+        check_vllm(facts, url)
     if facts.dtype and facts.dtype != weights_dtype:
         warnings.warn(f"the server at {url} decodes in {facts.dtype} and the trainer holds its weights in {weights_dtype}: "
                       "the sampler's log-probs then differ from the trainer's by that rounding at every token (the "
@@ -70,7 +70,7 @@ def check(facts: ServerFacts, url: str, weights_dtype: str, lora: bool) -> None:
                       stacklevel=4)
 
 
-def check_vllm(facts: ServerFacts, url: str, lora: bool) -> None:
+def check_vllm(facts: ServerFacts, url: str) -> None:
     found = release(facts.version)
     oldest, newest = ".".join(map(str, OLDEST_VLLM)), ".".join(map(str, NEWEST_VERIFIED_VLLM))
     if found is not None and found < OLDEST_VLLM:
@@ -80,9 +80,6 @@ def check_vllm(facts: ServerFacts, url: str, lora: bool) -> None:
         warnings.warn(f"the server at {url} runs vLLM {facts.version or '(version unknown)'}; tandem was verified against "
                       f"vLLM {oldest}-{newest} (the README's table). Watch sampling/sampling_logp_difference/max in the "
                       "first steps.", stacklevel=4)
-    if lora and not facts.env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", True):  # a vLLM that does not list it: unknown
-        raise ServerProblem(f"the server at {url} cannot load adapters while it runs, and a LoRA run loads one per sync: "
-                            "start vllm serve with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 in its environment.")
     scheduler = facts.config.get("scheduler_config") or {}
     model = facts.config.get("model_config") or {}
     unchunked = int(scheduler.get("max_num_seqs") or 0) * int(model.get("max_model_len") or 0)

@@ -59,6 +59,8 @@ PROMPTS_MEASURED = 1000
 """An IterableDataset's first rows whose prompts are checked against the server's context length (a streamed dataset
 is not read through before training)."""
 SERVER_RESTARTS = 3
+RECONNECT_POLL_S = 5.0
+"""While waiting for an external server after a failed sync, how often the worker is asked whether it stopped."""
 FORCED_PROBES = 2
 """Against an external server the first syncs are always probed: the connect push (same weights) and the first trained
 weights (a reload that misses a layer shows only once the weights differ from the server's own)."""
@@ -175,9 +177,13 @@ class AsyncGRPOTrainer:
         self.probe_tokens = sync_check.PROBE_TOKENS
         """How long the probe's completion is: shorter when the server's context has no room for the full probe."""
         self.compute_dtype = str(autocast_dtype(args, self.device) or next(self.model.parameters()).dtype).removeprefix("torch.")
-        """The dtype of the trainer's forward, which the server should decode in."""
+        """The dtype of the trainer's forward: the rounding it expects between its log-probs and the server's."""
+        self.probe_bound = (OFF_POLICY_BOUND.get(self.compute_dtype, OFF_POLICY_BOUND["float32"]), self.compute_dtype)
+        """The largest probe gap that rounding explains, and the dtype it is that of: the coarser of the trainer's and
+        the server's, which the trainer learns at connect."""
         self.pushes = 0
-        """Weight syncs pushed in this run: against an external server the first FORCED_PROBES are always probed."""
+        """Weight syncs pushed since the server was reached: against an external server the first FORCED_PROBES are
+        always probed (the connect push, then the first trained weights; again after a reconnect)."""
         self.losses: list[float] = []
         self.reward_history: list[float] = []
         self.callback_handler = callback_handler(callbacks or [], self.model, self.tokenizer, self.optimizer, self.scheduler)
@@ -592,13 +598,12 @@ class AsyncGRPOTrainer:
     def _probe_limit(self) -> tuple[float, str] | None:
         """How far the probe after this sync may land from the trainer's log-probs, and where that bound comes from; None
         for no probe. The user's weight_sync_check_atol; against an external server also the dtype's rounding bound,
-        probed after the first FORCED_PROBES syncs whatever the settings (the connect push, then the first trained
-        weights)."""
+        probed after the first FORCED_PROBES syncs whatever the settings."""
         atol = self.args.weight_sync_check_atol
         user = (atol, "weight_sync_check_atol") if atol is not None else None
         if self.args.vllm_server_base_url is None:
             return user
-        bound = (OFF_POLICY_BOUND.get(self.compute_dtype, OFF_POLICY_BOUND["float32"]), f"{self.compute_dtype} rounding bound")
+        bound = (self.probe_bound[0], f"{self.probe_bound[1]} rounding bound")
         if user is None:
             return bound if self.pushes <= FORCED_PROBES else None
         return min(user, bound)
@@ -627,12 +632,18 @@ class AsyncGRPOTrainer:
             return True
         session.progress.say(f"the weight sync to {session.control.base_url} failed ({error}); syncing again once it "
                              f"answers (waiting up to vllm_server_timeout={args.vllm_server_timeout:g}s)")
-        try:
-            session.run(session.control.wait_healthy(args.vllm_server_timeout))
-        except TimeoutError as exc:
-            raise ServerProblem(f"the weight sync failed ({error}) and the server did not come back: {exc}") from None
+        deadline = time.monotonic() + args.vllm_server_timeout
+        while True:
+            session.worker.raise_if_stopped()  # a worker that saw vLLM's engine die says so: no server will come back
+            try:
+                session.run(session.control.wait_healthy(min(RECONNECT_POLL_S, max(0.0, deadline - time.monotonic()))))
+                break
+            except TimeoutError as exc:
+                if time.monotonic() >= deadline:
+                    raise ServerProblem(f"the weight sync failed ({error}) and the server did not come back: {exc}") from None
         self.sync = choose_sync(session.control, session, self.served_name, self.model, args, self.lora, self.ranks)
-        self._push(version)  # probed like any sync: the server that came back may serve other weights
+        self.pushes = 0  # the server that came back may serve other weights: probe it as a new one
+        self._push(version)
         self.window.add("rollout/server_reconnect_count", 1)
         return True
 
@@ -682,7 +693,9 @@ class AsyncGRPOTrainer:
             url = args.vllm_server_base_url or session.start_server(self.served_path, self.output_dir / "server.log",
                                                                     self._server_args())
             control = session.connect(url)
-            server_checks.check(session.run(server_checks.read_facts(control)), url, served_dtype(self.model), self.lora)
+            facts = session.run(server_checks.read_facts(control))
+            server_checks.check(facts, url, served_dtype(self.model))
+            self.probe_bound = max(self.probe_bound, (OFF_POLICY_BOUND.get(facts.dtype, 0.0), facts.dtype))
             max_model_len = session.run(control.max_model_len())
             served_name = self._served_name()
             self.sync = choose_sync(control, session, served_name, self.model, args, self.lora, self.ranks)

@@ -191,14 +191,10 @@ def choose_sync(control: ControlClient, run: "asyncio.Runner | Session", served_
             sync.connect()
             return sync
         if backend is not None:
-            warnings.warn(f"the server transfers weights over {backend}, which tandem does not drive (it drives nccl, "
-                          "into vllm serve, and gloo, into tandem serve); syncing through a folder it reloads instead, "
-                          "which needs a filesystem it shares with this trainer.", stacklevel=4)
-        if not facts.tandem and facts.device == "cpu" and model.config.get_text_config().tie_word_embeddings:
-            raise ServerProblem(f"vLLM's CPU build does not refresh a tied LM head when it reloads weights (it keeps a "
-                                f"packed copy of the first ones: the policy drifts off the trainer's at every sync), and "
-                                f"this model ties its embeddings. Stream the weights instead: {GLOO_HINT}")
-        return ReloadSync(control, output_dir, run, served_name, ranks)
+            warnings.warn(f"the server transfers weights over {backend}, which tandem does not drive (it drives nccl "
+                          "and gloo: tandem serve's, or vllm serve's with tandem's plugin); syncing through a folder it "
+                          "reloads instead, which needs a filesystem it shares with this trainer.", stacklevel=4)
+        return reload_sync(control, output_dir, run, served_name, ranks, facts, model)
     rank, needed = model.peft_config["default"].r, max_staleness + 2
     flags = " ".join(lora_server_flags(max_staleness, rank))
     served_lora = info.get("lora_config")
@@ -209,19 +205,31 @@ def choose_sync(control: ControlClient, run: "asyncio.Runner | Session", served_
     if obstacle:
         warnings.warn(f"LoRA: syncing the merged model (every weight, every sync) instead of the adapter alone: {obstacle}",
                       stacklevel=4)
-        return ReloadSync(control, output_dir, run, served_name, ranks)
+        return reload_sync(control, output_dir, run, served_name, ranks, facts, model.get_base_model())
     if served_lora.get("max_loras", needed) < needed or served_lora.get("max_lora_rank", rank) < rank:
-        raise ValueError(f"the server holds max_loras={served_lora.get('max_loras')} adapters of rank <= "
-                         f"{served_lora.get('max_lora_rank')}; "
-                         f"this run needs {needed} (max_staleness + 2) of rank {rank}. Restart it with {flags}")
+        raise ServerProblem(f"the server holds max_loras={served_lora.get('max_loras')} adapters of rank <= "
+                            f"{served_lora.get('max_lora_rank')}; "
+                            f"this run needs {needed} (max_staleness + 2) of rank {rank}. Restart it with {flags}")
+    if not facts.env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", True):  # a vLLM that does not list it: unknown
+        raise ServerProblem(f"the server at {control.base_url} cannot load adapters while it runs, and a LoRA run loads "
+                            "one per sync: start vllm serve with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 in its environment.")
     return LoraSync(control, output_dir, run, keep=max_staleness + 1, ranks=ranks)
+
+
+def reload_sync(control, output_dir: Path, run, served_name: str, ranks: Ranks, facts, model) -> ReloadSync:
+    """The folder reload, unless the server is vLLM's CPU build and the model ties its LM head to its embedding."""
+    if not facts.tandem and facts.device == "cpu" and model.config.get_text_config().tie_word_embeddings:
+        raise ServerProblem(f"vLLM's CPU build does not refresh a tied LM head when it reloads weights (it keeps a packed "
+                            f"copy of the first ones: the policy drifts off the trainer's at every sync), and this model "
+                            f"ties its embeddings. Stream the weights instead: {GLOO_HINT}")
+    return ReloadSync(control, output_dir, run, served_name, ranks)
 
 
 def nccl_plane(model: torch.nn.Module) -> VllmNcclPlane:
     """The data plane into a vllm serve that receives over NCCL: tensors leave from the trainer's GPU."""
     device = next(model.parameters()).device
     if device.type != "cuda":
-        raise ValueError(f"the server receives weights over NCCL, which needs the trainer on a GPU; this model is on "
+        raise ServerProblem(f"the server receives weights over NCCL, which needs the trainer on a GPU; this model is on "
                          f"{device}. Start vllm serve without --weight-transfer-config to sync through a folder it "
                          "reloads, or train on a GPU.")
     return VllmNcclPlane(device)

@@ -7,15 +7,17 @@ sync: pause (keep) where the plane needs it, `/start_weight_update`, then `/upda
 parameter's name, dtype and shape, in order (a frozen part, a vision tower, stays as the server loaded it) — on a
 thread, since it returns only when the server has received them — while the plane sends the tensors;
 `/finish_weight_update`, resume. The plane carries the tensors:
-- `GlooPlane`, into `tandem serve --weight-transfer-config '{"backend":"gloo"}'`: a torch.distributed gloo group,
-  one CPU tensor at a time (the server's end is generation/weight_transfer.py). The server stages them and swaps
-  them in between two engine steps, so it is not paused: it generates while the weights arrive;
+- `GlooPlane`, into `--weight-transfer-config '{"backend":"gloo"}'`: a torch.distributed gloo group, one CPU tensor
+  at a time. `tandem serve` (generation/weight_transfer.py) stages them and swaps them in between two engine steps,
+  so it generates while the weights arrive; `vllm serve` with tandem's plugin (integrations/vllm_plugin) loads them
+  in place, paused;
 - `VllmNcclPlane`, into `vllm serve --weight-transfer-config '{"backend":"nccl"}'`: vLLM's own trainer-side
   helpers (the `vllm` extra) join its NCCL group and broadcast in its packed format from the trainer's GPU.
 A sharded (FSDP2) parameter is gathered whole just before it is sent and freed right after, so the trainer never
 holds more than one layer's tensor beyond its shard (plus vLLM's packing buffers on NCCL). A failure sends
-`/finish_weight_update` (the server then keeps its previous weights) and stops training with what went wrong;
-every wait is bounded by `timeout_s`.
+`/finish_weight_update` and raises what went wrong: `TransferFailed` when the server keeps its previous weights
+(tandem serve: the trainer may sync again), `ServerProblem` when it loads in place and may hold part of the update
+(vllm serve: the run stops). Every wait is bounded by `timeout_s`.
 """
 
 import asyncio
@@ -27,7 +29,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from tandem.generation.client import ControlClient, ServerProblem
+from tandem.generation.client import ControlClient, EngineDead, ServerProblem, engine_died
 from tandem.generation.weight_transfer import RENDEZVOUS_S, join_group
 from tandem.trainer.distributed import Ranks, full_tensor
 
@@ -207,11 +209,16 @@ class TransferSync:
         shapes = [list(param.shape) for _, param in params]
         call = InThread(control_call(self.control, self.timeout_s,
                                      lambda client: client.update_weights(names, dtypes, shapes)))
-        sending = InThread(lambda: self.plane.send(tensors, self.timeout_s))
         try:
-            first_failure(call, sending, self.timeout_s)
+            if self.ranks.several:  # the gathers are collectives: on the thread the other ranks run them on
+                self.plane.send(tensors, self.timeout_s)
+                call.result(self.timeout_s)
+            else:
+                first_failure(call, InThread(lambda: self.plane.send(tensors, self.timeout_s)), self.timeout_s)
         except BaseException as exc:
             self._abandon()
+            if isinstance(exc, EngineDead):
+                raise ServerProblem(f"weight transfer of version {version} failed: {engine_died(exc)}") from None
             # A server that loads in place (vLLM) may now hold part of the new weights: no sync again can be trusted.
             failed = ServerProblem if self.plane.pauses_generation else TransferFailed
             raise failed(f"weight transfer of version {version} failed: {exc}. {self.plane.after_failure}") from exc
