@@ -1,17 +1,12 @@
-"""The command `tandem train RECIPE --dry-run` prints for a CPU starts real vLLM, and the recipe trains against it;
-when that server's engine dies mid-run, the run stops at once with one line (not 30 minutes of waiting). One test, in
-that order: the second half kills the server the first half trains against."""
+"""The command `tandem train RECIPE --dry-run` prints for a CPU starts real vLLM, and the recipe trains against it."""
 
 import json
 import shlex
-import subprocess
-import sys
-import time
 
 import pytest
 
 from tandem.tasks import TINY_MODEL_PATH
-from tests.vllm.conftest import ENV_DIR, REPO, VllmServer, require_environment, run_tandem
+from tests.vllm.conftest import ENV_DIR, VllmServer, require_environment, run_tandem
 
 
 def cpu_command(recipe: str) -> tuple[dict, list[str]]:
@@ -39,8 +34,7 @@ def dry_run_server(tmp_path_factory):
         server.kill()
 
 
-def test_the_demo_trains_against_the_vllm_its_dry_run_starts_and_stops_in_one_line_when_its_engine_dies(tmp_path,
-                                                                                                   dry_run_server):
+def test_the_demo_trains_against_the_vllm_its_dry_run_starts(tmp_path, dry_run_server):
     done = run_tandem("train", "examples/demo.yaml", "--vllm_server_base_url", dry_run_server.url, "--max_steps", "20",
                       "--max_staleness", "0", "--output_dir", str(tmp_path / "run"), "--save_strategy", "no",
                       "--disable_tqdm", "true")
@@ -49,23 +43,3 @@ def test_the_demo_trains_against_the_vllm_its_dry_run_starts_and_stops_in_one_li
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     gaps = [r["sampling/sampling_logp_difference/max"] for r in rows if "loss" in r]
     assert len(gaps) == 20 and max(gaps) <= 1e-4, gaps
-
-    # Then its engine dies under a run (staleness 2: requests in flight when it does)
-    run = tmp_path / "killed"
-    training = subprocess.Popen([sys.executable, "-m", "tandem", "train", "examples/demo.yaml", "--vllm_server_base_url",
-                                 dry_run_server.url, "--output_dir", str(run), "--disable_tqdm", "true"],
-                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (run / "metrics.jsonl").exists() or len((run / "metrics.jsonl").read_text().splitlines()) < 3:
-            assert time.monotonic() < deadline and training.poll() is None, "the run trained three steps"
-            time.sleep(0.5)
-        dry_run_server.kill_engine()
-        killed = time.monotonic()
-        _, stderr = training.communicate(timeout=120)
-    finally:
-        training.kill()
-    assert training.returncode == 2, stderr[-3000:]
-    last = stderr.strip().splitlines()[-1]
-    assert "engine died" in last and "restart the server" in last and "Traceback" not in stderr, stderr[-3000:]
-    assert time.monotonic() - killed < 60, "stopped at once, not after vllm_server_timeout"
