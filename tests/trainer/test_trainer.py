@@ -350,6 +350,33 @@ def test_an_external_server_that_goes_away_and_comes_back_within_vllm_server_tim
     assert Counter(trainer.source.ledger.finished) == Counter(range(24)), "no group lost"
 
 
+class KillExternalServerAfterStepOne(AsyncGRPOTrainer):
+    """After step 1 the external server is killed for good."""
+
+    def training_step(self, micro_batches):
+        if self.state.step == 1 and not hasattr(self, "killed"):
+            self.killed = os.kill(self.server.process.pid, signal.SIGKILL) or True
+        return super().training_step(micro_batches)
+
+
+def test_an_external_server_gone_for_good_is_waited_for_saying_so_then_ends_the_run_in_one_line(tmp_path, capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = external_server(port, tmp_path / "server.log")
+    args = config(tmp_path, vllm_server_base_url=f"http://127.0.0.1:{port}", max_steps=20, vllm_server_timeout=12)
+    trainer = KillExternalServerAfterStepOne("tiny", accuracy_reward, args=args, train_dataset=small_dataset(24))
+    trainer.server = server
+    try:
+        with pytest.raises(ServerProblem, match="did not come back") as stopped:
+            trainer.train()
+    finally:
+        server.stop()
+    assert "vllm_server_timeout=12s" in str(stopped.value) and "Traceback" not in str(stopped.value)
+    said = capsys.readouterr().err
+    assert "waiting up to vllm_server_timeout=12s" in said, "the wait is said as it begins, not only when it ends"
+
+
 class KillReplicaAfterStepTwo(TrainerCallback):
     """kill -9 of replica 1 behind the proxy after step 2; it is started again on its port 3 s later. The run stops two
     steps after the proxy routes to both replicas again."""

@@ -69,6 +69,17 @@ class VllmServer:
             os.killpg(self.process.pid, 9)
             self.process.wait()
 
+    def kill_engine(self) -> None:
+        """SIGKILL vLLM's engine process alone (a crash of the engine; its HTTP front is left to react)."""
+        for stat in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                if b"EngineCore" in stat.read_bytes() and os.getpgid(int(stat.parent.name)) == self.process.pid:
+                    os.kill(int(stat.parent.name), 9)
+                    return
+            except OSError:  # a process that ended meanwhile
+                continue
+        raise RuntimeError(f"no engine process in vllm serve's group {self.process.pid}")
+
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 

@@ -1,12 +1,17 @@
-"""The command `tandem train RECIPE --dry-run` prints for a CPU starts real vLLM, and the recipe trains against it."""
+"""The command `tandem train RECIPE --dry-run` prints for a CPU starts real vLLM, and the recipe trains against it;
+when that server's engine dies mid-run, the run stops at once with one line (not vllm_server_timeout of waiting). The
+second test kills the engine of the server the first trains against: they run in that order."""
 
 import json
 import shlex
+import subprocess
+import sys
+import time
 
 import pytest
 
 from tandem.tasks import TINY_MODEL_PATH
-from tests.vllm.conftest import ENV_DIR, VllmServer, require_environment, run_tandem
+from tests.vllm.conftest import ENV_DIR, REPO, VllmServer, require_environment, run_tandem
 
 
 def cpu_command(recipe: str) -> tuple[dict, list[str]]:
@@ -43,3 +48,24 @@ def test_the_demo_trains_against_the_vllm_its_dry_run_starts(tmp_path, dry_run_s
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     gaps = [r["sampling/sampling_logp_difference/max"] for r in rows if "loss" in r]
     assert len(gaps) == 20 and max(gaps) <= 1e-4, gaps
+
+
+def test_when_the_engine_of_that_server_dies_the_run_stops_at_once_in_one_line(tmp_path, dry_run_server):
+    run = tmp_path / "killed"
+    training = subprocess.Popen([sys.executable, "-m", "tandem", "train", "examples/demo.yaml", "--vllm_server_base_url",
+                                 dry_run_server.url, "--output_dir", str(run), "--disable_tqdm", "true"],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (run / "metrics.jsonl").exists() or len((run / "metrics.jsonl").read_text().splitlines()) < 3:
+            assert time.monotonic() < deadline and training.poll() is None, "the run trained three steps"
+            time.sleep(0.5)
+        dry_run_server.kill_engine()  # staleness 2: requests in flight when it dies
+        killed = time.monotonic()
+        _, stderr = training.communicate(timeout=120)
+    finally:
+        training.kill()
+    assert training.returncode == 2, f"{stderr[-3000:]}\nserver:\n{dry_run_server.tail()}"
+    last = stderr.strip().splitlines()[-1]
+    assert "engine died" in last and "restart the server" in last and "Traceback" not in stderr, stderr[-3000:]
+    assert time.monotonic() - killed < 60, "stopped at once, not after vllm_server_timeout"

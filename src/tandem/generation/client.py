@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import aiohttp
 
 RETRY_STATUSES = (502, 503, 504)
+ENGINE_WATCH_S = 1.0
+"""How often a control call the engine must act on asks /health meanwhile (vLLM never answers one once its engine died)."""
 ENGINE_DEAD = "EngineCore encountered an issue"
 """vLLM's answer (500) once its engine process has died: to the requests in flight, then its front exits (or, with
 VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1, stays up answering so to every request)."""
@@ -44,6 +46,16 @@ def engine_died(error: EngineDead) -> str:
 class ServerProblem(RuntimeError):
     """The server cannot serve this run as it was started, or it stopped serving: the message says what to change.
     `tandem train` prints it as one line."""
+
+
+class ServerGone(ConnectionError):
+    """The server did not answer at all (refused, reset, timed out) for as long as the client retries."""
+
+
+def server_gone(error: Exception, timeout_s: float) -> str:
+    """What to tell the user when the server stayed away past vllm_server_timeout (`error`: how it went away)."""
+    return (f"the generation server stopped answering ({error}) and did not come back within vllm_server_timeout="
+            f"{timeout_s:g}s; its log says why it stopped. Restart it and resume with resume_from_checkpoint.")
 
 
 @dataclass
@@ -82,6 +94,10 @@ class _Http:
         self.connections = connections
         self.retries = 0
         """Requests re-sent after a transport error or a 502/503/504 (the trainer logs it as rollout/vllm_retry_count)."""
+        self.down_since: float | None = None
+        """When the server last stopped answering at all (monotonic seconds); None once any answer came back."""
+        self.down_reason = ""
+        """The transport error that began the outage."""
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self):
@@ -111,6 +127,7 @@ class _Http:
             may_retry = retry and (attempt < self.max_retries or time.monotonic() - start < self.retry_for_s)
             try:
                 async with self._client().request(method, url, json=body, params=params, timeout=timeout) as response:
+                    self.down_since = None
                     text = await response.text()
                     if response.status < 300:
                         return response.status, text
@@ -118,9 +135,11 @@ class _Http:
                         message = _error_message(text)
                         raise (EngineDead if ENGINE_DEAD in message else ServerError)(response.status, message, url)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                if self.down_since is None:
+                    self.down_since, self.down_reason = time.monotonic(), repr(exc)
                 if not may_retry:
-                    raise ConnectionError(f"{url} could not be reached after {attempt + 1} attempt(s) in "
-                                          f"{time.monotonic() - start:.0f}s: {exc!r}") from exc
+                    raise ServerGone(f"{url} could not be reached after {attempt + 1} attempt(s) in "
+                                     f"{time.monotonic() - start:.0f}s: {exc!r}") from exc
             attempt += 1
             self.retries += 1
             delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
@@ -222,42 +241,64 @@ class ControlClient(_Http):
     async def world_size(self) -> int:
         return int((await self.get_json("/get_world_size"))["world_size"])
 
+    async def engine_request(self, method: str, path: str, **kw) -> tuple[int, str]:
+        """A request the engine must act on (pause, weights, adapters), watched: vLLM's front never answers one once its
+        engine process died, but its /health then answers 503 (tandem serve's and tandem proxy's alike)."""
+        call = asyncio.ensure_future(self.request(method, path, **kw))
+        try:
+            while not (await asyncio.wait({call}, timeout=ENGINE_WATCH_S))[0]:
+                await self._raise_if_engine_dead()
+            return call.result()
+        finally:
+            call.cancel()
+
+    async def _raise_if_engine_dead(self) -> None:
+        try:
+            await self.request("GET", "/health", retry=False, timeout_s=5)
+        except ServerError as exc:
+            if exc.status == 503:
+                raise EngineDead(503, "a call waiting on the engine will not be answered", exc.url) from None
+        except ConnectionError:
+            pass  # gone altogether: the watched call fails on its own
+
     async def pause(self, mode: str = "keep") -> None:
-        await self.request("POST", "/pause", params={"mode": mode})
+        await self.engine_request("POST", "/pause", params={"mode": mode})
 
     async def resume(self) -> None:
-        await self.request("POST", "/resume")
+        await self.engine_request("POST", "/resume")
 
     async def is_paused(self) -> bool:
         return bool((await self.get_json("/is_paused"))["is_paused"])
 
     async def reload_weights(self, weights_path: str) -> None:
         body = {"method": "reload_weights", "kwargs": {"weights_path": weights_path, "is_checkpoint_format": True}}
-        await self.request("POST", "/collective_rpc", body=body)
+        await self.engine_request("POST", "/collective_rpc", body=body)
 
     async def reset_prefix_cache(self) -> bool:
-        return bool((await self.post_json("/reset_prefix_cache")).get("success", True))
+        _, text = await self.engine_request("POST", "/reset_prefix_cache")
+        return bool(json.loads(text).get("success", True)) if text.strip() else True
 
     async def init_weight_transfer(self, init_info: dict) -> None:
         """Join the server's workers to the trainer's transfer group (returns once they have joined)."""
-        await self.request("POST", "/init_weight_transfer_engine", body={"init_info": init_info}, retry=False)
+        await self.engine_request("POST", "/init_weight_transfer_engine", body={"init_info": init_info}, retry=False)
 
     async def start_weight_update(self) -> None:
-        await self.request("POST", "/start_weight_update", body={}, retry=False)
+        await self.engine_request("POST", "/start_weight_update", body={}, retry=False)
 
     async def update_weights(self, names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> None:
         """Announce the tensors the trainer now broadcasts, in this order; returns once the server has them all."""
         body = {"update_info": {"names": names, "dtype_names": dtype_names, "shapes": shapes}}
-        await self.request("POST", "/update_weights", body=body, retry=False)
+        await self.engine_request("POST", "/update_weights", body=body, retry=False)
 
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
-        await self.request("POST", "/finish_weight_update", body={"weight_version": weight_version}, retry=False)
+        await self.engine_request("POST", "/finish_weight_update", body={"weight_version": weight_version}, retry=False)
 
     async def load_lora(self, name: str, path: str) -> None:
-        await self.request("POST", "/v1/load_lora_adapter", body={"lora_name": name, "lora_path": path, "load_inplace": False})
+        await self.engine_request("POST", "/v1/load_lora_adapter",
+                                  body={"lora_name": name, "lora_path": path, "load_inplace": False})
 
     async def unload_lora(self, name: str) -> None:
-        await self.request("POST", "/v1/unload_lora_adapter", body={"lora_name": name})
+        await self.engine_request("POST", "/v1/unload_lora_adapter", body={"lora_name": name})
 
     async def metrics(self) -> ServerMetrics:
         _, text = await self.request("GET", "/metrics")

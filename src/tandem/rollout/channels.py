@@ -1,8 +1,9 @@
 """What crosses the process boundary between the trainer and the rollout worker.
 
 The worker puts tagged messages on `out`: ("samples", [Sample]), ("skip", position), ("metrics",
-{name: [values]}), ("end", None) when it has nothing left to generate, ("error", traceback text), and ("server",
-message) when the server stopped serving for good (vLLM's engine died: no traceback, nothing to retry). The
+{name: [values]}), ("end", None) when it has nothing left to generate, ("say", a line for the user: the server has
+not answered for a while), ("error", traceback text), and ("server", message) when the server stopped serving for
+good (vLLM's engine died, or it stayed away past vllm_server_timeout: no traceback, nothing to retry). The
 trainer puts on `retry` the positions of groups it dropped as stale, to be generated again (the worker then
 sends their samples, and "end" once more), and on `evaluate` (step, policy version) to have the eval prompts generated and
 scored (the worker answers ("eval", (step, {name: [values]}))). It publishes the policy version and its token consumption in

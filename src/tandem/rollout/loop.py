@@ -41,6 +41,8 @@ from tandem.tool_calls import ToolCall, parse_reply, tool_schema
 SCORE_QUEUE_MAXSIZE = 16
 RENDER_CACHE_SIZE = 4096
 REPORT_EVERY_S = 1.0
+OUTAGE_SAY_S, OUTAGE_SAY_AGAIN_S = 10.0, 60.0
+"""A server silent this long is said to be (and again as often while it lasts): its requests retry without a word."""
 IDLE_POLL_S = 0.05
 RECENT_GROUPS = 16
 FAILED_IN_A_ROW = 5
@@ -290,7 +292,8 @@ class AsyncRolloutLoop:
 
     # ---- the loop ---------------------------------------------------------------------------------
     async def run(self) -> None:
-        background = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._report())]
+        background = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._report()),
+                      asyncio.create_task(self._say_outages())]
         try:
             await self.setup()
             self.sampling_masks = self.config.uses_truncated_sampling and await self._server_returns_sampling_masks()
@@ -726,6 +729,21 @@ class AsyncRolloutLoop:
             self.record("rollout/vllm_retry_count", self.client.retries - last_retries)
             last, last_tokens, last_retries = now, self.generated_tokens, self.client.retries
             self._flush_records()
+
+    async def _say_outages(self) -> None:
+        """Tell the trainer's user when the server stops answering at all (its requests are retried meanwhile, for
+        up to vllm_server_timeout): OUTAGE_SAY_S into the outage, then every OUTAGE_SAY_AGAIN_S while it lasts."""
+        said = None
+        while True:
+            await asyncio.sleep(REPORT_EVERY_S)
+            down, now = self.client.down_since, time.monotonic()
+            if down is None:
+                said = None
+            elif now - down >= OUTAGE_SAY_S and (said is None or now - said >= OUTAGE_SAY_AGAIN_S):
+                said = now
+                self.emit("say", f"the generation server {self.base_url} has not answered for {now - down:.0f}s "
+                                 f"({self.client.down_reason}); waiting for it up to vllm_server_timeout="
+                                 f"{self.config.vllm_server_timeout:g}s (its log says why it stopped)")
 
     def _flush_records(self) -> None:
         if self.records:

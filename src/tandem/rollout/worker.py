@@ -14,7 +14,7 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from tandem.generation.client import EngineDead, ServerProblem, engine_died
+from tandem.generation.client import EngineDead, ServerGone, ServerProblem, engine_died, server_gone
 from tandem.rollout.channels import Channels
 from tandem.rollout.settings import RolloutSettings
 
@@ -60,10 +60,20 @@ def worker_main(spec: WorkerSpec, channels: Channels) -> None:
         loop = spec.loop_cls(spec.settings, processing_class=tokenizer, channels=channels)
         asyncio.run(loop.run())
     except BaseException as exc:
-        channels.out.put(("server", engine_died(exc)) if isinstance(exc, EngineDead) else ("error", traceback.format_exc()))
+        channels.out.put(stop_message(exc, spec.settings.config.vllm_server_timeout))
         channels.out.close()
         channels.out.join_thread()  # the message is in the pipe before the process exits
         raise SystemExit(1)
+
+
+def stop_message(exc: BaseException, timeout_s: float) -> tuple[str, str]:
+    """The worker's last message: a server that stopped serving ("server": one line, no bug of the worker's), or
+    the traceback of an error."""
+    if isinstance(exc, EngineDead):
+        return "server", engine_died(exc)
+    if isinstance(exc, ServerGone):
+        return "server", server_gone(exc, timeout_s)
+    return "error", traceback.format_exc()
 
 
 @contextmanager

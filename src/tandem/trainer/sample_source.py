@@ -218,6 +218,8 @@ class SampleSource:
             self.evaluations[step] = records
         elif kind == "end":
             self.ended = True
+        elif kind == "say":  # the worker tells the user something (a server that stopped answering)
+            self.say(payload)
         return True
 
     def evaluate(self, step: int, model_version: int) -> dict[str, list] | None:

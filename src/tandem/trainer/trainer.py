@@ -28,7 +28,7 @@ from transformers.trainer_utils import enable_full_determinism
 from transformers.utils import logging as hf_logging
 
 from tandem.config import AsyncGRPOConfig
-from tandem.generation.client import EngineDead, ServerProblem, engine_died
+from tandem.generation.client import EngineDead, ServerProblem, engine_died, server_gone
 from tandem.metrics.doctor import OFF_POLICY_BOUND
 from tandem.metrics.window import MetricWindow
 from tandem.packing import PackedRow
@@ -638,9 +638,9 @@ class AsyncGRPOTrainer:
             try:
                 session.run(session.control.wait_healthy(min(RECONNECT_POLL_S, max(0.0, deadline - time.monotonic()))))
                 break
-            except TimeoutError as exc:
+            except TimeoutError:
                 if time.monotonic() >= deadline:
-                    raise ServerProblem(f"the weight sync failed ({error}) and the server did not come back: {exc}") from None
+                    raise ServerProblem(f"the weight sync failed: {server_gone(error, args.vllm_server_timeout)}") from None
         self.sync = choose_sync(session.control, session, self.served_name, self.model, args, self.lora, self.ranks)
         self.pushes = 0  # the server that came back may serve other weights: probe it as a new one
         self._push(version)
