@@ -1,16 +1,25 @@
 """Checkpoints on their own: a write killed half-way is never read, and what resumes is the last complete one."""
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tandem import AsyncGRPOConfig
-from tandem.tasks import TINY_MODEL_PATH
+from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
+from tandem.cli import lora_config
+from tandem.config import load_recipe
+from tandem.rewards import accuracy_reward
+from tandem.tasks import TINY_MODEL_PATH, datasets
 from tandem.trainer import checkpoint
 from tandem.trainer.checkpoint import TrainerState
 from tandem.trainer.distributed import Ranks
 from tandem.trainer.optimization import make_optimizer, make_scheduler
 from tandem.trainer.sample_source import ResumePoint
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 def test_a_checkpoint_write_killed_half_way_is_never_read_and_the_last_complete_one_resumes(tmp_path, monkeypatch):
@@ -38,3 +47,21 @@ def test_a_checkpoint_write_killed_half_way_is_never_read_and_the_last_complete_
     monkeypatch.undo()
     save(4)  # the next run writes step 4 again over the leftovers
     assert checkpoint.checkpoints(tmp_path)[-1].name == "checkpoint-4" and not (tmp_path / ".checkpoint-4.tmp").exists()
+
+
+def test_a_checkpoint_written_before_the_runtime_reshaping_still_resumes_and_trains_its_saved_queue(tmp_path):
+    """tests/fixtures/lora-checkpoint-4: written by commit 4855628 at step 4 of examples/lora.yaml, with 16 samples
+    queued. Resumed for two steps, it goes on from step 4 and trains those samples, so their prompts are finished."""
+    fixture = tmp_path / "checkpoint-4"
+    shutil.copytree(FIXTURES / "lora-checkpoint-4", fixture)
+    queued = {sample.position for sample in checkpoint.load_resume_point(fixture).samples}
+    assert len(checkpoint.load_resume_point(fixture).samples) == 16 and queued
+    recipe = load_recipe("examples/lora.yaml", ["--max_steps", "6", "--save_steps", "6", "--output_dir",
+                                                str(tmp_path / "run"), "--disable_tqdm", "true"])
+    trainer = AsyncGRPOTrainer(recipe.model, accuracy_reward, args=recipe.config, train_dataset=datasets.load(recipe.dataset),
+                               peft_config=lora_config(recipe.lora))
+    trainer.train(resume_from_checkpoint=str(fixture))
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert steps[0] == 5 and steps[-1] == 6, steps
+    after = checkpoint.load_resume_point(tmp_path / "run" / "checkpoint-6")
+    assert all(p < after.start or p in after.finished for p in queued), "the saved queue was trained first"
