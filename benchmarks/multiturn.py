@@ -22,9 +22,9 @@ from transformers import AutoTokenizer
 from tandem.generation.client import ControlClient, GenerationClient, parse_prometheus
 from tandem.generation.launcher import EmbeddedServer
 from tandem.rollout.reconcile import reconcile
-from tandem.rollout.records import Sample, TurnRecord
+from tandem.records import Sample, TurnRecord
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
-from tandem.trainer.batching import TokenBudgetBatcher
+from tandem.packing.batching import TokenBudgetBatcher
 
 from tables import add_markdown_flag, emit, markdown_table
 

@@ -20,9 +20,9 @@ from transformers import AutoModelForCausalLM
 
 from tandem.packing import attention
 from tandem.packing.logprobs import chunked_logprobs, row_logprobs
-from tandem.rollout.records import Sample
+from tandem.records import Sample
 from tandem.tasks import TINY_MODEL_PATH
-from tandem.trainer.batching import TokenBudgetBatcher
+from tandem.packing.batching import TokenBudgetBatcher
 
 from tables import add_markdown_flag, emit, markdown_table
 

@@ -33,7 +33,7 @@ from transformers import TrainerCallback
 from tandem import AsyncGRPOTrainer
 from tandem.config import import_object, load_recipe
 from tandem.tasks import datasets
-from tandem.trainer.session import Session
+from tandem.runtime.session import Session
 
 from tables import add_markdown_flag, emit, markdown_table
 

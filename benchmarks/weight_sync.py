@@ -29,8 +29,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from tandem.generation.client import ControlClient
 from tandem.generation.launcher import EmbeddedServer
 from tandem.tasks import TINY_MODEL_PATH
-from tandem.trainer.weight_sync import LoraSync, ReloadSync, lora_server_flags
-from tandem.trainer.weight_transfer import TransferSync
+from tandem.runtime.weight_sync import LoraSync, ReloadSync, lora_server_flags
+from tandem.runtime.weight_transfer import TransferSync
 
 from tables import add_markdown_flag, emit, markdown_table
 

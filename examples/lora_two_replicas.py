@@ -21,7 +21,7 @@ from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
 from tandem.generation.launcher import EmbeddedProxy, EmbeddedServer
 from tandem.rewards import accuracy_reward
 from tandem.tasks import TINY_MODEL_PATH, datasets
-from tandem.trainer.weight_sync import lora_server_flags
+from tandem.runtime.weight_sync import lora_server_flags
 
 
 def replica_flags(max_staleness: int, rank: int) -> list[str]:

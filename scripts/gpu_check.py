@@ -42,7 +42,7 @@ def line(name: str, verdict: str) -> None:
 
 def check_serve(device: str) -> bool:
     """tandem serve on `device` in bf16 answers a completion; returns whether it did."""
-    from tandem.trainer.weight_transfer import free_port
+    from tandem.runtime.weight_transfer import free_port
 
     port = free_port("127.0.0.1")
     with tempfile.TemporaryFile() as log:
@@ -82,7 +82,7 @@ def check_flex(device: str) -> bool:
 
     from tandem.packing import attention, pack
     from tandem.packing.logprobs import row_logprobs
-    from tandem.rollout.records import Sample
+    from tandem.records import Sample
     from tandem.tasks import TINY_MODEL_PATH
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

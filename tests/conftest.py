@@ -19,7 +19,7 @@ from tandem.tasks import TINY_MODEL_PATH
 def no_run_report(request, monkeypatch):
     """Runs in tests do not draw report.html when they end (2-3 s each), unless the test is marked `report`."""
     if "report" not in request.keywords:
-        monkeypatch.setattr("tandem.trainer.session.Session.write_report", lambda session: None)
+        monkeypatch.setattr("tandem.runtime.session.Session.write_report", lambda session: None)
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ from tandem.rewards import accuracy_reward
 from tandem.rollout.prompt_stream import epoch_order
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
 from tandem.packing import pack
-from tandem.trainer.batching import TokenBudgetBatcher
+from tandem.packing.batching import TokenBudgetBatcher
 from tandem.trainer.objectives import make_objective
 from tandem.trainer.optimization import make_optimizer, make_scheduler
 from tests.packing.samples import sample
@@ -260,7 +260,7 @@ def test_bf16_autocasts_the_trainers_forward_and_leaves_the_weights_in_float32(t
 def rollout_loop(args: AsyncGRPOConfig, tokenizer=None):
     """The rollout loop built in-process, as the worker builds it (no server behind its address)."""
     from tandem import AsyncRolloutLoop
-    from tandem.rollout.channels import Channels
+    from tandem.channels import Channels
     from tandem.rollout.settings import RolloutSettings
     from transformers import AutoTokenizer
 

@@ -9,17 +9,21 @@ import tandem
 SOURCE = Path(tandem.__file__).parent
 
 NEUTRAL = {"tandem.__version__", "tandem.config", "tandem.prompts", "tandem.tool_calls", "tandem.exact_attention",
-           "tandem.architecture", "tandem.httpapp", "tandem.tasks"}
-"""Modules any layer may use: the package itself (its version), plain settings and small shared helpers."""
+           "tandem.architecture", "tandem.httpapp", "tandem.tasks", "tandem.records", "tandem.channels",
+           "tandem.distributed", "tandem.model_folder"}
+"""Modules any layer may use: the package itself (its version), plain settings, the records both processes exchange,
+the process group and the model folder writer, and small shared helpers."""
 
 ALLOWED = {
     "losses": set(),
     "metrics": set(),
     "generation": set(),
     "proxy": {"generation.client"},
-    "packing": {"rollout.records"},
+    "packing": set(),
     "rollout": {"generation.client", "metrics"},
-    "trainer": {"generation.client", "generation.launcher", "generation.weight_transfer", "packing", "losses", "metrics", "rollout.records",
+    "runtime": {"generation.client", "generation.launcher", "generation.weight_transfer", "packing", "metrics",
+                "rollout.worker"},
+    "trainer": {"generation.client", "packing", "losses", "metrics", "runtime",
                 "rollout.loop", "rollout.settings", "rollout.worker", "rollout.tools", "rollout.environments",
                 "rollout.prompt_stream"},
 }

@@ -12,9 +12,9 @@ _HOMES = {
     "AsyncGRPOConfig": "tandem.config",
     "AsyncGRPOTrainer": "tandem.trainer.trainer",
     "AsyncRolloutLoop": "tandem.rollout.loop",
-    "Rollout": "tandem.rollout.records",
-    "RolloutGroup": "tandem.rollout.records",
-    "TurnRecord": "tandem.rollout.records",
+    "Rollout": "tandem.records",
+    "RolloutGroup": "tandem.records",
+    "TurnRecord": "tandem.records",
 }
 
 __all__ = [*_HOMES, "__version__"]

@@ -222,7 +222,7 @@ def serve_command(recipe, max_model_len: int, cpu: bool) -> str:
     if config.uses_truncated_sampling and not cpu:  # vLLM's CPU build cannot return masks (dry_run says so)
         parts += ["--return-sampling-mask", "--enable-scale-out"]
     if lora:
-        from tandem.trainer.weight_sync import lora_server_flags
+        from tandem.runtime.weight_sync import lora_server_flags
 
         parts += lora_server_flags(config.max_staleness, lora_config(recipe.lora).r)
     return " ".join(shlex.quote(part) for part in parts)

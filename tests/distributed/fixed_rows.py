@@ -17,10 +17,10 @@ from transformers import AutoModelForCausalLM
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
 from tandem.packing import pack
 from tandem.rewards import accuracy_reward
-from tandem.rollout.records import Sample
+from tandem.records import Sample
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
-from tandem.trainer.distributed import full_tensor
-from tandem.trainer.sync_check import policy_logprobs
+from tandem.distributed import full_tensor
+from tandem.runtime.sync_check import policy_logprobs
 
 
 def sample(reference, prompt: list[int], completion: list[int], group: int, rollout: str, reward: float) -> Sample:

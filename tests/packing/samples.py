@@ -2,7 +2,7 @@
 
 from hypothesis import strategies as st
 
-from tandem.rollout.records import Sample
+from tandem.records import Sample
 
 
 def sample(ids, trained=None, group=0, advantage=1.0, logprobs=None, sampling_mask=None) -> Sample:

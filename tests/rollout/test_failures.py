@@ -12,12 +12,12 @@ from transformers import AutoTokenizer
 
 from tandem import AsyncGRPOConfig, AsyncRolloutLoop, TurnRecord
 from tandem.generation.client import ServerError, ServerGone
-from tandem.rollout.channels import Channels
+from tandem.channels import Channels
 from tandem.rollout.loop import FAILED_IN_A_ROW
 from tandem.rollout.settings import RolloutSettings
 from tandem.rollout.worker import stop_message
 from tandem.tasks import TINY_MODEL_PATH
-from tandem.trainer.weight_transfer import free_port
+from tandem.runtime.weight_transfer import free_port
 
 TOKENIZER = AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
 

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from tandem.metrics.window import MetricWindow
 from tandem.rollout.pacing import ConcurrencyCap, TokenAllowance
 from tandem.rollout.reconcile import reconcile
-from tandem.rollout.records import TurnRecord
+from tandem.records import TurnRecord
 
 
 def test_allowance_is_max_staleness_steps_of_consumption():

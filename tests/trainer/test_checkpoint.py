@@ -15,9 +15,9 @@ from tandem.rewards import accuracy_reward
 from tandem.tasks import TINY_MODEL_PATH, datasets
 from tandem.trainer import checkpoint
 from tandem.trainer.checkpoint import TrainerState
-from tandem.trainer.distributed import Ranks
+from tandem.distributed import Ranks
 from tandem.trainer.optimization import make_optimizer, make_scheduler
-from tandem.trainer.sample_source import ResumePoint
+from tandem.runtime.sample_source import ResumePoint
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 

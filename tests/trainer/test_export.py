@@ -17,10 +17,10 @@ from tandem.cli import main
 from tandem.tasks import TINY_MODEL_PATH
 from tandem.trainer import checkpoint
 from tandem.trainer.checkpoint import TrainerState
-from tandem.trainer.distributed import Ranks
+from tandem.distributed import Ranks
 from tandem.trainer.export import export
 from tandem.trainer.optimization import make_optimizer, make_scheduler
-from tandem.trainer.sample_source import ResumePoint
+from tandem.runtime.sample_source import ResumePoint
 from tests.conftest import ServerThread
 from tests.trainer.test_trainer import config, small_dataset
 from tests.trainer.test_weight_sync import lora_model, perturb

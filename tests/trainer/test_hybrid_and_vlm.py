@@ -14,7 +14,7 @@ from tandem.generation.client import ControlClient
 from tandem.packing import PADDED, TREE, pack
 from tandem.packing.logprobs import row_logprobs
 from tandem.trainer.model import check_dataset, load_model
-from tandem.trainer.weight_transfer import GlooPlane, TransferSync
+from tandem.runtime.weight_transfer import GlooPlane, TransferSync
 from tests.conftest import ServerThread, saved_with_tiny_tokenizer
 from tests.packing.samples import sample
 from tests.trainer.test_trainer import config, logged, small_dataset, varied_reward

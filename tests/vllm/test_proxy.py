@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from tandem.generation.client import parse_prometheus
 from tandem.tasks import TINY_MODEL_PATH
-from tandem.trainer.weight_transfer import free_port
+from tandem.runtime.weight_transfer import free_port
 
 
 def call(url: str, path: str, body: dict | None = None, timeout_s: float = 60) -> tuple[int, dict | str]:

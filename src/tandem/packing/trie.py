@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.rollout.records import Sample
+from tandem.records import Sample
 
 TREE, PADDED = "tree", "padded"
 LAYOUTS = (TREE, PADDED)

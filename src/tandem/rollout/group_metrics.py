@@ -3,7 +3,7 @@
 
 import numpy as np
 
-from tandem.rollout.records import RolloutGroup
+from tandem.records import RolloutGroup
 
 
 def record_group(record, group: RolloutGroup, columns: dict[str, np.ndarray], kept: bool, eos_token_ids: list[int],

@@ -27,13 +27,13 @@ from tandem.generation.client import ControlClient, EngineDead, GenerationClient
 from tandem.metrics.window import check_values
 from tandem.prompts import render_chat
 from tandem.rollout import rewards as scoring
-from tandem.rollout.channels import Channels
+from tandem.channels import Channels
 from tandem.rollout.environments import ROUTE_COLUMN, EnvironmentPool, environment_tools, factories_of, reset_prompt, route
 from tandem.rollout.group_metrics import record_group
 from tandem.rollout.pacing import METRICS_POLL_S, ConcurrencyCap, TokenAllowance
 from tandem.rollout.prompt_stream import PromptStream
 from tandem.rollout.reconcile import reconcile
-from tandem.rollout.records import Rollout, RolloutGroup, Sample, TurnRecord
+from tandem.records import Rollout, RolloutGroup, Sample, TurnRecord
 from tandem.rollout.settings import RolloutSettings
 from tandem.rollout.tools import ToolResult, ToolRunner, Toolbox
 from tandem.tool_calls import ToolCall, parse_reply, tool_schema

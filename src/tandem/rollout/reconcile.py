@@ -5,7 +5,7 @@ exactly once; context tokens never are."""
 
 from dataclasses import dataclass
 
-from tandem.rollout.records import TrainingSequence, TurnRecord
+from tandem.records import TrainingSequence, TurnRecord
 
 
 @dataclass

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from tandem.generation.client import EngineDead, ServerGone, ServerProblem, engine_died, server_gone
-from tandem.rollout.channels import Channels
+from tandem.channels import Channels
 from tandem.rollout.settings import RolloutSettings
 
 

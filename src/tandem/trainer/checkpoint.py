@@ -31,11 +31,11 @@ import torch.distributed.checkpoint as dcp
 import transformers
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from tandem.rollout.records import Sample
+from tandem.records import Sample
 from tandem.tasks import TINY_MODEL_PATH
-from tandem.trainer.distributed import Ranks, full_tensor
-from tandem.trainer.sample_source import ResumePoint
-from tandem.trainer.weight_sync import quiet_progress
+from tandem.distributed import Ranks
+from tandem.runtime.sample_source import ResumePoint
+from tandem.model_folder import save_model_folder
 
 PATTERN = re.compile(r"^checkpoint-(\d+)$")
 SHARDS = "distributed"
@@ -70,41 +70,6 @@ def one_process_is_intended():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
-
-
-def save_model_folder(model, folder: Path, ranks: Ranks) -> None:
-    """`model` as a folder transformers loads (`save_pretrained`'s layout), from one rank or from FSDP2 shards.
-    Sharded weights go through DCP's Hugging Face writer: every rank writes its shards, then rank 0 joins them into
-    whole safetensors files tensor by tensor, so no rank ever holds the whole model. Every rank calls this."""
-    if not ranks.several:
-        with quiet_progress():
-            model.save_pretrained(folder, safe_serialization=True)
-        return
-    if hasattr(model, "peft_config"):  # an adapter is small: gathered whole, saved by rank 0
-        from peft import get_peft_model_state_dict
-
-        adapter = {name: full_tensor(value).cpu() for name, value in get_peft_model_state_dict(model).items()}
-        if ranks.main:
-            with quiet_progress():
-                model.save_pretrained(folder, safe_serialization=True, state_dict=adapter)
-        ranks.barrier()
-        return
-    if ranks.main:
-        folder.mkdir(parents=True, exist_ok=True)
-        model.config.save_pretrained(folder)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(folder)
-    weights = dict(model.named_parameters())  # tied weights once, under their first name (as save_pretrained does)
-    weights |= {name: b for name, b in model.named_buffers() if name.rsplit(".", 1)[-1] not in _non_persistent(model, name)}
-    dcp.save(weights, storage_writer=dcp.HuggingFaceStorageWriter(str(folder), save_distributed=True, enable_consolidation=True))
-    ranks.barrier()
-    if ranks.main:
-        shutil.rmtree(folder / "sharded", ignore_errors=True)  # the writer's per-rank files, joined above
-
-
-def _non_persistent(model, buffer_name: str) -> set[str]:
-    owner = model.get_submodule(buffer_name.rpartition(".")[0])
-    return set(getattr(owner, "_non_persistent_buffers_set", ()))
 
 
 def save(folder: Path, model, tokenizer, optimizer, scheduler, state: TrainerState, save_total_limit: int | None,

@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from tandem.tasks import TINY_MODEL_PATH
 from tandem.trainer import checkpoint
-from tandem.trainer.distributed import Ranks
+from tandem.distributed import Ranks
+from tandem.model_folder import save_model_folder
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -96,5 +97,5 @@ def merge_adapter(adapter_dir: Path, base_model: str, dtype: str) -> PreTrainedM
 
 def write(model: PreTrainedModel, tokenizer, folder: Path) -> None:
     """`model` and `tokenizer` as one folder transformers loads (config, generation config, safetensors, tokenizer)."""
-    checkpoint.save_model_folder(model, folder, Ranks())
+    save_model_folder(model, folder, Ranks())
     tokenizer.save_pretrained(folder)

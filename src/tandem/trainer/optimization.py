@@ -6,7 +6,7 @@ import math
 import torch
 
 from tandem.config import AsyncGRPOConfig
-from tandem.trainer.distributed import full_tensor
+from tandem.distributed import full_tensor
 
 
 def make_optimizer(model: torch.nn.Module, args: AsyncGRPOConfig) -> torch.optim.Optimizer:

@@ -27,10 +27,12 @@ from transformers.trainer_callback import CallbackHandler
 from transformers.trainer_utils import enable_full_determinism
 from transformers.utils import logging as hf_logging
 
+from tandem import distributed
 from tandem.config import AsyncGRPOConfig
 from tandem.generation.client import EngineDead, ServerProblem, engine_died, server_gone
 from tandem.metrics.doctor import OFF_POLICY_BOUND
 from tandem.metrics.window import MetricWindow
+from tandem.model_folder import save_model_folder
 from tandem.packing import PackedRow
 from tandem.packing import attention as tree_attention
 from tandem.packing.logprobs import TokenLogprobs, row_logprobs
@@ -42,18 +44,19 @@ from tandem.rollout.settings import RolloutSettings
 from tandem.rollout.tools import validate_tools
 from tandem.rollout.worker import WorkerSpec, check_picklable
 from tandem.tool_calls import tool_schema
-from tandem.trainer import OPENMP_POLICY_TOO_LATE, checkpoint, distributed, export, server_checks, sync_check
-from tandem.trainer.batching import TokenBudgetBatcher
+from tandem.runtime import server_checks, sync_check
+from tandem.trainer import OPENMP_POLICY_TOO_LATE, checkpoint, export
+from tandem.packing.batching import TokenBudgetBatcher
 from tandem.trainer.checkpoint import TrainerState
 from tandem.trainer.flops import model_shape, peak_flops, rows_flops
 from tandem.trainer.model import (autocast_dtype, check_dataset, check_precision, drop_unused_columns, eos_ids,
                                   enable_checkpointing, load_model, served_dtype, use_bf16, with_adapter)
 from tandem.trainer.objectives import LossShare, make_objective
 from tandem.trainer.optimization import clip_gradients, make_optimizer, make_scheduler
-from tandem.trainer.sample_source import ResumePoint, SampleSource, Stall
-from tandem.trainer.session import DYING_S, Session
+from tandem.runtime.sample_source import ResumePoint, SampleSource, Stall
+from tandem.runtime.session import DYING_S, Session
 from tandem.trainer.step_metrics import StepTimes, record_micro_batch, record_samples, record_step
-from tandem.trainer.weight_sync import ADAPTER_NAME, LoraSync, choose_sync, follower_sync, lora_server_flags, publish
+from tandem.runtime.weight_sync import ADAPTER_NAME, LoraSync, choose_sync, follower_sync, lora_server_flags, publish
 
 PROMPTS_MEASURED = 1000
 """An IterableDataset's first rows whose prompts are checked against the server's context length (a streamed dataset
@@ -289,13 +292,13 @@ class AsyncGRPOTrainer:
         target = Path(output_dir or self.args.output_dir)
         if merged and self.lora:
             with tempfile.TemporaryDirectory() as adapter:
-                checkpoint.save_model_folder(self.model, Path(adapter), self.ranks)  # gathered whole, on rank 0
+                save_model_folder(self.model, Path(adapter), self.ranks)  # gathered whole, on rank 0
                 if self.ranks.main:
                     model = export.merge_adapter(Path(adapter), checkpoint.base_model_name(self.model), served_dtype(self.model))
                     export.write(model, self.tokenizer, target)
             self.ranks.barrier()
             return
-        checkpoint.save_model_folder(self.model, target, self.ranks)
+        save_model_folder(self.model, target, self.ranks)
         if self.ranks.main:
             self.tokenizer.save_pretrained(target)
 

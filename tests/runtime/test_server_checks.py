@@ -10,10 +10,10 @@ from transformers import AutoModelForCausalLM
 
 from tandem.config import AsyncGRPOConfig
 from tandem.tasks import TINY_MODEL_PATH
-from tandem.trainer.weight_sync import LoraSync, ReloadSync, choose_sync
+from tandem.runtime.weight_sync import LoraSync, ReloadSync, choose_sync
 
 from tandem.generation.client import ServerProblem
-from tandem.trainer.server_checks import ServerFacts, check, release
+from tandem.runtime.server_checks import ServerFacts, check, release
 
 URL = "http://127.0.0.1:8000"
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tandem.metrics.window import MetricWindow
-from tandem.rollout.records import Sample
+from tandem.records import Sample
 from tandem.rollout.worker import WorkerLost
 
 POLL_S = 0.05

@@ -10,7 +10,7 @@ In the padded layout (models a tree row would change) a row's tokens are its sam
 """
 
 from tandem.packing import TREE, PackedRow, TrieRow
-from tandem.rollout.records import Sample
+from tandem.records import Sample
 
 
 class TokenBudgetBatcher:

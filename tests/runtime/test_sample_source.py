@@ -9,7 +9,7 @@ from tandem.metrics.window import MetricWindow
 from tandem.rollout.pacing import TokenAllowance
 from tandem.rollout.worker import WorkerLost
 from tandem.trainer import checkpoint
-from tandem.trainer.sample_source import ResumePoint, SampleSource, StalledError
+from tandem.runtime.sample_source import ResumePoint, SampleSource, StalledError
 from tests.packing.samples import sample
 
 

@@ -1,6 +1,6 @@
 """Weights streamed into `tandem serve --weight-transfer-config '{"backend":"gloo"}'` without the disk: directly,
 through `tandem proxy` to two replicas, and a transfer that fails midway; and the NCCL plane's use of vLLM's helpers,
-with gloo stand-ins for them (tests/trainer/vllm_stand_in: vLLM is not installed here and NCCL needs GPUs)."""
+with gloo stand-ins for them (tests/runtime/vllm_stand_in: vLLM is not installed here and NCCL needs GPUs)."""
 
 import asyncio
 import sys
@@ -16,10 +16,10 @@ from tandem.generation.client import ControlClient, GenerationClient, ServerErro
 from tandem.generation.launcher import EmbeddedProxy
 from tandem.packing import attention as tree_attention
 from tandem.tasks import TINY_MODEL_PATH
-from tandem.trainer import sync_check, weight_transfer
-from tandem.trainer.weight_sync import nccl_plane
+from tandem.runtime import sync_check, weight_transfer
+from tandem.runtime.weight_sync import nccl_plane
 from tandem.generation.client import ServerProblem
-from tandem.trainer.weight_transfer import InThread, TransferFailed, TransferSync, VllmNcclPlane, control_call, first_failure
+from tandem.runtime.weight_transfer import InThread, TransferFailed, TransferSync, VllmNcclPlane, control_call, first_failure
 from tests.conftest import ServerThread, chat_prompt
 
 ATOL = 1e-5
@@ -136,7 +136,7 @@ def test_the_nccl_plane_without_vllm_or_a_gpu_says_what_to_do(monkeypatch):
 
 @pytest.fixture
 def vllm_stand_in(monkeypatch):
-    """vLLM's trainer-side helpers replaced by tests/trainer/vllm_stand_in (gloo, unpacked), recording their calls."""
+    """vLLM's trainer-side helpers replaced by tests/runtime/vllm_stand_in (gloo, unpacked), recording their calls."""
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "vllm_stand_in"))
     from vllm.distributed.weight_transfer import packed_tensor
     yield packed_tensor

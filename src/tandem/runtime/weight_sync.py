@@ -13,41 +13,26 @@ import asyncio
 import shutil
 import warnings
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
-from transformers.utils import logging as hf_logging
 
 from tandem.generation.client import ControlClient, ServerProblem
-from tandem.trainer.distributed import Ranks
-from tandem.trainer.server_checks import read_facts
-from tandem.trainer.weight_transfer import GlooPlane, TransferSync, VllmNcclPlane
+from tandem.distributed import Ranks
+from tandem.model_folder import quiet_progress, save_model_folder
+from tandem.runtime.server_checks import read_facts
+from tandem.runtime.weight_transfer import GlooPlane, TransferSync, VllmNcclPlane
 
 if TYPE_CHECKING:
-    from tandem.trainer.session import Session  # `run` is anything with .run(coroutine): a Session, an asyncio.Runner
-
-
-@contextmanager
-def quiet_progress():
-    """transformers draws a progress bar per save; a save every step would bury the training console."""
-    enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if enabled:
-            hf_logging.enable_progress_bar()
+    from tandem.runtime.session import Session  # `run` is anything with .run(coroutine): a Session, an asyncio.Runner
 
 
 def publish(model: torch.nn.Module, folder: Path, name: str, ranks: Ranks, state_dict: dict | None = None) -> Path:
     """Save `model` (a whole model, or a PEFT adapter) as `folder/name`: to a temporary folder first, then renamed,
     so the server never reads half of it. `state_dict` replaces the model's own weights in the files (one rank)."""
-    from tandem.trainer.checkpoint import save_model_folder
-
     target, staging = folder / name, folder / f".{name}.tmp"
     if ranks.main:
         shutil.rmtree(staging, ignore_errors=True)

@@ -3,7 +3,7 @@
 import pytest
 
 from tandem.packing import PADDED
-from tandem.trainer.batching import TokenBudgetBatcher
+from tandem.packing.batching import TokenBudgetBatcher
 from tests.packing.samples import sample
 
 PROMPT = [1, 2, 3, 4, 5, 6]

@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM
 from tandem.generation.client import ControlClient, GenerationClient
 from tandem.packing import attention as tree_attention
 from tandem.tasks import TINY_MODEL_PATH
-from tandem.trainer import sync_check
-from tandem.trainer.weight_sync import adapter_sync_obstacle
-from tandem.trainer.weight_sync import LoraSync, merged_state_dict
+from tandem.runtime import sync_check
+from tandem.runtime.weight_sync import adapter_sync_obstacle
+from tandem.runtime.weight_sync import LoraSync, merged_state_dict
 from tests.conftest import chat_prompt
 
 ATOL = 1e-5

@@ -13,7 +13,7 @@ import torch
 from tandem.generation.client import GenerationClient, ServerProblem
 from tandem.packing import TREE, pack
 from tandem.packing.logprobs import row_logprobs
-from tandem.rollout.records import Sample
+from tandem.records import Sample
 
 PROBE_TOKENS = 16
 PROBE_SEED = 1234

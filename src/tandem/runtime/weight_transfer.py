@@ -31,7 +31,7 @@ import torch
 
 from tandem.generation.client import ControlClient, EngineDead, ServerProblem, engine_died
 from tandem.generation.weight_transfer import RENDEZVOUS_S, join_group
-from tandem.trainer.distributed import Ranks, full_tensor
+from tandem.distributed import Ranks, full_tensor
 
 Tensors = Iterator[tuple[str, torch.Tensor]]
 
