@@ -21,10 +21,12 @@ import json
 import os
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
 from datasets import Dataset
+from transformers import TrainerCallback
 
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
 from tandem.generation.launcher import EmbeddedServer
@@ -37,23 +39,21 @@ CONFIGS = [(0.05, 2), (0.02, 1), (0.05, 4), (0.15, 2)]
 """(step delay in seconds, max_staleness) of each row of the README's table."""
 
 
-class SynchronousTrainer(AsyncGRPOTrainer):
+class TakeTurns(TrainerCallback):
     """Generation and training take turns: the server is paused from the step's first forward until the step's
-    weights are served (after its weight sync, or after the optimizer step when no sync follows)."""
+    weights are served (the step's end comes after its weight sync)."""
 
-    def training_step(self, micro_batches):
-        self.session.run(self.session.control.pause("keep"))
-        return super().training_step(micro_batches)
+    def __init__(self, server_url: str):
+        self.server_url = server_url
 
-    def optimizer_step(self):
-        grad_norm = super().optimizer_step()
-        if (self.state.step + 1) % self.args.weight_sync_steps:  # no sync follows this step
-            self.session.run(self.session.control.resume())
-        return grad_norm
+    def _post(self, path: str) -> None:
+        urllib.request.urlopen(urllib.request.Request(self.server_url + path, method="POST"), timeout=60).close()
 
-    def _sync(self, version):
-        super()._sync(version)
-        self.session.run(self.session.control.resume())
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._post("/pause?mode=keep")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._post("/resume")
 
 
 def slowed(trainer_cls, delay_s: float):
@@ -75,38 +75,39 @@ def pin(pid: int, cores: set[int]) -> None:
         os.sched_setaffinity(int(thread), cores)
 
 
-def on_own_cores(trainer_cls, server_core: int):
-    """`trainer_cls` alone on every core but `server_core`, as a trainer on its own device: the rollout worker it
-    starts shares `server_core` with the server (a stand-in for a GPU server: mostly its step delay)."""
+class OwnCores(TrainerCallback):
+    """The trainer alone on every core but `server_core`, as a trainer on its own device: the rollout worker it starts
+    (while the run begins) shares `server_core` with the server (a stand-in for a GPU server: mostly its step delay)."""
 
-    class Pinned(trainer_cls):
-        def _connect(self, resumed):
-            every_core = os.sched_getaffinity(0)
-            pin(os.getpid(), {server_core})  # the worker process started in here inherits the server's core
-            super()._connect(resumed)
-            pin(os.getpid(), every_core - {server_core})
+    def __init__(self, server_core: int):
+        self.server_core, self.every_core = server_core, os.sched_getaffinity(0)
 
-    return Pinned
+    def on_train_begin(self, args, state, control, **kwargs):
+        pin(os.getpid(), {self.server_core})  # the worker process started next inherits the server's core
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        pin(os.getpid(), self.every_core - {self.server_core})
 
 
 def run(trainer_cls, steps: int, delay: float, args_staleness: int, folder: Path, pinned: bool, sync_steps: int = 1,
-        max_num_seqs: int = 256) -> dict:
+        max_num_seqs: int = 256, take_turns: bool = False) -> dict:
     extra = ["--logprobs-mode", "processed_logprobs", "--served-model-name", TINY_MODEL_PATH, "--step-delay-s", str(delay),
              "--weight-transfer-config", '{"backend": "gloo"}',  # weights streamed, as to the trainer's own server
              "--max-num-seqs", str(max_num_seqs)]
     # One CPU thread for the server: it stands in for a GPU, so its own compute should not take the trainer's cores.
     every_core = os.sched_getaffinity(0)
     with EmbeddedServer("tiny", extra_args=extra, env={"OMP_NUM_THREADS": "1"}) as server:
+        callbacks = [TakeTurns(server.url)] if take_turns else []
         if pinned:  # the server and the rollout worker on the last core, the trainer on the others
             pin(server.process.pid, {max(every_core)})
-            trainer_cls = on_own_cores(trainer_cls, max(every_core))
+            callbacks.append(OwnCores(max(every_core)))
         args = AsyncGRPOConfig(output_dir=str(folder), vllm_server_base_url=server.url, max_steps=steps, learning_rate=2e-4,
                                num_generations=8, max_completion_length=8, token_budget=160, gradient_accumulation_steps=2,
                                max_staleness=args_staleness, gradient_checkpointing=False, score_centering=False, save_strategy="no",
                                weight_sync_steps=sync_steps)
         data = Dataset.from_list(arithmetic.make_rows(128, split="train", seed=1))
         try:
-            trainer_cls("tiny", arithmetic.correctness_reward, args=args, train_dataset=data).train()
+            trainer_cls("tiny", arithmetic.correctness_reward, args=args, train_dataset=data, callbacks=callbacks).train()
         finally:
             pin(os.getpid(), every_core)
     rows = [json.loads(line) for line in open(folder / "metrics.jsonl")]
@@ -127,8 +128,8 @@ def bottleneck(folder: Path) -> str:
 def compare(steps: int, delay: float, staleness: int, train_delay: float, pinned: bool, sync_steps: int,
             max_num_seqs: int, folder: Path) -> list[str]:
     """Both runs of one configuration; returns its row of the README table."""
-    sync = run(slowed(SynchronousTrainer, train_delay), steps, delay, staleness, folder / "sync", pinned, sync_steps,
-               max_num_seqs)
+    sync = run(slowed(AsyncGRPOTrainer, train_delay), steps, delay, staleness, folder / "sync", pinned, sync_steps,
+               max_num_seqs, take_turns=True)
     print(f"  synchronous : {sync['wall']:.1f}s wall ({sync['train']:.1f}s training)", flush=True)
     overlapped = run(slowed(AsyncGRPOTrainer, train_delay), steps, delay, staleness, folder / "async", pinned, sync_steps,
                      max_num_seqs)

@@ -78,7 +78,7 @@ class KillServer(TrainerCallback):
         if now - self.start >= self.total_s:
             control.should_training_stop = True
         elif now >= self.next_kill:
-            server = self.trainer.session.server
+            server = self.trainer.runtime.session.server
             os.kill(server.process.pid, signal.SIGKILL)
             self.kills.append(state.global_step)
             self.rss_mb.append(psutil.Process().memory_info().rss / 2**20)
@@ -112,7 +112,7 @@ def main() -> None:
         gc.collect()  # what the run dropped (the transfer groups of servers that died) is released
         after = resources()
         end_rss = psutil.Process().memory_info().rss / 2**20
-        ledger = trainer.source.ledger
+        ledger = trainer.runtime.source.ledger
         restarts = sum(row.get("rollout/server_restart_count", 0) for row in trainer.state.log_history)
 
     counts = Counter(ledger.finished)

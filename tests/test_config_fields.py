@@ -163,7 +163,7 @@ def test_trust_remote_code_loads_a_model_that_ships_its_own_code(tmp_path):
     trainer = AsyncGRPOTrainer(str(folder), accuracy_reward, train_dataset=DATA,
                                args=AsyncGRPOConfig(output_dir=str(tmp_path), trust_remote_code=True))
     assert type(trainer.model).__name__ == "CustomForCausalLM"
-    assert "--trust-remote-code" in trainer._server_args(), "the embedded server loads the same code"
+    assert "--trust-remote-code" in trainer.runtime._server_args(), "the embedded server loads the same code"
 
 
 def test_remove_unused_columns_keeps_the_prompt_and_the_columns_rewards_name(tmp_path):
@@ -241,7 +241,7 @@ def test_dtype_loads_the_weights_in_it_and_model_init_kwargs_takes_precedence(tm
                                             args=AsyncGRPOConfig(output_dir=str(tmp_path), **args))
     bf16 = build(dtype="bfloat16")
     assert bf16.device.type == "cpu" and next(bf16.model.parameters()).dtype == torch.bfloat16
-    assert "--dtype bfloat16" in " ".join(bf16._server_args()), "the embedded server samples in the same dtype"
+    assert "--dtype bfloat16" in " ".join(bf16.runtime._server_args()), "the embedded server samples in the same dtype"
     assert next(build(dtype="bfloat16", model_init_kwargs={"dtype": "float16"}).model.parameters()).dtype == torch.float16
 
 
@@ -280,8 +280,8 @@ def test_the_sampling_fields_reach_every_request(tmp_path):
         sent.update(fields)
         return []
 
-    loop.client.complete = complete
-    asyncio.run(loop._sample([5, 6, 7], n=2))
+    loop._scheduler.generation.client.complete = complete
+    asyncio.run(loop._scheduler.generation.sample([5, 6, 7], n=2))
     assert {k: sent[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "logprobs", "n")} == \
            {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2, "logprobs": 3, "n": 2}
 
@@ -349,9 +349,9 @@ def test_full_determinism_turns_on_deterministic_algorithms_and_log_levels_pick_
 def test_max_concurrent_rollouts_caps_the_loop_and_the_embedded_servers_batch(tmp_path):
     args = AsyncGRPOConfig(output_dir=str(tmp_path), max_concurrent_rollouts=7)
     trainer = AsyncGRPOTrainer("tiny", accuracy_reward, train_dataset=DATA, args=args)
-    assert "--max-num-seqs 7" in " ".join(trainer._server_args())
+    assert "--max-num-seqs 7" in " ".join(trainer.runtime._server_args())
     loop = rollout_loop(args)
-    assert loop.cap.value == 7 and loop.runner.pool_size == 7
+    assert loop._scheduler.generation.cap.value == 7 and loop._scheduler.generation.runner.pool_size == 7
 
 
 def test_evaluation_is_never_asked_for_without_prompts_nor_given_prompts_it_ignores(tmp_path):

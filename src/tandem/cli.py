@@ -422,7 +422,7 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
     if history:
         head, tail = history[:20], history[-20:]
         print(f"mean reward, first {len(head)} steps: {sum(head) / len(head):.3f}   last {len(tail)} steps: {sum(tail) / len(tail):.3f}")
-    if trainer.preempted.is_set() and not 0 < recipe.config.max_steps <= output.global_step:
+    if trainer.runtime.preempted.is_set() and not 0 < recipe.config.max_steps <= output.global_step:
         sys.exit(128 + signal.SIGTERM)  # as a process SIGTERM ended: a job script must not take the run as finished
 
 

@@ -32,7 +32,7 @@ class CrashingTrainer(AsyncGRPOTrainer):
 
 def save_finished(trainer: AsyncGRPOTrainer, path: Path) -> None:
     if trainer.ranks.main:
-        path.write_text(json.dumps(sorted(trainer.source.ledger.finished)))
+        path.write_text(json.dumps(sorted(trainer.runtime.source.ledger.finished)))
 
 
 def main() -> None:

@@ -153,7 +153,7 @@ async def test_adapter_loads_retry_a_lagging_replica_and_roll_back_a_failing_one
         assert good.loaded == set() and good.calls["/v1/unload_lora_adapter"] == 1
         status, _, _ = await post(s, url + "/v1/unload_lora_adapter", {"lora_name": "never-loaded"})
         assert status == 200
-        # Whole-model syncs from files reach every replica (transfers: tests/trainer/test_weight_transfer.py).
+        # Whole-model syncs from files reach every replica (transfers: tests/runtime/test_weight_transfer.py).
         status, _, _ = await post(s, url + "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/w"}})
         assert status == 200 and good.calls["/collective_rpc"] == bad.calls["/collective_rpc"] == 1
     await runner.cleanup()

@@ -106,7 +106,7 @@ def make_loop(replies, tools=(), environment_factory=None, **config):
 
 def run(loop, prompt="What is 6 times 7?", tools=None):
     messages = [{"role": "user", "content": prompt}]
-    return asyncio.run(loop.generate_one(messages, loop.tools if tools is None else tools))
+    return asyncio.run(loop.generate_one(messages, loop.settings.tools if tools is None else tools))
 
 
 def test_the_spec_tools_run_in_order_and_their_results_feed_the_next_turn():
@@ -118,8 +118,8 @@ def test_the_spec_tools_run_in_order_and_their_results_feed_the_next_turn():
     assert rollout.tool_call_count == 2 and rollout.tool_failure_count == 0
     assert len(rollout.turns) == 2
     assert b"<tool_response>\n42\n</tool_response>" in TOKENIZER.decode(rollout.turns[1].prompt_ids).encode()
-    assert loop.records["tools/parallel_calls_mean"] == [2]
-    assert loop.records["tools/multiply/call_count"] == [1] and loop.records["tools/call_frequency"] == [2]
+    assert loop._scheduler.records["tools/parallel_calls_mean"] == [2]
+    assert loop._scheduler.records["tools/multiply/call_count"] == [1] and loop._scheduler.records["tools/call_frequency"] == [2]
 
 
 def test_a_clean_chain_of_turns_is_one_sample_training_only_the_generated_tokens():
@@ -145,9 +145,9 @@ def test_each_tool_failure_is_an_error_message_to_the_model_and_a_counted_failur
     assert time.monotonic() - started < 1.5, "a hung tool must not hold the rollout"
     tool_message = rollout.completion[1]
     assert tool_message["role"] == "tool" and status in tool_message["content"] and '"error"' in tool_message["content"]
-    assert rollout.tool_failure_count == 1 and loop.records["tools/failure_frequency"] == [1.0]
+    assert rollout.tool_failure_count == 1 and loop._scheduler.records["tools/failure_frequency"] == [1.0]
     assert rollout.completion[-1]["content"] == "done", "the run goes on after the failure"
-    unknown = loop.records["tools/unknown_name_count"]
+    unknown = loop._scheduler.records["tools/unknown_name_count"]
     assert unknown == [int("unknown" in status)]
 
 
@@ -155,7 +155,7 @@ def test_the_iteration_cap_stops_a_rollout_that_keeps_calling_and_it_is_still_tr
     loop = make_loop([call("multiply", a=1, b=2)] * 5, tools=[multiply], max_tool_calling_iterations=2)
     rollout = run(loop)
     assert len(rollout.turns) == 3 and rollout.tool_call_count == 2, "two tool-calling turns, then the cap"
-    assert loop.records["tools/loop_exhausted_frac"] == [1.0]
+    assert loop._scheduler.records["tools/loop_exhausted_frac"] == [1.0]
     samples, _ = reconcile(rollout.turns)
     assert sum(sum(s.trained) for s in samples) == len(rollout.completion_ids)
 
@@ -163,15 +163,15 @@ def test_the_iteration_cap_stops_a_rollout_that_keeps_calling_and_it_is_still_tr
 def test_a_conversation_that_would_pass_max_model_len_ends_there_and_is_counted():
     loop = make_loop([call("multiply", a=1, b=2)] * 5, tools=[multiply])
     first = loop.render([{"role": "user", "content": "What is 6 times 7?"}], loop.toolbox([multiply]).schemas)
-    loop.max_model_len = len(first) + 60
+    loop._scheduler.generation.max_model_len = len(first) + 60
     rollout = run(loop)
     assert 1 <= len(rollout.turns) < 5
-    assert loop.records["rollout/context_exhausted_count"] == [1]
+    assert loop._scheduler.records["rollout/context_exhausted_count"] == [1]
 
 
 def test_a_first_prompt_that_leaves_no_room_is_a_clear_error():
     loop = make_loop(["hi"], tools=[multiply])
-    loop.max_model_len = 50
+    loop._scheduler.generation.max_model_len = 50
     with pytest.raises(ValueError, match="leaving no room to generate in max_model_len=50"):
         run(loop)
 
@@ -180,21 +180,21 @@ def test_without_tools_a_reply_is_plain_text_and_nothing_is_run():
     loop = make_loop([call("multiply", a=1, b=2)])
     rollout = run(loop, tools=[])
     assert len(rollout.turns) == 1 and rollout.tool_call_count == 0
-    assert "tools/call_frequency" not in loop.records
+    assert "tools/call_frequency" not in loop._scheduler.records
 
 
 def test_an_environment_is_reset_from_its_row_exposes_its_methods_and_scores_itself():
     loop = make_loop([call("increment", step=3), "done"], environment_factory=Counter)
-    episode = asyncio.run(loop._one_rollout({"prompt": [{"role": "user", "content": "Count."}], "target": 3}, group_id=0))
+    episode = asyncio.run(loop._scheduler.generation.one_rollout({"prompt": [{"role": "user", "content": "Count."}], "target": 3}, group_id=0))
     assert episode.prompt == [{"role": "user", "content": "Count. Reach 3."}], "reset's text joins the last user message"
     assert episode.rollout.completion[1]["content"] == "3"
     assert episode.env_reward == (Counter, 1.0)
-    assert loop.records["env/reset_s"] and loop.records["env/reward_s"]
-    assert len(loop.environments.idle[None]) == 1, "the instance went back to the pool"
+    assert loop._scheduler.records["env/reset_s"] and loop._scheduler.records["env/reward_s"]
+    assert len(loop._scheduler.generation.environments.idle[None]) == 1, "the instance went back to the pool"
     loop.replies.append("no")
-    second = asyncio.run(loop._one_rollout({"target": 5}, group_id=1))
+    second = asyncio.run(loop._scheduler.generation.one_rollout({"target": 5}, group_id=1))
     assert second.prompt == [{"role": "user", "content": " Reach 5."}] and second.env_reward == (Counter, 0.0)
-    assert len(loop.environments.idle[None]) == 1, "and was reused, not made again"
+    assert len(loop._scheduler.generation.environments.idle[None]) == 1, "and was reused, not made again"
 
 
 class Game:
@@ -214,7 +214,7 @@ def test_routing_exposes_only_the_rows_environment_tools():
     assert [t.__name__ for t in environment_tools(Counter())] == ["increment"]
     assert [t.__name__ for t in environment_tools(Game())] == ["move"]
     loop = make_loop([call("increment", step=1), "ok"], environment_factory={"count": Counter, "game": Game})
-    episode = asyncio.run(loop._one_rollout({"environment": "game"}, group_id=0))
+    episode = asyncio.run(loop._scheduler.generation.one_rollout({"environment": "game"}, group_id=0))
     assert "unknown tool 'increment'" in episode.rollout.completion[1]["content"], "the game rollout cannot count"
 
 

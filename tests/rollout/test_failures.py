@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from tandem import AsyncGRPOConfig, AsyncRolloutLoop, TurnRecord
 from tandem.generation.client import ServerError, ServerGone
 from tandem.channels import Channels
-from tandem.rollout.loop import FAILED_IN_A_ROW
+from tandem.rollout.scheduler import FAILED_IN_A_ROW
 from tandem.rollout.settings import RolloutSettings
 from tandem.rollout.worker import stop_message
 from tandem.tasks import TINY_MODEL_PATH
@@ -34,7 +34,7 @@ class ScriptedLoop(AsyncRolloutLoop):
         text = TOKENIZER.decode(prompt_ids)
         if self.slow_until_synced and self.slow_until_synced in text:
             self.slow_until_synced = None
-            self.channels.model_version.value += 1
+            self._scheduler.channels.model_version.value += 1
             await asyncio.sleep(5)
         for prompt, left in self.failing_requests.items():
             if prompt in text and left:
@@ -59,7 +59,7 @@ def run_loop(reward, prompts: int = 6, failing_requests=None, slow_until_synced=
     loop = loop_cls(settings, processing_class=TOKENIZER, channels=channels)
     loop.failing_requests = dict(failing_requests or {})
     loop.slow_until_synced = slow_until_synced
-    loop.control.max_retries = 0  # there is no server to ask for /metrics: give up at once
+    loop._scheduler.control.max_retries = 0  # there is no server to ask for /metrics: give up at once
 
     async def main():
         task = asyncio.ensure_future(loop.run())
@@ -184,7 +184,7 @@ def test_rejecting_a_whole_epoch_raises():
 def test_a_server_that_stops_answering_is_said_then_after_vllm_server_timeout_ends_the_worker_in_one_line(monkeypatch):
     """Nothing answers at the server's address (its process exited): requests are retried for vllm_server_timeout, and
     the user is told meanwhile; then the worker's last message is one line, not a traceback."""
-    monkeypatch.setattr("tandem.rollout.loop.OUTAGE_SAY_S", 0.5)
+    monkeypatch.setattr("tandem.rollout.scheduler.OUTAGE_SAY_S", 0.5)
     url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "prompt"}]}])
     settings = RolloutSettings(config=AsyncGRPOConfig(num_generations=2, max_completion_length=8, vllm_server_timeout=3),
@@ -193,7 +193,7 @@ def test_a_server_that_stops_answering_is_said_then_after_vllm_server_timeout_en
                                full_step_tokens=10_000)
     channels = Channels.create(mp.get_context("spawn"))
     loop = AsyncRolloutLoop(settings, processing_class=TOKENIZER, channels=channels)
-    loop.control.max_retries = 0  # /metrics: give up at once
+    loop._scheduler.control.max_retries = 0  # /metrics: give up at once
     with pytest.raises(ServerGone) as gone:
         asyncio.run(loop.run())
     messages = []

@@ -41,7 +41,8 @@ def test_a_checkpoint_write_killed_half_way_is_never_read_and_the_last_complete_
     assert checkpoint.checkpoints(tmp_path) == [tmp_path / "checkpoint-2"]
     resumed = checkpoint.resolve(True, tmp_path)
     assert resumed == tmp_path / "checkpoint-2"
-    state = checkpoint.load(resumed, model, optimizer, scheduler)
+    state = TrainerState()
+    checkpoint.load(resumed, model, optimizer, scheduler, state)
     assert state.step == 2 and checkpoint.load_resume_point(resumed).finished == [8]
 
     monkeypatch.undo()

@@ -32,7 +32,7 @@ class Watcher(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.levels.add(hf_logging.get_verbosity())
-        self.addresses.add(self.trainer.sync.address)  # where the server joined the weight-transfer group
+        self.addresses.add(self.trainer.runtime.sync_strategy.address)  # where the server joined the weight-transfer group
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         self.evaluations.append((state.global_step, metrics))
@@ -66,8 +66,8 @@ def test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask(tmp_p
         assert row["eval/model_version"] == row["step"] // 2 and row["eval/num_prompts"] == 4 and row["eval/failed_count"] == 0
         assert 0 <= row["eval/reward"] <= 1 and row["eval/completions/mean_length"] > 0
     assert [step for step, _ in watcher.evaluations] == [0, 4]
-    assert all(isinstance(p, int) for p in trainer.source.ledger.finished), "eval prompts are never trained"
-    assert max(trainer.source.ledger.finished) >= 3, "the stream was read again from its start: a second epoch"
+    assert all(isinstance(p, int) for p in trainer.runtime.source.ledger.finished), "eval prompts are never trained"
+    assert max(trainer.runtime.source.ledger.finished) >= 3, "the stream was read again from its start: a second epoch"
     assert all("epoch" not in row for row in rows), "a stream has no length to count epochs by"
 
     train_rows = [r for r in rows if "loss" in r]

@@ -23,7 +23,7 @@ from tandem.trainer.optimization import make_optimizer, make_scheduler
 from tandem.runtime.sample_source import ResumePoint
 from tests.conftest import ServerThread
 from tests.trainer.test_trainer import config, small_dataset
-from tests.trainer.test_weight_sync import lora_model, perturb
+from tests.runtime.test_weight_sync import lora_model, perturb
 
 IDS = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11]])
 TRAINING_STATE = {"distributed", "scheduler.pt", "trainer_state.json", "rollout_state.json", "rollout_queue.pt"}

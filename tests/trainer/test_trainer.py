@@ -138,7 +138,7 @@ def test_stopped_and_resumed_at_three_random_points_a_run_finishes_every_prompt_
                                    callbacks=[StopAt(stop)] if stop else None)
         trainer.train(resume_from_checkpoint=index > 0)
         assert stop is None or trainer.state.step == stop, f"stops {stops} (seed {seed}): the epoch ended before {stop}"
-        finished += trainer.source.ledger.finished
+        finished += trainer.runtime.source.ledger.finished
         trained += getattr(trainer, "trained_rollouts", [])
     assert Counter(finished) == Counter(range(48)), \
         f"stops {stops} (seed {seed}): positions finished twice {sorted(p for p, n in Counter(finished).items() if n > 1)}, " \
@@ -154,7 +154,7 @@ class KillOnce(AsyncGRPOTrainer):
 
     def training_step(self, micro_batches):
         if self.state.step == self.after and not hasattr(self, "killed"):
-            self.killed = getattr(self.session, self.victim).process.pid
+            self.killed = getattr(self.runtime.session, self.victim).process.pid
             os.kill(self.killed, signal.SIGKILL)
         return super().training_step(micro_batches)
 
@@ -167,9 +167,9 @@ def test_a_killed_worker_is_restarted_once_where_it_left_off_and_the_epoch_is_tr
     args = config(tmp_path, max_steps=-1, num_train_epochs=1, token_budget=100)  # ~2 groups a row: several steps
     trainer = KillWorkerAfterStepOne("tiny", accuracy_reward, args=args, train_dataset=small_dataset(24))
     trainer.train()
-    assert trainer.session.worker.process.pid != trainer.killed
+    assert trainer.runtime.session.worker.process.pid != trainer.killed
     assert sum(r.get("rollout/worker_restart_count", 0) for r in logged(tmp_path)) == 1
-    assert Counter(trainer.source.ledger.finished) == Counter(range(24)), "every prompt finished once across the restart"
+    assert Counter(trainer.runtime.source.ledger.finished) == Counter(range(24)), "every prompt finished once across the restart"
     assert "exited with code -9 without reporting an error. Restarted it from prompt position" in capsys.readouterr().err
 
 
@@ -296,7 +296,7 @@ def test_a_killed_embedded_server_is_restarted_with_the_current_weights_and_the_
     trainer = KillOnce("tiny", accuracy_reward, args=args, train_dataset=small_dataset(48))
     trainer.train()
     rows = logged(tmp_path)
-    assert trainer.state.step == 6 and trainer.session.server.process.pid != trainer.killed
+    assert trainer.state.step == 6 and trainer.runtime.session.server.process.pid != trainer.killed
     assert sum(r.get("rollout/server_restart_count", 0) for r in rows) == 1
     ratios = [r["sampling/importance_sampling_ratio/mean"] for r in rows if r["step"] >= 3]
     assert all(abs(ratio - 1.0) < 1e-4 for ratio in ratios), f"the restarted server samples from the trained weights: {ratios}"
@@ -304,7 +304,7 @@ def test_a_killed_embedded_server_is_restarted_with_the_current_weights_and_the_
 
 
 def test_an_embedded_server_that_keeps_dying_stops_the_run_with_its_log(tmp_path, monkeypatch):
-    monkeypatch.setattr("tandem.trainer.trainer.SERVER_RESTARTS", 0)
+    monkeypatch.setattr("tandem.runtime.runtime.SERVER_RESTARTS", 0)
     with pytest.raises(RuntimeError, match=r"the embedded tandem serve exited \(code -9\)"):
         KillOnce("tiny", accuracy_reward, args=config(tmp_path, max_steps=20), train_dataset=small_dataset()).train()
 
@@ -347,7 +347,7 @@ def test_an_external_server_that_goes_away_and_comes_back_within_vllm_server_tim
     assert len(trainer.back) == 1, "the server was started again"
     assert sum(r.get("rollout/vllm_retry_count", 0) for r in rows) > 0, "requests waited for it with backoff"
     assert sum(r.get("rollout/server_reconnect_count", 0) for r in rows) == 1, "the next sync joined its new transfer group"
-    assert Counter(trainer.source.ledger.finished) == Counter(range(24)), "no group lost"
+    assert Counter(trainer.runtime.source.ledger.finished) == Counter(range(24)), "no group lost"
 
 
 class KillExternalServerAfterStepOne(AsyncGRPOTrainer):
@@ -468,7 +468,7 @@ def test_samples_longer_than_the_token_budget_are_dropped_with_a_warning(tmp_pat
     with pytest.warns(UserWarning, match="exceeds token_budget=20"):
         trainer.train()
     assert sum(r["batch/dropped_oversize_count"] for r in logged(tmp_path) if "batch/dropped_oversize_count" in r) > 0
-    assert set(trainer.source.ledger.finished) == set(range(8)), "dropped samples still finish their prompt"
+    assert set(trainer.runtime.source.ledger.finished) == set(range(8)), "dropped samples still finish their prompt"
 
 
 def test_flash_reinforce_trains_one_rollout_per_prompt_with_the_batch_baseline(tmp_path):
@@ -623,7 +623,7 @@ def test_forking_rollouts_train_every_prompt_of_both_epochs_without_stale_drops(
         trainer = trainer_cls("tiny", varied_reward, args=args, train_dataset=data)
         runs[name] = (trainer, trainer.train().global_step, logged(tmp_path / name))
     for name, (trainer, steps, rows) in runs.items():
-        assert sorted(trainer.source.ledger.finished) == list(range(16)), f"{name}: every prompt group of both epochs"
+        assert sorted(trainer.runtime.source.ledger.finished) == list(range(16)), f"{name}: every prompt group of both epochs"
         assert not any(r.get("sample/dropped_stale_count") for r in rows), f"{name}: no group generated too far ahead"
         assert rows[-1]["epoch"] == 2.0
     forks = [r["rollout/samples_per_rollout"] for r in runs["fork"][2] if "rollout/samples_per_rollout" in r]

@@ -73,6 +73,11 @@ class MetricWindow:
         values = self.values.get(name)
         return reduce(name, values) if values else default
 
+    def take(self) -> dict[str, list]:
+        """The values recorded so far, unreduced, leaving the window empty (to be merged into another window)."""
+        values, self.values = dict(self.values), defaultdict(list)
+        return values
+
     def flush(self) -> dict[str, float]:
         result = {name: reduce(name, values) for name, values in self.values.items() if values and name != EXAMPLES}
         self.values = defaultdict(list)

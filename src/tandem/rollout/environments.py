@@ -9,7 +9,7 @@ its environment by its `environment` column. Each rollout takes an instance from
 import inspect
 from collections.abc import Callable
 
-from tandem.rollout.prompt_stream import columns_of
+from tandem.dataset_rows import columns_of
 from tandem.rollout.tools import validate_tools
 
 RESERVED = ("reset", "get_reward")

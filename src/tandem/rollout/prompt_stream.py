@@ -9,10 +9,10 @@ that make their own tasks) every position is an empty row of epoch 0.
 """
 
 import functools
-import itertools
 import random
-from collections.abc import Sized
 from dataclasses import dataclass
+
+from tandem.dataset_rows import is_iterable
 
 
 @dataclass
@@ -29,24 +29,6 @@ class PromptRow:
 def epoch_order(seed: int, epoch: int, num_rows: int) -> list[int]:
     """The rows of one epoch in a shuffled order, the same for a seed wherever (and however often) it is drawn."""
     return random.Random(f"{seed}:{epoch}").sample(range(num_rows), num_rows)
-
-
-def is_iterable(dataset) -> bool:
-    """A dataset read in order only (no length): an IterableDataset, streamed or not."""
-    return dataset is not None and not isinstance(dataset, Sized)
-
-
-def first_rows(dataset, count: int) -> list[dict]:
-    """The dataset's first `count` rows, whatever its kind (an IterableDataset is read that far, no further)."""
-    if dataset is None:
-        return []
-    if is_iterable(dataset):
-        return [dict(row) for row in itertools.islice(dataset, count)]
-    return [dict(dataset[i]) for i in range(min(count, len(dataset)))]
-
-
-def columns_of(dataset) -> list[str]:
-    return getattr(dataset, "column_names", None) or list(next(iter(first_rows(dataset, 1)), {}))
 
 
 class PromptStream:

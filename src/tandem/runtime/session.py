@@ -42,6 +42,7 @@ class Session:
         """Where report.html is drawn when the session ends; set when the sinks open."""
 
     def __enter__(self) -> "Session":
+        self.stack, self.runner = ExitStack(), asyncio.Runner()  # a new run of the same trainer starts afresh
         self.stack.callback(self.runner.close)
         self.stack.callback(self.write_report)  # runs after everything else has stopped
         return self

@@ -150,8 +150,9 @@ def resolve(resume_from_checkpoint, output_dir: Path) -> Path | None:
     return path
 
 
-def load(path: Path, model, optimizer, scheduler) -> TrainerState:
-    """Weights, optimizer and schedule from checkpoint `path`, resharded to this run's ranks; every rank calls it."""
+def load(path: Path, model, optimizer, scheduler, state: TrainerState) -> None:
+    """Weights, optimizer and schedule from checkpoint `path`, resharded to this run's ranks, and its counters into
+    `state`; every rank calls it."""
     model_state, optimizer_state = get_state_dict(model, optimizer, options=ONLY_TRAINABLE)
     loaded = {"model": model_state, "optimizer": optimizer_state}
     with one_process_is_intended():
@@ -162,6 +163,6 @@ def load(path: Path, model, optimizer, scheduler) -> TrainerState:
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     trainer = json.loads((path / "trainer_state.json").read_text())
     rollout = json.loads((path / "rollout_state.json").read_text())
-    return TrainerState(global_step=trainer["step"], model_version=trainer["model_version"],
-                        dataset_start_index=rollout["dataset_start_index"], num_tokens=trainer.get("num_tokens", 0),
-                        log_history=trainer.get("log_history", []))
+    state.global_step, state.model_version = trainer["step"], trainer["model_version"]
+    state.dataset_start_index, state.num_tokens = rollout["dataset_start_index"], trainer.get("num_tokens", 0)
+    state.log_history = trainer.get("log_history", [])

@@ -14,7 +14,7 @@ from tandem.config import AsyncGRPOConfig
 from tandem.packing import PADDED
 from tandem.packing import attention as tree_attention
 from tandem.packing.logprobs import check_head
-from tandem.rollout.prompt_stream import columns_of, first_rows, is_iterable
+from tandem.dataset_rows import columns_of, first_rows, is_iterable
 from tandem.tasks import TINY_MODEL_PATH
 
 IMAGE_PARTS = ("image", "image_url", "input_image")

@@ -1,0 +1,437 @@
+"""`RolloutScheduler`: the machinery under the user's `AsyncRolloutLoop` in the worker process: which prompt
+positions start when (the token allowance, the concurrency cap), retries and stale cancellation, evaluation,
+scoring, the failure policy, the heartbeat and the reports to the trainer. It calls the loop's hooks and nothing
+else of it; a user's subclass sees none of this.
+"""
+
+import asyncio
+import math
+import queue
+import sys
+import time
+import warnings
+from collections import defaultdict, deque
+
+import numpy as np
+
+from tandem.generation.client import ControlClient, EngineDead, ServerError
+from tandem.metrics.window import check_values
+from tandem.rollout import rewards as scoring
+from tandem.channels import Channels
+from tandem.rollout.group_metrics import record_group
+from tandem.rollout.pacing import METRICS_POLL_S, ConcurrencyCap, TokenAllowance
+from tandem.rollout.prompt_stream import PromptStream
+from tandem.rollout.generation import GROUP_VERSION, Generation
+from tandem.records import Rollout, RolloutGroup, Sample
+from tandem.rollout.settings import RolloutSettings
+
+SCORE_QUEUE_MAXSIZE = 16
+REPORT_EVERY_S = 1.0
+OUTAGE_SAY_S, OUTAGE_SAY_AGAIN_S = 10.0, 60.0
+"""A server silent this long is said to be (and again as often while it lasts): its requests retry without a word."""
+IDLE_POLL_S = 0.05
+RECENT_GROUPS = 16
+FAILED_IN_A_ROW = 5
+"""Groups dropped in a row for failures (a reward function, or the server twice) before the worker stops the run."""
+
+
+class RolloutScheduler:
+    def __init__(self, loop, settings: RolloutSettings, processing_class, channels: Channels, whole_groups: bool):
+        """`loop`: the user's AsyncRolloutLoop, whose hooks run here. `whole_groups`: its generation hooks are the
+        defaults (loop.py's `samples_whole_groups`)."""
+        self.loop, self.settings, self.channels = loop, settings, channels
+        config = self.config = settings.config
+        self.generation = Generation(loop, settings, processing_class, whole_groups, self.record)
+        self.prompts = PromptStream(settings.dataset, start=settings.dataset_start_index,
+                                    order_seed=(config.seed if config.data_seed is None else config.data_seed)
+                                    if config.train_sampling_strategy == "random" else None)
+        """The prompt of each position: the dataset's rows, epoch after epoch (rollout/prompt_stream.py)."""
+        self.dataset, self.reward_funcs = settings.dataset, list(settings.reward_funcs)
+        self.eos_token_ids, self.adapter_name = list(settings.eos_token_ids), settings.adapter_name
+        self.base_url = settings.base_url
+        self.control = ControlClient(settings.base_url, api_key=settings.api_key, timeout_s=30)
+        self.allowance = TokenAllowance(config.max_staleness, settings.full_step_tokens)
+        self.server_metrics = False
+        self.last_preemptions: float | None = None
+        self.flash = config.algorithm == "flash_reinforce"
+        self.score_queue: asyncio.Queue = asyncio.Queue(maxsize=SCORE_QUEUE_MAXSIZE)
+        self.failure: BaseException | None = None
+        self.records: dict[str, list] = defaultdict(list)
+        self.produced_tokens, self.in_flight_tokens = settings.queued_tokens, 0.0
+        self.groups_in_flight = self.groups_finished = 0
+        self.kept_tokens: deque[int] = deque(maxlen=RECENT_GROUPS)
+        """Tokens each recent kept group put on the queue, forks included: what a group really produces."""
+        self.retries: deque[int] = deque()
+        """Positions to generate again: groups the trainer dropped as stale, or whose LoRA version was unloaded."""
+        self.unscored = 0
+        """Groups generated and not yet scored."""
+        self.generating: dict[asyncio.Task, tuple[int, int]] = {}
+        """Groups being generated: their task -> (policy version they sample from, prompt position)."""
+        self.failed_once: set[int] = set()
+        """Positions whose group failed on the server once and is being generated again."""
+        self.failed_in_a_row: dict[str, int] = defaultdict(int)
+        """Groups dropped in a row, by cause: a reward function's name, or "the server"."""
+
+    # ---- setup ------------------------------------------------------------------------------------
+    async def _server_returns_sampling_masks(self) -> bool:
+        """Top-k / top-p need each token's kept set to renormalise the trainer's log-probs over it. Without
+        `--return-sampling-mask` (and `--enable-scale-out`) the server cannot send it: warn, and train on the
+        full-vocabulary distribution, whose ratios are then biased by the mass the sampler cut off."""
+        info = await self.control.server_info()
+        config = info.get("vllm_config")
+        model_config = config.get("model_config", {}) if isinstance(config, dict) else {}
+        if model_config.get("return_sampling_mask"):
+            return True
+        warnings.warn("top_k / top_p / min_p are set but the server does not return sampling masks: start it with "
+                      "--return-sampling-mask --enable-scale-out --logprobs-mode processed_logprobs. Training goes on "
+                      "with full-vocabulary log-probs, so every importance ratio is biased by the truncated mass.", stacklevel=2)
+        return False
+
+    # ---- records and messages ----------------------------------------------------------------------
+    def record(self, name: str, *values) -> None:
+        """Add values of metric `name` to the trainer's next log (reduced by the name's window rule)."""
+        check_values(name, values)
+        self.records[name].extend(values)
+
+    def emit(self, kind: str, payload) -> None:
+        self.channels.out.put((kind, payload))
+
+    # ---- failures ---------------------------------------------------------------------------------
+    def _watch(self, task: asyncio.Task) -> asyncio.Task:
+        """A failed group or scorer task must stop the worker, not vanish."""
+        task.add_done_callback(self._note_failure)
+        return task
+
+    def _note_failure(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None and self.failure is None:
+            self.failure = task.exception()
+
+    def _raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    async def run(self) -> None:
+        background = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._report()),
+                      asyncio.create_task(self._say_outages())]
+        try:
+            await self.loop.setup()
+            self.generation.sampling_masks = self.config.uses_truncated_sampling and await self._server_returns_sampling_masks()
+            await self._init_cap()
+            background.append(asyncio.create_task(self._poll_server()))
+            background.append(self._watch(asyncio.create_task(self._scorer())))
+            background.append(self._watch(asyncio.create_task(self._cancel_doomed())))
+            background.append(self._watch(asyncio.create_task(self._evaluations())))
+            await self._dispatch_all()
+            self._flush_records()
+        finally:
+            for task in background:
+                task.cancel()
+            self.generation.runner.close()
+            await self.loop.close()
+            await self.generation.client.close()
+            await self.control.close()
+
+    async def _dispatch_all(self) -> None:
+        """Start a group for each prompt position, as the allowance permits, then for each position the trainer sends
+        back to be generated again (a group it dropped as stale). Sends "end" whenever nothing is left to do, and
+        returns only when told to stop (or when the endless stream of a max_steps run is stopped)."""
+        groups: set[asyncio.Task] = set()
+        position, end = self.settings.dataset_start_index, self.settings.num_positions
+        accepted_in_epoch = group_id = 0
+        ended = False
+        while not self.channels.stop.is_set():
+            self._raise_failure()
+            self._collect_retries()
+            self.prompts.forget_below(self.channels.watermark.value)
+            if self.retries:
+                retry = self.retries.popleft()
+                task = await self._start_group(self.prompts.at(retry).row, retry, group_id)
+            elif end is None or position < end:
+                prompt = self.prompts.at(position)
+                accepted_in_epoch = 0 if prompt.epoch_start else accepted_in_epoch
+                task = None
+                if position in self.settings.received:  # the trainer holds it already (a resumed run, a restarted worker)
+                    accepted_in_epoch += 1
+                elif self.loop.filter_prompt(prompt.index, prompt.row, prompt.epoch):
+                    accepted_in_epoch += 1
+                    task = await self._start_group(prompt.row, position, group_id)
+                else:
+                    self.emit("skip", position)
+                position += 1
+                if self.dataset is not None and self.prompts.at(position).epoch_start and accepted_in_epoch == 0:
+                    raise ValueError(f"filter_prompt rejected every prompt of epoch {prompt.epoch}: no sample can reach "
+                                     "the trainer")
+            else:  # everything dispatched: wait for the last groups, then for retries
+                if not ended and not groups and not self.unscored:
+                    self.emit("end", None)
+                    ended = True
+                await asyncio.sleep(IDLE_POLL_S)
+                continue
+            if task is not None:
+                group_id, ended = group_id + 1, False
+                groups.add(task)
+                task.add_done_callback(groups.discard)
+            await asyncio.sleep(0)  # let started groups run before deciding on the next prompt
+        self._raise_failure()
+
+    def _collect_retries(self) -> None:
+        while True:
+            try:
+                self.retries.append(self.channels.retry.get_nowait())
+            except queue.Empty:
+                return
+
+
+    async def _start_group(self, row: dict, position: int, group_id: int) -> asyncio.Task:
+        """Wait for room in the allowance, reserve the group's tokens and start it."""
+        reservation = self._reservation(row.get("prompt"))
+        await self._wait_for_allowance(reservation)
+        self.groups_in_flight += 1  # counted now, not when the task first runs
+        self.in_flight_tokens += reservation
+        return self._watch(asyncio.create_task(self._run_group(row, position, group_id, reservation)))
+
+    def _reservation(self, prompt: list[dict] | None) -> float:
+        """The tokens a group may put on the queue: single-turn, at most G × (prompt + max_completion_length);
+        multi-turn rollouts and forks can produce more, so never less than the largest recent kept group."""
+        single_turn = self.config.num_generations * ((len(self.generation.render(prompt)) if prompt else 0) + self.config.max_completion_length)
+        return max(single_turn, max(self.kept_tokens, default=0))
+
+    def _queued_tokens(self) -> float:
+        return self.produced_tokens - self.channels.consumed_tokens.value
+
+    async def _wait_for_allowance(self, reservation: float) -> None:
+        start = time.monotonic()
+        while not self.allowance.may_start(self._queued_tokens(), self.in_flight_tokens, reservation,
+                                           self.channels.tokens_per_step.value, self.groups_in_flight, self.groups_finished):
+            self._raise_failure()
+            await asyncio.sleep(0.01)  # the trainer frees tokens from another process: polled
+        self.record("rollout/backpressure_s", time.monotonic() - start)
+        limit = self.allowance.limit(self.channels.tokens_per_step.value)
+        used = self._queued_tokens() + self.in_flight_tokens + reservation
+        if self.groups_finished:  # the allowance binds once the first group has finished
+            self.record("rollout/allowance_used_max", used / limit)
+
+    async def _run_group(self, row: dict, position: int, group_id: int, reservation: float) -> None:
+        version = self.channels.model_version.value  # read as it runs: its first request goes out under this version
+        GROUP_VERSION.set(version)  # this group's requests (its own task) sample from this policy version
+        self.generating[asyncio.current_task()] = (version, position)  # only a running group is cancelled: its finally runs
+        try:
+            episodes = await self.generation.episodes(row, position, group_id)
+        except EngineDead:
+            raise  # no retry helps: the worker stops and says so
+        except ServerError as exc:
+            # LoRA: the trainer unloads versions older than max_staleness allows; a group that started on one
+            # can no longer be sampled, and its samples would be dropped as stale anyway: generate it again.
+            if self.adapter_name and exc.status == 404 and version < self.channels.model_version.value:
+                self.record("rollout/stale_adapter_count", 1)
+                self.retries.append(position)
+            elif position not in self.failed_once:  # one failed request: the group is generated again, once
+                self.failed_once.add(position)
+                self.retries.append(position)
+            else:
+                self.failed_once.discard(position)
+                self._drop_failed("the server", position, f"a request of the group failed, and again when the group was "
+                                  f"generated anew: {exc}")
+            return
+        finally:
+            self.groups_in_flight -= 1
+            self.in_flight_tokens -= reservation
+            self.generating.pop(asyncio.current_task(), None)
+        group = self.generation.group(row, self.prompts.at(position).index, group_id, version, episodes, self.generation.reconciled(episodes))
+        block = time.monotonic()
+        self.unscored += 1
+        await self.score_queue.put((group, [e.rollout for e in episodes], position))
+        self.record("rollout/score_block_s", time.monotonic() - block)
+
+    # ---- evaluation -----------------------------------------------------------------------------------
+    async def _evaluations(self) -> None:
+        """Start each evaluation the trainer asks for, (its step, the policy version the server serves now), at once:
+        the trainer waits for it, so it must not wait behind the allowance as training groups do."""
+        while True:
+            try:
+                step, version = self.channels.evaluate.get_nowait()
+            except queue.Empty:
+                await asyncio.sleep(IDLE_POLL_S)
+                continue
+            self._watch(asyncio.create_task(self._evaluate(step, version)))
+
+    async def _evaluate(self, step: int, version: int) -> None:
+        """Generate every eval prompt under `version` and score it with the reward functions; send the eval/* records.
+        Nothing is trained, and the allowance is untouched: evaluation is not paced with training."""
+        GROUP_VERSION.set(version)
+        records: dict[str, list] = defaultdict(list)
+        outcomes = await asyncio.gather(*[self._evaluate_row(dict(row), index, step, version, records)
+                                          for index, row in enumerate(self.settings.eval_dataset)])
+        records["eval/failed_count"].append(outcomes.count(False))
+        self.emit("eval", (step, dict(records)))
+
+    async def _evaluate_row(self, row: dict, index: int, step: int, version: int, records: dict) -> bool:
+        """One eval prompt's group, recorded as eval/<the group's metric>; False when it failed (twice, as in training)."""
+        try:
+            episodes = await self.generation.episodes(row, f"eval:{step}:{index}", group_id=-1)
+            group = self.generation.group(row, index, -1, version, episodes, sequences=[])
+            columns = await self._reward(group)
+        except EngineDead:
+            raise
+        except (ServerError, scoring.RewardFailed) as exc:
+            print(f"tandem: evaluation at step {step}: eval_dataset row {index} failed ({exc})", file=sys.stderr)
+            return False
+        record_group(lambda name, *values: records[f"eval/{name}"].extend(values), group, columns,
+                     scoring.keeps_signal(group.rewards), self.eos_token_ids, log_completions=False)
+        return True
+
+    async def _scorer(self) -> None:
+        while True:
+            group, rollouts, position = await self.score_queue.get()
+            try:
+                await self._score(group, rollouts, position)
+            finally:
+                self.unscored -= 1
+                self.score_queue.task_done()
+
+    async def _score(self, group: RolloutGroup, rollouts: list[Rollout], position: int) -> None:
+        """Reward the group, compute its advantages, and send its samples to the trainer (or drop it)."""
+        self.record("rollout/score_wait_s", time.monotonic() - group.queued_at)
+        start = time.monotonic()
+        self.failed_once.discard(position)
+        try:
+            columns = await self._reward(group)
+        except scoring.RewardFailed as failed:
+            self._drop_failed(f"reward function {failed.name!r}", position, f"it failed on the group, and again when "
+                              f"called once more: {failed.traceback.splitlines()[-1]}", failed.traceback)
+            return
+        self.failed_in_a_row.clear()
+        advantages = np.asarray(self.loop.compute_advantages(group), dtype=np.float64)
+        if advantages.shape != (len(rollouts),):
+            raise ValueError(f"compute_advantages returned shape {advantages.shape}; it must return one advantage per "
+                             f"rollout ({len(rollouts)})")
+        self.record("rollout/score_s", time.monotonic() - start)
+        self.groups_finished += 1
+        # GRPO learns only from groups whose rewards differ; FlashREINFORCE's baseline is the batch, not the group.
+        kept = bool(np.isfinite(group.rewards).any()) if self.flash else scoring.keeps_signal(group.rewards)
+        record_group(self.record, group, columns, kept, self.eos_token_ids, self.config.log_completions)
+        samples = self._samples(group, rollouts, advantages, position) if kept else []
+        self._flush_records()  # the group's metrics travel ahead of its samples
+        if not samples:
+            self.emit("skip", position)
+            return
+        tokens = sum(s.num_tokens for s in samples)
+        self.produced_tokens += tokens
+        self.kept_tokens.append(tokens)
+        self.emit("samples", samples)
+
+    async def _reward(self, group: RolloutGroup) -> dict[str, np.ndarray]:
+        """Every reward source of the group, summed into `group.rewards`; returns the reward functions' columns."""
+        g = len(group.completions)
+        kwargs = {"prompts": group.prompts, "completions": group.completions, "completion_ids": group.completions_ids,
+                  **group.reward_kwargs}
+        columns = (await scoring.score(self.reward_funcs, kwargs, g, self.config.reward_timeout)
+                   | scoring.environment_columns(group.env_rewards))
+        sources = list(columns.values())
+        if any(r is not None for r in group.rollout_rewards):
+            sources.append(np.array([math.nan if r is None else float(r) for r in group.rollout_rewards]))
+        group.rewards = scoring.total_reward(sources, g)
+        return columns
+
+    def _drop_failed(self, cause: str, position: int, reason: str, details: str = "") -> None:
+        """Drop a group that failed (counted in rollout/failed_count), say so and go on; FAILED_IN_A_ROW groups in a
+        row failing for the same cause stop the run with the reason and `details` (a traceback)."""
+        self.failed_in_a_row[cause] += 1
+        if self.failed_in_a_row[cause] >= FAILED_IN_A_ROW:
+            raise RuntimeError(f"{FAILED_IN_A_ROW} groups in a row were dropped because {cause} failed; the last time "
+                               f"{reason}\n{details}".rstrip())
+        print(f"tandem: dropped the group of prompt position {position}: {cause} failed ({reason})", file=sys.stderr)
+        self.record("rollout/failed_count", 1)
+        self._flush_records()
+        self.emit("skip", position)
+
+    @staticmethod
+    def _samples(group: RolloutGroup, rollouts: list[Rollout], advantages: np.ndarray, position: int) -> list[Sample]:
+        """The group's training samples: each rollout's sequences, with the rollout's advantage and reward."""
+        group_samples = sum(len(seqs) for seqs in group.completions_sequences)
+        return [Sample(input_ids=s.input_ids, trained=s.trained, logprobs=s.logprobs, advantage=float(a),
+                       model_version=group.model_version, group_id=group.group_id, position=position,
+                       group_samples=group_samples, rollout_id=rollout.rollout_id, created_at=time.time(),
+                       sampler_top=s.sampler_top, sampling_mask=s.sampling_mask, reward=float(r))
+                for rollout, seqs, a, r in zip(rollouts, group.completions_sequences, advantages, group.rewards)
+                for s in seqs]
+
+    # ---- background tasks -------------------------------------------------------------------------
+    async def _init_cap(self) -> None:
+        try:
+            self.generation.max_model_len = await self.control.max_model_len()
+            metrics = await self.control.metrics()
+        except Exception:  # a server without /metrics: the cap stays at max_concurrent_rollouts
+            return
+        self.generation.cap = ConcurrencyCap(self.config.max_concurrent_rollouts, metrics.kv_capacity_tokens, self.generation.max_model_len)
+        self.server_metrics = True
+
+    async def _poll_server(self) -> None:
+        while self.server_metrics:
+            await asyncio.sleep(METRICS_POLL_S)
+            try:
+                metrics = await self.control.metrics()
+            except Exception:
+                continue
+            async with self.generation.slot:
+                self.generation.cap.update(metrics.kv_cache_usage, metrics.waiting)
+                self.generation.slot.notify_all()
+            self.record("rollout/vllm_kv_cache_usage_frac", metrics.kv_cache_usage)
+            self.record("rollout/vllm_running_requests", metrics.running)
+            self.record("rollout/vllm_queued_requests", metrics.waiting)
+            previous = metrics.preemptions if self.last_preemptions is None else self.last_preemptions
+            self.record("rollout/vllm_preemption_count", metrics.preemptions - previous)
+            self.last_preemptions = metrics.preemptions
+
+    async def _cancel_doomed(self) -> None:
+        """Cancel the groups still generating under a policy more than max_staleness versions old: they can only arrive
+        stale, to be dropped. Cancelling closes their requests (the server aborts a request whose client left), and the
+        position is generated again under the current policy (rollout/cancelled_stale_count)."""
+        while True:
+            await asyncio.sleep(IDLE_POLL_S)
+            oldest = self.channels.model_version.value - self.config.max_staleness
+            for task, (version, position) in list(self.generating.items()):
+                if version < oldest:
+                    del self.generating[task]
+                    task.cancel()
+                    self.retries.append(position)
+                    self.record("rollout/cancelled_stale_count", 1)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            self.channels.heartbeat.value = time.time()
+            await asyncio.sleep(0.5)
+
+    async def _report(self) -> None:
+        last, last_tokens, last_retries = time.monotonic(), 0, 0
+        while True:
+            await asyncio.sleep(REPORT_EVERY_S)
+            now = time.monotonic()
+            self.record("rollout/generated_tokens_per_s", (self.generation.generated_tokens - last_tokens, now - last))
+            self.record("rollout/concurrency", self.generation.rollouts_in_flight)
+            self.record("rollout/concurrency_cap", self.generation.cap.value)
+            self.record("rollout/score_queue_size", self.score_queue.qsize())
+            self.record("rollout/vllm_retry_count", self.generation.client.retries - last_retries)
+            last, last_tokens, last_retries = now, self.generation.generated_tokens, self.generation.client.retries
+            self._flush_records()
+
+    async def _say_outages(self) -> None:
+        """Tell the trainer's user when the server stops answering at all (its requests are retried meanwhile, for
+        up to vllm_server_timeout): OUTAGE_SAY_S into the outage, then every OUTAGE_SAY_AGAIN_S while it lasts."""
+        said = None
+        while True:
+            await asyncio.sleep(REPORT_EVERY_S)
+            down, now = self.generation.client.down_since, time.monotonic()
+            if down is None:
+                said = None
+            elif now - down >= OUTAGE_SAY_S and (said is None or now - said >= OUTAGE_SAY_AGAIN_S):
+                said = now
+                self.emit("say", f"the generation server {self.base_url} has not answered for {now - down:.0f}s "
+                                 f"({self.generation.client.down_reason}); waiting for it up to vllm_server_timeout="
+                                 f"{self.config.vllm_server_timeout:g}s (its log says why it stopped)")
+
+    def _flush_records(self) -> None:
+        if self.records:
+            records, self.records = dict(self.records), defaultdict(list)
+            self.emit("metrics", records)

@@ -1,0 +1,47 @@
+"""What the rollout worker will run, checked when the trainer is built (before any training work): the tools and
+environments, the chat template multi-turn rollouts render with, and that all of it can be sent to the worker."""
+
+import warnings
+
+from tandem.prompts import check_prefix_preserving, training_chat_template
+from tandem.rollout.environments import factories_of, validate_environments
+from tandem.rollout.tools import validate_tools
+from tandem.rollout.worker import check_picklable
+from tandem.tool_calls import tool_schema
+
+
+def check_agents(tools: list, environment_factory, dataset) -> bool:
+    """Tools and environments, checked before any training work; returns whether an environment owns a reward."""
+    validate_tools(tools)
+    labels = {f"tool {getattr(tool, '__name__', tool)!r}": tool for tool in tools}
+    factories = factories_of(environment_factory)
+    labels |= {f"environment_factory {name!r}" if name else "environment_factory": f for name, f in factories.items()}
+    check_picklable(labels)
+    if environment_factory is None:
+        return False
+    return any(callable(getattr(cls, "get_reward", None)) for cls in validate_environments(environment_factory, tools, dataset))
+
+
+def check_sendable(reward_funcs: list, loop_cls: type | None) -> None:
+    """The reward functions and the loop class reach the worker pickled: name the first that cannot."""
+    check_picklable({f"reward function {i}": f for i, f in enumerate(reward_funcs)} | {"loop_cls": loop_cls})
+
+
+def rollout_template(tokenizer, tools: list, chat_template_kwargs: dict | None) -> str | None:
+    """Multi-turn rollouts re-render the conversation every turn; a template that renders earlier turns differently once
+    the conversation grows makes every turn fork. A training-safe template for known families (None: the model's own
+    is prefix-preserving, or tandem has none for it, which is warned about)."""
+    schemas = [tool_schema(tool) for tool in tools] or None
+    problem = check_prefix_preserving(tokenizer, schemas, chat_template_kwargs)
+    if problem is None:
+        return None
+    known = training_chat_template(tokenizer)
+    if known is None:
+        warnings.warn(f"the chat template is not prefix-preserving ({problem}) and tandem has no training template for "
+                      "it: multi-turn rollouts will fork at every re-rendered turn (rollout/fork_frac). Pass a "
+                      "processing_class whose chat_template renders earlier turns unchanged.", stacklevel=4)
+        return None
+    family, template = known
+    print(f"tandem: the chat template is not prefix-preserving ({problem}); training with tandem's {family} training "
+          "template, which renders earlier turns unchanged")
+    return template

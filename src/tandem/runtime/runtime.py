@@ -1,0 +1,487 @@
+"""`Runtime`: the trainer's side of a run that is not the model — the generation server (embedded or external), the
+rollout worker, the queue between them, the weight sync, and every rule for restarting, reconnecting and stopping.
+
+The trainer calls it one way: `start`, then each step `next_micro_batches`, `trained`, `sync`, `publish`, sometimes
+`evaluate` and `resume_point`, and `take_metrics` at each log. Nothing here calls the trainer: an embedded server that
+dies is restarted with the weights of `spec.model` (the module the trainer trains; read here, never written), a lost
+worker is replaced once, and a server that stays away ends the run with a `ServerProblem`.
+"""
+
+import copy
+import json
+import math
+import signal
+import threading
+import time
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tandem.config import AsyncGRPOConfig
+from tandem.dataset_rows import first_rows, is_iterable
+from tandem.distributed import Ranks
+from tandem.generation.client import EngineDead, ServerProblem, engine_died, server_gone
+from tandem.metrics.doctor import OFF_POLICY_BOUND
+from tandem.metrics.window import MetricWindow
+from tandem.model_folder import save_model_folder
+from tandem.packing import PackedRow
+from tandem.packing.batching import TokenBudgetBatcher, record_micro_batch
+from tandem.prompts import render_chat, render_prompt
+from tandem.rollout.loop import AsyncRolloutLoop
+from tandem.rollout.settings import RolloutSettings
+from tandem.rollout.worker import WorkerSpec
+from tandem.runtime import server_checks, sync_check
+from tandem.runtime.sample_source import ResumePoint, SampleSource, Stall
+from tandem.runtime.session import DYING_S, Session
+from tandem.runtime.weight_sync import ADAPTER_NAME, LoraSync, choose_sync, follower_sync, lora_server_flags, publish
+from tandem.tool_calls import tool_schema
+
+PROMPTS_MEASURED = 1000
+"""An IterableDataset's first rows whose prompts are checked against the server's context length (a streamed dataset
+is not read through before training)."""
+SERVER_RESTARTS = 3
+SERVER_RESTART_WINDOW_S = 600.0
+"""The embedded server is restarted when it dies, unless it died SERVER_RESTARTS times in the last 10 minutes."""
+RECONNECT_POLL_S = 5.0
+"""While waiting for an external server after a failed sync, how often the worker is asked whether it stopped."""
+FORCED_PROBES = 2
+"""Against an external server the first syncs are always probed: the connect push (same weights) and the first trained
+weights (a reload that misses a layer shows only once the weights differ from the server's own)."""
+
+
+@dataclass
+class RuntimeSpec:
+    """What the trainer decided and the runtime needs: plain values, the model it reads the weights from, and the
+    user's rollout inputs (checked when the trainer was built)."""
+
+    args: AsyncGRPOConfig
+    model: torch.nn.Module
+    tokenizer: object
+    ranks: Ranks
+    model_name: str
+    """The model as the user named it: a folder the embedded server can load, or a hub id."""
+    output_dir: Path
+    layout: str
+    kernel: str
+    """The rows' layout and the attention kernel: the sync probe scores the served tokens as training does."""
+    compute_dtype: str
+    served_dtype: str
+    eos_token_ids: list[int]
+    lora_rank: int | None
+    """The adapter's rank when training LoRA (None: full weights)."""
+    dataset: object
+    eval_dataset: object
+    reward_funcs: list
+    tools: list
+    environment_factory: object
+    loop_cls: type | None
+    """The user's AsyncRolloutLoop subclass (None: AsyncRolloutLoop itself)."""
+    rollout_template: str | None
+    """A training-safe chat template the worker renders rollouts with (None: the tokenizer's own)."""
+
+
+class Runtime:
+    def __init__(self, spec: RuntimeSpec):
+        self.spec, self.args, self.ranks = spec, spec.args, spec.ranks
+        self.lora = spec.lora_rank is not None
+        self.session = Session(spec.args.vllm_server_timeout, spec.args.vllm_server_api_key)
+        self.preempted = threading.Event()
+        """Set by SIGTERM while training with enable_jit_checkpoint: the step in progress ends with a checkpoint."""
+        self.window = MetricWindow()
+        """The runtime's own records (syncs, drops, restarts): the trainer takes them at each log."""
+        first_prompt = next(iter(first_rows(spec.dataset, 1)), {}).get("prompt")
+        self.probe_prompt = render_prompt(spec.tokenizer, first_prompt or [{"role": "user", "content": "What is 2 + 2?"}],
+                                          spec.args.chat_template_kwargs)
+        self.probe_tokens = sync_check.PROBE_TOKENS
+        """How long the probe's completion is: shorter when the server's context has no room for the full probe."""
+        self.probe_bound = (OFF_POLICY_BOUND.get(spec.compute_dtype, OFF_POLICY_BOUND["float32"]), spec.compute_dtype)
+        """The largest probe gap that rounding explains, and the dtype it is that of: the coarser of the trainer's and
+        the server's, which is learnt at connect."""
+        self.probe = None
+        """The client of the sync probe, opened at the first checked sync."""
+        self.pushes = 0
+        """Weight syncs pushed since the server was reached: against an external server the first FORCED_PROBES are
+        always probed (the connect push, then the first trained weights; again after a reconnect)."""
+        self.version = 0
+        """The policy version the server samples from (what a restarted embedded server serves)."""
+        self.step = 0
+        """The trainer's last step: where a stall's worker metrics are logged."""
+        self.server_restarts: list[float] = []
+        """When the embedded server was restarted (monotonic seconds): one that keeps dying stops the run."""
+        self.sync_strategy = self.source = self.batcher = None
+        self.token_budget = spec.args.token_budget
+        self.served_path = self.served_url = self.served_name = None
+
+    def __enter__(self) -> "Runtime":
+        self.preempted.clear()
+        self.session.__enter__()
+        self.session.stack.enter_context(on_sigterm(self.args.enable_jit_checkpoint, self.preempted))
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        try:
+            self.session.__exit__(*exc_info)
+        finally:
+            self.sync_strategy = None  # its transfer group (sockets, threads) joined the server the session stopped
+
+    # ---- what the trainer calls ---------------------------------------------------------------------
+    def start(self, version: int, resume: ResumePoint, resumed: bool) -> None:
+        """Reach the server, check the data fits it, bring it to the trainer's weights, then start the worker from
+        `resume`. Rank 0 talks to the server and owns the worker; every rank takes part in the syncs."""
+        args, session, spec, main = self.args, self.session, self.spec, self.ranks.main
+        self.version = version
+        self.served_path = self._served_path() if args.vllm_server_base_url is None else None
+        if main:
+            url = args.vllm_server_base_url or session.start_server(self.served_path, spec.output_dir / "server.log",
+                                                                    self._server_args())
+            control = session.connect(url)
+            facts = session.run(server_checks.read_facts(control))
+            server_checks.check(facts, url, spec.served_dtype)
+            self.probe_bound = max(self.probe_bound, (OFF_POLICY_BOUND.get(facts.dtype, 0.0), facts.dtype))
+            max_model_len = session.run(control.max_model_len())
+            served_name = self._served_name()
+            self.sync_strategy = choose_sync(control, session, served_name, spec.model, args, self.lora, self.ranks)
+        kind, max_model_len, served_name = self.ranks.broadcast((type(self.sync_strategy), max_model_len, served_name) if main else None)
+        if not main:
+            self.sync_strategy = follower_sync(kind, spec.output_dir, served_name, args.max_staleness, self.ranks)
+        self.token_budget = args.token_budget or max_model_len
+        self.probe_tokens = max(1, min(sync_check.PROBE_TOKENS, max_model_len - len(self.probe_prompt)))
+        self.batcher = TokenBudgetBatcher(self.token_budget, num_rows=self.ranks.world_size, layout=spec.layout,
+                                          max_samples=args.per_device_train_batch_size)
+        self._check_prompt_lengths(max_model_len)
+        if resumed or args.vllm_server_base_url is not None or self.lora:
+            self._push(version)  # the server must sample from our weights
+        if not main:
+            return
+        config = args.to_dict() | {"compute_dtype": spec.compute_dtype}  # tandem doctor's rounding bound
+        session.open_sinks(args.report_to, spec.output_dir, config, args.max_steps if args.max_steps > 0 else None,
+                           dashboard=not args.disable_tqdm)
+        self.served_url, self.served_name = url, served_name
+        worker = self._start_worker(resume)
+        self.source = SampleSource(worker, worker.channels, self.window, resume=resume,
+                                   max_staleness=args.max_staleness, token_budget=self.token_budget,
+                                   end_position=self._num_positions(), regenerate=self._regenerate,
+                                   health_check=self._check_server, stall_timeout=args.stall_timeout,
+                                   say=session.progress.say, stop=self.preempted.is_set, restart_worker=self._restart_worker,
+                                   on_stall=self._log_stalled)
+
+    def next_micro_batches(self, version: int) -> list[list[PackedRow]]:
+        """Up to gradient_accumulation_steps micro-batches of up to one row per rank, each closed by the token-budget
+        batcher when the next sample fits nowhere; fewer (or none) once the worker has finished. A sample is
+        consumed once placed. Rank 0 only."""
+        self.window.add("rollout/queue_size", self.source.drain())
+        micro_batches = []
+        for index in range(self.args.gradient_accumulation_steps):
+            self._fill_micro_batch(version, last=index == self.args.gradient_accumulation_steps - 1)
+            rows = self.batcher.close()
+            if not rows:
+                break
+            record_micro_batch(self.window, rows, self.token_budget, self.ranks.world_size)
+            micro_batches.append(rows)
+        return micro_batches
+
+    def trained(self, rows: list[PackedRow], step: int) -> int:
+        """Step `step` trained `rows`: their samples leave the queue for good. Returns the first unfinished prompt
+        position (where a resumed run starts). Rank 0 only."""
+        self.step = step
+        self.source.trained([s for row in rows for s in row.samples])
+        return self.source.ledger.watermark
+
+    def publish(self, tokens_per_step: float) -> None:
+        """The worker's next allowance, after the step's sync (sample_source.py). Rank 0 only."""
+        self.source.publish(tokens_per_step)
+
+    def sync(self, version: int) -> None:
+        """Bring the server to the trainer's weights as `version` (every rank calls it): a failure that a server brought
+        back can cure is retried once it answers; one that it cannot stops the run."""
+        start = time.perf_counter()
+        self.ranks.barrier()  # the gathers of the sync start when the slowest rank has finished its step
+        waited = time.perf_counter() - start
+        try:
+            timings = self._push(version)
+        except ServerProblem:
+            raise  # the server answers but serves other weights, or refuses: syncing again would not change that
+        except EngineDead as error:
+            raise ServerProblem(f"the weight sync failed: {engine_died(error)}") from None
+        except Exception as error:
+            if not self._reconnect(version, error):  # the server brought back serves this version
+                raise
+            timings = {}
+        if self.ranks.several:
+            timings["perf/weight_sync_barrier_s"] = waited
+        if self.ranks.main:
+            for name, value in timings.items():
+                self.window.add(name, value)
+        self.version = version
+
+    def evaluate(self, step: int, version: int) -> dict[str, list] | None:
+        """The eval records of the prompts generated under `version`; None when the run is stopping. Rank 0 only."""
+        return self.source.evaluate(step, version)
+
+    def resume_point(self) -> ResumePoint:
+        return self.source.resume_point()
+
+    @property
+    def rollout_wait_s(self) -> float:
+        """Seconds waited for the worker so far (a counter: a step reads its growth)."""
+        return self.source.wait_s
+
+    def take_metrics(self) -> dict[str, list]:
+        """The runtime's and the worker's records since the last call. Rank 0 only."""
+        records = self.window.take()
+        for name, values in self.source.worker_metrics.take().items():
+            records.setdefault(name, []).extend(values)
+        return records
+
+    def preempted_everywhere(self) -> bool:
+        """Whether any rank got SIGTERM (with enable_jit_checkpoint): every rank stops at the same step."""
+        if not self.args.enable_jit_checkpoint:
+            return False
+        if self.ranks.several:
+            return self.ranks.total(float(self.preempted.is_set())) > 0
+        return self.preempted.is_set()
+
+    # ---- the sync ---------------------------------------------------------------------------------
+    def _push(self, version: int) -> dict[str, float]:
+        """Sync the weights as `version` (every rank takes part), then, when `_probe_limit` says so, check that the
+        server now samples from them."""
+        timings = self.sync_strategy.push(self.spec.model, version, announce=self._announce)
+        self.pushes += 1
+        limit = self._probe_limit()
+        if limit is not None:
+            name = self.sync_strategy.name_for(version)
+            served = None
+            if self.ranks.main:
+                self.probe = self.probe or self.session.generation_client()
+                served = self.session.run(sync_check.probe(self.probe, name, self.probe_prompt, self.probe_tokens))
+            served = self.ranks.broadcast(served)
+            ours = sync_check.policy_logprobs(self.spec.model, self.probe_prompt, served.token_ids, self.spec.kernel,
+                                              self.spec.layout)
+            if self.ranks.main:
+                gap = sync_check.compare(name, served, ours)
+                sync_check.check(gap, *limit)
+                timings["weight_sync/served_logprob_gap"] = gap.max_abs
+        return timings
+
+    def _probe_limit(self) -> tuple[float, str] | None:
+        """How far the probe after this sync may land from the trainer's log-probs, and where that bound comes from; None
+        for no probe. The user's weight_sync_check_atol; against an external server also the dtype's rounding bound,
+        probed after the first FORCED_PROBES syncs whatever the settings."""
+        atol = self.args.weight_sync_check_atol
+        user = (atol, "weight_sync_check_atol") if atol is not None else None
+        if self.args.vllm_server_base_url is None:
+            return user
+        bound = (self.probe_bound[0], f"{self.probe_bound[1]} rounding bound")
+        if user is None:
+            return bound if self.pushes <= FORCED_PROBES else None
+        return min(user, bound)
+
+    def _announce(self, version: int) -> None:
+        """Called by the sync once the server serves `version`: the groups started from now on sample from it."""
+        if self.session.worker is not None:
+            self.session.worker.channels.model_version.value = version
+
+    # ---- a server that died or went away --------------------------------------------------------------
+    def _check_server(self) -> None:
+        """The embedded server's health, checked at every read of the worker's queue: one that died is restarted with
+        the current weights, unless it died too often (then the run stops with its log's tail)."""
+        server = self.session.server
+        if server is not None and not server.alive() and self._may_restart():
+            self._restart_server(self.version)
+        self.session.check_server()
+
+    def _reconnect(self, version: int, error: Exception) -> bool:
+        """After a failed sync: restart an embedded server that died, or wait (up to vllm_server_timeout) for an external
+        one to answer, join its transfer group anew (a restarted server has a new one) and sync `version` again.
+        False when there is nothing to try (an embedded server alive, several ranks)."""
+        session, args = self.session, self.args
+        if self.ranks.several:
+            return False
+        if session.server is not None:
+            if session.server.alive(wait_s=DYING_S):
+                return False
+            if not self._may_restart():
+                session.check_server()  # it died too often: stop with its exit code and log
+            self._restart_server(version)
+            return True
+        session.progress.say(f"the weight sync to {session.control.base_url} failed ({error}); syncing again once it "
+                             f"answers (waiting up to vllm_server_timeout={args.vllm_server_timeout:g}s)")
+        deadline = time.monotonic() + args.vllm_server_timeout
+        while True:
+            session.worker.raise_if_stopped()  # a worker that saw vLLM's engine die says so: no server will come back
+            try:
+                session.run(session.control.wait_healthy(min(RECONNECT_POLL_S, max(0.0, deadline - time.monotonic()))))
+                break
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise ServerProblem(f"the weight sync failed: {server_gone(error, args.vllm_server_timeout)}") from None
+        self.sync_strategy = choose_sync(session.control, session, self.served_name, self.spec.model, args, self.lora, self.ranks)
+        self.pushes = 0  # the server that came back may serve other weights: probe it as a new one
+        self._push(version)
+        self.window.add("rollout/server_reconnect_count", 1)
+        return True
+
+    def _may_restart(self) -> bool:
+        """On one process, and fewer than SERVER_RESTARTS restarts in the last SERVER_RESTART_WINDOW_S."""
+        now = time.monotonic()
+        self.server_restarts = [t for t in self.server_restarts if now - t < SERVER_RESTART_WINDOW_S]
+        return not self.ranks.several and len(self.server_restarts) < SERVER_RESTARTS
+
+    def _restart_server(self, version: int) -> None:
+        """Start the embedded server again where it was, serving the model as it is now under `version`: full weights
+        from a folder they are written to, a LoRA adapter loaded on the base model. Requests in flight retry until
+        it answers; a group that failed meanwhile is generated again."""
+        session, spec, start = self.session, self.spec, time.perf_counter()
+        self.server_restarts.append(time.monotonic())
+        session.progress.say(f"the embedded tandem serve exited (code {session.server.process.poll()}); restarting it with "
+                             f"the weights of step {self.step} (log: {session.server.log_path})")
+        folder = self.served_path if self.lora else str(publish(spec.model, spec.output_dir / ".weights", "current", self.ranks))
+        session.restart_server(folder)
+        self.sync_strategy = choose_sync(session.control, session, self.served_name, spec.model, self.args, self.lora, self.ranks)
+        if self.lora:
+            self.sync_strategy.push(spec.model, version, announce=self._announce)
+        else:
+            self._announce(version)
+        self.window.add("rollout/server_restart_count", 1)
+        self.window.add("perf/server_restart_s", time.perf_counter() - start)
+
+    # ---- the queue ----------------------------------------------------------------------------------
+    def _fill_micro_batch(self, version: int, last: bool) -> None:
+        """Offer samples to the batcher until one fits nowhere. The step's last micro-batch takes whole units: groups
+        (GRPO: a group split across two steps would have its second part trained a policy version later, past
+        max_staleness for a group that was just in bounds) or rollouts (FlashREINFORCE trains a trajectory in one
+        step). A group larger than a whole micro-batch fills it; a rollout larger than one is dropped as oversize."""
+        source, batcher = self.source, self.batcher
+        flash = self.args.algorithm == "flash_reinforce"
+        same = (lambda s: s.rollout_id) if flash else (lambda s: s.position)
+        while (unit := source.peek_unit(version, same if last else None)) is not None:
+            if batcher.offer_together(unit):
+                for _ in unit:
+                    source.take()
+            elif not batcher.empty:
+                return
+            elif flash:
+                source.discard_oversize(len(unit))
+            else:  # one group overfills the micro-batch: as much of it as fits
+                for sample in unit:
+                    if not batcher.offer(sample):
+                        return
+                    source.take()
+
+    def _log_stalled(self, stall: Stall) -> None:
+        """While no step is possible, the worker's metrics still reach the sinks every minute, under the last step and
+        with `stalled_s` (the seconds waited): what generation and scoring do while nothing trains."""
+        metrics = self.source.worker_metrics.flush()
+        if metrics:
+            self.session.log(self.step, {**metrics, "stalled_s": stall.waited})
+
+    def _regenerate(self, position: int) -> None:
+        self.session.worker.channels.retry.put(position)
+
+    # ---- the worker ---------------------------------------------------------------------------------
+    def _start_worker(self, point: ResumePoint):
+        """The rollout worker, generating from `point` on (its start, leaving out what the trainer holds past it)."""
+        return self.session.start_worker(self._worker_spec(point), self.args.rollout_worker_timeout, self.version)
+
+    def _restart_worker(self, point: ResumePoint):
+        """A new worker where a lost one left off (the sample source asks once); returns its inbox and counters."""
+        lost = self.session.worker
+        lost.stop()
+        worker = self._start_worker(point)
+        worker.channels.tokens_per_step.value = lost.channels.tokens_per_step.value
+        return worker, worker.channels
+
+    def _worker_spec(self, point: ResumePoint) -> WorkerSpec:
+        args, spec = self.args, self.spec
+        tokenizer_path = spec.output_dir / ".tokenizer"
+        tokenizer = copy.copy(spec.tokenizer)  # the training template renders rollouts; checkpoints keep the model's own
+        tokenizer.chat_template = spec.rollout_template or spec.tokenizer.chat_template
+        tokenizer.save_pretrained(tokenizer_path)
+        settings = RolloutSettings(
+            config=args, model_name=self.served_name, tokenizer_path=str(tokenizer_path), dataset=spec.dataset,
+            reward_funcs=spec.reward_funcs, eos_token_ids=spec.eos_token_ids, base_url=self.served_url,
+            tools=spec.tools, environment_factory=spec.environment_factory, api_key=args.vllm_server_api_key,
+            dataset_start_index=point.start, received=point.received, queued_tokens=point.queued_tokens,
+            full_step_tokens=self.token_budget * args.gradient_accumulation_steps, num_positions=self._num_positions(),
+            eval_dataset=spec.eval_dataset, adapter_name=ADAPTER_NAME if isinstance(self.sync_strategy, LoraSync) else None)
+        return WorkerSpec(loop_cls=spec.loop_cls or AsyncRolloutLoop, settings=settings)
+
+    def _num_positions(self) -> int | None:
+        """Where the prompt stream ends: epochs × rows; None for an endless stream (max_steps decides, or environments
+        sample their own tasks)."""
+        if self.args.max_steps > 0 or self.spec.dataset is None:
+            return None
+        return math.ceil(self.args.num_train_epochs * len(self.spec.dataset))
+
+    # ---- the server -------------------------------------------------------------------------------
+    def _served_path(self) -> str:
+        """A folder with exactly the trainer's weights for the embedded server: the model's own, or a saved copy."""
+        spec = self.spec
+        if Path(spec.model_name).is_dir():
+            return spec.model_name
+        source = spec.output_dir / ".weights" / "initial"
+        save_model_folder(spec.model, source, self.ranks)
+        if self.ranks.main:
+            spec.tokenizer.save_pretrained(source)
+        return str(source)
+
+    def _server_args(self) -> list[str]:
+        args, spec = self.args, self.spec
+        extra = ["--served-model-name", spec.model_name, "--logprobs-mode", "processed_logprobs",
+                 "--max-logprobs", str(max(20, args.num_sampler_logprobs)), "--dtype", spec.served_dtype,
+                 "--max-num-seqs", str(min(256, args.max_concurrent_rollouts))]
+        if args.uses_truncated_sampling:  # each token's kept set, to renormalise the trainer's log-probs over it
+            extra += ["--enable-scale-out", "--return-sampling-mask"]
+        if self.lora:
+            extra += lora_server_flags(args.max_staleness, spec.lora_rank)
+        else:  # full weights stream over a gloo group: faster than the reload (benchmarks/weight_sync.py)
+            extra += ["--weight-transfer-config", json.dumps({"backend": "gloo"}),
+                      "--weight-transfer-timeout-s", str(args.vllm_server_timeout)]
+        if args.vllm_server_host != "127.0.0.1":
+            extra += ["--host", args.vllm_server_host]
+        if args.vllm_server_api_key:
+            extra += ["--api-key", args.vllm_server_api_key]
+        if args.trust_remote_code:
+            extra += ["--trust-remote-code"]
+        return extra
+
+    def _served_name(self) -> str:
+        served = [m["id"] for m in self.session.run(self.session.control.models())]
+        if self.spec.model_name in served:
+            return self.spec.model_name
+        warnings.warn(f"the server does not serve a model named {self.spec.model_name!r}; generating with {served[0]!r}, "
+                      "its first model. Start it with --served-model-name to silence this.", stacklevel=4)
+        return served[0]
+
+    def _check_prompt_lengths(self, max_model_len: int) -> None:
+        """Every dataset prompt (with the tools' schemas) leaves room to generate; an environment's reset() may add more."""
+        spec = self.spec
+        schemas = [tool_schema(tool) for tool in spec.tools] or None
+        rows = first_rows(spec.dataset, PROMPTS_MEASURED) if is_iterable(spec.dataset) else spec.dataset or []
+        for index, row in enumerate(rows):
+            if not row.get("prompt"):
+                continue
+            length = len(render_chat(spec.tokenizer, row["prompt"], tools=schemas,
+                                     chat_template_kwargs=self.args.chat_template_kwargs))
+            if length >= max_model_len:
+                raise ValueError(f"train_dataset row {index}: the prompt renders to {length} tokens, but the server's "
+                                 f"max_model_len is {max_model_len}, leaving no room to generate. Start the server with a "
+                                 "larger --max-model-len, or drop the long prompts from the dataset.")
+
+
+@contextmanager
+def on_sigterm(enabled: bool, flag: threading.Event):
+    """While training with `enabled` (enable_jit_checkpoint): SIGTERM, a scheduler's preemption notice, sets `flag`
+    instead of killing the process, so the loop checkpoints the step it is in and stops. The previous handler is
+    restored after. Signals reach only the main thread: elsewhere this does nothing."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: flag.set())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
