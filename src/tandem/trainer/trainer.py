@@ -96,21 +96,18 @@ class AsyncGRPOTrainer:
                  environment_factory=None, eval_dataset=None):
         self.args = args = args or AsyncGRPOConfig()
         self.tools, self.environment_factory = list(tools or []), environment_factory
-        self.dataset = check_dataset(train_dataset, environments=environment_factory is not None, max_steps=args.max_steps)
-        self.reward_funcs = _reward_list(reward_funcs, check_agents(self.tools, environment_factory, self.dataset))
-        self.eval_dataset = check_eval_dataset(eval_dataset, args, environments=environment_factory is not None)
-        if is_iterable(self.dataset) and args.train_sampling_strategy == "random":
-            raise ValueError("train_sampling_strategy='random' shuffles a dataset by its indices, and an IterableDataset "
-                             "has none: shuffle the stream itself (dataset.shuffle(seed=..., buffer_size=...)).")
-        if args.remove_unused_columns and self.dataset is not None:
-            self.dataset = drop_unused_columns(self.dataset, self.reward_funcs, environment_factory is not None)
+        environments = environment_factory is not None
+        dataset = check_train_dataset(train_dataset, args, environments)
+        self.reward_funcs = _reward_list(reward_funcs, check_agents(self.tools, environment_factory, dataset))
+        self.dataset = drop_unused_columns(dataset, self.reward_funcs, environments) \
+            if args.remove_unused_columns and dataset is not None else dataset
+        self.eval_dataset = check_eval_dataset(eval_dataset, args, environments)
         self.ranks = distributed.join(args.vllm_server_timeout)
         """This process's place among the torchrun ranks (one rank of one without torchrun)."""
-        self.model_name, self.model, self.layout = load_model(model, args)
+        self.model_name, model_loaded, self.layout = load_model(model, args)
         """The rows this model trains on: tree-packed, or padded for models a tree row would change (packing/trie.py)."""
         self.lora = peft_config is not None
-        if self.lora:
-            self.model = with_adapter(self.model, peft_config)
+        self.model = with_adapter(model_loaded, peft_config) if self.lora else model_loaded
         if self.ranks.several:
             distributed.shard(self.model, self.ranks, args.fsdp_config, use_bf16(args, next(self.model.parameters()).device))
         self.tokenizer = processing_class or AutoTokenizer.from_pretrained(
@@ -123,20 +120,11 @@ class AsyncGRPOTrainer:
         self.device = next(self.model.parameters()).device
         self.scaler = check_precision(args, self.device, self.ranks.several, next(self.model.parameters()).dtype)
         """fp16's gradient scaler (None without fp16)."""
-        self.kernel = args.tree_attention_kernel or tree_attention.default_kernel(self.device)
-        if self.kernel == "flex" and self.device.type != "cuda":
-            raise ValueError("tree_attention_kernel='flex' needs a GPU: FlexAttention has no backward pass on CPU. "
-                             "Use 'exact' or 'sdpa'.")
+        self.kernel = attention_kernel(args, self.device)
         self.peak_flops = peak_flops(self.device, autocast_dtype(args, self.device) is not None)
         """One GPU's peak FLOP/s for perf/*_mfu; None on CPU or an unknown GPU (trainer/flops.py)."""
         self.flops_shape = model_shape(self.model) if self.peak_flops else None
-        text_config = self.model.config.get_text_config()
-        if args.router_aux_loss_coef is not None and not hasattr(text_config, "router_aux_loss_coef"):
-            raise ValueError(f"AsyncGRPOConfig.router_aux_loss_coef={args.router_aux_loss_coef}: the model is not a "
-                             "Mixture-of-Experts model (its config has no router), so there is no balancing loss to weigh. "
-                             "Leave it None.")
-        model_coef = getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0
-        self.objective = make_objective(args, args.router_aux_loss_coef if args.router_aux_loss_coef is not None else model_coef)
+        self.objective = make_objective(args, router_coefficient(args, self.model))
         self.output_dir = Path(args.output_dir)
         self.compute_dtype = str(autocast_dtype(args, self.device) or next(self.model.parameters()).dtype).removeprefix("torch.")
         """The dtype of the trainer's forward: the rounding it expects between its log-probs and the server's."""
@@ -462,6 +450,36 @@ class AsyncGRPOTrainer:
             lora_rank=self.model.peft_config["default"].r if self.lora else None, dataset=self.dataset,
             eval_dataset=self.eval_dataset, reward_funcs=self.reward_funcs, tools=self.tools,
             environment_factory=self.environment_factory, loop_cls=self.loop_cls, rollout_template=self.rollout_template)
+
+
+def check_train_dataset(dataset, args: AsyncGRPOConfig, environments: bool):
+    """The training prompts, if they can be trained on in the order `train_sampling_strategy` asks."""
+    dataset = check_dataset(dataset, environments=environments, max_steps=args.max_steps)
+    if is_iterable(dataset) and args.train_sampling_strategy == "random":
+        raise ValueError("train_sampling_strategy='random' shuffles a dataset by its indices, and an IterableDataset "
+                         "has none: shuffle the stream itself (dataset.shuffle(seed=..., buffer_size=...)).")
+    return dataset
+
+
+def attention_kernel(args: AsyncGRPOConfig, device: torch.device) -> str:
+    """The tree-attention kernel the rows are trained with: the configured one, or the device's default."""
+    kernel = args.tree_attention_kernel or tree_attention.default_kernel(device)
+    if kernel == "flex" and device.type != "cuda":
+        raise ValueError("tree_attention_kernel='flex' needs a GPU: FlexAttention has no backward pass on CPU. "
+                         "Use 'exact' or 'sdpa'.")
+    return kernel
+
+
+def router_coefficient(args: AsyncGRPOConfig, model) -> float:
+    """The weight of a Mixture-of-Experts model's balancing loss: the config's, else the model's own (0 without a router)."""
+    text_config = model.config.get_text_config()
+    if args.router_aux_loss_coef is not None and not hasattr(text_config, "router_aux_loss_coef"):
+        raise ValueError(f"AsyncGRPOConfig.router_aux_loss_coef={args.router_aux_loss_coef}: the model is not a "
+                         "Mixture-of-Experts model (its config has no router), so there is no balancing loss to weigh. "
+                         "Leave it None.")
+    if args.router_aux_loss_coef is not None:
+        return args.router_aux_loss_coef
+    return getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0
 
 
 def check_eval_dataset(eval_dataset, args: AsyncGRPOConfig, environments: bool):
