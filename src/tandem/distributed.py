@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from tandem.config import reshard_after_forward
 
+
 @dataclass(frozen=True)
 class Ranks:
     """Where this process stands: its rank, how many there are, and the group that carries Python objects

@@ -204,3 +204,9 @@ def test_a_server_that_stops_answering_is_said_then_after_vllm_server_timeout_en
     assert "waiting for it up to vllm_server_timeout=3s" in said[0]
     kind, text = stop_message(gone.value, 3)
     assert kind == "server" and "did not come back within vllm_server_timeout=3s" in text and "\n" not in text
+
+
+def test_a_server_without_metrics_is_said_and_the_loop_runs_at_max_concurrent_rollouts():
+    with pytest.warns(UserWarning, match=r"/metrics did not answer .*max_concurrent_rollouts=3, not paced by its KV cache"):
+        messages, _ = run_loop(by_reply, max_concurrent_rollouts=3)
+    assert sorted(set(positions(messages, "samples"))) == list(range(6)), "every group generated all the same"

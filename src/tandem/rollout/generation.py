@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from tandem.generation.client import GenerationClient
 from tandem.prompts import render_chat
 from tandem.records import Rollout, RolloutGroup, TurnRecord
-from tandem.rollout.environments import ROUTE_COLUMN, EnvironmentPool, environment_tools, factories_of, reset_prompt, route
+from tandem.rollout.environments import (ROUTE_COLUMN, EnvironmentPool, environment_tools, factories_of, reset_prompt,
+                                         route)
 from tandem.rollout.pacing import ConcurrencyCap
 from tandem.rollout.reconcile import reconcile
 from tandem.rollout.settings import RolloutSettings
-from tandem.rollout.tools import ToolResult, ToolRunner, Toolbox
+from tandem.rollout.tools import Toolbox, ToolResult, ToolRunner
 from tandem.tool_calls import tool_schema
 
 RENDER_CACHE_SIZE = 4096
@@ -66,8 +67,8 @@ class Generation:
         """Rollouts allowed in flight; driven by the server's KV-cache usage once /metrics answers (the scheduler's)."""
         self.slot = asyncio.Condition()
         self.rollouts_in_flight = self.generated_tokens = 0
-        self.max_model_len: int | None = None
-        """The server's context length (from /v1/models): a conversation ends before its prompt would pass it."""
+        self.max_model_len = settings.max_model_len
+        """The server's context length: a conversation ends before its prompt would pass it."""
         self.vocab_size = len(processing_class)
         self.sampling_masks = False
         """Whether requests go to /inference/v1/generate for each token's kept set (top-k / top-p)."""

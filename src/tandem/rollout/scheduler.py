@@ -14,15 +14,15 @@ from collections import defaultdict, deque
 
 import numpy as np
 
+from tandem.channels import Channels
 from tandem.generation.client import ControlClient, EngineDead, ServerError
 from tandem.metrics.window import check_values
+from tandem.records import Rollout, RolloutGroup, Sample
 from tandem.rollout import rewards as scoring
-from tandem.channels import Channels
+from tandem.rollout.generation import GROUP_VERSION, Generation
 from tandem.rollout.group_metrics import record_group
 from tandem.rollout.pacing import METRICS_POLL_S, ConcurrencyCap, TokenAllowance
 from tandem.rollout.prompt_stream import PromptStream
-from tandem.rollout.generation import GROUP_VERSION, Generation
-from tandem.records import Rollout, RolloutGroup, Sample
 from tandem.rollout.settings import RolloutSettings
 
 SCORE_QUEUE_MAXSIZE = 16
@@ -359,21 +359,33 @@ class RolloutScheduler:
 
     # ---- background tasks -------------------------------------------------------------------------
     async def _init_cap(self) -> None:
+        """Rollouts in flight capped by the server's KV-cache capacity, from its /metrics; a server without them keeps
+        max_concurrent_rollouts, and the run says so."""
         try:
-            self.generation.max_model_len = await self.control.max_model_len()
             metrics = await self.control.metrics()
-        except Exception:  # a server without /metrics: the cap stays at max_concurrent_rollouts
+        except (ServerError, ConnectionError) as exc:
+            warnings.warn(f"the server's /metrics did not answer ({exc}): rollouts in flight stay capped at "
+                          f"max_concurrent_rollouts={self.config.max_concurrent_rollouts}, not paced by its KV cache",
+                          stacklevel=2)
             return
         self.generation.cap = ConcurrencyCap(self.config.max_concurrent_rollouts, metrics.kv_capacity_tokens, self.generation.max_model_len)
         self.server_metrics = True
 
     async def _poll_server(self) -> None:
+        """The server's load every METRICS_POLL_S: the concurrency cap follows its KV-cache usage. While /metrics does not
+        answer, the cap stays where it was (said once per outage; the requests' own retries report the server)."""
+        failing = False
         while self.server_metrics:
             await asyncio.sleep(METRICS_POLL_S)
             try:
                 metrics = await self.control.metrics()
-            except Exception:
+            except (ServerError, ConnectionError) as exc:
+                if not failing:
+                    print(f"tandem: the server's /metrics did not answer ({exc}); the concurrency cap stays at "
+                          f"{self.generation.cap.value} until it does", file=sys.stderr)
+                failing = True
                 continue
+            failing = False
             async with self.generation.slot:
                 self.generation.cap.update(metrics.kv_cache_usage, metrics.waiting)
                 self.generation.slot.notify_all()

@@ -31,5 +31,7 @@ class RolloutSettings:
     """Where the prompt stream ends (epochs × rows), or None for an endless stream (max_steps decides)."""
     eval_dataset: object = None
     """Prompts the trainer has evaluated (generated and scored, never trained) when it asks on `Channels.evaluate`."""
+    max_model_len: int | None = None
+    """The server's context length, as the trainer read it at connect: a conversation ends before its prompt passes it."""
     adapter_name: str | None = None
     """LoRA training: requests name the adapter version current when their group started, e.g. 'tandem-policy-v{version}'."""

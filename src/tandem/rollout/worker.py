@@ -14,8 +14,8 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from tandem.generation.client import EngineDead, ServerGone, ServerProblem, engine_died, server_gone
 from tandem.channels import Channels
+from tandem.generation.client import EngineDead, ServerGone, ServerProblem, engine_died, server_gone
 from tandem.rollout.settings import RolloutSettings
 
 

@@ -114,6 +114,8 @@ class Runtime:
         self.sync_strategy = self.source = self.batcher = None
         self.token_budget = spec.args.token_budget
         self.served_path = self.served_url = self.served_name = None
+        self.max_model_len: int | None = None
+        """The server's context length, read at connect (the worker's turns end before it)."""
 
     def __enter__(self) -> "Runtime":
         self.preempted.clear()
@@ -147,6 +149,7 @@ class Runtime:
         kind, max_model_len, served_name = self.ranks.broadcast((type(self.sync_strategy), max_model_len, served_name) if main else None)
         if not main:
             self.sync_strategy = follower_sync(kind, spec.output_dir, served_name, args.max_staleness, self.ranks)
+        self.max_model_len = max_model_len
         self.token_budget = args.token_budget or max_model_len
         self.probe_tokens = max(1, min(sync_check.PROBE_TOKENS, max_model_len - len(self.probe_prompt)))
         self.batcher = TokenBudgetBatcher(self.token_budget, num_rows=self.ranks.world_size, layout=spec.layout,
@@ -406,7 +409,7 @@ class Runtime:
             tools=spec.tools, environment_factory=spec.environment_factory, api_key=args.vllm_server_api_key,
             dataset_start_index=point.start, received=point.received, queued_tokens=point.queued_tokens,
             full_step_tokens=self.token_budget * args.gradient_accumulation_steps, num_positions=self._num_positions(),
-            eval_dataset=spec.eval_dataset, adapter_name=ADAPTER_NAME if isinstance(self.sync_strategy, LoraSync) else None)
+            eval_dataset=spec.eval_dataset, max_model_len=self.max_model_len, adapter_name=ADAPTER_NAME if isinstance(self.sync_strategy, LoraSync) else None)
         return WorkerSpec(loop_cls=spec.loop_cls or AsyncRolloutLoop, settings=settings)
 
     def _num_positions(self) -> int | None:

@@ -19,7 +19,6 @@ from tandem.metrics.console import RunConsole
 from tandem.metrics.sinks import make_sinks
 from tandem.rollout.worker import RolloutWorker, WorkerSpec
 
-
 QUICK_S = 5.0
 """How long a server may take to answer /health before the run says it is waiting for it."""
 DYING_S = 3.0

@@ -11,8 +11,8 @@ talks to the server.
 
 import asyncio
 import shutil
-import warnings
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,8 +20,8 @@ import torch
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 
-from tandem.generation.client import ControlClient, ServerProblem
 from tandem.distributed import Ranks
+from tandem.generation.client import ControlClient, ServerProblem
 from tandem.model_folder import quiet_progress, save_model_folder
 from tandem.runtime.server_checks import read_facts
 from tandem.runtime.weight_transfer import GlooPlane, TransferSync, VllmNcclPlane

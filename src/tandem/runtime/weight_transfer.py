@@ -29,9 +29,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from tandem.distributed import Ranks, full_tensor
 from tandem.generation.client import ControlClient, EngineDead, ServerProblem, engine_died
 from tandem.generation.weight_transfer import RENDEZVOUS_S, join_group
-from tandem.distributed import Ranks, full_tensor
 
 Tensors = Iterator[tuple[str, torch.Tensor]]
 

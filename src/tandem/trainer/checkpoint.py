@@ -31,11 +31,11 @@ import torch.distributed.checkpoint as dcp
 import transformers
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from tandem.records import Sample
-from tandem.tasks import TINY_MODEL_PATH
 from tandem.distributed import Ranks
-from tandem.runtime.sample_source import ResumePoint
 from tandem.model_folder import save_model_folder
+from tandem.records import Sample
+from tandem.runtime.sample_source import ResumePoint
+from tandem.tasks import TINY_MODEL_PATH
 
 PATTERN = re.compile(r"^checkpoint-(\d+)$")
 SHARDS = "distributed"

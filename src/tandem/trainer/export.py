@@ -12,10 +12,10 @@ from pathlib import Path
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from tandem.tasks import TINY_MODEL_PATH
-from tandem.trainer import checkpoint
 from tandem.distributed import Ranks
 from tandem.model_folder import save_model_folder
+from tandem.tasks import TINY_MODEL_PATH
+from tandem.trainer import checkpoint
 
 ADAPTER_CONFIG = "adapter_config.json"
 

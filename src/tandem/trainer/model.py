@@ -11,10 +11,10 @@ from transformers import PreTrainedModel
 
 from tandem import architecture
 from tandem.config import AsyncGRPOConfig
+from tandem.dataset_rows import columns_of, first_rows, is_iterable
 from tandem.packing import PADDED
 from tandem.packing import attention as tree_attention
 from tandem.packing.logprobs import check_head
-from tandem.dataset_rows import columns_of, first_rows, is_iterable
 from tandem.tasks import TINY_MODEL_PATH
 
 IMAGE_PARTS = ("image", "image_url", "input_image")
