@@ -389,17 +389,8 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
     if ns.dry_run:
         dry_run(ns.recipe, recipe, tools, agent=bool(tools or environments))
         return
-    from tandem import AsyncGRPOTrainer
-    from tandem.tasks import datasets
-
     try:
-        train = datasets.load(recipe.dataset, recipe.dataset_config, recipe.dataset_split, recipe.dataset_streaming) \
-            if recipe.dataset else None
-        evaluate = datasets.load(recipe.eval_dataset, recipe.dataset_config, recipe.eval_split) if recipe.eval_dataset else None
-        trainer = AsyncGRPOTrainer(model=recipe.model, reward_funcs=reward_funcs, args=recipe.config,
-                                   train_dataset=train, eval_dataset=evaluate,
-                                   peft_config=lora_config(recipe.lora) if recipe.lora is not None else None,
-                                   tools=tools or None, environment_factory=environments)
+        trainer = build_trainer(recipe, reward_funcs, tools, environments)
     except ValueError as exc:  # no such dataset, config or split; settings the trainer refuses (evaluation with no prompts)
         user_error(f"tandem train: {ns.recipe}: {exc}")
     from tandem.generation.client import ServerProblem
@@ -424,6 +415,19 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
         print(f"mean reward, first {len(head)} steps: {sum(head) / len(head):.3f}   last {len(tail)} steps: {sum(tail) / len(tail):.3f}")
     if trainer.runtime.preempted.is_set() and not 0 < recipe.config.max_steps <= output.global_step:
         sys.exit(128 + signal.SIGTERM)  # as a process SIGTERM ended: a job script must not take the run as finished
+
+
+def build_trainer(recipe, reward_funcs: list, tools: list, environments):
+    """The recipe's datasets loaded and its trainer built (everything that can refuse the recipe before training)."""
+    from tandem import AsyncGRPOTrainer
+    from tandem.tasks import datasets
+
+    train = datasets.load(recipe.dataset, recipe.dataset_config, recipe.dataset_split, recipe.dataset_streaming) \
+        if recipe.dataset else None
+    evaluate = datasets.load(recipe.eval_dataset, recipe.dataset_config, recipe.eval_split) if recipe.eval_dataset else None
+    return AsyncGRPOTrainer(model=recipe.model, reward_funcs=reward_funcs, args=recipe.config, train_dataset=train,
+                            eval_dataset=evaluate, peft_config=lora_config(recipe.lora) if recipe.lora is not None else None,
+                            tools=tools or None, environment_factory=environments)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -304,6 +304,15 @@ class AsyncGRPOConfig:
     local_rank: int = -1
 
     def __post_init__(self):
+        self._check_refused_and_types()
+        for name, ok, message in self._algorithm_checks() + self._run_checks():
+            if not ok:
+                raise ValueError(f"AsyncGRPOConfig.{name}={getattr(self, name)!r}: {message}.")
+        self._normalise()
+
+    def _check_refused_and_types(self) -> None:
+        """Fields tandem refuses at anything but their default, then every field's type (a value check on a wrong type
+        would be a TypeError)."""
         for item in dataclasses.fields(self):
             if item.name in REFUSED and getattr(self, item.name) != _default(item):
                 raise ValueError(f"AsyncGRPOConfig.{item.name}={getattr(self, item.name)!r} is not supported: "
@@ -313,7 +322,10 @@ class AsyncGRPOConfig:
             expected = type_problem(value, item.type)
             if expected:
                 raise ValueError(f"AsyncGRPOConfig.{item.name}={value!r}: expected {expected}, got {type(value).__name__}.")
-        checks = [
+
+    def _algorithm_checks(self) -> list[tuple[str, bool, str]]:
+        """(field, holds, what it must be) for the sampling and the objective."""
+        return [
             ("num_generations", self.num_generations >= 2 or self.algorithm != "grpo",
              "GRPO needs at least 2 generations per prompt to compare them"),
             ("num_generations", self.num_generations == 1 or self.algorithm != "flash_reinforce",
@@ -343,10 +355,15 @@ class AsyncGRPOConfig:
             ("vllm_importance_sampling_clip_max", self.vllm_importance_sampling_clip_max >= 1,
              "must be >= 1 (a ratio of 1 must never be masked)"),
             ("epsilon", self.epsilon >= 0, "must be >= 0"),
+            ("algorithm", self.algorithm in ALGORITHMS, f"must be one of {ALGORITHMS}"),
+        ]
+
+    def _run_checks(self) -> list[tuple[str, bool, str]]:
+        """(field, holds, what it must be) for the run: batching, pacing, logging, saving, precision."""
+        return [
             ("logging_steps", self.logging_steps >= 1, "must be at least 1"),
             ("save_strategy", self.save_strategy in ("steps", "no"), "must be 'steps' or 'no'"),
             ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"), "must be auto, float32, bfloat16 or float16"),
-            ("algorithm", self.algorithm in ALGORITHMS, f"must be one of {ALGORITHMS}"),
             ("per_device_train_batch_size", self.per_device_train_batch_size is None or self.per_device_train_batch_size >= 1,
              "must be at least 1, or None for as many samples as the token budget holds"),
             ("logging_strategy", self.logging_strategy in ("steps", "no"), "must be 'steps' or 'no'"),
@@ -365,9 +382,9 @@ class AsyncGRPOConfig:
             ("tree_attention_kernel", self.tree_attention_kernel in (None, "exact", "sdpa", "flex"),
              "must be 'exact', 'sdpa', 'flex' or None (the device's default)"),
         ]
-        for name, ok, message in checks:
-            if not ok:
-                raise ValueError(f"AsyncGRPOConfig.{name}={getattr(self, name)!r}: {message}.")
+
+    def _normalise(self) -> None:
+        """JSON strings as mappings (transformers accepts them), the schedule checked, defaults that follow others."""
         for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "model_init_kwargs", "chat_template_kwargs"):
             if isinstance(getattr(self, name, None), str):  # transformers accepts a JSON string here
                 setattr(self, name, _json_mapping(name, getattr(self, name)))
