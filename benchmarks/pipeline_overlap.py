@@ -81,12 +81,15 @@ class OwnCores(TrainerCallback):
 
     def __init__(self, server_core: int):
         self.server_core, self.every_core = server_core, os.sched_getaffinity(0)
+        self.moved = False
 
     def on_train_begin(self, args, state, control, **kwargs):
         pin(os.getpid(), {self.server_core})  # the worker process started next inherits the server's core
 
     def on_step_begin(self, args, state, control, **kwargs):
-        pin(os.getpid(), self.every_core - {self.server_core})
+        if not self.moved:  # once, at the first step: the worker has started by then
+            pin(os.getpid(), self.every_core - {self.server_core})
+            self.moved = True
 
 
 def run(trainer_cls, steps: int, delay: float, args_staleness: int, folder: Path, pinned: bool, sync_steps: int = 1,

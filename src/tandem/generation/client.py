@@ -151,7 +151,7 @@ class _Http:
 
     async def post_json(self, path: str, body: dict | None = None, **kw) -> dict:
         _, text = await self.request("POST", path, body=body, **kw)
-        return json.loads(text) if text.strip() else {}
+        return json_body(text)
 
 
 def _error_message(text: str) -> str:
@@ -276,7 +276,7 @@ class ControlClient(_Http):
 
     async def reset_prefix_cache(self) -> bool:
         _, text = await self.engine_request("POST", "/reset_prefix_cache")
-        return bool(json.loads(text).get("success", True)) if text.strip() else True
+        return bool(json_body(text).get("success", True))
 
     async def init_weight_transfer(self, init_info: dict) -> None:
         """Join the server's workers to the trainer's transfer group (returns once they have joined)."""
@@ -303,6 +303,11 @@ class ControlClient(_Http):
     async def metrics(self) -> ServerMetrics:
         _, text = await self.request("GET", "/metrics")
         return parse_metrics(text)
+
+
+def json_body(text: str) -> dict:
+    """A response's JSON object; {} for an empty body (vLLM answers some control routes with none)."""
+    return json.loads(text) if text.strip() else {}
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
