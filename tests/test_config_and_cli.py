@@ -174,6 +174,17 @@ def test_evaluation_asked_for_without_an_eval_dataset_is_one_line_not_a_tracebac
     assert exit_info.value.code == 2 and "needs an eval_dataset" in err and "Traceback" not in err
 
 
+def test_a_bug_while_building_the_trainer_keeps_its_traceback_where_a_users_mistake_is_one_line(monkeypatch):
+    import tandem.cli
+
+    def broken(*args, **kwargs):
+        raise ValueError("a bug of tandem's, not the recipe's")
+
+    monkeypatch.setattr(tandem.cli, "build_trainer", broken)
+    with pytest.raises(ValueError, match="a bug of tandem's"):  # not SystemExit(2): a bug is not the user's mistake
+        main(["train", "examples/demo.yaml", "--max_steps", "2"])
+
+
 def test_a_server_mistake_is_one_line_naming_what_to_check(capsys, tmp_path):
     done = subprocess.run([sys.executable, "-m", "tandem", "serve", "/nonexistent/model"], capture_output=True, text=True,
                           timeout=120)

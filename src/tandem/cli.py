@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from tandem.errors import UsageError
 from tandem.tasks import TINY_MODEL_PATH
 
 
@@ -137,7 +138,7 @@ def run_export(ns: argparse.Namespace) -> None:
     try:
         folder = export(Path(ns.checkpoint), Path(ns.output) if ns.output else None, base_model=ns.base_model,
                         dtype=ns.dtype, force=ns.force)
-    except (FileNotFoundError, FileExistsError, ValueError) as exc:
+    except (FileNotFoundError, FileExistsError, UsageError) as exc:
         user_error(f"tandem export: {exc}")
     print(f"tandem export: wrote {folder}")
 
@@ -235,7 +236,7 @@ def lora_config(fields: dict):
     try:
         return LoraConfig(**fields)
     except TypeError as exc:
-        raise ValueError(f"lora: {exc}. Use peft.LoraConfig fields (r, lora_alpha, lora_dropout, target_modules, ...)") from None
+        raise UsageError(f"lora: {exc}. Use peft.LoraConfig fields (r, lora_alpha, lora_dropout, target_modules, ...)") from None
 
 
 def local_rows(recipe):
@@ -248,7 +249,7 @@ def local_rows(recipe):
         return None, "a streamed dataset is not read ahead of training"
     try:
         return datasets.load(recipe.dataset, recipe.dataset_config, recipe.dataset_split), ""
-    except ValueError as exc:  # not a built-in task, and no such local file (yet)
+    except UsageError as exc:  # not a built-in task, and no such local file (yet)
         return None, str(exc)
 
 
@@ -375,7 +376,7 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
 
     try:
         recipe = load_recipe(ns.recipe, overrides)
-    except (OSError, ValueError, yaml.YAMLError) as exc:  # a missing file, an unknown key, a bad value, broken YAML
+    except (OSError, UsageError, yaml.YAMLError) as exc:  # a missing file, an unknown key, a bad value, broken YAML
         user_error(f"tandem train: {ns.recipe}: {exc}")
     if os.getcwd() not in sys.path:  # the recipe's import paths resolve from here too, as under `python -m tandem`
         sys.path.insert(0, os.getcwd())
@@ -384,20 +385,20 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
         environments = recipe.environment_factory
         environments = ({name: import_object(path) for name, path in environments.items()} if isinstance(environments, dict)
                         else import_object(environments) if environments else None)
-    except ValueError as exc:
+    except UsageError as exc:
         user_error(f"tandem train: {ns.recipe}: {exc}")
     if ns.dry_run:
         dry_run(ns.recipe, recipe, tools, agent=bool(tools or environments))
         return
     try:
         trainer = build_trainer(recipe, reward_funcs, tools, environments)
-    except ValueError as exc:  # no such dataset, config or split; settings the trainer refuses (evaluation with no prompts)
+    except UsageError as exc:  # no such dataset, config or split; settings the trainer refuses (evaluation with no prompts)
         user_error(f"tandem train: {ns.recipe}: {exc}")
     from tandem.generation.client import ServerProblem
 
     try:
         output = trainer.train()
-    except FileNotFoundError as exc:  # resume_from_checkpoint with no checkpoint there
+    except (FileNotFoundError, UsageError) as exc:  # no checkpoint to resume from; a prompt longer than the server's context
         user_error(f"tandem train: {ns.recipe}: {exc}")
     except ServerProblem as exc:  # a server that cannot be reached, refuses the run, or serves other weights
         user_error(f"tandem train: {exc}")

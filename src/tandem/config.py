@@ -20,6 +20,8 @@ from typing import Any
 
 import yaml
 
+from tandem.errors import UsageError
+
 ALGORITHMS = ("grpo", "flash_reinforce")
 LOG_LEVELS = ("passive", "debug", "info", "warning", "error", "critical")
 NO_DATALOADER = "tandem has no DataLoader: the rollout worker streams the samples and the token-budget batcher packs them"
@@ -307,7 +309,7 @@ class AsyncGRPOConfig:
         self._check_refused_and_types()
         for name, ok, message in self._algorithm_checks() + self._run_checks():
             if not ok:
-                raise ValueError(f"AsyncGRPOConfig.{name}={getattr(self, name)!r}: {message}.")
+                raise UsageError(f"AsyncGRPOConfig.{name}={getattr(self, name)!r}: {message}.")
         self._normalise()
 
     def _check_refused_and_types(self) -> None:
@@ -315,13 +317,13 @@ class AsyncGRPOConfig:
         would be a TypeError)."""
         for item in dataclasses.fields(self):
             if item.name in REFUSED and getattr(self, item.name) != _default(item):
-                raise ValueError(f"AsyncGRPOConfig.{item.name}={getattr(self, item.name)!r} is not supported: "
+                raise UsageError(f"AsyncGRPOConfig.{item.name}={getattr(self, item.name)!r} is not supported: "
                                  f"{REFUSED[item.name]}. Leave it at {_default(item)!r}.")
         for item in dataclasses.fields(self):  # the type first: a value check on a wrong type would be a TypeError
             value = getattr(self, item.name)
             expected = type_problem(value, item.type)
             if expected:
-                raise ValueError(f"AsyncGRPOConfig.{item.name}={value!r}: expected {expected}, got {type(value).__name__}.")
+                raise UsageError(f"AsyncGRPOConfig.{item.name}={value!r}: expected {expected}, got {type(value).__name__}.")
 
     def _algorithm_checks(self) -> list[tuple[str, bool, str]]:
         """(field, holds, what it must be) for the sampling and the objective."""
@@ -390,7 +392,7 @@ class AsyncGRPOConfig:
                 setattr(self, name, _json_mapping(name, getattr(self, name)))
         check_schedule(self.lr_scheduler_type, self.lr_scheduler_kwargs)
         if self.lr_scheduler_type not in CONSTANT_SCHEDULES and self.max_steps <= 0:
-            raise ValueError(f"AsyncGRPOConfig.lr_scheduler_type={self.lr_scheduler_type!r} decays over max_steps, "
+            raise UsageError(f"AsyncGRPOConfig.lr_scheduler_type={self.lr_scheduler_type!r} decays over max_steps, "
                              "but max_steps is not set: set max_steps, or use 'constant'.")
         if self.vllm_server_api_key is None:
             self.vllm_server_api_key = os.environ.get("VLLM_API_KEY") or None
@@ -427,9 +429,9 @@ def _json_mapping(name: str, text: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"AsyncGRPOConfig.{name}={text!r}: a string here must be a JSON object ({exc})") from None
+        raise UsageError(f"AsyncGRPOConfig.{name}={text!r}: a string here must be a JSON object ({exc})") from None
     if not isinstance(value, dict):
-        raise ValueError(f"AsyncGRPOConfig.{name}={text!r}: expected a JSON object, got {type(value).__name__}")
+        raise UsageError(f"AsyncGRPOConfig.{name}={text!r}: expected a JSON object, got {type(value).__name__}")
     return value
 
 
@@ -438,10 +440,10 @@ def check_schedule(name: str, kwargs: dict | None) -> None:
     names = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
              "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
     if name not in names:
-        raise ValueError(f"AsyncGRPOConfig.lr_scheduler_type={name!r}: must be one of {', '.join(names)}"
+        raise UsageError(f"AsyncGRPOConfig.lr_scheduler_type={name!r}: must be one of {', '.join(names)}"
                          + (" (reduce_lr_on_plateau needs an eval loss, which RL runs do not have)" if name == "reduce_lr_on_plateau" else ""))
     if kwargs and name in CONSTANT_SCHEDULES[:2]:
-        raise ValueError(f"AsyncGRPOConfig.lr_scheduler_kwargs={kwargs!r}: the {name!r} schedule takes none (warmup_steps sets "
+        raise UsageError(f"AsyncGRPOConfig.lr_scheduler_kwargs={kwargs!r}: the {name!r} schedule takes none (warmup_steps sets "
                          "its warm-up); pick a schedule that reads them, such as cosine_with_min_lr, or drop them.")
 
 
@@ -488,11 +490,11 @@ def reshard_after_forward(fsdp_config: dict | None) -> bool:
     config = dict(fsdp_config or {})
     values = [config.pop(key) for key in RESHARD_KEYS if key in config]
     if config:
-        raise ValueError(f"AsyncGRPOConfig.fsdp_config keys {sorted(config)} are not supported: tandem shards with FSDP2 "
+        raise UsageError(f"AsyncGRPOConfig.fsdp_config keys {sorted(config)} are not supported: tandem shards with FSDP2 "
                          "and takes reshard_after_forward (true frees each layer's gathered weights after its forward; "
                          "false keeps them for the backward: more memory, no second all-gather).")
     if values and not isinstance(values[0], bool):
-        raise ValueError(f"AsyncGRPOConfig.fsdp_config reshard_after_forward={values[0]!r}: expected true or false.")
+        raise UsageError(f"AsyncGRPOConfig.fsdp_config reshard_after_forward={values[0]!r}: expected true or false.")
     return values[0] if values else True
 
 
@@ -542,13 +544,13 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     while i < len(pairs):
         key = pairs[i]
         if not key.startswith("--"):
-            raise ValueError(f"expected --field value, got {key!r}")
+            raise UsageError(f"expected --field value, got {key!r}")
         key = key[2:].replace("-", "_")
         if "=" in key:
             key, value = key.split("=", 1)
         else:
             if i + 1 >= len(pairs):
-                raise ValueError(f"--{key} needs a value")
+                raise UsageError(f"--{key} needs a value")
             i += 1
             value = pairs[i]
         result[key] = _coerce(key, yaml.safe_load(value))
@@ -578,7 +580,7 @@ def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
             raise FileNotFoundError(f"no such recipe file (looked for {Path(path).resolve()})")
         raw = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(raw, dict):
-            raise ValueError(f"{path}: a recipe is a YAML mapping of config fields, got {type(raw).__name__}")
+            raise UsageError(f"{path}: a recipe is a YAML mapping of config fields, got {type(raw).__name__}")
     raw = {key: _coerce(key, value) for key, value in raw.items()}
     raw.update(parse_overrides(list(overrides)))
     known = set(_field_types()) | set(RECIPE_KEYS)
@@ -587,24 +589,24 @@ def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
         guesses = {key: difflib.get_close_matches(key, known, n=1) for key in unknown}
         named = "; ".join(f"{key!r}" + (f" (did you mean {guess[0]!r}?)" if guess else "") for key, guess in guesses.items())
         listing = "" if all(guesses.values()) else f". Valid keys: {', '.join(sorted(known))}"
-        raise ValueError(f"unknown recipe key{'s' if len(unknown) > 1 else ''} {named}{listing}")
+        raise UsageError(f"unknown recipe key{'s' if len(unknown) > 1 else ''} {named}{listing}")
     for key in set(RECIPE_TYPES) & set(raw):
         values = raw[key] if key in LISTS and isinstance(raw[key], list) else [raw[key]]
         if any(type_problem(value, RECIPE_TYPES[key]) for value in values):
             many = " (or a list of them)" if key in LISTS else ""
-            raise ValueError(f"{key}={raw[key]!r}: expected {described(RECIPE_TYPES[key])}{many}")
+            raise UsageError(f"{key}={raw[key]!r}: expected {described(RECIPE_TYPES[key])}{many}")
     if "model" not in raw:
-        raise ValueError("the recipe has no 'model': give a model folder, a hub id, or 'tiny' for the built-in model")
+        raise UsageError("the recipe has no 'model': give a model folder, a hub id, or 'tiny' for the built-in model")
     funcs, tools = raw.pop("reward_funcs", []), raw.pop("tools", [])
     environments = raw.pop("environment_factory", None)
     if environments is not None and not isinstance(environments, (str, dict)):
-        raise ValueError(f"environment_factory: expected an import path (package.module:Class) or a mapping of names to "
+        raise UsageError(f"environment_factory: expected an import path (package.module:Class) or a mapping of names to "
                          f"import paths, got {environments!r}")
     lora = raw.pop("lora", None)
     if lora is not None and not isinstance(lora, dict):
-        raise ValueError(f"lora: expected a mapping of peft.LoraConfig fields (r, lora_alpha, target_modules, ...), got {lora!r}")
+        raise UsageError(f"lora: expected a mapping of peft.LoraConfig fields (r, lora_alpha, target_modules, ...), got {lora!r}")
     if "dataset" in raw and "dataset_name" in raw:
-        raise ValueError("the recipe has both 'dataset' and 'dataset_name', two names for the same thing: keep one")
+        raise UsageError("the recipe has both 'dataset' and 'dataset_name', two names for the same thing: keep one")
     default_dataset = None if environments else "arithmetic"  # environments may make their own tasks
     dataset = raw.pop("dataset_name") if "dataset_name" in raw else raw.pop("dataset", default_dataset)
     return Recipe(model=raw.pop("model"), dataset=dataset, reward_funcs=_paths(funcs),
@@ -623,9 +625,9 @@ def import_object(path: str):
     """`package.module:name` or `package.module.name` -> the object."""
     module_name, _, name = path.replace(":", ".").rpartition(".")
     if not module_name:
-        raise ValueError(f"{path!r} is not an import path: write it as package.module:function")
+        raise UsageError(f"{path!r} is not an import path: write it as package.module:function")
     try:
         return getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot import {path!r}: {exc}") from exc
+        raise UsageError(f"cannot import {path!r}: {exc}") from exc
 

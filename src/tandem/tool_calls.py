@@ -22,6 +22,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from tandem.errors import UsageError
+
 TOOLS_DOCS = "https://huggingface.co/docs/transformers/en/chat_extras#passing-tools"
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -197,5 +199,5 @@ def tool_schema(func) -> dict:
         return get_json_schema(func)
     except (TypeHintParsingException, DocstringParsingException, TypeError, ValueError) as e:
         name = getattr(func, "__name__", repr(func))
-        raise ValueError(f"tool {name!r} cannot be described to the model ({e}): add type hints and a "
+        raise UsageError(f"tool {name!r} cannot be described to the model ({e}): add type hints and a "
                          f"Google-style docstring with an Args: section — see {TOOLS_DOCS}") from e

@@ -114,6 +114,9 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot_at_once(server, proxy, v
                  headers={"Content-Type": "application/json"})
     response = conn.getresponse()
     assert response.readline().startswith(b"data: ")
+    deadline = time.monotonic() + 5
+    while engine.stats().running != 1 and time.monotonic() < deadline:  # stats are published at the step's end
+        time.sleep(0.01)
     assert engine.stats().running == 1
     conn.sock.close()  # the client goes away mid-stream
     conn.close()

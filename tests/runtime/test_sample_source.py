@@ -1,5 +1,6 @@
 """The sample source on its own: messages in, trainable samples out, with the worker's counters and the ledger
-kept right. No processes: the inbox is a list and the shared counters are plain objects."""
+kept right. No processes: the inbox is a list and the shared counters are plain objects; `next_sample` waits for
+the worker as the runtime does."""
 
 from types import SimpleNamespace
 
@@ -25,7 +26,8 @@ class ListInbox:
 
 def counters():
     return SimpleNamespace(consumed_tokens=SimpleNamespace(value=0.0), tokens_per_step=SimpleNamespace(value=0.0),
-                           watermark=SimpleNamespace(value=0))
+                           watermark=SimpleNamespace(value=0), retry=SimpleNamespace(put=print),
+                           evaluate=SimpleNamespace(put=print))
 
 
 def group(position, size=2, version=0, tokens=5):
@@ -39,9 +41,17 @@ def group(position, size=2, version=0, tokens=5):
 def source_of(*messages, start=0, max_staleness=1, token_budget=100, end=None, stall_timeout=None, resume=None):
     source = SampleSource(ListInbox(*messages), counters(), MetricWindow(), resume=resume or ResumePoint(start),
                           max_staleness=max_staleness, token_budget=token_budget, end_position=end,
-                          regenerate=lambda position: source.regenerated.append(position), stall_timeout=stall_timeout)
+                          stall_timeout=stall_timeout)
     source.regenerated = []
+    source.counters.retry.put = source.regenerated.append
     return source
+
+
+def next_sample(source, model_version=0):
+    """The next trainable sample, waiting for the worker as the runtime does; None once nothing more will come."""
+    while (sample := source.peek(model_version)) is None and not source.finished:
+        source.wait(0)
+    return sample
 
 
 def test_samples_come_out_in_order_and_taking_one_frees_its_tokens_for_the_worker():
@@ -49,7 +59,7 @@ def test_samples_come_out_in_order_and_taking_one_frees_its_tokens_for_the_worke
     source = source_of(("samples", first), ("samples", second), ("end", None))
     assert source.drain() == 4, "rollout/queue_size counts samples, not messages"
     taken = []
-    while source.peek(model_version=0) is not None:
+    while next_sample(source, 0) is not None:
         taken.append(source.take())
     assert taken == first + second
     source.publish(tokens_per_step=20)  # after the step's weight sync
@@ -59,7 +69,7 @@ def test_samples_come_out_in_order_and_taking_one_frees_its_tokens_for_the_worke
 def test_a_group_beyond_max_staleness_is_dropped_counted_and_generated_again():
     stale, fresh = group(0, version=0), group(1, version=2)
     source = source_of(("samples", stale + fresh), ("end", None), max_staleness=1)
-    assert source.peek(model_version=2) is fresh[0]
+    assert next_sample(source, 2) is fresh[0]
     assert source.window.get("sample/dropped_stale_count") == 2
     assert source.regenerated == [0], "the worker is asked to generate position 0 again"
     assert source.ledger.watermark == 0, "a stale drop does not finish the prompt: it was never trained"
@@ -70,36 +80,36 @@ def test_a_group_beyond_max_staleness_is_dropped_counted_and_generated_again():
 def test_the_run_waits_for_a_regenerated_group_even_after_the_worker_said_end():
     stale = group(0, version=0)
     source = source_of(("samples", stale), ("end", None), ("samples", group(0, version=2)), max_staleness=1)
-    again = source.peek(model_version=2)
+    again = next_sample(source, 2)
     assert again is not None and again.model_version == 2, "the regenerated group is trained, not the end of the run"
 
 
 def test_a_late_sample_of_a_partly_trained_group_is_dropped_alone_and_finishes_the_prompt():
     samples = group(0, size=2, version=0)
     source = source_of(("samples", samples), ("end", None), max_staleness=1)
-    assert source.peek(model_version=1) is samples[0]
+    assert next_sample(source, 1) is samples[0]
     source.trained([source.take()])
-    assert source.peek(model_version=2) is None, "the second sample is now too stale"
+    assert next_sample(source, 2) is None, "the second sample is now too stale"
     assert source.regenerated == [], "half the group was trained: generating it again would train the prompt twice"
     assert source.ledger.watermark == 1
 
 
 def test_every_position_finished_ends_the_run_without_waiting_for_the_worker():
     source = source_of(("samples", group(0, size=1)), end=1)
-    source.trained([source.take()] if source.peek(model_version=0) else [])
-    assert source.peek(model_version=0) is None and source.ledger.watermark == 1
+    source.trained([source.take()] if next_sample(source, 0) else [])
+    assert next_sample(source, 0) is None and source.ledger.watermark == 1
 
 
 def test_a_sample_longer_than_the_token_budget_is_dropped_with_a_warning():
     source = source_of(("samples", group(0, size=1, tokens=30)), ("end", None), token_budget=20)
     with pytest.warns(UserWarning, match="30 tokens exceeds token_budget=20"):
-        assert source.peek(model_version=0) is None
+        assert next_sample(source, 0) is None
     assert source.window.get("batch/dropped_oversize_count") == 1
 
 
 def test_worker_metrics_and_skips_reach_the_worker_window_and_the_ledger():
     source = source_of(("metrics", {"reward": [1.0, 0.0]}), ("skip", 0), ("end", None))
-    assert source.peek(model_version=0) is None and source.ended
+    assert next_sample(source, 0) is None and source.ended
     assert source.worker_metrics.get("reward") == 0.5 and source.window.get("reward") is None
     assert source.ledger.finished == [0] and source.ledger.watermark == 1
 
@@ -108,7 +118,7 @@ def test_the_watermark_waits_for_every_sample_of_a_prompt_and_for_earlier_prompt
     a, b = group(0, size=2), group(1, size=2)
     source = source_of(("samples", a + b), ("end", None))
     for _ in range(4):
-        source.peek(model_version=0)
+        next_sample(source, 0)
         source.take()
     source.trained([b[0], b[1], a[0]])
     assert source.ledger.watermark == 0, "position 0 still has a sample in training"
@@ -121,16 +131,16 @@ def test_the_watermark_waits_for_every_sample_of_a_prompt_and_for_earlier_prompt
 def test_the_ledger_runs_across_an_epoch_wrap_and_a_resume_starts_at_the_watermark():
     # Dataset of 2 rows: positions 2 and 3 are epoch 1's rows 0 and 1.
     source = source_of(("samples", group(1) + group(2)), ("skip", 3), ("end", None), start=1)
-    while source.peek(model_version=0) is not None:
+    while next_sample(source, 0) is not None:
         source.trained([source.take()])
     assert source.ledger.watermark == 4 and sorted(source.ledger.finished) == [1, 2, 3]
 
     resumed = source_of(("samples", group(4)), ("end", None), start=source.ledger.watermark)
-    assert resumed.peek(model_version=0).position == 4 and resumed.ledger.watermark == 4
+    assert next_sample(resumed, 0).position == 4 and resumed.ledger.watermark == 4
 
 
 def train_all(source, model_version=0):
-    while source.peek(model_version) is not None:
+    while next_sample(source, model_version) is not None:
         source.trained([source.take()])
 
 
@@ -139,7 +149,7 @@ def test_a_resume_point_carries_the_queue_and_the_partly_trained_groups_so_no_po
     first = source_of(("samples", g0 + g1 + g2), ("skip", 3))
     first.drain()
     for _ in range(3):  # a step trains group 0 and half of group 1
-        first.peek(model_version=0)
+        next_sample(first, 0)
         first.trained([first.take()])
     point = first.resume_point()
     assert (point.start, point.finished, point.remaining) == (1, [3], {1: 1})
@@ -168,29 +178,26 @@ class LostInbox:
         raise WorkerLost("the rollout worker exited with code -9 without reporting an error")
 
 
-def test_a_lost_worker_is_replaced_once_from_where_it_left_off_and_a_second_loss_stops_the_run():
-    started = []
-
-    def restart(point):
-        started.append(point)
-        return ListInbox(("samples", group(2)), ("end", None)), counters()
-
-    source = SampleSource(ListInbox(("samples", group(0) + group(1))), counters(), MetricWindow(), resume=ResumePoint(0),
-                          max_staleness=1, token_budget=100, restart_worker=restart, say=lambda text: None)
-    source.peek(model_version=0)
+def test_a_lost_worker_raises_from_the_read_and_its_replacement_goes_on_from_the_resume_point():
+    source = source_of(("samples", group(0) + group(1)))
+    next_sample(source)
     source.trained([source.take(), source.take()])  # group 0 trained, group 1 queued
-    source.inbox = LostInbox()
-    assert source.drain() == 4, "the queue survives the worker (2), and the new one sends position 2 (2)"
-    train_all(source)
-    [point] = started
-    assert point.start == 1 and point.received == {1}, "the new worker starts after what the trainer holds"
-    assert source.window.get("rollout/worker_restart_count") == 1
-    assert source.ledger.finished == [0, 1, 2]
-
+    source.ask_evaluation(step=2, model_version=1)
     source.inbox = LostInbox()
     with pytest.raises(WorkerLost, match="code -9"):
         source.drain()
-    assert len(started) == 1, "restarted once per run"
+    point = source.resume_point()
+    assert point.start == 1 and point.received == {1}, "a new worker starts after what the trainer holds"
+
+    asked = []
+    new_counters = counters()
+    new_counters.evaluate.put = asked.append
+    source.replace_worker(ListInbox(("samples", group(2)), ("end", None)), new_counters)
+    assert asked == [(2, 1)], "the evaluation the lost worker did not answer is asked of the new one"
+    assert source.drain() == 4, "the queue survives the worker (2), and the new one sends position 2 (2)"
+    train_all(source)
+    assert source.window.get("rollout/worker_restart_count") == 1
+    assert source.ledger.finished == [0, 1, 2]
 
 
 def test_the_worker_may_start_a_group_again_once_the_trainer_takes_what_was_queued():
@@ -205,9 +212,9 @@ def test_the_worker_may_start_a_group_again_once_the_trainer_takes_what_was_queu
                                    groups_in_flight=0, groups_finished=1)
 
     assert not may_start(), "queued tokens fill the allowance"
-    source.peek(model_version=0)
+    next_sample(source, 0)
     source.take()
-    source.peek(model_version=0)
+    next_sample(source, 0)
     source.take()
     assert not may_start(), "taken samples free their room only once the step's weights are synced"
     source.publish(tokens_per_step=10)
@@ -216,10 +223,10 @@ def test_the_worker_may_start_a_group_again_once_the_trainer_takes_what_was_queu
 
 def test_a_trainer_that_must_wait_for_the_worker_frees_the_room_it_took_at_once():
     source = source_of(("samples", group(0, size=2, tokens=5)), ("end", None))
-    source.take() if source.peek(model_version=0) else None
-    source.take() if source.peek(model_version=0) else None
+    source.take() if next_sample(source, 0) else None
+    source.take() if next_sample(source, 0) else None
     assert source.counters.consumed_tokens.value == 0
-    assert source.peek(model_version=0) is None
+    assert next_sample(source, 0) is None
     assert source.counters.consumed_tokens.value == 10, "before waiting, so a half-filled row cannot deadlock the allowance"
 
 
@@ -227,6 +234,8 @@ def test_a_unit_is_the_run_of_samples_sharing_a_key_a_group_or_a_rollout():
     a, b = group(0, size=3), group(1, size=1)
     a[2].rollout_id = "other"
     source = source_of(("samples", a + b), ("end", None))
+    assert source.peek_unit(0) is None, "nothing read yet: the caller waits"
+    source.drain()
     assert source.peek_unit(0) == [a[0]]
     assert source.peek_unit(0, same=lambda s: s.position) == a, "the whole group of position 0"
     assert source.peek_unit(0, same=lambda s: s.rollout_id) == a[:2], "one rollout of it"
@@ -235,13 +244,15 @@ def test_a_unit_is_the_run_of_samples_sharing_a_key_a_group_or_a_rollout():
 def test_fifty_groups_dropped_in_a_row_are_said_once_with_their_rewards_then_a_sample_starts_afresh():
     dropped = [m for position in range(50) for m in (("metrics", {"reward_dropped": [0.0] * 4}), ("skip", position))]
     source = source_of(*dropped, ("samples", group(50)))
-    said, source.stalls = [], []
+    said, stalls = [], []
     source.say = said.append
-    source.on_stall = lambda stall: source.stalls.append(stall.groups_dropped)
+    while source.peek(model_version=0) is None:
+        stalls.append(source.wait(0))
     assert source.peek(model_version=0).position == 50
     assert len(said) == 1, said
     assert "50 groups dropped without reward variance" in said[0] and "rewards seen: 0 x200" in said[0]
-    assert source.stalls == [50], "the stall's moment is handed to the trainer, which logs the worker's metrics then"
+    assert [stall.groups_dropped for stall in stalls if stall] == [50], \
+        "the wait returns the stall when it is said: the runtime logs the worker's metrics then"
     assert source.stall.groups_dropped == 0, "a trainable sample ends the stall"
 
 
@@ -251,9 +262,9 @@ def test_a_saturated_run_that_drops_fifty_groups_before_each_sample_is_told_once
     source = source_of(*messages)
     said = []
     source.say = said.append
-    assert source.peek(model_version=0).position == 50
+    assert next_sample(source, 0).position == 50
     source.trained([source.take(), source.take()])
-    assert source.peek(model_version=0).position == 101
+    assert next_sample(source, 0).position == 101
     assert len(said) == 1, "the second run of 50 dropped groups, within the minute, is not said again"
 
 
@@ -264,7 +275,7 @@ def test_a_wait_past_stall_timeout_stops_with_the_reasons():
     source.stall.waited = 11  # the trainer waited 11 s since the last trainable sample
     with pytest.raises(StalledError, match=r"no trainable sample for 11s of waiting: 1 groups dropped .*rewards seen: 1 x2; 0 failed\), "
                                            r"0 samples dropped stale, 0 too long for token_budget, 3 requests retried"):
-        source.peek(model_version=0)
+        next_sample(source, 0)
 
 
 def test_what_the_worker_says_reaches_the_user_and_changes_nothing_else():

@@ -23,7 +23,7 @@ from tandem import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop, Rollout
 from tandem.generation.client import ServerProblem
 from tandem.generation.launcher import EmbeddedProxy, EmbeddedServer
 from tandem.rewards import accuracy_reward
-from tandem.rollout.worker import WorkerError
+from tandem.rollout.worker import WorkerError, WorkerLost
 from tandem.runtime.sample_source import StalledError
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
 from tests.conftest import ServerThread
@@ -173,6 +173,24 @@ def test_a_killed_worker_is_restarted_once_where_it_left_off_and_the_epoch_is_tr
     assert "exited with code -9 without reporting an error. Restarted it from prompt position" in capsys.readouterr().err
 
 
+class KillWorkerTwice(AsyncGRPOTrainer):
+    """kill -9 of the rollout worker at steps 2 and 4: the second loss is one too many."""
+
+    def training_step(self, micro_batches):
+        if self.state.step in (1, 3) and self.runtime.session.worker.process.pid not in self.killed:
+            self.killed.append(self.runtime.session.worker.process.pid)
+            os.kill(self.killed[-1], signal.SIGKILL)
+        return super().training_step(micro_batches)
+
+
+def test_a_worker_lost_a_second_time_stops_the_run(tmp_path):
+    trainer = KillWorkerTwice("tiny", accuracy_reward, args=config(tmp_path, max_steps=8), train_dataset=small_dataset(64))
+    trainer.killed = []
+    with pytest.raises(WorkerLost, match="code -9"):
+        trainer.train()
+    assert len(trainer.killed) == 2 and sum(r.get("rollout/worker_restart_count", 0) for r in logged(tmp_path)) == 1
+
+
 def never_varies(completions, **kwargs):
     """A reward the model never moves: every group has zero variance and trains nothing."""
     return [0.0] * len(completions)
@@ -298,7 +316,7 @@ def test_a_killed_embedded_server_is_restarted_with_the_current_weights_and_the_
     rows = logged(tmp_path)
     assert trainer.state.step == 6 and trainer.runtime.session.server.process.pid != trainer.killed
     assert sum(r.get("rollout/server_restart_count", 0) for r in rows) == 1
-    ratios = [r["sampling/importance_sampling_ratio/mean"] for r in rows if r["step"] >= 3]
+    ratios = [r["sampling/importance_sampling_ratio/mean"] for r in rows if r["step"] >= 3 and "stalled_s" not in r]
     assert all(abs(ratio - 1.0) < 1e-4 for ratio in ratios), f"the restarted server samples from the trained weights: {ratios}"
     assert "the embedded tandem serve exited (code -9); restarting it with the weights of step" in capsys.readouterr().err
 

@@ -23,7 +23,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -175,8 +175,16 @@ class Engine:
         self.counters = collections.Counter()
         self.finished_total: collections.Counter = collections.Counter()
         self._lock = threading.Condition()
+        """Guards what other threads touch: `waiting`, `paused`, the flags and the published stats. The running rows,
+        their lengths, the counters and the prefix cache are the engine thread's alone."""
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._stopping = False
+        self._abort_running = False
+        """Set by abort_all: the engine thread aborts its running rows at the next step boundary."""
+        self._stepping = False
+        """The engine thread is between taking work and publishing its stats (a request it admitted is in neither)."""
+        self._stats = self._snapshot()
+        """The engine thread's figures as of its last step, published for /metrics (read whole, never mid-step)."""
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self.error: BaseException | None = None
 
@@ -206,9 +214,12 @@ class Engine:
             self._lock.notify_all()
 
     def abort_all(self) -> None:
+        """End every request submitted so far with finish_reason 'abort': the waiting ones now, the running ones at the
+        next step boundary (the engine thread owns the rows)."""
         with self._lock:
-            for request in list(self.waiting) + [r for r, _ in self.rows]:
+            for request in self.waiting:
                 request.aborted = True
+            self._abort_running = True
             self._lock.notify_all()
 
     def set_paused(self, paused: bool) -> None:
@@ -229,23 +240,24 @@ class Engine:
 
     def idle(self) -> bool:
         with self._lock:
-            return not self.waiting and not self.rows
+            return not (self.waiting or self._abort_running or self._stepping or self._stats.running)
 
     def stats(self) -> EngineStats:
+        """The engine thread's figures as of its last step, and the queue as it is now."""
         with self._lock:
-            return EngineStats(
-                running=len(self.rows),
-                waiting=sum(r.n for r in self.waiting),
-                kv_used_tokens=sum(self.lengths),
-                kv_capacity_tokens=self.max_num_seqs * self.max_model_len,
-                prompt_tokens_total=self.counters["prompt_tokens"],
-                generation_tokens_total=self.counters["generation_tokens"],
-                preemptions_total=0,
-                finished_total=dict(self.finished_total),
-                prefix_cache_queries_total=self.prefix_cache.queries if self.prefix_cache else 0,
-                prefix_cache_hits_total=self.prefix_cache.hits if self.prefix_cache else 0,
-                prefix_cache_tokens=self.prefix_cache.num_tokens if self.prefix_cache else 0,
-            )
+            return replace(self._stats, waiting=sum(r.n for r in self.waiting))
+
+    def _snapshot(self) -> EngineStats:
+        """The figures only the engine thread changes (called on it, or before it starts)."""
+        cache = self.prefix_cache
+        return EngineStats(running=len(self.rows), waiting=0, kv_used_tokens=sum(self.lengths),
+                           kv_capacity_tokens=self.max_num_seqs * self.max_model_len,
+                           prompt_tokens_total=self.counters["prompt_tokens"],
+                           generation_tokens_total=self.counters["generation_tokens"], preemptions_total=0,
+                           finished_total=dict(self.finished_total),
+                           prefix_cache_queries_total=cache.queries if cache else 0,
+                           prefix_cache_hits_total=cache.hits if cache else 0,
+                           prefix_cache_tokens=cache.num_tokens if cache else 0)
 
     def reset_prefix_cache(self) -> None:
         """Drop the prefix cache. Run it on the engine thread (through `call`) whenever the weights change."""
@@ -265,11 +277,15 @@ class Engine:
                     if rest > 0 and self._calls.empty():  # a simulated slow step; control calls cut it short
                         self._lock.wait(timeout=rest)
                         continue
+                    self._stepping = True
                 with torch.inference_mode():  # no autograd bookkeeping: ~10% of a CPU decode step
                     self._run_calls()
                     self._retire_aborted()
                     if not self.paused and time.monotonic() >= self._next_step_at:
                         self.step()
+                    stats = self._snapshot()
+                with self._lock:
+                    self._stats, self._stepping = stats, False
         except BaseException as exc:  # the server reports a dead engine through /health
             self.error = exc
             with self._lock:
@@ -282,7 +298,7 @@ class Engine:
             raise
 
     def _has_work(self) -> bool:
-        aborted = any(r.aborted for r in self.waiting) or any(r.aborted for r, _ in self.rows)
+        aborted = self._abort_running or any(r.aborted for r in self.waiting) or any(r.aborted for r, _ in self.rows)
         return aborted or (not self.paused and bool(self.waiting or self.rows))
 
     def _run_calls(self) -> None:
@@ -304,6 +320,10 @@ class Engine:
 
     def _retire_aborted(self) -> None:
         with self._lock:
+            if self._abort_running:
+                for request, _ in self.rows:
+                    request.aborted = True
+                self._abort_running = False
             dropped = [r for r in self.waiting if r.aborted]
             self.waiting = collections.deque(r for r in self.waiting if not r.aborted)
         for request in dropped:

@@ -22,6 +22,7 @@ group's, which makes the trainer join anew) and is routed to once a transfer has
 """
 
 import asyncio
+import enum
 import json
 import math
 import time
@@ -62,6 +63,18 @@ class ProxyArgs:
     """How often a down replica's /health is asked."""
 
 
+class State(enum.StrEnum):
+    """Where a replica stands with the proxy."""
+
+    UP = "up"
+    """Routed to."""
+    DOWN = "down"
+    """Not answering: left out of everything until its /health answers."""
+    BEHIND = "behind"
+    """Back, but without the current weights: it joins weight transfers and gets no generation until one has finished
+    on it."""
+
+
 @dataclass
 class Upstream:
     url: str
@@ -69,9 +82,14 @@ class Upstream:
     """Generation requests in flight (control calls and probes are not load)."""
     routed: int = 0
     failures: int = 0
-    state: str = "up"
-    """"up" (routed to); "down" (not answering: left out of everything until its /health answers); "behind" (back, but
-    without the current weights: it joins weight transfers and gets no generation until one has finished on it)."""
+    state: State = State.UP
+
+
+def failed_on(what: str, failed: list[tuple[Upstream, int, bytes]], total: int, note: str = "") -> str:
+    """The one message for a call that failed on some replicas: how many, what, and the first failure's answer."""
+    upstream, status, data = failed[0]
+    return (f"proxy: {len(failed)}/{total} servers failed {what}{note}. First: {upstream.url} -> {status} "
+            f"{data[:300].decode(errors='replace')}")
 
 
 def error(status: int, message: str) -> web.Response:
@@ -213,8 +231,8 @@ class Proxy:
         or dead), and one that keeps failing has likely restarted: either way it is down and its prefix cache gone."""
         upstream.failures += 1
         message = f"proxy: {upstream.url}: {type(exc).__name__}: {exc}"
-        if (isinstance(exc, aiohttp.ClientConnectorError) or upstream.failures >= 3) and upstream.state != "down":
-            upstream.state = "down"
+        if (isinstance(exc, aiohttp.ClientConnectorError) or upstream.failures >= 3) and upstream.state != State.DOWN:
+            upstream.state = State.DOWN
             self.router.forget(self.upstreams.index(upstream))
             print(f"[proxy] {upstream.url} is down ({type(exc).__name__}): its requests go to the other replicas; left "
                   "out of weight syncs and adapter loads until it answers again", flush=True)
@@ -222,13 +240,13 @@ class Proxy:
 
     def _members(self) -> list[Upstream]:
         """The replicas control calls reach: all but the down ones."""
-        return [u for u in self.upstreams if u.state != "down"]
+        return [u for u in self.upstreams if u.state != State.DOWN]
 
     async def _probe_down(self) -> None:
         """Ask each down replica's /health every probe_interval_s; bring one that answers to the current weights."""
         while True:
             await asyncio.sleep(self.args.probe_interval_s)
-            for upstream in [u for u in self.upstreams if u.state == "down"]:
+            for upstream in [u for u in self.upstreams if u.state == State.DOWN]:
                 status, _, _ = await self._send(upstream, "GET", "/health", None, {})
                 if status == 200:
                     await self._catch_up(upstream)
@@ -245,9 +263,9 @@ class Proxy:
                       flush=True)
                 return
         upstream.failures = 0
-        upstream.state = "behind" if self.group is not None else "up"
+        upstream.state = State.BEHIND if self.group is not None else State.UP
         print(f"[proxy] {upstream.url} is back" + (": it gets traffic once the trainer's next weight transfer reaches it"
-                                                   if upstream.state == "behind" else ", with the current weights"), flush=True)
+                                                   if upstream.state == State.BEHIND else ", with the current weights"), flush=True)
 
     async def _send(self, upstream: Upstream, method: str, path_qs: str, body: bytes | None, headers) -> tuple[int, dict, bytes]:
         """One upstream call, fully buffered; a transport failure is a 502 naming the replica."""
@@ -286,7 +304,7 @@ class Proxy:
 
     def _choose(self, request: web.Request, body: dict) -> Upstream:
         """The replica the router picks for this request's prompt among those up (counted as routed)."""
-        load = [u.inflight if u.state == "up" else math.inf for u in self.upstreams]  # never chosen while one is up
+        load = [u.inflight if u.state == State.UP else math.inf for u in self.upstreams]  # never chosen while one is up
         decision = self.router.choose(str(body.get("model") or ""), prompt_of(request.path, body, self.tokenizer), load)
         upstream = self.upstreams[decision.replica]
         upstream.routed += 1
@@ -302,7 +320,7 @@ class Proxy:
                 status, headers, data = await self._send(upstream, "POST", request.path_qs, raw, request.headers)
             finally:
                 upstream.inflight -= 1
-            if not (status == 502 and upstream.state == "down" and any(u.state == "up" for u in self.upstreams)):
+            if not (status == 502 and upstream.state == State.DOWN and any(u.state == State.UP for u in self.upstreams)):
                 return status, headers, data, self.upstreams.index(upstream)
 
     async def _route_stream(self, request: web.Request, body: dict, raw: bytes) -> web.StreamResponse:
@@ -350,15 +368,13 @@ class Proxy:
             for upstream, (status, _, _) in zip(members, results):
                 if status == 200:
                     self.router.forget(self.upstreams.index(upstream))
-        failed = [(u, r) for u, r in zip(members, results) if r[0] != 200 and u.state != "down"]  # one found down: left out
+        failed = [(u, status, data) for u, (status, _, data) in zip(members, results)
+                  if status != 200 and u.state != State.DOWN]  # one found down: left out
         if request.path == "/v1/unload_lora_adapter":  # vLLM: unloading a name that is not loaded is fine
-            failed = [(u, r) for u, r in failed if r[0] not in (400, 404)]
-        if not failed:
-            self._remember(request.path, raw)
+            failed = [(u, status, data) for u, status, data in failed if status not in (400, 404)]
         if failed:
-            (upstream, (status, _, data)) = failed[0]
-            return error(status, f"proxy: {len(failed)}/{len(results)} servers failed {request.path}; first: "
-                                 f"{upstream.url} -> {status} {data[:300].decode(errors='replace')}")
+            return error(failed[0][1], failed_on(request.path, failed, len(results)))
+        self._remember(request.path, raw)
         status, headers, data = next((r for r in results if r[0] == 200), results[0])
         return web.Response(status=status, body=data, headers=headers)
 
@@ -416,7 +432,7 @@ class Proxy:
         results = await asyncio.gather(*(self._send(u, "POST", request.path_qs, json.dumps(b).encode(),
                                                     {"Content-Type": "application/json"})
                                          for u, b in zip(members, bodies)))
-        failed = [(u, r) for u, r in zip(members, results) if r[0] != 200]
+        failed = [(u, status, data) for u, (status, _, data) in zip(members, results) if status != 200]
         if failed and request.path == "/update_weights":
             self.transfer_failed = True
         if failed and request.path == "/start_weight_update":  # the replicas that started close their update unused
@@ -427,11 +443,9 @@ class Proxy:
             self.group = joined
         if not failed and request.path == "/finish_weight_update" and not self.transfer_failed:
             for upstream in members:  # it has the current weights now
-                upstream.state = "up"
+                upstream.state = State.UP
         if failed:
-            upstream, (status, _, data) = failed[0]
-            return error(status, f"proxy: {len(failed)}/{len(results)} servers failed {request.path}; first: {upstream.url} "
-                                 f"-> {status} {data[:300].decode(errors='replace')}")
+            return error(failed[0][1], failed_on(request.path, failed, len(results)))
         status, headers, data = results[0]
         return web.Response(status=200, body=data, headers=headers)
 
@@ -477,7 +491,8 @@ class Proxy:
         if not members:
             return error(502, f"proxy: every replica is down; {name} was loaded on none")
         results = await asyncio.gather(*(load_one(u) for u in members))
-        failed = [(u, r) for u, r in zip(members, results) if r[0] != 200 and u.state != "down"]  # one found down: left out
+        failed = [(u, status, data) for u, (status, data, _) in zip(members, results)
+                  if status != 200 and u.state != State.DOWN]  # one found down: left out
         if not failed and any(status == 200 for status, _, _ in results):
             self._remember(request.path, raw)
             return web.Response(status=200, body=next(data for status, data, _ in results if status == 200),
@@ -485,13 +500,12 @@ class Proxy:
         unload = json.dumps({"lora_name": name}).encode()
         rollbacks = await asyncio.gather(*(self._send(u, "POST", "/v1/unload_lora_adapter", unload, {"Content-Type": "application/json"})
                                            for u, r in zip(members, results) if r[0] == 200))
-        upstream, (status, data, attempts) = failed[0]
-        timed_out = b"No adapter found" in data
+        _, status, data = failed[0]
+        attempts = results[members.index(failed[0][0])][2]
         not_rolled_back = sum(1 for s, _, _ in rollbacks if s != 200)
-        return error(504 if timed_out else status,
-                     f"proxy: {len(failed)}/{len(results)} servers failed to load {name}; rolled back on the others"
-                     f"{f' ({not_rolled_back} rollback unloads failed)' if not_rolled_back else ''}. First: {upstream.url} -> "
-                     f"{status} after {attempts} attempt(s): {data[:300].decode(errors='replace')}")
+        note = (f" after {attempts} attempt(s); rolled back on the others"
+                f"{f' ({not_rolled_back} rollback unloads failed)' if not_rolled_back else ''}")
+        return error(504 if b"No adapter found" in data else status, failed_on(f"to load {name}", failed, len(results), note))
 
     async def health(self, request: web.Request) -> web.Response:
         """200 when every replica not known to be down is healthy (the proxy serves while one is down; the answer
@@ -504,7 +518,7 @@ class Proxy:
         if bad:
             return web.Response(status=bad[0][1] if bad[0][1] >= 500 else 503,
                                 text=f"proxy: {len(bad)}/{len(results)} servers unhealthy; first: {bad[0][0].url} -> {bad[0][1]}")
-        down = [u.url for u in self.upstreams if u.state == "down"]
+        down = [u.url for u in self.upstreams if u.state == State.DOWN]
         return web.Response(status=200, text=f"proxy: serving without {', '.join(down)} (down)" if down else "")
 
     async def metrics(self, request: web.Request) -> web.Response:

@@ -10,6 +10,7 @@ import inspect
 from collections.abc import Callable
 
 from tandem.dataset_rows import columns_of
+from tandem.errors import UsageError
 from tandem.rollout.tools import validate_tools
 
 RESERVED = ("reset", "get_reward")
@@ -96,11 +97,11 @@ def validate_environments(environment_factory, tools: list[Callable], dataset) -
         return classes
     columns = columns_of(dataset)
     if dataset is None or ROUTE_COLUMN not in columns:
-        raise ValueError(f"environment_factory is a dict ({', '.join(map(repr, factories))}), so each dataset row must "
+        raise UsageError(f"environment_factory is a dict ({', '.join(map(repr, factories))}), so each dataset row must "
                          f"name its environment in an {ROUTE_COLUMN!r} column; the train_dataset has "
                          f"{'none' if dataset is None else 'columns ' + str(columns)}")
     unknown = sorted({row[ROUTE_COLUMN] for row in dataset} - set(factories))
     if unknown:
-        raise ValueError(f"train_dataset's {ROUTE_COLUMN!r} column names {unknown}, which environment_factory does not "
+        raise UsageError(f"train_dataset's {ROUTE_COLUMN!r} column names {unknown}, which environment_factory does not "
                          f"have (it has {sorted(factories)}): add a factory for each, or fix the rows")
     return classes

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tandem.errors import UsageError
 from tandem.tool_calls import ToolCall, tool_schema
 
 
@@ -118,7 +119,7 @@ def validate_tools(tools: list[Callable], owner: str = "tools") -> None:
             raise TypeError(f"{owner}: {kind} cannot be a tool: tools are sent to the rollout worker by pickle and "
                             "called by name. Define it with def at module level")
         if name in names:
-            raise ValueError(f"{owner}: two tools are named {name!r}; the model calls tools by name, so each name "
+            raise UsageError(f"{owner}: two tools are named {name!r}; the model calls tools by name, so each name "
                              "must be unique. Rename one")
         names[name] = tool
         tool_schema(tool)  # raises naming the tool when hints or docstring are missing

@@ -23,6 +23,7 @@ import torch
 from tandem.config import AsyncGRPOConfig
 from tandem.dataset_rows import first_rows, is_iterable
 from tandem.distributed import Ranks
+from tandem.errors import UsageError
 from tandem.generation.client import EngineDead, ServerProblem, engine_died, server_gone
 from tandem.metrics.doctor import OFF_POLICY_BOUND
 from tandem.metrics.window import MetricWindow
@@ -32,9 +33,10 @@ from tandem.packing.batching import TokenBudgetBatcher, record_micro_batch
 from tandem.prompts import render_chat, render_prompt
 from tandem.rollout.loop import AsyncRolloutLoop
 from tandem.rollout.settings import RolloutSettings
-from tandem.rollout.worker import WorkerSpec
+from tandem.records import Sample
+from tandem.rollout.worker import WorkerLost, WorkerSpec
 from tandem.runtime import server_checks, sync_check
-from tandem.runtime.sample_source import ResumePoint, SampleSource, Stall
+from tandem.runtime.sample_source import POLL_S, ResumePoint, SampleSource, Stall
 from tandem.runtime.session import DYING_S, Session
 from tandem.runtime.weight_sync import ADAPTER_NAME, LoraSync, choose_sync, follower_sync, lora_server_flags, publish
 from tandem.tool_calls import tool_schema
@@ -109,6 +111,8 @@ class Runtime:
         """The policy version the server samples from (what a restarted embedded server serves)."""
         self.step = 0
         """The trainer's last step: where a stall's worker metrics are logged."""
+        self.worker_replaced = False
+        """Whether the worker was lost and replaced already: a second loss stops the run."""
         self.server_restarts: list[float] = []
         """When the embedded server was restarted (monotonic seconds): one that keeps dying stops the run."""
         self.sync_strategy = self.source = self.batcher = None
@@ -166,16 +170,15 @@ class Runtime:
         worker = self._start_worker(resume)
         self.source = SampleSource(worker, worker.channels, self.window, resume=resume,
                                    max_staleness=args.max_staleness, token_budget=self.token_budget,
-                                   end_position=self._num_positions(), regenerate=self._regenerate,
-                                   health_check=self._check_server, stall_timeout=args.stall_timeout,
-                                   say=session.progress.say, stop=self.preempted.is_set, restart_worker=self._restart_worker,
-                                   on_stall=self._log_stalled)
+                                   end_position=self._num_positions(), stall_timeout=args.stall_timeout,
+                                   say=session.progress.say)
 
     def next_micro_batches(self, version: int) -> list[list[PackedRow]]:
         """Up to gradient_accumulation_steps micro-batches of up to one row per rank, each closed by the token-budget
         batcher when the next sample fits nowhere; fewer (or none) once the worker has finished. A sample is
         consumed once placed. Rank 0 only."""
-        self.window.add("rollout/queue_size", self.source.drain())
+        self._read(self.source.drain)
+        self.window.add("rollout/queue_size", len(self.source.buffer))
         micro_batches = []
         for index in range(self.args.gradient_accumulation_steps):
             self._fill_micro_batch(version, last=index == self.args.gradient_accumulation_steps - 1)
@@ -222,7 +225,12 @@ class Runtime:
 
     def evaluate(self, step: int, version: int) -> dict[str, list] | None:
         """The eval records of the prompts generated under `version`; None when the run is stopping. Rank 0 only."""
-        return self.source.evaluate(step, version)
+        self.source.ask_evaluation(step, version)
+        while (records := self.source.evaluations.pop(step, None)) is None:
+            if self.preempted.is_set():
+                return None
+            self._read(lambda: self.source.pull(POLL_S))
+        return records
 
     def resume_point(self) -> ResumePoint:
         return self.source.resume_point()
@@ -360,7 +368,7 @@ class Runtime:
         source, batcher = self.source, self.batcher
         flash = self.args.algorithm == "flash_reinforce"
         same = (lambda s: s.rollout_id) if flash else (lambda s: s.position)
-        while (unit := source.peek_unit(version, same if last else None)) is not None:
+        while (unit := self._next_unit(version, same if last else None)) is not None:
             if batcher.offer_together(unit):
                 for _ in unit:
                     source.take()
@@ -374,6 +382,35 @@ class Runtime:
                         return
                     source.take()
 
+    def _next_unit(self, version: int, same) -> list[Sample] | None:
+        """The source's next trainable unit, waiting for the worker while none is buffered; None once nothing more will
+        come, or when the run is stopping."""
+        while (unit := self.source.peek_unit(version, same)) is None:
+            if self.source.finished or self.preempted.is_set():
+                return None
+            stall = self._read(lambda: self.source.wait(POLL_S))
+            if stall is not None:
+                self._log_stalled(stall)
+        return unit
+
+    def _read(self, read):
+        """`read()`, a read of the worker's queue, then the server's health: a worker lost without an error of its own
+        (killed, hung) is replaced once; one that failed is named after the server, if that died first. None when the
+        read failed while the run is stopping (the worker or the server ended with the job's SIGTERM)."""
+        try:
+            result = read()
+        except WorkerLost as lost:
+            self._check_server()  # a server that died takes precedence
+            self._replace_worker(lost)
+            return None
+        except Exception:
+            if self.preempted.is_set():
+                return None
+            self._check_server()
+            raise
+        self._check_server()
+        return result
+
     def _log_stalled(self, stall: Stall) -> None:
         """While no step is possible, the worker's metrics still reach the sinks every minute, under the last step and
         with `stalled_s` (the seconds waited): what generation and scoring do while nothing trains."""
@@ -381,21 +418,25 @@ class Runtime:
         if metrics:
             self.session.log(self.step, {**metrics, "stalled_s": stall.waited})
 
-    def _regenerate(self, position: int) -> None:
-        self.session.worker.channels.retry.put(position)
-
     # ---- the worker ---------------------------------------------------------------------------------
     def _start_worker(self, point: ResumePoint):
         """The rollout worker, generating from `point` on (its start, leaving out what the trainer holds past it)."""
         return self.session.start_worker(self._worker_spec(point), self.args.rollout_worker_timeout, self.version)
 
-    def _restart_worker(self, point: ResumePoint):
-        """A new worker where a lost one left off (the sample source asks once); returns its inbox and counters."""
-        lost = self.session.worker
-        lost.stop()
+    def _replace_worker(self, lost: WorkerLost) -> None:
+        """Start a new worker where the lost one left off: from the watermark, leaving out the positions already
+        received, so nothing is generated twice; the groups it had in flight are generated again. Once per run."""
+        if self.worker_replaced:
+            raise lost
+        self.worker_replaced = True
+        point = self.source.resume_point()
+        self.session.worker.stop()
+        tokens_per_step = self.session.worker.channels.tokens_per_step.value
         worker = self._start_worker(point)
-        worker.channels.tokens_per_step.value = lost.channels.tokens_per_step.value
-        return worker, worker.channels
+        worker.channels.tokens_per_step.value = tokens_per_step
+        self.source.replace_worker(worker, worker.channels)
+        self.session.progress.say(f"{lost}. Restarted it from prompt position {point.start}, leaving out the "
+                                  f"{len(point.received)} positions past it already received; a second loss stops the run.")
 
     def _worker_spec(self, point: ResumePoint) -> WorkerSpec:
         args, spec = self.args, self.spec
@@ -470,7 +511,7 @@ class Runtime:
             length = len(render_chat(spec.tokenizer, row["prompt"], tools=schemas,
                                      chat_template_kwargs=self.args.chat_template_kwargs))
             if length >= max_model_len:
-                raise ValueError(f"train_dataset row {index}: the prompt renders to {length} tokens, but the server's "
+                raise UsageError(f"train_dataset row {index}: the prompt renders to {length} tokens, but the server's "
                                  f"max_model_len is {max_model_len}, leaving no room to generate. Start the server with a "
                                  "larger --max-model-len, or drop the long prompts from the dataset.")
 

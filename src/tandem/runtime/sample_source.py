@@ -6,7 +6,8 @@ whose samples was trained yet is dropped whole and generated again; the late sam
 partly trained are dropped alone, and finish its prompt), tells the worker
 which tokens have left the queue for good (its allowance), and keeps the ledger of finished prompt
 positions that a resumed run starts from. It does no I/O of its own: the inbox and the shared counters are passed
-in, so its rules are tested without processes.
+in, so its rules are tested without processes. It calls nothing of its owner: `peek` never waits and `wait` reads one
+message, so the waiting loop, and what a lost worker or a dead server leads to, are the runtime's.
 """
 
 import itertools
@@ -19,7 +20,6 @@ from typing import Protocol
 
 from tandem.metrics.window import MetricWindow
 from tandem.records import Sample
-from tandem.rollout.worker import WorkerLost
 
 POLL_S = 0.05
 STALL_SAY_S = 60.0
@@ -138,19 +138,14 @@ class SampleSource:
     """
 
     def __init__(self, inbox: Inbox, counters, window: MetricWindow, *, resume: ResumePoint, max_staleness: int,
-                 token_budget: int, end_position: int | None = None, regenerate=lambda position: None,
-                 health_check=lambda: None, stall_timeout: float | None = None,
-                 say=lambda text: print(f"tandem: {text}", file=sys.stderr), stop=lambda: False, restart_worker=None,
-                 on_stall=lambda stall: None):
+                 token_budget: int, end_position: int | None = None, stall_timeout: float | None = None,
+                 say=lambda text: print(f"tandem: {text}", file=sys.stderr)):
         self.inbox, self.counters, self.window = inbox, counters, window
         self.worker_metrics = MetricWindow()
         self.ledger = PositionLedger(resume.start, resume.finished, resume.remaining)
         self.max_staleness, self.token_budget = max_staleness, token_budget
         self.end_position = end_position
         """Where the run's prompt positions end (None: an endless stream, max_steps decides)."""
-        self.regenerate = regenerate
-        """Asks the worker to generate a prompt position again."""
-        self.health_check = health_check
         self.buffer: deque[Sample] = deque(resume.samples)
         self.ended = False
         """The worker said it had nothing left to send (it sends more if asked to regenerate)."""
@@ -169,17 +164,10 @@ class SampleSource:
         """Whether the worker has sent anything yet: the stall clock starts then."""
         self.stall, self.stall_timeout, self.say = Stall(), stall_timeout, say
         """Since the last trainable sample; a wait past `stall_timeout` seconds stops the run (None: never)."""
-        self.stop = stop
-        """True when the run must end now (a preemption): a wait for samples gives up, as if the worker had ended."""
-        self.on_stall = on_stall
-        """Called each time a stall is said, with it (the trainer logs the worker's metrics then: no step will)."""
         self.evaluations: dict[int, dict[str, list]] = {}
         """The eval records the worker sent, by the step that asked for them."""
         self.asked: dict[int, int] = {}
-        """Evaluations asked for and not answered yet: step -> policy version (asked again of a restarted worker)."""
-        self.restart_worker = restart_worker
-        """Starts a new worker from a ResumePoint and returns (its inbox, its counters): a worker lost without an error
-        of its own (killed, hung) is replaced once. None: a lost worker stops the run."""
+        """Evaluations asked for and not answered yet: step -> policy version (asked again of a replaced worker)."""
 
     def resume_point(self) -> ResumePoint:
         """What a new worker (a resumed run's, or a restarted one) needs to go on from here."""
@@ -187,17 +175,9 @@ class SampleSource:
         return ResumePoint(ledger.watermark, sorted(ledger.done), dict(ledger.remaining), list(self.buffer))
 
     def pull(self, timeout_s: float) -> bool:
-        """Handle one message from the worker, waiting up to `timeout_s`; False when none came."""
-        try:
-            message = self.inbox.get(timeout_s)
-        except WorkerLost as lost:
-            self.health_check()  # a server that died takes precedence
-            self._replace_worker(lost)
-            return True
-        except Exception:
-            self.health_check()  # a worker that failed because the server died: name the server
-            raise
-        self.health_check()
+        """Handle one message from the worker, waiting up to `timeout_s`; False when none came. A worker that failed or
+        was lost raises here (`WorkerLost`): its owner decides what follows."""
+        message = self.inbox.get(timeout_s)
         if message is None:
             return False
         self.heard = True
@@ -222,31 +202,20 @@ class SampleSource:
             self.say(payload)
         return True
 
-    def evaluate(self, step: int, model_version: int) -> dict[str, list] | None:
-        """Have the worker generate and score the eval prompts under `model_version`, and wait for its records (samples
-        that arrive meanwhile are buffered); None when the run must stop now."""
+    def ask_evaluation(self, step: int, model_version: int) -> None:
+        """Have the worker generate and score the eval prompts under `model_version`: its records arrive in
+        `evaluations[step]` (samples that arrive meanwhile are buffered)."""
         self.asked[step] = model_version
         self.counters.evaluate.put((step, model_version))
-        while step not in self.evaluations:
-            if self.stop():
-                return None
-            self.pull(POLL_S)
-        return self.evaluations.pop(step)
 
-    def _replace_worker(self, lost: WorkerLost) -> None:
-        """Start a new worker where this one left off: from the watermark, leaving out the positions already received,
-        so nothing is generated twice; the groups it had in flight are generated again. Once per run."""
-        if self.restart_worker is None:
-            raise lost
-        restart, self.restart_worker = self.restart_worker, None
-        point = self.resume_point()
-        self.inbox, self.counters = restart(point)
-        self.unpublished = 0.0  # the old worker's token accounting went with it
-        for step, version in self.asked.items():  # evaluations the lost worker did not answer
+    def replace_worker(self, inbox: Inbox, counters) -> None:
+        """Read from a new worker (started where the lost one left off: `resume_point()`): the lost one's token
+        accounting went with it, and the evaluations it did not answer are asked again."""
+        self.inbox, self.counters = inbox, counters
+        self.unpublished = 0.0
+        for step, version in self.asked.items():
             self.counters.evaluate.put((step, version))
         self.window.add("rollout/worker_restart_count", 1)
-        self.say(f"{lost}. Restarted it from prompt position {point.start}, leaving out the {len(point.received)} "
-                 "positions past it already received; a second loss stops the run.")
 
     def drain(self) -> int:
         """Read every message already waiting; returns the samples now buffered (`rollout/queue_size`)."""
@@ -262,25 +231,9 @@ class SampleSource:
         return self.ended and not self.pending
 
     def peek(self, model_version: int) -> Sample | None:
-        """The next trainable sample, waiting for the worker when none is buffered; None once nothing more will come."""
-        while True:
-            if not self.buffer:
-                if self.finished or self.stop():
-                    return None
-                self._publish_consumed()  # the worker may need this room to send what we wait for
-                start = time.perf_counter()
-                try:
-                    self.pull(POLL_S)
-                except Exception:
-                    if self.stop():  # the worker or the server ended with the job's SIGTERM
-                        return None
-                    raise
-                waited = time.perf_counter() - start
-                self.wait_s += waited
-                if self.heard:  # a worker still starting (imports, the server's warm-up) is not a stall
-                    self.stall.waited += waited
-                self._check_stall()
-                continue
+        """The next trainable sample in the buffer (those too stale or too long for a row are dropped on the way); None
+        when none is buffered: then `wait` for the worker, unless the source is `finished`."""
+        while self.buffer:
             sample = self.buffer[0]
             if model_version - sample.model_version > self.max_staleness and sample.position in self.admitted:
                 self._discard("sample/dropped_stale_count")  # the rest of a group already partly trained
@@ -293,8 +246,22 @@ class SampleSource:
             else:
                 self.stall = Stall()
                 return sample
+        return None
 
-    def _check_stall(self) -> None:
+    def wait(self, timeout_s: float) -> Stall | None:
+        """Wait up to `timeout_s` for the worker's next message, with the room the trainer took published first (the
+        worker may need it to send what is waited for). Returns the stall when it is due to be said (it was, on `say`);
+        raises StalledError past `stall_timeout`."""
+        self._publish_consumed()
+        start = time.perf_counter()
+        self.pull(timeout_s)
+        waited = time.perf_counter() - start
+        self.wait_s += waited
+        if self.heard:  # a worker still starting (imports, the server's warm-up) is not a stall
+            self.stall.waited += waited
+        return self._check_stall()
+
+    def _check_stall(self) -> Stall | None:
         """Say why no trainable sample arrives, once the wait or the drops grew long, and again every STALL_SAY_S
         while it lasts, at most once a STALL_SAY_S in all (a run whose reward saturates drops 50 groups between most
         steps: one line a minute says it); past `stall_timeout`, stop the run with the same numbers."""
@@ -306,14 +273,15 @@ class SampleSource:
         else:
             due = stall.waited - stall.said >= STALL_SAY_S
         now = time.monotonic()
-        if due and (self.last_said is None or now - self.last_said >= STALL_SAY_S):
-            stall.said, self.last_said = stall.waited, now
-            self.say(stall.reason())
-            self.on_stall(stall)
+        if not due or (self.last_said is not None and now - self.last_said < STALL_SAY_S):
+            return None
+        stall.said, self.last_said = stall.waited, now
+        self.say(stall.reason())
+        return stall
 
     def peek_unit(self, model_version: int, same=None) -> list[Sample] | None:
-        """The next trainable sample, and with `same` (a key: the group's position, the rollout's id) the samples after
-        it that share its key (a group's samples arrive together); None once nothing more will come."""
+        """The next trainable sample, and with `same` (a key: the group's position, the rollout's id) the buffered
+        samples after it that share its key (a group's samples arrive together); None when none is buffered."""
         first = self.peek(model_version)
         if first is None:
             return None
@@ -373,4 +341,4 @@ class SampleSource:
         self.stall.stale += len(stale)
         self.ledger.remaining.pop(position, None)
         self.pending.add(position)
-        self.regenerate(position)
+        self.counters.retry.put(position)  # the worker generates it again

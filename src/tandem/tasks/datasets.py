@@ -6,6 +6,7 @@ from pathlib import Path
 
 from datasets import Dataset, load_dataset, load_from_disk
 
+from tandem.errors import UsageError
 from tandem.tasks import arithmetic
 
 BUILT_IN = {
@@ -32,7 +33,7 @@ def load(name: str, config: str | None = None, split: str = "train", streaming: 
     elif path.is_dir() or "/" in name and path.suffix not in FORMATS:  # a Hub id may hold a dot (org/name-1.5)
         dataset = _from_hub_or_folder(name, config, split, streaming)
     else:
-        raise ValueError(f"dataset {name!r} is neither a built-in task ({', '.join(BUILT_IN)}), a local "
+        raise UsageError(f"dataset {name!r} is neither a built-in task ({', '.join(BUILT_IN)}), a local "
                          f"{'/'.join(FORMATS)} file or folder, nor a Hub id (namespace/name)")
     return dataset.to_iterable_dataset() if streaming and isinstance(dataset, Dataset) else dataset
 
@@ -42,6 +43,6 @@ def _from_hub_or_folder(name: str, config: str | None, split: str, streaming: bo
     try:
         return load_dataset(name, config, split=split, streaming=streaming)
     except (ConnectionError, FileNotFoundError) as exc:
-        raise ValueError(f"dataset {name!r} (config {config!r}, split {split!r}) could not be loaded: {exc}. With no "
+        raise UsageError(f"dataset {name!r} (config {config!r}, split {split!r}) could not be loaded: {exc}. With no "
                          "network, a Hub dataset loads from this machine's datasets cache once it was loaded here with "
                          "one (set HF_HUB_OFFLINE=1 to skip the Hub); or give a local file or folder.") from None

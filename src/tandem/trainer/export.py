@@ -13,6 +13,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from tandem.distributed import Ranks
+from tandem.errors import UsageError
 from tandem.model_folder import save_model_folder
 from tandem.tasks import TINY_MODEL_PATH
 from tandem.trainer import checkpoint
@@ -59,7 +60,7 @@ def check_checkpoint(path: Path) -> None:
 def check_output(output: Path, checkpoint_dir: Path, force: bool) -> None:
     """`output` may be new, empty, or (with `force`) replaced, but never the checkpoint or a folder holding it."""
     if output.resolve() == checkpoint_dir.resolve() or output.resolve() in checkpoint_dir.resolve().parents:
-        raise ValueError(f"--output {output} would replace the checkpoint {checkpoint_dir} itself. Choose another "
+        raise UsageError(f"--output {output} would replace the checkpoint {checkpoint_dir} itself. Choose another "
                          "folder.")
     if output.is_file():
         raise FileExistsError(f"--output {output} is a file. Choose a folder.")
@@ -75,7 +76,7 @@ def recorded_base_model(checkpoint_dir: Path) -> str:
     adapter = json.loads((checkpoint_dir / ADAPTER_CONFIG).read_text())
     name = state.get("base_model") or adapter.get("base_model_name_or_path")
     if not name:
-        raise ValueError(f"{checkpoint_dir} records no base model for its adapter (the run's model was built in "
+        raise UsageError(f"{checkpoint_dir} records no base model for its adapter (the run's model was built in "
                          "memory). Name its folder or hub id: tandem export --base-model PATH.")
     return name
 
@@ -89,7 +90,7 @@ def merge_adapter(adapter_dir: Path, base_model: str, dtype: str) -> PreTrainedM
     except OSError as exc:  # a folder moved away, a hub id not in the cache offline
         missing = Path(base_model).is_absolute() and not Path(base_model).exists()  # else transformers reads a hub id
         reason = "no such folder" if missing else (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ValueError(f"cannot load the base model {base_model!r} that the adapter in {adapter_dir} merges into "
+        raise UsageError(f"cannot load the base model {base_model!r} that the adapter in {adapter_dir} merges into "
                          f"({reason}). Name its folder or hub id (tandem export --base-model PATH; "
                          "AsyncGRPOTrainer(model=PATH)).") from None
     return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()

@@ -12,6 +12,7 @@ from transformers import PreTrainedModel
 from tandem import architecture
 from tandem.config import AsyncGRPOConfig
 from tandem.dataset_rows import columns_of, first_rows, is_iterable
+from tandem.errors import UsageError
 from tandem.packing import PADDED
 from tandem.packing import attention as tree_attention
 from tandem.packing.logprobs import check_head
@@ -63,7 +64,7 @@ def with_adapter(model: PreTrainedModel, peft_config):
     targets = peft_config.target_modules or []
     targets = [targets] if isinstance(targets, str) else list(targets)
     if any(t == "lm_head" or t.endswith(".lm_head") for t in targets) or "lm_head" in (peft_config.modules_to_save or []):
-        raise ValueError("peft_config targets lm_head: tandem trains adapters on the transformer layers only (the "
+        raise UsageError("peft_config targets lm_head: tandem trains adapters on the transformer layers only (the "
                          "chunked log-prob head reads the base head). Remove lm_head from target_modules / modules_to_save.")
     return get_peft_model(model, peft_config)
 
@@ -105,19 +106,19 @@ def check_precision(args: AsyncGRPOConfig, device: torch.device, several_ranks: 
     """Apply tf32 and return fp16's gradient scaler (None without fp16), refusing what the device cannot do."""
     if args.tf32 is not None:
         if device.type != "cuda" and args.tf32:
-            raise ValueError("AsyncGRPOConfig.tf32=True needs an Ampere or newer NVIDIA GPU: TensorFloat-32 is a mode of "
+            raise UsageError("AsyncGRPOConfig.tf32=True needs an Ampere or newer NVIDIA GPU: TensorFloat-32 is a mode of "
                              "its matmul units, and this run trains on the CPU. Leave tf32 unset.")
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
     if not args.fp16:
         return None
     if device.type != "cuda":
-        raise ValueError("AsyncGRPOConfig.fp16=True needs a GPU: on the CPU float16 autocast is slower than float32 and "
+        raise UsageError("AsyncGRPOConfig.fp16=True needs a GPU: on the CPU float16 autocast is slower than float32 and "
                          "loses precision for nothing. Train in float32 (the CPU default), or bf16=True.")
     if several_ranks:
-        raise ValueError("AsyncGRPOConfig.fp16=True is not supported under torchrun (FSDP2 would need a sharded gradient "
+        raise UsageError("AsyncGRPOConfig.fp16=True is not supported under torchrun (FSDP2 would need a sharded gradient "
                          "scaler): use bf16=True.")
     if weights == torch.float16:
-        raise ValueError("AsyncGRPOConfig.fp16=True keeps float32 master weights and scales float16 gradients: load the "
+        raise UsageError("AsyncGRPOConfig.fp16=True keeps float32 master weights and scales float16 gradients: load the "
                          "model with dtype='float32', not 'float16'.")
     return torch.amp.GradScaler("cuda")
 
@@ -129,28 +130,28 @@ def check_dataset(dataset, *, environments: bool = False, max_steps: int = -1):
     count); its first rows are checked."""
     if dataset is None:
         if not environments:
-            raise ValueError("train_dataset is required (only an environment_factory whose reset() makes the prompt "
+            raise UsageError("train_dataset is required (only an environment_factory whose reset() makes the prompt "
                              "can train without one)")
         if max_steps <= 0:
-            raise ValueError("without a train_dataset the environment makes every task, so nothing ends the run: set "
+            raise UsageError("without a train_dataset the environment makes every task, so nothing ends the run: set "
                              "max_steps (e.g. AsyncGRPOConfig(max_steps=1000))")
         return None
     if is_iterable(dataset) and max_steps <= 0:
-        raise ValueError("train_dataset is an IterableDataset, which has no length: set max_steps (each pass over it is "
+        raise UsageError("train_dataset is an IterableDataset, which has no length: set max_steps (each pass over it is "
                          "an epoch; it is read again from its start when it ends)")
     rows = first_rows(dataset, 8)
     if not rows:
-        raise ValueError("train_dataset is empty")
+        raise UsageError("train_dataset is empty")
     columns = columns_of(dataset)
     if "prompt" not in columns:
         if environments:
             return dataset
-        raise ValueError(f"train_dataset has no 'prompt' column (columns: {columns}). Each row needs a conversational "
+        raise UsageError(f"train_dataset has no 'prompt' column (columns: {columns}). Each row needs a conversational "
                          "prompt: [{'role': 'user', 'content': '...'}]")
     for index, row in enumerate(rows):
         prompt = row["prompt"]
         if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)):
-            raise ValueError(f"train_dataset row {index}: 'prompt' must be conversational, a list of "
+            raise UsageError(f"train_dataset row {index}: 'prompt' must be conversational, a list of "
                              f"{{'role': ..., 'content': ...}} messages; got {type(prompt).__name__} {str(prompt)[:80]!r}. "
                              "Wrap plain text as [{'role': 'user', 'content': text}].")
     check_no_images(columns, (row["prompt"] for row in (rows if is_iterable(dataset) else dataset)))  # a stream: its start
@@ -161,13 +162,13 @@ def drop_unused_columns(dataset, reward_funcs: list, environments: bool):
     """remove_unused_columns=True: the dataset with only 'prompt' and the columns a reward function names as a
     parameter (a reward's **kwargs gets only those)."""
     if environments:
-        raise ValueError("AsyncGRPOConfig.remove_unused_columns=True cannot be used with an environment_factory: reset() "
+        raise UsageError("AsyncGRPOConfig.remove_unused_columns=True cannot be used with an environment_factory: reset() "
                          "receives every column of its row. Leave it False.")
     named = {name for func in reward_funcs for name, parameter in inspect.signature(func).parameters.items()
              if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)}
     unused = [column for column in columns_of(dataset) if column != "prompt" and column not in named]
     if is_iterable(dataset) and not hasattr(dataset, "remove_columns"):
-        raise ValueError(f"AsyncGRPOConfig.remove_unused_columns=True: this stream ({type(dataset).__name__}) cannot drop "
+        raise UsageError(f"AsyncGRPOConfig.remove_unused_columns=True: this stream ({type(dataset).__name__}) cannot drop "
                          "columns as it goes; use a datasets.IterableDataset, or leave it False.")
     if hasattr(dataset, "remove_columns"):
         return dataset.remove_columns(unused)
@@ -178,13 +179,13 @@ def check_no_images(columns: list[str], prompts) -> None:
     """Refuse image inputs, an image column or image content parts in a prompt, naming the fix."""
     for column in ("images", "image"):
         if column in columns:
-            raise ValueError(f"train_dataset has an {column!r} column: {TEXT_ONLY} Drop it "
+            raise UsageError(f"train_dataset has an {column!r} column: {TEXT_ONLY} Drop it "
                              f"(dataset.remove_columns({column!r})) and keep text-only prompts.")
     for index, prompt in enumerate(prompts):
         for message in prompt if isinstance(prompt, list) else []:
             content = message.get("content") if isinstance(message, dict) else None
             kinds = [part.get("type") for part in content if isinstance(part, dict)] if isinstance(content, list) else []
             if any(kind in IMAGE_PARTS for kind in kinds):
-                raise ValueError(f"train_dataset row {index}: a {message.get('role')!r} message has an image content "
+                raise UsageError(f"train_dataset row {index}: a {message.get('role')!r} message has an image content "
                                  f"part: {TEXT_ONLY} Keep its text parts only, e.g. "
                                  "{'role': 'user', 'content': 'the question'}.")

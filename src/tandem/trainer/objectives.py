@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.config import AsyncGRPOConfig
+from tandem.errors import UsageError
 from tandem.losses.flash_reinforce import flash_reinforce_loss
 from tandem.losses.grpo import clipped_surrogate
 from tandem.losses.ratio import UNBOUNDED, TokenStats, importance_ratio
@@ -95,7 +96,7 @@ class ScoreCentering(ClippedSurrogate):
     def token_losses(self, row: PackedRow, scored: TokenLogprobs, old: torch.Tensor,
                      advantages: torch.Tensor) -> tuple[torch.Tensor, TokenStats, dict[str, list]]:
         if row.top_ids is None:
-            raise ValueError("score_centering=True needs the sampler's top log-probs of every sampled token, and these "
+            raise UsageError("score_centering=True needs the sampler's top log-probs of every sampled token, and these "
                              "samples have none: a custom generate_one/generate_one_turn must request "
                              "logprobs=num_sampler_logprobs (or set score_centering=False)")
         top_sampler = row.top_sampler_logprobs.to(old.device)

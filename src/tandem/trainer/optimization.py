@@ -7,6 +7,7 @@ import torch
 
 from tandem.config import AsyncGRPOConfig
 from tandem.distributed import full_tensor
+from tandem.errors import UsageError
 
 
 def make_optimizer(model: torch.nn.Module, args: AsyncGRPOConfig) -> torch.optim.Optimizer:
@@ -17,7 +18,7 @@ def make_optimizer(model: torch.nn.Module, args: AsyncGRPOConfig) -> torch.optim
     try:
         cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     except ValueError as exc:
-        raise ValueError(f"AsyncGRPOConfig.optim={args.optim!r}: {exc}. Try adamw_torch_fused, adamw_torch, adafactor "
+        raise UsageError(f"AsyncGRPOConfig.optim={args.optim!r}: {exc}. Try adamw_torch_fused, adamw_torch, adafactor "
                          "or sgd (transformers' OptimizerNames lists the rest).") from None
     decayed = set(Trainer.get_decay_parameter_names(None, model))
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]

@@ -25,6 +25,7 @@ from transformers.utils import logging as hf_logging
 from tandem import distributed
 from tandem.config import AsyncGRPOConfig
 from tandem.dataset_rows import is_iterable
+from tandem.errors import UsageError
 from tandem.metrics.window import MetricWindow
 from tandem.model_folder import save_model_folder
 from tandem.packing import PackedRow
@@ -456,7 +457,7 @@ def check_train_dataset(dataset, args: AsyncGRPOConfig, environments: bool):
     """The training prompts, if they can be trained on in the order `train_sampling_strategy` asks."""
     dataset = check_dataset(dataset, environments=environments, max_steps=args.max_steps)
     if is_iterable(dataset) and args.train_sampling_strategy == "random":
-        raise ValueError("train_sampling_strategy='random' shuffles a dataset by its indices, and an IterableDataset "
+        raise UsageError("train_sampling_strategy='random' shuffles a dataset by its indices, and an IterableDataset "
                          "has none: shuffle the stream itself (dataset.shuffle(seed=..., buffer_size=...)).")
     return dataset
 
@@ -465,7 +466,7 @@ def attention_kernel(args: AsyncGRPOConfig, device: torch.device) -> str:
     """The tree-attention kernel the rows are trained with: the configured one, or the device's default."""
     kernel = args.tree_attention_kernel or tree_attention.default_kernel(device)
     if kernel == "flex" and device.type != "cuda":
-        raise ValueError("tree_attention_kernel='flex' needs a GPU: FlexAttention has no backward pass on CPU. "
+        raise UsageError("tree_attention_kernel='flex' needs a GPU: FlexAttention has no backward pass on CPU. "
                          "Use 'exact' or 'sdpa'.")
     return kernel
 
@@ -474,7 +475,7 @@ def router_coefficient(args: AsyncGRPOConfig, model) -> float:
     """The weight of a Mixture-of-Experts model's balancing loss: the config's, else the model's own (0 without a router)."""
     text_config = model.config.get_text_config()
     if args.router_aux_loss_coef is not None and not hasattr(text_config, "router_aux_loss_coef"):
-        raise ValueError(f"AsyncGRPOConfig.router_aux_loss_coef={args.router_aux_loss_coef}: the model is not a "
+        raise UsageError(f"AsyncGRPOConfig.router_aux_loss_coef={args.router_aux_loss_coef}: the model is not a "
                          "Mixture-of-Experts model (its config has no router), so there is no balancing loss to weigh. "
                          "Leave it None.")
     if args.router_aux_loss_coef is not None:
@@ -486,7 +487,7 @@ def check_eval_dataset(eval_dataset, args: AsyncGRPOConfig, environments: bool):
     """The eval prompts, when evaluation is asked for and they can be generated; neither is silently ignored."""
     if eval_dataset is None:
         if args.eval_strategy != "no" or args.eval_on_start:
-            raise ValueError(f"eval_strategy={args.eval_strategy!r} / eval_on_start={args.eval_on_start} needs an "
+            raise UsageError(f"eval_strategy={args.eval_strategy!r} / eval_on_start={args.eval_on_start} needs an "
                              "eval_dataset (prompts generated and scored, never trained): pass one to AsyncGRPOTrainer, "
                              "or an eval_dataset key in the recipe")
         return None
@@ -494,18 +495,18 @@ def check_eval_dataset(eval_dataset, args: AsyncGRPOConfig, environments: bool):
         warnings.warn("an eval_dataset was given but eval_strategy='no' and eval_on_start=False: it is never evaluated. "
                       "Set eval_strategy='steps' (every eval_steps steps) or eval_on_start=True.", stacklevel=3)
     if is_iterable(eval_dataset):
-        raise ValueError("eval_dataset is an IterableDataset: each evaluation generates all of it, so it needs a length. "
+        raise UsageError("eval_dataset is an IterableDataset: each evaluation generates all of it, so it needs a length. "
                          "Take a fixed set of rows, e.g. Dataset.from_list(list(eval_dataset.take(256))).")
     try:
         return check_dataset(eval_dataset, environments=environments)
     except ValueError as exc:
-        raise ValueError(f"eval_dataset: {exc}".replace("train_dataset", "eval_dataset")) from None
+        raise UsageError(f"eval_dataset: {exc}".replace("train_dataset", "eval_dataset")) from None
 
 
 def _reward_list(reward_funcs, environment_rewards: bool) -> list:
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs] if reward_funcs else []
     if not funcs and not environment_rewards:
-        raise ValueError("reward_funcs is empty and no environment defines get_reward(): pass at least one reward function "
+        raise UsageError("reward_funcs is empty and no environment defines get_reward(): pass at least one reward function "
                          "(e.g. tandem.rewards.accuracy_reward), or give the environment a get_reward() method")
     for func in funcs:
         if not callable(func):

@@ -1,0 +1,7 @@
+"""`UsageError`: a mistake in what the user gave, told apart from a bug."""
+
+
+class UsageError(ValueError):
+    """A setting, recipe, dataset, tool or model the run cannot use, with the value and the fix in its message:
+    `tandem train` prints it in one line and exits 2, while any other exception keeps its traceback (a bug). A
+    ValueError, so code that catches those still does."""
