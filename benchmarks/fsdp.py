@@ -56,7 +56,7 @@ def worker(cli) -> None:
             for _ in range(8):
                 completion = torch.randint(3, 500, (64,), generator=generator).tolist()
                 samples.append(Sample(input_ids=prompt + completion, trained=[False] * 64 + [True] * 64,
-                                      logprobs=[-6.0] * 128, advantage=float(torch.randn(1, generator=generator)),
+                                      behavior_log_probs=[-6.0] * 128, advantage=float(torch.randn(1, generator=generator)),
                                       model_version=0, group_id=group, position=group, group_samples=8,
                                       rollout_id=f"{group}-{len(samples)}", created_at=0.0))
             tokens, group = tokens + 64 + 8 * 64, group + 1

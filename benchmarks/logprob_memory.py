@@ -44,7 +44,7 @@ def measure(variant: str, tokens: int, vocab: int, hidden_size: int, chunk_size:
     if variant == "full":
         logprobs, _ = full_logprobs(hidden, head, targets)
     else:
-        logprobs = chunked_logprobs(hidden, head, targets, chunk_size=chunk_size).logprobs
+        logprobs = chunked_logprobs(hidden, head, targets, chunk_size=chunk_size).log_probs
     logprobs.sum().backward()
     if device.type == "cuda":
         torch.cuda.synchronize()

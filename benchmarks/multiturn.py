@@ -71,7 +71,7 @@ def samples_of(conversations: list[list[TurnRecord]]) -> list[Sample]:
     samples = []
     for group, turns in enumerate(conversations):
         sequences, _ = reconcile(turns)
-        samples += [Sample(input_ids=s.input_ids, trained=s.trained, logprobs=s.logprobs, advantage=1.0, model_version=0,
+        samples += [Sample(input_ids=s.input_ids, trained=s.trained, behavior_log_probs=s.behavior_log_probs, advantage=1.0, model_version=0,
                            group_id=group, position=group, group_samples=len(sequences), rollout_id=str(group), created_at=0.0)
                     for s in sequences]
     return samples

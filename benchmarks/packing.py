@@ -37,7 +37,7 @@ def workload(prompt_len: int, groups: int, min_completion: int, max_completion: 
         for _ in range(G):
             completion = [rng.randrange(3, vocab) for _ in range(rng.randint(min_completion, max_completion))]
             ids = prompt + completion
-            samples.append(Sample(input_ids=ids, trained=[False] * prompt_len + [True] * len(completion), logprobs=[0.0] * len(ids),
+            samples.append(Sample(input_ids=ids, trained=[False] * prompt_len + [True] * len(completion), behavior_log_probs=[0.0] * len(ids),
                                   advantage=1.0, model_version=0, group_id=group, position=group, group_samples=G,
                                   rollout_id="", created_at=0.0))
     return samples
@@ -65,7 +65,7 @@ def padded_batches(samples, budget: int):
 
 def tree_step(model, rows, kernel) -> None:
     for row in rows:
-        row_logprobs(model, row, kernel).logprobs.sum().backward()
+        row_logprobs(model, row, kernel).log_probs.sum().backward()
 
 
 def padded_step(model, batches) -> None:
@@ -78,7 +78,7 @@ def padded_step(model, batches) -> None:
         where = [(b, j - 1) for b, s in enumerate(batch) for j in range(1, s.num_tokens) if s.trained[j]]
         rows, cols = zip(*where)
         targets = torch.tensor([batch[b].input_ids[j + 1] for b, j in where])
-        chunked_logprobs(hidden[list(rows), list(cols)], head, targets).logprobs.sum().backward()
+        chunked_logprobs(hidden[list(rows), list(cols)], head, targets).log_probs.sum().backward()
 
 
 def timed(step, repeats: int) -> float:

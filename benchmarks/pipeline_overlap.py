@@ -40,8 +40,8 @@ CONFIGS = [(0.05, 2), (0.02, 1), (0.05, 4), (0.15, 2)]
 
 
 class TakeTurns(TrainerCallback):
-    """Generation and training take turns: the server is paused from the step's first forward until the step's
-    weights are served (the step's end comes after its weight sync)."""
+    """Generation and training take turns: the server is paused from the step's first forward until its optimizer
+    step has run (the weight sync that follows may probe the server, which must be generating for it)."""
 
     def __init__(self, server_url: str):
         self.server_url = server_url
@@ -52,7 +52,7 @@ class TakeTurns(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         self._post("/pause?mode=keep")
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_optimizer_step(self, args, state, control, **kwargs):
         self._post("/resume")
 
 

@@ -251,9 +251,9 @@ def test_bf16_autocasts_the_trainers_forward_and_leaves_the_weights_in_float32(t
                                             args=AsyncGRPOConfig(output_dir=str(tmp_path), **args))
     mixed, plain = build(bf16=True), build(bf16=False)
     assert next(mixed.model.parameters()).dtype == torch.float32
-    exact = plain._score(row).logprobs
-    torch.testing.assert_close(plain._forward(row).logprobs, exact, rtol=0, atol=0)
-    gap = (mixed._forward(row).logprobs.float() - exact).abs().max()
+    exact = plain._score(row).log_probs
+    torch.testing.assert_close(plain._forward(row).log_probs, exact, rtol=0, atol=0)
+    gap = (mixed._forward(row).log_probs.float() - exact).abs().max()
     assert 1e-5 < gap < 0.5, f"bf16 rounds the forward a little ({gap})"
 
 

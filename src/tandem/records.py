@@ -40,12 +40,12 @@ class Rollout:
 @dataclass
 class TrainingSequence:
     """A token sequence built from a rollout's turns: `trained[j]` marks sampled tokens to train on,
-    `logprobs[j]` their sampler log-prob (0.0 for context tokens)."""
+    `behavior_log_probs[j]` their sampler log-prob (0.0 for context tokens)."""
 
     input_ids: list[int]
     trained: list[bool]
-    logprobs: list[float]
-    sampler_top: list[dict[int, float] | None] = field(default_factory=list)
+    behavior_log_probs: list[float]
+    sampler_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     sampling_mask: list[list[int] | None] = field(default_factory=list)
 
 
@@ -75,7 +75,7 @@ class Sample:
 
     input_ids: list[int]
     trained: list[bool]
-    logprobs: list[float]
+    behavior_log_probs: list[float]
     advantage: float
     model_version: int
     group_id: int
@@ -85,7 +85,7 @@ class Sample:
     """How many samples the prompt's group produced: the position is done when all are trained."""
     rollout_id: str
     created_at: float
-    sampler_top: list[dict[int, float] | None] = field(default_factory=list)
+    sampler_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     sampling_mask: list[list[int] | None] = field(default_factory=list)
     reward: float = float("nan")
     """The rollout's total reward (FlashREINFORCE computes advantages from it when the batch is assembled)."""

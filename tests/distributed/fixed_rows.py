@@ -27,7 +27,7 @@ def sample(reference, prompt: list[int], completion: list[int], group: int, roll
     """A sample whose sampler log-probs are the initial model's own."""
     logprobs = policy_logprobs(reference, prompt, completion, "exact").tolist()
     return Sample(input_ids=prompt + completion, trained=[False] * len(prompt) + [True] * len(completion),
-                  logprobs=[0.0] * len(prompt) + logprobs, advantage=reward - 0.5, model_version=0, group_id=group,
+                  behavior_log_probs=[0.0] * len(prompt) + logprobs, advantage=reward - 0.5, model_version=0, group_id=group,
                   position=group, group_samples=2, rollout_id=rollout, created_at=0.0, reward=reward)
 
 

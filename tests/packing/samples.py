@@ -5,9 +5,9 @@ from hypothesis import strategies as st
 from tandem.records import Sample
 
 
-def sample(ids, trained=None, group=0, advantage=1.0, logprobs=None, sampling_mask=None) -> Sample:
+def sample(ids, trained=None, group=0, advantage=1.0, behavior_log_probs=None, sampling_mask=None) -> Sample:
     trained = [bool(t) for t in trained] if trained is not None else [False] + [True] * (len(ids) - 1)
-    return Sample(input_ids=list(ids), trained=trained, logprobs=logprobs or [0.0] * len(ids), advantage=advantage,
+    return Sample(input_ids=list(ids), trained=trained, behavior_log_probs=behavior_log_probs or [0.0] * len(ids), advantage=advantage,
                   model_version=0, group_id=group, position=group, group_samples=1, rollout_id=f"r{group}",
                   created_at=0.0, sampling_mask=sampling_mask or [])
 

@@ -76,9 +76,9 @@ def packed(model, samples, weights, kernel, backward=True):
     with torch.set_grad_enabled(backward):
         out = row_logprobs(model, row, kernel, TEMPERATURE, chunk_size=5)  # small chunks: several per row
     if not backward:
-        return out.logprobs, None
-    (weights * out.logprobs).sum().backward()
-    return out.logprobs.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+        return out.log_probs, None
+    (weights * out.log_probs).sum().backward()
+    return out.log_probs.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def check_exact(reference_models, packed_model, samples, kernel, backward=True):

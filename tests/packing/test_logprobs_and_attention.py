@@ -33,8 +33,8 @@ def test_chunks_give_the_full_log_softmax_and_its_gradients(chunk_size):
     hidden.grad, head.weight.grad = None, None
 
     got = chunked_logprobs(hidden, head, targets, temperature=0.7, chunk_size=chunk_size)
-    got.logprobs.sum().backward()
-    torch.testing.assert_close(got.logprobs, expected, atol=1e-6, rtol=0)
+    got.log_probs.sum().backward()
+    torch.testing.assert_close(got.log_probs, expected, atol=1e-6, rtol=0)
     torch.testing.assert_close(hidden.grad, expected_grads[0], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(head.weight.grad, expected_grads[1], atol=1e-6, rtol=1e-5)
     probs = (head(hidden).float() / 0.7).softmax(-1)
@@ -48,9 +48,9 @@ def test_kept_sets_renormalise_over_what_the_sampler_kept():
     kept = [[3, 4, 5], [0], [7, 8, 9, 10], [1, 29], [2, 3]]
     targets = torch.tensor([k[-1] for k in kept])
     padded = torch.tensor([k + [-1] * (4 - len(k)) for k in kept])
-    got = chunked_logprobs(hidden, head, targets, kept_ids=padded, chunk_size=2)
-    torch.testing.assert_close(got.logprobs, full_logprobs(hidden, head, targets, kept=kept), atol=1e-6, rtol=0)
-    assert got.logprobs[1].item() == 0.0  # a kept set of one token: probability 1
+    got = chunked_logprobs(hidden, head, targets, sampling_mask=padded, chunk_size=2)
+    torch.testing.assert_close(got.log_probs, full_logprobs(hidden, head, targets, kept=kept), atol=1e-6, rtol=0)
+    assert got.log_probs[1].item() == 0.0  # a kept set of one token: probability 1
     assert got.entropy[1].item() == 0.0
 
 
@@ -58,9 +58,9 @@ def test_kept_sets_that_include_token_zero_survive_padding():
     head = torch.nn.Linear(4, 6, bias=False)
     hidden = torch.randn(2, 4)
     padded = torch.tensor([[0, 2, -1], [5, -1, -1]])
-    got = chunked_logprobs(hidden, head, torch.tensor([0, 5]), kept_ids=padded)
+    got = chunked_logprobs(hidden, head, torch.tensor([0, 5]), sampling_mask=padded)
     expected = full_logprobs(hidden, head, torch.tensor([0, 5]), kept=[[0, 2], [5]])
-    torch.testing.assert_close(got.logprobs, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got.log_probs, expected, atol=1e-6, rtol=0)
 
 
 def tiny_config(**overrides) -> Qwen2Config:
@@ -82,7 +82,7 @@ def test_sliding_window_layers_see_only_their_window_in_the_tree():
         logits = reference(input_ids=torch.tensor([s.input_ids + [0] * (16 - s.num_tokens)])).logits[0]
         expected += [logits[j - 1].log_softmax(-1)[s.input_ids[j]] for j in range(1, s.num_tokens)]
     for kernel in ("exact", "sdpa"):
-        got = row_logprobs(model, pack(samples), kernel).logprobs
+        got = row_logprobs(model, pack(samples), kernel).log_probs
         torch.testing.assert_close(got, torch.stack(expected).detach(), atol=1e-5, rtol=0)
 
 
@@ -138,7 +138,7 @@ def test_padded_rows_of_a_hybrid_give_each_samples_own_forward_and_gradients():
     expected.sum().backward()
     expected_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad()
-    got = row_logprobs(model, row, "exact").logprobs
+    got = row_logprobs(model, row, "exact").log_probs
     got.sum().backward()
     torch.testing.assert_close(got, expected.detach(), atol=1e-5, rtol=0)
     for name, p in model.named_parameters():

@@ -72,7 +72,7 @@ def test_a_later_turn_extends_the_earlier_one():
     turn2 = sample([1, 2, 3, 4, 7, 8, 9], [0, 0, 0, 0, 0, 1, 1])
     row = pack([turn1, turn2])
     assert row.input_ids.tolist() == [1, 2, 3, 4, 4, 7, 8, 9]
-    assert row.old_logprobs.numel() == 4
+    assert row.behavior_log_probs.numel() == 4
 
 
 def test_insertion_cost_counts_shared_tokens_once():
@@ -87,11 +87,11 @@ def test_insertion_cost_counts_shared_tokens_once():
 def test_kept_sets_travel_with_their_terms():
     masked = sample([1, 2, 3], sampling_mask=[None, [2, 9], [3]])
     row = pack([masked])
-    assert row.kept_ids.tolist() == [[2, 9], [3, -1]]
-    assert pack([sample([1, 2, 3])]).kept_ids is None
+    assert row.sampling_mask.tolist() == [[2, 9], [3, -1]]
+    assert pack([sample([1, 2, 3])]).sampling_mask is None
 
 
 def test_tensors_have_the_documented_types():
     row = pack([sample([1, 2, 3])])
     assert row.input_ids.dtype == row.predict_index.dtype == torch.long
-    assert row.old_logprobs.dtype == row.advantages.dtype == torch.float32
+    assert row.behavior_log_probs.dtype == row.advantages.dtype == torch.float32

@@ -62,7 +62,7 @@ def test_turns_that_extend_the_held_tokens_make_one_sample():
     [seq], stats = reconcile([first, second])
     assert seq.input_ids == [1, 2, 3, 4, 9, 9, 5]
     assert seq.trained == [False, False, True, True, False, False, True], "tool results are context, never trained"
-    assert seq.logprobs == [0.0, 0.0, -0.1, -0.2, 0.0, 0.0, -0.3]
+    assert seq.behavior_log_probs == [0.0, 0.0, -0.1, -0.2, 0.0, 0.0, -0.3]
     assert (stats.transitions, stats.forks) == (1, 0)
 
 

@@ -152,7 +152,7 @@ def test_a_resume_point_carries_the_queue_and_the_partly_trained_groups_so_no_po
         next_sample(first, 0)
         first.trained([first.take()])
     point = first.resume_point()
-    assert (point.start, point.finished, point.remaining) == (1, [3], {1: 1})
+    assert (point.dataset_start_index, point.finished, point.remaining) == (1, [3], {1: 1})
     assert point.samples == [g1[1]] + g2 and point.received == {1, 2, 3} and point.queued_tokens == 3 * 5
 
     resumed = source_of(("samples", group(4)), ("end", None), resume=point, end=5)
@@ -163,11 +163,11 @@ def test_a_resume_point_carries_the_queue_and_the_partly_trained_groups_so_no_po
 
 def test_a_resume_point_survives_the_checkpoint_files(tmp_path):
     queued = group(2, size=2)
-    queued[0].sampler_top = [{5: -0.1, 7: -2.5}, None]
+    queued[0].sampler_logprobs = [{5: -0.1, 7: -2.5}, None]
     point = ResumePoint(1, finished=[3, 5], remaining={2: 1}, samples=queued)
     checkpoint.save_resume_point(tmp_path, point)
     again = checkpoint.load_resume_point(tmp_path)
-    assert (again.start, again.finished, again.remaining) == (1, [3, 5], {2: 1})
+    assert (again.dataset_start_index, again.finished, again.remaining) == (1, [3, 5], {2: 1})
     assert repr(again.samples) == repr(queued), "every field back as it was (NaN rewards, int token ids included)"
 
 
@@ -187,7 +187,7 @@ def test_a_lost_worker_raises_from_the_read_and_its_replacement_goes_on_from_the
     with pytest.raises(WorkerLost, match="code -9"):
         source.drain()
     point = source.resume_point()
-    assert point.start == 1 and point.received == {1}, "a new worker starts after what the trainer holds"
+    assert point.dataset_start_index == 1 and point.received == {1}, "a new worker starts after what the trainer holds"
 
     asked = []
     new_counters = counters()

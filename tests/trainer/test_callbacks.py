@@ -27,6 +27,12 @@ class Recorder(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         self.events.append(f"step_begin {state.global_step}")
 
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.events.append("pre_optimizer")
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.events.append("optimizer")
+
     def on_step_end(self, args, state, control, **kwargs):
         self.events.append(f"step_end {state.global_step}")
         control.should_log = control.should_save = state.global_step == 3
@@ -56,9 +62,11 @@ def test_callbacks_see_every_event_ask_for_logs_and_saves_and_stop_the_run(tmp_p
     output = trainer.train()
 
     assert output.global_step == trainer.state.global_step == 4, "a stop asked in on_log ends the run at that step"
-    assert recorder.events == ["init_end", "train_begin", "step_begin 0", "step_end 1", "step_begin 1", "step_end 2",
-                               "step_begin 2", "step_end 3", "save 3", "step_begin 3", "step_end 4", "save 4",
-                               "train_end"], "step 3 saved on request, step 4 on schedule and not again at the end"
+    step = ["pre_optimizer", "optimizer"]  # as transformers: the optimizer's events come before the step is counted
+    assert recorder.events == ["init_end", "train_begin", "step_begin 0", *step, "step_end 1", "step_begin 1", *step,
+                               "step_end 2", "step_begin 2", *step, "step_end 3", "save 3", "step_begin 3", *step,
+                               "step_end 4", "save 4", "train_end"], \
+        "step 3 saved on request, step 4 on schedule and not again at the end"
     written = logged(tmp_path)
     as_written = [json.dumps({k: v for k, v in entry.items() if k not in ("step", "time")}, sort_keys=True) for entry in written]
     assert as_written == [json.dumps(logs, sort_keys=True) for logs in recorder.logs], \

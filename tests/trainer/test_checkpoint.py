@@ -56,7 +56,10 @@ def test_a_checkpoint_written_before_the_runtime_reshaping_still_resumes_and_tra
     fixture = tmp_path / "checkpoint-4"
     shutil.copytree(FIXTURES / "lora-checkpoint-4", fixture)
     queued = {sample.position for sample in checkpoint.load_resume_point(fixture).samples}
-    assert len(checkpoint.load_resume_point(fixture).samples) == 16 and queued
+    saved = checkpoint.load_resume_point(fixture).samples
+    assert len(saved) == 16 and queued
+    assert all(s.behavior_log_probs and len(s.behavior_log_probs) == len(s.input_ids) for s in saved), \
+        "the queue's sampler log-probs come back under today's name (saved as 'logprobs')"
     recipe = load_recipe("examples/lora.yaml", ["--max_steps", "6", "--save_steps", "6", "--output_dir",
                                                 str(tmp_path / "run"), "--disable_tqdm", "true"])
     trainer = AsyncGRPOTrainer(recipe.model, accuracy_reward, args=recipe.config, train_dataset=datasets.load(recipe.dataset),
@@ -65,4 +68,4 @@ def test_a_checkpoint_written_before_the_runtime_reshaping_still_resumes_and_tra
     steps = [json.loads(line)["step"] for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert steps[0] == 5 and steps[-1] == 6, steps
     after = checkpoint.load_resume_point(tmp_path / "run" / "checkpoint-6")
-    assert all(p < after.start or p in after.finished for p in queued), "the saved queue was trained first"
+    assert all(p < after.dataset_start_index or p in after.finished for p in queued), "the saved queue was trained first"

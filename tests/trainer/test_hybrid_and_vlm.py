@@ -69,7 +69,7 @@ def test_a_qwen3_5_vision_language_hybrid_trains_its_language_model_on_padded_ro
     assert layout == PADDED and not any(p.requires_grad for p in model.model.visual.parameters())
     ids = list(range(3, 30))
     plain = model(input_ids=torch.tensor([ids])).logits[0, :-1].log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-    padded = row_logprobs(model, pack([sample(ids), sample(ids[:5], group=1)], layout=PADDED), "exact").logprobs
+    padded = row_logprobs(model, pack([sample(ids), sample(ids[:5], group=1)], layout=PADDED), "exact").log_probs
     torch.testing.assert_close(padded[:len(ids) - 1], plain.detach(), atol=1e-5, rtol=0)
 
 

@@ -24,11 +24,11 @@ TOKEN_STATS = {"sampling/sampling_logp_difference/mean", "sampling/sampling_logp
 FLASH_STEP = {"flash/acceptance_rate", "flash/sequence_kl_mean", "flash/sequence_kl_max", "flash/retained_tokens_frac"}
 
 
-def turn(rollout, ids, trained, *, advantage=1.0, reward=0.0, logprobs=None, top=None) -> Sample:
+def turn(rollout, ids, trained, *, advantage=1.0, reward=0.0, behavior_log_probs=None, top=None) -> Sample:
     """A sample of rollout `rollout` (one turn of it, for a multi-turn rollout)."""
-    return Sample(input_ids=list(ids), trained=[bool(t) for t in trained], logprobs=logprobs or [-0.5] * len(ids),
+    return Sample(input_ids=list(ids), trained=[bool(t) for t in trained], behavior_log_probs=behavior_log_probs or [-0.5] * len(ids),
                   advantage=advantage, model_version=0, group_id=0, position=0, group_samples=1, rollout_id=rollout,
-                  created_at=0.0, sampler_top=top or [], reward=reward)
+                  created_at=0.0, sampler_logprobs=top or [], reward=reward)
 
 
 def scored(logprobs, entropy=None, extra=None, aux_loss=None) -> TokenLogprobs:
@@ -46,8 +46,8 @@ def no_scoring():
 # ---- the clipped surrogate and score centering ------------------------------------------------------
 def two_sample_row():
     """Sample 0 trains 3 tokens (A = 1), sample 1 trains 2 (A = -1); sampler log-probs -0.5, -1, -0.25, -2, -0.5."""
-    return pack([turn("a", [1, 2, 3, 4], [0, 1, 1, 1], advantage=1.0, logprobs=[0.0, -0.5, -1.0, -0.25]),
-                 turn("b", [5, 6, 7], [0, 1, 1], advantage=-1.0, logprobs=[0.0, -2.0, -0.5])])
+    return pack([turn("a", [1, 2, 3, 4], [0, 1, 1, 1], advantage=1.0, behavior_log_probs=[0.0, -0.5, -1.0, -0.25]),
+                 turn("b", [5, 6, 7], [0, 1, 1], advantage=-1.0, behavior_log_probs=[0.0, -2.0, -0.5])])
 
 
 RATIOS = [1.1, 0.4, 1.5, 0.7, 0.9]  # in bounds; masked (< C_min); above 1+ε_high with A > 0; below 1-ε_low with A < 0; inside
@@ -55,7 +55,7 @@ RATIOS = [1.1, 0.4, 1.5, 0.7, 0.9]  # in bounds; masked (< C_min); above 1+ε_hi
 
 def test_clipped_surrogate_is_the_masked_clipped_ratio_over_trained_tokens_and_rows():
     row = two_sample_row()
-    old, advantages = row.old_logprobs.double(), row.advantages.double()
+    old, advantages = row.behavior_log_probs.double(), row.advantages.double()
     forward = scored((old + torch.tensor(RATIOS, dtype=F64).log()).tolist())
     result = ClippedSurrogate(BOUNDS, aux_loss_coef=0.1).row_loss(row, forward, LossShare(tokens=5 * 2, rows=2))
     result.loss.backward()
@@ -65,7 +65,7 @@ def test_clipped_surrogate_is_the_masked_clipped_ratio_over_trained_tokens_and_r
     expected = -(in_bounds * torch.minimum(ratio * advantages, clipped * advantages)).sum() / 5 / 2
     assert result.loss.item() == pytest.approx(expected.item(), abs=1e-12)
     # d/dlog π: -r·A where the unclipped term is the minimum, 0 where the clip is active or the token masked
-    assert torch.allclose(forward.logprobs.grad, torch.tensor([-1.1, 0.0, 0.0, 0.0, 0.9], dtype=F64) / 10, atol=1e-12)
+    assert torch.allclose(forward.log_probs.grad, torch.tensor([-1.1, 0.0, 0.0, 0.0, 0.9], dtype=F64) / 10, atol=1e-12)
     assert set(result.metrics) == TOKEN_STATS
     metrics = result.metrics
     assert metrics["sampling/masked_mean"] == [0.0, 1.0, 0.0, 0.0, 0.0]
@@ -78,8 +78,8 @@ def test_clipped_surrogate_is_the_masked_clipped_ratio_over_trained_tokens_and_r
 
 def test_score_centering_subtracts_the_top_k_expectation():
     tops = [None, {1: -0.5, 9: -1.5}, {1: -1.0, 9: -0.7}, {1: -0.25, 9: -9999.0}]  # vLLM's floor: no mass
-    row = pack([turn("a", [1, 2, 3, 4], [0, 1, 1, 1], advantage=2.0, logprobs=[0.0, -0.5, -1.0, -0.25], top=tops)])
-    top_sampler = row.top_sampler_logprobs.double()
+    row = pack([turn("a", [1, 2, 3, 4], [0, 1, 1, 1], advantage=2.0, behavior_log_probs=[0.0, -0.5, -1.0, -0.25], top=tops)])
+    top_sampler = row.sampler_logprobs.double()
     # policy log-probs of the top-K: ratios 1.2 (in), 6.0 (out of [C_min, C_max]); 0.9, 0.6; 1.0, whatever
     top_policy = top_sampler + torch.tensor([[1.2, 6.0], [0.9, 0.6], [1.0, 1.0]], dtype=F64).log()
     top_policy[2, 1] = -3.0
@@ -90,7 +90,7 @@ def test_score_centering_subtracts_the_top_k_expectation():
     kept_top = torch.tensor([[1, 0], [1, 1], [1, 0]], dtype=F64) * top_policy.exp()  # m_v·π(v)
     expected = (-2.0 * (ratio - kept_top.sum(-1))).sum() / 3  # loss_t = -A·(m_t·r_t - Σ_v m_v·π(v))
     assert result.loss.item() == pytest.approx(expected.item(), abs=1e-12)
-    assert torch.allclose(forward.logprobs.grad, -2.0 * ratio / 3, atol=1e-12)
+    assert torch.allclose(forward.log_probs.grad, -2.0 * ratio / 3, atol=1e-12)
     assert torch.allclose(forward.extra.grad, 2.0 * kept_top / 3, atol=1e-12)
     assert set(result.metrics) == TOKEN_STATS | {"sampling/sampler_mass"}
     assert result.metrics["sampling/sampler_mass"] == pytest.approx([math.exp(-0.5) + math.exp(-1.5),
@@ -106,7 +106,7 @@ def test_score_centering_without_the_samplers_top_logprobs_names_the_fix():
 @pytest.mark.parametrize("objective", [ClippedSurrogate, ScoreCentering])
 def test_the_router_loss_is_added_scaled_per_row_and_recorded_unscaled(objective):
     tops = [None, {2: -0.5}, {3: -1.0}]
-    row = pack([turn("a", [1, 2, 3], [0, 1, 1], advantage=0.0, logprobs=[0.0, -0.5, -1.0], top=tops)])
+    row = pack([turn("a", [1, 2, 3], [0, 1, 1], advantage=0.0, behavior_log_probs=[0.0, -0.5, -1.0], top=tops)])
     forward = scored([-0.5, -1.0], extra=[[-0.5], [-1.0]], aux_loss=2.5)
     result = objective(BOUNDS, aux_loss_coef=0.1).row_loss(row, forward, LossShare(tokens=2 * 4, rows=4))
     result.loss.backward()
@@ -137,11 +137,11 @@ def test_make_objective_follows_the_config(tmp_path):
 def test_flash_reinforce_treats_a_multi_turn_rollout_as_one_trajectory_across_rows():
     """Rollout "m" has two turns in two rows (3 + 2 trained tokens), "s" one turn of 1 token. With every
     trajectory admitted, c_t = -(A_i·ρ_t / T_i) / B with A_i = R_i - mean R, T_i the trajectory's tokens."""
-    first = turn("m", [1, 2, 3, 4], [0, 1, 1, 1], reward=1.0, logprobs=[0.0, -0.5, -1.0, -0.25])
-    second = turn("m", [1, 2, 3, 4, 7, 8, 9], [0, 0, 0, 0, 0, 1, 1], reward=1.0, logprobs=[0.0] * 5 + [-0.5, -2.0])
-    rows = [pack([first]), pack([second, turn("s", [5, 6], [0, 1], reward=0.0, logprobs=[0.0, -0.75])])]
+    first = turn("m", [1, 2, 3, 4], [0, 1, 1, 1], reward=1.0, behavior_log_probs=[0.0, -0.5, -1.0, -0.25])
+    second = turn("m", [1, 2, 3, 4, 7, 8, 9], [0, 0, 0, 0, 0, 1, 1], reward=1.0, behavior_log_probs=[0.0] * 5 + [-0.5, -2.0])
+    rows = [pack([first]), pack([second, turn("s", [5, 6], [0, 1], reward=0.0, behavior_log_probs=[0.0, -0.75])])]
     ratios = {id(rows[0]): [1.1, 0.9, 1.0], id(rows[1]): [1.2, 0.8, 1.05]}
-    forwards = {id(r): scored((r.old_logprobs.double() + torch.tensor(ratios[id(r)], dtype=F64).log()).tolist()) for r in rows}
+    forwards = {id(r): scored((r.behavior_log_probs.double() + torch.tensor(ratios[id(r)], dtype=F64).log()).tolist()) for r in rows}
     objective = FlashReinforce(delta=float("inf"), negative_token_fraction=1.0)
     records = objective.begin_step(rows, lambda: [forwards[id(row)] for row in rows])
     assert set(records) == FLASH_STEP and records["flash/acceptance_rate"] == [1.0]
@@ -152,7 +152,7 @@ def test_flash_reinforce_treats_a_multi_turn_rollout_as_one_trajectory_across_ro
         forward = forwards[id(row)]
         result = objective.row_loss(row, forward, LossShare.of(rows, 1))
         result.loss.backward()
-        assert torch.allclose(forward.logprobs.grad, torch.tensor(expected[id(row)], dtype=F64), atol=1e-12)
+        assert torch.allclose(forward.log_probs.grad, torch.tensor(expected[id(row)], dtype=F64), atol=1e-12)
         assert set(result.metrics) == TOKEN_STATS
         assert result.metrics["sampling/masked_mean"] == [0.0] * row.num_trained, "FlashREINFORCE masks nothing"
         assert result.metrics["clip_ratio/region_mean"] == [0.0] * row.num_trained, "and clips nothing"
@@ -178,7 +178,7 @@ def random_step(seed: int) -> list:
             trained = [False] * prompt + [rng.random() < 0.8 for _ in range(len(conversation) - prompt)]
             trained[-1] = True
             logprobs = [-rng.uniform(0.05, 3.0) for _ in conversation]
-            rows[rng.randrange(3)].append(turn(f"r{rollout}", conversation, trained, reward=reward, logprobs=logprobs))
+            rows[rng.randrange(3)].append(turn(f"r{rollout}", conversation, trained, reward=reward, behavior_log_probs=logprobs))
     return [pack(samples) for samples in rows if samples]
 
 
@@ -198,7 +198,7 @@ def reference_coefficients(rows, forwards, delta, fraction):
     mask, filled, places = torch.zeros(len(trajectories), width, dtype=torch.bool), [0] * len(trajectories), []
     for i, r, t in terms:
         j, filled[i] = filled[i], filled[i] + 1
-        current[i, j], behavior[i, j] = forwards[r].logprobs[t].item(), rows[r].old_logprobs[t].item()
+        current[i, j], behavior[i, j] = forwards[r].log_probs[t].item(), rows[r].behavior_log_probs[t].item()
         entropies[i, j], mask[i, j] = forwards[r].entropy[t].item(), True
         places.append((i, j))
     current.requires_grad_(True)
@@ -214,13 +214,13 @@ def reference_coefficients(rows, forwards, delta, fraction):
 def test_flash_reinforce_coefficients_equal_the_token_by_token_rearrangement(seed):
     rows = random_step(seed)
     generator = torch.Generator().manual_seed(seed)
-    forwards = [TokenLogprobs((row.old_logprobs + 0.3 * torch.randn(row.num_trained, generator=generator)).clamp(max=0.0),
+    forwards = [TokenLogprobs((row.behavior_log_probs + 0.3 * torch.randn(row.num_trained, generator=generator)).clamp(max=0.0),
                               torch.rand(row.num_trained, generator=generator)) for row in rows]
     delta, fraction = 0.02, 0.5  # some trajectories rejected; failed ones keep their highest-entropy half
     objective = FlashReinforce(delta, fraction)
     records = objective.begin_step(rows, lambda: forwards)
     assert 0.0 < records["flash/acceptance_rate"][0] < 1.0
     for row, forward, reference in zip(rows, forwards, reference_coefficients(rows, forwards, delta, fraction)):
-        logprobs = forward.logprobs.clone().requires_grad_(True)
+        logprobs = forward.log_probs.clone().requires_grad_(True)
         objective.row_loss(row, TokenLogprobs(logprobs, forward.entropy), LossShare.of(rows, 1)).loss.backward()
         assert torch.equal(logprobs.grad, reference)

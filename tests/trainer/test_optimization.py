@@ -34,7 +34,7 @@ def on_policy_sample(model, prompt, completion, group, advantage):
     """A sample whose sampler log-probs are the model's own (ratio 1: nothing masked or clipped)."""
     logprobs = policy_logprobs(model, prompt, completion, "exact").tolist()
     return sample(prompt + completion, [0] * len(prompt) + [1] * len(completion), group=group, advantage=advantage,
-                  logprobs=[0.0] * len(prompt) + logprobs)
+                  behavior_log_probs=[0.0] * len(prompt) + logprobs)
 
 
 def test_max_grad_norm_zero_means_no_clipping_and_accumulation_equals_the_full_batch(tmp_path):

@@ -128,6 +128,19 @@ class EngineStats:
     """Tokens whose KV the prefix cache holds now."""
 
 
+def caches_for(model: torch.nn.Module, max_model_len: int, exact: bool, prefix_tokens: int | None):
+    """The slot KV cache, or each sequence's state for a model with recurrent layers; and the prefix cache of up to
+    `prefix_tokens` tokens (None: off, and always off with recurrent layers: no cached block holds their state)."""
+    scanning = architecture.scanning_layers(model)
+    if not scanning:
+        return kv_cache_for(model, max_model_len), PrefixCache(prefix_tokens) if prefix_tokens is not None else None
+    if prefix_tokens is not None:
+        logger.warning("tandem serve: %s carry state across tokens, which no cached block of keys and values holds: "
+                       "prefix caching is off, and each sequence decodes on its own, %s", ", ".join(scanning),
+                       "forwarded whole every step (exact mode)" if exact else "through transformers' own cache")
+    return SequenceStates(reforward=exact), None
+
+
 class Engine:
     """Continuous batching over one model: requests are submitted from any thread, one engine thread runs the steps."""
 
@@ -154,16 +167,8 @@ class Engine:
         config = model.config.get_text_config()
         self.vocab_size = config.vocab_size
         self.device = next(model.parameters()).device
-        scanning = architecture.scanning_layers(model)
-        self.cache = SequenceStates(reforward=exact) if scanning else kv_cache_for(model, max_model_len)
-        if scanning and prefix_caching:
-            logger.warning("tandem serve: %s carry state across tokens, which no cached block of keys and values holds: "
-                           "prefix caching is off, and each sequence decodes on its own, %s", ", ".join(scanning),
-                           "forwarded whole every step (exact mode)" if exact else "through transformers' own cache")
         bound = max_num_seqs * max_model_len if prefix_cache_max_tokens is None else prefix_cache_max_tokens
-        self.prefix_cache = PrefixCache(bound) if prefix_caching and not scanning else None
-        """None when off (or for a model with recurrent layers); by default it may hold as many tokens as the slot cache
-        (--max-num-seqs x --max-model-len)."""
+        self.cache, self.prefix_cache = caches_for(model, max_model_len, exact, bound if prefix_caching else None)
         self.layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
         self.sliding_window = getattr(config, "sliding_window", None)
 

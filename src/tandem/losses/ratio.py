@@ -26,11 +26,11 @@ class TokenStats:
     high_clipped: torch.Tensor
 
 
-def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, *,
+def importance_ratio(log_probs: torch.Tensor, behavior_log_probs: torch.Tensor, advantages: torch.Tensor, *,
                      epsilon_low: float, epsilon_high: float, clip_min: float,
                      clip_max: float) -> tuple[torch.Tensor, TokenStats]:
-    """The per-token ratio (differentiable through `logprobs`) and its detached statistics."""
-    ratio = torch.exp(logprobs - old_logprobs)
+    """The per-token ratio (differentiable through `log_probs`) and its detached statistics."""
+    ratio = torch.exp(log_probs - behavior_log_probs)
     detached = ratio.detach()
     stats = TokenStats(ratio=detached, in_bounds=(detached >= clip_min) & (detached <= clip_max),
                        low_clipped=(detached < 1 - epsilon_low) & (advantages < 0),

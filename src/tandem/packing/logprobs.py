@@ -22,14 +22,14 @@ CHUNK_SIZE = 1024
 
 @dataclass
 class TokenLogprobs:
-    logprobs: torch.Tensor  # [N] log π_θ(target), differentiable
+    log_probs: torch.Tensor  # [N] log π_θ(target), differentiable
     entropy: torch.Tensor   # [N] entropy of the (renormalised) distribution, detached
     extra: torch.Tensor | None = None  # [N, K] log-probs of `extra_ids` (the sampler's top-K), differentiable
     aux_loss: torch.Tensor | None = None  # MoE router load-balancing loss of the row (unscaled), differentiable
 
 
 def chunked_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float = 1.0,
-                     kept_ids: torch.Tensor | None = None, softcap: float | None = None,
+                     sampling_mask: torch.Tensor | None = None, softcap: float | None = None,
                      chunk_size: int = CHUNK_SIZE, extra_ids: torch.Tensor | None = None) -> TokenLogprobs:
     """log softmax(head(hidden) / temperature)[target] for each of the N rows of `hidden` ([N, H]), and at
     `extra_ids` ([N, K]) when given."""
@@ -37,7 +37,7 @@ def chunked_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch
     recompute = torch.is_grad_enabled()
     for start in range(0, hidden.shape[0], chunk_size):
         part = slice(start, start + chunk_size)
-        kept = kept_ids[part] if kept_ids is not None else None
+        kept = sampling_mask[part] if sampling_mask is not None else None
         more = extra_ids[part] if extra_ids is not None else None
         args = (head, hidden[part], targets[part], temperature, kept, softcap, more)
         lp, ent, ex = checkpoint(_chunk, *args, use_reentrant=False) if recompute else _chunk(*args)
@@ -86,8 +86,8 @@ def row_logprobs(model: torch.nn.Module, row: PackedRow, kernel: str, temperatur
     out = decoder_output(model, {"output_router_logits": True} if moe else {}, input_ids=input_ids.to(device),
                          use_cache=False, **inputs, **router)
     hidden = out.last_hidden_state[:, :width].flatten(0, 1)[row.predict_index.to(device)]
-    kept = row.kept_ids.to(device) if row.kept_ids is not None else None
-    top = row.top_ids.to(device) if row.top_ids is not None else None
+    kept = row.sampling_mask.to(device) if row.sampling_mask is not None else None
+    top = row.sampler_ids.to(device) if row.sampler_ids is not None else None
     scored = chunked_logprobs(hidden, model.get_output_embeddings(), row.targets.to(device), temperature, kept,
                               _softcap(model), chunk_size, extra_ids=top)
     if moe:

@@ -51,12 +51,12 @@ class PackedRow:
     end: torch.Tensor             # [T] last packed index of each token's segment subtree
     predict_index: torch.Tensor   # [N] packed index whose output predicts term n
     targets: torch.Tensor         # [N]
-    old_logprobs: torch.Tensor    # [N] sampler log-probs
+    behavior_log_probs: torch.Tensor  # [N] the sampler's log-probs of the targets
     advantages: torch.Tensor      # [N]
     term_sample: torch.Tensor     # [N] which sample of the row term n belongs to
-    kept_ids: torch.Tensor | None  # [N, K] the sampler's kept token ids per term (-1 pads), when it truncated
-    top_ids: torch.Tensor | None   # [N, K] the sampler's most likely tokens at each term's position (0 pads)
-    top_sampler_logprobs: torch.Tensor | None  # [N, K] their sampler log-probs (-inf pads)
+    sampling_mask: torch.Tensor | None  # [N, K] the sampler's kept token ids per term (-1 pads), when it truncated
+    sampler_ids: torch.Tensor | None  # [N, K] the sampler's most likely tokens at each term's position (0 pads)
+    sampler_logprobs: torch.Tensor | None  # [N, K] their sampler log-probs (-inf pads)
     samples: list[Sample]
     raw_tokens: int
     """Tokens before packing (each sample's full length)."""
@@ -142,23 +142,23 @@ class TrieRow:
     def pack(self) -> PackedRow:
         """Lay the row out (the trie depth-first, or the samples padded side by side) and gather every sample's loss terms."""
         ids, positions, ends = self._lay_out_padded() if self.layout == PADDED else self._lay_out_tree()
-        predict, targets, old, adv, owner, kept, top = [], [], [], [], [], [], []
+        predict, targets, behavior, adv, owner, kept, top = [], [], [], [], [], [], []
         for s, (sample, path) in enumerate(zip(self.samples, self.paths)):
             for j in range(1, sample.num_tokens):
                 if sample.trained[j]:
                     predict.append(path[j - 1].index)
                     targets.append(sample.input_ids[j])
-                    old.append(sample.logprobs[j])
+                    behavior.append(sample.behavior_log_probs[j])
                     adv.append(sample.advantage)
                     owner.append(s)
                     kept.append(sample.sampling_mask[j] if sample.sampling_mask else None)
-                    top.append(sample.sampler_top[j] if sample.sampler_top else None)
+                    top.append(sample.sampler_logprobs[j] if sample.sampler_logprobs else None)
         return PackedRow(
             input_ids=torch.tensor(ids, dtype=torch.long), position_ids=torch.tensor(positions, dtype=torch.long),
             end=torch.tensor(ends, dtype=torch.long), predict_index=torch.tensor(predict, dtype=torch.long),
-            targets=torch.tensor(targets, dtype=torch.long), old_logprobs=torch.tensor(old, dtype=torch.float32),
+            targets=torch.tensor(targets, dtype=torch.long), behavior_log_probs=torch.tensor(behavior, dtype=torch.float32),
             advantages=torch.tensor(adv, dtype=torch.float32), term_sample=torch.tensor(owner, dtype=torch.long),
-            kept_ids=_pad_kept(kept), **_pad_top(top), samples=list(self.samples), raw_tokens=sum(s.num_tokens for s in self.samples),
+            sampling_mask=_pad_kept(kept), **_pad_top(top), samples=list(self.samples), raw_tokens=sum(s.num_tokens for s in self.samples),
             load=self.load, layout=self.layout,
         )
 
@@ -213,14 +213,14 @@ def _pad_kept(kept: list[list[int] | None]) -> torch.Tensor | None:
 def _pad_top(top: list[dict[int, float] | None]) -> dict:
     """Per-term sampler top-K as [N, K] ids (0 pads) and log-probs (-inf pads); None when no term has them."""
     if not any(t is not None for t in top):
-        return {"top_ids": None, "top_sampler_logprobs": None}
+        return {"sampler_ids": None, "sampler_logprobs": None}
     if not all(t is not None for t in top):
         raise ValueError("some trained tokens have the sampler's top log-probs and others do not: score centering needs "
                          "them at every sampled position (request logprobs=num_sampler_logprobs in every turn)")
     width = max(len(t) for t in top)
     ids = [list(t) + [0] * (width - len(t)) for t in top]
     logprobs = [list(t.values()) + [float("-inf")] * (width - len(t)) for t in top]
-    return {"top_ids": torch.tensor(ids, dtype=torch.long), "top_sampler_logprobs": torch.tensor(logprobs, dtype=torch.float32)}
+    return {"sampler_ids": torch.tensor(ids, dtype=torch.long), "sampler_logprobs": torch.tensor(logprobs, dtype=torch.float32)}
 
 
 _CLOSE = object()

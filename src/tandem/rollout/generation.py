@@ -97,7 +97,7 @@ class Generation:
             )
         self.generated_tokens += sum(len(x.token_ids) for x in completions)
         return [TurnRecord(prompt_ids=list(prompt_ids), output_ids=x.token_ids, output_log_probs=x.logprobs,
-                           output_sampler_logprobs=sampler_top(x.top_logprobs, self.top_logprobs),
+                           output_sampler_logprobs=top_entries(x.top_logprobs, self.top_logprobs),
                            output_sampling_mask=x.sampling_mask, finish_reason=x.finish_reason) for x in completions]
 
     def _served_model(self) -> str:
@@ -264,7 +264,7 @@ class Generation:
         )
 
 
-def sampler_top(entries: list[dict[int, float]] | None, k: int) -> list[dict[int, float]] | None:
+def top_entries(entries: list[dict[int, float]] | None, k: int) -> list[dict[int, float]] | None:
     """The sampler's top-k {token: log-prob} at each position. The server lists the sampled token first, then the
     top-k, merged: k + 1 entries mean the sampled token is not among the top k, so it is dropped."""
     if not k or entries is None:

@@ -31,22 +31,23 @@ def reconcile(turns: list[TurnRecord]) -> tuple[list[TrainingSequence], Reconcil
                 sequences.append(held)
                 held = None
         if held is None:
-            held = TrainingSequence(input_ids=[], trained=[], logprobs=[])
+            held = TrainingSequence(input_ids=[], trained=[], behavior_log_probs=[])
             _extend(held, turn.prompt_ids, trained=None)
         mask = turn.output_mask if turn.output_mask is not None else [1] * len(turn.output_ids)
-        _extend(held, turn.output_ids, trained=mask, logprobs=turn.output_log_probs,
-                sampler_top=turn.output_sampler_logprobs, sampling_mask=turn.output_sampling_mask)
+        _extend(held, turn.output_ids, trained=mask, behavior_log_probs=turn.output_log_probs,
+                sampler_logprobs=turn.output_sampler_logprobs, sampling_mask=turn.output_sampling_mask)
     if held is not None:
         sequences.append(held)
     return [s for s in sequences if any(s.trained)], stats
 
 
-def _extend(seq: TrainingSequence, ids: list[int], trained, logprobs=None, sampler_top=None, sampling_mask=None) -> None:
+def _extend(seq: TrainingSequence, ids: list[int], trained, behavior_log_probs=None, sampler_logprobs=None,
+            sampling_mask=None) -> None:
     n = len(ids)
     seq.input_ids += list(ids)
     seq.trained += [bool(t) for t in trained] if trained is not None else [False] * n
-    seq.logprobs += list(logprobs) if logprobs else [0.0] * n
-    seq.sampler_top += list(sampler_top) if sampler_top else [None] * n
+    seq.behavior_log_probs += list(behavior_log_probs) if behavior_log_probs else [0.0] * n
+    seq.sampler_logprobs += list(sampler_logprobs) if sampler_logprobs else [None] * n
     seq.sampling_mask += list(sampling_mask) if sampling_mask else [None] * n
 
 

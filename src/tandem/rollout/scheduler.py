@@ -350,10 +350,10 @@ class RolloutScheduler:
     def _samples(group: RolloutGroup, rollouts: list[Rollout], advantages: np.ndarray, position: int) -> list[Sample]:
         """The group's training samples: each rollout's sequences, with the rollout's advantage and reward."""
         group_samples = sum(len(seqs) for seqs in group.completions_sequences)
-        return [Sample(input_ids=s.input_ids, trained=s.trained, logprobs=s.logprobs, advantage=float(a),
+        return [Sample(input_ids=s.input_ids, trained=s.trained, behavior_log_probs=s.behavior_log_probs, advantage=float(a),
                        model_version=group.model_version, group_id=group.group_id, position=position,
                        group_samples=group_samples, rollout_id=rollout.rollout_id, created_at=time.time(),
-                       sampler_top=s.sampler_top, sampling_mask=s.sampling_mask, reward=float(r))
+                       sampler_logprobs=s.sampler_logprobs, sampling_mask=s.sampling_mask, reward=float(r))
                 for rollout, seqs, a, r in zip(rollouts, group.completions_sequences, advantages, group.rewards)
                 for s in seqs]
 

@@ -435,7 +435,7 @@ class Runtime:
         worker = self._start_worker(point)
         worker.channels.tokens_per_step.value = tokens_per_step
         self.source.replace_worker(worker, worker.channels)
-        self.session.progress.say(f"{lost}. Restarted it from prompt position {point.start}, leaving out the "
+        self.session.progress.say(f"{lost}. Restarted it from prompt position {point.dataset_start_index}, leaving out the "
                                   f"{len(point.received)} positions past it already received; a second loss stops the run.")
 
     def _worker_spec(self, point: ResumePoint) -> WorkerSpec:
@@ -448,7 +448,7 @@ class Runtime:
             config=args, model_name=self.served_name, tokenizer_path=str(tokenizer_path), dataset=spec.dataset,
             reward_funcs=spec.reward_funcs, eos_token_ids=spec.eos_token_ids, base_url=self.served_url,
             tools=spec.tools, environment_factory=spec.environment_factory, api_key=args.vllm_server_api_key,
-            dataset_start_index=point.start, received=point.received, queued_tokens=point.queued_tokens,
+            dataset_start_index=point.dataset_start_index, received=point.received, queued_tokens=point.queued_tokens,
             full_step_tokens=self.token_budget * args.gradient_accumulation_steps, num_positions=self._num_positions(),
             eval_dataset=spec.eval_dataset, max_model_len=self.max_model_len, adapter_name=ADAPTER_NAME if isinstance(self.sync_strategy, LoraSync) else None)
         return WorkerSpec(loop_cls=spec.loop_cls or AsyncRolloutLoop, settings=settings)

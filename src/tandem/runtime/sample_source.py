@@ -78,10 +78,10 @@ class ResumePoint:
     """Where a worker starts so that nothing is trained twice or lost: the watermark, and what the trainer already
     holds beyond it. Saved with each checkpoint (a resumed run) and handed to a restarted worker."""
 
-    start: int
-    """The first unfinished prompt position (the ledger's watermark)."""
+    dataset_start_index: int
+    """The first unfinished prompt position (the ledger's watermark), where the new worker's stream starts."""
     finished: list[int] = field(default_factory=list)
-    """Positions past `start` that are finished (trained, dropped or skipped)."""
+    """Positions past `dataset_start_index` that are finished (trained, dropped or skipped)."""
     remaining: dict[int, int] = field(default_factory=dict)
     """Groups partly trained: their samples not yet in a row, by position."""
     samples: list[Sample] = field(default_factory=list)
@@ -89,7 +89,7 @@ class ResumePoint:
 
     @property
     def received(self) -> frozenset[int]:
-        """Positions past `start` the worker must not generate again."""
+        """Positions past `dataset_start_index` the worker must not generate again."""
         return frozenset(self.finished) | self.remaining.keys() | {s.position for s in self.samples}
 
     @property
@@ -142,7 +142,7 @@ class SampleSource:
                  say=lambda text: print(f"tandem: {text}", file=sys.stderr)):
         self.inbox, self.counters, self.window = inbox, counters, window
         self.worker_metrics = MetricWindow()
-        self.ledger = PositionLedger(resume.start, resume.finished, resume.remaining)
+        self.ledger = PositionLedger(resume.dataset_start_index, resume.finished, resume.remaining)
         self.max_staleness, self.token_budget = max_staleness, token_budget
         self.end_position = end_position
         """Where the run's prompt positions end (None: an endless stream, max_steps decides)."""

@@ -56,13 +56,13 @@ def policy_logprobs(model: torch.nn.Module, prompt_ids: list[int], completion_id
     `layout`, no dropout (every rank of a sharded model runs it)."""
     ids = list(prompt_ids) + list(completion_ids)
     sample = Sample(input_ids=ids, trained=[False] * len(prompt_ids) + [True] * len(completion_ids),
-                    logprobs=[0.0] * len(ids), advantage=0.0, model_version=0, group_id=0, position=0,
+                    behavior_log_probs=[0.0] * len(ids), advantage=0.0, model_version=0, group_id=0, position=0,
                     group_samples=1, rollout_id="sync-check", created_at=0.0)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            return row_logprobs(model, pack([sample], layout=layout), kernel).logprobs.double().cpu()
+            return row_logprobs(model, pack([sample], layout=layout), kernel).log_probs.double().cpu()
     finally:
         model.train(was_training)
 

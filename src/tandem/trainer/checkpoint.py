@@ -113,16 +113,21 @@ def base_model_name(model) -> str:
 
 def save_resume_point(folder: Path, point: ResumePoint) -> None:
     (folder / "rollout_state.json").write_text(json.dumps({
-        "dataset_start_index": point.start, "finished": point.finished,
+        "dataset_start_index": point.dataset_start_index, "finished": point.finished,
         "remaining": {str(position): left for position, left in point.remaining.items()}}, indent=2))
     torch.save([asdict(sample) for sample in point.samples], folder / "rollout_queue.pt")
+
+
+RENAMED_SAMPLE_FIELDS = {"logprobs": "behavior_log_probs", "sampler_top": "sampler_logprobs"}
+"""Sample fields as a queue saved before one name per concept spelled them (tandem 0.x checkpoints up to the reshaping)."""
 
 
 def load_resume_point(folder: Path) -> ResumePoint:
     """Where the checkpoint's prompt stream goes on (a checkpoint written before the queue was saved: its watermark)."""
     rollout = json.loads((folder / "rollout_state.json").read_text())
     queue = folder / "rollout_queue.pt"
-    samples = [Sample(**fields) for fields in torch.load(queue, weights_only=True)] if queue.is_file() else []
+    saved = torch.load(queue, weights_only=True) if queue.is_file() else []
+    samples = [Sample(**{RENAMED_SAMPLE_FIELDS.get(name, name): value for name, value in fields.items()}) for fields in saved]
     return ResumePoint(rollout["dataset_start_index"], rollout.get("finished", []),
                        {int(position): left for position, left in rollout.get("remaining", {}).items()}, samples)
 

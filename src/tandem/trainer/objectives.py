@@ -71,36 +71,36 @@ class ClippedSurrogate(Objective):
         self.bounds = bounds  # epsilon_low, epsilon_high, clip_min, clip_max
         self.aux_loss_coef = aux_loss_coef
 
-    def token_losses(self, row: PackedRow, scored: TokenLogprobs, old: torch.Tensor,
+    def token_losses(self, row: PackedRow, scored: TokenLogprobs, behavior: torch.Tensor,
                      advantages: torch.Tensor) -> tuple[torch.Tensor, TokenStats, dict[str, list]]:
         """Per-token losses, their statistics and any objective-specific records."""
-        losses, stats = clipped_surrogate(scored.logprobs, old, advantages, **self.bounds)
+        losses, stats = clipped_surrogate(scored.log_probs, behavior, advantages, **self.bounds)
         return losses, stats, {}
 
     def row_loss(self, row: PackedRow, scored: TokenLogprobs, share: LossShare) -> RowLoss:
-        device = scored.logprobs.device
-        old, advantages = row.old_logprobs.to(device), row.advantages.to(device)
-        losses, stats, metrics = self.token_losses(row, scored, old, advantages)
+        device = scored.log_probs.device
+        behavior, advantages = row.behavior_log_probs.to(device), row.advantages.to(device)
+        losses, stats, metrics = self.token_losses(row, scored, behavior, advantages)
         # Normalised by the trained tokens of the micro-batch, then averaged over the accumulated micro-batches.
         loss = losses.sum() / share.tokens
         if scored.aux_loss is not None:  # MoE: the router's load-balancing loss, with the model's coefficient by default
             metrics["aux_loss"] = [float(scored.aux_loss.detach())]
             loss = loss + self.aux_loss_coef * scored.aux_loss / share.rows
-        return RowLoss(loss, metrics | token_stats(row, scored.logprobs.detach(), old, scored.entropy, stats))
+        return RowLoss(loss, metrics | token_stats(row, scored.log_probs.detach(), behavior, scored.entropy, stats))
 
 
 class ScoreCentering(ClippedSurrogate):
     """Score centering (losses/score_centering.py): the surrogate's normalisation, aux loss and statistics,
     with the importance-weighted score centred over the sampler's top `num_sampler_logprobs` tokens."""
 
-    def token_losses(self, row: PackedRow, scored: TokenLogprobs, old: torch.Tensor,
+    def token_losses(self, row: PackedRow, scored: TokenLogprobs, behavior: torch.Tensor,
                      advantages: torch.Tensor) -> tuple[torch.Tensor, TokenStats, dict[str, list]]:
-        if row.top_ids is None:
+        if row.sampler_ids is None:
             raise UsageError("score_centering=True needs the sampler's top log-probs of every sampled token, and these "
                              "samples have none: a custom generate_one/generate_one_turn must request "
                              "logprobs=num_sampler_logprobs (or set score_centering=False)")
-        top_sampler = row.top_sampler_logprobs.to(old.device)
-        losses, stats, mass = score_centered(scored.logprobs, old, advantages, scored.extra, top_sampler, **self.bounds)
+        sampler_logprobs = row.sampler_logprobs.to(behavior.device)
+        losses, stats, mass = score_centered(scored.log_probs, behavior, advantages, scored.extra, sampler_logprobs, **self.bounds)
         return losses, stats, {"sampling/sampler_mass": mass.tolist()}
 
 
@@ -118,10 +118,10 @@ class FlashReinforce(Objective):
 
     def begin_step(self, rows: list[PackedRow], score: Callable[[], list[TokenLogprobs]]) -> dict[str, list]:
         scored = score()
-        device = scored[0].logprobs.device
+        device = scored[0].log_probs.device
         layout = TrajectoryLayout.of(rows, device)
-        current = layout.scatter(torch.cat([s.logprobs for s in scored])).requires_grad_(True)
-        behavior = layout.scatter(torch.cat([row.old_logprobs for row in rows]).to(device))
+        current = layout.scatter(torch.cat([s.log_probs for s in scored])).requires_grad_(True)
+        behavior = layout.scatter(torch.cat([row.behavior_log_probs for row in rows]).to(device))
         entropies = layout.scatter(torch.cat([s.entropy for s in scored]))
         rewards = layout.rewards.to(current.dtype)
         loss, diagnostics = flash_reinforce_loss(
@@ -138,11 +138,11 @@ class FlashReinforce(Objective):
     def row_loss(self, row: PackedRow, scored: TokenLogprobs, share: LossShare) -> RowLoss:
         if id(row) not in self.coefficients:
             raise RuntimeError("FlashReinforce.row_loss: this row was not among the rows passed to begin_step")
-        logprobs = scored.logprobs
-        loss = (self.coefficients.pop(id(row)) * logprobs).sum()
-        old = row.old_logprobs.to(logprobs.device)
-        _, stats = importance_ratio(logprobs.detach(), old, row.advantages.to(logprobs.device), **UNBOUNDED)
-        return RowLoss(loss, token_stats(row, logprobs.detach(), old, scored.entropy, stats))
+        log_probs = scored.log_probs
+        loss = (self.coefficients.pop(id(row)) * log_probs).sum()
+        behavior = row.behavior_log_probs.to(log_probs.device)
+        _, stats = importance_ratio(log_probs.detach(), behavior, row.advantages.to(log_probs.device), **UNBOUNDED)
+        return RowLoss(loss, token_stats(row, log_probs.detach(), behavior, scored.entropy, stats))
 
 
 def make_objective(args: AsyncGRPOConfig, aux_loss_coef: float) -> Objective:
@@ -154,10 +154,10 @@ def make_objective(args: AsyncGRPOConfig, aux_loss_coef: float) -> Objective:
     return (ScoreCentering if args.score_centering else ClippedSurrogate)(bounds, aux_loss_coef)
 
 
-def token_stats(row: PackedRow, logprobs: torch.Tensor, old: torch.Tensor, entropy: torch.Tensor,
+def token_stats(row: PackedRow, log_probs: torch.Tensor, behavior: torch.Tensor, entropy: torch.Tensor,
                 stats: TokenStats) -> dict[str, list]:
     """The loss and sampling diagnostics over a row's trained tokens (reference/metrics.md)."""
-    diff = (logprobs - old).abs()
+    diff = (log_probs - behavior).abs()
     low, high = stats.low_clipped.float().cpu(), stats.high_clipped.float().cpu()
     return {
         "sampling/sampling_logp_difference/mean": diff.tolist(),

@@ -242,21 +242,13 @@ class AsyncGRPOTrainer:
             self._callback_event("on_step_begin")
             step_start = self._clock()
             step = self.training_step(micro_batches)
+            self._callback_event("on_pre_optimizer_step")  # the step's gradients are whole
             optimizer_start = self._clock()
             grad_norm = self.optimizer_step()
             optimizer_s, forward_backward_s = self._clock() - optimizer_start, optimizer_start - step_start
+            self._callback_event("on_optimizer_step")
             self._step_done(rows, runtime)
-            eval_pending, eval_s = eval_pending or self._eval_due(), 0.0
-            if state.step % args.weight_sync_steps == 0 and not runtime.preempted_everywhere():  # a preempted run
-                try:  # checkpoints first: its server may be ending too (a SIGTERM to the whole job)
-                    runtime.sync(state.model_version + 1)
-                    state.model_version += 1
-                except Exception:
-                    if not runtime.preempted.is_set():
-                        raise  # a SIGTERM during the sync: the server went with it; the trained step is still saved
-                if eval_pending and main:
-                    eval_s = self._evaluate(runtime).get("eval/runtime_s", 0.0)
-                eval_pending = False
+            eval_pending, eval_s = self._sync(runtime, eval_pending or self._eval_due())
             if main:
                 runtime.publish(tokens_per_step=sum(row.raw_tokens for row in rows))  # after the sync (sample_source.py)
                 times = StepTimes(total=time.perf_counter() - start - eval_s, rollout_wait=runtime.rollout_wait_s - waited,
@@ -279,6 +271,21 @@ class AsyncGRPOTrainer:
         if (args.save_strategy != "no" or runtime.preempted.is_set()) and state.step > 0 and saved_step != state.step:
             self._checkpoint(runtime)
         return TrainOutput(state.step, sum(self.losses) / len(self.losses) if self.losses else 0.0, metrics)
+
+    def _sync(self, runtime: Runtime, eval_pending: bool) -> tuple[bool, float]:
+        """Every weight_sync_steps steps: the server gets the new weights as the next policy version, then a pending
+        evaluation runs under them. Returns whether an evaluation is still pending, and the seconds it took."""
+        state = self.state
+        if state.step % self.args.weight_sync_steps or runtime.preempted_everywhere():  # a preempted run checkpoints
+            return eval_pending, 0.0  # first: its server may be ending too (a SIGTERM to the whole job)
+        try:
+            runtime.sync(state.model_version + 1)
+            state.model_version += 1
+        except Exception:
+            if not runtime.preempted.is_set():
+                raise  # a SIGTERM during the sync: the server went with it; the trained step is still saved
+        eval_s = self._evaluate(runtime).get("eval/runtime_s", 0.0) if eval_pending and self.ranks.main else 0.0
+        return False, eval_s
 
     def _my_rows(self, micro_batch: list[PackedRow]) -> list[tuple[PackedRow, bool]]:
         """(row, real) pairs this rank forwards: all rows on one process, row `rank` under torchrun, or the first row
@@ -430,7 +437,7 @@ class AsyncGRPOTrainer:
         mine = [self._score(row) for micro_batch in micro_batches for row, _ in self._my_rows(micro_batch)]
         if not self.ranks.several:
             return mine
-        exchanged = self.ranks.all_gather([(s.logprobs.cpu(), s.entropy.cpu()) for s in mine])
+        exchanged = self.ranks.all_gather([(s.log_probs.cpu(), s.entropy.cpu()) for s in mine])
         return [TokenLogprobs(*(t.to(self.device) for t in exchanged[rank][index]))
                 for index, micro_batch in enumerate(micro_batches) for rank in range(len(micro_batch))]
 
