@@ -15,6 +15,7 @@ _HOMES = {
     "Rollout": "tandem.records",
     "RolloutGroup": "tandem.records",
     "TurnRecord": "tandem.records",
+    "UsageError": "tandem.errors",
 }
 
 __all__ = [*_HOMES, "__version__"]
