@@ -40,8 +40,10 @@ CONFIGS = [(0.05, 2), (0.02, 1), (0.05, 4), (0.15, 2)]
 
 
 class TakeTurns(TrainerCallback):
-    """Generation and training take turns: the server is paused from the step's first forward until its optimizer
-    step has run (the weight sync that follows may probe the server, which must be generating for it)."""
+    """Generation and training take turns: the server is paused from the step's first forward until the step's
+    weights are served (the step's end comes after its weight sync). The first step's sync is probed against this
+    external server (runtime.FORCED_PROBES), which must generate for it: that step resumes at its optimizer step, and
+    is left out of the measurement anyway."""
 
     def __init__(self, server_url: str):
         self.server_url = server_url
@@ -53,6 +55,10 @@ class TakeTurns(TrainerCallback):
         self._post("/pause?mode=keep")
 
     def on_optimizer_step(self, args, state, control, **kwargs):
+        if state.global_step == 0:  # the first step, not counted yet
+            self._post("/resume")
+
+    def on_step_end(self, args, state, control, **kwargs):
         self._post("/resume")
 
 

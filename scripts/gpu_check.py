@@ -91,14 +91,14 @@ def check_flex(device: str) -> bool:
     prompt = torch.randint(3, 380, (40,), generator=generator).tolist()
     seqs = [prompt + torch.randint(3, 380, (n,), generator=generator).tolist() for n in (12, 20)]
     seqs.append(torch.randint(3, 380, (30,), generator=generator).tolist())
-    samples = [Sample(input_ids=s, trained=[False] * (len(s) - 10) + [True] * 10, logprobs=[0.0] * len(s), advantage=1.0,
+    samples = [Sample(input_ids=s, trained=[False] * (len(s) - 10) + [True] * 10, behavior_log_probs=[0.0] * len(s), advantage=1.0,
                       model_version=0, group_id=i, position=i, group_samples=1, rollout_id=str(i), created_at=0.0)
                for i, s in enumerate(seqs)]
     reference = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=dtype, attn_implementation="sdpa").to(device).eval()
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=dtype).to(device).eval()
     attention.prepare(model)
     with torch.no_grad():
-        got = row_logprobs(model, pack(samples), "flex").logprobs.float().cpu()
+        got = row_logprobs(model, pack(samples), "flex").log_probs.float().cpu()
         expected = []
         for s in samples:
             logits = reference(input_ids=torch.tensor([s.input_ids], device=device)).logits[0].float().log_softmax(-1)

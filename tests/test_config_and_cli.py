@@ -21,6 +21,7 @@ def test_defaults_follow_the_spec():
 @pytest.mark.parametrize("field,value,message", [
     ("temperature", 0.0, "temperature=0.0"), ("num_generations", 1, "at least 2 generations"),
     ("vllm_importance_sampling_clip_max", 0.5, "never be masked"), ("algorithm", "ppo", "must be one of"),
+    ("report_to", ["tensorboard", "tensorbord"], "report_to=.*must be one of none, tensorboard, trackio, wandb"),
 ])
 def test_bad_values_name_the_field_and_the_fix(field, value, message):
     with pytest.raises(ValueError, match=message):
@@ -87,8 +88,10 @@ def test_a_lora_recipe_prints_the_adapter_flags_its_server_needs(capsys, tmp_pat
     assert "lora:\n  r: 8" in out
     recipe = tmp_path / "bad.yaml"
     recipe.write_text("model: tiny\nlora: {r: 4, rank_dropout: 0.1}\n")
-    with pytest.raises(ValueError, match="lora: .*rank_dropout.*LoraConfig fields"):
+    with pytest.raises(SystemExit) as exit_info:
         main(["train", str(recipe), "--dry-run"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and re.search("lora: .*rank_dropout.*LoraConfig fields", err) and "Traceback" not in err
 
 
 def test_flash_reinforce_dry_run_prints_settings_and_server_without_touching_cuda():
@@ -186,6 +189,23 @@ def test_a_bug_while_building_the_trainer_keeps_its_traceback_where_a_users_mist
         main(["train", "examples/demo.yaml", "--max_steps", "2"])
     with pytest.raises(tandem.UsageError, match="max_staleness=-1"):  # what the CLI prints in one line, from Python
         tandem.AsyncGRPOConfig(max_staleness=-1)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--resume_from_checkpoint", "{tmp}"], "is not a tandem checkpoint .no rollout_state.json."),
+    (["--dataset", "{tmp}/saved", "--dataset_split", "tset"], "has no split 'tset' .its splits: train, test."),
+])
+def test_a_mistake_met_while_building_or_starting_the_run_is_one_line(argv, message, tmp_path, capsys):
+    from datasets import Dataset, DatasetDict
+
+    rows = Dataset.from_list([{"prompt": [{"role": "user", "content": "1 + 1?"}], "answer": "2"}])
+    DatasetDict(train=rows, test=rows).save_to_disk(str(tmp_path / "saved"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "examples/demo.yaml", "--output_dir", str(tmp_path / "run"), *[a.format(tmp=tmp_path) for a in argv]])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err, err
+    assert re.search(message, err.strip().splitlines()[-1]), err  # after the model's loading bar, one line
 
 
 def test_a_server_mistake_is_one_line_naming_what_to_check(capsys, tmp_path):

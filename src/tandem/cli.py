@@ -235,7 +235,7 @@ def lora_config(fields: dict):
 
     try:
         return LoraConfig(**fields)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:  # a field it does not have; a value it refuses
         raise UsageError(f"lora: {exc}. Use peft.LoraConfig fields (r, lora_alpha, lora_dropout, target_modules, ...)") from None
 
 
@@ -388,7 +388,10 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
     except UsageError as exc:
         user_error(f"tandem train: {ns.recipe}: {exc}")
     if ns.dry_run:
-        dry_run(ns.recipe, recipe, tools, agent=bool(tools or environments))
+        try:
+            dry_run(ns.recipe, recipe, tools, agent=bool(tools or environments))
+        except UsageError as exc:  # a lora field peft refuses, a tool it cannot describe
+            user_error(f"tandem train: {ns.recipe}: {exc}")
         return
     try:
         trainer = build_trainer(recipe, reward_funcs, tools, environments)
@@ -398,7 +401,7 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
 
     try:
         output = trainer.train()
-    except (FileNotFoundError, UsageError) as exc:  # no checkpoint to resume from; a prompt longer than the server's context
+    except UsageError as exc:  # no checkpoint to resume from; a prompt longer than the server's context
         user_error(f"tandem train: {ns.recipe}: {exc}")
     except ServerProblem as exc:  # a server that cannot be reached, refuses the run, or serves other weights
         user_error(f"tandem train: {exc}")

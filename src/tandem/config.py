@@ -23,6 +23,7 @@ import yaml
 from tandem.errors import UsageError
 
 ALGORITHMS = ("grpo", "flash_reinforce")
+REPORT_TO = {"none", "tensorboard", "wandb", "trackio"}
 LOG_LEVELS = ("passive", "debug", "info", "warning", "error", "critical")
 NO_DATALOADER = "tandem has no DataLoader: the rollout worker streams the samples and the token-budget batcher packs them"
 NO_DDP = "tandem trains across processes with FSDP2 under torchrun (fsdp_config), not DDP"
@@ -362,7 +363,9 @@ class AsyncGRPOConfig:
 
     def _run_checks(self) -> list[tuple[str, bool, str]]:
         """(field, holds, what it must be) for the run: batching, pacing, logging, saving, precision."""
+        reported = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to or [])
         return [
+            ("report_to", set(reported) <= REPORT_TO, f"must be one of {', '.join(sorted(REPORT_TO))}, or a list of them"),
             ("logging_steps", self.logging_steps >= 1, "must be at least 1"),
             ("save_strategy", self.save_strategy in ("steps", "no"), "must be 'steps' or 'no'"),
             ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"), "must be auto, float32, bfloat16 or float16"),

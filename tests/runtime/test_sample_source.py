@@ -200,6 +200,16 @@ def test_a_lost_worker_raises_from_the_read_and_its_replacement_goes_on_from_the
     assert source.ledger.finished == [0, 1, 2]
 
 
+def test_a_worker_replaced_mid_step_leaves_out_the_groups_in_the_open_row():
+    source = source_of(("samples", group(0) + group(1)))
+    source.drain()
+    taken = [source.take() for _ in range(3)]  # group 0 and half of group 1 in a row the step has not trained yet
+    point = source.resume_point()
+    assert point.received == {0, 1} and point.in_rows == [0, 1], "generating them again would train them twice"
+    source.trained(taken)
+    assert source.resume_point().in_rows == [], "a trained step holds nothing in rows (what a checkpoint saves)"
+
+
 def test_the_worker_may_start_a_group_again_once_the_trainer_takes_what_was_queued():
     allowance = TokenAllowance(max_staleness=1, full_step_tokens=20)
     samples = group(0, size=4, tokens=5)  # the worker produced 20 tokens: a whole step's worth

@@ -245,6 +245,8 @@ class Engine:
 
     def idle(self) -> bool:
         with self._lock:
+            if self.error is not None:  # a dead engine runs nothing (its requests were failed)
+                return True
             return not (self.waiting or self._abort_running or self._stepping or self._stats.running)
 
     def stats(self) -> EngineStats:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.errors import UsageError
 from tandem.records import Sample
 
 TREE, PADDED = "tree", "padded"
@@ -204,7 +205,7 @@ def _pad_kept(kept: list[list[int] | None]) -> torch.Tensor | None:
     if not any(given):
         return None
     if not all(given):
-        raise ValueError(f"{given.count(False)} of {len(kept)} trained tokens have no sampling mask while the others do: "
+        raise UsageError(f"{given.count(False)} of {len(kept)} trained tokens have no sampling mask while the others do: "
                          "renormalising only some of them would bias the ratio. Every sampled token needs its kept set.")
     width = max(len(k) for k in kept)
     return torch.tensor([k + [-1] * (width - len(k)) for k in kept], dtype=torch.long)
@@ -215,7 +216,7 @@ def _pad_top(top: list[dict[int, float] | None]) -> dict:
     if not any(t is not None for t in top):
         return {"sampler_ids": None, "sampler_logprobs": None}
     if not all(t is not None for t in top):
-        raise ValueError("some trained tokens have the sampler's top log-probs and others do not: score centering needs "
+        raise UsageError("some trained tokens have the sampler's top log-probs and others do not: score centering needs "
                          "them at every sampled position (request logprobs=num_sampler_logprobs in every turn)")
     width = max(len(t) for t in top)
     ids = [list(t) + [0] * (width - len(t)) for t in top]

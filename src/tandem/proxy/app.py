@@ -497,6 +497,8 @@ class Proxy:
             self._remember(request.path, raw)
             return web.Response(status=200, body=next(data for status, data, _ in results if status == 200),
                                 content_type="application/json")
+        if not failed:
+            return error(502, f"proxy: every replica went down while loading {name}; it is loaded on none")
         unload = json.dumps({"lora_name": name}).encode()
         rollbacks = await asyncio.gather(*(self._send(u, "POST", "/v1/unload_lora_adapter", unload, {"Content-Type": "application/json"})
                                            for u, r in zip(members, results) if r[0] == 200))

@@ -395,20 +395,21 @@ class Runtime:
 
     def _read(self, read):
         """`read()`, a read of the worker's queue, then the server's health: a worker lost without an error of its own
-        (killed, hung) is replaced once; one that failed is named after the server, if that died first. None when the
-        read failed while the run is stopping (the worker or the server ended with the job's SIGTERM)."""
+        (killed, hung) is replaced once; one that failed is named after the server, if that died first. While the run
+        is stopping (the job's SIGTERM, which may end the worker and the server too) nothing is restarted, and a failed
+        read returns None."""
         try:
             result = read()
-        except WorkerLost as lost:
-            self._check_server()  # a server that died takes precedence
-            self._replace_worker(lost)
-            return None
-        except Exception:
+        except Exception as error:
             if self.preempted.is_set():
                 return None
+            self._check_server()  # a server that died takes precedence
+            if not isinstance(error, WorkerLost):
+                raise
+            self._replace_worker(error)
+            return None
+        if not self.preempted.is_set():
             self._check_server()
-            raise
-        self._check_server()
         return result
 
     def _log_stalled(self, stall: Stall) -> None:

@@ -86,11 +86,13 @@ class ResumePoint:
     """Groups partly trained: their samples not yet in a row, by position."""
     samples: list[Sample] = field(default_factory=list)
     """Samples received and not yet trained (the queue)."""
+    in_rows: list[int] = field(default_factory=list)
+    """Positions whose samples sit in a row not trained yet (a worker replaced mid-step; never at a checkpoint)."""
 
     @property
     def received(self) -> frozenset[int]:
         """Positions past `dataset_start_index` the worker must not generate again."""
-        return frozenset(self.finished) | self.remaining.keys() | {s.position for s in self.samples}
+        return frozenset(self.finished) | self.remaining.keys() | {s.position for s in self.samples} | set(self.in_rows)
 
     @property
     def queued_tokens(self) -> float:
@@ -172,7 +174,8 @@ class SampleSource:
     def resume_point(self) -> ResumePoint:
         """What a new worker (a resumed run's, or a restarted one) needs to go on from here."""
         ledger = self.ledger
-        return ResumePoint(ledger.watermark, sorted(ledger.done), dict(ledger.remaining), list(self.buffer))
+        return ResumePoint(ledger.watermark, sorted(ledger.done), dict(ledger.remaining), list(self.buffer),
+                           sorted(self.admitted - ledger.remaining.keys()))
 
     def pull(self, timeout_s: float) -> bool:
         """Handle one message from the worker, waiting up to `timeout_s`; False when none came. A worker that failed or

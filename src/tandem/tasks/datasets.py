@@ -29,6 +29,8 @@ def load(name: str, config: str | None = None, split: str = "train", streaming: 
         dataset = load_dataset(FORMATS[path.suffix], data_files=str(path), split="train", streaming=streaming)
     elif path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
         saved = load_from_disk(str(path))  # a save_to_disk folder
+        if (path / "dataset_dict.json").is_file() and split not in saved:
+            raise UsageError(f"dataset {name!r} has no split {split!r} (its splits: {', '.join(saved)})")
         dataset = saved[split] if (path / "dataset_dict.json").is_file() else saved
     elif path.is_dir() or "/" in name and path.suffix not in FORMATS:  # a Hub id may hold a dot (org/name-1.5)
         dataset = _from_hub_or_folder(name, config, split, streaming)
@@ -42,6 +44,8 @@ def _from_hub_or_folder(name: str, config: str | None, split: str, streaming: bo
     """datasets' own loader: a folder of data files, or a Hub dataset (its cached copy when the Hub is out of reach)."""
     try:
         return load_dataset(name, config, split=split, streaming=streaming)
+    except ValueError as exc:  # datasets' own refusal: no such config, no such split
+        raise UsageError(f"dataset {name!r} (config {config!r}, split {split!r}): {exc}") from None
     except (ConnectionError, FileNotFoundError) as exc:
         raise UsageError(f"dataset {name!r} (config {config!r}, split {split!r}) could not be loaded: {exc}. With no "
                          "network, a Hub dataset loads from this machine's datasets cache once it was loaded here with "

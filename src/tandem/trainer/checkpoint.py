@@ -32,6 +32,7 @@ import transformers
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from tandem.distributed import Ranks
+from tandem.errors import UsageError
 from tandem.model_folder import save_model_folder
 from tandem.records import Sample
 from tandem.runtime.sample_source import ResumePoint
@@ -137,21 +138,26 @@ def checkpoints(folder: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(PATTERN.match(p.name).group(1)))
 
 
+class CheckpointNotFound(UsageError, FileNotFoundError):
+    """resume_from_checkpoint names no checkpoint tandem can resume: the user's mistake (one line from tandem train), and
+    a FileNotFoundError for code that catches those."""
+
+
 def resolve(resume_from_checkpoint, output_dir: Path) -> Path | None:
     if resume_from_checkpoint in (None, False):
         return None
     if resume_from_checkpoint is True:
         found = checkpoints(output_dir)
         if not found:
-            raise FileNotFoundError(f"resume_from_checkpoint=True but {output_dir} has no checkpoint-N folder")
+            raise CheckpointNotFound(f"resume_from_checkpoint=True but {output_dir} has no checkpoint-N folder")
         return found[-1]
     path = Path(resume_from_checkpoint)
     if not (path / "rollout_state.json").is_file():
-        raise FileNotFoundError(f"{path} is not a tandem checkpoint (no rollout_state.json)")
+        raise CheckpointNotFound(f"{path} is not a tandem checkpoint (no rollout_state.json)")
     if not (path / SHARDS).is_dir():
-        raise FileNotFoundError(f"{path} has no {SHARDS}/ folder: it was written before tandem saved training state "
-                                "through torch.distributed.checkpoint. Start from its model folder instead (model: "
-                                f"{path}) or from a newer checkpoint.")
+        raise CheckpointNotFound(f"{path} has no {SHARDS}/ folder: it was written before tandem saved training state "
+                                 "through torch.distributed.checkpoint. Start from its model folder instead (model: "
+                                 f"{path}) or from a newer checkpoint.")
     return path
 
 

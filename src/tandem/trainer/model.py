@@ -66,7 +66,10 @@ def with_adapter(model: PreTrainedModel, peft_config):
     if any(t == "lm_head" or t.endswith(".lm_head") for t in targets) or "lm_head" in (peft_config.modules_to_save or []):
         raise UsageError("peft_config targets lm_head: tandem trains adapters on the transformer layers only (the "
                          "chunked log-prob head reads the base head). Remove lm_head from target_modules / modules_to_save.")
-    return get_peft_model(model, peft_config)
+    try:
+        return get_peft_model(model, peft_config)
+    except ValueError as exc:  # peft's refusal: target modules the model does not have
+        raise UsageError(f"peft_config: {exc}") from None
 
 
 def enable_checkpointing(model, kwargs: dict) -> None:

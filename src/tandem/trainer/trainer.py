@@ -242,11 +242,9 @@ class AsyncGRPOTrainer:
             self._callback_event("on_step_begin")
             step_start = self._clock()
             step = self.training_step(micro_batches)
-            self._callback_event("on_pre_optimizer_step")  # the step's gradients are whole
             optimizer_start = self._clock()
             grad_norm = self.optimizer_step()
             optimizer_s, forward_backward_s = self._clock() - optimizer_start, optimizer_start - step_start
-            self._callback_event("on_optimizer_step")
             self._step_done(rows, runtime)
             eval_pending, eval_s = self._sync(runtime, eval_pending or self._eval_due())
             if main:
@@ -297,15 +295,18 @@ class AsyncGRPOTrainer:
 
     def optimizer_step(self) -> float:
         """Clip the accumulated gradients, step the optimizer and the schedule, zero the gradients; returns the
-        gradient norm before clipping."""
+        gradient norm before clipping. Callbacks see the clipped gradients (`on_pre_optimizer_step`) and the stepped
+        weights with the gradients still there (`on_optimizer_step`), as in transformers."""
         if self.scaler:  # fp16: the gradients are clipped and measured unscaled; a step with inf/NaN ones is skipped
             self.scaler.unscale_(self.optimizer)
         grad_norm = clip_gradients(self.model, self.args.max_grad_norm)
+        self._callback_event("on_pre_optimizer_step")
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.step()
+        self._callback_event("on_optimizer_step")
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
