@@ -572,6 +572,22 @@ def test_an_adapter_on_lm_head_is_refused(tmp_path):
                          peft_config=LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
 
 
+def test_a_reward_model_is_refused_at_construction_not_in_the_worker(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    for reward in (AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH), "org/reward-model"):
+        with pytest.raises(ValueError, match="reward models are not supported .as in the spec.; pass a function"):
+            AsyncGRPOTrainer("tiny", [accuracy_reward, reward], args=config(tmp_path), train_dataset=small_dataset())
+
+
+def test_train_takes_transformers_trial_and_ignore_keys_for_eval_as_the_spec_spells_it(tmp_path):
+    trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=config(tmp_path, max_steps=1), train_dataset=small_dataset())
+    with pytest.raises(NotImplementedError, match="hyperparameter search is not supported"):
+        trainer.train(trial={"learning_rate": 1e-4})
+    with pytest.warns(UserWarning, match="ignore_keys_for_eval=.... has no effect"):
+        assert trainer.train(trial=None, ignore_keys_for_eval=["logits"]).global_step == 1
+
+
 @pytest.mark.long
 def test_the_two_replica_lora_example_trains_through_the_proxy_exactly_on_policy(tmp_path):
     """examples/lora_two_replicas.py, shortened: at staleness 0 every rollout, whichever replica served it, sampled

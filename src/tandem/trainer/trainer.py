@@ -143,9 +143,16 @@ class AsyncGRPOTrainer:
         self._callback_event("on_init_end")
 
     # ---- public ---------------------------------------------------------------------------------
-    def train(self, resume_from_checkpoint=None) -> TrainOutput:
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None) -> TrainOutput:
         """Train until max_steps or the end of the data. Under torchrun every rank calls it; rank 0 owns the server,
-        the rollout worker and the logs, and sends every rank its rows."""
+        the rollout worker and the logs, and sends every rank its rows. `trial` and `ignore_keys_for_eval` are
+        transformers' (a hyperparameter search, model outputs left out of evaluation): neither applies here."""
+        if trial is not None:
+            raise NotImplementedError("train(trial=...): hyperparameter search is not supported; run one training per "
+                                      "setting instead")
+        if ignore_keys_for_eval is not None:
+            warnings.warn("train(ignore_keys_for_eval=...) has no effect: evaluation generates and scores completions, "
+                          "it returns no model outputs to leave out", stacklevel=2)
         if OPENMP_POLICY_TOO_LATE and self.device.type == "cpu" and torch.get_num_threads() > 1:
             warnings.warn("torch was imported before tandem, so its OpenMP threads spin while they wait and slow the "
                           "embedded server and the rollout worker (the demo ran 1.4x slower). Start Python with "
@@ -517,6 +524,9 @@ def _reward_list(reward_funcs, environment_rewards: bool) -> list:
         raise UsageError("reward_funcs is empty and no environment defines get_reward(): pass at least one reward function "
                          "(e.g. tandem.rewards.accuracy_reward), or give the environment a get_reward() method")
     for func in funcs:
+        if isinstance(func, (str, torch.nn.Module)):  # TRL's synchronous trainer takes these; the spec's does not
+            raise UsageError(f"reward function {type(func).__name__} {str(func)[:80]!r}: reward models are not supported "
+                             "(as in the spec); pass a function that scores the completions, calling the model there")
         if not callable(func):
             raise TypeError(f"reward function {func!r} is not callable; pass functions, not {type(func).__name__}")
     return funcs
