@@ -66,3 +66,12 @@ def test_the_eta_of_a_resumed_run_counts_from_where_it_resumed():
     line.started -= 10.0  # ten seconds in, at the first step after resuming from 400
     line.update(401, {})
     assert "eta 0:16:3" in out.getvalue(), out.getvalue()  # 99 steps left at 10 s each, not 99 at 10/401 s
+
+
+def test_num_completions_to_print_limits_the_table_and_zero_prints_none():
+    examples = [([{"role": "user", "content": f"{i} + 1?"}], f"{i + 1}", 1.0) for i in range(3)]
+    for limit, rows in ((None, 3), (2, 2), (0, 0)):
+        out = io.StringIO()
+        RunConsole(3, console=Console(file=out, width=80, force_terminal=False)).print_completions(examples, limit)
+        assert sum(f"{i} + 1?" in out.getvalue() for i in range(3)) == rows, f"limit {limit}: {out.getvalue()}"
+        assert ("completions" in out.getvalue()) == bool(rows), "no empty table"

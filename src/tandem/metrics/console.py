@@ -178,8 +178,12 @@ class RunConsole:
         self.console.print(Text(f"tandem: {text}", style="yellow"), soft_wrap=True, highlight=False)
 
     def print_completions(self, examples: list, limit: int | None) -> None:
+        """The first `limit` examples as a table (None: all of them; 0: none)."""
+        shown = examples if limit is None else examples[:limit]
+        if not shown:
+            return
         table = Table("prompt", "completion", "reward", title="completions")
-        for prompt, completion, reward in examples[: limit or len(examples)]:
+        for prompt, completion, reward in shown:
             text = prompt[-1]["content"] if isinstance(prompt, list) else str(prompt)
             table.add_row(text, completion, f"{reward:.2f}")
         self.console.print(table)
