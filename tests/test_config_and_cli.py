@@ -46,9 +46,17 @@ def test_recipe_overrides_are_typed(tmp_path):
     assert r.reward_funcs == ["tandem.rewards.accuracy_reward"] and r.dataset == "arithmetic"
     with pytest.raises(ValueError, match="unknown recipe key.*'lr'"):
         load_recipe(str(recipe), ["--lr", "1"])
-    # YAML reads `no` as false; a field that takes words takes the word (TRL's recipes say `save_strategy: no`)
+    # YAML reads `no` as false; a field that takes words takes the word (TRL's recipes say `save_strategy: no`), saying so
     recipe.write_text("model: tiny\nsave_strategy: no\n")
-    assert load_recipe(str(recipe), ["--eval_strategy", "no"]).config.save_strategy == "no"
+    with pytest.warns(UserWarning, match="save_strategy: YAML reads the bare word as False; taken as 'no'"):
+        assert load_recipe(str(recipe), ["--eval_strategy", "no"]).config.save_strategy == "no"
+
+
+def test_a_string_field_on_the_command_line_takes_the_text_as_transformers_parser_does(tmp_path):
+    config = load_recipe("examples/demo.yaml", ["--save_strategy", "no", "--run_name", "on", "--output_dir=1.5",
+                                                "--max_steps", "7"]).config
+    assert (config.save_strategy, config.run_name, config.output_dir, config.max_steps) == ("no", "on", "1.5", 7)
+    assert load_recipe("examples/demo.yaml", ["--run_name", "null"]).config.run_name is None
 
 
 def served_commands(out: str) -> dict[str, str]:

@@ -14,6 +14,7 @@ import numbers
 import os
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -542,7 +543,8 @@ def _field_types() -> dict[str, Any]:
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """`--field value` pairs from the command line; values are read as YAML (numbers, booleans, lists)."""
+    """`--field value` pairs from the command line: a field that takes one string takes the text, the others read it
+    as YAML (numbers, booleans, lists)."""
     result, i = {}, 0
     while i < len(pairs):
         key = pairs[i]
@@ -556,17 +558,33 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
                 raise UsageError(f"--{key} needs a value")
             i += 1
             value = pairs[i]
-        result[key] = _coerce(key, yaml.safe_load(value))
+        if _takes_words(key):  # the text itself, as transformers' argument parser takes it (null: None, if allowed)
+            result[key] = None if value in ("null", "~") and "None" in _annotation(key) else value
+        else:
+            result[key] = _coerce(key, yaml.safe_load(value))
         i += 1
     return result
 
 
+def _annotation(key: str) -> str:
+    return str(_field_types().get(key, RECIPE_TYPES.get(key, "")))
+
+
+def _takes_words(key: str) -> bool:
+    """A field whose value is one string (`save_strategy`, `run_name`, `model`): the command line's text is the value."""
+    annotation = _annotation(key)
+    return key not in LISTS and "str" in annotation and not any(t in annotation for t in ("bool", "list", "dict", "int", "float"))
+
+
 def _coerce(key: str, value: Any) -> Any:
     """YAML reads `1e-3` as a string and `no` as false; a float field takes the number meant, a string field the word
-    (`save_strategy: no`)."""
-    annotation = str(_field_types().get(key, ""))
+    (`save_strategy: no`, with a warning: YAML 1.1 read it as a boolean)."""
+    annotation = _annotation(key)
     if isinstance(value, bool) and "str" in annotation and "bool" not in annotation:
-        return "yes" if value else "no"
+        word = "yes" if value else "no"
+        warnings.warn(f"recipe: {key}: YAML reads the bare word as {value}; taken as {word!r} (write {key}: \"{word}\" "
+                      "to say so)", stacklevel=3)
+        return word
     if isinstance(value, str) and "float" in annotation:
         try:
             return float(value)
