@@ -21,7 +21,7 @@ def test_defaults_follow_the_spec():
 @pytest.mark.parametrize("field,value,message", [
     ("temperature", 0.0, "temperature=0.0"), ("num_generations", 1, "at least 2 generations"),
     ("vllm_importance_sampling_clip_max", 0.5, "never be masked"), ("algorithm", "ppo", "must be one of"),
-    ("report_to", ["tensorboard", "tensorbord"], "report_to=.*must be one of none, tensorboard, trackio, wandb"),
+    ("report_to", ["tensorboard", "tensorbord"], "report_to=.*must be one of all, none, tensorboard, trackio, wandb"),
 ])
 def test_bad_values_name_the_field_and_the_fix(field, value, message):
     with pytest.raises(ValueError, match=message):

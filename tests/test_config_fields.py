@@ -15,9 +15,10 @@ import pytest
 import torch
 from datasets import Dataset
 from rich.console import Console
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
+from tandem import distributed as tandem_distributed
 from tandem.config import REFUSED, type_problem
 from tandem.metrics.console import RunConsole
 from tandem.rewards import accuracy_reward
@@ -29,6 +30,7 @@ from tandem.trainer.objectives import make_objective
 from tandem.trainer.optimization import make_optimizer, make_scheduler
 from tests.packing.samples import sample
 from tests.rollout.test_failures import ScriptedLoop, by_reply, run_loop
+from tests.trainer.test_trainer import config, logged
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Dataset.from_list(arithmetic.make_rows(4, seed=0))
@@ -304,12 +306,51 @@ def test_logging_strategy_no_logs_no_step_and_logging_first_step_logs_the_first(
         steps = []
         for step in range(1, 7):
             trainer.state.step = step
-            steps += [step] if trainer._log_now() else []
+            steps += [step] if trainer._log_now(epoch_ended=step == 5) else []
         return steps
 
     assert logged_steps(logging_steps=3) == [3, 6]
     assert logged_steps(logging_steps=3, logging_first_step=True) == [1, 3, 6]
     assert logged_steps(logging_strategy="no", logging_first_step=True) == []
+    assert logged_steps(logging_steps=0.5, max_steps=6) == [3, 6], "below 1: a fraction of max_steps"
+    assert logged_steps(logging_strategy="epoch") == [5]
+
+
+class EpochWatch(TrainerCallback):
+    """The passes over the dataset finished after each step (the first entry: before the first)."""
+
+    def __init__(self):
+        self.epochs, self.trainer = [0], None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.epochs.append(self.trainer.state.dataset_start_index // len(self.trainer.dataset))
+
+
+def test_epoch_strategies_and_fractional_steps_log_evaluate_and_save_when_transformers_would(tmp_path, monkeypatch):
+    emptied, timeouts = [], []
+    monkeypatch.setattr("tandem.trainer.trainer.empty_device_cache", lambda device: emptied.append(trainer.state.step))
+    join = tandem_distributed.join
+    monkeypatch.setattr(tandem_distributed, "join", lambda timeout_s: timeouts.append(timeout_s) or join(timeout_s))
+    prompts = Dataset.from_list(arithmetic.make_rows(12, seed=1))
+    passes = EpochWatch()
+    args = config(tmp_path, max_steps=6, logging_steps=0.5, eval_strategy="epoch", save_strategy="epoch",
+                  torch_empty_cache_steps=2, skip_memory_metrics=False, ddp_timeout=77, max_staleness=0)
+    trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=prompts, eval_dataset=prompts.select(range(2)),
+                               callbacks=[passes])
+    passes.trainer = trainer
+    trainer.train()
+    rows = logged(tmp_path)
+    assert [r["step"] for r in rows if "loss" in r] == [3, 6], "logging_steps=0.5 of max_steps=6: every 3 steps"
+    ended = [step for step, before, after in zip(range(1, 7), passes.epochs, passes.epochs[1:]) if after > before]
+    assert ended and [r["step"] for r in rows if "eval/reward" in r] == ended, "an epoch's end evaluates"
+    saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "run").glob("checkpoint-*"))
+    assert saved == sorted(set(ended) | {6}), "an epoch's end saves (and the run's end)"
+    assert emptied == [2, 4, 6], "torch_empty_cache_steps"
+    assert all(0.05 < r["memory/host_rss_max_gib"] < 64 for r in rows if "loss" in r), "skip_memory_metrics=False"
+    assert timeouts == [77], "ddp_timeout bounds the process group's collectives"
+    with pytest.raises(ValueError, match="save_strategy='epoch' needs a dataset with a length"):
+        AsyncGRPOTrainer("tiny", accuracy_reward, args=config(tmp_path, save_strategy="epoch"),
+                         train_dataset=prompts.to_iterable_dataset())
 
 
 def test_nan_and_infinite_losses_are_left_out_of_the_logged_loss(tmp_path):
@@ -322,7 +363,7 @@ def test_nan_and_infinite_losses_are_left_out_of_the_logged_loss(tmp_path):
     assert trainer.window.values["loss"] == [0.5] and trainer.losses == [0.5]
 
 
-def test_full_determinism_turns_on_deterministic_algorithms_and_log_levels_pick_the_rank():
+def test_full_determinism_turns_on_deterministic_algorithms_and_log_levels_pick_the_rank_and_node():
     from transformers.utils import logging as hf_logging
 
     from tandem.trainer.trainer import run_log_level, set_log_level
@@ -335,7 +376,10 @@ def test_full_determinism_turns_on_deterministic_algorithms_and_log_levels_pick_
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False", "True"], out.stderr[-2000:]
     args = AsyncGRPOConfig(log_level="info", log_level_replica="error")
-    assert (run_log_level(args, main=True), run_log_level(args, main=False)) == ("info", "error")
+    levels = [run_log_level(args, main, local) for main, local in ((True, True), (False, True), (False, False))]
+    assert levels == ["info", "info", "error"], "log_on_each_node (the default): each machine's first process logs"
+    args = AsyncGRPOConfig(log_level="info", log_level_replica="error", log_on_each_node=False)
+    assert run_log_level(args, False, True) == "error", "log_on_each_node=False: the job's first process alone"
     verbosity = hf_logging.get_verbosity()
     try:
         set_log_level("error")
@@ -373,3 +417,70 @@ def test_a_dry_run_lists_the_changed_fields_the_api_key_too_and_a_warmup_fractio
     assert changed == {"max_steps": 10, "vllm_server_api_key": "***"}, "masked, and listed although both mask alike"
     with pytest.raises(ValueError, match="warmup_steps=0.1: below 1 is a fraction of max_steps, which is not set"):
         AsyncGRPOConfig(warmup_steps=0.1)
+
+
+def test_processing_class_pads_on_the_left_and_its_pad_token_falls_back_to_eos_as_the_spec_says(tmp_path):
+    from transformers import AutoTokenizer
+
+    given = AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
+    given.padding_side, given.pad_token = "right", None
+    with pytest.warns(UserWarning, match="processing_class.padding_side='right': set to 'left'"):
+        trainer = AsyncGRPOTrainer("tiny", accuracy_reward, train_dataset=DATA, processing_class=given,
+                                   args=AsyncGRPOConfig(output_dir=str(tmp_path)))
+    assert trainer.tokenizer is given and given.padding_side == "left" and given.pad_token == given.eos_token
+    loaded = AsyncGRPOTrainer("tiny", accuracy_reward, train_dataset=DATA, args=AsyncGRPOConfig(output_dir=str(tmp_path)))
+    assert loaded.tokenizer.padding_side == "left", "the tokenizer loaded from the model too"
+
+
+def test_top_p_and_min_p_need_top_k_at_construction_as_the_spec_says():
+    for truncation in ({"top_p": 0.9}, {"min_p": 0.05}):
+        with pytest.raises(ValueError, match=r"top_k=0: top_p < 1 and min_p need top_k set too .* e.g. top_k=512"):
+            AsyncGRPOConfig(**truncation)
+        assert AsyncGRPOConfig(**truncation, top_k=512).uses_truncated_sampling
+    assert not AsyncGRPOConfig(min_p=0.0).uses_truncated_sampling, "min_p 0 is off"
+
+
+@pytest.mark.parametrize("optim, module", [("galore_adamw", "galore_torch"), ("apollo_adamw", "apollo_torch")])
+def test_optim_target_modules_projects_those_weights_with_galore_or_apollo(optim, module):
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH)
+    args = AsyncGRPOConfig(optim=optim, optim_target_modules=[r".*\.q_proj", r".*\.down_proj"], learning_rate=1e-2,
+                           weight_decay=0.1)
+    optimizer = make_optimizer(model, args)
+    assert type(optimizer).__module__.startswith(module)
+    projected = [g for g in optimizer.param_groups if "rank" in g]
+    assert projected and len(projected[0]["params"]) == 2 * model.config.num_hidden_layers, "q_proj and down_proj"
+    before = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    model(input_ids=torch.tensor([[5, 6, 7, 8]]), labels=torch.tensor([[5, 6, 7, 8]])).loss.backward()
+    optimizer.step()
+    assert not torch.equal(before, model.model.layers[0].self_attn.q_proj.weight), "the projected weights train"
+    with pytest.raises(ValueError, match="optim_target_modules=.*read by the low-rank optimizers only"):
+        AsyncGRPOConfig(optim_target_modules=["attn"])
+
+
+def test_debug_underflow_overflow_stops_at_the_first_inf_with_transformers_report(tmp_path):
+    trainer = AsyncGRPOTrainer("tiny", accuracy_reward, train_dataset=DATA,
+                               args=AsyncGRPOConfig(output_dir=str(tmp_path), debug="underflow_overflow"))
+    row = pack([sample([5, 6, 7, 8])])
+    assert torch.isfinite(trainer._forward(row).log_probs).all(), "finite activations pass"
+    with torch.no_grad():
+        trainer.model.model.layers[1].mlp.down_proj.weight[0, 0] = float("inf")
+    with pytest.raises(ValueError, match="inf/nan"):
+        trainer._forward(row)
+    with pytest.raises(ValueError, match="'tpu_metrics_debug' needs a TPU"):
+        AsyncGRPOConfig(debug="underflow_overflow tpu_metrics_debug")
+
+
+def test_torch_compile_compiles_the_decoder_once_for_rows_of_any_length(tmp_path):
+    from torch._dynamo.utils import counters
+
+    plain = AsyncGRPOTrainer("tiny", accuracy_reward, train_dataset=DATA, args=AsyncGRPOConfig(output_dir=str(tmp_path)))
+    with pytest.warns(UserWarning, match="no longer matches `tandem serve --decode-mode exact` bit for bit"):
+        compiled = AsyncGRPOTrainer("tiny", accuracy_reward, train_dataset=DATA, args=AsyncGRPOConfig(
+            output_dir=str(tmp_path), torch_compile=True, torch_compile_backend="eager"))  # dynamo's tracing, no codegen
+    torch._dynamo.reset()
+    counters.clear()
+    for length in (12, 19, 31):  # packed rows change length every step: dynamic shapes, one graph
+        row = pack([sample(list(range(5, 5 + length)), group=0), sample(list(range(5, 5 + length - 4)) + [9] * 6, group=0)])
+        assert torch.equal(compiled._forward(row).log_probs, plain._forward(row).log_probs), length
+    assert counters["stats"]["unique_graphs"] >= 1, "the decoder ran compiled"
+    assert counters["stats"]["unique_graphs"] <= 2, f"recompiled for new lengths: {dict(counters['stats'])}"

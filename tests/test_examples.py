@@ -20,6 +20,7 @@ SPEC_004 = {  # model, δ, q, rollouts a step, steps (spec 004 and its launcher'
     "qwen_math": ("Qwen/Qwen2.5-Math-1.5B", 0.003, 1.0, 128, 2000),
     "tool_use": ("Qwen/Qwen2.5-7B-Instruct", 0.001, 1.0, 128, 600),
     "alfworld": ("Qwen/Qwen2.5-7B-Instruct", 0.001, 0.9, 64, 200),
+    "moe": ("Qwen/Qwen3-30B-A3B", 0.003, 1.0, 128, 800),
 }
 
 
@@ -59,8 +60,9 @@ def test_a_preset_dry_run_prints_spec_004s_plan_and_server(name, capsys, bare_ma
     assert items["model"] == model
     assert float(items["delta"].split()[0]) == delta == recipe.config.flash_delta
     assert float(items["q"].split()[0]) == q == recipe.config.flash_negative_token_fraction
-    assert items["batch"].startswith(f">= {batch} prompts a step, one rollout each: {batch} micro-batches")
-    assert items["steps"] == f"{steps} (max_steps)" and items["episodes"] == f">= {steps * batch} rollouts (steps x batch)"
+    assert items["batch"].startswith(f"{batch} prompts a step, one rollout each (flash_batch_size)"), "exactly B"
+    assert recipe.config.flash_batch_size == batch
+    assert items["steps"] == f"{steps} (max_steps)" and items["episodes"] == f"{steps * batch} rollouts (steps x batch)"
     command = served_commands(out)["gpu"]
     assert command.startswith(f"VLLM_SERVER_DEV_MODE=1 VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 vllm serve {model} "
                               f"--served-model-name {model} "

@@ -3,6 +3,7 @@ A multi-turn rollout is one training sequence only when each turn's prompt exten
 token; Qwen3's template rewrites earlier turns, and its training template does not."""
 
 import copy
+from pathlib import Path
 
 import pytest
 
@@ -155,3 +156,31 @@ def test_a_template_that_refuses_the_probe_says_so(tokenizer):
     refusing.chat_template = "{{ raise_exception('tool messages are not supported') }}"
     assert check_prefix_preserving(refusing, [PROBE_TOOL], None) == (
         "the chat template cannot render a tool-calling probe conversation: tool messages are not supported")
+
+
+@pytest.fixture
+def deepseek_v3(tokenizer):
+    """The tiny tokenizer with DeepSeek-V3's own chat template (tests/fixtures/README.md)."""
+    deepseek = copy.deepcopy(tokenizer)
+    deepseek.chat_template = (Path(__file__).parent / "fixtures" / "deepseek_v3_chat_template.jinja").read_text()
+    return deepseek
+
+
+def test_deepseek_v3s_training_template_is_prefix_preserving_and_renders_a_question_as_deepseek_does(deepseek_v3):
+    assert check_prefix_preserving(deepseek_v3, [PROBE_TOOL], None) is not None, "DeepSeek-V3's own is not"
+    family, template = training_chat_template(deepseek_v3)
+    assert family == "deepseek_v3"
+    assert check_prefix_preserving(deepseek_v3, [PROBE_TOOL], None, chat_template=template) is None
+    question = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
+    for add_generation_prompt in (True, False):
+        assert deepseek_v3.apply_chat_template(question, chat_template=template, tokenize=False,
+                                               add_generation_prompt=add_generation_prompt) == \
+               deepseek_v3.apply_chat_template(question, tokenize=False, add_generation_prompt=add_generation_prompt)
+    string_arguments = probe_conversation(with_reasoning=False)[:4]  # the original renders string arguments only
+    string_arguments[1]["tool_calls"][0]["function"]["arguments"] = '{"expression": "2 + 3"}'
+    ours = deepseek_v3.apply_chat_template(string_arguments, chat_template=template, tokenize=False)
+    assert ours == deepseek_v3.apply_chat_template(string_arguments, tokenize=False).replace(
+        "<｜Assistant｜><｜tool▁calls▁begin｜>", "<｜Assistant｜><think>\n<｜tool▁calls▁begin｜>"), \
+        "one reply that calls a tool, one that answers after its result: DeepSeek-V3's format, the prompt's <think> kept"
+    deepseek_v3.chat_template = template
+    assert training_chat_template(deepseek_v3) is None, "the training template needs no patch"

@@ -254,3 +254,14 @@ def test_the_server_reads_calls_as_vllms_hermes_parser_all_or_nothing():
         "no text before: content None; any JSON arguments, re-encoded"
     no_arguments = '<tool_call>{"name": "f"}</tool_call>'
     assert hermes_server_calls(no_arguments) == (no_arguments, []), "vLLM needs an arguments key"
+
+
+def test_a_tool_call_whose_type_is_not_function_is_answered_with_an_error_not_run(mistral_tokenizer):
+    as_written = copy.deepcopy(MISTRAL_STYLE)  # each call's JSON taken as written, its "type" included
+    as_written["fields"]["tool_calls"] = {"open": "[TOOL_CALLS]", "content": "json"}
+    mistral_tokenizer.response_template = as_written
+    text = 'Run it.[TOOL_CALLS][{"type": "code_interpreter", "function": {"name": "calculator", "arguments": {}}}]'
+    [call] = parse_reply(text, mistral_tokenizer).tool_calls
+    assert "only \"function\" tools can be called" in call.error and "'code_interpreter'" in call.error
+    function = 'Run it.[TOOL_CALLS][{"type": "function", "function": {"name": "calculator", "arguments": {"x": 1}}}]'
+    assert calls_of(parse_reply(function, mistral_tokenizer)) == [("calculator", {"x": 1}, None)]

@@ -301,9 +301,11 @@ def flash_plan(recipe, max_model_len: int, rows) -> list[str]:
     config = recipe.config
     budget = config.token_budget or max_model_len  # the run's default token budget is the server's max_model_len
     per_row = max(1, budget // max_model_len)
-    batch = config.gradient_accumulation_steps * per_row
+    exact = config.flash_batch_size is not None
+    batch = config.flash_batch_size if exact else config.gradient_accumulation_steps * per_row
+    at_least = "" if exact else ">= "
     if config.max_steps > 0:
-        steps, episodes = f"{config.max_steps} (max_steps)", f">= {config.max_steps * batch} rollouts (steps x batch)"
+        steps, episodes = f"{config.max_steps} (max_steps)", f"{at_least}{config.max_steps * batch} rollouts (steps x batch)"
     elif rows is not None:
         total = math.ceil(config.num_train_epochs * len(rows))
         steps = f"<= {math.ceil(total / batch)} (episodes / batch)"
@@ -318,7 +320,9 @@ def flash_plan(recipe, max_model_len: int, rows) -> list[str]:
                   "sampler to policy, is at most this"),
         ("q", f"{config.flash_negative_token_fraction:g} (flash_negative_token_fraction): a failed trajectory "
               "(reward 0 or less) keeps this share of its tokens, highest entropy first"),
-        ("batch", f">= {batch} prompts a step, one rollout each: {config.gradient_accumulation_steps} micro-batches "
+        ("batch", f"{batch} prompts a step, one rollout each (flash_batch_size), in as many rows of token_budget "
+                  f"{budget} as they need" if exact else
+                  f">= {batch} prompts a step, one rollout each: {config.gradient_accumulation_steps} micro-batches "
                   f"(gradient_accumulation_steps) x {per_row} a row ({per_row_why}); x ranks under torchrun; more when "
                   "rollouts are shorter"),
         ("steps", steps),
@@ -401,6 +405,8 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
 
     try:
         output = trainer.train()
+        if recipe.config.push_to_hub and not trainer.runtime.preempted.is_set():
+            trainer.push_to_hub()  # the final model, as a transformers script ends (checkpoints went as they were saved)
     except UsageError as exc:  # no checkpoint to resume from; a prompt longer than the server's context
         user_error(f"tandem train: {ns.recipe}: {exc}")
     except ServerProblem as exc:  # a server that cannot be reached, refuses the run, or serves other weights

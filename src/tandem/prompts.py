@@ -147,14 +147,68 @@ template; earlier turns keep their reasoning (Qwen3's drops it once a new user q
 `<think>` block (Qwen3's drops an empty one from turns that are no longer last)."""
 
 
+DEEPSEEK_V3_MARKERS = ("<｜Assistant｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁outputs▁begin｜>", "is_output_first")
+"""What DeepSeek-V3's template contains: its turn tokens, tool calls opened once per conversation (`ns.is_first`
+is never reset) and tool outputs opened once (`is_output_first`)."""
+
+DEEPSEEK_V3_TRAINING_TEMPLATE = r"""{#- DeepSeek-V3 for training: each reply renders as it was generated after its prompt (reasoning kept, each reply
+    opening its own tool-call list, each run of tool results opened and closed), so a longer conversation extends a
+    shorter one token for token; tool arguments may be objects. -#}
+{%- set ns = namespace(system='', after_tools=false) %}
+{%- for message in messages if message.role == 'system' %}
+{%- set ns.system = ns.system + ('\n\n' if ns.system else '') + message.content %}
+{%- endfor %}
+{{- (bos_token or '') + ns.system }}
+{%- for message in messages %}
+{%- if message.role == 'user' %}
+{{- '<｜User｜>' + message.content }}
+{%- set ns.after_tools = false %}
+{%- elif message.role == 'assistant' %}
+{%- set content = message.content if message.content is string else '' %}
+{%- if message.reasoning_content is string %}
+{%- set content = ('<think>\n' if ns.after_tools else '') + message.reasoning_content + '</think>' + content %}
+{%- endif %}
+{#- after the user, the prompt was '<｜Assistant｜><think>\n'; after tool results, the tool outputs' end -#}
+{{- ('' if ns.after_tools else '<｜Assistant｜><think>\n') + content }}
+{%- if message.tool_calls %}
+{{- '<｜tool▁calls▁begin｜>' }}
+{%- for tool_call in message.tool_calls %}
+{%- set call = tool_call.function if tool_call.function is defined else tool_call %}
+{%- if not loop.first %}{{- '\n' }}{%- endif %}
+{{- '<｜tool▁call▁begin｜>function<｜tool▁sep｜>' + call.name + '\n```json\n' }}
+{%- if call.arguments is string %}{{- call.arguments }}{%- else %}{{- call.arguments | tojson }}{%- endif %}
+{{- '\n```<｜tool▁call▁end｜>' }}
+{%- endfor %}
+{{- '<｜tool▁calls▁end｜>' }}
+{%- endif %}
+{{- '<｜end▁of▁sentence｜>' }}
+{%- set ns.after_tools = false %}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<｜tool▁outputs▁begin｜>' }}{%- endif %}
+{{- '<｜tool▁output▁begin｜>' + message.content + '<｜tool▁output▁end｜>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<｜tool▁outputs▁end｜>' }}{%- endif %}
+{%- set ns.after_tools = true %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt and not ns.after_tools %}{{- '<｜Assistant｜><think>\n' }}{%- endif %}
+"""
+"""DeepSeek-V3's format with no turn rewritten later: its own template drops an earlier reply's reasoning, opens
+the tool-call list and the tool outputs only once per conversation, prefixes a reply that follows tool results with
+`<｜Assistant｜>` although its prompt ended without one, and cannot render object arguments."""
+
+TRAINING_TEMPLATES = {"qwen3": (QWEN3_MARKERS, QWEN3_TRAINING_TEMPLATE),
+                      "deepseek_v3": (DEEPSEEK_V3_MARKERS, DEEPSEEK_V3_TRAINING_TEMPLATE)}
+
+
 def training_chat_template(tokenizer) -> tuple[str, str] | None:
-    """(family, template) when the tokenizer's chat template is of a known family and not prefix-preserving: a
-    template of the same format that is, to render multi-turn rollouts with (`chat_template=` or assign it to
-    `tokenizer.chat_template`). None when the template is prefix-preserving already, or of a family with no
-    training template here (only Qwen3's hybrid-thinking template has one)."""
+    """(family, template) when the tokenizer's chat template is of a known family (Qwen3, DeepSeek-V3) and not
+    prefix-preserving: a template of the same format that is, to render multi-turn rollouts with (`chat_template=`
+    or assign it to `tokenizer.chat_template`). None when the template is prefix-preserving already, or of a family
+    with no training template here."""
     source = tokenizer.chat_template
-    if not isinstance(source, str) or not all(m in source for m in QWEN3_MARKERS) or "<function=" in source:
+    if not isinstance(source, str) or "<function=" in source:  # Qwen3.5 / Qwen3-Coder: XML tool calls, not Qwen3's
         return None
-    if check_prefix_preserving(tokenizer, [PROBE_TOOL], None) is None:
+    family = next((name for name, (markers, _) in TRAINING_TEMPLATES.items() if all(m in source for m in markers)), None)
+    if family is None or check_prefix_preserving(tokenizer, [PROBE_TOOL], None) is None:
         return None
-    return "qwen3", QWEN3_TRAINING_TEMPLATE
+    return family, TRAINING_TEMPLATES[family][1]

@@ -89,6 +89,10 @@ class Sample:
     sampling_mask: list[list[int] | None] = field(default_factory=list)
     reward: float = float("nan")
     """The rollout's total reward (FlashREINFORCE computes advantages from it when the batch is assembled)."""
+    group_reward_std: float = float("nan")
+    """The std of the summed reward within the sample's group: reward_group_std, averaged over trained samples."""
+    source_group_stds: dict[str, float] = field(default_factory=dict)
+    """The same per reward source (rewards/{source}/group_std)."""
 
     @property
     def num_tokens(self) -> int:

@@ -173,14 +173,21 @@ def parse_with_response_template(text: str, tokenizer, prefix: str) -> ParsedRep
     except (ValueError, KeyError) as e:  # the parser's verdict on text that does not fit the template
         reason = e.args[0] if e.args else repr(e)
         return unparsed(text, f"the reply does not parse with the tokenizer's response_template: {reason}")
-    calls = [call_from_object(entry.get("function", entry) if isinstance(entry, dict) else entry,
-                              json.dumps(entry, ensure_ascii=False))
-             for entry in parsed.get("tool_calls") or []]
+    calls = [parsed_call(entry) for entry in parsed.get("tool_calls") or []]
     bad = next((i for i, call in enumerate(calls) if call.error is not None), None)
     if bad is not None:
         return unparsed(text, f"tool call {bad + 1} of the reply is malformed: {calls[bad].error}")
     reasoning = parsed.get("reasoning_content", parsed.get("thinking"))
     return ParsedReply(content=(parsed.get("content") or "").strip(), tool_calls=calls, reasoning=reasoning)
+
+
+def parsed_call(entry) -> ToolCall:
+    """One entry of a parsed reply's `tool_calls`: `{"type": "function", "function": {...}}` or the function object
+    itself. Only function tools run: a call of another type is malformed, never looked up by its name."""
+    raw = json.dumps(entry, ensure_ascii=False)
+    if isinstance(entry, dict) and entry.get("type", "function") != "function":
+        return ToolCall("", {}, error=f'a call of type {entry["type"]!r}: only "function" tools can be called', raw=raw)
+    return call_from_object(entry.get("function", entry) if isinstance(entry, dict) else entry, raw)
 
 
 def unparsed(text: str, error: str) -> ParsedReply:

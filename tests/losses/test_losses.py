@@ -31,8 +31,14 @@ def test_clipped_surrogate_gradient_is_masked_and_clipped_ratio_times_advantage(
     expected = [-1.1 * 1, -0.5 * 1, -at_max * -1, 0.0, 0.0, 0.0]
     assert torch.allclose(logprobs.grad, torch.tensor(expected, dtype=F64), atol=1e-10, rtol=0)
     assert stats.in_bounds.tolist() == [True, True, True, False, True, True]
-    assert stats.high_clipped.tolist() == [False, False, False, False, True, False]
-    assert stats.low_clipped.tolist() == [False, False, False, False, False, True]
+
+
+def test_clip_ratio_counts_every_token_outside_the_trust_region_whatever_its_advantage_sign():
+    ratios = torch.tensor([1.1, 0.5, 5.0, 0.4, 1.5, 0.7], dtype=F64)
+    for sign in (1.0, -1.0):  # the clip is active for one sign only; the spec's clip_ratio/* count both
+        _, stats = clipped_surrogate(ratios.log(), torch.zeros(6, dtype=F64), torch.full((6,), sign, dtype=F64), **BOUNDS)
+        assert stats.above.tolist() == [False, False, True, False, True, False], "above 1 + epsilon_high = 1.28"
+        assert stats.below.tolist() == [False, True, False, True, False, True], "below 1 - epsilon = 0.8"
 
 
 def test_score_centering_gradient_matches_the_formula_through_a_softmax():

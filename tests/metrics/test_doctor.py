@@ -91,7 +91,7 @@ def test_a_log_prob_gap_beyond_rounding_at_staleness_zero_is_critical():
 
 
 def test_tandem_doctor_prints_the_findings_and_exits_1_on_a_critical_one(tmp_path, capsys):
-    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    (tmp_path / "run_config.json").write_text(json.dumps(CONFIG))
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in run({})))
     main(["doctor", str(tmp_path)])
     out = capsys.readouterr().out

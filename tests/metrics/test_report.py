@@ -74,7 +74,7 @@ def test_a_report_draws_the_panels_logged_and_names_the_others(tmp_path):
     page = path.read_text()
     assert "Not logged in this run: " in page and "KV-cache usage" in page
     assert "<li class=critical>CRITICAL sync: importance ratio out of bounds" in page
-    assert "no config.json" in page
+    assert "no run_config.json" in page
 
 
 def test_tandem_report_on_a_folder_without_metrics_is_one_line(tmp_path):

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma2Config, Qwen2Config
+from transformers import AutoModelForCausalLM, Gemma2Config, Qwen2Config, Qwen3NextConfig
 
 from tandem.packing import PADDED, TREE, attention, pack
 from tandem.packing.logprobs import chunked_logprobs, row_logprobs
@@ -121,10 +121,10 @@ def test_a_plain_attention_model_is_tree_packed():
 
 
 def test_padded_rows_of_a_hybrid_give_each_samples_own_forward_and_gradients():
-    """Gated DeltaNet layers scan every token before them: a padded row (one sequence per sample, padding after it)
-    gives each sample exactly what its own unpacked forward gives, shared prompt and all, and the same gradients."""
-    model = tiny_hybrid()
-    assert attention.prepare(model) == PADDED
+    """Layers that scan every token before them (the layout of those tandem cannot tree-pack, such as Mamba; here a
+    Gated DeltaNet hybrid through its own attention): a padded row (one sequence per sample, padding after it) gives
+    each sample exactly what its own unpacked forward gives, shared prompt and all, and the same gradients."""
+    model = tiny_hybrid()  # not prepared: the model's own layers and attention
     prompt = list(range(3, 40))
     samples = [sample(prompt + [50, 51, 52], [0] * 37 + [1, 1, 1]), sample(prompt + [60], [0] * 37 + [1], group=1),
                sample([7, 8, 9], [0, 1, 1], group=2)]
@@ -167,3 +167,54 @@ def test_moe_rows_return_the_router_load_balancing_loss_of_their_real_tokens():
     torch.testing.assert_close(scored.aux_loss, expected, atol=1e-6, rtol=1e-5)
     scored.aux_loss.backward()
     assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0, "the router gets the balancing gradient"
+
+
+def tiny_qwen3_next() -> torch.nn.Module:
+    """A Qwen3-Next-style hybrid (Gated DeltaNet with fused projections, then attention; experts in every MLP)."""
+    torch.manual_seed(0)
+    config = Qwen3NextConfig(vocab_size=512, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                             shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                             linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                             linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"],
+                             eos_token_id=2, pad_token_id=0, initializer_range=0.2)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("make", [tiny_hybrid, tiny_qwen3_next], ids=["qwen3_5", "qwen3_next"])
+def test_gated_deltanet_hybrids_are_tree_packed_each_branch_from_its_parents_state(make):
+    """Spec 000's tree packing for Gated DeltaNet hybrids: a group's completions share their prompt, each continuing
+    the convolution window and recurrent state the prompt ended in; log-probs and gradients equal each sample's own
+    forward to the chunked kernel's rounding (its 64-token chunks start where a segment starts)."""
+    model = make()
+    assert attention.prepare(model) == TREE and attention.padded_reasons(model) == []
+    prompt = list(range(3, 73))  # past the kernel's first 64-token chunk
+    samples = [sample(prompt + [100 + i, 101 + i, 102, 103 + i] * (i + 1), group=0) for i in range(3)]
+    samples += [sample(prompt[:20] + [9, 9, 9], group=0), sample([7, 8, 9, 10, 11], group=1)]  # a mid-prompt branch, a root
+    row = pack(samples)
+    assert row.layout == TREE and row.packing_ratio > 2
+    expected = []
+    for s in samples:
+        ids = torch.tensor([s.input_ids])
+        logits = model(input_ids=ids).logits[0, :-1]
+        expected.append(logits.log_softmax(-1).gather(1, ids[0, 1:, None])[:, 0])
+    expected = torch.cat(expected)
+    expected.sum().backward()
+    expected_grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    got = row_logprobs(model, row, "exact")
+    order = torch.cat([torch.nonzero(row.term_sample == n)[:, 0] for n in range(len(samples))])
+    torch.testing.assert_close(got.log_probs[order], expected.detach(), atol=2e-5, rtol=1e-5)
+    got.log_probs.sum().backward()
+    for name, grad in expected_grads.items():  # gradients of up to ~500 here: compared by norm
+        difference = (dict(model.named_parameters())[name].grad - grad).norm()
+        assert difference <= 1e-4 * grad.norm(), f"{name}: {difference:.2e} off a gradient of norm {grad.norm():.2e}"
+
+
+def test_a_tree_rows_segments_end_where_another_branch_leaves():
+    from tandem.packing.linear_attention import tree_scan
+
+    # depth-first: a prompt of 4 tokens, two completions after it, a branch after its 2nd token, a second root
+    scan = tree_scan([0, 1, 2, 3, 4, 5, 4, 2, 0, 1])
+    assert scan.parents == [-1, 0, 1, 2, 3, 4, 3, 1, -1, 8]
+    assert scan.segments == [(0, 2, -1), (2, 4, 1), (4, 6, 3), (6, 7, 3), (7, 8, 1), (8, 10, -1)]

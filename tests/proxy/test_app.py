@@ -5,12 +5,13 @@ import json
 import time
 
 import aiohttp
+import pytest
 import torch
 from aiohttp import web
 from transformers import AutoModelForCausalLM
 from aiohttp.test_utils import TestServer
 
-from tandem.generation.client import parse_metrics
+from tandem.generation.client import ControlClient, parse_metrics
 from tandem.proxy.app import ProxyArgs, start_proxy
 from tandem.tasks import TINY_MODEL_PATH
 
@@ -18,8 +19,9 @@ TEMPLATE = list(range(1000, 1016))
 
 
 class FakeReplica:
-    def __init__(self, index: int, lag: int = 0, fail_load: bool = False, port: int | None = None):
-        self.index, self.lag, self.fail_load = index, lag, fail_load
+    def __init__(self, index: int, lag: int = 0, fail_load: bool = False, port: int | None = None,
+                 api_key: str | None = None):
+        self.index, self.lag, self.fail_load, self.api_key = index, lag, fail_load, api_key
         self.calls: dict[str, int] = {}
         self.loaded: set[str] = set()
         self.healthy = True
@@ -29,6 +31,8 @@ class FakeReplica:
 
     async def handle(self, request: web.Request) -> web.Response:
         path = request.path
+        if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":  # vllm serve --api-key
+            return web.json_response({"error": "Unauthorized"}, status=401)
         self.calls[path] = self.calls.get(path, 0) + 1
         body = await request.json() if request.can_read_body else {}
         if path == "/v1/completions" and body.get("stream"):  # one event, then the replica dies mid-stream
@@ -185,7 +189,9 @@ async def test_health_metrics_and_a_dead_replica():
         assert {(status, upstream) for status, upstream, _ in answers} == {(200, "0")}, "the others serve its requests"
         assert time.monotonic() - start < 5
         async with s.get(url + "/health") as r:
-            assert r.status == 200 and "serving without" in await r.text(), "the proxy serves while one replica is down"
+            assert r.status == 503 and "1/2 servers unhealthy, serving on 1" in await r.text(), "200 only when all are"
+        async with ControlClient(url) as control:
+            await control.wait_healthy(5)  # the trainer reads the proxy's own view: it serves on the replica up
         async with s.get(url + "/v1/models") as r:
             assert r.status == 200 and (await r.json())["from"] == 0
     await runner.cleanup()
@@ -335,3 +341,50 @@ async def test_a_transfer_group_is_formed_again_without_a_replica_that_went_down
     await runner.cleanup()
     for replica in (replicas[0], back):
         await replica.server.close()
+
+
+async def test_the_dtype_warning_covers_tandem_serve_and_the_servers_behind_tandem_proxy():
+    from tandem.generation.client import ControlClient
+    from tandem.runtime.server_checks import check, read_facts
+    from tests.conftest import ServerThread
+
+    replica = ServerThread(dtype="bfloat16", max_num_seqs=4)
+    runner, port = await start_proxy(ProxyArgs(upstreams=[replica.url], port=0))
+    try:
+        for url in (replica.url, f"http://127.0.0.1:{port}"):
+            async with ControlClient(url) as control:
+                await control.wait_healthy(30)
+                facts = await read_facts(control)
+            with pytest.warns(UserWarning, match=f"the server at {url} decodes in bfloat16 and the trainer holds its "
+                                                 "weights in float32.*--dtype float32"):
+                check(facts, url, "float32")
+    finally:
+        await runner.cleanup()
+        replica.close()
+
+
+async def test_upstream_api_key_reaches_every_replica_and_the_clients_key_never_does():
+    replicas = [FakeReplica(i, api_key="replica-key") for i in range(2)]
+    runner, url = await started(replicas, upstream_api_key="replica-key")
+    try:
+        async with aiohttp.ClientSession(headers={"Authorization": "Bearer client-key"}) as s:
+            answers = [await post(s, url + "/v1/completions", {"prompt": [i] * 40}) for i in range(4)]
+            assert {status for status, _, _ in answers} == {200}, answers
+            async with s.post(url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"}) as r:
+                assert r.status == 200, await r.text()
+            async with s.get(url + "/health") as r:
+                assert r.status == 200
+        assert all(r.loaded == {"a"} for r in replicas), "broadcasts carry the key too"
+    finally:
+        await runner.cleanup()
+        for replica in replicas:
+            await replica.server.close()
+    unkeyed = [FakeReplica(0, api_key="replica-key")]
+    runner, url = await started(unkeyed)
+    try:
+        async with aiohttp.ClientSession() as s:
+            status, _, _ = await post(s, url + "/v1/completions", {"prompt": [1] * 40})
+            assert status == 401, "without --upstream-api-key the replica refuses, and the proxy says so"
+    finally:
+        await runner.cleanup()
+        await unkeyed[0].server.close()

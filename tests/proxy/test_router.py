@@ -27,13 +27,13 @@ def test_the_spec_four_request_walkthrough():
     third = router.choose("policy", p1, inflight=[5, 3])
     assert (third.replica, third.kind) == (B, "unmatched")  # a new prompt goes to the less loaded B
     fourth = router.choose("policy", p0, inflight=[12, 3])
-    assert (fourth.replica, fourth.kind) == (B, "spill")    # A holds 7 specific blocks but is 9 requests ahead
-    # Both replicas now hold problem 0: it has become common and later rollouts go by load alone; the replica
-    # chosen holds the whole prompt, so the request still counts as a cache hit.
+    assert (fourth.replica, fourth.kind) == (B, "spilled")  # A holds 7 specific blocks but is 9 requests ahead
+    # Both replicas now hold problem 0: its blocks are common, and later rollouts go by load alone, counted
+    # unmatched as the spec counts them (the replica chosen still holds the whole prompt in its cache).
     fifth = router.choose("policy", p0, inflight=[6, 4])
-    assert (fifth.replica, fifth.kind, fifth.specific_blocks) == (B, "affinity", 0)
+    assert (fifth.replica, fifth.kind, fifth.specific_blocks) == (B, "unmatched", 0)
     stats = router.stats()
-    assert (stats["routed"], stats["affinity"], stats["spill"], stats["unmatched"]) == (5, 2, 1, 2)
+    assert (stats["routed"], stats["affinity"], stats["spilled"], stats["unmatched"]) == (5, 1, 1, 3)
 
 
 def test_the_same_prompt_sticks_and_distinct_prompts_spread():
@@ -69,7 +69,7 @@ def test_imbalance_forces_a_spill():
     busy = [0, 0]
     busy[home] = 3
     decision = router.choose("policy", problem(5, 4), busy)
-    assert decision.kind == "spill" and decision.replica != home
+    assert decision.kind == "spilled" and decision.replica != home
 
 
 def test_a_replica_that_lost_its_cache_loses_its_affinity():

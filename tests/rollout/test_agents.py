@@ -95,6 +95,7 @@ class ScriptedLoop(AsyncRolloutLoop):
 
 
 def make_loop(replies, tools=(), environment_factory=None, **config):
+    config = {"train_sampling_strategy": "sequential", **config}  # row i is prompt position i
     settings = RolloutSettings(
         config=AsyncGRPOConfig(num_generations=2, max_completion_length=32, **config), model_name="tiny",
         tokenizer_path=TINY_MODEL_PATH, dataset=None, reward_funcs=[], eos_token_ids=[TOKENIZER.eos_token_id],
@@ -268,11 +269,37 @@ def test_bad_tools_fail_before_any_work_naming_the_fix(tools, message):
 
 def test_bad_environments_fail_before_any_work_naming_the_fix():
     with pytest.raises(TypeError, match="has no reset"):
-        validate_environments(NoReset, [], None)
+        validate_environments(NoReset, [], {"train_dataset": None})
     rows = [{"environment": "count"}, {"environment": "game"}]
     with pytest.raises(ValueError, match=r"names \['game'\]"):
-        validate_environments({"count": Counter}, [], rows)
+        validate_environments({"count": Counter}, [], {"train_dataset": rows})
     with pytest.raises(ValueError, match="'environment' column"):
-        validate_environments({"count": Counter}, [], [{"prompt": "x"}])
+        validate_environments({"count": Counter}, [], {"train_dataset": [{"prompt": "x"}]})
     with pytest.raises(ValueError, match="two tools are named 'increment'"):
-        validate_environments(Counter, [Counter().increment], None)
+        validate_environments(Counter, [Counter().increment], {"train_dataset": None})
+
+
+def test_an_eval_row_naming_an_unknown_environment_fails_when_the_trainer_is_built():
+    train = [{"prompt": "x", "environment": "count"}]
+    with pytest.raises(ValueError, match=r"eval_dataset's 'environment' column names \['game'\]"):
+        validate_environments({"count": Counter}, [], {"train_dataset": train, "eval_dataset": [{"environment": "game"}]})
+    with pytest.raises(ValueError, match="the eval_dataset has columns"):
+        validate_environments({"count": Counter}, [], {"train_dataset": train, "eval_dataset": [{"prompt": "x"}]})
+
+
+class Expensive(Counter):
+    """An environment whose __init__ is costly: the spec pays it once per pooled instance."""
+
+    built = 0
+
+    def __init__(self):
+        super().__init__()
+        Expensive.built += 1
+
+
+def test_reading_an_environment_class_tools_runs_no_init_of_it():
+    Expensive.built = 0
+    [cls] = validate_environments(Expensive, [], {"train_dataset": None})
+    assert cls is Expensive and Expensive.built == 0, "the class is read, not built: its __init__ is the pool's"
+    validate_environments(lambda: Expensive(), [], {"train_dataset": None})
+    assert Expensive.built == 1, "a factory function is called once to see what it makes"

@@ -51,7 +51,8 @@ def run_loop(reward, prompts: int = 6, failing_requests=None, slow_until_synced=
     `settings` overrides RolloutSettings fields (another dataset, a resumed run's start)."""
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"prompt {i}"}]} for i in range(prompts)])
     settings = RolloutSettings(**{
-        "config": AsyncGRPOConfig(num_generations=2, max_completion_length=8, **config), "model_name": "tiny",
+        "config": AsyncGRPOConfig(num_generations=2, max_completion_length=8,
+                                  **{"train_sampling_strategy": "sequential", **config}), "model_name": "tiny",
         "tokenizer_path": TINY_MODEL_PATH, "dataset": dataset, "reward_funcs": [reward],
         "eos_token_ids": [TOKENIZER.eos_token_id], "base_url": "http://127.0.0.1:9", "num_positions": prompts,
         "full_step_tokens": 10_000, **(settings or {})})

@@ -13,7 +13,7 @@ from transformers.utils import logging as hf_logging
 from tandem import AsyncGRPOTrainer
 from tandem.rewards import accuracy_reward
 from tandem.tasks import arithmetic
-from tests.metrics.test_sinks import tensorboard_scalars
+from tests.metrics.test_sinks import tensorboard_scalars, tensorboard_text
 from tests.trainer.test_trainer import config, logged
 
 pytestmark = pytest.mark.slow
@@ -81,6 +81,9 @@ def test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask(tmp_p
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
     tables = re.split(r" completions *\n", capsys.readouterr().err)[1:]
     assert tables and all(table.count("What is") == 2 for table in tables), "log_completions, num_completions_to_print"
+    completions = [json.loads(line) for line in open(tmp_path / "run" / "completions.jsonl")]
+    assert {c["step"] for c in completions} == {1, 3, 4} and len(completions) > 2 * 3, "every completion to the sinks"
+    assert "| step | prompt | completion | reward |" in tensorboard_text(tmp_path / "run" / "runs", "completions")
     assert train_rows[-1]["learning_rate"] == pytest.approx(0.5e-3), "cosine_with_min_lr ends at min_lr_rate"
     assert max(r["batch/samples_per_row"] for r in train_rows) <= 2, "per_device_train_batch_size caps a row"
     assert isinstance(trainer.optimizer, torch.optim.SGD) and trainer.optimizer.param_groups[0]["momentum"] == 0.9
@@ -92,13 +95,12 @@ def test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask(tmp_p
     assert [step for step, _ in scalars["eval/reward"]] == [0, 4]
     assert [step for step, _ in scalars["loss"]] == [1, 3, 4]
     assert scalars["reward"][-1] == (4, pytest.approx(train_rows[-1]["reward"]))
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["optim"] == "sgd"
+    assert json.loads((tmp_path / "run" / "run_config.json").read_text())["optim"] == "sgd"
 
 
 def test_an_iterable_dataset_needs_max_steps_and_is_shuffled_as_a_stream(tmp_path):
     stream = IterableDataset.from_generator(arithmetic_stream, gen_kwargs={"n": 6})
     with pytest.raises(ValueError, match="IterableDataset, which has no length: set max_steps"):
         AsyncGRPOTrainer("tiny", accuracy_reward, train_dataset=stream, args=config(tmp_path, max_steps=-1))
-    with pytest.raises(ValueError, match="shuffle the stream itself"):
-        AsyncGRPOTrainer("tiny", accuracy_reward, train_dataset=stream,
-                         args=config(tmp_path, train_sampling_strategy="random"))
+    with pytest.raises(ValueError, match="data_seed=3 orders a dataset by its indices.*shuffle the stream itself"):
+        AsyncGRPOTrainer("tiny", accuracy_reward, train_dataset=stream, args=config(tmp_path, data_seed=3))

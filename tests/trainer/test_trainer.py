@@ -60,7 +60,8 @@ def test_at_staleness_zero_the_importance_ratio_is_one(tmp_path):
         assert r["batch/packing_ratio"] > 1.5
         assert 0.3 < r["sampling/sampler_mass"] <= 1.0 + 1e-6, "score centering (the default) logs the top-K mass"
         assert set(BATCH_METRICS) <= set(r), f"missing: {set(BATCH_METRICS) - set(r)}"
-        assert not set(ONE_RANK_CONSTANTS) & set(r), "one process has no ranks to balance or wait for"
+        assert "perf/weight_sync_barrier_s" not in r, "one process has no ranks to wait for"
+        assert (r["batch/row_imbalance"], r["batch/pad_frac"]) == (1.0, 0.0), "one row a micro-batch: balanced, unpadded"
         assert r["perf/fwd_s"] < r["perf/fwd_bwd_s"], "the step's forward passes are part of its forward + backward"
     assert rows[-1]["num_tokens"] == sum(r["batch/forwarded_tokens_per_step"] for r in rows)
 
@@ -71,9 +72,6 @@ BATCH_METRICS = [
     "batch/forwarded_tokens_per_step", "batch/trained_tokens_per_step", "batch/samples_per_step", "batch/groups_per_step",
     "batch/microbatches_per_step", "perf/fwd_bwd_forwarded_tokens_per_s", "perf/wall_clock_trained_tokens_per_s",
 ]
-
-
-ONE_RANK_CONSTANTS = ["batch/row_imbalance", "batch/pad_frac", "perf/weight_sync_barrier_s"]
 
 
 class SlowTrainer(AsyncGRPOTrainer):
@@ -489,12 +487,15 @@ def test_samples_longer_than_the_token_budget_are_dropped_with_a_warning(tmp_pat
     assert set(trainer.runtime.source.ledger.finished) == set(range(8)), "dropped samples still finish their prompt"
 
 
-def test_flash_reinforce_trains_one_rollout_per_prompt_with_the_batch_baseline(tmp_path):
-    args = config(tmp_path, algorithm="flash_reinforce", num_generations=1, max_staleness=0, max_steps=3, flash_delta=3e-3)
+def test_flash_reinforce_trains_exactly_b_single_rollouts_a_step_with_the_batch_baseline(tmp_path):
+    args = config(tmp_path, algorithm="flash_reinforce", num_generations=1, max_staleness=0, max_steps=3, flash_delta=3e-3,
+                  flash_batch_size=7, token_budget=64)
     trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=small_dataset(48))
     trainer.train()
     rows = logged(tmp_path)
     for r in rows:
+        assert r["batch/samples_per_step"] == 7, "flash_batch_size: exactly B trajectories a step (the spec's B)"
+        assert r["batch/microbatches_per_step"] > 1, "as many micro-batches as the token budget needs"
         # On policy (staleness 0) the policy equals the sampler: every trajectory's KL is 0 and passes the gate.
         assert r["flash/acceptance_rate"] == 1.0 and r["flash/sequence_kl_max"] < 1e-6
         assert r["flash/retained_tokens_frac"] == 1.0

@@ -212,7 +212,9 @@ class ControlClient(_Http):
     """The control plane: readiness, server facts, pause/resume, weight reload, LoRA adapters, load metrics."""
 
     async def wait_healthy(self, deadline_s: float = 240.0, interval_s: float = 0.5) -> None:
-        """Poll `/health` until it answers 200; raise TimeoutError naming the URL after `deadline_s`."""
+        """Poll `/health` until it answers 200, or, from `tandem proxy` (whose /health is 200 only when every replica
+        is), until its /proxy/stats shows a replica up: it serves on those. TimeoutError naming the URL after
+        `deadline_s`."""
         end = time.monotonic() + deadline_s
         last = "no answer"
         while time.monotonic() < end:
@@ -221,9 +223,19 @@ class ControlClient(_Http):
                 return
             except (ServerError, ConnectionError) as exc:
                 last = str(exc)
+                if isinstance(exc, ServerError) and "proxy:" in str(exc) and await self._proxy_serving():
+                    return
             await asyncio.sleep(interval_s)
         raise TimeoutError(f"{self.base_url}/health did not answer 200 within {deadline_s:.0f}s (last: {last}). "
                            "Is the generation server running and is the URL right?")
+
+    async def _proxy_serving(self) -> bool:
+        """tandem proxy's own view: at least one replica up."""
+        try:
+            stats = await self.get_json("/proxy/stats", retry=False, timeout_s=5)
+        except (ServerError, ConnectionError):
+            return False
+        return any(upstream.get("state") == "up" for upstream in stats.get("upstreams", []))
 
     async def models(self) -> list[dict]:
         return (await self.get_json("/v1/models"))["data"]

@@ -28,7 +28,7 @@ def score_centered(log_probs: torch.Tensor, behavior_log_probs: torch.Tensor, ad
     top_log_probs / sampler_logprobs: [N, K] policy and sampler log-probs of the sampler's top-K tokens,
     with -inf (or vLLM's -9999.0 floor) in the sampler's entries where a position has fewer than K.
     """
-    ratio, stats = importance_ratio(log_probs, behavior_log_probs, advantages, epsilon_low=epsilon_low,
+    ratio, stats = importance_ratio(log_probs, behavior_log_probs, epsilon_low=epsilon_low,
                                     epsilon_high=epsilon_high, clip_min=clip_min, clip_max=clip_max)
     present = sampler_logprobs > SAMPLER_FLOOR
     top_probs = torch.exp(top_log_probs.masked_fill(~present, float("-inf")))

@@ -18,6 +18,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+RUN_CONFIG = "run_config.json"
+"""The run's AsyncGRPOConfig, written to its output folder when it starts (a model saved there has config.json)."""
 HIGH_SHARE = 0.3
 """A wait is "high" when it takes this share of the step's time or more."""
 LOW_SHARE = 0.05
@@ -235,7 +237,7 @@ def diagnose(rows: list[dict], config: dict) -> dict[str, list[Finding]]:
 
 
 def read_run(run_dir: Path) -> tuple[list[dict], dict]:
-    """A run's logged windows and its config (config.json; {} when absent: the defaults apply)."""
+    """A run's logged windows and its config (run_config.json)."""
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: give the output_dir of a tandem run")
@@ -247,8 +249,18 @@ def read_run(run_dir: Path) -> tuple[list[dict], dict]:
         pass
     rows = list({row.get("step"): row for row in rows}.values())  # a resumed run logs its last steps again: the later
     # line of each step wins, in step order
-    config_file = run_dir / "config.json"
-    return rows, json.loads(config_file.read_text()) if config_file.is_file() else {}
+    return rows, run_config(run_dir)
+
+
+def run_config(run_dir: Path) -> dict:
+    """The run's AsyncGRPOConfig as it wrote it ({} when absent: the defaults apply). Runs before run_config.json wrote
+    config.json, which a model saved to the output folder overwrites: read only when it is a run's config."""
+    for name in (RUN_CONFIG, "config.json"):
+        if (run_dir / name).is_file():
+            config = json.loads((run_dir / name).read_text())
+            if "num_generations" in config:
+                return config
+    return {}
 
 
 def report(run_dir: Path) -> tuple[str, bool]:

@@ -203,8 +203,8 @@ def page(run_dir: Path, rows: list[dict], config: dict, findings: dict, images: 
         out.append(f"<h3>{html.escape(label)}</h3><ul>")
         out += [f"<li class={'critical' if f.critical else 'finding'}>{html.escape(f.line())}</li>" for f in found]
         out.append("</ul>")
-    recipe = json.dumps(config, indent=2, default=str) if config else "(no config.json in the run folder)"
-    out.append(f"<h2>Recipe</h2><details><summary>config.json</summary><pre>{html.escape(recipe)}</pre></details>")
+    recipe = json.dumps(config, indent=2, default=str) if config else "(no run_config.json in the run folder)"
+    out.append(f"<h2>Recipe</h2><details><summary>run_config.json</summary><pre>{html.escape(recipe)}</pre></details>")
     out.append("<h2>Metrics</h2>")
     for panel, data in images:
         encoded = base64.b64encode(data).decode()

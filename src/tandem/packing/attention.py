@@ -20,9 +20,12 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from tandem import architecture
 from tandem.exact_attention import additive_mask, exact_attention
+from tandem.packing import linear_attention
 from tandem.packing.trie import PADDED, TREE
 
 NAME = "tandem_tree"
+LINEAR = "linear_attention"
+"""The layer type of Gated DeltaNet layers: their "mask" is the row's TreeScan."""
 KERNELS = ("exact", "sdpa", "flex")
 
 
@@ -31,17 +34,22 @@ def default_kernel(device: torch.device) -> str:
 
 
 def padded_reasons(model: torch.nn.Module) -> list[str]:
-    """Why a tree row would change `model`'s outputs (none: tree packing reproduces its own forward)."""
-    scanning = [f"{name} reads across tokens outside attention" for name in architecture.scanning_layers(model)]
+    """Why a tree row would change `model`'s outputs (none: tree packing reproduces its own forward; Gated DeltaNet
+    layers continue their parent's state on tree rows, linear_attention.py)."""
+    layers = architecture.scanning_layers(model)
+    scanning = [] if linear_attention.tree_packs(model, layers) else \
+        [f"{name} reads across tokens outside attention" for name in layers]
     return scanning + [f"{extra}, which the tree kernels do not compute" for extra in architecture.attention_extras(model)]
 
 
 def prepare(model: torch.nn.Module) -> str:
-    """The model's row layout, decided once: TREE, its attention switched to `tandem_tree`, when tree packing
-    reproduces its own forward; else PADDED (one sequence per sample, through the model's own attention)."""
+    """The model's row layout, decided once: TREE, its attention switched to `tandem_tree` (and its Gated DeltaNet
+    layers to their tree path), when tree packing reproduces its own forward; else PADDED (one sequence per sample,
+    through the model's own attention)."""
     if padded_reasons(model):
         return PADDED
     model.set_attn_implementation(NAME)
+    linear_attention.install(model)
     return TREE
 
 
@@ -53,7 +61,8 @@ def tree_masks(end: torch.Tensor, position_ids: torch.Tensor, model: torch.nn.Mo
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     windows = {t: getattr(config, "sliding_window", None) if t == "sliding_attention" else None for t in layer_types}
     dtype = next(model.parameters()).dtype
-    return {t: _mask(end, position_ids, window, kernel, dtype) for t, window in windows.items()}
+    return {t: linear_attention.tree_scan(position_ids.tolist()) if t == LINEAR else
+            _mask(end, position_ids, window, kernel, dtype) for t, window in windows.items()}
 
 
 def _mask(end, position_ids, window, kernel, dtype):

@@ -74,7 +74,7 @@ class TokenBudgetBatcher:
 
 
 def record_micro_batch(window: MetricWindow, rows: list[PackedRow], token_budget: int, num_ranks: int = 1) -> None:
-    """Each row of a micro-batch; with several ranks (one row each), how evenly they are loaded: `batch/row_imbalance`
+    """Each row of a micro-batch, and how evenly the ranks (one row each) are loaded: `batch/row_imbalance`
     (the costliest row's attention load over the mean, a rank without a row counting 0) and `batch/pad_frac` (the
     share of the ranks' token slots that padding every row to the longest would add: the time ranks wait)."""
     lengths = [r.num_tokens for r in rows]
@@ -83,7 +83,6 @@ def record_micro_batch(window: MetricWindow, rows: list[PackedRow], token_budget
     window.add("batch/row_tokens_max", *lengths)
     window.add("batch/row_fill_frac", *[n / token_budget for n in lengths])
     window.add("batch/packing_ratio", *[r.packing_ratio for r in rows])
-    if num_ranks > 1:
-        loads = [r.load for r in rows]
-        window.add("batch/row_imbalance", max(loads) / (sum(loads) / num_ranks))
-        window.add("batch/pad_frac", 1 - sum(lengths) / (num_ranks * max(lengths)))
+    loads = [r.load for r in rows]  # one process: one row, balanced (1.0) and unpadded (0.0), as the spec defines them
+    window.add("batch/row_imbalance", max(loads) / (sum(loads) / num_ranks))
+    window.add("batch/pad_frac", 1 - sum(lengths) / (num_ranks * max(lengths)))

@@ -8,7 +8,7 @@ per prompt, each routed on its own, the answers merged back in order. Control ca
 fan out with each replica's rank offset in one group (`weight_transfer`);
 `/v1/load_lora_adapter` is all-or-nothing — a replica answering "No adapter found" (its mount has not seen
 the directory yet) is retried until a deadline, any other failure unloads the adapter from the replicas
-that took it. `/health` is 200 only when every replica is; `/metrics` concatenates the replicas' metrics
+that took it. `/health` is 200 only when every replica is (the proxy serves on those that are up meanwhile); `/metrics` concatenates the replicas' metrics
 with a `replica` label (the trainer's concurrency cap sums them) plus `tandem_proxy:*` totals; other reads
 go to the first replica that answers.
 
@@ -510,18 +510,18 @@ class Proxy:
         return error(504 if b"No adapter found" in data else status, failed_on(f"to load {name}", failed, len(results), note))
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 when every replica not known to be down is healthy (the proxy serves while one is down; the answer
-        names them), else the first unhealthy one's status."""
+        """200 only when every replica is healthy (spec 002), else 503 (or the first unhealthy one's 5xx) naming them.
+        The proxy still serves on the replicas that are up: /proxy/stats says which (the trainer reads it)."""
         members = self._members()
         results = await self._all(request, b"", members)
-        bad = [(u, r[0]) for u, r in zip(members, results) if r[0] != 200]
-        if not members:
-            return web.Response(status=503, text="proxy: every replica is down")
-        if bad:
-            return web.Response(status=bad[0][1] if bad[0][1] >= 500 else 503,
-                                text=f"proxy: {len(bad)}/{len(results)} servers unhealthy; first: {bad[0][0].url} -> {bad[0][1]}")
-        down = [u.url for u in self.upstreams if u.state == State.DOWN]
-        return web.Response(status=200, text=f"proxy: serving without {', '.join(down)} (down)" if down else "")
+        bad = [(u.url, r[0]) for u, r in zip(members, results) if r[0] != 200]
+        bad += [(u.url, "down") for u in self.upstreams if u.state == State.DOWN]
+        if not bad:
+            return web.Response(status=200)
+        serving = len(self.upstreams) - len(bad)
+        status = next((code for _, code in bad if isinstance(code, int) and code >= 500), 503)
+        return web.Response(status=status, text=f"proxy: {len(bad)}/{len(self.upstreams)} servers unhealthy, serving on "
+                                                f"{serving}; first: {bad[0][0]} -> {bad[0][1]}")
 
     async def metrics(self, request: web.Request) -> web.Response:
         results = await self._all(request, b"")

@@ -8,19 +8,18 @@ prompt (a chat template, a system prompt): only the blocks after them count as a
 
   affinity   a replica holds blocks specific to the prompt and is at most `imbalance` requests busier
              than the least-loaded replica: it gets the request;
-  spill      such a replica exists but is too busy: the least-loaded replica gets it;
+  spilled    such a replica exists but is too busy: the least-loaded replica gets it;
   unmatched  no replica holds a specific block: the least-loaded replica, round-robin on ties.
 
 Once a prompt has spilled to every replica its blocks count as common (spec 002) and load alone places
-its later rollouts; unlike the published proxy, such a request still counts as affinity when the chosen
-replica holds the whole prompt, since its cache hits (reference/proxy_notes.md A.11, point 12).
+its later rollouts, counted unmatched as spec 002 counts them, though the chosen replica's cache still hits.
 """
 
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-KINDS = ("affinity", "spill", "unmatched")
+KINDS = ("affinity", "spilled", "unmatched")
 
 
 @dataclass
@@ -102,10 +101,7 @@ class PrefixRouter:
             candidates = [i for i in range(self.num_replicas) if inflight[i] == least]
             pick = candidates[self.round_robin % len(candidates)]
             self.round_robin += 1
-            if hashes and matched[pick] == len(hashes):  # a prompt every replica holds: load decides, the cache still hits
-                decision = Decision(pick, "affinity", 0)
-            else:
-                decision = Decision(pick, "spill" if specific[best] else "unmatched", 0)
+            decision = Decision(pick, "spilled" if specific[best] else "unmatched", 0)
         self.record(hashes, decision.replica)
         self.counts["routed"] += 1
         self.counts[decision.kind] += 1

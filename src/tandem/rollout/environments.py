@@ -79,29 +79,48 @@ class EnvironmentPool:
         self.idle[name].append(env)
 
 
-def validate_environments(environment_factory, tools: list[Callable], dataset) -> list[type]:
-    """Every mistake an environment setup can make, raised before any training work, each naming the fix. Each
-    factory is called once here, to see the tools its instances expose; returns the instances' classes."""
+def validate_environments(environment_factory, tools: list[Callable], datasets: dict[str, object]) -> list[type]:
+    """Every mistake an environment setup can make, raised before any training work, each naming the fix;
+    `datasets` are the rows that will pick environments, by name (train_dataset, eval_dataset). A class factory is
+    read without running its __init__, which the pool pays once per instance; returns the instances' classes."""
     factories, classes = factories_of(environment_factory), []
     for name, factory in factories.items():
         label = "environment_factory" if name is None else f"environment_factory[{name!r}]"
         if not callable(factory):
             raise TypeError(f"{label} is {type(factory).__name__}, not a class or callable that makes an environment")
-        env = factory()
+        env = unbuilt(factory)
         if not callable(getattr(env, "reset", None)):
             raise TypeError(f"{label}: {type(env).__name__} has no reset() method. An environment needs "
                             "reset(self, **kwargs) -> str | None, called at the start of each rollout")
         validate_tools(list(tools) + environment_tools(env), owner=f"{label} ({type(env).__name__}) and tools")
         classes.append(type(env))
-    if None in factories:
-        return classes
+    if None not in factories:
+        for dataset_name, dataset in datasets.items():
+            check_routes(factories, dataset, dataset_name)
+    return classes
+
+
+def unbuilt(factory: Callable):
+    """An instance to read an environment's tools from: a class's bare object (`__new__` without `__init__`, whose
+    cost the pool pays once per instance, as the spec promises); a factory function has to be called once."""
+    if isinstance(factory, type):
+        try:
+            return factory.__new__(factory)
+        except TypeError:  # a __new__ that needs arguments
+            pass
+    return factory()
+
+
+def check_routes(factories: dict[str | None, Callable], dataset, dataset_name: str) -> None:
+    """Named factories: every row of `dataset` names one of them in its `environment` column."""
+    if dataset is None and dataset_name != "train_dataset":
+        return
     columns = columns_of(dataset)
     if dataset is None or ROUTE_COLUMN not in columns:
         raise UsageError(f"environment_factory is a dict ({', '.join(map(repr, factories))}), so each dataset row must "
-                         f"name its environment in an {ROUTE_COLUMN!r} column; the train_dataset has "
+                         f"name its environment in an {ROUTE_COLUMN!r} column; the {dataset_name} has "
                          f"{'none' if dataset is None else 'columns ' + str(columns)}")
     unknown = sorted({row[ROUTE_COLUMN] for row in dataset} - set(factories))
     if unknown:
-        raise UsageError(f"train_dataset's {ROUTE_COLUMN!r} column names {unknown}, which environment_factory does not "
+        raise UsageError(f"{dataset_name}'s {ROUTE_COLUMN!r} column names {unknown}, which environment_factory does not "
                          f"have (it has {sorted(factories)}): add a factory for each, or fix the rows")
-    return classes

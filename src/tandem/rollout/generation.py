@@ -69,7 +69,6 @@ class Generation:
         self.rollouts_in_flight = self.generated_tokens = 0
         self.max_model_len = settings.max_model_len
         """The server's context length: a conversation ends before its prompt would pass it."""
-        self.vocab_size = len(processing_class)
         self.sampling_masks = False
         """Whether requests go to /inference/v1/generate for each token's kept set (top-k / top-p)."""
         self.top_logprobs = config.num_sampler_logprobs if config.score_centering and config.algorithm != "flash_reinforce" else 0
@@ -83,10 +82,9 @@ class Generation:
         if self.max_model_len is not None:
             max_tokens = max(1, min(max_tokens, self.max_model_len - len(prompt_ids)))
         if self.sampling_masks:
-            # The server replays a sampling mask only with top_k > 0; top_k = vocabulary size truncates nothing.
             completions = await self.client.generate(prompt_ids, model=self._served_model(), sampling_params={
                 "max_tokens": max_tokens, "n": n, "temperature": c.temperature, "top_p": c.top_p,
-                "top_k": c.top_k or self.vocab_size, "min_p": c.min_p or 0.0, "repetition_penalty": c.repetition_penalty,
+                "top_k": c.top_k, "min_p": c.min_p or 0.0, "repetition_penalty": c.repetition_penalty,
                 "seed": SEEDS.get().getrandbits(62), "logprobs": self.top_logprobs, "stop_token_ids": self.eos_token_ids,
                 "skip_special_tokens": False})
         else:

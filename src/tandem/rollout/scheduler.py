@@ -20,7 +20,7 @@ from tandem.metrics.window import check_values
 from tandem.records import Rollout, RolloutGroup, Sample
 from tandem.rollout import rewards as scoring
 from tandem.rollout.generation import GROUP_VERSION, Generation
-from tandem.rollout.group_metrics import record_group
+from tandem.rollout.group_metrics import group_stds, record_group
 from tandem.rollout.pacing import METRICS_POLL_S, ConcurrencyCap, TokenAllowance
 from tandem.rollout.prompt_stream import PromptStream
 from tandem.rollout.settings import RolloutSettings
@@ -311,7 +311,7 @@ class RolloutScheduler:
         # GRPO learns only from groups whose rewards differ; FlashREINFORCE's baseline is the batch, not the group.
         kept = bool(np.isfinite(group.rewards).any()) if self.flash else scoring.keeps_signal(group.rewards)
         record_group(self.record, group, columns, kept, self.eos_token_ids, self.config.log_completions)
-        samples = self._samples(group, rollouts, advantages, position) if kept else []
+        samples = self._samples(group, rollouts, advantages, position, group_stds(group.rewards, columns)) if kept else []
         self._flush_records()  # the group's metrics travel ahead of its samples
         if not samples:
             self.emit("skip", position)
@@ -347,13 +347,16 @@ class RolloutScheduler:
         self.emit("skip", position)
 
     @staticmethod
-    def _samples(group: RolloutGroup, rollouts: list[Rollout], advantages: np.ndarray, position: int) -> list[Sample]:
-        """The group's training samples: each rollout's sequences, with the rollout's advantage and reward."""
+    def _samples(group: RolloutGroup, rollouts: list[Rollout], advantages: np.ndarray, position: int,
+                 stds: tuple[float, dict[str, float]]) -> list[Sample]:
+        """The group's training samples: each rollout's sequences, with the rollout's advantage and reward, and the
+        group's reward stds (metrics averaged over trained samples)."""
         group_samples = sum(len(seqs) for seqs in group.completions_sequences)
         return [Sample(input_ids=s.input_ids, trained=s.trained, behavior_log_probs=s.behavior_log_probs, advantage=float(a),
                        model_version=group.model_version, group_id=group.group_id, position=position,
                        group_samples=group_samples, rollout_id=rollout.rollout_id, created_at=time.time(),
-                       sampler_logprobs=s.sampler_logprobs, sampling_mask=s.sampling_mask, reward=float(r))
+                       sampler_logprobs=s.sampler_logprobs, sampling_mask=s.sampling_mask, reward=float(r),
+                       group_reward_std=stds[0], source_group_stds=stds[1])
                 for rollout, seqs, a, r in zip(rollouts, group.completions_sequences, advantages, group.rewards)
                 for s in seqs]
 

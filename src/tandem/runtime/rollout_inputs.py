@@ -10,8 +10,9 @@ from tandem.rollout.worker import check_picklable
 from tandem.tool_calls import tool_schema
 
 
-def check_agents(tools: list, environment_factory, dataset) -> bool:
-    """Tools and environments, checked before any training work; returns whether an environment owns a reward."""
+def check_agents(tools: list, environment_factory, dataset, eval_dataset=None) -> bool:
+    """Tools and environments, checked before any training work (the eval rows' environments too); returns whether
+    an environment owns a reward."""
     validate_tools(tools)
     labels = {f"tool {getattr(tool, '__name__', tool)!r}": tool for tool in tools}
     factories = factories_of(environment_factory)
@@ -19,7 +20,8 @@ def check_agents(tools: list, environment_factory, dataset) -> bool:
     check_picklable(labels)
     if environment_factory is None:
         return False
-    return any(callable(getattr(cls, "get_reward", None)) for cls in validate_environments(environment_factory, tools, dataset))
+    classes = validate_environments(environment_factory, tools, {"train_dataset": dataset, "eval_dataset": eval_dataset})
+    return any(callable(getattr(cls, "get_reward", None)) for cls in classes)
 
 
 def check_sendable(reward_funcs: list, loop_cls: type | None) -> None:

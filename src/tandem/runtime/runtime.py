@@ -8,6 +8,7 @@ worker is replaced once, and a server that stays away ends the run with a `Serve
 """
 
 import copy
+import itertools
 import json
 import math
 import signal
@@ -175,17 +176,22 @@ class Runtime:
 
     def next_micro_batches(self, version: int) -> list[list[PackedRow]]:
         """Up to gradient_accumulation_steps micro-batches of up to one row per rank, each closed by the token-budget
-        batcher when the next sample fits nowhere; fewer (or none) once the worker has finished. A sample is
-        consumed once placed. Rank 0 only."""
+        batcher when the next sample fits nowhere; with flash_batch_size B, as many as B trajectories need. Fewer (or
+        none) once the worker has finished. A sample is consumed once placed. Rank 0 only."""
         self._read(self.source.drain)
         self.window.add("rollout/queue_size", len(self.source.buffer))
-        micro_batches = []
-        for index in range(self.args.gradient_accumulation_steps):
-            self._fill_micro_batch(version, last=index == self.args.gradient_accumulation_steps - 1)
+        micro_batches, left = [], self.args.flash_batch_size
+        steps = self.args.gradient_accumulation_steps
+        for index in itertools.count():
+            if (index == steps if left is None else left == 0):
+                break
+            left = self._fill_micro_batch(version, last=index == steps - 1, rollouts=left)
             rows = self.batcher.close()
             if not rows:
                 break
             record_micro_batch(self.window, rows, self.token_budget, self.ranks.world_size)
+            taken = time.time()  # a sample leaves the queue when it is placed in a row, not when its step ends
+            self.window.add("sample/time_in_queue_s", *[taken - s.created_at for row in rows for s in row.samples])
             micro_batches.append(rows)
         return micro_batches
 
@@ -360,27 +366,31 @@ class Runtime:
         self.window.add("perf/server_restart_s", time.perf_counter() - start)
 
     # ---- the queue ----------------------------------------------------------------------------------
-    def _fill_micro_batch(self, version: int, last: bool) -> None:
-        """Offer samples to the batcher until one fits nowhere. The step's last micro-batch takes whole units: groups
-        (GRPO: a group split across two steps would have its second part trained a policy version later, past
-        max_staleness for a group that was just in bounds) or rollouts (FlashREINFORCE trains a trajectory in one
-        step). A group larger than a whole micro-batch fills it; a rollout larger than one is dropped as oversize."""
+    def _fill_micro_batch(self, version: int, last: bool, rollouts: int | None) -> int | None:
+        """Offer samples to the batcher until one fits nowhere, or until `rollouts` whole rollouts are placed (None: no
+        count); returns how many are left to place. The step's last micro-batch takes whole units: groups (GRPO: a
+        group split across two steps would have its second part trained a policy version later, past max_staleness
+        for a group that was just in bounds) or rollouts (FlashREINFORCE trains a trajectory in one step; every
+        micro-batch when they are counted). A group larger than a whole micro-batch fills it; a rollout larger than
+        one is dropped as oversize."""
         source, batcher = self.source, self.batcher
         flash = self.args.algorithm == "flash_reinforce"
         same = (lambda s: s.rollout_id) if flash else (lambda s: s.position)
-        while (unit := self._next_unit(version, same if last else None)) is not None:
+        while rollouts != 0 and (unit := self._next_unit(version, same if last or rollouts else None)) is not None:
             if batcher.offer_together(unit):
                 for _ in unit:
                     source.take()
+                rollouts = None if rollouts is None else rollouts - 1
             elif not batcher.empty:
-                return
+                return rollouts
             elif flash:
                 source.discard_oversize(len(unit))
             else:  # one group overfills the micro-batch: as much of it as fits
                 for sample in unit:
                     if not batcher.offer(sample):
-                        return
+                        return rollouts
                     source.take()
+        return rollouts
 
     def _next_unit(self, version: int, same) -> list[Sample] | None:
         """The source's next trainable unit, waiting for the worker while none is buffered; None once nothing more will
@@ -450,7 +460,8 @@ class Runtime:
             reward_funcs=spec.reward_funcs, eos_token_ids=spec.eos_token_ids, base_url=self.served_url,
             tools=spec.tools, environment_factory=spec.environment_factory, api_key=args.vllm_server_api_key,
             dataset_start_index=point.dataset_start_index, received=point.received, queued_tokens=point.queued_tokens,
-            full_step_tokens=self.token_budget * args.gradient_accumulation_steps, num_positions=self._num_positions(),
+            full_step_tokens=full_step_tokens(self.token_budget, args.gradient_accumulation_steps, self.ranks.world_size),
+            num_positions=self._num_positions(),
             eval_dataset=spec.eval_dataset, max_model_len=self.max_model_len, adapter_name=ADAPTER_NAME if isinstance(self.sync_strategy, LoraSync) else None)
         return WorkerSpec(loop_cls=spec.loop_cls or AsyncRolloutLoop, settings=settings)
 
@@ -530,3 +541,9 @@ def on_sigterm(enabled: bool, flag: threading.Event):
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def full_step_tokens(token_budget: int, gradient_accumulation_steps: int, world_size: int) -> int:
+    """The pacing allowance's step before the first one trained: as if every row were full (spec 000), one row per
+    rank in each of the step's micro-batches."""
+    return token_budget * gradient_accumulation_steps * world_size

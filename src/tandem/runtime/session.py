@@ -16,7 +16,8 @@ from tandem.generation.client import ControlClient, GenerationClient, ServerProb
 from tandem.generation.launcher import EmbeddedServer
 from tandem.metrics import report
 from tandem.metrics.console import RunConsole
-from tandem.metrics.sinks import make_sinks
+from tandem.metrics.doctor import RUN_CONFIG
+from tandem.metrics.sinks import completion_rows, make_sinks
 from tandem.rollout.worker import RolloutWorker, WorkerSpec
 
 QUICK_S = 5.0
@@ -101,7 +102,7 @@ class Session:
     def open_sinks(self, report_to, output_dir: Path, config: dict, total_steps: int | None, dashboard: bool = True) -> None:
         """`metrics.jsonl` and the `report_to` sinks, the console (dashboard or plain lines), and report.html drawn when the run leaves
         the session (after the sinks closed: at its end, on Ctrl-C, on a crash). `dashboard` False: plain lines even in a terminal."""
-        (output_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))  # what tandem doctor reads
+        (output_dir / RUN_CONFIG).write_text(json.dumps(config, indent=2, default=str))  # what tandem doctor reads
         self.report_dir = output_dir
         self.sinks = make_sinks(report_to, output_dir, config)
         for sink in self.sinks:
@@ -113,6 +114,14 @@ class Session:
         """Write one record to every sink (metrics.jsonl and the report_to ones)."""
         for sink in self.sinks:
             sink.log(step, metrics)
+
+    def log_completions(self, step: int, examples: list, printed: int | None) -> None:
+        """log_completions: the window's (prompt, completion, reward) examples to every sink as a table, and the
+        first `printed` of them to the console (None: all)."""
+        rows = completion_rows(step, examples)
+        for sink in self.sinks:
+            sink.log_table(step, rows)
+        self.progress.print_completions(examples, printed)
 
     def write_report(self) -> None:
         """report.html from whatever metrics.jsonl holds, once the sinks were opened. A report that cannot be drawn

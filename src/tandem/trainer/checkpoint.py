@@ -10,6 +10,9 @@ counters of the run.
                                                     (`base_model`: what a LoRA checkpoint's adapter merges into)
       rollout_state.json, rollout_queue.pt          where the prompt stream resumes (sample_source.ResumePoint)
 
+With save_only_model a checkpoint holds the model folder, the model's shards and trainer_state.json only: no run
+resumes from it. trainer_state.json also keeps transformers' best-checkpoint fields and `stateful_callbacks`.
+
 Every rank calls `save` and `load` (DCP is collective); rank 0 alone writes the small files. A checkpoint is
 written to a temporary folder and renamed into place, so a crash never leaves a half-written `checkpoint-N`.
 `rollout_state.json` holds the first prompt position not yet finished, the positions past it that are, and the groups
@@ -19,6 +22,7 @@ every prompt position exactly once, as an uninterrupted one does.
 """
 
 import json
+import math
 import re
 import shutil
 import warnings
@@ -29,7 +33,8 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 import transformers
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
 from tandem.distributed import Ranks
 from tandem.errors import UsageError
@@ -74,33 +79,47 @@ def one_process_is_intended():
 
 
 def save(folder: Path, model, tokenizer, optimizer, scheduler, state: TrainerState, save_total_limit: int | None,
-         ranks: Ranks, resume: ResumePoint | None = None) -> Path:
-    """The checkpoint of `state.step`; `resume` (rank 0's) is where its prompt stream goes on."""
+         ranks: Ranks, resume: ResumePoint | None = None, model_only: bool = False) -> Path:
+    """The checkpoint of `state.step`; `resume` (rank 0's) is where its prompt stream goes on. `model_only`
+    (save_only_model): the model's folder and shards alone, nothing a run resumes from. The best checkpoint
+    (`state.best_global_step`) outlives save_total_limit."""
     target = folder / f"checkpoint-{state.step}"
+    if state.best_global_step == state.step:
+        state.best_model_checkpoint = str(target)
     staging = folder / f".checkpoint-{state.step}.tmp"
     if ranks.main:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     ranks.barrier()
     model_state, optimizer_state = get_state_dict(model, optimizer, options=ONLY_TRAINABLE)
-    with one_process_is_intended():
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(staging / SHARDS))
+    with one_process_is_intended():  # the model's shards even with model_only: load_best_model_at_end reads them
+        dcp.save({"model": model_state} if model_only else {"model": model_state, "optimizer": optimizer_state},
+                 checkpoint_id=str(staging / SHARDS))
     save_model_folder(model, staging, ranks)
     if ranks.main:
         tokenizer.save_pretrained(staging)
-        torch.save(scheduler.state_dict(), staging / "scheduler.pt")
         (staging / "trainer_state.json").write_text(json.dumps({
             "step": state.step, "model_version": state.model_version, "num_tokens": state.num_tokens,
-            "world_size": ranks.world_size, "base_model": base_model_name(model), "log_history": state.log_history},
-            indent=2))
-        save_resume_point(staging, resume or ResumePoint(state.dataset_start_index))
+            "world_size": ranks.world_size, "base_model": base_model_name(model), "save_only_model": model_only,
+            "best_metric": state.best_metric, "best_global_step": state.best_global_step,
+            "best_model_checkpoint": state.best_model_checkpoint, "stateful_callbacks": state.stateful_callbacks,
+            "log_history": state.log_history}, indent=2))
+        if not model_only:
+            torch.save(scheduler.state_dict(), staging / "scheduler.pt")
+            save_resume_point(staging, resume or ResumePoint(state.dataset_start_index))
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
-        if save_total_limit:
-            for old in checkpoints(folder)[:-save_total_limit]:
-                shutil.rmtree(old, ignore_errors=True)
+        rotate(folder, save_total_limit, state.best_model_checkpoint)
     ranks.barrier()
     return target
+
+
+def rotate(folder: Path, save_total_limit: int | None, best: str | None) -> None:
+    """Keep the newest `save_total_limit` checkpoints, and the best one whatever its age (as transformers does)."""
+    if save_total_limit:
+        for old in checkpoints(folder)[:-save_total_limit]:
+            if best is None or old.resolve() != Path(best).resolve():
+                shutil.rmtree(old, ignore_errors=True)
 
 
 def base_model_name(model) -> str:
@@ -150,8 +169,12 @@ def resolve(resume_from_checkpoint, output_dir: Path) -> Path | None:
         found = checkpoints(output_dir)
         if not found:
             raise CheckpointNotFound(f"resume_from_checkpoint=True but {output_dir} has no checkpoint-N folder")
-        return found[-1]
+        resume_from_checkpoint = found[-1]
     path = Path(resume_from_checkpoint)
+    saved = path / "trainer_state.json"
+    if saved.is_file() and json.loads(saved.read_text()).get("save_only_model"):
+        raise CheckpointNotFound(f"{path} was saved with save_only_model=True: it holds the model, not the optimizer and "
+                                 f"the prompt stream a run resumes from. Start a new run from it (model: {path}).")
     if not (path / "rollout_state.json").is_file():
         raise CheckpointNotFound(f"{path} is not a tandem checkpoint (no rollout_state.json)")
     if not (path / SHARDS).is_dir():
@@ -177,3 +200,37 @@ def load(path: Path, model, optimizer, scheduler, state: TrainerState) -> None:
     state.global_step, state.model_version = trainer["step"], trainer["model_version"]
     state.dataset_start_index, state.num_tokens = rollout["dataset_start_index"], trainer.get("num_tokens", 0)
     state.log_history = trainer.get("log_history", [])
+    state.best_metric, state.best_global_step = trainer.get("best_metric"), trainer.get("best_global_step")
+    state.best_model_checkpoint = trainer.get("best_model_checkpoint")
+    state.stateful_callbacks = trainer.get("stateful_callbacks", {})
+
+
+def load_weights(path: Path, model) -> None:
+    """The trainable weights of checkpoint `path` into `model`, resharded to this run's ranks (load_best_model_at_end);
+    the optimizer and the counters stay as they are. Every rank calls it."""
+    model_state = get_model_state_dict(model, options=ONLY_TRAINABLE)
+    with one_process_is_intended():
+        dcp.load({"model": model_state}, checkpoint_id=str(path / SHARDS))
+    set_model_state_dict(model, model_state, options=StateDictOptions(ignore_frozen_params=True, strict=False))
+
+
+def best_metric_name(name: str) -> str:
+    """metric_for_best_model as tandem logs it: 'reward', transformers' 'eval_reward' and 'eval/reward' all name
+    eval/reward."""
+    return "eval/" + name.removeprefix("eval/").removeprefix("eval_")
+
+
+def record_if_best(state: TrainerState, metrics: dict, name: str, greater_is_better: bool) -> bool:
+    """Whether this evaluation's `name` beats the best so far (then `state` records it and its step, which the
+    step's checkpoint will hold); a metric the evaluation lacks is a mistake named with the ones it has."""
+    key = best_metric_name(name)
+    if key not in metrics:
+        raise UsageError(f"metric_for_best_model={name!r}: the evaluation logged no {key}; it logged "
+                         f"{', '.join(sorted(metrics))}")
+    value = metrics[key]
+    if math.isnan(value):
+        return False
+    if state.best_metric is not None and not (value > state.best_metric if greater_is_better else value < state.best_metric):
+        return False
+    state.best_metric, state.best_global_step = value, state.step
+    return True

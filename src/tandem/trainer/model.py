@@ -86,6 +86,23 @@ def served_dtype(model) -> str:
     return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[next(model.parameters()).dtype]
 
 
+def prepare_processing_class(tokenizer, given: bool):
+    """The spec's rules for the processing class: left padding (said when a `given` one pads on the right), and
+    `pad_token` falling back to `eos_token`. tandem pads nothing with it; reward functions and callbacks that batch
+    with it get what the spec promises."""
+    text = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's tokenizer
+    if given and getattr(text, "padding_side", "left") != "left":
+        warnings.warn(f"processing_class.padding_side={text.padding_side!r}: set to 'left', as the spec requires",
+                      stacklevel=3)
+    text.padding_side = "left"
+    if text.pad_token is None:
+        if text.eos_token is None:
+            raise UsageError("processing_class has neither a pad_token nor an eos_token to stand in for it: set "
+                             "tokenizer.pad_token before passing it")
+        text.pad_token = text.eos_token
+    return tokenizer
+
+
 def eos_ids(tokenizer, model) -> list[int]:
     """Every token that ends a completion: the tokenizer's EOS and the model's generation_config ones."""
     ids = {tokenizer.eos_token_id}

@@ -141,7 +141,7 @@ class FlashReinforce(Objective):
         log_probs = scored.log_probs
         loss = (self.coefficients.pop(id(row)) * log_probs).sum()
         behavior = row.behavior_log_probs.to(log_probs.device)
-        _, stats = importance_ratio(log_probs.detach(), behavior, row.advantages.to(log_probs.device), **UNBOUNDED)
+        _, stats = importance_ratio(log_probs.detach(), behavior, **UNBOUNDED)
         return RowLoss(loss, token_stats(row, log_probs.detach(), behavior, scored.entropy, stats))
 
 
@@ -158,7 +158,7 @@ def token_stats(row: PackedRow, log_probs: torch.Tensor, behavior: torch.Tensor,
                 stats: TokenStats) -> dict[str, list]:
     """The loss and sampling diagnostics over a row's trained tokens (reference/metrics.md)."""
     diff = (log_probs - behavior).abs()
-    low, high = stats.low_clipped.float().cpu(), stats.high_clipped.float().cpu()
+    low, high = stats.below.float().cpu(), stats.above.float().cpu()
     return {
         "sampling/sampling_logp_difference/mean": diff.tolist(),
         "sampling/sampling_logp_difference/max": [float(diff.max())],

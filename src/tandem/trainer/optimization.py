@@ -12,7 +12,8 @@ from tandem.errors import UsageError
 
 def make_optimizer(model: torch.nn.Module, args: AsyncGRPOConfig) -> torch.optim.Optimizer:
     """transformers' optimizer for `args.optim` over the trainable parameters (with LoRA: the adapter only); weight
-    decay spares biases and normalisation weights, as in transformers' Trainer."""
+    decay spares biases and normalisation weights, as in transformers' Trainer. The low-rank optimizers (galore_*,
+    apollo_*) take the groups transformers makes from `optim_target_modules`."""
     from transformers import Trainer  # heavy: imported when a trainer is built, not with tandem
 
     try:
@@ -20,6 +21,9 @@ def make_optimizer(model: torch.nn.Module, args: AsyncGRPOConfig) -> torch.optim
     except ValueError as exc:
         raise UsageError(f"AsyncGRPOConfig.optim={args.optim!r}: {exc}. Try adamw_torch_fused, adamw_torch, adafactor "
                          "or sgd (transformers' OptimizerNames lists the rest).") from None
+    if "params" in kwargs:  # GaLore / APOLLO: transformers grouped the projected weights (optim_target_modules)
+        groups = kwargs.pop("params")
+        return cls([{"weight_decay": args.weight_decay, **group} for group in groups], **kwargs)
     decayed = set(Trainer.get_decay_parameter_names(None, model))
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for name, p in trainable if name in decayed], "weight_decay": args.weight_decay},

@@ -3,8 +3,11 @@
 Pure functions from a step's facts to window records, so the training loop only says when to record.
 """
 
-import time
+import resource
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 from tandem.metrics.window import MetricWindow
 from tandem.packing import PackedRow
@@ -22,16 +25,19 @@ class StepTimes:
 
 
 def record_samples(window: MetricWindow, rows: list[PackedRow], model_version: int) -> None:
-    """Staleness, queue time and size of every sample the step trained."""
-    now = time.time()
+    """Staleness, size and rewards of every sample the step trained (its time in the queue is the runtime's, at
+    take)."""
     for sample in (s for row in rows for s in row.samples):
         staleness = model_version - sample.model_version
         window.add("sample/staleness_mean", staleness)
         window.add("sample/staleness_max", staleness)
-        window.add("sample/time_in_queue_s", now - sample.created_at)
         window.add("sample/forwarded_tokens_mean", sample.num_tokens)
         window.add("sample/forwarded_tokens_max", sample.num_tokens)
         window.add("sample/trained_tokens_mean", sample.num_trained)
+        window.add("reward_kept", sample.reward)  # reference/metrics.md: over trained samples
+        window.add("reward_group_std", sample.group_reward_std)
+        for source, std in sample.source_group_stds.items():
+            window.add(f"rewards/{source}/group_std", std)
 
 
 def record_step(window: MetricWindow, rows: list[PackedRow], num_micro_batches: int, times: StepTimes) -> None:
@@ -55,3 +61,23 @@ def record_step(window: MetricWindow, rows: list[PackedRow], num_micro_batches: 
     window.add("batch/groups_per_step", len({s.group_id for s in samples}))
     window.add("batch/microbatches_per_step", num_micro_batches)
     window.add("batch/masked_token_frac", 1 - predicting / tokens)
+
+
+GIB = 2**30
+
+
+def record_memory(window: MetricWindow, device: torch.device) -> None:
+    """skip_memory_metrics=False: the process's resident host memory now and, on a GPU, its peak allocation since the
+    last step (the peak is reset here, so each step reports its own)."""
+    window.add("memory/host_rss_max_gib", host_rss_bytes() / GIB)
+    if device.type == "cuda":
+        window.add("memory/cuda_max_allocated_gib", torch.cuda.max_memory_allocated(device) / GIB)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def host_rss_bytes() -> int:
+    """Resident memory of this process: /proc's current figure on Linux, the peak elsewhere (getrusage)."""
+    statm = Path("/proc/self/statm")
+    if statm.is_file():
+        return int(statm.read_text().split()[1]) * resource.getpagesize()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS

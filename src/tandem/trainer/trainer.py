@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, TrainerControl
-from transformers.trainer_callback import CallbackHandler
+from transformers.debug_utils import DebugUnderflowOverflow
 from transformers.trainer_utils import enable_full_determinism
 from transformers.utils import logging as hf_logging
 
@@ -35,24 +35,16 @@ from tandem.runtime.rollout_inputs import check_agents, check_sendable, rollout_
 from tandem.runtime.runtime import Runtime, RuntimeSpec
 from tandem.runtime.sample_source import ResumePoint
 from tandem.trainer import OPENMP_POLICY_TOO_LATE, checkpoint, export
+from tandem.trainer.callbacks import callback_handler, exported_states, restore_states, with_transformers_names
 from tandem.trainer.checkpoint import TrainerState
+from tandem.trainer.hub import HubUploader
 from tandem.trainer.flops import model_shape, peak_flops, rows_flops
 from tandem.trainer.model import (autocast_dtype, check_dataset, check_precision, drop_unused_columns, eos_ids,
-                                  enable_checkpointing, load_model, served_dtype, use_bf16, with_adapter)
+                                  enable_checkpointing, load_model, prepare_processing_class, served_dtype, use_bf16,
+                                  with_adapter)
 from tandem.trainer.objectives import LossShare, make_objective
 from tandem.trainer.optimization import clip_gradients, make_optimizer, make_scheduler
-from tandem.trainer.step_metrics import StepTimes, record_samples, record_step
-
-
-def callback_handler(callbacks: list, model, tokenizer, optimizer, scheduler) -> CallbackHandler:
-    """transformers' CallbackHandler, without its warning that no DefaultFlowCallback is present: tandem's loop decides
-    when to log and save (`logging_steps`, `save_steps`) and honours the flags callbacks set in `control`."""
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        return CallbackHandler(callbacks, model, tokenizer, optimizer, scheduler)
-    finally:
-        hf_logging.set_verbosity(verbosity)
+from tandem.trainer.step_metrics import StepTimes, record_memory, record_samples, record_step
 
 
 def seed_run(args: AsyncGRPOConfig) -> None:
@@ -63,8 +55,14 @@ def seed_run(args: AsyncGRPOConfig) -> None:
         torch.manual_seed(args.seed)
 
 
-def run_log_level(args: AsyncGRPOConfig, main: bool) -> str:
-    return args.log_level if main else args.log_level_replica
+def run_log_level(args: AsyncGRPOConfig, main: bool, local_main: bool) -> str:
+    """log_level on the job's first process (and each machine's first with log_on_each_node), else log_level_replica."""
+    return args.log_level if main or (args.log_on_each_node and local_main) else args.log_level_replica
+
+
+def local_main() -> bool:
+    """This process is its machine's first (torchrun's LOCAL_RANK 0, or no torchrun)."""
+    return int(os.environ.get("LOCAL_RANK", 0)) == 0
 
 
 def set_log_level(level: str) -> None:
@@ -99,11 +97,12 @@ class AsyncGRPOTrainer:
         self.tools, self.environment_factory = list(tools or []), environment_factory
         environments = environment_factory is not None
         dataset = check_train_dataset(train_dataset, args, environments)
-        self.reward_funcs = _reward_list(reward_funcs, check_agents(self.tools, environment_factory, dataset))
+        self.eval_dataset = check_eval_dataset(eval_dataset, args, environments)
+        environment_rewards = check_agents(self.tools, environment_factory, dataset, self.eval_dataset)
+        self.reward_funcs = _reward_list(reward_funcs, environment_rewards)
         self.dataset = drop_unused_columns(dataset, self.reward_funcs, environments) \
             if args.remove_unused_columns and dataset is not None else dataset
-        self.eval_dataset = check_eval_dataset(eval_dataset, args, environments)
-        self.ranks = distributed.join(args.vllm_server_timeout)
+        self.ranks = distributed.join(args.ddp_timeout)
         """This process's place among the torchrun ranks (one rank of one without torchrun)."""
         self.model_name, model_loaded, self.layout = load_model(model, args)
         """The rows this model trains on: tree-packed, or padded for models a tree row would change (packing/trie.py)."""
@@ -111,8 +110,9 @@ class AsyncGRPOTrainer:
         self.model = with_adapter(model_loaded, peft_config) if self.lora else model_loaded
         if self.ranks.several:
             distributed.shard(self.model, self.ranks, args.fsdp_config, use_bf16(args, next(self.model.parameters()).device))
-        self.tokenizer = processing_class or AutoTokenizer.from_pretrained(
-            self.model_name if isinstance(model, str) else model.name_or_path, trust_remote_code=args.trust_remote_code)
+        self.tokenizer = prepare_processing_class(processing_class or AutoTokenizer.from_pretrained(
+            self.model_name if isinstance(model, str) else model.name_or_path, trust_remote_code=args.trust_remote_code),
+            given=processing_class is not None)
         agents = bool(self.tools) or environment_factory is not None
         self.rollout_template = rollout_template(self.tokenizer, self.tools, args.chat_template_kwargs) if agents else None
         """A training-safe chat template the worker renders rollouts with, when the model's is not prefix-preserving."""
@@ -122,6 +122,10 @@ class AsyncGRPOTrainer:
         self.scaler = check_precision(args, self.device, self.ranks.several, next(self.model.parameters()).dtype)
         """fp16's gradient scaler (None without fp16)."""
         self.kernel = attention_kernel(args, self.device)
+        if args.torch_compile:
+            compile_decoder(self.model, args, self.ranks.several)
+        if "underflow_overflow" in args.debug_options:  # hooks on every module: an inf or NaN stops the step, said
+            DebugUnderflowOverflow(self.model)
         self.peak_flops = peak_flops(self.device, autocast_dtype(args, self.device) is not None)
         """One GPU's peak FLOP/s for perf/*_mfu; None on CPU or an unknown GPU (trainer/flops.py)."""
         self.flops_shape = model_shape(self.model) if self.peak_flops else None
@@ -138,6 +142,8 @@ class AsyncGRPOTrainer:
         """transformers' TrainerCallback objects, called with (args, state, control) at each event of the loop."""
         self.control = TrainerControl()
         """The flags callbacks set (should_log, should_save, should_training_stop), read by the loop."""
+        self.hub: HubUploader | None = None
+        """push_to_hub's uploads (rank 0), started with the first one."""
         self.runtime = Runtime(self._runtime_spec())
         """The generation server, the rollout worker, the queue and the weight sync: started by train()."""
         self._callback_event("on_init_end")
@@ -159,7 +165,7 @@ class AsyncGRPOTrainer:
                           "OMP_WAIT_POLICY=PASSIVE, or import tandem before torch.", stacklevel=2)
         check_sendable(self.reward_funcs, self.loop_cls)
         seed_run(self.args)
-        set_log_level(run_log_level(self.args, self.ranks.main))
+        set_log_level(run_log_level(self.args, self.ranks.main, local_main()))
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if resume_from_checkpoint is None:
             resume_from_checkpoint = self.args.resume_from_checkpoint
@@ -174,6 +180,8 @@ class AsyncGRPOTrainer:
             if self.args.eval_on_start and self.eval_dataset is not None and self.ranks.main:
                 self._evaluate(runtime)  # the policy the server serves now: the starting one
             output = self._loop(runtime)
+        if self.hub is not None:  # the checkpoints' uploads still running or waiting to be tried again
+            self.hub.wait()
         if runtime.preempted.is_set():
             print(f"tandem: stopped on SIGTERM after a checkpoint at step {self.state.step}; resume with "
                   "train(resume_from_checkpoint=True), or tandem train with --resume_from_checkpoint true", file=sys.stderr)
@@ -236,6 +244,26 @@ class AsyncGRPOTrainer:
         if self.ranks.main:
             self.tokenizer.save_pretrained(target)
 
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token: str | None = None,
+                    revision: str | None = None, **kwargs) -> None:
+        """Save the model (or the LoRA adapter) and tokenizer to output_dir and upload that folder, its checkpoints left
+        out, to hub_model_id (created if missing). `token` / `revision` stand in for hub_token / hub_revision. Under
+        torchrun every rank calls it; rank 0 uploads."""
+        if kwargs:
+            warnings.warn(f"push_to_hub: {sorted(kwargs)} are model-card fields in transformers; tandem writes no model "
+                          "card, so they are left out", stacklevel=2)
+        self.save_model(self.args.output_dir)
+        if self.ranks.main:
+            self._uploader(token, revision).push(self.output_dir, commit_message or "End of training", blocking)
+        self.ranks.barrier()
+
+    def _uploader(self, token: str | None = None, revision: str | None = None) -> HubUploader:
+        args = self.args
+        if self.hub is None or token or revision:
+            self.hub = HubUploader(args.hub_model_id or self.output_dir.resolve().name, token or args.hub_token,
+                                   args.hub_private_repo, revision or args.hub_revision, args.hub_always_push)
+        return self.hub
+
     # ---- the loop -------------------------------------------------------------------------------
     def _loop(self, runtime: Runtime) -> TrainOutput:
         args, state, metrics, main = self.args, self.state, {}, self.ranks.main
@@ -252,20 +280,27 @@ class AsyncGRPOTrainer:
             optimizer_start = self._clock()
             grad_norm = self.optimizer_step()
             optimizer_s, forward_backward_s = self._clock() - optimizer_start, optimizer_start - step_start
-            self._step_done(rows, runtime)
-            eval_pending, eval_s = self._sync(runtime, eval_pending or self._eval_due())
+            epoch_ended = self._step_done(rows, runtime)
+            if args.torch_empty_cache_steps and state.step % args.torch_empty_cache_steps == 0:
+                empty_device_cache(self.device)
+            eval_pending, eval_s = self._sync(runtime, eval_pending or self._eval_due(epoch_ended))
             if main:
                 runtime.publish(tokens_per_step=sum(row.raw_tokens for row in rows))  # after the sync (sample_source.py)
                 times = StepTimes(total=time.perf_counter() - start - eval_s, rollout_wait=runtime.rollout_wait_s - waited,
                                   forward=step.forward_s, forward_backward=forward_backward_s, optimizer=optimizer_s)
                 self._record(rows, len(micro_batches), step.loss, grad_norm, times)
+            if not args.skip_memory_metrics:  # every rank's: the window is gathered, the largest logged
+                record_memory(self.window, self.device)
             self._callback_event("on_step_end")
+            if main:  # what transformers' DefaultFlowCallback decides, here from the strategies: rank 0's, agreed below
+                self.control.should_log |= self._log_now(epoch_ended)
+                self.control.should_save |= due(args.save_strategy, args.every("save_steps"), state.step, epoch_ended)
             if runtime.preempted_everywhere():  # SIGTERM with enable_jit_checkpoint: save this step, then stop
                 self.control.should_save = self.control.should_training_stop = True
             control = self._agreed_control()
-            if self._log_now() or control.should_log:
+            if control.should_log:
                 metrics = self._log(runtime)
-            if (args.save_strategy == "steps" and state.step % args.save_steps == 0) or control.should_save:
+            if control.should_save:
                 saved_step = self._checkpoint(runtime)
             if control.should_training_stop or self._agreed_control().should_training_stop:  # asked in on_log/on_save
                 break
@@ -273,8 +308,13 @@ class AsyncGRPOTrainer:
             self.window.extend(runtime.take_metrics())
         if self.ranks.broadcast(bool(self.window.values)):
             metrics = self._log(runtime)
-        if (args.save_strategy != "no" or runtime.preempted.is_set()) and state.step > 0 and saved_step != state.step:
+        if (args.save_strategy in ("steps", "epoch") or runtime.preempted.is_set()) and state.step > 0 \
+                and saved_step != state.step:
             self._checkpoint(runtime)
+        if args.load_best_model_at_end and state.best_model_checkpoint and not runtime.preempted.is_set():
+            checkpoint.load_weights(Path(state.best_model_checkpoint), self.model)
+            runtime.session.progress.say(f"loaded the best checkpoint, {state.best_model_checkpoint} "
+                                         f"({args.metric_for_best_model} {state.best_metric:.4g})")
         return TrainOutput(state.step, sum(self.losses) / len(self.losses) if self.losses else 0.0, metrics)
 
     def _sync(self, runtime: Runtime, eval_pending: bool) -> tuple[bool, float]:
@@ -318,19 +358,24 @@ class AsyncGRPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
 
-    def _step_done(self, rows: list[PackedRow], runtime: Runtime) -> None:
-        """Count the step; its samples are trained, and the worker may generate what they consumed again."""
+    def _step_done(self, rows: list[PackedRow], runtime: Runtime) -> bool:
+        """Count the step; its samples are trained, and the worker may generate what they consumed again. Returns
+        whether the step finished a pass over the dataset (rank 0 knows; an epoch strategy's event)."""
         state = self.state
         state.step += 1
         state.num_tokens += sum(row.num_tokens for row in rows)
-        if self.ranks.main:
-            record_samples(self.window, rows, state.model_version)  # their staleness against the policy they trained
-            state.dataset_start_index = runtime.trained(rows, state.step)
+        if not self.ranks.main:
+            return False
+        record_samples(self.window, rows, state.model_version)  # their staleness against the policy they trained
+        before, state.dataset_start_index = state.dataset_start_index, runtime.trained(rows, state.step)
+        epochs = len(self.dataset) if self.dataset is not None and not is_iterable(self.dataset) else None
+        return epochs is not None and state.dataset_start_index // epochs > before // epochs
 
-    def _log_now(self) -> bool:
-        """logging_strategy 'steps': every logging_steps steps, and after the first with logging_first_step."""
+    def _log_now(self, epoch_ended: bool) -> bool:
+        """logging_strategy 'steps' (every logging_steps) or 'epoch', and after the first step with logging_first_step."""
         args, step = self.args, self.state.step
-        return args.logging_strategy == "steps" and (step % args.logging_steps == 0 or (args.logging_first_step and step == 1))
+        return (due(args.logging_strategy, args.every("logging_steps"), step, epoch_ended)
+                or (args.logging_first_step and step == 1 and args.logging_strategy != "no"))
 
     def _record(self, rows: list[PackedRow], num_micro_batches: int, loss: float, grad_norm: float, times: StepTimes) -> None:
         if math.isfinite(loss):  # logging_nan_inf_filter, always on: a NaN or infinite loss is left out of `loss`
@@ -369,14 +414,13 @@ class AsyncGRPOTrainer:
         runtime.session.log(self.state.step, metrics)
         runtime.session.progress.update(self.state.step, metrics)
         if examples:
-            runtime.session.progress.print_completions(examples, self.args.num_completions_to_print)
+            runtime.session.log_completions(self.state.step, examples, self.args.num_completions_to_print)
         return metrics
 
-    def _eval_due(self) -> bool:
-        """eval_strategy 'steps': every eval_steps steps (logging_steps when unset), from eval_delay on."""
+    def _eval_due(self, epoch_ended: bool) -> bool:
+        """eval_strategy 'steps' (every eval_steps, logging_steps when unset) or 'epoch', from eval_delay on."""
         args, step = self.args, self.state.step
-        return (args.eval_strategy == "steps" and step >= args.eval_delay
-                and step % (args.eval_steps or args.logging_steps) == 0)
+        return step >= args.eval_delay and due(args.eval_strategy, args.every("eval_steps"), step, epoch_ended)
 
     def _evaluate(self, runtime: Runtime) -> dict:
         """The eval prompts generated by the server under the policy version it serves now, scored by the reward
@@ -390,7 +434,10 @@ class AsyncGRPOTrainer:
         metrics = window.flush() | {"eval/runtime_s": time.perf_counter() - start, "eval/model_version": state.model_version,
                                     "eval/num_prompts": len(self.eval_dataset)}
         state.log_history.append({**metrics, "step": state.step})
-        self._callback_event("on_evaluate", metrics=metrics)
+        self._callback_event("on_evaluate", metrics=with_transformers_names(metrics))  # the best so far is the last one's
+        if self.args.metric_for_best_model and state.step > 0 and checkpoint.record_if_best(
+                state, metrics, self.args.metric_for_best_model, self.args.greater_is_better):
+            self.control.should_save |= self.args.save_strategy != "no"  # the best step is always checkpointed
         runtime.session.log(state.step, metrics)
         runtime.session.progress.say(f"eval at step {state.step} (policy version {state.model_version}): reward "
                                   f"{metrics.get('eval/reward', math.nan):.3f} over {len(self.eval_dataset)} prompts")
@@ -399,8 +446,14 @@ class AsyncGRPOTrainer:
     def _checkpoint(self, runtime: Runtime) -> int:
         """A checkpoint of this step, with where the prompt stream goes on; returns the step."""
         self.state.dataset_start_index = self.ranks.broadcast(self.state.dataset_start_index)
-        checkpoint.save(self.output_dir, self.model, self.tokenizer, self.optimizer, self.scheduler, self.state,
-                        self.args.save_total_limit, self.ranks, runtime.resume_point() if self.ranks.main else None)
+        self.state.stateful_callbacks = exported_states(self.callback_handler, self.control)
+        for name in ("best_metric", "best_global_step"):  # rank 0 evaluates; every rank writes its shards
+            setattr(self.state, name, self.ranks.broadcast(getattr(self.state, name)))
+        path = checkpoint.save(self.output_dir, self.model, self.tokenizer, self.optimizer, self.scheduler, self.state,
+                               self.args.save_total_limit, self.ranks, runtime.resume_point() if self.ranks.main else None,
+                               model_only=self.args.save_only_model)
+        if self.args.push_to_hub and self.ranks.main:
+            self._uploader().checkpoint_saved(path, self.state.step, self.args.hub_strategy)
         self._callback_event("on_save")
         return self.state.step
 
@@ -408,9 +461,9 @@ class AsyncGRPOTrainer:
     def _callback_event(self, event: str, **kwargs) -> None:
         """Call every callback's `event` with (args, state, control); what they set in `control` is read by the loop."""
         self.state.is_world_process_zero = self.ranks.main
-        self.state.is_local_process_zero = int(os.environ.get("LOCAL_RANK", 0)) == 0
-        self.state.max_steps, self.state.logging_steps, self.state.save_steps = (
-            self.args.max_steps, self.args.logging_steps, self.args.save_steps)
+        self.state.is_local_process_zero = local_main()
+        self.state.max_steps, self.state.logging_steps, self.state.save_steps, self.state.eval_steps = (
+            self.args.max_steps, self.args.every("logging_steps"), self.args.every("save_steps"), self.args.every("eval_steps"))
         returned = getattr(self.callback_handler, event)(self.args, self.state, self.control, **kwargs)
         if returned is not self.control:  # a callback that returned a control of its own: its flags count
             vars(self.control).update(vars(returned))
@@ -456,6 +509,11 @@ class AsyncGRPOTrainer:
         if resume is None:
             return ResumePoint(0)
         checkpoint.load(resume, self.model, self.optimizer, self.scheduler, self.state)
+        if self.args.restore_callback_states_from_checkpoint:
+            self.control, unmatched = restore_states(self.callback_handler, self.control, self.state.stateful_callbacks)
+            if unmatched:
+                warnings.warn(f"{resume} holds the state of callbacks this run does not have, left alone: "
+                              f"{', '.join(unmatched)}", stacklevel=3)
         return checkpoint.load_resume_point(resume)
 
     def _runtime_spec(self) -> RuntimeSpec:
@@ -469,12 +527,44 @@ class AsyncGRPOTrainer:
 
 
 def check_train_dataset(dataset, args: AsyncGRPOConfig, environments: bool):
-    """The training prompts, if they can be trained on in the order `train_sampling_strategy` asks."""
+    """The training prompts, if they can be ordered as asked (an IterableDataset streams in its own order, as in
+    transformers) and have the epochs an 'epoch' strategy counts."""
     dataset = check_dataset(dataset, environments=environments, max_steps=args.max_steps)
-    if is_iterable(dataset) and args.train_sampling_strategy == "random":
-        raise UsageError("train_sampling_strategy='random' shuffles a dataset by its indices, and an IterableDataset "
-                         "has none: shuffle the stream itself (dataset.shuffle(seed=..., buffer_size=...)).")
+    by_epoch = [name for name in ("logging_strategy", "save_strategy", "eval_strategy") if getattr(args, name) == "epoch"]
+    if by_epoch and (dataset is None or is_iterable(dataset)):
+        raise UsageError(f"{by_epoch[0]}='epoch' needs a dataset with a length to count epochs by, and "
+                         f"{'an IterableDataset has none' if dataset is not None else 'the environments make their own tasks'}"
+                         ": use 'steps'.")
+    if is_iterable(dataset) and args.data_seed is not None:  # 'random' (the default) orders indexed datasets only
+        raise UsageError(f"data_seed={args.data_seed} orders a dataset by its indices, and an IterableDataset has none: "
+                         "shuffle the stream itself (dataset.shuffle(seed=..., buffer_size=...)), or drop data_seed.")
     return dataset
+
+
+def compile_decoder(model, args: AsyncGRPOConfig, several_ranks: bool) -> None:
+    """torch_compile: the decoder compiled in place with dynamic shapes, so rows of any length share one graph. The
+    chunked log-prob head stays eager (it is chunked to bound its memory, which a fused graph could undo)."""
+    if several_ranks:
+        raise UsageError("torch_compile=True under torchrun: compiling FSDP2-sharded layers has not been run here; train "
+                         "uncompiled (the default) or on one process")
+    model.get_decoder().compile(backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode,
+                                dynamic=True)
+    if (args.tree_attention_kernel or "exact") == "exact" and model.device.type == "cpu":
+        warnings.warn("torch_compile: the compiled decoder's fused kernels round differently from the exact kernel, so "
+                      "the trainer no longer matches `tandem serve --decode-mode exact` bit for bit (the importance "
+                      "ratio at staleness 0 is 1 to about 1e-5)", stacklevel=3)
+
+
+def due(strategy: str, every: int, step: int, epoch_ended: bool) -> bool:
+    """An interval strategy's event at this step: 'steps' every `every` steps, 'epoch' when a pass over the dataset
+    ended, 'no' (and 'best', decided by evaluations) never."""
+    return (strategy == "steps" and step % every == 0) or (strategy == "epoch" and epoch_ended)
+
+
+def empty_device_cache(device: torch.device) -> None:
+    """torch_empty_cache_steps: hand the accelerator's cached free blocks back (the CPU keeps no such cache)."""
+    if device.type != "cpu":
+        torch.accelerator.empty_cache()
 
 
 def attention_kernel(args: AsyncGRPOConfig, device: torch.device) -> str:

@@ -1,0 +1,92 @@
+"""The spec's Python tool (spec 004's multi-turn tool use): the model writes a program, the tool runs it and answers
+with what it printed.
+
+It runs code nobody reviewed, so every call runs in a fresh interpreter of its own (`python -I`: no user site, no
+environment variables) in an empty temporary folder, with its address space, CPU time, file sizes and wall time
+limited, and without a network: in a network namespace of its own (`unshare --net`, where the system lets users make
+one), else with Python's sockets disabled in the child, which a determined program could undo (said once).
+"""
+
+import functools
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+
+TIMEOUT_S = 10.0
+"""Wall time of one program."""
+MEMORY_BYTES = 1 << 30
+"""Address space of one program (numpy's import alone maps a few hundred MB)."""
+FILE_BYTES = 16 << 20
+"""Largest file a program may write (in its temporary folder, removed after)."""
+OUTPUT_CHARS = 4000
+"""What the model reads back at most: the start and the end of a longer output."""
+
+CHILD = f"""\
+import resource, socket, sys
+for limit, value in ((resource.RLIMIT_AS, {MEMORY_BYTES}), (resource.RLIMIT_CPU, {int(TIMEOUT_S) + 1}),
+                     (resource.RLIMIT_FSIZE, {FILE_BYTES}), (resource.RLIMIT_CORE, 0)):
+    resource.setrlimit(limit, (value, value))
+def _no_network(*args, **kwargs):
+    raise OSError("the network is disabled for this program")
+socket.socket = socket.create_connection = socket.getaddrinfo = _no_network
+code = sys.stdin.read()
+sys.stdin = open("/dev/null")
+del resource, socket, sys, limit, value, _no_network
+exec(compile(code, "<program>", "exec"), {{"__name__": "__main__"}})
+"""
+"""What the child runs first: its own limits (set there, not with preexec_fn, which is unsafe in the tool threads),
+sockets disabled, then the program read from stdin (no size limit of an argument)."""
+
+
+def python(code: str) -> str:
+    """Run a Python program and return what it prints.
+
+    Args:
+        code: A complete Python program; print() the values you want to see.
+
+    Returns:
+        The program's output (stdout, then stderr); the last line of the error when it fails.
+    """
+    with tempfile.TemporaryDirectory(prefix="tandem-python-") as folder:
+        try:
+            done = subprocess.run([*isolation(), sys.executable, "-I", "-c", CHILD], input=code, cwd=folder,
+                                  capture_output=True, text=True, timeout=TIMEOUT_S, env={"PATH": "/usr/bin:/bin"})
+        except subprocess.TimeoutExpired:
+            return f"error: the program ran longer than {TIMEOUT_S:g} s and was stopped"
+    output = done.stdout + (done.stderr if done.returncode == 0 else error_of(done.stderr, done.returncode))
+    return shortened(output) if output.strip() else "(the program printed nothing)"
+
+
+def error_of(stderr: str, returncode: int) -> str:
+    """A failed program's error, as the model needs it: the exception's line (a traceback's last), or the signal."""
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    if lines:
+        return f"error: {lines[-1].strip()}"
+    if returncode < 0:  # killed by a signal: the CPU limit's SIGXCPU, or SIGKILL past the memory limit
+        return f"error: the program was stopped by signal {-returncode} (a time or memory limit)"
+    return f"error: the program exited with status {returncode}"
+
+
+def shortened(text: str) -> str:
+    if len(text) <= OUTPUT_CHARS:
+        return text
+    half = OUTPUT_CHARS // 2
+    return f"{text[:half]}\n... ({len(text) - OUTPUT_CHARS} characters left out) ...\n{text[-half:]}"
+
+
+@functools.cache
+def isolation() -> tuple[str, ...]:
+    """`unshare --net --map-root-user` where this system lets a user make a network namespace (checked once), else
+    nothing, said once: the child's disabled sockets are then the only barrier."""
+    command = ("unshare", "--net", "--map-root-user")
+    if shutil.which("unshare"):
+        try:
+            if subprocess.run([*command, "true"], capture_output=True, timeout=10).returncode == 0:
+                return command
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    warnings.warn("python tool: this system does not let users make a network namespace (unshare --net), so "
+                  "programs run with Python's sockets disabled, which a program could undo", stacklevel=3)
+    return ()
