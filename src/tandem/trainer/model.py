@@ -8,6 +8,7 @@ import warnings
 import torch
 from peft import get_peft_model
 from transformers import PreTrainedModel
+from transformers.debug_utils import DebugUnderflowOverflow
 
 from tandem import architecture
 from tandem.config import AsyncGRPOConfig
@@ -72,6 +73,29 @@ def with_adapter(model: PreTrainedModel, peft_config):
         raise UsageError(f"peft_config: {exc}") from None
 
 
+def instrument(model, args: AsyncGRPOConfig, several_ranks: bool) -> None:
+    """torch_compile, and debug="underflow_overflow" (hooks on every module: an inf or NaN stops the step, with
+    transformers' report of the frames before it)."""
+    if args.torch_compile:
+        compile_decoder(model, args, several_ranks)
+    if "underflow_overflow" in args.debug_options:
+        DebugUnderflowOverflow(model)
+
+
+def compile_decoder(model, args: AsyncGRPOConfig, several_ranks: bool) -> None:
+    """torch_compile: the decoder compiled in place with dynamic shapes, so rows of any length share one graph. The
+    chunked log-prob head stays eager (it is chunked to bound its memory, which a fused graph could undo)."""
+    if several_ranks:
+        raise UsageError("torch_compile=True under torchrun: compiling FSDP2-sharded layers has not been run here; train "
+                         "uncompiled (the default) or on one process")
+    model.get_decoder().compile(backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode,
+                                dynamic=True)
+    if (args.tree_attention_kernel or "exact") == "exact" and model.device.type == "cpu":
+        warnings.warn("torch_compile: the compiled decoder's fused kernels round differently from the exact kernel, so "
+                      "the trainer no longer matches `tandem serve --decode-mode exact` bit for bit (the importance "
+                      "ratio at staleness 0 is 1 to about 1e-5)", stacklevel=3)
+
+
 def enable_checkpointing(model, kwargs: dict) -> None:
     """Activation (gradient) checkpointing with `kwargs` for torch.utils.checkpoint; transformers renamed the method in
     5.x and deprecated the old name."""
@@ -84,6 +108,14 @@ def enable_checkpointing(model, kwargs: dict) -> None:
 def served_dtype(model) -> str:
     """The `--dtype` the embedded server needs to sample from exactly these weights."""
     return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[next(model.parameters()).dtype]
+
+
+def processing_class_for(given, model_name: str, trust_remote_code: bool):
+    """The processing class `given`, or the model's own tokenizer, under the spec's rules (`prepare_processing_class`)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = given or AutoTokenizer.from_pretrained(model_name, trust_remote_code=trust_remote_code)
+    return prepare_processing_class(tokenizer, given=given is not None)
 
 
 def prepare_processing_class(tokenizer, given: bool):

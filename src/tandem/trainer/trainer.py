@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, TrainerControl
-from transformers.debug_utils import DebugUnderflowOverflow
+from transformers import TrainerControl
 from transformers.trainer_utils import enable_full_determinism
 from transformers.utils import logging as hf_logging
 
@@ -40,8 +39,8 @@ from tandem.trainer.checkpoint import TrainerState
 from tandem.trainer.hub import HubUploader
 from tandem.trainer.flops import model_shape, peak_flops, rows_flops
 from tandem.trainer.model import (autocast_dtype, check_dataset, check_precision, drop_unused_columns, eos_ids,
-                                  enable_checkpointing, load_model, prepare_processing_class, served_dtype, use_bf16,
-                                  with_adapter)
+                                  enable_checkpointing, instrument, load_model, processing_class_for, served_dtype,
+                                  use_bf16, with_adapter)
 from tandem.trainer.objectives import LossShare, make_objective
 from tandem.trainer.optimization import clip_gradients, make_optimizer, make_scheduler
 from tandem.trainer.step_metrics import StepTimes, record_memory, record_samples, record_step
@@ -110,9 +109,8 @@ class AsyncGRPOTrainer:
         self.model = with_adapter(model_loaded, peft_config) if self.lora else model_loaded
         if self.ranks.several:
             distributed.shard(self.model, self.ranks, args.fsdp_config, use_bf16(args, next(self.model.parameters()).device))
-        self.tokenizer = prepare_processing_class(processing_class or AutoTokenizer.from_pretrained(
-            self.model_name if isinstance(model, str) else model.name_or_path, trust_remote_code=args.trust_remote_code),
-            given=processing_class is not None)
+        self.tokenizer = processing_class_for(processing_class, self.model_name if isinstance(model, str) else model.name_or_path,
+                                              args.trust_remote_code)
         agents = bool(self.tools) or environment_factory is not None
         self.rollout_template = rollout_template(self.tokenizer, self.tools, args.chat_template_kwargs) if agents else None
         """A training-safe chat template the worker renders rollouts with, when the model's is not prefix-preserving."""
@@ -122,10 +120,7 @@ class AsyncGRPOTrainer:
         self.scaler = check_precision(args, self.device, self.ranks.several, next(self.model.parameters()).dtype)
         """fp16's gradient scaler (None without fp16)."""
         self.kernel = attention_kernel(args, self.device)
-        if args.torch_compile:
-            compile_decoder(self.model, args, self.ranks.several)
-        if "underflow_overflow" in args.debug_options:  # hooks on every module: an inf or NaN stops the step, said
-            DebugUnderflowOverflow(self.model)
+        instrument(self.model, args, self.ranks.several)
         self.peak_flops = peak_flops(self.device, autocast_dtype(args, self.device) is not None)
         """One GPU's peak FLOP/s for perf/*_mfu; None on CPU or an unknown GPU (trainer/flops.py)."""
         self.flops_shape = model_shape(self.model) if self.peak_flops else None
@@ -142,8 +137,7 @@ class AsyncGRPOTrainer:
         """transformers' TrainerCallback objects, called with (args, state, control) at each event of the loop."""
         self.control = TrainerControl()
         """The flags callbacks set (should_log, should_save, should_training_stop), read by the loop."""
-        self.hub: HubUploader | None = None
-        """push_to_hub's uploads (rank 0), started with the first one."""
+        self.hub: HubUploader | None = None  # push_to_hub's uploads (rank 0), started with the first one
         self.runtime = Runtime(self._runtime_spec())
         """The generation server, the rollout worker, the queue and the weight sync: started by train()."""
         self._callback_event("on_init_end")
@@ -292,9 +286,7 @@ class AsyncGRPOTrainer:
             if not args.skip_memory_metrics:  # every rank's: the window is gathered, the largest logged
                 record_memory(self.window, self.device)
             self._callback_event("on_step_end")
-            if main:  # what transformers' DefaultFlowCallback decides, here from the strategies: rank 0's, agreed below
-                self.control.should_log |= self._log_now(epoch_ended)
-                self.control.should_save |= due(args.save_strategy, args.every("save_steps"), state.step, epoch_ended)
+            self._plan(epoch_ended)
             if runtime.preempted_everywhere():  # SIGTERM with enable_jit_checkpoint: save this step, then stop
                 self.control.should_save = self.control.should_training_stop = True
             control = self._agreed_control()
@@ -370,6 +362,14 @@ class AsyncGRPOTrainer:
         before, state.dataset_start_index = state.dataset_start_index, runtime.trained(rows, state.step)
         epochs = len(self.dataset) if self.dataset is not None and not is_iterable(self.dataset) else None
         return epochs is not None and state.dataset_start_index // epochs > before // epochs
+
+    def _plan(self, epoch_ended: bool) -> None:
+        """Whether this step logs and saves, by the strategies: what transformers' DefaultFlowCallback sets in
+        `control`, here on rank 0 (the ranks agree on its flags next)."""
+        if self.ranks.main:
+            args = self.args
+            self.control.should_log |= self._log_now(epoch_ended)
+            self.control.should_save |= due(args.save_strategy, args.every("save_steps"), self.state.step, epoch_ended)
 
     def _log_now(self, epoch_ended: bool) -> bool:
         """logging_strategy 'steps' (every logging_steps) or 'epoch', and after the first step with logging_first_step."""
@@ -539,20 +539,6 @@ def check_train_dataset(dataset, args: AsyncGRPOConfig, environments: bool):
         raise UsageError(f"data_seed={args.data_seed} orders a dataset by its indices, and an IterableDataset has none: "
                          "shuffle the stream itself (dataset.shuffle(seed=..., buffer_size=...)), or drop data_seed.")
     return dataset
-
-
-def compile_decoder(model, args: AsyncGRPOConfig, several_ranks: bool) -> None:
-    """torch_compile: the decoder compiled in place with dynamic shapes, so rows of any length share one graph. The
-    chunked log-prob head stays eager (it is chunked to bound its memory, which a fused graph could undo)."""
-    if several_ranks:
-        raise UsageError("torch_compile=True under torchrun: compiling FSDP2-sharded layers has not been run here; train "
-                         "uncompiled (the default) or on one process")
-    model.get_decoder().compile(backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode,
-                                dynamic=True)
-    if (args.tree_attention_kernel or "exact") == "exact" and model.device.type == "cpu":
-        warnings.warn("torch_compile: the compiled decoder's fused kernels round differently from the exact kernel, so "
-                      "the trainer no longer matches `tandem serve --decode-mode exact` bit for bit (the importance "
-                      "ratio at staleness 0 is 1 to about 1e-5)", stacklevel=3)
 
 
 def due(strategy: str, every: int, step: int, epoch_ended: bool) -> bool:
