@@ -326,7 +326,7 @@ class EpochWatch(TrainerCallback):
         self.epochs.append(self.trainer.state.dataset_start_index // len(self.trainer.dataset))
 
 
-def test_epoch_strategies_and_fractional_steps_log_evaluate_and_save_when_transformers_would(tmp_path, monkeypatch):
+def test_epoch_and_fractional_strategies_empty_cache_steps_memory_metrics_and_ddp_timeout_work_as_in_transformers(tmp_path, monkeypatch):
     emptied, timeouts = [], []
     monkeypatch.setattr("tandem.trainer.trainer.empty_device_cache", lambda device: emptied.append(trainer.state.step))
     join = tandem_distributed.join

@@ -29,7 +29,7 @@ def tensorboard_text(folder, tag: str) -> str:
     return events.Tensors(f"{tag}/text_summary")[-1].tensor_proto.string_val[0].decode()
 
 
-def test_report_to_all_sends_every_metric_under_its_name_to_tensorboard_wandb_and_trackio(tmp_path, monkeypatch):
+def test_report_to_all_sends_every_metric_and_the_completions_table_to_tensorboard_wandb_and_trackio(tmp_path, monkeypatch):
     from trackio.sqlite_storage import SQLiteStorage
 
     monkeypatch.setenv("WANDB_SILENT", "true")

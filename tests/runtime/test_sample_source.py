@@ -301,3 +301,25 @@ def test_the_pacing_allowance_before_the_first_step_counts_every_rank_full():
 
     assert full_step_tokens(token_budget=1024, gradient_accumulation_steps=2, world_size=1) == 2048
     assert full_step_tokens(token_budget=1024, gradient_accumulation_steps=2, world_size=4) == 8192, "× ranks"
+
+
+def test_a_samples_time_in_the_queue_ends_when_it_is_placed_in_a_row_not_when_its_step_trained():
+    import threading
+    import time
+
+    from tandem.config import AsyncGRPOConfig
+    from tandem.distributed import Ranks
+    from tandem.packing.batching import TokenBudgetBatcher
+    from tandem.runtime.runtime import Runtime
+
+    samples = group(0)
+    for s in samples:
+        s.created_at = time.time() - 30  # generated half a minute before the trainer takes it
+    runtime = Runtime.__new__(Runtime)  # the runtime's batching alone: no server, no worker
+    runtime.args, runtime.ranks, runtime.token_budget = AsyncGRPOConfig(), Ranks(), 100
+    runtime.source, runtime.window = source_of(("samples", samples), ("end", None)), MetricWindow()
+    runtime.batcher, runtime.preempted = TokenBudgetBatcher(100), threading.Event()
+    runtime._read = lambda read: read()
+    [[row]] = runtime.next_micro_batches(version=0)
+    waited = runtime.window.values["sample/time_in_queue_s"]
+    assert len(waited) == 2 and all(30 <= w < 60 for w in waited)

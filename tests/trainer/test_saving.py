@@ -52,7 +52,7 @@ def test_save_strategy_best_and_save_only_model_keep_the_best_model_and_load_bes
             resume_from_checkpoint=str(best))
 
 
-def test_push_to_hub_uploads_checkpoints_in_the_background_retries_a_failure_and_never_writes_the_token(
+def test_push_to_hub_uploads_in_the_background_retries_never_writes_the_token_and_callbacks_resume_their_state(
         tmp_path, monkeypatch):
     hub = HubStandIn()
     hub.fail_commits = 1  # the first upload fails: a warning, and the next try succeeds while training goes on

@@ -23,3 +23,4 @@ def test_reward_kept_and_the_group_stds_are_averaged_over_trained_samples():
     assert metrics["reward_kept"] == pytest.approx(0.5)
     assert metrics["reward_group_std"] == pytest.approx((3 * 0.5 + 0.1) / 4), "per trained sample, not per group"
     assert metrics["rewards/accuracy/group_std"] == pytest.approx((3 * 0.5 + 0.1) / 4)
+    assert "sample/time_in_queue_s" not in metrics, "measured when the runtime takes a sample, not after its step"

@@ -350,7 +350,7 @@ def test_an_external_server_that_goes_away_and_comes_back_within_vllm_server_tim
         port = s.getsockname()[1]
     first = external_server(port, tmp_path / "server.log")
     args = config(tmp_path, vllm_server_base_url=f"http://127.0.0.1:{port}", max_steps=-1, num_train_epochs=1,
-                  token_budget=100)
+                  token_budget=100, max_staleness=1)  # the worker cannot finish the epoch before the outage
     trainer = BounceExternalServer("tiny", accuracy_reward, args=args, train_dataset=small_dataset(24))
     trainer.server = first
     try:
