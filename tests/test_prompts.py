@@ -158,15 +158,18 @@ def test_a_template_that_refuses_the_probe_says_so(tokenizer):
         "the chat template cannot render a tool-calling probe conversation: tool messages are not supported")
 
 
-@pytest.fixture
-def deepseek_v3(tokenizer):
-    """The tiny tokenizer with DeepSeek-V3's own chat template (tests/fixtures/README.md)."""
-    deepseek = copy.deepcopy(tokenizer)
-    deepseek.chat_template = (Path(__file__).parent / "fixtures" / "deepseek_v3_chat_template.jinja").read_text()
-    return deepseek
+DEEPSEEK_V3 = (Path(__file__).parent / "fixtures" / "deepseek_v3_chat_template.jinja").read_text()
+"""DeepSeek-V3's chat template in the variant whose generation prompt opens a `<think>` block (tests/fixtures)."""
+DEEPSEEK_V3_PLAIN = DEEPSEEK_V3.replace("'<｜Assistant｜><think>\\n'", "'<｜Assistant｜>'").replace(
+    "{{'<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}",
+    "{{'\\n<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}")
+"""The variant without `<think>` in the generation prompt, later tool outputs after a newline."""
 
 
-def test_deepseek_v3s_training_template_is_prefix_preserving_and_renders_a_question_as_deepseek_does(deepseek_v3):
+@pytest.mark.parametrize("source", [DEEPSEEK_V3, DEEPSEEK_V3_PLAIN], ids=["think", "plain"])
+def test_deepseek_v3s_training_template_is_prefix_preserving_and_renders_a_question_as_deepseek_does(tokenizer, source):
+    deepseek_v3 = copy.deepcopy(tokenizer)
+    deepseek_v3.chat_template = source
     assert check_prefix_preserving(deepseek_v3, [PROBE_TOOL], None) is not None, "DeepSeek-V3's own is not"
     family, template = training_chat_template(deepseek_v3)
     assert family == "deepseek_v3"
@@ -176,11 +179,13 @@ def test_deepseek_v3s_training_template_is_prefix_preserving_and_renders_a_quest
         assert deepseek_v3.apply_chat_template(question, chat_template=template, tokenize=False,
                                                add_generation_prompt=add_generation_prompt) == \
                deepseek_v3.apply_chat_template(question, tokenize=False, add_generation_prompt=add_generation_prompt)
-    string_arguments = probe_conversation(with_reasoning=False)[:4]  # the original renders string arguments only
-    string_arguments[1]["tool_calls"][0]["function"]["arguments"] = '{"expression": "2 + 3"}'
-    ours = deepseek_v3.apply_chat_template(string_arguments, chat_template=template, tokenize=False)
-    assert ours == deepseek_v3.apply_chat_template(string_arguments, tokenize=False).replace(
-        "<｜Assistant｜><｜tool▁calls▁begin｜>", "<｜Assistant｜><think>\n<｜tool▁calls▁begin｜>"), \
-        "one reply that calls a tool, one that answers after its result: DeepSeek-V3's format, the prompt's <think> kept"
+    conversation = probe_conversation(with_reasoning=False)[:4]  # the original renders string arguments only
+    conversation[1]["tool_calls"][0]["function"]["arguments"] = '{"expression": "2 + 3"}'
+    conversation.insert(3, {"role": "tool", "content": "and again 5"})  # two tool outputs in a row
+    ours = deepseek_v3.apply_chat_template(conversation, chat_template=template, tokenize=False)
+    theirs = deepseek_v3.apply_chat_template(conversation, tokenize=False)
+    if source == DEEPSEEK_V3:  # the prompt's <think> kept in the reply, which DeepSeek-V3's own drops
+        theirs = theirs.replace("<｜Assistant｜><｜tool▁calls▁begin｜>", "<｜Assistant｜><think>\n<｜tool▁calls▁begin｜>")
+    assert ours == theirs, "a reply that calls a tool, two outputs, an answer: DeepSeek-V3's format"
     deepseek_v3.chat_template = template
     assert training_chat_template(deepseek_v3) is None, "the training template needs no patch"

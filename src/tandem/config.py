@@ -401,7 +401,8 @@ class AsyncGRPOConfig:
             ("report_to", set(reported) <= REPORT_TO, f"must be one of {', '.join(sorted(REPORT_TO))}, or a list of them"),
             *_interval_checks(self, "logging_steps", "save_steps", "eval_steps"),
             ("save_strategy", self.save_strategy in ("steps", "epoch", "best", "no"), "must be 'steps', 'epoch', 'best' or 'no'"),
-            ("metric_for_best_model", self.metric_for_best_model is not None or self.save_strategy != "best",
+            ("metric_for_best_model", self.metric_for_best_model is not None or self.save_strategy != "best"
+             or self.load_best_model_at_end,
              "save_strategy='best' saves when this eval metric improves: name one, e.g. 'reward' (eval/reward)"),
             ("load_best_model_at_end", not self.load_best_model_at_end or "no" not in (self.eval_strategy, self.save_strategy),
              "needs evaluations to rank the checkpoints and checkpoints to load: set eval_strategy and save_strategy"),

@@ -154,6 +154,8 @@ is never reset) and tool outputs opened once (`is_output_first`)."""
 DEEPSEEK_V3_TRAINING_TEMPLATE = r"""{#- DeepSeek-V3 for training: each reply renders as it was generated after its prompt (reasoning kept, each reply
     opening its own tool-call list, each run of tool results opened and closed), so a longer conversation extends a
     shorter one token for token; tool arguments may be objects. -#}
+{%- set reply_start = '<｜Assistant｜><think>\n' %}
+{%- set output_separator = '' %}
 {%- set ns = namespace(system='', after_tools=false) %}
 {%- for message in messages if message.role == 'system' %}
 {%- set ns.system = ns.system + ('\n\n' if ns.system else '') + message.content %}
@@ -166,10 +168,11 @@ DEEPSEEK_V3_TRAINING_TEMPLATE = r"""{#- DeepSeek-V3 for training: each reply ren
 {%- elif message.role == 'assistant' %}
 {%- set content = message.content if message.content is string else '' %}
 {%- if message.reasoning_content is string %}
-{%- set content = ('<think>\n' if ns.after_tools else '') + message.reasoning_content + '</think>' + content %}
+{%- set opened = not ns.after_tools and reply_start.endswith('<think>\n') %}
+{%- set content = ('' if opened else '<think>\n') + message.reasoning_content + '</think>' + content %}
 {%- endif %}
-{#- after the user, the prompt was '<｜Assistant｜><think>\n'; after tool results, the tool outputs' end -#}
-{{- ('' if ns.after_tools else '<｜Assistant｜><think>\n') + content }}
+{#- after the user, the prompt ended with reply_start; after tool results, with the tool outputs' end -#}
+{{- ('' if ns.after_tools else reply_start) + content }}
 {%- if message.tool_calls %}
 {{- '<｜tool▁calls▁begin｜>' }}
 {%- for tool_call in message.tool_calls %}
@@ -184,20 +187,34 @@ DEEPSEEK_V3_TRAINING_TEMPLATE = r"""{#- DeepSeek-V3 for training: each reply ren
 {{- '<｜end▁of▁sentence｜>' }}
 {%- set ns.after_tools = false %}
 {%- elif message.role == 'tool' %}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<｜tool▁outputs▁begin｜>' }}{%- endif %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<｜tool▁outputs▁begin｜>' }}
+{%- else %}{{- output_separator }}{%- endif %}
 {{- '<｜tool▁output▁begin｜>' + message.content + '<｜tool▁output▁end｜>' }}
 {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<｜tool▁outputs▁end｜>' }}{%- endif %}
 {%- set ns.after_tools = true %}
 {%- endif %}
 {%- endfor %}
-{%- if add_generation_prompt and not ns.after_tools %}{{- '<｜Assistant｜><think>\n' }}{%- endif %}
+{%- if add_generation_prompt and not ns.after_tools %}{{- reply_start }}{%- endif %}
 """
 """DeepSeek-V3's format with no turn rewritten later: its own template drops an earlier reply's reasoning, opens
 the tool-call list and the tool outputs only once per conversation, prefixes a reply that follows tool results with
 `<｜Assistant｜>` although its prompt ended without one, and cannot render object arguments."""
 
-TRAINING_TEMPLATES = {"qwen3": (QWEN3_MARKERS, QWEN3_TRAINING_TEMPLATE),
-                      "deepseek_v3": (DEEPSEEK_V3_MARKERS, DEEPSEEK_V3_TRAINING_TEMPLATE)}
+
+
+def deepseek_v3_training_template(source: str) -> str:
+    """The training template in the variant of `source`: DeepSeek-V3 checkpoints differ in whether the generation
+    prompt opens a `<think>` block and whether tool outputs after the first are separated by a newline."""
+    thinks = "'<｜Assistant｜><think>\\n'" in source
+    separated = "'\\n<｜tool▁output▁begin｜>'" in source
+    return (DEEPSEEK_V3_TRAINING_TEMPLATE
+            .replace("{%- set reply_start = '<｜Assistant｜><think>\\n' %}",
+                     "{%- set reply_start = '<｜Assistant｜>" + ("<think>\\n" if thinks else "") + "' %}")
+            .replace("{%- set output_separator = '' %}", "{%- set output_separator = '" + ("\\n" if separated else "") + "' %}"))
+
+
+TRAINING_TEMPLATES = {"qwen3": (QWEN3_MARKERS, lambda source: QWEN3_TRAINING_TEMPLATE),
+                      "deepseek_v3": (DEEPSEEK_V3_MARKERS, deepseek_v3_training_template)}
 
 
 def training_chat_template(tokenizer) -> tuple[str, str] | None:
@@ -211,4 +228,4 @@ def training_chat_template(tokenizer) -> tuple[str, str] | None:
     family = next((name for name, (markers, _) in TRAINING_TEMPLATES.items() if all(m in source for m in markers)), None)
     if family is None or check_prefix_preserving(tokenizer, [PROBE_TOOL], None) is None:
         return None
-    return family, TRAINING_TEMPLATES[family][1]
+    return family, TRAINING_TEMPLATES[family][1](source)

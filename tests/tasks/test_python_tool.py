@@ -1,5 +1,7 @@
 """The spec's Python tool runs the model's programs apart: its own interpreter and folder, limits, no network."""
 
+import subprocess
+
 import pytest
 
 from tandem.rollout.tools import validate_tools
@@ -34,3 +36,14 @@ def test_without_network_namespaces_the_sockets_are_still_disabled_and_it_is_sai
             assert python("import socket; socket.socket()") == "error: OSError: the network is disabled for this program"
     finally:
         python_tool.isolation.cache_clear()
+
+
+def test_a_program_sees_no_other_process_and_what_it_starts_dies_with_it():
+    if not python_tool.isolation():
+        pytest.skip("this system lets no user make process namespaces: the process group is killed instead")
+    assert python("import os; print(sorted(p for p in os.listdir('/proc') if p.isdigit()))") == "['1']\n", \
+        "its own process namespace: the trainer's environment is not readable through /proc"
+    assert python("import ssl, asyncio, urllib.request; print('ok')") == "ok\n", "modules that subclass socket import"
+    python("import subprocess; subprocess.Popen(['sleep', '31.25'])")  # left running by the program
+    left = subprocess.run(["pgrep", "-f", "sleep 31.25"], capture_output=True, text=True).stdout.split()
+    assert left == [], "what a program starts ends with it"

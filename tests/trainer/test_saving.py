@@ -3,6 +3,7 @@ load_best_model_at_end, kept by save_total_limit), model-only checkpoints, callb
 uploads to the Hugging Face Hub (a local stand-in of its routes)."""
 
 import json
+import shutil
 import time
 import warnings
 
@@ -145,3 +146,28 @@ def test_hub_always_push_queues_a_checkpoint_while_an_upload_runs_and_hub_strate
         assert hub.paths(repo, "main") == expected, f"hub_always_push={always_push}"
         assert any("still running" in str(w.message) for w in caught) != always_push
         assert hub.files[(repo, "main", "model.safetensors")] == (b"weights 2" if always_push else b"weights 1")
+
+
+def test_a_checkpoint_rotated_out_before_its_upload_is_uploaded_as_the_newest_one_instead(tmp_path, monkeypatch):
+    from tandem.trainer.hub import HubUploader
+
+    hub = HubStandIn()
+    hub.fail_commits = 1
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setattr("tandem.trainer.hub.RETRY_S", 0.5)
+    first, second = tmp_path / "checkpoint-1", tmp_path / "checkpoint-2"
+    first.mkdir()
+    (first / "model.safetensors").write_bytes(b"weights 1")
+    uploader = HubUploader("me/rotated", TOKEN, private=None, revision=None, always_push=False)
+    with pytest.warns(UserWarning) as caught:
+        uploader.checkpoint_saved(first, 1, "every_save")
+        deadline = time.monotonic() + 10
+        while not any(u.attempts for u in uploader.queue) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the first try failed; the upload waits to be tried again
+        shutil.rmtree(first)  # save_total_limit removed it meanwhile; checkpoint-2's own upload was skipped
+        second.mkdir()
+        (second / "model.safetensors").write_bytes(b"weights 2")
+        uploader.wait()
+    assert hub.files[("me/rotated", "main", "model.safetensors")] == b"weights 2"
+    assert any("checkpoint-1 was removed (save_total_limit) before it was uploaded; uploading checkpoint-2 instead"
+               in str(w.message) for w in caught)

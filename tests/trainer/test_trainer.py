@@ -209,7 +209,8 @@ def test_a_reward_that_never_varies_is_said_and_stops_the_run_instead_of_a_silen
 def test_sigterm_with_enable_jit_checkpoint_saves_the_step_it_ends_and_exits_as_terminated(tmp_path):
     run = tmp_path / "run"
     process = subprocess.Popen([sys.executable, "-m", "tandem", "train", "examples/demo.yaml", "--max_steps", "300",
-                                "--save_steps", "1000", "--enable_jit_checkpoint", "true", "--output_dir", str(run)],
+                                "--save_steps", "1000", "--enable_jit_checkpoint", "true", "--output_dir", str(run),
+                                "--save_only_model", "true"],  # the preemption's checkpoint still holds what resuming needs
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 180
     while not ((run / "metrics.jsonl").is_file() and len((run / "metrics.jsonl").read_text().splitlines()) >= 3):
@@ -220,6 +221,7 @@ def test_sigterm_with_enable_jit_checkpoint_saves_the_step_it_ends_and_exits_as_
     assert process.returncode == 128 + signal.SIGTERM, err[-2000:]
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"]
     assert [p.name for p in run.glob("checkpoint-*")] == [f"checkpoint-{last}"], "the step it stopped at is saved"
+    assert (run / f"checkpoint-{last}" / "rollout_state.json").is_file(), "resumable, whatever save_only_model says"
     assert f"stopped on SIGTERM after a checkpoint at step {last}" in err
 
 

@@ -267,8 +267,8 @@ class ControlClient(_Http):
     async def _raise_if_engine_dead(self) -> None:
         try:
             await self.request("GET", "/health", retry=False, timeout_s=5)
-        except ServerError as exc:
-            if exc.status == 503:
+        except ServerError as exc:  # tandem proxy answers 503 while any replica is down: dead only if none is up
+            if exc.status == 503 and not ("proxy:" in str(exc) and await self._proxy_serving()):
                 raise EngineDead(503, "a call waiting on the engine will not be answered", exc.url) from None
         except ConnectionError:
             pass  # gone altogether: the watched call fails on its own

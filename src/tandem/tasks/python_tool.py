@@ -3,12 +3,18 @@ with what it printed.
 
 It runs code nobody reviewed, so every call runs in a fresh interpreter of its own (`python -I`: no user site, no
 environment variables) in an empty temporary folder, with its address space, CPU time, file sizes and wall time
-limited, and without a network: in a network namespace of its own (`unshare --net`, where the system lets users make
-one), else with Python's sockets disabled in the child, which a determined program could undo (said once).
+limited, in process and network namespaces of its own where the system lets users make them (`unshare`: no network;
+it sees only its own processes, so not the trainer's environment through /proc; everything it started dies with
+it), else with Python's sockets disabled in the child and its process group killed after, which a determined
+program could get around (said once). Files outside its folder are not hidden from it: run the worker as a user
+that may write nothing else when the data is untrusted.
 """
 
+import contextlib
 import functools
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -28,12 +34,15 @@ import resource, socket, sys
 for limit, value in ((resource.RLIMIT_AS, {MEMORY_BYTES}), (resource.RLIMIT_CPU, {int(TIMEOUT_S) + 1}),
                      (resource.RLIMIT_FSIZE, {FILE_BYTES}), (resource.RLIMIT_CORE, 0)):
     resource.setrlimit(limit, (value, value))
+class _NoNetwork(socket.socket):  # a class still, so that modules which subclass it (ssl, asyncio) import
+    def __init__(self, *args, **kwargs):
+        raise OSError("the network is disabled for this program")
 def _no_network(*args, **kwargs):
     raise OSError("the network is disabled for this program")
-socket.socket = socket.create_connection = socket.getaddrinfo = _no_network
+socket.socket, socket.create_connection, socket.getaddrinfo = _NoNetwork, _no_network, _no_network
 code = sys.stdin.read()
 sys.stdin = open("/dev/null")
-del resource, socket, sys, limit, value, _no_network
+del resource, socket, sys, limit, value, _NoNetwork, _no_network
 exec(compile(code, "<program>", "exec"), {{"__name__": "__main__"}})
 """
 """What the child runs first: its own limits (set there, not with preexec_fn, which is unsafe in the tool threads),
@@ -50,11 +59,20 @@ def python(code: str) -> str:
         The program's output (stdout, then stderr); the last line of the error when it fails.
     """
     with tempfile.TemporaryDirectory(prefix="tandem-python-") as folder:
+        process = subprocess.Popen([*isolation(), sys.executable, "-I", "-c", CHILD], cwd=folder, text=True,
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   env={"PATH": "/usr/bin:/bin"}, start_new_session=True)
         try:
-            done = subprocess.run([*isolation(), sys.executable, "-I", "-c", CHILD], input=code, cwd=folder,
-                                  capture_output=True, text=True, timeout=TIMEOUT_S, env={"PATH": "/usr/bin:/bin"})
+            stdout, stderr = process.communicate(code, timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
+            stdout = None
+        finally:  # whatever it started goes with it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+        if stdout is None:
             return f"error: the program ran longer than {TIMEOUT_S:g} s and was stopped"
+    done = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     output = done.stdout + (done.stderr if done.returncode == 0 else error_of(done.stderr, done.returncode))
     return shortened(output) if output.strip() else "(the program printed nothing)"
 
@@ -78,15 +96,15 @@ def shortened(text: str) -> str:
 
 @functools.cache
 def isolation() -> tuple[str, ...]:
-    """`unshare --net --map-root-user` where this system lets a user make a network namespace (checked once), else
-    nothing, said once: the child's disabled sockets are then the only barrier."""
-    command = ("unshare", "--net", "--map-root-user")
+    """`unshare` into network and process namespaces of the child's own, where this system lets a user make them
+    (checked once), else nothing, said once: the child's disabled sockets are then the only barrier."""
+    command = ("unshare", "--net", "--map-root-user", "--pid", "--fork", "--mount-proc", "--kill-child")
     if shutil.which("unshare"):
         try:
             if subprocess.run([*command, "true"], capture_output=True, timeout=10).returncode == 0:
                 return command
         except (OSError, subprocess.TimeoutExpired):
             pass
-    warnings.warn("python tool: this system does not let users make a network namespace (unshare --net), so "
+    warnings.warn("python tool: this system does not let users make network and process namespaces (unshare), so "
                   "programs run with Python's sockets disabled, which a program could undo", stacklevel=3)
     return ()

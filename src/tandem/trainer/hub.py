@@ -16,9 +16,10 @@ from pathlib import Path
 
 CHECKPOINT_ONLY = ["distributed/*", "scheduler.pt", "rollout_state.json", "rollout_queue.pt", "trainer_state.json"]
 """What a checkpoint holds beyond the model folder: uploaded only to last-checkpoint/ or checkpoint-N/."""
-RUN_FILES_KEPT = ["checkpoint-*", ".checkpoint-*", "*.log", "wandb/*"]
-"""What `push_to_hub()` leaves out of the output folder: checkpoints (uploaded by their strategy), server logs, and
-wandb's offline run (`wandb sync` uploads it)."""
+RUN_FILES_KEPT = ["checkpoint-*", ".*", "*/.*", "*.log", "wandb/*"]
+"""What `push_to_hub()` leaves out of the output folder: checkpoints (uploaded by their strategy), hidden folders (the
+weight syncs' model copies, the rollout tokenizer, staged checkpoints), server logs, and wandb's offline run (`wandb
+sync` uploads it)."""
 RETRY_S = 30.0
 
 
@@ -118,14 +119,19 @@ class HubUploader:
 
     def _try(self, upload: Upload) -> bool:
         """One attempt; True when it failed (said as a warning, the token never in it)."""
-        if not upload.folder.is_dir():
-            warnings.warn(f"push_to_hub: {upload.folder} was removed (save_total_limit) before it was uploaded; "
-                          "the next checkpoint's upload replaces it", stacklevel=2)
-            return False
+        if not upload.folder.is_dir():  # rotated out by save_total_limit while waiting: the newest stands in for it
+            newest = newest_checkpoint(upload.folder.parent)
+            if newest is None:
+                return False
+            warnings.warn(f"push_to_hub: {upload.folder.name} was removed (save_total_limit) before it was uploaded; "
+                          f"uploading {newest.name} instead", stacklevel=2)
+            upload.path_in_repo = newest.name if upload.path_in_repo == upload.folder.name else upload.path_in_repo
+            upload.folder, upload.message = newest, f"Training in progress, {newest.name}"
         try:
             self._ensure_repo()
             self.api.upload_folder(repo_id=self.repo_id, folder_path=upload.folder, path_in_repo=upload.path_in_repo or None,
-                                   commit_message=upload.message, revision=self.revision, ignore_patterns=upload.ignore)
+                                   commit_message=upload.message, revision=self.revision,
+                                   ignore_patterns=list(upload.ignore))  # huggingface_hub extends the list it gets
             return False
         except Exception as exc:  # the network, the Hub, a full disk: training goes on, the upload is tried again
             warnings.warn(f"push_to_hub: uploading {self._where(upload)} failed ({type(exc).__name__}: "
@@ -143,3 +149,8 @@ class HubUploader:
 
     def _where(self, upload: Upload) -> str:
         return f"{upload.folder.name} to {self.repo_id}/{upload.path_in_repo}"
+
+
+def newest_checkpoint(folder: Path) -> Path | None:
+    found = [p for p in folder.glob("checkpoint-*") if p.is_dir() and p.name.removeprefix("checkpoint-").isdigit()]
+    return max(found, key=lambda p: int(p.name.removeprefix("checkpoint-")), default=None)

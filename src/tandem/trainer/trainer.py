@@ -254,6 +254,8 @@ class AsyncGRPOTrainer:
     def _uploader(self, token: str | None = None, revision: str | None = None) -> HubUploader:
         args = self.args
         if self.hub is None or token or revision:
+            if self.hub is not None:  # what the run's own uploader has queued goes first
+                self.hub.wait()
             self.hub = HubUploader(args.hub_model_id or self.output_dir.resolve().name, token or args.hub_token,
                                    args.hub_private_repo, revision or args.hub_revision, args.hub_always_push)
         return self.hub
@@ -303,10 +305,12 @@ class AsyncGRPOTrainer:
         if (args.save_strategy in ("steps", "epoch") or runtime.preempted.is_set()) and state.step > 0 \
                 and saved_step != state.step:
             self._checkpoint(runtime)
-        if args.load_best_model_at_end and state.best_model_checkpoint and not runtime.preempted.is_set():
-            checkpoint.load_weights(Path(state.best_model_checkpoint), self.model)
-            runtime.session.progress.say(f"loaded the best checkpoint, {state.best_model_checkpoint} "
-                                         f"({args.metric_for_best_model} {state.best_metric:.4g})")
+        best = self.ranks.broadcast(state.best_model_checkpoint)  # rank 0 ranks the evaluations
+        if args.load_best_model_at_end and best and not runtime.preempted.is_set():
+            checkpoint.load_weights(Path(best), self.model)
+            if main:
+                runtime.session.progress.say(f"loaded the best checkpoint, {best} ({args.metric_for_best_model} "
+                                             f"{state.best_metric:.4g})")
         return TrainOutput(state.step, sum(self.losses) / len(self.losses) if self.losses else 0.0, metrics)
 
     def _sync(self, runtime: Runtime, eval_pending: bool) -> tuple[bool, float]:
@@ -438,6 +442,9 @@ class AsyncGRPOTrainer:
         if self.args.metric_for_best_model and state.step > 0 and checkpoint.record_if_best(
                 state, metrics, self.args.metric_for_best_model, self.args.greater_is_better):
             self.control.should_save |= self.args.save_strategy != "no"  # the best step is always checkpointed
+            saved = self.output_dir / f"checkpoint-{state.step}"
+            if saved.is_dir():  # evaluated at the start of a run resumed from it (eval_on_start): it is the best one
+                state.best_model_checkpoint = str(saved)
         runtime.session.log(state.step, metrics)
         runtime.session.progress.say(f"eval at step {state.step} (policy version {state.model_version}): reward "
                                   f"{metrics.get('eval/reward', math.nan):.3f} over {len(self.eval_dataset)} prompts")
@@ -449,9 +456,10 @@ class AsyncGRPOTrainer:
         self.state.stateful_callbacks = exported_states(self.callback_handler, self.control)
         for name in ("best_metric", "best_global_step"):  # rank 0 evaluates; every rank writes its shards
             setattr(self.state, name, self.ranks.broadcast(getattr(self.state, name)))
+        model_only = self.args.save_only_model and not runtime.preempted_everywhere()  # a preempted run resumes
         path = checkpoint.save(self.output_dir, self.model, self.tokenizer, self.optimizer, self.scheduler, self.state,
                                self.args.save_total_limit, self.ranks, runtime.resume_point() if self.ranks.main else None,
-                               model_only=self.args.save_only_model)
+                               model_only=model_only)
         if self.args.push_to_hub and self.ranks.main:
             self._uploader().checkpoint_saved(path, self.state.step, self.args.hub_strategy)
         self._callback_event("on_save")
@@ -550,7 +558,7 @@ def due(strategy: str, every: int, step: int, epoch_ended: bool) -> bool:
 def empty_device_cache(device: torch.device) -> None:
     """torch_empty_cache_steps: hand the accelerator's cached free blocks back (the CPU keeps no such cache)."""
     if device.type != "cpu":
-        torch.accelerator.empty_cache()
+        getattr(torch, device.type).empty_cache()  # torch.cuda / torch.xpu / torch.mps
 
 
 def attention_kernel(args: AsyncGRPOConfig, device: torch.device) -> str:
