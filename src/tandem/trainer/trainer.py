@@ -97,12 +97,10 @@ class AsyncGRPOTrainer:
         environments = environment_factory is not None
         dataset = check_train_dataset(train_dataset, args, environments)
         self.eval_dataset = check_eval_dataset(eval_dataset, args, environments)
-        environment_rewards = check_agents(self.tools, environment_factory, dataset, self.eval_dataset)
-        self.reward_funcs = _reward_list(reward_funcs, environment_rewards)
+        self.reward_funcs = _reward_list(reward_funcs, check_agents(self.tools, environment_factory, dataset, self.eval_dataset))
         self.dataset = drop_unused_columns(dataset, self.reward_funcs, environments) \
             if args.remove_unused_columns and dataset is not None else dataset
-        self.ranks = distributed.join(args.ddp_timeout)
-        """This process's place among the torchrun ranks (one rank of one without torchrun)."""
+        self.ranks = distributed.join(args.ddp_timeout)  # this process's place among the torchrun ranks (or one of one)
         self.model_name, model_loaded, self.layout = load_model(model, args)
         """The rows this model trains on: tree-packed, or padded for models a tree row would change (packing/trie.py)."""
         self.lora = peft_config is not None
@@ -111,8 +109,8 @@ class AsyncGRPOTrainer:
             distributed.shard(self.model, self.ranks, args.fsdp_config, use_bf16(args, next(self.model.parameters()).device))
         self.tokenizer = processing_class_for(processing_class, self.model_name if isinstance(model, str) else model.name_or_path,
                                               args.trust_remote_code)
-        agents = bool(self.tools) or environment_factory is not None
-        self.rollout_template = rollout_template(self.tokenizer, self.tools, args.chat_template_kwargs) if agents else None
+        self.rollout_template = rollout_template(self.tokenizer, self.tools, args.chat_template_kwargs) \
+            if self.tools or environments else None
         """A training-safe chat template the worker renders rollouts with, when the model's is not prefix-preserving."""
         self.optimizer = optimizers[0] or make_optimizer(self.model, args)
         self.scheduler = optimizers[1] or make_scheduler(self.optimizer, args)
@@ -305,13 +303,18 @@ class AsyncGRPOTrainer:
         if (args.save_strategy in ("steps", "epoch") or runtime.preempted.is_set()) and state.step > 0 \
                 and saved_step != state.step:
             self._checkpoint(runtime)
-        best = self.ranks.broadcast(state.best_model_checkpoint)  # rank 0 ranks the evaluations
-        if args.load_best_model_at_end and best and not runtime.preempted.is_set():
-            checkpoint.load_weights(Path(best), self.model)
-            if main:
-                runtime.session.progress.say(f"loaded the best checkpoint, {best} ({args.metric_for_best_model} "
-                                             f"{state.best_metric:.4g})")
+        if args.load_best_model_at_end and not runtime.preempted_everywhere():  # every rank decides alike
+            self._load_best(runtime)
         return TrainOutput(state.step, sum(self.losses) / len(self.losses) if self.losses else 0.0, metrics)
+
+    def _load_best(self, runtime: Runtime) -> None:
+        """load_best_model_at_end: the best checkpoint's weights into the model (every rank; rank 0 ranked them)."""
+        best = self.ranks.broadcast(self.state.best_model_checkpoint)
+        if best:
+            checkpoint.load_weights(Path(best), self.model)
+            if self.ranks.main:
+                runtime.session.progress.say(f"loaded the best checkpoint, {best} ({self.args.metric_for_best_model} "
+                                             f"{self.state.best_metric:.4g})")
 
     def _sync(self, runtime: Runtime, eval_pending: bool) -> tuple[bool, float]:
         """Every weight_sync_steps steps: the server gets the new weights as the next policy version, then a pending
