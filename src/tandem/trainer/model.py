@@ -93,7 +93,7 @@ def compile_decoder(model, args: AsyncGRPOConfig, several_ranks: bool) -> None:
     if (args.tree_attention_kernel or "exact") == "exact" and model.device.type == "cpu":
         warnings.warn("torch_compile: the compiled decoder's fused kernels round differently from the exact kernel, so "
                       "the trainer no longer matches `tandem serve --decode-mode exact` bit for bit (the importance "
-                      "ratio at staleness 0 is 1 to about 1e-5)", stacklevel=3)
+                      "ratio at staleness 0 is 1 to about 1e-5)", stacklevel=4)
 
 
 def enable_checkpointing(model, kwargs: dict) -> None:
@@ -125,7 +125,7 @@ def prepare_processing_class(tokenizer, given: bool):
     text = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's tokenizer
     if given and getattr(text, "padding_side", "left") != "left":
         warnings.warn(f"processing_class.padding_side={text.padding_side!r}: set to 'left', as the spec requires",
-                      stacklevel=3)
+                      stacklevel=4)
     text.padding_side = "left"
     if text.pad_token is None:
         if text.eos_token is None:
