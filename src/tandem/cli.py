@@ -248,7 +248,8 @@ def local_rows(recipe):
     if recipe.dataset_streaming:
         return None, "a streamed dataset is not read ahead of training"
     try:
-        return datasets.load(recipe.dataset, recipe.dataset_config, recipe.dataset_split), ""
+        return datasets.load(recipe.dataset, recipe.dataset_config, recipe.dataset_split,
+                             options=recipe.dataset_options), ""
     except UsageError as exc:  # not a built-in task, and no such local file (yet)
         return None, str(exc)
 
@@ -432,9 +433,10 @@ def build_trainer(recipe, reward_funcs: list, tools: list, environments):
     from tandem import AsyncGRPOTrainer
     from tandem.tasks import datasets
 
-    train = datasets.load(recipe.dataset, recipe.dataset_config, recipe.dataset_split, recipe.dataset_streaming) \
-        if recipe.dataset else None
-    evaluate = datasets.load(recipe.eval_dataset, recipe.dataset_config, recipe.eval_split) if recipe.eval_dataset else None
+    train = datasets.load(recipe.dataset, recipe.dataset_config, recipe.dataset_split, recipe.dataset_streaming,
+                          recipe.dataset_options) if recipe.dataset else None
+    evaluate = datasets.load(recipe.eval_dataset, recipe.dataset_config, recipe.eval_split,
+                             options=recipe.eval_dataset_options) if recipe.eval_dataset else None
     return AsyncGRPOTrainer(model=recipe.model, reward_funcs=reward_funcs, args=recipe.config, train_dataset=train,
                             eval_dataset=evaluate, peft_config=lora_config(recipe.lora) if recipe.lora is not None else None,
                             tools=tools or None, environment_factory=environments)

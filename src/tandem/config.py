@@ -593,6 +593,10 @@ class Recipe:
     dataset_split: str = "train"
     dataset_streaming: bool = False
     """Read the dataset as training goes (an IterableDataset: never downloaded whole; max_steps sets the length)."""
+    dataset_options: dict | None = None
+    """A reasoning-gym task's arguments (size, seed, its config; a composite's datasets), for `reasoning-gym:<task>`."""
+    eval_dataset_options: dict | None = None
+    """The same for a reasoning-gym eval_dataset (give it another seed than the training rows')."""
     eval_dataset: str | None = None
     """Prompts evaluated during training (eval_strategy): any of what `dataset` takes, with `dataset_config`."""
     eval_split: str = "test"
@@ -605,10 +609,11 @@ class Recipe:
     """peft.LoraConfig fields: train a LoRA adapter instead of the whole model."""
 
 
-RECIPE_KEYS = ("model", "dataset", "dataset_name", "dataset_config", "dataset_split", "dataset_streaming", "eval_dataset",
-               "eval_split", "reward_funcs", "tools", "environment_factory", "lora")
+RECIPE_KEYS = ("model", "dataset", "dataset_name", "dataset_config", "dataset_split", "dataset_streaming", "dataset_options",
+               "eval_dataset", "eval_dataset_options", "eval_split", "reward_funcs", "tools", "environment_factory", "lora")
 RECIPE_TYPES = {"model": str, "dataset": str | None, "dataset_name": str, "dataset_config": str | None, "dataset_split": str,
-                "dataset_streaming": bool, "eval_dataset": str | None, "eval_split": str, "reward_funcs": str, "tools": str}
+                "dataset_streaming": bool, "dataset_options": dict | None, "eval_dataset": str | None,
+                "eval_dataset_options": dict | None, "eval_split": str, "reward_funcs": str, "tools": str}
 """The recipe keys beside the config's fields, by type (`environment_factory` and `lora` are checked by shape)."""
 LISTS = ("reward_funcs", "tools")
 """Recipe keys that take one import path or a list of them."""
@@ -708,7 +713,8 @@ def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
     dataset = raw.pop("dataset_name") if "dataset_name" in raw else raw.pop("dataset", default_dataset)
     return Recipe(model=raw.pop("model"), dataset=dataset, reward_funcs=_paths(funcs),
                   dataset_config=raw.pop("dataset_config", None), dataset_split=raw.pop("dataset_split", "train"),
-                  dataset_streaming=raw.pop("dataset_streaming", False), eval_dataset=raw.pop("eval_dataset", None),
+                  dataset_streaming=raw.pop("dataset_streaming", False), dataset_options=raw.pop("dataset_options", None),
+                  eval_dataset=raw.pop("eval_dataset", None), eval_dataset_options=raw.pop("eval_dataset_options", None),
                   eval_split=raw.pop("eval_split", "test"),
                   tools=_paths(tools), environment_factory=environments, lora=lora, config=AsyncGRPOConfig(**raw))
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from datasets import Dataset, load_dataset, load_from_disk
 
 from tandem.errors import UsageError
+from tandem.integrations import reasoning_gym
 from tandem.tasks import arithmetic
 
 BUILT_IN = {
@@ -19,11 +20,13 @@ BUILT_IN = {
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def load(name: str, config: str | None = None, split: str = "train", streaming: bool = False):
+def load(name: str, config: str | None = None, split: str = "train", streaming: bool = False, options: dict | None = None):
     """The rows of `name`: a Dataset, or with `streaming` an IterableDataset (read as training goes, never whole).
-    `config` and `split` choose within a Hub dataset or a folder."""
+    `config` and `split` choose within a Hub dataset or a folder; `options` are a reasoning-gym task's."""
     path = Path(name)
-    if name in BUILT_IN:
+    if name.startswith(reasoning_gym.PREFIX):
+        dataset = reasoning_gym.load(name, options)
+    elif name in BUILT_IN:
         dataset = BUILT_IN[name]()
     elif path.suffix in FORMATS and path.is_file():
         dataset = load_dataset(FORMATS[path.suffix], data_files=str(path), split="train", streaming=streaming)
@@ -35,8 +38,9 @@ def load(name: str, config: str | None = None, split: str = "train", streaming: 
     elif path.is_dir() or "/" in name and path.suffix not in FORMATS:  # a Hub id may hold a dot (org/name-1.5)
         dataset = _from_hub_or_folder(name, config, split, streaming)
     else:
-        raise UsageError(f"dataset {name!r} is neither a built-in task ({', '.join(BUILT_IN)}), a local "
-                         f"{'/'.join(FORMATS)} file or folder, nor a Hub id (namespace/name)")
+        raise UsageError(f"dataset {name!r} is neither a built-in task ({', '.join(BUILT_IN)}), a reasoning-gym task "
+                         f"(reasoning-gym:<task>), a local {'/'.join(FORMATS)} file or folder, nor a Hub id "
+                         "(namespace/name)")
     return dataset.to_iterable_dataset() if streaming and isinstance(dataset, Dataset) else dataset
 
 

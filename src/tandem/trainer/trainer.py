@@ -25,6 +25,7 @@ from tandem import distributed
 from tandem.config import AsyncGRPOConfig
 from tandem.dataset_rows import is_iterable
 from tandem.errors import UsageError
+from tandem.integrations import reasoning_gym
 from tandem.metrics.window import MetricWindow
 from tandem.model_folder import save_model_folder
 from tandem.packing import PackedRow
@@ -93,6 +94,7 @@ class AsyncGRPOTrainer:
                  processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None, tools=None,
                  environment_factory=None, eval_dataset=None):
         self.args = args = args or AsyncGRPOConfig()
+        train_dataset, eval_dataset, reward_funcs = reasoning_gym.adapt(train_dataset, eval_dataset, reward_funcs)
         self.tools, self.environment_factory = list(tools or []), environment_factory
         environments = environment_factory is not None
         dataset = check_train_dataset(train_dataset, args, environments)
