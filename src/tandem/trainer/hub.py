@@ -14,6 +14,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.trainer.checkpoint import checkpoints
+
 CHECKPOINT_ONLY = ["distributed/*", "scheduler.pt", "rollout_state.json", "rollout_queue.pt", "trainer_state.json"]
 """What a checkpoint holds beyond the model folder: uploaded only to last-checkpoint/ or checkpoint-N/."""
 RUN_FILES_KEPT = ["checkpoint-*", ".*", "*/.*", "*.log", "wandb/*"]
@@ -120,9 +122,10 @@ class HubUploader:
     def _try(self, upload: Upload) -> bool:
         """One attempt; True when it failed (said as a warning, the token never in it)."""
         if not upload.folder.is_dir():  # rotated out by save_total_limit while waiting: the newest stands in for it
-            newest = newest_checkpoint(upload.folder.parent)
-            if newest is None:
+            found = checkpoints(upload.folder.parent)
+            if not found:
                 return False
+            newest = found[-1]
             warnings.warn(f"push_to_hub: {upload.folder.name} was removed (save_total_limit) before it was uploaded; "
                           f"uploading {newest.name} instead", stacklevel=2)
             upload.path_in_repo = newest.name if upload.path_in_repo == upload.folder.name else upload.path_in_repo
@@ -150,7 +153,3 @@ class HubUploader:
     def _where(self, upload: Upload) -> str:
         return f"{upload.folder.name} to {self.repo_id}/{upload.path_in_repo}"
 
-
-def newest_checkpoint(folder: Path) -> Path | None:
-    found = [p for p in folder.glob("checkpoint-*") if p.is_dir() and p.name.removeprefix("checkpoint-").isdigit()]
-    return max(found, key=lambda p: int(p.name.removeprefix("checkpoint-")), default=None)

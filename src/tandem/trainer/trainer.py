@@ -116,9 +116,8 @@ class AsyncGRPOTrainer:
         """A training-safe chat template the worker renders rollouts with, when the model's is not prefix-preserving."""
         self.optimizer = optimizers[0] or make_optimizer(self.model, args)
         self.scheduler = optimizers[1] or make_scheduler(self.optimizer, args)
-        self.device = next(self.model.parameters()).device
+        self.device = next(self.model.parameters()).device  # the scaler below: fp16's gradient scaler, or None
         self.scaler = check_precision(args, self.device, self.ranks.several, next(self.model.parameters()).dtype)
-        """fp16's gradient scaler (None without fp16)."""
         self.kernel = attention_kernel(args, self.device)
         instrument(self.model, args, self.ranks.several)
         self.peak_flops = peak_flops(self.device, autocast_dtype(args, self.device) is not None)
