@@ -12,6 +12,7 @@ _HOMES = {
     "AsyncGRPOConfig": "tandem.config",
     "AsyncGRPOTrainer": "tandem.trainer.trainer",
     "AsyncRolloutLoop": "tandem.rollout.loop",
+    "HarnessAsyncGRPOTrainer": "tandem.trainer.harness",
     "Rollout": "tandem.records",
     "RolloutGroup": "tandem.records",
     "TurnRecord": "tandem.records",

@@ -27,6 +27,8 @@ from tandem.tool_calls import tool_schema
 RENDER_CACHE_SIZE = 4096
 GROUP_VERSION: contextvars.ContextVar[int] = contextvars.ContextVar("group_version", default=0)
 """The policy version the group being generated samples from (its requests name that LoRA adapter version)."""
+ROW: contextvars.ContextVar[dict] = contextvars.ContextVar("row", default={})
+"""The dataset row of the rollout being generated: the hooks get its prompt, `AsyncRolloutLoop.row()` the rest."""
 SEEDS: contextvars.ContextVar[random.Random] = contextvars.ContextVar("seeds", default=random.Random(0))
 """The sampling seeds of the rollout (or whole group) being generated: drawn from a generator seeded by the run's seed,
 the prompt position and the rollout's index, so a group generated again (after a restart) is sampled alike."""
@@ -138,6 +140,7 @@ class Generation:
     async def episodes(self, row: dict, position: int | str, group_id: int) -> list[Episode]:
         """The group's rollouts: one request with n = num_generations when the hooks allow it, else one rollout each."""
         SEEDS.set(self._seeds(position))
+        ROW.set(row)
         if self.whole_groups:
             return await self._whole_group(row["prompt"])
         return await self._rollouts(row, position, group_id)
@@ -176,8 +179,9 @@ class Generation:
         from the row, which scores it (get_reward) before going back to the pool."""
         if seeds is not None:
             SEEDS.set(seeds)  # this rollout's own task
-        if not self.factories:
-            return Episode(row["prompt"], await self._generate(row["prompt"], self.tools, group_id))
+        if not self.factories:  # no prompt: a harness's sessions make their own tasks
+            prompt = row.get("prompt") or []
+            return Episode(prompt, await self._generate(prompt, self.tools, group_id))
         name = route(row, self.factories)
         env = self.environments.take(name) or await self._environment_call(f"environment_factory {name or ''}".strip(),
                                                                            self.factories[name])

@@ -16,6 +16,7 @@ import numpy as np
 from tandem.channels import Channels
 from tandem.records import Rollout, RolloutGroup, TurnRecord
 from tandem.rollout import rewards as scoring
+from tandem.rollout.generation import ROW
 from tandem.rollout.scheduler import RolloutScheduler
 from tandem.rollout.settings import RolloutSettings
 from tandem.rollout.tools import Toolbox
@@ -27,6 +28,9 @@ class AsyncRolloutLoop:
     `generate_one_turn` (per sampling request), then `compute_advantages` (per group); `setup` and `close` around the
     whole run. A hook may read `config` (an AsyncGRPOConfig, a subclass's own fields included), `tokenizer`,
     `base_url` and `api_key` (the generation server, for a client of its own made in `setup`) and `settings`."""
+
+    rollout_reward_name = "rollout_reward"
+    """The reward source `Rollout.reward` is summed and logged as (rewards/{name}/mean)."""
 
     def __init__(self, settings: RolloutSettings, *, processing_class, channels: Channels):
         self.settings = settings
@@ -123,6 +127,10 @@ class AsyncRolloutLoop:
     def record(self, name: str, *values) -> None:
         """Add values of metric `name` to the trainer's next log (reduced by the name's window rule)."""
         self._scheduler.record(name, *values)
+
+    def row(self) -> dict:
+        """The dataset row of the rollout being generated (the hooks get its prompt; this gives its other columns)."""
+        return ROW.get()
 
 
 def samples_whole_groups(loop_cls: type) -> bool:

@@ -328,10 +328,9 @@ class RolloutScheduler:
                   **group.reward_kwargs}
         columns = (await scoring.score(self.reward_funcs, kwargs, g, self.config.reward_timeout)
                    | scoring.environment_columns(group.env_rewards))
-        sources = list(columns.values())
         if any(r is not None for r in group.rollout_rewards):
-            sources.append(np.array([math.nan if r is None else float(r) for r in group.rollout_rewards]))
-        group.rewards = scoring.total_reward(sources, g)
+            columns[self.loop.rollout_reward_name] = np.array([math.nan if r is None else float(r) for r in group.rollout_rewards])
+        group.rewards = scoring.total_reward(list(columns.values()), g)
         return columns
 
     def _drop_failed(self, cause: str, position: int, reason: str, details: str = "") -> None:

@@ -19,6 +19,8 @@ class RolloutSettings:
     api_key: str | None = None
     tools: list | None = None
     environment_factory: object = None
+    harness: object = None
+    """Another library's episodes (an OpenEnv harness, a verifiers environment), which its loop class runs."""
     dataset_start_index: int = 0
     """The first prompt position to generate for (a resumed run's watermark)."""
     received: frozenset[int] = frozenset()

@@ -3,6 +3,7 @@ environments, the chat template multi-turn rollouts render with, and that all of
 
 import warnings
 
+from tandem.errors import UsageError
 from tandem.prompts import check_prefix_preserving, training_chat_template
 from tandem.rollout.environments import factories_of, validate_environments
 from tandem.rollout.tools import validate_tools
@@ -10,9 +11,15 @@ from tandem.rollout.worker import check_picklable
 from tandem.tool_calls import tool_schema
 
 
-def check_agents(tools: list, environment_factory, dataset, eval_dataset=None) -> bool:
+def check_agents(tools: list, environment_factory, dataset, eval_dataset=None, harness=None) -> bool:
     """Tools and environments, checked before any training work (the eval rows' environments too); returns whether
-    an environment owns a reward."""
+    an environment (or a harness's environment) owns a reward."""
+    if harness is not None:
+        if tools or environment_factory is not None:
+            raise UsageError(f"{type(harness).__name__}: its environment's sessions offer each rollout's tools, so tools= "
+                             "and environment_factory= do not apply; give the tools to the environment")
+        check_picklable({type(harness).__name__: harness})
+        return True
     validate_tools(tools)
     labels = {f"tool {getattr(tool, '__name__', tool)!r}": tool for tool in tools}
     factories = factories_of(environment_factory)
@@ -22,6 +29,16 @@ def check_agents(tools: list, environment_factory, dataset, eval_dataset=None) -
         return False
     classes = validate_environments(environment_factory, tools, {"train_dataset": dataset, "eval_dataset": eval_dataset})
     return any(callable(getattr(cls, "get_reward", None)) for cls in classes)
+
+
+def loop_class(loop_cls: type | None, harness) -> type | None:
+    """The loop the worker runs: the trainer's, or a harness's own; a trainer's loop over a harness must extend it."""
+    if harness is None or loop_cls is None:
+        return loop_cls if harness is None else harness.loop_cls
+    if not issubclass(loop_cls, harness.loop_cls):
+        raise UsageError(f"loop_cls {loop_cls.__name__} does not extend {harness.loop_cls.__name__}, which plays the "
+                         f"episodes of {type(harness).__name__}: subclass it to customise the hooks")
+    return loop_cls
 
 
 def check_sendable(reward_funcs: list, loop_cls: type | None) -> None:

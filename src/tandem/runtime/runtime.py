@@ -80,6 +80,8 @@ class RuntimeSpec:
     reward_funcs: list
     tools: list
     environment_factory: object
+    harness: object
+    """Another library's episodes the loop class runs (an OpenEnv harness, a verifiers environment), or None."""
     loop_cls: type | None
     """The user's AsyncRolloutLoop subclass (None: AsyncRolloutLoop itself)."""
     rollout_template: str | None
@@ -458,7 +460,7 @@ class Runtime:
         settings = RolloutSettings(
             config=args, model_name=self.served_name, tokenizer_path=str(tokenizer_path), dataset=spec.dataset,
             reward_funcs=spec.reward_funcs, eos_token_ids=spec.eos_token_ids, base_url=self.served_url,
-            tools=spec.tools, environment_factory=spec.environment_factory, api_key=args.vllm_server_api_key,
+            tools=spec.tools, environment_factory=spec.environment_factory, harness=spec.harness, api_key=args.vllm_server_api_key,
             dataset_start_index=point.dataset_start_index, received=point.received, queued_tokens=point.queued_tokens,
             full_step_tokens=full_step_tokens(self.token_budget, args.gradient_accumulation_steps, self.ranks.world_size),
             num_positions=self._num_positions(),

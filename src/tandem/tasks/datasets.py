@@ -7,7 +7,7 @@ from pathlib import Path
 from datasets import Dataset, load_dataset, load_from_disk
 
 from tandem.errors import UsageError
-from tandem.integrations import reasoning_gym
+from tandem.integrations import reasoning_gym, verifiers
 from tandem.tasks import arithmetic
 
 BUILT_IN = {
@@ -22,10 +22,13 @@ FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "cs
 
 def load(name: str, config: str | None = None, split: str = "train", streaming: bool = False, options: dict | None = None):
     """The rows of `name`: a Dataset, or with `streaming` an IterableDataset (read as training goes, never whole).
-    `config` and `split` choose within a Hub dataset or a folder; `options` are a reasoning-gym task's."""
+    `config` and `split` choose within a Hub dataset or a folder; `options` are a reasoning-gym task's or a verifiers
+    environment's."""
     path = Path(name)
     if name.startswith(reasoning_gym.PREFIX):
         dataset = reasoning_gym.load(name, options)
+    elif name.startswith(verifiers.PREFIX):
+        dataset = verifiers.load(name, options)
     elif name in BUILT_IN:
         dataset = BUILT_IN[name]()
     elif path.suffix in FORMATS and path.is_file():
@@ -39,7 +42,7 @@ def load(name: str, config: str | None = None, split: str = "train", streaming: 
         dataset = _from_hub_or_folder(name, config, split, streaming)
     else:
         raise UsageError(f"dataset {name!r} is neither a built-in task ({', '.join(BUILT_IN)}), a reasoning-gym task "
-                         f"(reasoning-gym:<task>), a local {'/'.join(FORMATS)} file or folder, nor a Hub id "
+                         f"(reasoning-gym:<task>), a verifiers taskset (verifiers:<taskset id>), a local {'/'.join(FORMATS)} file or folder, nor a Hub id "
                          "(namespace/name)")
     return dataset.to_iterable_dataset() if streaming and isinstance(dataset, Dataset) else dataset
 

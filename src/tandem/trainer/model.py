@@ -214,8 +214,9 @@ def drop_unused_columns(dataset, reward_funcs: list, environments: bool):
     """remove_unused_columns=True: the dataset with only 'prompt' and the columns a reward function names as a
     parameter (a reward's **kwargs gets only those)."""
     if environments:
-        raise UsageError("AsyncGRPOConfig.remove_unused_columns=True cannot be used with an environment_factory: reset() "
-                         "receives every column of its row. Leave it False.")
+        raise UsageError("AsyncGRPOConfig.remove_unused_columns=True cannot be used with environments (environment_factory, "
+                         "an OpenEnv harness, a verifiers environment): their rollouts read every column of their row. "
+                         "Leave it False.")
     named = {name for func in reward_funcs for name, parameter in inspect.signature(func).parameters.items()
              if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)}
     unused = [column for column in columns_of(dataset) if column != "prompt" and column not in named]

@@ -25,13 +25,13 @@ from tandem import distributed
 from tandem.config import AsyncGRPOConfig
 from tandem.dataset_rows import is_iterable
 from tandem.errors import UsageError
-from tandem.integrations import reasoning_gym
+from tandem import integrations
 from tandem.metrics.window import MetricWindow
 from tandem.model_folder import save_model_folder
 from tandem.packing import PackedRow
 from tandem.packing import attention as tree_attention
 from tandem.packing.logprobs import TokenLogprobs, row_logprobs
-from tandem.runtime.rollout_inputs import check_agents, check_sendable, rollout_template
+from tandem.runtime.rollout_inputs import check_agents, check_sendable, loop_class, rollout_template
 from tandem.runtime.runtime import Runtime, RuntimeSpec
 from tandem.runtime.sample_source import ResumePoint
 from tandem.trainer import OPENMP_POLICY_TOO_LATE, checkpoint, export
@@ -89,17 +89,23 @@ class StepLoss:
 class AsyncGRPOTrainer:
     loop_cls: type | None = None
     """The rollout loop the worker runs: set an AsyncRolloutLoop subclass on a trainer subclass (None: AsyncRolloutLoop)."""
+    harness: object = None
+    """Another library's episodes the worker plays instead of the tool loop: HarnessAsyncGRPOTrainer's OpenEnv harness,
+    or a verifiers environment passed as train_dataset (its loop class runs it)."""
 
     def __init__(self, model, reward_funcs=None, args: AsyncGRPOConfig | None = None, train_dataset=None,
                  processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None, tools=None,
                  environment_factory=None, eval_dataset=None):
         self.args = args = args or AsyncGRPOConfig()
-        train_dataset, eval_dataset, reward_funcs = reasoning_gym.adapt(train_dataset, eval_dataset, reward_funcs)
+        train_dataset, eval_dataset, reward_funcs, harness = integrations.adapt(train_dataset, eval_dataset, reward_funcs)
+        self.harness = harness or self.harness
         self.tools, self.environment_factory = list(tools or []), environment_factory
-        environments = environment_factory is not None
+        environments = environment_factory is not None or self.harness is not None
         dataset = check_train_dataset(train_dataset, args, environments)
         self.eval_dataset = check_eval_dataset(eval_dataset, args, environments)
-        self.reward_funcs = _reward_list(reward_funcs, check_agents(self.tools, environment_factory, dataset, self.eval_dataset))
+        self.reward_funcs = _reward_list(reward_funcs, check_agents(self.tools, environment_factory, dataset,
+                                                                    self.eval_dataset, self.harness))
+        self.loop_cls = loop_class(self.loop_cls, self.harness)
         self.dataset = drop_unused_columns(dataset, self.reward_funcs, environments) \
             if args.remove_unused_columns and dataset is not None else dataset
         self.ranks = distributed.join(args.ddp_timeout)  # this process's place among the torchrun ranks (or one of one)
@@ -412,7 +418,7 @@ class AsyncGRPOTrainer:
         metrics["model_version"] = self.state.model_version
         if self.dataset is not None and not is_iterable(self.dataset):
             metrics["epoch"] = self.state.dataset_start_index / len(self.dataset)
-        if self.tools or self.environment_factory is not None:
+        if self.tools or self.environment_factory is not None or self.harness is not None:
             metrics.setdefault("tools/failure_frequency", math.nan)  # no call in the window (reference/metrics.md)
         if "reward" in metrics:
             self.reward_history.append(metrics["reward"])
@@ -535,7 +541,8 @@ class AsyncGRPOTrainer:
             served_dtype=served_dtype(self.model), eos_token_ids=eos_ids(self.tokenizer, self.model),
             lora_rank=self.model.peft_config["default"].r if self.lora else None, dataset=self.dataset,
             eval_dataset=self.eval_dataset, reward_funcs=self.reward_funcs, tools=self.tools,
-            environment_factory=self.environment_factory, loop_cls=self.loop_cls, rollout_template=self.rollout_template)
+            environment_factory=self.environment_factory, harness=self.harness, loop_cls=self.loop_cls,
+            rollout_template=self.rollout_template)
 
 
 def check_train_dataset(dataset, args: AsyncGRPOConfig, environments: bool):

@@ -1,0 +1,155 @@
+"""A verifiers.v1 harness that needs nothing from the network: an in-process chat loop over the task's MCP tools.
+
+Name it in an agent's config, `vf.AgentConfig(harness={"id": "tandem_harness"},
+runtime=vf.SubprocessConfig())`. verifiers' own `bash` and `null` harnesses run their loop as a uv script, which
+installs uv and its dependencies from PyPI the first time; this one runs in the rollout worker. Each round it sends the
+conversation to the episode's endpoint (verifiers' interception server, which records the trace and, under tandem,
+samples through the trainer's server), runs the reply's tool calls on the MCP servers in order, and stops at a reply
+without calls, at `max_rounds`, or when verifiers refuses the next call (max_turns, a stop condition).
+"""
+
+import asyncio
+import contextvars
+import json
+import time
+import weakref
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+
+import verifiers.v1 as vf
+from openai import APIStatusError, AsyncOpenAI, DefaultAsyncHttpxClient
+
+from tandem.rollout.tools import ToolResult
+
+TOOL_RESULTS: contextvars.ContextVar[list | None] = contextvars.ContextVar("verifiers_tool_results", default=None)
+"""A rollout's tool calls as this harness reports them to tandem's loop (its tools/* metrics), when it runs under one."""
+
+
+CONNECTIONS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Connections]" = weakref.WeakKeyDictionary()
+
+
+class ChatHarnessConfig(vf.HarnessConfig):
+    max_rounds: int = 8
+    """Model calls in one episode at most (the agent's max_turns may stop it sooner)."""
+
+
+class ChatHarness(vf.Harness[ChatHarnessConfig]):
+    APPENDS_SYSTEM_PROMPT = True
+    SUPPORTS_MCP = True
+    SUPPORTS_RESUME = True
+    EXECUTES_CODE = False
+    NEEDS_CONTAINER = False
+
+    async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data):
+        system, prompt = self.resolve_prompt(data)
+        messages = ([{"role": "system", "content": system}] if system else []) + (
+            [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [m.model_dump(exclude_none=True) for m in prompt or []])
+        connections = self.connections()
+        client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0, http_client=connections.model)
+        async with AsyncExitStack() as stack:
+            toolbox = await Toolbox.open(stack, mcp_urls, connections.tools)
+            for _ in range(self.config.max_rounds):
+                try:
+                    reply = (await client.chat.completions.create(model=ctx.model, messages=messages,
+                                                                  tools=toolbox.tools or None)).choices[0].message
+                except APIStatusError:
+                    if trace.stop_condition is None:  # refused for a stop condition (max_turns, context length): done
+                        raise
+                    break
+                messages.append(reply.model_dump(exclude_none=True))
+                if not reply.tool_calls:
+                    break
+                for call in reply.tool_calls:  # in order: they may share the task's state
+                    content = await toolbox.call(call.function.name, call.function.arguments)
+                    messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
+        return vf.ProgramResult(exit_code=0, stdout="", stderr="")
+
+    def connections(self) -> "Connections":
+        """The HTTP clients every episode on this event loop shares (verifiers makes a harness per episode): a new
+        client's SSL context alone costs ~20 ms of CPU, a third of the worker's time when each episode made its own."""
+        loop = asyncio.get_running_loop()
+        if loop not in CONNECTIONS:
+            CONNECTIONS[loop] = Connections(DefaultAsyncHttpxClient(), mcp_http_client(self.config.tool_timeout))
+        return CONNECTIONS[loop]
+
+
+@dataclass
+class Connections:
+    model: object
+    """To the episode's endpoint (verifiers' interception server)."""
+    tools: object
+    """To the MCP tool servers."""
+
+
+class Toolbox:
+    """An episode's tools: one MCP session per server, open for the whole episode (a session's handshake costs more
+    than a call), the tools as chat `tools` (named `<server>_<tool>`, or bare from a server without a prefix)."""
+
+    def __init__(self, tools: list[dict], routes: dict[str, tuple[object, str]]):
+        self.tools, self.routes = tools, routes
+
+    @classmethod
+    async def open(cls, stack: AsyncExitStack, mcp_urls: dict[str, str], http) -> "Toolbox":
+        tools, routes = [], {}
+        for server, url in mcp_urls.items():
+            session = await stack.enter_async_context(mcp_session(url, http))
+            for tool in (await session.list_tools()).tools:
+                name = f"{server}_{tool.name}" if server else tool.name
+                routes[name] = (session, tool.name)
+                schema = getattr(tool, "input_schema", None) or getattr(tool, "inputSchema", None)  # mcp 2 / mcp 1
+                tools.append({"type": "function", "function": {"name": name, "description": tool.description or "",
+                                                                "parameters": schema}})
+        return cls(tools, routes)
+
+    async def call(self, name: str, arguments: str) -> str:
+        """One call's tool message; every failure is an error message to the model and a counted failure."""
+        start, status = time.monotonic(), "ok"
+        if name not in self.routes:
+            content, status = f"error: unknown tool {name!r}; the tools are: {', '.join(sorted(self.routes)) or 'none'}", "unknown"
+        else:
+            try:
+                session, tool = self.routes[name]
+                result = await session.call_tool(tool, json.loads(arguments or "{}"))
+                content = "\n".join(getattr(block, "text", str(block)) for block in result.content)
+                status = "error" if (getattr(result, "is_error", None) or getattr(result, "isError", False)) else "ok"
+            except Exception as exc:  # noqa: BLE001 - bad JSON, a tool that raised, a server that failed: the model is told
+                content, status = f"error: {exc}", "error"
+        results = TOOL_RESULTS.get()
+        if results is not None:
+            results.append(ToolResult(name, content, status, time.monotonic() - start))
+        return content
+
+
+def mcp_http_client(timeout_s: float):
+    """An HTTP client for MCP sessions: mcp 1.x (verifiers 0.3) or mcp 2.x (verifiers 0.4, on httpx2)."""
+    import mcp
+    from mcp.client.streamable_http import create_mcp_http_client
+
+    if hasattr(mcp, "Client"):
+        import httpx2 as httpx
+    else:
+        import httpx
+    return create_mcp_http_client(timeout=httpx.Timeout(timeout_s, connect=5.0))
+
+
+@asynccontextmanager
+async def mcp_session(url: str, http):
+    """One MCP streamable-HTTP session over `http`: mcp 2.x's Client, or mcp 1.x's ClientSession."""
+    from mcp.client.streamable_http import streamable_http_client
+
+    import mcp
+
+    transport = streamable_http_client(url, http_client=http)
+    async with AsyncExitStack() as stack:
+        if hasattr(mcp, "Client"):
+            yield await stack.enter_async_context(mcp.Client(transport))
+            return
+        from mcp import ClientSession
+
+        read, write, *_ = await stack.enter_async_context(transport)
+        session = await stack.enter_async_context(ClientSession(read, write))
+        await session.initialize()
+        yield session
+
+
+__all__ = ["ChatHarness"]

@@ -1,0 +1,172 @@
+"""The worker's side of verifiers training (integrations/verifiers.py makes the rows): `VerifiersRolloutLoop` plays
+each rollout as one verifiers episode of its row's task, every model call sampled by tandem through `Capture`."""
+
+import asyncio
+import contextlib
+import contextvars
+import os
+import sys
+import time
+import uuid
+
+from tandem.integrations.verifiers import ENVIRONMENT, TASK, library
+from tandem.integrations.verifiers_harness import TOOL_RESULTS
+from tandem.records import Rollout, TurnRecord
+from tandem.rollout.loop import AsyncRolloutLoop
+
+FAILED_IN_A_ROW = 20
+"""Episodes failing in a row (every rollout of several groups) before the worker stops the run with the last error."""
+
+
+class Capture:
+    """The worker's loopback `/inference/v1/generate`, where verifiers' training client samples: each request names its
+    rollout in `model` (a rollout's ModelContext), is sampled by `sample(prompt_ids)` in the rollout's context, and is
+    answered as vLLM did up to 0.31 (chat-style log-probs, `token: "token_id:N"`), the shape verifiers' client reads."""
+
+    def __init__(self, sample, max_model_len: int | None):
+        self.sample, self.max_model_len = sample, max_model_len
+        self.rollouts: dict[str, tuple[contextvars.Context, list[TurnRecord]]] = {}
+        self.runner = None
+        self.url = ""
+
+    async def start(self) -> None:
+        from aiohttp import web
+
+        app = web.Application()
+        app.router.add_post("/inference/v1/generate", self._generate)
+        app.router.add_get("/v1/models", self._models)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    def open(self) -> str:
+        """A new rollout's name (the model its requests ask for); its requests sample in the caller's context."""
+        name = f"tandem-rollout-{uuid.uuid4().hex[:16]}"
+        self.rollouts[name] = (contextvars.copy_context(), [])
+        return name
+
+    def close(self, name: str) -> list[TurnRecord]:
+        """The rollout's turns, in the order they were sampled."""
+        return self.rollouts.pop(name)[1]
+
+    async def _generate(self, request):
+        from aiohttp import web
+
+        body = await request.json()
+        rollout = self.rollouts.get(body.get("model"))
+        if rollout is None:
+            return web.json_response({"error": {"message": f"no rollout named {body.get('model')!r}", "type": "NotFoundError",
+                                                "param": "model", "code": 404}}, status=404)
+        context, turns = rollout
+        prompt_ids = list(body["token_ids"])
+        if self.max_model_len is not None and len(prompt_ids) >= self.max_model_len:
+            return web.json_response({"error": {"message": f"This model's maximum context length is {self.max_model_len} "
+                                                f"tokens. However, your request has {len(prompt_ids)} input tokens.",
+                                                "type": "BadRequestError", "param": None, "code": 400}}, status=400)
+        turn = await asyncio.create_task(self.sample(prompt_ids), context=context)
+        turns.append(turn)
+        content = [{"token": f"token_id:{t}", "logprob": p} for t, p in zip(turn.output_ids, turn.output_log_probs)]
+        return web.json_response({
+            "request_id": f"generate-{uuid.uuid4().hex}", "prompt_token_ids": prompt_ids,
+            "choices": [{"index": 0, "token_ids": list(turn.output_ids), "finish_reason": turn.finish_reason or "stop",
+                         "logprobs": {"content": content}, "sampling_mask": turn.output_sampling_mask}]})
+
+    async def _models(self, request):
+        from aiohttp import web
+
+        return web.json_response({"object": "list", "data": [{"id": name, "object": "model", "max_model_len": self.max_model_len}
+                                                             for name in self.rollouts]})
+
+
+class VerifiersRolloutLoop(AsyncRolloutLoop):
+    """`generate_one` plays one verifiers episode of the row's task; the other hooks are AsyncRolloutLoop's. A subclass
+    may override `generate_one_turn` (each model call of the episode) or `compute_advantages` as usual."""
+
+    rollout_reward_name = "verifiers_reward"
+
+    async def setup(self) -> None:
+        vf = library()
+        # verifiers starts each tool server as `python -m <its module>`: the worker's import path makes a taskset
+        # beside the training script importable there too, as it is here
+        os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(
+            [path for path in sys.path if path] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+        self.stack = contextlib.AsyncExitStack()
+        self.envs = {key: vf.load_environment(config) for key, config in self.settings.harness.configs.items()}
+        self.tasks = {key: list(env.taskset) for key, env in self.envs.items()}
+        for env in self.envs.values():
+            await self.stack.enter_async_context(env.serving())  # shared tool servers start once
+        self.capture = Capture(self.generate_one_turn, self.settings.max_model_len)
+        await self.capture.start()
+        self.stack.push_async_callback(self.capture.stop)
+        self.client = vf.TrainClientConfig(base_url=self.capture.url, renderer_model_name=self.settings.tokenizer_path,
+                                           renderer=self._renderer())
+        self.failed_in_a_row = 0
+
+    async def close(self) -> None:
+        await self.stack.aclose()
+
+    def _renderer(self):
+        """The renderer verifiers' client renders prompts with: the model's own chat template, its tool calls read as
+        Hermes <tool_call> blocks (Qwen's format; `renderers`' parser for the tiny model and Qwen-family models)."""
+        from renderers import DefaultRendererConfig
+
+        return DefaultRendererConfig(tool_parser="qwen3")
+
+    async def generate_one(self, prompt: list[dict], tools: list, group_id: int = 0) -> Rollout:
+        """One episode of the row's task, every model call sampled by tandem; a failed episode is counted
+        (env/failure_count) and left unscored, the rest of its group goes on."""
+        vf, row = library(), self.row()
+        env, task = self.envs[row[ENVIRONMENT]], self.tasks[row[ENVIRONMENT]][row[TASK]]
+        results: list = []
+        TOOL_RESULTS.set(results)
+        name = self.capture.open()
+        context = vf.ModelContext(model=name, client=self.client, sampling=vf.SamplingConfig(
+            temperature=self.config.temperature, max_tokens=self.config.max_completion_length))
+        start = time.monotonic()
+        try:
+            episode = await env.run_episode(task, context)
+        finally:
+            turns = self.capture.close(name)
+        traces = [trace for trace in episode.traces if trace.agent.trainable]
+        if not episode.ok or len(traces) != 1:
+            errors = [e.message for e in episode.errors] + [e.message for t in episode.traces for e in t.errors]
+            self._failed(errors[-1] if errors else f"the episode had {len(traces)} trainable traces")
+            return Rollout(completion=[], completion_ids=[], turns=[])
+        self.failed_in_a_row = 0
+        self._record(traces[0], results, time.monotonic() - start)
+        return rollout_of(traces[0], turns, results)
+
+    def _failed(self, error: str) -> None:
+        self.record("env/failure_count", 1)
+        self.failed_in_a_row += 1
+        if self.failed_in_a_row >= FAILED_IN_A_ROW:
+            raise RuntimeError(f"{FAILED_IN_A_ROW} verifiers episodes in a row failed; the last one: {error}")
+        print(f"tandem: a verifiers episode failed and is left unscored: {error.splitlines()[-1] if error else ''}",
+              file=sys.stderr)
+
+    def _record(self, trace, results: list, duration_s: float) -> None:
+        generation = self._scheduler.generation
+        for name, reward in trace.rewards.items():
+            if reward is not None:
+                self.record(f"rewards/{name}/mean", float(reward.score))
+        calls = [call for message in trace.messages if message.role == "assistant" for call in message.tool_calls or []]
+        self.record("tools/call_frequency", len(calls))
+        for result in results:
+            generation.record_call(result)
+        if trace.stop_condition == "context_length":  # the capture refused a prompt past max_model_len
+            self.record("rollout/context_exhausted_count", 1)
+
+
+def rollout_of(trace, turns: list[TurnRecord], results: list) -> Rollout:
+    """The episode as tandem's Rollout: the conversation after the prompt, the sampled turns, the reward."""
+    messages = [m.model_dump(exclude_none=True) for m in trace.messages]
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
+    return Rollout(completion=messages[first:], completion_ids=[t for turn in turns for t in turn.output_ids],
+                   turns=turns, tool_call_count=len(results), tool_failure_count=sum(r.failed for r in results),
+                   reward=float(trace.reward) if trace.reward is not None else None)
