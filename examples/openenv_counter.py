@@ -92,14 +92,14 @@ class CounterSession(ResourceSession):
 
 
 class CounterSessions(ResourceSessionFactory):
-    """The sessions: the task comes from the seed (tandem passes the group), so no dataset is needed."""
+    """The sessions: the task comes from the seed (the group's, so its rollouts share it): no dataset is needed."""
 
     def create(self, task, seed=None, episode_id=None) -> CounterSession:
         return CounterSession(seed, episode_id)
 
 
 def config(**overrides) -> AsyncGRPOConfig:
-    """The example's settings (examples/environment.py's, over 120 steps); tests shorten them."""
+    """The example's settings (examples/environment.py's, over 100 steps); the vllm tier's test shortens them."""
     values = dict(output_dir="runs/openenv_counter", max_steps=100, learning_rate=2e-4, num_generations=8,
                   max_completion_length=32, max_tool_calling_iterations=1, token_budget=1024,
                   gradient_checkpointing=False, max_staleness=2, save_steps=1000, logging_steps=1)

@@ -33,7 +33,8 @@ def test_tandem_serve_help_does_not_import_the_trainer():
 def test_the_public_names_are_listed_and_importable():
     import tandem
 
-    names = {"AsyncGRPOConfig", "AsyncGRPOTrainer", "AsyncRolloutLoop", "Rollout", "RolloutGroup", "TurnRecord"}
+    names = {"AsyncGRPOConfig", "AsyncGRPOTrainer", "AsyncRolloutLoop", "Rollout", "RolloutGroup", "TurnRecord",
+             "HarnessAsyncGRPOTrainer"}
     assert names <= set(tandem.__all__) and names <= set(dir(tandem))
     assert all(getattr(tandem, name).__name__ == name for name in names)
 

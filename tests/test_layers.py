@@ -24,7 +24,7 @@ ALLOWED = {
     "runtime": {"generation.client", "generation.launcher", "generation.weight_transfer", "packing", "metrics",
                 "rollout"},
     "trainer": {"packing", "losses", "metrics", "runtime", "integrations"},
-    "integrations": {"rollout"},
+    "integrations": {"rollout", "generation.client"},
 }
 """What each folder may import from the other folders (its own folder and NEUTRAL always)."""
 

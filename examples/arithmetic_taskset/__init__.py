@@ -1,8 +1,9 @@
 """A verifiers.v1 taskset defined in code (plugin id `arithmetic_taskset`): tandem's arithmetic questions, a calculator
 tool served over MCP (tools.py, one server shared by every rollout), and a reward that needs no network.
 
-Each task is "What is 37 + 48?"; the agent may call `calculator`, then answers. `correct` scores the first number of its
-last reply against the answer (weight 1); `called_calculator` is a metric, logged, not rewarded.
+Each task is "What is 37 + 48?" (held out of the tiny model's pretraining); the agent may call `calculator`, then
+answers. Two rewards, summed by weight: `correct`, the first number of its last reply against the answer (weight 1),
+and `called_calculator` (weight 0.5), showing its work with the tool.
 """
 
 import re
@@ -24,7 +25,7 @@ class ArithmeticTask(vf.Task[ArithmeticData, vf.State, vf.TaskConfig]):
         found = re.search(r"-?\d+", trace.last_reply)
         return float(found is not None and found.group() == self.data.answer)
 
-    @vf.metric
+    @vf.reward(weight=0.5)
     async def called_calculator(self, trace: vf.Trace) -> float:
         return float(bool(trace.tool_messages))
 

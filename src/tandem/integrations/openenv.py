@@ -4,38 +4,32 @@ tandem owns every model call (`model_step`): it renders the messages with the tr
 through the loop's `generate_one_turn` (the sampler's ids and log-probs, never a re-tokenisation) and parses the
 reply's tool calls, so the turns reconcile into samples by the same extend-or-fork rule as tandem's own tools.
 
-The reward is the environment's (`verify().env_reward`, else the last tool result's `metadata["reward"]`), a reward
-source named `harness_reward`, summed with any reward functions. An episode that raises is a counted failure
-(`env/failure_count`): its rollout is left unscored, the rest of its group goes on.
+The reward is the environment's, by OpenEnv's own rule: the last tool result that carries one, else `verify()`'s
+`env_reward` (the two must agree; neither is an error). It is the reward source `harness_reward`, summed with any
+reward functions. An episode that raises is a counted failure (`env/failure_count`), left out of its group.
 """
 
 import asyncio
 import contextvars
 import json
-import sys
+import math
 import threading
 import time
-import traceback
 import uuid
 from dataclasses import dataclass, field
 
 from tandem.errors import UsageError
+from tandem.generation.client import ServerError, ServerGone
+from tandem.integrations import extras
+from tandem.integrations.episodes import EpisodeFailures, completion_of
 from tandem.records import Rollout, TurnRecord
 from tandem.rollout.loop import AsyncRolloutLoop
 from tandem.rollout.tools import ToolResult
 
-INSTALL = "pip install 'tandem[openenv]'"
-FAILED_IN_A_ROW = 20
-"""Episodes failing in a row (every rollout of several groups) before the worker stops the run with the last error."""
-
 
 def library():
-    """openenv's harness module, or a one-line error naming the extra."""
-    try:
-        from openenv.core import harness
-    except ImportError:
-        raise UsageError(f"HarnessAsyncGRPOTrainer needs OpenEnv (the openenv package): {INSTALL}") from None
-    return harness
+    """openenv's harness module."""
+    return extras.library("openenv.core.harness", "HarnessAsyncGRPOTrainer needs OpenEnv (the openenv package)", "openenv")
 
 
 @dataclass
@@ -53,7 +47,7 @@ class OpenEnvHarness:
 
 
 def check_harness(session_factory, adapter) -> None:
-    """The harness's pieces, checked when the trainer is built: a factory with create(), a white-box adapter."""
+    """The harness's pieces, checked when the trainer is built: a factory (or what makes one), a white-box adapter."""
     harness = library()
     if adapter is None:
         raise NotImplementedError("loop-owning OpenEnv sessions (no harness_adapter: an agent that runs its own loop "
@@ -62,9 +56,21 @@ def check_harness(session_factory, adapter) -> None:
     if not isinstance(adapter, harness.HarnessAdapter):
         raise UsageError(f"harness_adapter is {type(adapter).__name__}, not an openenv HarnessAdapter "
                          "(e.g. openenv.core.harness.MCPHarnessAdapter())")
-    if not (isinstance(session_factory, harness.ResourceSessionFactory) or callable(session_factory)):
+    if not callable(getattr(session_factory, "create", None)) and not callable(session_factory):
         raise UsageError(f"harness_session_factory is {type(session_factory).__name__}: pass a ResourceSessionFactory, "
-                         "or a picklable callable that returns one")
+                         "or a picklable callable (a factory class) that returns one")
+
+
+def sessions_of(session_factory):
+    """The factory itself, or what a callable (a factory class, TRL's convention) returns."""
+    made = session_factory if is_factory(session_factory) else session_factory()
+    if not is_factory(made):
+        raise UsageError(f"harness_session_factory() returned {type(made).__name__}, which has no create()")
+    return made
+
+
+def is_factory(value) -> bool:
+    return not isinstance(value, type) and callable(getattr(value, "create", None))
 
 
 @dataclass
@@ -73,14 +79,16 @@ class Episode:
 
     turns: list[TurnRecord] = field(default_factory=list)
     transcript: list[dict] = field(default_factory=list)
-    """The conversation as the adapter last passed it to the model, with each reply appended."""
+    """The conversation: the adapter's, or as the last model call saw it when the context ran out."""
     tool_calls: list[ToolResult] = field(default_factory=list)
     reward: float | None = None
     context_exhausted: bool = False
     reset_s: float = 0.0
     reward_s: float = 0.0
     cancelled: threading.Event = field(default_factory=threading.Event)
-    """Set when the rollout's task is cancelled (a stale group): the thread stops at its next model call."""
+    """Set when the rollout's task is cancelled (a stale group): the thread stops at its next call."""
+    sampling: object = None
+    """The model call in flight (a concurrent future), cancelled with the rollout."""
 
 
 class ContextExhausted(Exception):
@@ -95,43 +103,49 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
 
     async def setup(self) -> None:
         harness: OpenEnvHarness = self.settings.harness
-        factory = harness.session_factory
-        self.sessions = factory if hasattr(factory, "create") else factory()
-        if not callable(getattr(self.sessions, "create", None)):
-            raise UsageError(f"harness_session_factory() returned {type(self.sessions).__name__}, which has no create()")
-        self.adapter, self.limits = harness.adapter, library().HarnessRunLimits(max_turns=harness.max_turns)
-        self.failed_in_a_row = 0
+        self.sessions, self.adapter = sessions_of(harness.session_factory), harness.adapter
+        self.limits = library().HarnessRunLimits(max_turns=harness.max_turns)
+        self.failures = EpisodeFailures("OpenEnv", self.record)
 
     async def generate_one(self, prompt: list[dict], tools: list, group_id: int = 0) -> Rollout:
-        """One episode: a session made for the row's prompt (seed = the group, so a group shares its task), the
-        adapter's run with tandem sampling each turn, the environment's reward; failures are counted, not raised."""
+        """One episode: a session made for the row's prompt and the group's seed (its rollouts share their task), the
+        adapter's run with tandem sampling each turn, the environment's reward. The server's errors are the
+        scheduler's to answer (a group generated again); the environment's are counted."""
         episode = Episode()
-        play = self._scheduler.generation.runner.run_in_pool(self._play, episode, prompt, group_id,
+        play = self._scheduler.generation.runner.run_in_pool(self._play, episode, prompt, self.group_seed(),
                                                              contextvars.copy_context(), asyncio.get_running_loop())
         try:
             await play
         except asyncio.CancelledError:
-            episode.cancelled.set()  # the thread stops at its next model call
+            episode.cancelled.set()
+            if episode.sampling is not None:
+                episode.sampling.cancel()
             raise
-        except Exception as exc:  # noqa: BLE001 - the environment's or the adapter's own error: counted, not fatal
-            self._failed(exc)
+        except (ServerError, ServerGone):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the environment's, the session's or the adapter's own error
+            self.failures.failed(exc)
             return Rollout(completion=[], completion_ids=[], turns=[])
-        self.failed_in_a_row = 0
+        self.failures.succeeded()
         self._record(episode)
-        return rollout_of(episode)
+        return Rollout(completion=[normal_message(m) for m in completion_of(episode.transcript)], turns=episode.turns,
+                       completion_ids=[t for turn in episode.turns for t in turn.output_ids],
+                       tool_call_count=len(episode.tool_calls),
+                       tool_failure_count=sum(call.failed for call in episode.tool_calls), reward=episode.reward)
 
-    def _play(self, episode: Episode, prompt: list[dict], group_id: int, context: contextvars.Context, loop) -> None:
+    def _play(self, episode: Episode, prompt: list[dict], seed: int, context: contextvars.Context, loop) -> None:
         """The episode, on a tool thread (the adapter and the session are synchronous); `context` is the rollout's
         (its sampling seeds and policy version), in which each model call is sampled on the event loop `loop`."""
         start = time.monotonic()
-        session = TimedSession(self.sessions.create(prompt, seed=group_id, episode_id=uuid.uuid4().hex), episode.tool_calls)
+        session = TimedSession(self.sessions.create(prompt, seed=seed, episode_id=uuid.uuid4().hex), episode)
         try:
             episode.reset_s = time.monotonic() - start
 
             def model_step(messages, tools, sampling):
                 if episode.cancelled.is_set():
                     raise asyncio.CancelledError("the rollout was cancelled")
-                return context.run(asyncio.run_coroutine_threadsafe, self._sample(episode, messages, tools), loop).result()
+                episode.sampling = context.run(asyncio.run_coroutine_threadsafe, self._sample(episode, messages, tools), loop)
+                return episode.sampling.result()
 
             try:
                 episode.transcript = self.adapter.run_white_box(model_step, session, self.limits).messages
@@ -140,13 +154,13 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
             start = time.monotonic()
             verdict = session.verify(episode.transcript)
             episode.reward_s = time.monotonic() - start
-            episode.reward = environment_reward(verdict, session.last)
+            episode.reward = environment_reward(verdict, session.results)
         finally:
             session.close()
 
     async def _sample(self, episode: Episode, messages: list[dict], tools: list):
         """One model call: the messages rendered with the tools' schemas, sampled, the reply parsed into OpenEnv's
-        response (its well-formed tool calls); the turn is kept for the rollout's training sequences."""
+        response (its well-formed tool calls; a malformed one is a failed call); the turn is kept for the rollout."""
         from openenv.core.llm_client import LLMResponse, ToolCall
 
         schemas = [{"type": "function", "function": {"name": t.name, "description": t.description,
@@ -159,20 +173,12 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         episode.turns.append(turn)
         message, calls = self.reply(turn.output_ids, parse=bool(tools))
         episode.transcript.append(message)
+        episode.tool_calls += [ToolResult(call.name, "", "malformed") for call in calls if call.error is not None]
         response = LLMResponse(content=message.get("content") or "", tool_calls=[
             ToolCall(id=f"call_{len(episode.turns)}_{i}", name=c.name, args=c.arguments)
             for i, c in enumerate(calls) if c.error is None])
         return library().ModelStepResult(response=response, prompt_ids=prompt_ids, completion_ids=list(turn.output_ids),
-                                       logprobs=list(turn.output_log_probs))
-
-    def _failed(self, exc: BaseException) -> None:
-        """An episode that raised: counted (env/failure_count) and said; too many in a row stop the run."""
-        self.record("env/failure_count", 1)
-        self.failed_in_a_row += 1
-        text = "".join(traceback.format_exception(exc)).rstrip()
-        if self.failed_in_a_row >= FAILED_IN_A_ROW:
-            raise RuntimeError(f"{FAILED_IN_A_ROW} OpenEnv episodes in a row failed; the last one:\n{text}")
-        print(f"tandem: an OpenEnv episode failed and is left unscored: {text.splitlines()[-1]}", file=sys.stderr)
+                                         logprobs=list(turn.output_log_probs))
 
     def _record(self, episode: Episode) -> None:
         generation = self._scheduler.generation
@@ -186,12 +192,12 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
 
 
 class TimedSession:
-    """A session whose tool calls are timed and kept (tools/* metrics), everything else passed through: a call to a
-    name the session never listed is an unknown tool (a policy error, as in tandem's own tool loop); `last` is the last
-    tool result, whose metadata may carry the reward."""
+    """A session whose tool calls are timed and kept (tools/* metrics), everything else passed through. A call the
+    session raises on is an error message to the model, as in tandem's own tool loop (a name it never listed: an
+    unknown tool, a policy error); `results` are the calls' results, in order."""
 
-    def __init__(self, session, calls: list[ToolResult]):
-        self._session, self._calls, self.last, self.names = session, calls, None, set()
+    def __init__(self, session, episode: Episode):
+        self._session, self._episode, self.results, self.names = session, episode, [], set()
 
     def __getattr__(self, name):
         return getattr(self._session, name)
@@ -202,34 +208,42 @@ class TimedSession:
         return tools
 
     def call_tool(self, name: str, arguments: dict):
+        if self._episode.cancelled.is_set():
+            raise asyncio.CancelledError("the rollout was cancelled")
         start = time.monotonic()
-        result = self._session.call_tool(name, arguments)
+        try:
+            result = self._session.call_tool(name, arguments)
+        except Exception as exc:  # noqa: BLE001 - the session's error on this call: the model is told
+            result = library().ToolResult(error=str(exc), data=f"error: {exc}")
         status = "unknown" if name not in self.names else "error" if getattr(result, "error", None) else "ok"
-        self._calls.append(ToolResult(name, "", status, time.monotonic() - start))
-        self.last = result
+        self._episode.tool_calls.append(ToolResult(name, "", status, time.monotonic() - start))
+        self.results.append(result)
         return result
 
 
-def environment_reward(verdict, last_tool) -> float | None:
-    """The episode's reward as the environment gave it: verify()'s env_reward, else the last tool result's
-    metadata["reward"]; None when it gave none (the rollout is unscored). A value that is not a number raises."""
-    value = getattr(verdict, "env_reward", None)
-    if value is None and last_tool is not None:
-        value = (getattr(last_tool, "metadata", None) or {}).get("reward")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"the environment's reward is {type(value).__name__} {value!r}, not a number")
-    return float(value)
+def environment_reward(verdict, results: list) -> float:
+    """The episode's reward by OpenEnv's rule (openenv.core.harness.rollout): the last tool result that carries one
+    (`metadata["reward"]`, or `data["reward"]`), else `verify()`'s `env_reward`; the two must agree, and an episode with
+    neither, or with a reward that is not a number, is an error (a counted failure)."""
+    from_tools = next((value for value in map(carried_reward, reversed(results)) if value is not None), None)
+    verified = getattr(verdict, "env_reward", None)
+    for value in (from_tools, verified):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise TypeError(f"the environment's reward is {type(value).__name__} {value!r}, not a number")
+    if from_tools is not None and verified is not None and not math.isclose(from_tools, verified, rel_tol=1e-9, abs_tol=1e-6):
+        raise ValueError(f"verify() gave env_reward {verified}, but the last tool result carried {from_tools}: "
+                         "verify must forward the environment's reward")
+    if from_tools is None and verified is None:
+        raise ValueError("the episode produced no environment reward (verify().env_reward, or a tool result's "
+                         "metadata['reward'])")
+    return float(verified if from_tools is None else from_tools)
 
 
-def rollout_of(episode: Episode) -> Rollout:
-    """The episode as tandem's Rollout: the replies and tool results after the prompt, the sampled turns, the reward."""
-    first = next((i for i, m in enumerate(episode.transcript) if m.get("role") == "assistant"), len(episode.transcript))
-    return Rollout(completion=[normal_message(m) for m in episode.transcript[first:]],
-                   completion_ids=[t for turn in episode.turns for t in turn.output_ids], turns=episode.turns,
-                   tool_call_count=len(episode.tool_calls),
-                   tool_failure_count=sum(call.failed for call in episode.tool_calls), reward=episode.reward)
+def carried_reward(result):
+    """The reward a tool result carries, if any."""
+    reward = (getattr(result, "metadata", None) or {}).get("reward")
+    data = getattr(result, "data", None)
+    return data.get("reward") if reward is None and isinstance(data, dict) else reward
 
 
 def normal_message(message: dict) -> dict:

@@ -12,20 +12,16 @@ import base64
 import pickle
 import re
 
+from tandem.integrations import extras
 from tandem.errors import UsageError
 
 PREFIX = "reasoning-gym:"
-INSTALL = "pip install 'tandem[reasoning-gym]'"
 TASK, ENTRY = "reasoning_gym_task", "reasoning_gym_entry"
 """The columns a row carries: its task's name, and its entry (pickled: the scorers read metadata of any type)."""
 
 
 def library():
-    try:
-        import reasoning_gym
-    except ImportError:
-        raise UsageError(f"reasoning-gym tasks need the reasoning-gym package: {INSTALL}") from None
-    return reasoning_gym
+    return extras.library("reasoning_gym", "reasoning-gym tasks need the reasoning-gym package", "reasoning-gym")
 
 
 def is_procedural(dataset) -> bool:

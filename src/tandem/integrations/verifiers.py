@@ -16,30 +16,25 @@ endless tasksets. Offline, the harness `tandem_harness` (verifiers_harness.py: a
 task's MCP tools) needs nothing from the network, where verifiers' own `bash` / `null` install uv from PyPI first.
 """
 
-import base64
+import hashlib
 import pickle
 import sys
 from dataclasses import dataclass
 
+from tandem.integrations import extras
 from tandem.errors import UsageError
 
-INSTALL = "pip install 'tandem[verifiers]'"
 PREFIX = "verifiers:"
 ENVIRONMENT, TASK = "verifiers_environment", "verifiers_task"
-"""The columns a row carries: its environment's config (pickled, so any EnvConfig subclass comes back whole) and the
-index of its task in the environment's taskset."""
+"""The columns a row carries: its environment's key (in CONFIGS) and the index of its task in the environment's
+taskset."""
 RECIPE_AGENT = {"harness": {"id": "tandem_harness"}, "runtime": {"type": "subprocess"}}
 """A recipe's agent unless its dataset_options say otherwise: tandem's harness, run locally (verifiers' defaults are
 the uv-installed `bash` harness and a Prime sandbox)."""
 
 
 def library():
-    """verifiers.v1, or a one-line error naming the extra."""
-    try:
-        import verifiers.v1 as vf
-    except ImportError:
-        raise UsageError(f"verifiers environments need the verifiers package: {INSTALL}") from None
-    return vf
+    return extras.library("verifiers.v1", "verifiers environments need the verifiers package", "verifiers")
 
 
 def is_environment(value) -> bool:
@@ -81,19 +76,28 @@ def adapt(train_dataset, eval_dataset, reward_funcs):
     keys = {key for rows in (train, evaluate) if ENVIRONMENT in columns_of(rows) for key in rows[ENVIRONMENT]}
     if not keys:
         return train, evaluate, reward_funcs, None
-    if ENVIRONMENT not in columns_of(train):
-        raise UsageError("eval_dataset is a verifiers environment but train_dataset is not: pass the environment whose "
-                         "tasks train as train_dataset too")
-    return train, evaluate, reward_funcs, VerifiersHarness({key: pickle.loads(base64.b64decode(key)) for key in keys})
+    if ENVIRONMENT not in columns_of(train) or (evaluate is not None and ENVIRONMENT not in columns_of(evaluate)):
+        raise UsageError("a verifiers environment plays every rollout of the run: pass one (its tasks, or another "
+                         "environment's) as train_dataset and as eval_dataset alike, not beside a plain dataset")
+    unknown = sorted(keys - set(CONFIGS))
+    if unknown:
+        raise UsageError("these rows name a verifiers environment this process never loaded (rows saved and read "
+                         "back?): pass the environment itself, or its recipe's dataset: verifiers:<taskset id>")
+    return train, evaluate, reward_funcs, VerifiersHarness({key: CONFIGS[key] for key in keys})
 
 
 def columns_of(rows) -> list[str]:
     return list(getattr(rows, "column_names", None) or [])
 
 
+CONFIGS: dict[str, object] = {}
+"""The environment configs whose tasks this process made rows of, by the key the rows carry (a config's hash: a
+config per row would cost its ~2 KB pickle on every task)."""
+
+
 def rows_of(environment):
-    """An environment's tasks as rows: each task's prompt as messages (tandem's length checks), its environment and
-    its index there."""
+    """An environment's tasks as rows: each task's prompt as messages (tandem's length checks), its environment's key
+    and its index there."""
     from datasets import Dataset
 
     vf = library()
@@ -103,7 +107,8 @@ def rows_of(environment):
     if getattr(env.taskset, "INFINITE", False):
         raise NotImplementedError(f"the taskset {config.taskset.id!r} is endless (INFINITE): tandem trains on tasksets "
                                   "whose tasks can be listed")
-    key = base64.b64encode(pickle.dumps(config)).decode()
+    key = hashlib.sha256(pickle.dumps(config)).hexdigest()[:16]
+    CONFIGS[key] = config
     rows = [{"prompt": prompt_of(task.data), ENVIRONMENT: key, TASK: number} for number, task in enumerate(env.taskset)]
     if not rows:
         raise UsageError(f"the verifiers taskset {config.taskset.id!r} has no tasks")

@@ -12,7 +12,6 @@ import asyncio
 import contextvars
 import json
 import time
-import weakref
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
@@ -25,7 +24,8 @@ TOOL_RESULTS: contextvars.ContextVar[list | None] = contextvars.ContextVar("veri
 """A rollout's tool calls as this harness reports them to tandem's loop (its tools/* metrics), when it runs under one."""
 
 
-CONNECTIONS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Connections]" = weakref.WeakKeyDictionary()
+CONNECTIONS: dict[tuple[asyncio.AbstractEventLoop, float], "Connections"] = {}
+"""The shared clients, by event loop and tool timeout."""
 
 
 class ChatHarnessConfig(vf.HarnessConfig):
@@ -47,11 +47,11 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
         connections = self.connections()
         client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0, http_client=connections.model)
         async with AsyncExitStack() as stack:
-            toolbox = await Toolbox.open(stack, mcp_urls, connections.tools)
+            tools = await McpTools.open(stack, mcp_urls, connections.tools, set(self.config.disabled_tools or []))
             for _ in range(self.config.max_rounds):
                 try:
                     reply = (await client.chat.completions.create(model=ctx.model, messages=messages,
-                                                                  tools=toolbox.tools or None)).choices[0].message
+                                                                  tools=tools.tools or None)).choices[0].message
                 except APIStatusError:
                     if trace.stop_condition is None:  # refused for a stop condition (max_turns, context length): done
                         raise
@@ -60,17 +60,26 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
                 if not reply.tool_calls:
                     break
                 for call in reply.tool_calls:  # in order: they may share the task's state
-                    content = await toolbox.call(call.function.name, call.function.arguments)
+                    content = await tools.call(call.function.name, call.function.arguments)
                     messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
         return vf.ProgramResult(exit_code=0, stdout="", stderr="")
 
     def connections(self) -> "Connections":
         """The HTTP clients every episode on this event loop shares (verifiers makes a harness per episode): a new
         client's SSL context alone costs ~20 ms of CPU, a third of the worker's time when each episode made its own."""
-        loop = asyncio.get_running_loop()
-        if loop not in CONNECTIONS:
-            CONNECTIONS[loop] = Connections(DefaultAsyncHttpxClient(), mcp_http_client(self.config.tool_timeout))
-        return CONNECTIONS[loop]
+        key = (asyncio.get_running_loop(), self.config.tool_timeout)
+        if key not in CONNECTIONS:
+            CONNECTIONS[key] = Connections(DefaultAsyncHttpxClient(), mcp_http_client(self.config.tool_timeout))
+        return CONNECTIONS[key]
+
+
+async def close_connections() -> None:
+    """Close the clients of this event loop's episodes (the loop that plays them calls it when it ends)."""
+    loop = asyncio.get_running_loop()
+    for key in [key for key in CONNECTIONS if key[0] is loop]:
+        connections = CONNECTIONS.pop(key)
+        await connections.model.aclose()
+        await connections.tools.aclose()
 
 
 @dataclass
@@ -81,7 +90,7 @@ class Connections:
     """To the MCP tool servers."""
 
 
-class Toolbox:
+class McpTools:
     """An episode's tools: one MCP session per server, open for the whole episode (a session's handshake costs more
     than a call), the tools as chat `tools` (named `<server>_<tool>`, or bare from a server without a prefix)."""
 
@@ -89,12 +98,15 @@ class Toolbox:
         self.tools, self.routes = tools, routes
 
     @classmethod
-    async def open(cls, stack: AsyncExitStack, mcp_urls: dict[str, str], http) -> "Toolbox":
+    async def open(cls, stack: AsyncExitStack, mcp_urls: dict[str, str], http, disabled: set[str]) -> "McpTools":
+        """The tools of every server but those the harness config disables (by their advertised name)."""
         tools, routes = [], {}
         for server, url in mcp_urls.items():
             session = await stack.enter_async_context(mcp_session(url, http))
             for tool in (await session.list_tools()).tools:
                 name = f"{server}_{tool.name}" if server else tool.name
+                if name in disabled:
+                    continue
                 routes[name] = (session, tool.name)
                 schema = getattr(tool, "input_schema", None) or getattr(tool, "inputSchema", None)  # mcp 2 / mcp 1
                 tools.append({"type": "function", "function": {"name": name, "description": tool.description or "",

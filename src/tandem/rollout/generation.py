@@ -29,6 +29,9 @@ GROUP_VERSION: contextvars.ContextVar[int] = contextvars.ContextVar("group_versi
 """The policy version the group being generated samples from (its requests name that LoRA adapter version)."""
 ROW: contextvars.ContextVar[dict] = contextvars.ContextVar("row", default={})
 """The dataset row of the rollout being generated: the hooks get its prompt, `AsyncRolloutLoop.row()` the rest."""
+GROUP_SEED: contextvars.ContextVar[int] = contextvars.ContextVar("group_seed", default=0)
+"""A seed of the group being generated, from the run's seed and its prompt position: the same for its rollouts and for
+the group generated again (`AsyncRolloutLoop.group_seed()`: an environment draws the group's task from it)."""
 SEEDS: contextvars.ContextVar[random.Random] = contextvars.ContextVar("seeds", default=random.Random(0))
 """The sampling seeds of the rollout (or whole group) being generated: drawn from a generator seeded by the run's seed,
 the prompt position and the rollout's index, so a group generated again (after a restart) is sampled alike."""
@@ -141,9 +144,12 @@ class Generation:
         """The group's rollouts: one request with n = num_generations when the hooks allow it, else one rollout each."""
         SEEDS.set(self._seeds(position))
         ROW.set(row)
+        GROUP_SEED.set(random.Random(f"{self.config.seed}:{position}:group").getrandbits(31))
         if self.whole_groups:
             return await self._whole_group(row["prompt"])
-        return await self._rollouts(row, position, group_id)
+        episodes = await self._rollouts(row, position, group_id)
+        return [episode for episode in episodes if episode.rollout.turns]  # one that sampled nothing (another
+        # library's episode that failed): nothing to train or score, left out of its group
 
     def _seeds(self, position: int | str, rollout: int | None = None) -> random.Random:
         """The seeds of a group's requests (or of one of its rollouts): from the run's seed and the prompt position

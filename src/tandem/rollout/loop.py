@@ -16,7 +16,7 @@ import numpy as np
 from tandem.channels import Channels
 from tandem.records import Rollout, RolloutGroup, TurnRecord
 from tandem.rollout import rewards as scoring
-from tandem.rollout.generation import ROW
+from tandem.rollout.generation import GROUP_SEED, ROW
 from tandem.rollout.scheduler import RolloutScheduler
 from tandem.rollout.settings import RolloutSettings
 from tandem.rollout.tools import Toolbox
@@ -131,6 +131,11 @@ class AsyncRolloutLoop:
     def row(self) -> dict:
         """The dataset row of the rollout being generated (the hooks get its prompt; this gives its other columns)."""
         return ROW.get()
+
+    def group_seed(self) -> int:
+        """A seed of the group being generated, the same for its rollouts (a task an environment draws from it is the
+        group's) and again when the group is generated anew; from the run's `seed` and the prompt's position."""
+        return GROUP_SEED.get()
 
 
 def samples_whole_groups(loop_cls: type) -> bool:

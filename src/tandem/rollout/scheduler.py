@@ -238,6 +238,9 @@ class RolloutScheduler:
             self.groups_in_flight -= 1
             self.in_flight_tokens -= reservation
             self.generating.pop(asyncio.current_task(), None)
+        if not episodes:  # each of its episodes failed (another library's: counted where they failed)
+            self.emit("skip", position)
+            return
         group = self.generation.group(row, self.prompts.at(position).index, group_id, version, episodes, self.generation.reconciled(episodes))
         block = time.monotonic()
         self.unscored += 1
@@ -270,6 +273,8 @@ class RolloutScheduler:
         """One eval prompt's group, recorded as eval/<the group's metric>; False when it failed (twice, as in training)."""
         try:
             episodes = await self.generation.episodes(row, f"eval:{step}:{index}", group_id=-1)
+            if not episodes:
+                return False
             group = self.generation.group(row, index, -1, version, episodes, sequences=[])
             columns = await self._reward(group)
         except EngineDead:

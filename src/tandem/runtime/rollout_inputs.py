@@ -33,8 +33,10 @@ def check_agents(tools: list, environment_factory, dataset, eval_dataset=None, h
 
 def loop_class(loop_cls: type | None, harness) -> type | None:
     """The loop the worker runs: the trainer's, or a harness's own; a trainer's loop over a harness must extend it."""
-    if harness is None or loop_cls is None:
-        return loop_cls if harness is None else harness.loop_cls
+    if harness is None:
+        return loop_cls
+    if loop_cls is None:
+        return harness.loop_cls
     if not issubclass(loop_cls, harness.loop_cls):
         raise UsageError(f"loop_cls {loop_cls.__name__} does not extend {harness.loop_cls.__name__}, which plays the "
                          f"episodes of {type(harness).__name__}: subclass it to customise the hooks")

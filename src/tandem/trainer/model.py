@@ -212,7 +212,9 @@ def check_dataset(dataset, *, environments: bool = False, max_steps: int = -1):
 
 def drop_unused_columns(dataset, reward_funcs: list, environments: bool):
     """remove_unused_columns=True: the dataset with only 'prompt' and the columns a reward function names as a
-    parameter (a reward's **kwargs gets only those)."""
+    parameter (a reward's **kwargs gets only those); no dataset (the environments make the prompts): None."""
+    if dataset is None:
+        return None
     if environments:
         raise UsageError("AsyncGRPOConfig.remove_unused_columns=True cannot be used with environments (environment_factory, "
                          "an OpenEnv harness, a verifiers environment): their rollouts read every column of their row. "

@@ -21,11 +21,10 @@ from transformers import TrainerControl
 from transformers.trainer_utils import enable_full_determinism
 from transformers.utils import logging as hf_logging
 
-from tandem import distributed
+from tandem import distributed, integrations
 from tandem.config import AsyncGRPOConfig
 from tandem.dataset_rows import is_iterable
 from tandem.errors import UsageError
-from tandem import integrations
 from tandem.metrics.window import MetricWindow
 from tandem.model_folder import save_model_folder
 from tandem.packing import PackedRow
@@ -97,17 +96,15 @@ class AsyncGRPOTrainer:
                  processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None, tools=None,
                  environment_factory=None, eval_dataset=None):
         self.args = args = args or AsyncGRPOConfig()
-        train_dataset, eval_dataset, reward_funcs, harness = integrations.adapt(train_dataset, eval_dataset, reward_funcs)
-        self.harness = harness or self.harness
+        train_dataset, eval_dataset, reward_funcs, self.harness = integrations.adapt(train_dataset, eval_dataset,
+                                                                                     reward_funcs, self.harness)
         self.tools, self.environment_factory = list(tools or []), environment_factory
         environments = environment_factory is not None or self.harness is not None
         dataset = check_train_dataset(train_dataset, args, environments)
         self.eval_dataset = check_eval_dataset(eval_dataset, args, environments)
         self.reward_funcs = _reward_list(reward_funcs, check_agents(self.tools, environment_factory, dataset,
                                                                     self.eval_dataset, self.harness))
-        self.loop_cls = loop_class(self.loop_cls, self.harness)
-        self.dataset = drop_unused_columns(dataset, self.reward_funcs, environments) \
-            if args.remove_unused_columns and dataset is not None else dataset
+        self.dataset = drop_unused_columns(dataset, self.reward_funcs, environments) if args.remove_unused_columns else dataset
         self.ranks = distributed.join(args.ddp_timeout)  # this process's place among the torchrun ranks (or one of one)
         self.model_name, model_loaded, self.layout = load_model(model, args)
         """The rows this model trains on: tree-packed, or padded for models a tree row would change (packing/trie.py)."""
@@ -136,8 +133,7 @@ class AsyncGRPOTrainer:
         self.state = TrainerState()
         """transformers' TrainerState, filled in place (from a checkpoint when resuming): callbacks hold it."""
         self.window = MetricWindow()
-        self.losses: list[float] = []
-        self.reward_history: list[float] = []
+        self.losses, self.reward_history = [], []  # each step's loss, each logged window's mean reward
         self.callback_handler = callback_handler(callbacks or [], self.model, self.tokenizer, self.optimizer, self.scheduler)
         """transformers' TrainerCallback objects, called with (args, state, control) at each event of the loop."""
         self.control = TrainerControl()
@@ -541,7 +537,7 @@ class AsyncGRPOTrainer:
             served_dtype=served_dtype(self.model), eos_token_ids=eos_ids(self.tokenizer, self.model),
             lora_rank=self.model.peft_config["default"].r if self.lora else None, dataset=self.dataset,
             eval_dataset=self.eval_dataset, reward_funcs=self.reward_funcs, tools=self.tools,
-            environment_factory=self.environment_factory, harness=self.harness, loop_cls=self.loop_cls,
+            environment_factory=self.environment_factory, harness=self.harness, loop_cls=loop_class(self.loop_cls, self.harness),
             rollout_template=self.rollout_template)
 
 
