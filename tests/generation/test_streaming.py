@@ -124,3 +124,36 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot_at_once(server, proxy, v
     while engine.stats().running and time.monotonic() < deadline:
         time.sleep(0.01)
     assert engine.stats().running == 0, "the abandoned stream still holds a slot"
+
+
+def test_the_chunks_are_one_per_token_however_late_the_server_reads_the_engine():
+    from transformers import AutoTokenizer
+
+    from tandem.generation.engine import EngineRequest
+    from tandem.generation.protocol import ChatCompletionRequest
+    from tandem.generation.responses import TokenText
+    from tandem.generation.sampling import SamplingParams
+    from tandem.generation.streaming import ChatStream
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
+    answer = tokenizer.encode("3") + [tokenizer.eos_token_id]  # "3" then the end: vLLM streams "3", then the finish
+
+    def streamed(read_after: list[int]) -> list[dict]:
+        request = EngineRequest(prompt=[1, 2, 3], params=SamplingParams(temperature=0.0))
+        stream = ChatStream(ChatCompletionRequest(messages=MESSAGES, stream=True), [request], "chatcmpl-1", "m", "fp",
+                            TokenText(tokenizer), [], read_calls=False)
+        seq, chunks = request.sequences[0], stream.chunks()
+        for step, token in enumerate(answer, 1):  # the engine appends a token, then checks it (or ends the sequence)
+            seq.output.append(token), seq.logprobs.append(-0.1), seq.top_logprobs.append([])
+            if step == len(answer):
+                seq.finish_reason = "stop"
+            else:
+                seq.checked = step
+            if step in read_after:
+                chunks += stream.chunks()
+        return [c["choices"][0] | {"at": None} for c in chunks]
+
+    each_step, at_the_end = streamed(read_after=[1, 2]), streamed(read_after=[2])
+    assert at_the_end == each_step, "a server that reads late sends the same chunks"
+    assert [c["delta"] for c in each_step] == [{"role": "assistant", "content": ""}, {"content": "3"}, {}]
+    assert [c["finish_reason"] for c in each_step] == [None, None, "stop"]

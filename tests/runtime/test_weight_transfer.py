@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tandem.generation.client import ControlClient, GenerationClient, ServerError
+from tandem.generation.client import ControlClient, EngineDead, GenerationClient, ServerError
 from tandem.generation.launcher import EmbeddedProxy
 from tandem.packing import attention as tree_attention
 from tandem.tasks import TINY_MODEL_PATH
@@ -79,6 +79,25 @@ def test_each_transfer_is_served_exactly_and_a_failed_one_leaves_the_previous_we
         assert not run.run(control.is_paused()), "generation goes on after a failed transfer"
         run.run(control.close())
     server.close()
+
+
+def test_a_transfer_broken_by_a_dead_engine_is_reported_as_the_engine_dying(monkeypatch):
+    class Health:
+        def __init__(self, dead: bool):
+            self.dead, self.asked = dead, 0
+
+        async def raise_if_engine_dead(self):
+            self.asked += 1
+            if self.dead:
+                raise EngineDead(503, "a call waiting on the engine will not be answered", "http://server/health")
+
+    monkeypatch.setattr(weight_transfer, "ENGINE_WATCH_S", 0.01)
+    broken = RuntimeError("Connection closed by peer [127.0.0.1]:6311")  # how gloo sees vLLM's engine process die
+    with asyncio.Runner() as run:
+        dead, alive = Health(dead=True), Health(dead=False)
+        assert isinstance(TransferSync(dead, run, "m")._engine_death(broken), EngineDead), "/health says it died"
+        assert TransferSync(alive, run, "m")._engine_death(broken) is broken, "a live engine: the transfer's own error"
+        assert alive.asked == weight_transfer.ENGINE_DEATH_CHECKS, "asked again: /health lags the engine's death"
 
 
 def test_a_server_without_transfer_or_with_a_bad_update_answers_as_vllm(tokenizer):

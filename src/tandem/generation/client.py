@@ -259,12 +259,13 @@ class ControlClient(_Http):
         call = asyncio.ensure_future(self.request(method, path, **kw))
         try:
             while not (await asyncio.wait({call}, timeout=ENGINE_WATCH_S))[0]:
-                await self._raise_if_engine_dead()
+                await self.raise_if_engine_dead()
             return call.result()
         finally:
             call.cancel()
 
-    async def _raise_if_engine_dead(self) -> None:
+    async def raise_if_engine_dead(self) -> None:
+        """Raise `EngineDead` when /health says the engine died; any other answer (or none) passes."""
         try:
             await self.request("GET", "/health", retry=False, timeout_s=5)
         except ServerError as exc:  # tandem proxy answers 503 while any replica is down: dead only if none is up

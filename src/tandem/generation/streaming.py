@@ -78,25 +78,33 @@ class Stream:
         self.progress = [Progress(r, s, i) for i, (r, s) in enumerate((r, s) for r in requests for s in r.sequences)]
 
     def chunks(self) -> list[dict]:
+        """The chunks of every token produced since the last call: one per token, as vLLM sends one per engine step,
+        so what a client receives never depends on how long the server took to read the engine."""
         out = []
         for p in self.progress:
             if p.done:
                 continue
             count, finished = p.ready()
-            if count == p.tokens and not finished:
-                continue
-            new, positions = p.seq.output[p.tokens:count], p.seq.top_logprobs[p.tokens:count]
-            text = self._final_text(p.seq) if finished else self._visible_text(p.seq.output[:count])
-            delta = text[len(p.text):] if len(text) > len(p.text) else ""
-            chunk = self._chunk(p, new, positions, delta, finished)
-            p.tokens, p.text, p.done, p.started = count, p.text + delta, finished, True
-            if chunk is not None:
-                if self.continuous_usage:
-                    chunk["usage"] = usage(len(p.request.prompt), p.tokens)
-                if finished and not self.include_usage:
-                    chunk["system_fingerprint"] = self.fingerprint
-                out.append(chunk)
+            ends = list(range(p.tokens + 1, count + 1)) or ([count] if finished else [])
+            for end in ends:
+                chunk = self._step(p, end, finished and end == count)
+                if chunk is not None:
+                    out.append(chunk)
         return out
+
+    def _step(self, p: Progress, end: int, finished: bool) -> dict | None:
+        """The chunk of choice `p`'s tokens up to `end` (None when it has nothing to say yet)."""
+        new, positions = p.seq.output[p.tokens:end], p.seq.top_logprobs[p.tokens:end]
+        text = self._final_text(p.seq) if finished else self._visible_text(p.seq.output[:end])
+        delta = text[len(p.text):] if len(text) > len(p.text) else ""
+        chunk = self._chunk(p, new, positions, delta, finished)
+        p.tokens, p.text, p.done, p.started = end, p.text + delta, finished, True
+        if chunk is not None:
+            if self.continuous_usage:
+                chunk["usage"] = usage(len(p.request.prompt), p.tokens)
+            if finished and not self.include_usage:
+                chunk["system_fingerprint"] = self.fingerprint
+        return chunk
 
     def final(self) -> list[dict]:
         """The usage chunk when `stream_options.include_usage` asks for it."""
@@ -159,10 +167,12 @@ class ChatStream(Stream):
         self.read_calls = read_calls
         self.calls: dict[int, list[tuple[str, str]]] = {}
         """Each finished choice's parsed calls, by choice index."""
+        self.roles_sent = False
 
     def chunks(self) -> list[dict]:
         roles = []
-        if not any(p.started for p in self.progress):
+        if not self.roles_sent:  # once, even when the first call comes before any token (a step that only prefilled)
+            self.roles_sent = True
             request = self.requests[0]
             for p in self.progress:
                 choice = {"index": p.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

@@ -30,10 +30,12 @@ from collections.abc import Callable, Iterator
 import torch
 
 from tandem.distributed import Ranks, full_tensor
-from tandem.generation.client import ControlClient, EngineDead, ServerProblem, engine_died
+from tandem.generation.client import ENGINE_WATCH_S, ControlClient, EngineDead, ServerProblem, engine_died
 from tandem.generation.weight_transfer import RENDEZVOUS_S, join_group
 
 Tensors = Iterator[tuple[str, torch.Tensor]]
+ENGINE_DEATH_CHECKS = 4
+"""How many times, ENGINE_WATCH_S apart, a failed transfer asks /health whether the engine died."""
 
 
 class TransferFailed(RuntimeError):
@@ -216,6 +218,7 @@ class TransferSync:
             else:
                 first_failure(call, InThread(lambda: self.plane.send(tensors, self.timeout_s)), self.timeout_s)
         except BaseException as exc:
+            exc = self._engine_death(exc)
             self._abandon()
             if isinstance(exc, EngineDead):
                 raise ServerProblem(f"weight transfer of version {version} failed: {engine_died(exc)}") from None
@@ -230,6 +233,21 @@ class TransferSync:
         done = time.perf_counter()
         return {"perf/weight_sync_s": done - start, "perf/weight_sync_pause_s": paused - start,
                 "perf/weight_sync_transfer_s": done - paused}
+
+    def _engine_death(self, error: BaseException) -> BaseException:
+        """`error`, or `EngineDead` when the engine died: the plane's broken connection is how a dead engine shows first,
+        a moment before the server's /health says so (vLLM: about a second), so /health is asked for a few seconds."""
+        if isinstance(error, EngineDead) or not isinstance(error, Exception):
+            return error
+        for _ in range(ENGINE_DEATH_CHECKS):
+            try:
+                self.run.run(self.control.raise_if_engine_dead())
+            except EngineDead as dead:
+                return dead
+            except Exception:  # noqa: BLE001 - the transfer's own error is the one to report
+                return error
+            time.sleep(ENGINE_WATCH_S)
+        return error
 
     def _abandon(self) -> None:
         """Close the failed update (the server swaps nothing in) and let generation go on, as far as it answers."""
