@@ -24,8 +24,9 @@ from tandem import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 
 logging.getLogger("fastmcp").setLevel(logging.ERROR)  # its warning per malformed call would fill the dashboard
 
-PHRASINGS = ["Increment the counter by {n}.", "Increment the counter to {n}.", "Add {n} to the counter.",
-             "Bring the counter from 0 to {n}."]
+PHRASINGS = ["Increment the counter by {n}.", "Increment the counter to {n}.", "Add {n} to the counter."]
+"""examples/environment.py's phrasings but "Bring the counter from 0 to {n}.", where the tiny model copies the 0 into its
+call: some runs learn it within 100 steps, others stay at ~0.1 on it (measured), which makes the curve a matter of luck."""
 
 
 class CounterEnvironment(MCPEnvironment):
