@@ -5,7 +5,9 @@ entropy the trainer logs) from their hidden states through the LM head. Each var
 process and reports what the step added to the peak: on GPU `torch.cuda.max_memory_allocated`, on CPU
 the process's peak resident memory (ru_maxrss) over what it held before the step.
 
-    python benchmarks/logprob_memory.py [--tokens 8192] [--vocab 32768] [--hidden 1024] [--chunk-size 1024] [--markdown PATH]
+    python benchmarks/logprob_memory.py [--tokens 8192] [--vocab 32768] [--hidden 1024] [--chunk-size N] [--markdown PATH]
+
+The chunk size defaults to the trainer's own (tandem.packing.logprobs.default_chunk_size: 512 at a 32k vocabulary).
 """
 
 import argparse
@@ -16,7 +18,7 @@ import sys
 
 import torch
 
-from tandem.packing.logprobs import chunked_logprobs
+from tandem.packing.logprobs import chunked_logprobs, default_chunk_size
 
 from tables import add_markdown_flag, emit, markdown_table
 
@@ -59,10 +61,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--chunk-size", type=int, default=1024)
+    parser.add_argument("--chunk-size", type=int, default=None, help="default: the trainer's for the vocabulary")
     add_markdown_flag(parser)
     parser.add_argument("--variant", choices=["full", "chunked"], help=argparse.SUPPRESS)  # one measurement, in a child
     args = parser.parse_args()
+    args.chunk_size = args.chunk_size or default_chunk_size(args.vocab)
     shape = (args.tokens, args.vocab, args.hidden, args.chunk_size)
     if args.variant:
         print(json.dumps(measure(args.variant, *shape)))

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, Qwen2Config, Qwen3NextConfig
 
 from tandem.packing import PADDED, TREE, attention, pack
-from tandem.packing.logprobs import chunked_logprobs, row_logprobs
+from tandem.packing.logprobs import chunked_logprobs, default_chunk_size, plain_linear, row_logprobs
 from tests.conftest import tiny_hybrid
 
 from .samples import sample
@@ -39,6 +39,44 @@ def test_chunks_give_the_full_log_softmax_and_its_gradients(chunk_size):
     torch.testing.assert_close(head.weight.grad, expected_grads[1], atol=1e-6, rtol=1e-5)
     probs = (head(hidden).float() / 0.7).softmax(-1)
     torch.testing.assert_close(got.entropy, -(probs * probs.log()).sum(-1), atol=1e-5, rtol=0)
+
+
+class WrappedHead(torch.nn.Linear):
+    """A head with a forward of its own (as a LoRA-wrapped one has): scored through autograd, chunk by chunk."""
+
+    def forward(self, x):
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("head_kind", [torch.nn.Linear, WrappedHead])
+def test_every_option_gives_autograds_values_and_gradients(head_kind):
+    torch.manual_seed(2)
+    head = head_kind(16, 50, bias=True)
+    assert plain_linear(head) == (head_kind is torch.nn.Linear), "a plain Linear takes the written-out backward"
+    hidden = torch.randn(30, 16, requires_grad=True)
+    kept = torch.stack([torch.randperm(50)[:12] for _ in range(30)])
+    kept[::3, 8:] = -1  # shorter kept sets, padded
+    targets, extra = kept[:, 0], kept[:, :4]  # the sampled token and the sampler's top 4, all in the kept set
+    weight_target, weight_extra = torch.randn(30), torch.randn(30, 4)  # a loss that is not a plain sum
+
+    logits = torch.tanh(head(hidden) / 30.0) * 30.0 / 0.7
+    mask = torch.full_like(logits, float("-inf")).scatter(1, torch.where(kept >= 0, kept, kept[:, :1]), 0.0)
+    every = (logits + mask).log_softmax(-1)
+    ((every.gather(1, targets[:, None])[:, 0] * weight_target).sum() + (every.gather(1, extra) * weight_extra).sum()).backward()
+    expected = every.gather(1, targets[:, None])[:, 0], hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()
+    hidden.grad = head.weight.grad = head.bias.grad = None
+
+    got = chunked_logprobs(hidden, head, targets, 0.7, kept, softcap=30.0, chunk_size=7, extra_ids=extra)
+    ((got.log_probs * weight_target).sum() + (got.extra * weight_extra).sum()).backward()
+    torch.testing.assert_close(got.log_probs, expected[0], atol=1e-5, rtol=0)
+    for name, grad, want in zip(["hidden", "weight", "bias"], [hidden.grad, head.weight.grad, head.bias.grad], expected[1:]):
+        torch.testing.assert_close(grad, want, atol=1e-5, rtol=1e-4, msg=lambda m: f"d loss / d {name}: {m}")
+
+
+def test_the_default_chunk_holds_64_mib_of_logits_within_its_bounds():
+    assert default_chunk_size(32768) == 512
+    assert default_chunk_size(512) == 1024, "a small vocabulary: no more rows than 1024"
+    assert default_chunk_size(262144) == 64, "a huge vocabulary: no fewer rows than 64"
 
 
 def test_kept_sets_renormalise_over_what_the_sampler_kept():

@@ -1,8 +1,8 @@
 """Log-probs and entropy at the trained positions of a packed row, a chunk at a time (DESIGN.md §4).
 
 The model runs without its head; the head is applied only to the hidden states that predict trained
-tokens, `chunk_size` of them at a time, and each chunk is recomputed in the backward pass instead of
-kept, so peak memory holds one chunk's `chunk_size x vocab` logits, never the row's. Logits are divided
+tokens, a chunk of them at a time, and each chunk's logits are recomputed in the backward pass instead of
+kept, so peak memory holds one chunk's `chunk x vocab` logits, never the row's. Logits are divided
 by the sampling temperature (the sampler's processed log-probs are on that scale), and when the
 sampler truncated the distribution (top-k / top-p) the log-softmax runs over its kept set only.
 """
@@ -17,7 +17,17 @@ from tandem.exact_attention import MIN_ROWS
 from tandem.packing.attention import tree_masks
 from tandem.packing.trie import PADDED, TREE, PackedRow
 
-CHUNK_SIZE = 1024
+CHUNK_BYTES = 64 * 2**20
+"""One chunk's fp32 logits at most (512 tokens at a 32k vocabulary): the chunk's temporaries then stay below the
+head's own weight gradient, which every chunk size pays."""
+CHUNK_SIZE_RANGE = (64, 1024)
+
+
+def default_chunk_size(vocab_size: int) -> int:
+    """How many trained tokens one chunk scores: as many as fit CHUNK_BYTES of logits, within CHUNK_SIZE_RANGE (below
+    64 rows the matmuls slow down; above 1024 a small vocabulary gains nothing)."""
+    low, high = CHUNK_SIZE_RANGE
+    return max(low, min(high, CHUNK_BYTES // (4 * vocab_size)))
 
 
 @dataclass
@@ -30,49 +40,131 @@ class TokenLogprobs:
 
 def chunked_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float = 1.0,
                      sampling_mask: torch.Tensor | None = None, softcap: float | None = None,
-                     chunk_size: int = CHUNK_SIZE, extra_ids: torch.Tensor | None = None) -> TokenLogprobs:
+                     chunk_size: int | None = None, extra_ids: torch.Tensor | None = None) -> TokenLogprobs:
     """log softmax(head(hidden) / temperature)[target] for each of the N rows of `hidden` ([N, H]), and at
     `extra_ids` ([N, K]) when given."""
-    logprobs, entropy, extra = [], [], []
-    recompute = torch.is_grad_enabled()
-    for start in range(0, hidden.shape[0], chunk_size):
-        part = slice(start, start + chunk_size)
-        kept = sampling_mask[part] if sampling_mask is not None else None
-        more = extra_ids[part] if extra_ids is not None else None
-        args = (head, hidden[part], targets[part], temperature, kept, softcap, more)
-        lp, ent, ex = checkpoint(_chunk, *args, use_reentrant=False) if recompute else _chunk(*args)
-        logprobs.append(lp)
-        entropy.append(ent)
-        extra.append(ex)
-    if not logprobs:  # no trained token: an empty result still attached to the graph, so backward() works
+    chunk_size = chunk_size or default_chunk_size(head.weight.shape[0])
+    if hidden.shape[0] == 0:  # no trained token: an empty result still attached to the graph, so backward() works
         empty = hidden.new_zeros(0, dtype=torch.float32)
         width = extra_ids.shape[1] if extra_ids is not None else 0
         return TokenLogprobs(empty + hidden.sum() * 0, empty, hidden.new_zeros(0, width) + hidden.sum() * 0)
+    if plain_linear(head):
+        extra = extra_ids if extra_ids is not None else targets.new_zeros(len(targets), 0)
+        logprobs, entropy, scored = LinearHeadLogprobs.apply(hidden, head.weight, head.bias, targets, extra, sampling_mask,
+                                                             temperature, softcap, chunk_size)
+        return TokenLogprobs(logprobs, entropy, scored if extra_ids is not None else None)
+    parts = []  # any other head (a LoRA-wrapped one): autograd, each chunk checkpointed
+    for start in range(0, hidden.shape[0], chunk_size):
+        part = slice(start, start + chunk_size)
+        args = (head, hidden[part], targets[part], temperature, sampling_mask[part] if sampling_mask is not None else None,
+                softcap, extra_ids[part] if extra_ids is not None else None)
+        parts.append(checkpoint(_chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk(*args))
+    logprobs, entropy, extra = zip(*parts)
     return TokenLogprobs(torch.cat(logprobs), torch.cat(entropy), torch.cat(extra) if extra_ids is not None else None)
 
 
+def plain_linear(head: torch.nn.Module) -> bool:
+    """Whether `head(x)` is `F.linear(x, head.weight, head.bias)` (FSDP2's dynamic subclass included): no other forward,
+    no hooks (a head sharded on its own gathers its weight in one)."""
+    return isinstance(head, torch.nn.Linear) and type(head).forward is torch.nn.Linear.forward \
+        and not (head._forward_hooks or head._forward_pre_hooks)
+
+
+class LinearHeadLogprobs(torch.autograd.Function):
+    """`chunked_logprobs` through a plain Linear head, its backward written out (§ log-softmax: d lp[t] / d logits =
+    onehot(t) - softmax): each chunk's logits are recomputed and turned into their gradient in place, and the weight
+    gradient is accumulated into one buffer. Autograd with checkpointing kept about five chunk-sized temporaries and a
+    second [vocab, hidden] gradient per chunk: 855 MiB against about 300 at 8192 tokens x 32k vocabulary (benchmarks)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, extra_ids, kept, temperature, softcap, chunk_size):
+        def head(x):
+            return torch.nn.functional.linear(x, weight, bias)
+
+        with torch.no_grad():  # the forward of the autograd path, value for value (the staleness-0 ratio is exactly 1)
+            parts = [_chunk(head, hidden[part], targets[part], temperature, kept[part] if kept is not None else None,
+                            softcap, extra_ids[part]) for part in _chunks(hidden.shape[0], chunk_size)]
+        ctx.save_for_backward(hidden, weight, bias, targets, extra_ids, kept)
+        ctx.settings = temperature, softcap, chunk_size
+        logprobs, entropy, extra = (torch.cat(values) for values in zip(*parts))
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy, extra
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, _grad_entropy, grad_extra):
+        hidden, weight, bias, targets, extra_ids, kept = ctx.saved_tensors
+        temperature, softcap, chunk_size = ctx.settings
+        wants_hidden, wants_weight, wants_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if wants_hidden else None
+        grad_weight = torch.zeros_like(weight) if wants_weight else None
+        grad_bias = torch.zeros_like(bias) if wants_bias else None
+        for part in _chunks(hidden.shape[0], chunk_size):
+            grad = _logits_grad(hidden[part], weight, bias, targets[part], grad_logprobs[part], extra_ids[part],
+                                grad_extra[part], kept[part] if kept is not None else None, temperature, softcap)
+            if wants_hidden:
+                torch.mm(grad, weight, out=grad_hidden[part])
+            if wants_weight:
+                grad_weight.addmm_(grad.T, hidden[part])
+            if wants_bias:
+                grad_bias += grad.sum(0)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def _chunks(rows: int, chunk_size: int) -> list[slice]:
+    return [slice(start, start + chunk_size) for start in range(0, rows, chunk_size)]
+
+
+def _logits_grad(hidden, weight, bias, targets, grad_target, extra_ids, grad_extra, kept, temperature, softcap):
+    """d loss / d head(hidden) for one chunk, built in the logits' buffer: onehot(targets) * g + onehot(extra) * g_extra
+    - softmax * (g + sum g_extra), zero where the sampler masked, then back through temperature and softcap."""
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    logits = logits.float() if logits.dtype != torch.float64 else logits
+    capped = torch.tanh(logits / softcap) if softcap else None
+    scaled = (capped * softcap if softcap else logits).div_(temperature)
+    keep = None
+    if kept is not None:
+        keep = torch.zeros_like(scaled, dtype=torch.bool).scatter_(1, torch.where(kept >= 0, kept, kept[:, :1]), True)
+        scaled.masked_fill_(~keep, float("-inf"))
+    grad = scaled.sub_(scaled.amax(-1, keepdim=True)).exp_()  # the softmax, in the logits' own buffer
+    grad.div_(grad.sum(-1, keepdim=True)).mul_(-(grad_target + grad_extra.sum(-1))[:, None])
+    grad.scatter_add_(1, targets[:, None], grad_target[:, None].to(grad.dtype))
+    grad.scatter_add_(1, extra_ids, grad_extra.to(grad.dtype))
+    if keep is not None:
+        grad.masked_fill_(~keep, 0.0)
+    grad.div_(temperature)
+    if softcap:
+        grad.mul_(capped.square_().neg_().add_(1))
+    return grad.to(weight.dtype)
+
+
 def _chunk(head, hidden, targets, temperature, kept, softcap, extra_ids):
-    rows = hidden.shape[0]
+    """One chunk's log-probs at `targets` and `extra_ids`, and its entropy. Without autograd (LinearHeadLogprobs'
+    forward) every step runs in place, the same kernels on the same values: two chunk-sized buffers alive, not six."""
+    rows, in_place = hidden.shape[0], not torch.is_grad_enabled()
     if rows < MIN_ROWS:  # as in the sampler: CPU matmuls with fewer rows round differently
         hidden = torch.cat([hidden, hidden[-1:].expand(MIN_ROWS - rows, -1)])
     logits = head(hidden)[:rows]
     logits = logits.float() if logits.dtype != torch.float64 else logits  # half-precision logits are scored in fp32
     if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
-    logits = logits / temperature
+        logits = logits.div_(softcap).tanh_().mul_(softcap) if in_place else torch.tanh(logits / softcap) * softcap
+    logits = logits.div_(temperature) if in_place else logits / temperature
     if kept is not None:
         keep = torch.zeros_like(logits, dtype=torch.bool)
         keep.scatter_(1, torch.where(kept >= 0, kept, kept[:, :1]), True)  # pads repeat the first kept id
-        logits = logits.masked_fill(~keep, float("-inf"))
+        logits = logits.masked_fill_(~keep, float("-inf")) if in_place else logits.masked_fill(~keep, float("-inf"))
     all_logprobs = logits.log_softmax(-1)
-    with torch.no_grad():
-        entropy = -(all_logprobs.exp() * all_logprobs.nan_to_num(neginf=0.0)).sum(-1)
+    del logits
+    chosen = all_logprobs.gather(1, targets[:, None])[:, 0]
     extra = all_logprobs.gather(1, extra_ids) if extra_ids is not None else None
-    return all_logprobs.gather(1, targets[:, None])[:, 0], entropy, extra
+    with torch.no_grad():
+        probs = all_logprobs.exp()
+        finite = all_logprobs.nan_to_num_(neginf=0.0) if in_place else all_logprobs.nan_to_num(neginf=0.0)
+        entropy = -(probs.mul_(finite)).sum(-1)
+    return chosen, entropy, extra
 
 
 def row_logprobs(model: torch.nn.Module, row: PackedRow, kernel: str, temperature: float = 1.0,
-                 chunk_size: int = CHUNK_SIZE) -> TokenLogprobs:
+                 chunk_size: int | None = None) -> TokenLogprobs:
     """Forward a row through `model` and score its loss terms: a tree row as one sequence under the tree mask
     (attention set to `tandem_tree`), a padded row as a batch of plain causal sequences (the model's own attention)."""
     device = next(model.parameters()).device
