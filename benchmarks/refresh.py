@@ -23,6 +23,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 BENCHMARKS = {  # in README order, with about how long each takes on the project's quiet 2-core machine
+    "vs_trl": "~15 min",
     "pipeline_overlap": "~10 min",
     "packing": "~4 min",
     "logprob_memory": "~2 min",

@@ -14,6 +14,7 @@ def record_group(record, group: RolloutGroup, columns: dict[str, np.ndarray], ke
     rewards = group.rewards
     scored = rewards[~np.isnan(rewards)]
     record("reward", *scored.tolist())
+    record("rollout/completions_count", len(rewards))  # generated, trained or not: what a synchronous trainer counts
     record("frac_reward_zero_std", 0.0 if kept else 1.0)
     if not kept and len(scored):
         record("reward_dropped", *scored.tolist())
