@@ -1,10 +1,12 @@
 """Built-in reward functions, called with the spec's reward-function signature."""
 
+import functools
 import logging
 
 from math_verify import parse, verify
 
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns on every call made without a timeout
+VERDICTS_CACHED = 8192
 
 
 def _text(completion) -> str:
@@ -21,12 +23,19 @@ def accuracy_reward(completions, solution, **kwargs) -> list[float | None]:
     Sync reward functions run in worker threads, where math-verify's signal-based timeouts cannot work,
     so they are switched off.
     """
-    rewards = []
-    for completion, gold in zip(completions, solution):
-        parsed_gold = parse(str(gold), parsing_timeout=None)
-        if not parsed_gold:
-            rewards.append(None)
-            continue
-        answer = parse(_text(completion), parsing_timeout=None)
-        rewards.append(1.0 if verify(parsed_gold, answer, timeout_seconds=None) else 0.0)
-    return rewards
+    return [verdict(str(gold), _text(completion)) for completion, gold in zip(completions, solution)]
+
+
+@functools.lru_cache(maxsize=VERDICTS_CACHED)
+def verdict(gold: str, completion: str) -> float | None:
+    """`accuracy_reward` of one completion, remembered: a group's G completions share their solution and often their
+    text (half of the demo's repeat), and math-verify's sympy parsing took a third of the demo worker's CPU."""
+    parsed_gold = _parsed(gold)
+    if not parsed_gold:
+        return None
+    return 1.0 if verify(parsed_gold, parse(completion, parsing_timeout=None), timeout_seconds=None) else 0.0
+
+
+@functools.lru_cache(maxsize=VERDICTS_CACHED)
+def _parsed(gold: str) -> list:
+    return parse(gold, parsing_timeout=None)

@@ -118,3 +118,14 @@ def test_advantages_exclude_unscored_rollouts_and_drop_flat_groups():
     assert scoring.keeps_signal(rewards)
     assert not scoring.keeps_signal(np.array([1.0, 1.0, 1.0]))
     assert not scoring.keeps_signal(np.array([1.0, math.nan, math.nan]))
+
+
+def test_accuracy_reward_checks_the_final_answer_and_remembers_what_it_checked():
+    from tandem.rewards import accuracy_reward, verdict
+
+    verdict.cache_clear()
+    completions = [[{"role": "assistant", "content": c}] for c in ["42", "The answer is 42", "41", "42"]]
+    assert accuracy_reward(completions, solution=["42"] * 4) == [1.0, 1.0, 0.0, 1.0]
+    assert accuracy_reward(["42"], solution=["no number here"]) == [None], "a solution that does not parse: unscored"
+    assert verdict.cache_info().hits == 1, "the repeated (solution, completion) pair is checked once"
+    assert accuracy_reward(completions, solution=["41"] * 4) == [0.0, 0.0, 1.0, 0.0], "another solution, another verdict"
