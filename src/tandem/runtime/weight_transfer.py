@@ -235,8 +235,8 @@ class TransferSync:
             failed = ServerProblem if self.plane.pauses_generation else TransferFailed
             raise failed(f"weight transfer of version {version} failed: {exc}. {self.plane.after_failure}") from exc
         self.run.run(self.control.finish_weight_update(str(version)))
-        self.run.run(self.control.reset_prefix_cache())  # vLLM keeps its prefix cache across a transfer
-        if self.plane.pauses_generation:
+        if self.plane.pauses_generation:  # vLLM: its prefix cache outlives a transfer (tandem serve's swap drops its own)
+            self.run.run(self.control.reset_prefix_cache())
             self.run.run(self.control.resume())
         announce(version)
         done = time.perf_counter()
