@@ -16,7 +16,7 @@ thread, since it returns only when the server has received them — while the pl
 A sharded (FSDP2) parameter is gathered whole just before it is sent and freed right after, so the trainer never
 holds more than one layer's tensor beyond its shard (plus vLLM's packing buffers on NCCL). A failure sends
 `/finish_weight_update` and raises what went wrong: `TransferFailed` when the server keeps its previous weights
-(tandem serve: the trainer may sync again), `ServerProblem` when it loads in place and may hold part of the update
+(tandem serve), `ServerProblem` when it loads in place and may hold part of the update
 (vllm serve: the run stops). Every wait is bounded by `timeout_s`.
 """
 
