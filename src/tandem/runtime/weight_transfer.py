@@ -73,7 +73,7 @@ class InThread:
 
     def result(self, timeout_s: float, what: str = "the server did not answer"):
         self.thread.join(timeout_s)
-        if self.thread.is_alive():
+        if not self.done:  # not is_alive(): a call that has ended may still be on its way out of the thread
             raise TimeoutError(f"{what} within {timeout_s:.0f}s")
         if self.error is not None:
             raise self.error
