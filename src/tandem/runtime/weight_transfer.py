@@ -52,10 +52,6 @@ class InThread:
     """A call run to completion on its own (daemon) thread while this thread goes on, e.g. into the collective
     the call waits for. `result` bounds the wait: a peer that never arrives is an error, not a hang."""
 
-    ended = threading.Condition()
-    """Notified whenever any call ends: `first_failure` wakes at once, not at its next poll (a 20 ms poll was a third
-    of a tiny model's sync)."""
-
     def __init__(self, call: Callable[[], object]):
         self.value, self.error, self.done = None, None, False
         self.thread = threading.Thread(target=self._run, args=(call,), daemon=True)
@@ -67,9 +63,7 @@ class InThread:
         except BaseException as exc:  # noqa: BLE001 - reported by result() on the caller's thread
             self.error = exc
         finally:
-            with InThread.ended:
-                self.done = True
-                InThread.ended.notify_all()
+            self.done = True
 
     def result(self, timeout_s: float, what: str = "the server did not answer"):
         self.thread.join(timeout_s)
@@ -84,16 +78,15 @@ def first_failure(first: InThread, second: InThread, timeout_s: float) -> None:
     """Wait for two calls that wait on each other (the server's /update_weights and the broadcast it receives): the first
     error ends the wait at once (the other call, stuck on its peer, is left to its daemon thread). Each call is bounded
     by `timeout_s` itself; this wait's own bound, a little later, only backs them up."""
-    calls = (first, second)
-    with InThread.ended:
-        ended = InThread.ended.wait_for(lambda: all(c.done for c in calls) or any(c.done and c.error for c in calls),
-                                        timeout_s + 10)
-    if not ended:
-        raise TimeoutError(f"the server did not take the weights within {timeout_s:.0f}s")
-    for call in calls:
-        if call.done and call.error is not None:
-            raise call.error
-    for call in calls:
+    end = time.monotonic() + timeout_s + 10
+    while not (first.done and second.done):
+        for call in (first, second):
+            if call.done and call.error is not None:
+                raise call.error
+        if time.monotonic() > end:
+            raise TimeoutError(f"the server did not take the weights within {timeout_s:.0f}s")
+        time.sleep(0.02)
+    for call in (first, second):
         call.result(0)
 
 
