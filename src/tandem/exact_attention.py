@@ -13,21 +13,35 @@ Shared by the server's exact decoding (generation/engine.py) and the trainer's p
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
-from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
+from transformers.models.qwen2.modeling_qwen2 import repeat_kv
 
 MIN_ROWS = 16
 NAME = "tandem_exact"
 
 
 def exact_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    q_len = query.shape[2]
-    if q_len < MIN_ROWS:
-        extra = MIN_ROWS - q_len
-        query = torch.cat([query, query[:, :, -1:].expand(-1, -1, extra, -1)], dim=2)
-        if attention_mask is not None:
-            attention_mask = torch.cat([attention_mask, attention_mask[:, :, -1:].expand(-1, -1, extra, -1)], dim=2)
-    output, weights = eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    return output[:, :q_len], weights
+    """Eager attention's math (transformers' `eager_attention_forward`), with the query heads that share a key-value head
+    stacked into one matmul, padded to MIN_ROWS rows: no copies of the keys and values per query head, and a third of
+    the matmuls on a 3:1 model (their per-(sequence, head) overhead was ~half of a 256-row exact decode step)."""
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    if attention_mask is not None and attention_mask.shape[1] != 1:  # a mask per head: stack nothing
+        kv_heads, key, value = heads, repeat_kv(key, heads // kv_heads), repeat_kv(value, heads // kv_heads)
+    rows = heads // kv_heads * q_len
+    stacked = query.reshape(batch, kv_heads, rows, dim)  # row g * q_len + t: query head g of the group, token t
+    if rows < MIN_ROWS:
+        stacked = torch.cat([stacked, stacked[:, :, -1:].expand(-1, -1, MIN_ROWS - rows, -1)], dim=2)
+    scores = torch.matmul(stacked, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        mask = attention_mask[:, :, :, : key.shape[-2]]
+        mask = mask.repeat(1, 1, rows // q_len, 1) if mask.shape[1] == 1 else mask.reshape(batch, kv_heads, rows, -1)
+        if rows < MIN_ROWS:
+            mask = torch.cat([mask, mask[:, :, -1:].expand(-1, -1, MIN_ROWS - rows, -1)], dim=2)
+        scores = scores + mask
+    weights = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
+    output = torch.matmul(weights, value)[:, :, :rows].reshape(batch, heads, q_len, dim)
+    return output.transpose(1, 2).contiguous(), weights
 
 
 AttentionInterface.register(NAME, exact_attention)

@@ -226,8 +226,8 @@ def test_the_worker_may_start_a_group_again_once_the_trainer_takes_what_was_queu
     source.take()
     next_sample(source, 0)
     source.take()
-    assert not may_start(), "taken samples free their room only once the step's weights are synced"
-    source.publish(tokens_per_step=10)
+    assert not may_start(), "taken samples free their room only once the trainer releases it (its rows placed)"
+    source.release()
     assert may_start(), "two samples taken free the 10 tokens the next group reserves"
 
 

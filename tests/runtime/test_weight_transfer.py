@@ -19,7 +19,8 @@ from tandem.tasks import TINY_MODEL_PATH
 from tandem.runtime import sync_check, weight_transfer
 from tandem.runtime.weight_sync import nccl_plane
 from tandem.generation.client import ServerProblem
-from tandem.runtime.weight_transfer import InThread, TransferFailed, TransferSync, VllmNcclPlane, control_call, first_failure
+from tandem.generation.weight_transfer import Receiver, pack_chunks
+from tandem.runtime.weight_transfer import GlooPlane, InThread, TransferFailed, TransferSync, VllmNcclPlane, control_call, first_failure
 from tests.conftest import ServerThread, chat_prompt
 
 ATOL = 1e-5
@@ -204,3 +205,28 @@ def test_the_first_error_of_two_calls_that_wait_on_each_other_ends_the_wait():
         first_failure(InThread(lambda: never.wait(60)), InThread(refuse), timeout_s=60)
     assert time.monotonic() - start < 5
 
+
+
+def test_packed_buffers_carry_every_dtype_and_shape_exactly_across_several_buffers(monkeypatch):
+    assert pack_chunks([60, 14, 40, 160, 4, 32], buffer_bytes=100) == [range(0, 3), range(3, 4), range(4, 6)], \
+        "as vLLM packs: a buffer takes tensors until it exceeds its size, the tensor that crosses it included"
+    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.bfloat16), "c": torch.randn(10),
+               "big": torch.randn(40), "scalar": torch.tensor(2.5), "d": torch.ones(2, 2, dtype=torch.int64)}
+    port = weight_transfer.free_port("127.0.0.1")
+    plane, receiver = GlooPlane(buffer_bytes=100), Receiver(timeout_s=20)
+    joining = InThread(lambda: receiver.init({"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+                                              "world_size": 2} | plane.init_fields))
+    plane.open("127.0.0.1", port, 2, 20)
+    joining.result(20)
+    buffers = []
+    monkeypatch.setattr(plane, "_broadcast", lambda tensor, real=plane._broadcast: buffers.append(tensor) or real(tensor))
+    receiver.start()
+    update = {"names": list(tensors), "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
+              "shapes": [list(t.shape) for t in tensors.values()]}
+    receiving = InThread(lambda: receiver.receive(update, tensors))
+    plane.send(iter(tensors.items()), 20)
+    receiving.result(20)
+    staged = receiver.finish()
+    assert len(buffers) == 3, "one broadcast per buffer, not per tensor"
+    for name, tensor in tensors.items():
+        assert staged[name].dtype == tensor.dtype and torch.equal(staged[name], tensor), f"{name} arrived changed"

@@ -25,6 +25,7 @@ from tandem.generation.launcher import EmbeddedProxy, EmbeddedServer
 from tandem.rewards import accuracy_reward
 from tandem.rollout.worker import WorkerError, WorkerLost
 from tandem.runtime.sample_source import StalledError
+from tandem.runtime.weight_transfer import TransferSync
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
 from tests.conftest import ServerThread
 
@@ -64,6 +65,23 @@ def test_at_staleness_zero_the_importance_ratio_is_one(tmp_path):
         assert (r["batch/row_imbalance"], r["batch/pad_frac"]) == (1.0, 0.0), "one row a micro-batch: balanced, unpadded"
         assert r["perf/fwd_s"] < r["perf/fwd_bwd_s"], "the step's forward passes are part of its forward + backward"
     assert rows[-1]["num_tokens"] == sum(r["batch/forwarded_tokens_per_step"] for r in rows)
+
+
+def test_a_sync_runs_beside_the_next_step_and_ends_before_its_optimizer_changes_the_weights(tmp_path, monkeypatch):
+    overlapped, real_push, real_start = [], TransferSync.push, TransferSync.push_in_thread
+    monkeypatch.setattr(TransferSync, "push_in_thread", lambda self, model, version, announce:
+                        overlapped.append(version) or real_start(self, model, version, announce))
+    monkeypatch.setattr(TransferSync, "push", lambda *args, **kw: time.sleep(0.5) or real_push(*args, **kw))  # outlasts a step
+
+    class Checked(AsyncGRPOTrainer):
+        def optimizer_step(self):
+            assert self.runtime.in_flight is None, "the optimizer changed the weights a sync was still sending"
+            return super().optimizer_step()
+
+    Checked("tiny", accuracy_reward, args=config(tmp_path, max_staleness=1), train_dataset=small_dataset()).train()
+    assert overlapped == [1, 2, 3], "each step's sync (no probe or evaluation due) overlapped the next; the last cannot"
+    rows = [r for r in logged(tmp_path) if "perf/weight_sync_s" in r]
+    assert [r["step"] for r in rows] == [2, 3, 4], "each sync is timed in the log of the step it ended in"
 
 
 BATCH_METRICS = [

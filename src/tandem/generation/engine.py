@@ -546,8 +546,7 @@ class Engine:
         }[self.logprobs_mode]()
         chosen = reported.gather(1, tokens[:, None])[:, 0]
         ranks = ((reported > chosen[:, None]).sum(-1) + 1).tolist()
-        k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        top = reported.topk(self.vocab_size if k < 0 else min(k, self.vocab_size)) if k else None
+        top = self._top(reported, max((p.logprobs for p in params if p.logprobs is not None), default=None))
         finished = set()
         for b, (i, (request, seq), token, value) in enumerate(zip(rows, entries, tokens.tolist(), chosen.tolist())):
             seq.output.append(token)
@@ -565,16 +564,24 @@ class Engine:
             request.notify()
         self._retire(finished)
 
-    def _top_entries(self, top, row: int, token: int, value: float, rank: int, k: int) -> list[tuple[int, float, int]]:
-        """(id, value, rank): the sampled token first, then the row's top-k by value, duplicates merged.
-        Rank is 1 + the number of strictly larger values, so ties share a rank."""
+    def _top(self, values: torch.Tensor, k: int | None) -> tuple[list, list, list] | None:
+        """Each row's top-k (all of the vocabulary for k = -1) as lists of ids, values and ranks, read out for the whole
+        batch at once (row by row it was ~20% of an exact decode step with 8 log-probs). Rank is 1 + the number of
+        strictly larger values, so ties share a rank. None for no top-k."""
+        if not k:
+            return None
+        top = values.topk(self.vocab_size if k < 0 else min(k, self.vocab_size))
+        ranks = torch.searchsorted(-top.values, -top.values, side="left") + 1
+        return top.indices.tolist(), top.values.tolist(), ranks.tolist()
+
+    @staticmethod
+    def _top_entries(top, row: int, token: int, value: float, rank: int, k: int) -> list[tuple[int, float, int]]:
+        """(id, value, rank): the sampled token first, then the row's top-k by value (`_top`), duplicates merged."""
         entries = [(token, value, rank)]
         if top is None or k == 0:
             return entries
-        k = top.values.shape[1] if k < 0 else k
-        values, ids = top.values[row, :k], top.indices[row, :k]
-        ranks = torch.searchsorted(-values, -values, side="left") + 1
-        return entries + [(t, v, r) for t, v, r in zip(ids.tolist(), values.tolist(), ranks.tolist()) if t != token]
+        ids, values, ranks = (part[row] if k < 0 else part[row][:k] for part in top)
+        return entries + [(t, v, r) for t, v, r in zip(ids, values, ranks) if t != token]
 
     def _prompt_logprobs(self, logits: torch.Tensor, prompt: list[int], k: int) -> list:
         """Entry 0 is None; entry j holds prompt token j and the top-k at that position (raw log-probs)."""
@@ -582,7 +589,7 @@ class Engine:
         targets = torch.tensor(prompt[1:], device=logprobs.device)
         chosen = logprobs[:-1].gather(1, targets[:, None])[:, 0]
         ranks = ((logprobs[:-1] > chosen[:, None]).sum(-1) + 1).tolist()
-        top = logprobs[:-1].topk(self.vocab_size if k < 0 else min(k, self.vocab_size)) if k else None
+        top = self._top(logprobs[:-1], k)
         result: list = [None]
         for j, (token, value) in enumerate(zip(prompt[1:], chosen.tolist())):
             result.append({t: (v, r) for t, v, r in self._top_entries(top, j, token, value, ranks[j], k)})

@@ -7,7 +7,10 @@ with a torch.distributed gloo group as its data plane, for `tandem serve --weigh
     /finish_weight_update         the received tensors replace the served ones between two engine steps
 
 Received tensors are staged until `finish`, so an update that fails midway (a dead trainer, a timeout, a name the
-model lacks) leaves the previous weights served. `join_group` is also the trainer's end of the group.
+model lacks) leaves the previous weights served. With `packed` in init_info (as vLLM's NCCL backend takes it) the
+tensors arrive as a few byte buffers of up to `packed_buffer_size_bytes` (`pack_chunks`) instead of one broadcast each:
+the receiving thread takes the GIL from the engine's once per buffer, not once per tensor (50 tensors: 53 -> ~5 ms
+under load). `join_group` and `pack_chunks` are also the trainer's.
 """
 
 from dataclasses import dataclass, field
@@ -18,6 +21,8 @@ import torch.distributed as dist
 
 BACKENDS = ("gloo",)
 INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size")
+PACKED_BUFFER_BYTES = 64 * 2**20
+"""A packed buffer's default size: what the two sides hold beyond the weights during a transfer."""
 
 
 class TransferError(ValueError):
@@ -37,6 +42,18 @@ def join_group(address: str, port: int, rank: int, world_size: int, timeout_s: f
     group = dist.ProcessGroupGloo(store, rank, world_size, rendezvous)
     group.set_timeout(timedelta(seconds=timeout_s))
     return group
+
+
+def pack_chunks(sizes: list[int], buffer_bytes: int) -> list[range]:
+    """Consecutive tensors (by their sizes in bytes) grouped into packed buffers as vLLM's packed_tensor groups them: a
+    buffer takes tensors until its size exceeds `buffer_bytes`, the tensor that crosses it included."""
+    chunks, start, filled = [], 0, 0
+    for index, size in enumerate(sizes):
+        filled += size
+        if filled > buffer_bytes:
+            chunks.append(range(start, index + 1))
+            start, filled = index + 1, 0
+    return chunks + ([range(start, len(sizes))] if start < len(sizes) else [])
 
 
 def parse_config(text: str | None) -> dict | None:
@@ -62,6 +79,8 @@ class Receiver:
     timeout_s: float = 600.0
     group: dist.ProcessGroup | None = None
     rank: int = 0
+    packed_bytes: int | None = None
+    """The packed buffers' size (init_info's `packed`), or None: one broadcast per tensor."""
     active: bool = False
     failed: bool = False
     """A call of the open update failed: `finish` swaps nothing in."""
@@ -76,6 +95,8 @@ class Receiver:
         self.group = join_group(str(init_info["master_address"]), int(init_info["master_port"]),
                                 int(init_info["rank_offset"]), int(init_info["world_size"]), self.timeout_s)
         self.rank = int(init_info["rank_offset"])
+        packed = init_info.get("packed", False)
+        self.packed_bytes = int(init_info.get("packed_buffer_size_bytes", PACKED_BUFFER_BYTES)) if packed else None
         self.active, self.failed, self.staged = False, False, {}  # an update left open in the old group is dropped
 
     def start(self) -> None:
@@ -98,13 +119,12 @@ class Receiver:
                                 f"{len(names)}, {len(dtypes)} and {len(shapes)}")
         problems, received = [], {}
         try:
-            for name, dtype, shape in zip(names, dtypes, shapes):
-                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-                self.group.broadcast(tensor, 0).wait()
+            for name, tensor in zip(names, self._tensors(dtypes, shapes)):
                 if name not in served:
                     problems.append(f"{name!r} is not a parameter of the served model")
-                elif tuple(served[name].shape) != tuple(shape):
-                    problems.append(f"{name!r} has shape {tuple(shape)}, the model expects {tuple(served[name].shape)}")
+                elif tuple(served[name].shape) != tuple(tensor.shape):
+                    problems.append(f"{name!r} has shape {tuple(tensor.shape)}, the model expects "
+                                    f"{tuple(served[name].shape)}")
                 received[name] = tensor
         except Exception:
             self.failed = True
@@ -114,6 +134,24 @@ class Receiver:
             raise TransferError("update_weights: " + "; ".join(problems[:5]) + " (the update is dropped; the server keeps "
                                 "its previous weights)")
         self.staged |= received
+
+    def _tensors(self, dtypes: list[str], shapes: list[list[int]]):
+        """The update's tensors in order, as they arrive: one broadcast each, or unpacked from each packed buffer."""
+        empties = [torch.empty(shape, dtype=getattr(torch, dtype)) for dtype, shape in zip(dtypes, shapes)]
+        if self.packed_bytes is None:
+            for tensor in empties:
+                self.group.broadcast(tensor, 0).wait()
+                yield tensor
+            return
+        sizes = [t.numel() * t.element_size() for t in empties]
+        for chunk in pack_chunks(sizes, self.packed_bytes):
+            buffer = torch.empty(sum(sizes[i] for i in chunk), dtype=torch.uint8)
+            self.group.broadcast(buffer, 0).wait()
+            offset = 0
+            for i in chunk:
+                empties[i].view(-1).view(torch.uint8).copy_(buffer[offset:offset + sizes[i]])
+                offset += sizes[i]
+                yield empties[i]
 
     def finish(self, discard: bool = False) -> dict[str, torch.Tensor]:
         """Close the update; returns what to swap in: nothing when any part of it failed, or when told to discard it

@@ -5,6 +5,7 @@ trainer's handle: it starts the process and reads its messages, turning a crash,
 missed heartbeat into an error that carries the worker's own traceback.
 """
 
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -58,6 +59,7 @@ def worker_main(spec: WorkerSpec, channels: Channels) -> None:
     try:
         tokenizer = AutoTokenizer.from_pretrained(spec.settings.tokenizer_path)
         loop = spec.loop_cls(spec.settings, processing_class=tokenizer, channels=channels)
+        gc.freeze()  # what start-up made lives as long as the process: the garbage collector need not walk it
         asyncio.run(loop.run())
     except BaseException as exc:
         channels.out.put(stop_message(exc, spec.settings.config.vllm_server_timeout))

@@ -39,6 +39,7 @@ from tandem.rollout.worker import WorkerLost, WorkerSpec
 from tandem.runtime import server_checks, sync_check
 from tandem.runtime.sample_source import POLL_S, ResumePoint, SampleSource, Stall
 from tandem.runtime.session import DYING_S, Session
+from tandem.runtime.weight_transfer import InThread, TransferSync
 from tandem.runtime.weight_sync import ADAPTER_NAME, LoraSync, choose_sync, follower_sync, lora_server_flags, publish
 from tandem.tool_calls import tool_schema
 
@@ -110,6 +111,8 @@ class Runtime:
         self.pushes = 0
         """Weight syncs pushed since the server was reached: against an external server the first FORCED_PROBES are
         always probed (the connect push, then the first trained weights; again after a reconnect)."""
+        self.in_flight: tuple[int, InThread] | None = None
+        """An overlapped sync: its version and its thread (`sync`, `wait_sync`)."""
         self.version = 0
         """The policy version the server samples from (what a restarted embedded server serves)."""
         self.step = 0
@@ -195,6 +198,8 @@ class Runtime:
             taken = time.time()  # a sample leaves the queue when it is placed in a row, not when its step ends
             self.window.add("sample/time_in_queue_s", *[taken - s.created_at for row in rows for s in row.samples])
             micro_batches.append(rows)
+        if self.args.max_staleness > 0:  # groups started now, under this version, train next step: within bounds
+            self.source.release()  # at 0 they would be stale by then: the room waits for the sync (`publish`)
         return micro_batches
 
     def trained(self, rows: list[PackedRow], step: int) -> int:
@@ -208,14 +213,43 @@ class Runtime:
         """The worker's next allowance, after the step's sync (sample_source.py). Rank 0 only."""
         self.source.publish(tokens_per_step)
 
-    def sync(self, version: int) -> None:
+    def sync(self, version: int, overlap: bool = False) -> None:
         """Bring the server to the trainer's weights as `version` (every rank calls it): a failure that a server brought
-        back can cure is retried once it answers; one that it cannot stops the run."""
+        back can cure is retried once it answers; one that it cannot stops the run. With `overlap`, a streamed sync on
+        one process runs on a thread while the next step gathers and computes its gradients (~0.06 of a ~0.25 s demo
+        step); `wait_sync` ends it, before anything changes the weights."""
         start = time.perf_counter()
         self.ranks.barrier()  # the gathers of the sync start when the slowest rank has finished its step
         waited = time.perf_counter() - start
+        if overlap and self._may_overlap():
+            self.in_flight = (version, self.sync_strategy.push_in_thread(self.spec.model, version, self._announce))
+            return
+        self._settle(version, lambda: self._push(version), waited)
+
+    def wait_sync(self, record: bool = True) -> None:
+        """The end of an overlapped sync (nothing when none runs): as `sync` ends, with its failures handled alike;
+        without `record` its timings are left out (the run ended: no step's log is left to carry them)."""
+        if self.in_flight is None:
+            return
+        version, call = self.in_flight
+        self.in_flight = None
+
+        def pushed() -> dict[str, float]:
+            timings = call.result(None)  # the push bounds each of its waits
+            self.pushes += 1
+            return timings if record else {}
+
+        self._settle(version, pushed)
+
+    def _may_overlap(self) -> bool:
+        """One process whose samples may be a version behind, a streamed sync, and no probe due after it (the probe
+        forwards the model the next step trains)."""
+        return (not self.ranks.several and self.args.max_staleness > 0 and isinstance(self.sync_strategy, TransferSync)
+                and self._probe_limit(self.pushes + 1) is None)
+
+    def _settle(self, version: int, push, waited: float | None = None) -> None:
         try:
-            timings = self._push(version)
+            timings = push()
         except ServerProblem:
             raise  # the server answers but serves other weights, or refuses: syncing again would not change that
         except EngineDead as error:
@@ -269,7 +303,7 @@ class Runtime:
         server now samples from them."""
         timings = self.sync_strategy.push(self.spec.model, version, announce=self._announce)
         self.pushes += 1
-        limit = self._probe_limit()
+        limit = self._probe_limit(self.pushes)
         if limit is not None:
             name = self.sync_strategy.name_for(version)
             served = None
@@ -285,7 +319,7 @@ class Runtime:
                 timings["weight_sync/served_logprob_gap"] = gap.max_abs
         return timings
 
-    def _probe_limit(self) -> tuple[float, str] | None:
+    def _probe_limit(self, pushes: int) -> tuple[float, str] | None:
         """How far the probe after this sync may land from the trainer's log-probs, and where that bound comes from; None
         for no probe. The user's weight_sync_check_atol; against an external server also the dtype's rounding bound,
         probed after the first FORCED_PROBES syncs whatever the settings."""
@@ -295,7 +329,7 @@ class Runtime:
             return user
         bound = (self.probe_bound[0], f"{self.probe_bound[1]} rounding bound")
         if user is None:
-            return bound if self.pushes <= FORCED_PROBES else None
+            return bound if pushes <= FORCED_PROBES else None
         return min(user, bound)
 
     def _announce(self, version: int) -> None:
@@ -305,9 +339,12 @@ class Runtime:
 
     # ---- a server that died or went away --------------------------------------------------------------
     def _check_server(self) -> None:
-        """The embedded server's health, checked at every read of the worker's queue: one that died is restarted with
-        the current weights, unless it died too often (then the run stops with its log's tail)."""
+        """The embedded server's health, checked at every read of the worker's queue (with an overlapped sync's end): one
+        that died is restarted with the current weights, unless it died too often (then the run stops with its log's
+        tail)."""
         server = self.session.server
+        if self.in_flight is not None and (self.in_flight[1].done or (server is not None and not server.alive())):
+            self.wait_sync()  # an overlapped sync that ended (or will fail) is settled now: a failure as on this thread
         if server is not None and not server.alive() and self._may_restart():
             self._restart_server(self.version)
         self.session.check_server()

@@ -152,8 +152,9 @@ class SampleSource:
         self.ended = False
         """The worker said it had nothing left to send (it sends more if asked to regenerate)."""
         self.unpublished = 0.0
-        """Tokens taken or dropped since the worker was last told: published after the step's sync, or at once when
-        the trainer has to wait for the worker (so a half-filled row never deadlocks the allowance)."""
+        """Tokens taken or dropped since the worker was last told (`release`): told once the step's rows are placed, or
+        after its sync at max_staleness 0, or at once when the trainer has to wait for the worker (so a half-filled row
+        never deadlocks the allowance)."""
         self.pending: set[int] = set()
         """Positions sent back to the worker whose new group has not arrived yet."""
         self.admitted: set[int] = set(resume.remaining)
@@ -255,7 +256,7 @@ class SampleSource:
         """Wait up to `timeout_s` for the worker's next message, with the room the trainer took published first (the
         worker may need it to send what is waited for). Returns the stall when it is due to be said (it was, on `say`);
         raises StalledError past `stall_timeout`."""
-        self._publish_consumed()
+        self.release()
         start = time.perf_counter()
         self.pull(timeout_s)
         waited = time.perf_counter() - start
@@ -306,12 +307,13 @@ class SampleSource:
             self._consume(sample)
 
     def publish(self, tokens_per_step: float) -> None:
-        """The worker's next allowance: what the last step consumed, and the room it made. Published after the step's
-        weight sync, so the groups it admits start under the new policy (and may be trained a step later)."""
+        """The worker's next allowance, after the step's weight sync: what the last step consumed, and the room it made
+        if not released yet."""
         self.counters.tokens_per_step.value = tokens_per_step
-        self._publish_consumed()
+        self.release()
 
-    def _publish_consumed(self) -> None:
+    def release(self) -> None:
+        """Tell the worker the room the trainer took or dropped: it may start groups in its place."""
         self.counters.consumed_tokens.value += self.unpublished
         self.counters.watermark.value = self.ledger.watermark
         self.unpublished = 0.0

@@ -31,7 +31,7 @@ import torch
 
 from tandem.distributed import Ranks, full_tensor
 from tandem.generation.client import ENGINE_WATCH_S, ControlClient, EngineDead, ServerProblem, engine_died
-from tandem.generation.weight_transfer import RENDEZVOUS_S, join_group
+from tandem.generation.weight_transfer import PACKED_BUFFER_BYTES, RENDEZVOUS_S, join_group
 
 Tensors = Iterator[tuple[str, torch.Tensor]]
 ENGINE_DEATH_CHECKS = 4
@@ -104,24 +104,38 @@ def control_call(control: ControlClient, timeout_s: float, call) -> Callable[[],
 
 
 class GlooPlane:
-    """The gloo data plane: a torch.distributed group; one CPU tensor per broadcast, in order. Into tandem serve, which
-    stages what arrives and swaps it in between two engine steps (generation goes on meanwhile), or into vllm serve with
-    tandem's plugin (integrations/vllm_plugin), which loads each tensor into the running model (generation pauses)."""
+    """The gloo data plane: a torch.distributed group. Into tandem serve, which stages what arrives and swaps it in between
+    two engine steps (generation goes on meanwhile), packed into a few byte buffers; or into vllm serve with tandem's
+    plugin (integrations/vllm_plugin), which loads each tensor into the running model (generation pauses), one CPU
+    tensor per broadcast, in order."""
 
-    init_fields: dict = {}
-
-    def __init__(self, stages: bool = True):
+    def __init__(self, stages: bool = True, buffer_bytes: int = PACKED_BUFFER_BYTES):
         self.pauses_generation = not stages
         self.after_failure = ("The server keeps serving the previous weights." if stages else
                               "vllm serve may hold part of the new weights: restart it before training on.")
+        self.init_fields = {"packed": True, "packed_buffer_size_bytes": buffer_bytes} if stages else {}
 
     def open(self, address: str, port: int, world_size: int, timeout_s: float) -> None:
         self.group = join_group(address, port, 0, world_size, timeout_s)
 
     def send(self, tensors: Tensors, timeout_s: float) -> None:
-        for _, tensor in tensors:  # the group's own timeout bounds each broadcast
-            self.group.broadcast(tensor.to("cpu").contiguous(), 0).wait()
-            del tensor  # before the next gather: one whole layer held at a time
+        if not self.init_fields:
+            for _, tensor in tensors:  # the group's own timeout bounds each broadcast
+                self._broadcast(tensor.to("cpu").contiguous())
+                del tensor  # before the next gather: one whole layer held at a time
+            return
+        pending, filled = [], 0  # one buffer's tensors as bytes, closed as pack_chunks closes it (the receiver's split)
+        for _, tensor in tensors:
+            pending.append(tensor.to("cpu").contiguous().view(-1).view(torch.uint8))
+            filled += len(pending[-1])
+            if filled > self.init_fields["packed_buffer_size_bytes"]:
+                self._broadcast(torch.cat(pending))
+                pending, filled = [], 0
+        if pending:
+            self._broadcast(torch.cat(pending))
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        self.group.broadcast(tensor, 0).wait()
 
 
 class VllmNcclPlane:
@@ -235,6 +249,20 @@ class TransferSync:
         done = time.perf_counter()
         return {"perf/weight_sync_s": done - start, "perf/weight_sync_pause_s": paused - start,
                 "perf/weight_sync_transfer_s": done - paused}
+
+    def push_in_thread(self, model: torch.nn.Module, version: int, announce=lambda version: None) -> InThread:
+        """`push` on a thread of its own, with its own event loop and client, while the caller trains on: the caller's loop
+        stays free for its own calls, and nothing may change the weights until the thread's `result`."""
+        def push():
+            with asyncio.Runner() as runner:
+                control = ControlClient(self.control.base_url, api_key=self.control.api_key, timeout_s=self.timeout_s)
+                own = TransferSync(control, runner, self.served_name, self.ranks, self.address, self.timeout_s, self.plane)
+                try:
+                    return own.push(model, version, announce)
+                finally:
+                    runner.run(control.close())
+
+        return InThread(push)
 
     def _engine_death(self, error: BaseException) -> BaseException:
         """`error`, or `EngineDead` when the engine died: the plane's broken connection is how a dead engine shows first,

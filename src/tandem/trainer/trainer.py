@@ -6,6 +6,7 @@ forward and backward them through the objective, step the optimizer, sync the ne
 until `max_steps` or the last epoch. The trainer calls the runtime; the runtime never calls the trainer.
 """
 
+import gc
 import math
 import os
 import sys
@@ -172,6 +173,7 @@ class AsyncGRPOTrainer:
         self.model.train()
         with self.runtime as runtime:
             runtime.start(self.state.model_version, point, resumed=resume is not None)
+            gc.freeze()  # the model, the imports and the data live as long as the run: no collection need walk them
             if self.args.eval_on_start and self.eval_dataset is not None and self.ranks.main:
                 self._evaluate(runtime)  # the policy the server serves now: the starting one
             output = self._loop(runtime)
@@ -274,6 +276,7 @@ class AsyncGRPOTrainer:
             self._callback_event("on_step_begin")
             step_start = self._clock()
             step = self.training_step(micro_batches)
+            self._synced(runtime)  # the last step's overlapped sync reads the weights the optimizer is about to change
             optimizer_start = self._clock()
             grad_norm = self.optimizer_step()
             optimizer_s, forward_backward_s = self._clock() - optimizer_start, optimizer_start - step_start
@@ -299,6 +302,7 @@ class AsyncGRPOTrainer:
                 saved_step = self._checkpoint(runtime)
             if control.should_training_stop or self._agreed_control().should_training_stop:  # asked in on_log/on_save
                 break
+        self._synced(runtime, record=False)  # the run stopped after the step's log (a callback, the data's end)
         if main:  # what came in after the last log (drops while the worker finished)
             self.window.extend(runtime.take_metrics())
         if self.ranks.broadcast(bool(self.window.values)):
@@ -325,14 +329,23 @@ class AsyncGRPOTrainer:
         state = self.state
         if state.step % self.args.weight_sync_steps or runtime.preempted_everywhere():  # a preempted run checkpoints
             return eval_pending, 0.0  # first: its server may be ending too (a SIGTERM to the whole job)
+        last = 0 < self.args.max_steps <= state.step  # no next step to overlap: its log carries the sync
         try:
-            runtime.sync(state.model_version + 1)
+            runtime.sync(state.model_version + 1, overlap=not (eval_pending or last))  # an evaluation samples from them
             state.model_version += 1
         except Exception:
             if not runtime.preempted.is_set():
                 raise  # a SIGTERM during the sync: the server went with it; the trained step is still saved
         eval_s = self._evaluate(runtime).get("eval/runtime_s", 0.0) if eval_pending and self.ranks.main else 0.0
         return False, eval_s
+
+    def _synced(self, runtime: Runtime, record: bool = True) -> None:
+        """The end of the sync `_sync` left running beside the next step (its failures end the run as `_sync`'s do)."""
+        try:
+            runtime.wait_sync(record)
+        except Exception:
+            if not runtime.preempted.is_set():
+                raise
 
     def _my_rows(self, micro_batch: list[PackedRow]) -> list[tuple[PackedRow, bool]]:
         """(row, real) pairs this rank forwards: all rows on one process, row `rank` under torchrun, or the first row
