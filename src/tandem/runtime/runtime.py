@@ -345,6 +345,7 @@ class Runtime:
         server = self.session.server
         if self.in_flight is not None and (self.in_flight[1].done or (server is not None and not server.alive())):
             self.wait_sync()  # an overlapped sync that ended (or will fail) is settled now: a failure as on this thread
+            server = self.session.server  # (which restarts a dead server)
         if server is not None and not server.alive() and self._may_restart():
             self._restart_server(self.version)
         self.session.check_server()
