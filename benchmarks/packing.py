@@ -8,7 +8,8 @@ backward of the log-probs of every trained token. Printed per prompt length: the
 before packing per forwarded token), trained tokens/s of each method and the speed-ups; the goal is a
 tree speed-up over padding-free of at least 0.9 x the packing ratio where shared prefixes dominate.
 
-    python benchmarks/packing.py [--prompt-lengths 64 256 512] [--groups 8] [--token-budget 2048] [--markdown PATH]
+    python benchmarks/packing.py [--model PATH|76m] [--prompt-lengths 64 256 512] [--groups 8] [--token-budget 2048]
+                                 [--markdown PATH]
 """
 
 import argparse
@@ -16,7 +17,7 @@ import random
 import time
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from tandem.packing import attention
 from tandem.packing.logprobs import chunked_logprobs, row_logprobs
@@ -110,9 +111,27 @@ def measure(models, kernels, prompt_len: int, args) -> list[list[str]]:
     return table
 
 
-def main() -> None:
+def scaled_tiny(hidden: int, layers: int, dtype=torch.float32, **kwargs) -> torch.nn.Module:
+    """The tiny model's architecture at another size, random weights, built from its config (nothing downloaded): heads
+    of 32 dimensions, a third as many key-value heads, an MLP 8/3 as wide (hidden 768, 12 layers: 76M parameters)."""
+    config = AutoConfig.from_pretrained(TINY_MODEL_PATH, **kwargs)
+    config.hidden_size, config.intermediate_size = hidden, hidden * 8 // 3
+    config.num_attention_heads, config.num_key_value_heads = hidden // 32, hidden // 96
+    config.num_hidden_layers, config.layer_types = layers, ["full_attention"] * layers
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def load(name: str, **kwargs) -> torch.nn.Module:
+    """A model folder, or "76m": `scaled_tiny(768, 12)`."""
+    if name == "76m":
+        return scaled_tiny(768, 12, **kwargs)
+    return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, **kwargs)
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=TINY_MODEL_PATH)
+    parser.add_argument("--model", default=TINY_MODEL_PATH, help='a model folder, or "76m" (built at run time)')
     parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[64, 256, 512])
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--completion", type=int, nargs=2, default=[16, 48], metavar=("MIN", "MAX"))
@@ -121,12 +140,13 @@ def main() -> None:
     parser.add_argument("--kernels", choices=attention.KERNELS, nargs="+",
                         help="tree attention kernels to run (default: exact and sdpa on CPU, flex and sdpa on GPU)")
     add_markdown_flag(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tree_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
+    tree_model = load(args.model).to(device)
     attention.prepare(tree_model)
-    padded_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa").to(device)
+    padded_model = load(args.model, attn_implementation="sdpa").to(device)
+    padded_model.load_state_dict(tree_model.state_dict())  # the same random weights
     kernels = args.kernels or [attention.default_kernel(device), "sdpa"]
     print(f"model {args.model}  device {device}  token_budget {args.token_budget}  "
           f"{args.groups} groups x G={G}, completions {args.completion[0]}-{args.completion[1]} tokens")

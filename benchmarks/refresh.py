@@ -26,6 +26,7 @@ BENCHMARKS = {  # in README order, with about how long each takes on the project
     "vs_trl": "~15 min",
     "pipeline_overlap": "~10 min",
     "packing": "~4 min",
+    "packing_76m": "~9 min",
     "logprob_memory": "~2 min",
     "proxy": "~10 s",
     "weight_sync": "~2 min",

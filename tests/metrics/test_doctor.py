@@ -75,6 +75,8 @@ def test_sync_health_and_the_critical_ones():
     assert verdicts(run({"sampling/importance_sampling_ratio/mean": 6.0}), "sync") == ["importance ratio out of bounds"]
     assert verdicts(run({"sample/dropped_stale_count": 40}), "sync") == ["most samples dropped stale"]
     assert verdicts(run({"perf/weight_sync_s": 0.6}), "sync") == ["syncs take a large share of each step"]
+    assert verdicts(run({"perf/weight_sync_s": 0.6, "perf/weight_sync_wait_s": 0.01}), "sync") == ["healthy"], \
+        "a sync beside the next step costs the step only what the trainer waited for it"
     quiet_end = run({}) + [{"step": 99, "reward": 0.4, "frac_reward_zero_std": 1.0}] * 5
     assert "no trainable sample" in verdicts(quiet_end, "run", "last window")
 

@@ -248,8 +248,13 @@ class Runtime:
                 and self._probe_limit(self.pushes + 1) is None)
 
     def _settle(self, version: int, push, waited: float | None = None) -> None:
+        """End a sync as `push()` returns: its timings recorded (with `perf/weight_sync_wait_s`, how long this thread
+        waited for it: all of it, or what an overlapped one outlasted its step by), or its failure handled."""
+        start = time.perf_counter()
         try:
             timings = push()
+            if timings:
+                timings["perf/weight_sync_wait_s"] = time.perf_counter() - start
         except ServerProblem:
             raise  # the server answers but serves other weights, or refuses: syncing again would not change that
         except EngineDead as error:
