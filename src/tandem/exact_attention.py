@@ -34,14 +34,15 @@ def exact_attention(module, query, key, value, attention_mask, scaling=None, dro
     scores = torch.matmul(stacked, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
         mask = attention_mask[:, :, :, : key.shape[-2]]
-        mask = mask.repeat(1, 1, rows // q_len, 1) if mask.shape[1] == 1 else mask.reshape(batch, kv_heads, rows, -1)
+        if mask.shape[1] == 1:  # one mask for every head: each stacked query head's rows get it
+            mask = mask.repeat(1, 1, rows // q_len, 1)
         if rows < MIN_ROWS:
             mask = torch.cat([mask, mask[:, :, -1:].expand(-1, -1, MIN_ROWS - rows, -1)], dim=2)
         scores = scores + mask
     weights = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
     output = torch.matmul(weights, value)[:, :, :rows].reshape(batch, heads, q_len, dim)
-    return output.transpose(1, 2).contiguous(), weights
+    return output.transpose(1, 2).contiguous(), None  # the weights are stacked and padded: none returned, as SDPA
 
 
 AttentionInterface.register(NAME, exact_attention)

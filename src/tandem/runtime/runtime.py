@@ -1,7 +1,7 @@
 """`Runtime`: the trainer's side of a run that is not the model — the generation server (embedded or external), the
 rollout worker, the queue between them, the weight sync, and every rule for restarting, reconnecting and stopping.
 
-The trainer calls it one way: `start`, then each step `next_micro_batches`, `trained`, `sync`, `publish`, sometimes
+The trainer calls it one way: `start`, then each step `next_micro_batches`, `wait_sync`, `trained`, `sync`, `publish`, sometimes
 `evaluate` and `resume_point`, and `take_metrics` at each log. Nothing here calls the trainer: an embedded server that
 dies is restarted with the weights of `spec.model` (the module the trainer trains; read here, never written), a lost
 worker is replaced once, and a server that stays away ends the run with a `ServerProblem`.
@@ -39,7 +39,7 @@ from tandem.rollout.worker import WorkerLost, WorkerSpec
 from tandem.runtime import server_checks, sync_check
 from tandem.runtime.sample_source import POLL_S, ResumePoint, SampleSource, Stall
 from tandem.runtime.session import DYING_S, Session
-from tandem.runtime.weight_transfer import InThread, TransferSync
+from tandem.runtime.weight_transfer import GlooPlane, InThread, TransferSync
 from tandem.runtime.weight_sync import ADAPTER_NAME, LoraSync, choose_sync, follower_sync, lora_server_flags, publish
 from tandem.tool_calls import tool_schema
 
@@ -138,6 +138,7 @@ class Runtime:
             self.session.__exit__(*exc_info)
         finally:
             self.sync_strategy = None  # its transfer group (sockets, threads) joined the server the session stopped
+            self.in_flight = None  # a sync left running by a failed step went with the server: not the next run's
 
     # ---- what the trainer calls ---------------------------------------------------------------------
     def start(self, version: int, resume: ResumePoint, resumed: bool) -> None:
@@ -198,8 +199,9 @@ class Runtime:
             taken = time.time()  # a sample leaves the queue when it is placed in a row, not when its step ends
             self.window.add("sample/time_in_queue_s", *[taken - s.created_at for row in rows for s in row.samples])
             micro_batches.append(rows)
-        if self.args.max_staleness > 0:  # groups started now, under this version, train next step: within bounds
-            self.source.release()  # at 0 they would be stale by then: the room waits for the sync (`publish`)
+        earliest = 2 if self.in_flight is not None else 1  # the staleness of a group started now, at the earliest
+        if self.args.max_staleness > earliest:  # a step of slack left: start it now (else the sync's end releases)
+            self.source.release()
         return micro_batches
 
     def trained(self, rows: list[PackedRow], step: int) -> int:
@@ -210,7 +212,7 @@ class Runtime:
         return self.source.ledger.watermark
 
     def publish(self, tokens_per_step: float) -> None:
-        """The worker's next allowance, after the step's sync (sample_source.py). Rank 0 only."""
+        """The worker's next allowance, once the step's sync is done or started (sample_source.py). Rank 0 only."""
         self.source.publish(tokens_per_step)
 
     def sync(self, version: int, overlap: bool = False) -> None:
@@ -242,10 +244,11 @@ class Runtime:
         self._settle(version, pushed)
 
     def _may_overlap(self) -> bool:
-        """One process whose samples may be a version behind, a streamed sync, and no probe due after it (the probe
-        forwards the model the next step trains)."""
-        return (not self.ranks.several and self.args.max_staleness > 0 and isinstance(self.sync_strategy, TransferSync)
-                and self._probe_limit(self.pushes + 1) is None)
+        """One process whose samples may be a version behind, a gloo transfer (vLLM's NCCL buffers would add to the
+        step's peak on the GPU), and no probe due after it (the probe forwards the model the next step trains)."""
+        sync = self.sync_strategy
+        return (not self.ranks.several and self.args.max_staleness > 0 and isinstance(sync, TransferSync)
+                and isinstance(sync.plane, GlooPlane) and self._probe_limit(self.pushes + 1) is None)
 
     def _settle(self, version: int, push, waited: float | None = None) -> None:
         """End a sync as `push()` returns: its timings recorded (with `perf/weight_sync_wait_s`, how long this thread
@@ -268,6 +271,8 @@ class Runtime:
         if self.ranks.main:
             for name, value in timings.items():
                 self.window.add(name, value)
+            if self.args.max_staleness > 0:
+                self.source.release()  # the room taken meanwhile admits groups under the new weights
         self.version = version
 
     def evaluate(self, step: int, version: int) -> dict[str, list] | None:

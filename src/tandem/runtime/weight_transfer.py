@@ -7,10 +7,10 @@ sync: pause (keep) where the plane needs it, `/start_weight_update`, then `/upda
 parameter's name, dtype and shape, in order (a frozen part, a vision tower, stays as the server loaded it) — on a
 thread, since it returns only when the server has received them — while the plane sends the tensors;
 `/finish_weight_update`, resume. The plane carries the tensors:
-- `GlooPlane`, into `--weight-transfer-config '{"backend":"gloo"}'`: a torch.distributed gloo group, one CPU tensor
-  at a time. `tandem serve` (generation/weight_transfer.py) stages them and swaps them in between two engine steps,
-  so it generates while the weights arrive; `vllm serve` with tandem's plugin (integrations/vllm_plugin) loads them
-  in place, paused;
+- `GlooPlane`, into `--weight-transfer-config '{"backend":"gloo"}'`: a torch.distributed gloo group. `tandem serve`
+  (generation/weight_transfer.py) takes the tensors packed in a few byte buffers, stages them and swaps them in between
+  two engine steps, so it generates while the weights arrive; `vllm serve` with tandem's plugin
+  (integrations/vllm_plugin) takes one CPU tensor at a time and loads it in place, paused;
 - `VllmNcclPlane`, into `vllm serve --weight-transfer-config '{"backend":"nccl"}'`: vLLM's own trainer-side
   helpers (the `vllm` extra) join its NCCL group and broadcast in its packed format from the trainer's GPU.
 A sharded (FSDP2) parameter is gathered whole just before it is sent and freed right after, so the trainer never

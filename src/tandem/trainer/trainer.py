@@ -173,10 +173,14 @@ class AsyncGRPOTrainer:
         self.model.train()
         with self.runtime as runtime:
             runtime.start(self.state.model_version, point, resumed=resume is not None)
+            gc.collect()  # what earlier work left as garbage goes now, not into the frozen heap
             gc.freeze()  # the model, the imports and the data live as long as the run: no collection need walk them
-            if self.args.eval_on_start and self.eval_dataset is not None and self.ranks.main:
-                self._evaluate(runtime)  # the policy the server serves now: the starting one
-            output = self._loop(runtime)
+            try:
+                if self.args.eval_on_start and self.eval_dataset is not None and self.ranks.main:
+                    self._evaluate(runtime)  # the policy the server serves now: the starting one
+                output = self._loop(runtime)
+            finally:
+                gc.unfreeze()  # a notebook's or a sweep's next run must be able to free this one
         if self.hub is not None:  # the checkpoints' uploads still running or waiting to be tried again
             self.hub.wait()
         if runtime.preempted.is_set():
@@ -276,16 +280,17 @@ class AsyncGRPOTrainer:
             self._callback_event("on_step_begin")
             step_start = self._clock()
             step = self.training_step(micro_batches)
+            step_end = self._clock()
             self._synced(runtime)  # the last step's overlapped sync reads the weights the optimizer is about to change
             optimizer_start = self._clock()
             grad_norm = self.optimizer_step()
-            optimizer_s, forward_backward_s = self._clock() - optimizer_start, optimizer_start - step_start
+            optimizer_s, forward_backward_s = self._clock() - optimizer_start, step_end - step_start
             epoch_ended = self._step_done(rows, runtime)
             if args.torch_empty_cache_steps and state.step % args.torch_empty_cache_steps == 0:
                 empty_device_cache(self.device)
             eval_pending, eval_s = self._sync(runtime, eval_pending or self._eval_due(epoch_ended))
             if main:
-                runtime.publish(tokens_per_step=sum(row.raw_tokens for row in rows))  # after the sync (sample_source.py)
+                runtime.publish(tokens_per_step=sum(row.raw_tokens for row in rows))  # after the sync, or its start
                 times = StepTimes(total=time.perf_counter() - start - eval_s, rollout_wait=runtime.rollout_wait_s - waited,
                                   forward=step.forward_s, forward_backward=forward_backward_s, optimizer=optimizer_s)
                 self._record(rows, len(micro_batches), step.loss, grad_norm, times)
