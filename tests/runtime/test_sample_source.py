@@ -318,7 +318,7 @@ def test_a_samples_time_in_the_queue_ends_when_it_is_placed_in_a_row_not_when_it
     runtime = Runtime.__new__(Runtime)  # the runtime's batching alone: no server, no worker
     runtime.args, runtime.ranks, runtime.token_budget = AsyncGRPOConfig(), Ranks(), 100
     runtime.source, runtime.window = source_of(("samples", samples), ("end", None)), MetricWindow()
-    runtime.batcher, runtime.preempted = TokenBudgetBatcher(100), threading.Event()
+    runtime.batcher, runtime.preempted, runtime.in_flight = TokenBudgetBatcher(100), threading.Event(), None
     runtime._read = lambda read: read()
     [[row]] = runtime.next_micro_batches(version=0)
     waited = runtime.window.values["sample/time_in_queue_s"]

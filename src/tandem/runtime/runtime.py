@@ -244,10 +244,11 @@ class Runtime:
         self._settle(version, pushed)
 
     def _may_overlap(self) -> bool:
-        """One process whose samples may be a version behind, a gloo transfer (vLLM's NCCL buffers would add to the
-        step's peak on the GPU), and no probe due after it (the probe forwards the model the next step trains)."""
+        """One process whose samples may be two versions behind (groups the worker starts while the sync runs sample from
+        the last version and train two steps on), a gloo transfer (vLLM's NCCL buffers would add to the step's peak on
+        the GPU), and no probe due after it (the probe forwards the model the next step trains)."""
         sync = self.sync_strategy
-        return (not self.ranks.several and self.args.max_staleness > 0 and isinstance(sync, TransferSync)
+        return (not self.ranks.several and self.args.max_staleness > 1 and isinstance(sync, TransferSync)
                 and isinstance(sync.plane, GlooPlane) and self._probe_limit(self.pushes + 1) is None)
 
     def _settle(self, version: int, push, waited: float | None = None) -> None:
