@@ -152,9 +152,9 @@ class SampleSource:
         self.ended = False
         """The worker said it had nothing left to send (it sends more if asked to regenerate)."""
         self.unpublished = 0.0
-        """Tokens taken or dropped since the worker was last told (`release`): told once the step's rows are placed, or
-        after its sync at max_staleness 0, or at once when the trainer has to wait for the worker (so a half-filled row
-        never deadlocks the allowance)."""
+        """Tokens taken or dropped since the worker was last told (`release`): told once the step's rows are placed
+        when that keeps staleness slack, else when its sync ends (the runtime decides), and at once when the trainer has
+        to wait for the worker (so a half-filled row never deadlocks the allowance)."""
         self.pending: set[int] = set()
         """Positions sent back to the worker whose new group has not arrived yet."""
         self.admitted: set[int] = set(resume.remaining)
@@ -307,8 +307,8 @@ class SampleSource:
             self._consume(sample)
 
     def publish(self, tokens_per_step: float) -> None:
-        """The worker's next allowance, after the step's weight sync: what the last step consumed, and the room it made
-        if not released yet."""
+        """The worker's next allowance, once the step's weight sync is done or started: what the last step consumed,
+        and the room it made if not released yet."""
         self.counters.tokens_per_step.value = tokens_per_step
         self.release()
 
