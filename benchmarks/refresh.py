@@ -31,7 +31,8 @@ BENCHMARKS = {  # in README order, with about how long each takes on the project
     "proxy": "~10 s",
     "weight_sync": "~2 min",
     "fsdp": "~2 min",
-    "serve_throughput": "~2 min",
+    "serve_throughput": "~4 min",
+    "serve_throughput_76m": "~12 min",
     "multiturn": "~30 s",
     "soak": "~30 min",
 }

@@ -5,6 +5,11 @@ loading the trainer, and the proxy without torch.
 """
 
 import importlib
+import os
+
+# Every row of a CPU matmul rounds the same whatever the number of rows (exact_attention.ROWS_ROUND_ALIKE): set before
+# MKL's first call in this process, and inherited by the servers and workers it starts. A value of the user's own wins.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 __version__ = "0.1.0"
 

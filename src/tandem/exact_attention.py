@@ -4,11 +4,16 @@ CPU matmuls with fewer than ~16 rows take a differently rounded code path. A dec
 query per sequence, so plain eager attention there differs from a full forward over the same tokens
 in the last bits, and those bits grow through the layers. Padding short query blocks to 16 rows (by
 repeating the last one) keeps each real row on the long-forward path, so cached decoding gives
-log-probs bitwise equal to a teacher-forced forward with eager attention.
+log-probs bitwise equal to a teacher-forced forward with eager attention. The model's linear layers
+need no padding where MKL runs in its strict reproducible mode (ROWS_ROUND_ALIKE); elsewhere the
+engine pads them too.
 
 Shared by the server's exact decoding (generation/engine.py) and the trainer's packed forward
 (packing/), which must round alike for the two sides' log-probs to agree bit for bit.
 """
+
+import ctypes
+import os
 
 import torch
 from transformers import AttentionInterface
@@ -17,6 +22,25 @@ from transformers.models.qwen2.modeling_qwen2 import repeat_kv
 
 MIN_ROWS = 16
 NAME = "tandem_exact"
+MKL_CBWR_STRICT = 0x10000
+
+
+def _rows_round_alike() -> bool:
+    """Whether MKL runs in its strict reproducible mode (MKL_CBWR=AUTO,STRICT, which `import tandem` sets), where each
+    row of a matmul rounds the same whatever the number of rows. Without it MKL takes another kernel under 16 rows and
+    splits a wide inner sum over threads when rows are few (1024+ wide at 2 threads: a 76M model's down projection
+    drifted ~1e-6 from the trainer's forward even at 16 rows). False on a torch without MKL."""
+    if not torch.backends.mkl.is_available():
+        return False
+    try:
+        library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        return bool(library.mkl_serv_cbwr_get(ctypes.c_int(-1)) & MKL_CBWR_STRICT)
+    except (OSError, AttributeError):  # another library layout: pad, as without the mode
+        return False
+
+
+ROWS_ROUND_ALIKE = _rows_round_alike()
+"""Read once: MKL's mode is fixed at its first call in the process."""
 
 
 def exact_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

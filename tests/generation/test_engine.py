@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from tandem import exact_attention
 from tandem.generation.engine import Engine, EngineRequest
 from tandem.generation.sampling import SamplingParams
 from tandem.tasks import TINY_MODEL_PATH
@@ -30,9 +31,12 @@ def make_engine(attention: str = "eager", **kwargs) -> Engine:
     return engine
 
 
-@pytest.fixture(scope="module")
-def engine():
+@pytest.fixture(scope="module", params=[False, True], ids=["unpadded", "padded rows"])
+def engine(request):
+    """Exact decoding as this machine runs it (MKL's strict mode: no padding), and with every matmul padded to 16 rows
+    as on a torch without MKL."""
     e = make_engine()
+    e.pad_rows = request.param
     yield e
     e.stop()
 
@@ -103,6 +107,20 @@ def test_logprobs_equal_a_teacher_forced_forward_alone_and_in_a_busy_batch(engin
                     reference = float(expected[position, token])
                     assert value == reference or abs(value - reference) < 1e-5, f"{name}: top-N entry for token {token} differs"
                     assert rank == int((expected[position] > expected[position, token]).sum()) + 1
+
+
+def test_rows_of_a_wide_matmul_round_alike_at_any_row_count_under_the_mode_import_tandem_sets():
+    """Exact decoding forwards a few rows a step, the trainer hundreds: MKL's strict mode (set by `import tandem`) keeps
+    each row's sum in one order. Without it, 2048-wide sums split over threads under ~512 rows (the engine's padding to
+    16 rows kept only layers under 1024 wide exact)."""
+    if not torch.backends.mkl.is_available():
+        pytest.skip("a torch without MKL: the engine pads every matmul to 16 rows instead")
+    assert exact_attention.ROWS_ROUND_ALIKE, "MKL's strict mode is off in this process"
+    torch.manual_seed(0)
+    weight, inputs = torch.randn(192, 2048) * 0.02, torch.randn(1024, 2048)
+    long = torch.nn.functional.linear(inputs, weight)
+    drifted = [rows for rows in (1, 3, 8, 16, 64) if not torch.equal(torch.nn.functional.linear(inputs[:rows], weight), long[:rows])]
+    assert not drifted, f"rows round unlike a 1024-row matmul at {drifted} rows"
 
 
 def test_the_same_seed_gives_the_same_tokens_alone_and_in_a_busy_batch(engine):

@@ -158,6 +158,13 @@ class Engine:
         self.logprobs_mode = logprobs_mode
         self.adapters = adapters
         self.exact = exact
+        self.pad_rows = exact and not exact_attention.ROWS_ROUND_ALIKE
+        """Exact decoding without MKL's strict mode: every matmul gets at least MIN_ROWS rows (filler sequences)."""
+        if self.pad_rows and torch.backends.mkl.is_available() and next(model.parameters()).device.type == "cpu":
+            logger.warning("tandem serve: exact decoding without MKL's strict reproducible mode pads every matmul to %d "
+                           "rows, and layers 1024 or more wide may still round unlike the trainer's forward; start the "
+                           "process with MKL_CBWR=AUTO,STRICT (or import tandem before torch's first matmul)",
+                           exact_attention.MIN_ROWS)
         self.step_delay_s = step_delay_s
         """Extra seconds per decode step: lets benchmarks stand in a slower (GPU-sized) server. The wait comes
         between steps, so pauses and weight reloads do not sit behind it."""
@@ -434,9 +441,9 @@ class Engine:
         return leaders, followers
 
     def _positions_to_keep(self, rows: int) -> int:
-        """Positions whose logits we compute: the last one, or in exact mode enough for the lm_head matmul
+        """Positions whose logits we compute: the last one, or when rows are padded enough for the lm_head matmul
         to have 16 rows (the caller guarantees rows x width >= 16)."""
-        return -(-exact_attention.MIN_ROWS // rows) if self.exact else 1
+        return -(-exact_attention.MIN_ROWS // rows) if self.pad_rows else 1
 
     def _window_forward(self, windows: list[list[int]], totals: list[int], rows: slice, adapters, all_logits=False) -> torch.Tensor:
         """Forward the last tokens of several sequences at once, left-padded to a common width.
@@ -449,7 +456,7 @@ class Engine:
         if isinstance(self.cache, SequenceStates):
             return self._sequence_forward(windows, totals, rows, adapters, all_logits)
         width = max(len(w) for w in windows)
-        fillers = _filler_adapters(adapters, width) if self.exact else []
+        fillers = _filler_adapters(adapters, width) if self.pad_rows else []
         if fillers:  # too few rows for the long-forward matmul path: add filler sequences in free cache rows
             self.cache.ensure_rows(rows.stop + len(fillers))
             windows, totals = windows + [[0]] * len(fillers), totals + [1] * len(fillers)
