@@ -95,6 +95,18 @@ def _filler_adapters(adapters: list[str | None], width: int) -> list[str | None]
     return fillers + [None] * (need - len(adapters) - len(fillers))
 
 
+def _pads_rows(model: torch.nn.Module, exact: bool) -> bool:
+    """Whether exact decoding must pad its matmuls to MIN_ROWS rows: where MKL's strict mode is off. Warns when MKL is
+    there but the mode is not (set otherwise, or torch ran a matmul before tandem was imported)."""
+    pad = exact and not exact_attention.ROWS_ROUND_ALIKE
+    if pad and torch.backends.mkl.is_available() and next(model.parameters()).device.type == "cpu":
+        logger.warning("tandem serve: exact decoding without MKL's strict reproducible mode pads every matmul to %d "
+                       "rows, and layers 1024 or more wide may still round unlike the trainer's forward; start the "
+                       "process with MKL_CBWR=AUTO,STRICT (or import tandem before torch's first matmul)",
+                       exact_attention.MIN_ROWS)
+    return pad
+
+
 def _generator(seed: int | None, child: int) -> torch.Generator:
     """Child i of a seeded request uses seed + i (as vLLM does); unseeded ones draw from the OS."""
     generator = torch.Generator()
@@ -158,13 +170,8 @@ class Engine:
         self.logprobs_mode = logprobs_mode
         self.adapters = adapters
         self.exact = exact
-        self.pad_rows = exact and not exact_attention.ROWS_ROUND_ALIKE
+        self.pad_rows = _pads_rows(model, exact)
         """Exact decoding without MKL's strict mode: every matmul gets at least MIN_ROWS rows (filler sequences)."""
-        if self.pad_rows and torch.backends.mkl.is_available() and next(model.parameters()).device.type == "cpu":
-            logger.warning("tandem serve: exact decoding without MKL's strict reproducible mode pads every matmul to %d "
-                           "rows, and layers 1024 or more wide may still round unlike the trainer's forward; start the "
-                           "process with MKL_CBWR=AUTO,STRICT (or import tandem before torch's first matmul)",
-                           exact_attention.MIN_ROWS)
         self.step_delay_s = step_delay_s
         """Extra seconds per decode step: lets benchmarks stand in a slower (GPU-sized) server. The wait comes
         between steps, so pauses and weight reloads do not sit behind it."""
