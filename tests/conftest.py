@@ -11,6 +11,7 @@ import torch
 from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, Qwen2_5_VLConfig,
                           Qwen3_5TextConfig)
 
+from tandem import exact_attention
 from tandem.generation.server import SERVER_KEY, ServeArgs, start_server
 from tandem.tasks import TINY_MODEL_PATH
 
@@ -70,8 +71,9 @@ def vlm_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    """The shipped tiny model in fp32, for teacher-forced reference forwards (never mutated)."""
-    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32, attn_implementation="eager")
+    """The shipped tiny model in fp32 with the trainer's exact attention, for teacher-forced reference forwards (never
+    mutated)."""
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32, attn_implementation=exact_attention.NAME)
     return model.eval()
 
 

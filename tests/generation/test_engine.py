@@ -12,6 +12,9 @@ from tandem.generation.sampling import SamplingParams
 from tandem.tasks import TINY_MODEL_PATH
 from transformers import AutoModelForCausalLM
 
+TOLERANCE = 0.0 if exact_attention.ROWS_ROUND_ALIKE else 1e-5
+"""Bit for bit where MKL's strict mode makes every row of a matmul round alike."""
+
 SETTINGS = {
     "temperature 0.7": SamplingParams(temperature=0.7),
     "temperature 1.0": SamplingParams(temperature=1.0),
@@ -101,11 +104,11 @@ def test_logprobs_equal_a_teacher_forced_forward_alone_and_in_a_busy_batch(engin
             expected = teacher_forced(tiny_model, request.prompt, seq.output, request.params)
             got = torch.tensor(seq.logprobs)
             picked = expected[torch.arange(len(seq.output)), torch.tensor(seq.output)]
-            assert torch.allclose(got, picked, atol=1e-5), f"{name}: sampled-token log-probs drift by {(got - picked).abs().max():.2e}"
+            assert torch.allclose(got, picked, atol=TOLERANCE, rtol=0), f"{name}: sampled-token log-probs drift by {(got - picked).abs().max():.2e}"
             for position, entries in enumerate(seq.top_logprobs):
                 for token, value, rank in entries:
                     reference = float(expected[position, token])
-                    assert value == reference or abs(value - reference) < 1e-5, f"{name}: top-N entry for token {token} differs"
+                    assert value == reference or abs(value - reference) <= TOLERANCE, f"{name}: top-N entry for token {token} differs"
                     assert rank == int((expected[position] > expected[position, token]).sum()) + 1
 
 

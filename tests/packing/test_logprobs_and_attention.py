@@ -4,8 +4,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, Qwen2Config, Qwen3NextConfig
 
+from tandem import exact_attention
 from tandem.packing import PADDED, TREE, attention, pack
 from tandem.packing.logprobs import chunked_logprobs, default_chunk_size, plain_linear, row_logprobs
+from tandem.tasks import TINY_MODEL_PATH
 from tests.conftest import tiny_hybrid
 
 from .samples import sample
@@ -105,6 +107,24 @@ def tiny_config(**overrides) -> Qwen2Config:
     values = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128)
     return Qwen2Config(**(values | overrides))
+
+
+def test_the_exact_kernel_scores_each_branch_of_a_tree_bit_for_bit_as_the_branch_alone():
+    """A tree row puts a group's later completions further along the row than the sampler's own sequence had them;
+    the exact kernel's softmax must not round with where a key sits (torch's own left them ~1e-6 apart)."""
+    if not exact_attention.ROWS_ROUND_ALIKE:
+        pytest.skip("bit for bit only where MKL runs in its strict mode (a torch without MKL: within 1e-5)")
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32).eval()
+    attention.prepare(model)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 384, (30,), generator=generator).tolist()
+    branches = [sample(prompt + torch.randint(3, 384, (8,), generator=generator).tolist(), [False] * 30 + [True] * 8)
+                for _ in range(4)]
+    with torch.no_grad():
+        tree = row_logprobs(model, pack(branches), "exact").log_probs.view(4, 8)
+        alone = [row_logprobs(model, pack([branch]), "exact").log_probs for branch in branches]
+    moved = [i for i in range(4) if not torch.equal(tree[i], alone[i])]
+    assert not moved, f"branches {moved} of the tree round unlike the same branch packed alone"
 
 
 def test_sliding_window_layers_see_only_their_window_in_the_tree():

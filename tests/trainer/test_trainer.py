@@ -19,7 +19,7 @@ import pytest
 from datasets import Dataset
 from transformers import TrainerCallback
 
-from tandem import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop, Rollout
+from tandem import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop, Rollout, exact_attention
 from tandem.generation.client import ServerProblem
 from tandem.generation.launcher import EmbeddedProxy, EmbeddedServer
 from tandem.rewards import accuracy_reward
@@ -49,14 +49,17 @@ def logged(tmp_path) -> list[dict]:
 
 
 def test_at_staleness_zero_the_importance_ratio_is_one(tmp_path):
+    """Bit for bit where MKL runs in its strict mode (every row of a matmul rounds alike): the tree row's attention
+    and the sampler's cached decoding then sum the same numbers in the same order."""
     args = config(tmp_path, max_staleness=0, weight_sync_steps=1, max_steps=4)
     AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=small_dataset()).train()
     rows = [r for r in logged(tmp_path) if "sampling/importance_sampling_ratio/mean" in r]
     assert len(rows) == 4
+    allowed = 0.0 if exact_attention.ROWS_ROUND_ALIKE else 1e-4
     for r in rows:
         assert r["sample/staleness_max"] == 0
-        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4, r["sampling/importance_sampling_ratio/mean"]
-        assert r["sampling/sampling_logp_difference/max"] < 1e-4
+        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) <= allowed, r["sampling/importance_sampling_ratio/mean"]
+        assert r["sampling/sampling_logp_difference/max"] <= allowed, "the trainer's log-probs differ from the sampler's"
         # Tree packing: the group's rollouts share their prompt, so fewer tokens are forwarded than sampled.
         assert r["batch/packing_ratio"] > 1.5
         assert 0.3 < r["sampling/sampler_mass"] <= 1.0 + 1e-6, "score centering (the default) logs the top-K mass"

@@ -49,10 +49,15 @@ class SlotKVCache:
         self.values[layer_idx][batch, :, self.write_pos] = value.transpose(1, 2).to(self.values[layer_idx].dtype)
         return self.keys[layer_idx][self.rows, :, : self.kv_len], self.values[layer_idx][self.rows, :, : self.kv_len]
 
-    def copy_row(self, src: int, dst: int, length: int) -> None:
+    def copy_rows(self, sources: list[int], targets: list[int], length: int) -> None:
+        """Rows `targets` become copies of rows `sources` (none of them a target) up to position `length`: one indexed
+        copy per buffer, where a copy per row was ~10% of the demo server's engine time."""
+        if not sources:
+            return
+        sources, targets = torch.tensor(sources), torch.tensor(targets)
         for buffers in (self.keys, self.values):
             for buffer in buffers:
-                buffer[dst, :, :length] = buffer[src, :, :length]
+                buffer[targets, :, :length] = buffer[sources, :, :length]
 
     def read(self, row: int, start: int, stop: int) -> torch.Tensor:
         """A copy of positions start..stop-1 of a row, every layer: `[2 (keys, values), layers, kv_heads, stop - start, head_dim]`."""
@@ -83,10 +88,11 @@ class SequenceStates:
             self.tokens.append([])
             self.caches.append(None)
 
-    def copy_row(self, src: int, dst: int, length: int) -> None:
-        """Row `dst` becomes a copy of the first `length` tokens of row `src` (all it has processed)."""
-        self.tokens[dst] = self.tokens[src][:length]
-        self.caches[dst] = copy.deepcopy(self.caches[src])
+    def copy_rows(self, sources: list[int], targets: list[int], length: int) -> None:
+        """Rows `targets` become copies of rows `sources` (all they have processed, at most `length` tokens)."""
+        for source, target in zip(sources, targets):
+            self.tokens[target] = self.tokens[source][:length]
+            self.caches[target] = copy.deepcopy(self.caches[source])
 
     def forward(self, model: torch.nn.Module, row: int, window: list[int], total: int, all_logits: bool, **kwargs) -> torch.Tensor:
         """Logits of the last position of `window` (of every one with `all_logits`), the last tokens of row `row`'s

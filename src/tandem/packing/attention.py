@@ -3,8 +3,8 @@ attention interface (DESIGN.md §4).
 
 The mask rule is `k <= q <= end[k]` (plus `pos[q] - pos[k] < window` on sliding-window layers). The
 backend `tandem_tree` takes the mask in one of three forms and picks the kernel from it:
-  * an additive float mask -> eager math with short query blocks padded to 16 rows, bitwise equal to
-    what `tandem serve --decode-mode exact` samples with (the CPU default, and the fallback anywhere);
+  * an additive float mask -> `tandem_exact`'s eager math (exact_attention.py), bitwise equal to what
+    `tandem serve --decode-mode exact` samples with (the CPU default, and the fallback anywhere);
   * a boolean mask -> PyTorch SDPA (CPU and GPU);
   * a FlexAttention BlockMask -> flex_attention, compiled on GPU (the GPU default; no backward on CPU).
 
