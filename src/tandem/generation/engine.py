@@ -500,14 +500,13 @@ class Engine:
         new_rows = [(request, request.sequences[0]) for request in requests]
         new_lengths = list(lengths)
         last_logits = [logits[j, -1] for j in range(n)]
-        sources = []
         for j, request in enumerate(requests):
+            start = base + len(new_rows)
+            self.cache.copy_row(base + j, range(start, start + len(request.sequences) - 1), lengths[j])
             for seq in request.sequences[1:]:
-                sources.append(base + j)
                 new_rows.append((request, seq))
                 new_lengths.append(lengths[j])
                 last_logits.append(logits[j, -1])
-        self.cache.copy_rows(sources, list(range(base + n, base + len(new_rows))), max(lengths))
         self.rows += new_rows
         self.lengths += new_lengths
         self._emit(range(base, len(self.rows)), torch.stack(last_logits))
@@ -642,7 +641,7 @@ class Engine:
         keep = len(self.rows) - len(finished)
         holes = sorted(i for i in finished if i < keep)
         movers = [i for i in range(keep, len(self.rows)) if i not in finished]
-        self.cache.copy_rows(movers, holes, max((self.lengths[src] for src in movers), default=0))  # as many as holes
         for src, dst in zip(movers, holes):
+            self.cache.copy_row(src, range(dst, dst + 1), self.lengths[src])
             self.rows[dst], self.lengths[dst] = self.rows[src], self.lengths[src]
         del self.rows[keep:], self.lengths[keep:]
