@@ -111,9 +111,9 @@ def tiny_config(**overrides) -> Qwen2Config:
 
 def test_the_exact_kernel_scores_each_branch_of_a_tree_bit_for_bit_as_the_branch_alone():
     """A tree row puts a group's later completions further along the row than the sampler's own sequence had them;
-    the exact kernel's softmax must not round with where a key sits (torch's own left them ~1e-6 apart)."""
-    if not exact_attention.ROWS_ROUND_ALIKE:
-        pytest.skip("bit for bit only where MKL runs in its strict mode (a torch without MKL: within 1e-5)")
+    the exact kernel's softmax must not round with where a key sits (torch's own left them ~1e-6 apart). Bit for bit
+    where MKL runs in its strict mode; elsewhere rows of other lengths round apart, within 1e-5."""
+    allowed = 0.0 if exact_attention.ROWS_ROUND_ALIKE else 1e-5
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32).eval()
     attention.prepare(model)
     generator = torch.Generator().manual_seed(0)
@@ -123,7 +123,7 @@ def test_the_exact_kernel_scores_each_branch_of_a_tree_bit_for_bit_as_the_branch
     with torch.no_grad():
         tree = row_logprobs(model, pack(branches), "exact").log_probs.view(4, 8)
         alone = [row_logprobs(model, pack([branch]), "exact").log_probs for branch in branches]
-    moved = [i for i in range(4) if not torch.equal(tree[i], alone[i])]
+    moved = [i for i in range(4) if (tree[i] - alone[i]).abs().max() > allowed]
     assert not moved, f"branches {moved} of the tree round unlike the same branch packed alone"
 
 
