@@ -17,6 +17,15 @@ HUB_KWARGS = ("revision", "trust_remote_code", "token", "cache_dir", "local_file
 """The from_pretrained arguments that also decide which config is read."""
 
 
+def without_hub_kernels(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` on transformers' own PyTorch layers. transformers 5.25 turns hub kernels on in from_pretrained, and every
+    train() or eval() then swaps layers' forwards again, which dropped tandem's tree path of Gated DeltaNet layers (a
+    crash at the first step); a kernel on one side only would also make the trainer and the server round apart."""
+    if getattr(model, "use_kernels", False):
+        model.use_kernels = False
+    return model
+
+
 def scanning_layers(model: torch.nn.Module) -> list[str]:
     """The layer types and module classes of `model` that read across tokens outside attention (none: pure attention)."""
     layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []

@@ -6,8 +6,8 @@ in the last bits, and those bits grow through the layers. Padding short query bl
 last one) keeps each real row on the long-forward path, and a softmax whose denominator is summed by a
 matmul (ExactSoftmax) rounds the same wherever a key sits, so cached decoding gives log-probs bitwise
 equal to a teacher-forced forward and to a tree-packed row. Where MKL runs in its strict reproducible
-mode (ROWS_ROUND_ALIKE) the model's linear layers need no padding and attention needs two rows
-(QUERY_ROWS); elsewhere the engine pads them all to 16.
+mode (ROWS_ROUND_ALIKE) every matmul needs only a few rows (MATMUL_ROWS, probed at import: 2 on one
+x86 machine, 4 on another); elsewhere the engine pads them all to 16.
 
 Shared by the server's exact decoding (generation/engine.py) and the trainer's packed forward
 (packing/), which must round alike for the two sides' log-probs to agree bit for bit.
@@ -43,15 +43,38 @@ def _rows_round_alike() -> bool:
 ROWS_ROUND_ALIKE = _rows_round_alike()
 """Read once: MKL's mode is fixed at its first call in the process."""
 
-QUERY_ROWS = 2 if ROWS_ROUND_ALIKE else MIN_ROWS
-"""Stacked query rows an attention matmul needs: under the strict mode a batched matmul of one row still takes
-another path, of two or more rounds as in a long forward (checked at 2-480 rows, 16-256 keys, head dims 32-128);
-padding a 3:1 model's 3 rows to 16 was ~20% of an exact decode step."""
+
+def _fewest_rows_rounding_alike() -> int:
+    """The fewest rows from which each row of a matmul, plain or batched, rounds as in a 64-row one, up to MIN_ROWS.
+    Which kernel MKL's strict mode takes for few rows differs by CPU (1 row apart on one machine, 1-3 on another), so it
+    is measured: ~60 small matmuls, ~20 ms."""
+    generator = torch.Generator().manual_seed(0)
+    cases = []  # functions of the row count
+    for width in (64, 768):
+        inputs, weight = torch.randn(64, width, generator=generator), torch.randn(32, width, generator=generator)
+        queries, keys = torch.randn(2, 2, 64, width, generator=generator), torch.randn(2, 2, 24, width, generator=generator)
+        cases += [lambda rows, x=inputs, w=weight: torch.nn.functional.linear(x[:rows], w),
+                  lambda rows, q=queries, k=keys: torch.matmul(q[:, :, :rows], k.transpose(2, 3))]
+    longs = [case(64) for case in cases]
+
+    def alike(rows: int) -> bool:
+        return all(torch.equal(case(rows), long[..., :rows, :]) for case, long in zip(cases, longs))
+
+    fewest = MIN_ROWS
+    while fewest > 1 and alike(fewest - 1):
+        fewest -= 1
+    return fewest
+
+
+MATMUL_ROWS = _fewest_rows_rounding_alike() if ROWS_ROUND_ALIKE else MIN_ROWS
+"""Rows each matmul of exact decoding needs, padded with filler rows where it has fewer: without the strict mode,
+16 (and layers 1024 or more wide may still drift); padding a 3:1 model's 3 stacked query rows to 16 was ~20% of an
+exact decode step."""
 
 
 def exact_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Eager attention's math (transformers' `eager_attention_forward`), with the query heads that share a key-value head
-    stacked into one matmul, padded to QUERY_ROWS rows: no copies of the keys and values per query head, and a third of
+    stacked into one matmul, padded to MATMUL_ROWS rows: no copies of the keys and values per query head, and a third of
     the matmuls on a 3:1 model (their per-(sequence, head) overhead was ~half of a 256-row exact decode step)."""
     batch, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
@@ -59,25 +82,42 @@ def exact_attention(module, query, key, value, attention_mask, scaling=None, dro
         kv_heads, key, value = heads, repeat_kv(key, heads // kv_heads), repeat_kv(value, heads // kv_heads)
     rows = heads // kv_heads * q_len
     stacked = query.reshape(batch, kv_heads, rows, dim)  # row g * q_len + t: query head g of the group, token t
-    if rows < QUERY_ROWS:
-        stacked = torch.cat([stacked, stacked[:, :, -1:].expand(-1, -1, QUERY_ROWS - rows, -1)], dim=2)
+    if rows < MATMUL_ROWS:
+        stacked = torch.cat([stacked, stacked[:, :, -1:].expand(-1, -1, MATMUL_ROWS - rows, -1)], dim=2)
     scores = torch.matmul(stacked, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
         mask = attention_mask[:, :, :, : key.shape[-2]]
         if mask.shape[1] == 1:  # one mask for every head: each stacked query head's rows get it
             mask = mask.repeat(1, 1, rows // q_len, 1)
-        if rows < QUERY_ROWS:
-            mask = torch.cat([mask, mask[:, :, -1:].expand(-1, -1, QUERY_ROWS - rows, -1)], dim=2)
+        if rows < MATMUL_ROWS:
+            mask = torch.cat([mask, mask[:, :, -1:].expand(-1, -1, MATMUL_ROWS - rows, -1)], dim=2)
         scores = scores + mask
     weights = ExactSoftmax.apply(scores.float()).to(query.dtype)
     weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
-    output = torch.matmul(weights, value)[:, :, :rows].reshape(batch, heads, q_len, dim)
+    output = WeightedValues.apply(weights, value)[:, :, :rows].reshape(batch, heads, q_len, dim)
     return output.transpose(1, 2).contiguous(), None  # the weights are stacked and padded: none returned, as SDPA
+
+
+class WeightedValues(torch.autograd.Function):
+    """`weights @ value`, 8 columns of the values a matmul: MKL sums over the keys in one order for up to 8 columns
+    whatever the keys' number and places, while from 16 columns on it splits 200 or more keys into blocks, and a key's
+    place in a tree row changed the rounding. In a decode step ~30% faster than one matmul (4 query rows), in a
+    600-token forward 2x slower (~2% of a 76M forward). The backward is the plain matmuls'."""
+
+    @staticmethod
+    def forward(ctx, weights: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(weights, value)
+        return torch.cat([torch.matmul(weights, value[..., start : start + 8]) for start in range(0, value.shape[-1], 8)], dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, value = ctx.saved_tensors
+        return torch.matmul(grad, value.transpose(-1, -2)), torch.matmul(weights.transpose(-1, -2), grad)
 
 
 class ExactSoftmax(torch.autograd.Function):
     """Softmax over the last dimension whose weights do not depend on where the keys sit in the row: the denominator
-    is a matmul with a column of ones, summed in MKL's order over the keys like the values' matmul after it. torch's
+    is a matmul with columns of ones, summed in MKL's order over the keys like the values' matmul after it. torch's
     softmax sums in SIMD lanes by position, so a tree row's later branches, further along the row than in the
     sampler's own sequence, rounded ~1e-6 apart. The backward is softmax's own."""
 
@@ -88,7 +128,8 @@ class ExactSoftmax(torch.autograd.Function):
         # the time of torch's whole softmax. Literals: a compiled forward cannot read a module global in here.
         low = shifted < -87.0
         exps = shifted.clamp_(min=-87.0).exp_().masked_fill_(low, 0.0)
-        weights = exps.div_(torch.matmul(exps, exps.new_ones(exps.shape[-1], 1)))
+        # Two columns of ones, not one: MKL's one-column kernel (a gemv) rounds by the row count and the keys' places.
+        weights = exps.div_(torch.matmul(exps, exps.new_ones(exps.shape[-1], 2))[..., :1])
         ctx.save_for_backward(weights)
         return weights
 

@@ -34,12 +34,12 @@ def make_engine(attention: str = "eager", **kwargs) -> Engine:
     return engine
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["unpadded", "padded rows"])
+@pytest.fixture(scope="module", params=[None, exact_attention.MIN_ROWS], ids=["probed rows", "padded rows"])
 def engine(request):
-    """Exact decoding as this machine runs it (MKL's strict mode: no padding), and with every matmul padded to 16 rows
-    as on a torch without MKL."""
+    """Exact decoding as this machine runs it (MKL's strict mode: matmuls of the few rows MATMUL_ROWS probed), and
+    with every matmul padded to 16 rows as on a torch without MKL."""
     e = make_engine()
-    e.pad_rows = request.param
+    e.min_rows = request.param or e.min_rows
     yield e
     e.stop()
 
@@ -112,18 +112,20 @@ def test_logprobs_equal_a_teacher_forced_forward_alone_and_in_a_busy_batch(engin
                     assert rank == int((expected[position] > expected[position, token]).sum()) + 1
 
 
-def test_rows_of_a_wide_matmul_round_alike_at_any_row_count_under_the_mode_import_tandem_sets():
+def test_rows_of_a_wide_matmul_round_alike_from_a_few_rows_on_under_the_mode_import_tandem_sets():
     """Exact decoding forwards a few rows a step, the trainer hundreds: MKL's strict mode (set by `import tandem`) keeps
-    each row's sum in one order. Without it, 2048-wide sums split over threads under ~512 rows (the engine's padding to
-    16 rows kept only layers under 1024 wide exact)."""
+    each row's sum in one order from MATMUL_ROWS rows on (probed at import). Without it, 2048-wide sums split over
+    threads under ~512 rows (the engine's padding to 16 rows kept only layers under 1024 wide exact)."""
     if not torch.backends.mkl.is_available():
         pytest.skip("a torch without MKL: the engine pads every matmul to 16 rows instead")
     assert exact_attention.ROWS_ROUND_ALIKE, "MKL's strict mode is off in this process"
+    assert exact_attention.MATMUL_ROWS < exact_attention.MIN_ROWS, "the strict mode should spare the padding to 16 rows"
     torch.manual_seed(0)
     weight, inputs = torch.randn(192, 2048) * 0.02, torch.randn(1024, 2048)
     long = torch.nn.functional.linear(inputs, weight)
-    drifted = [rows for rows in (1, 3, 8, 16, 64) if not torch.equal(torch.nn.functional.linear(inputs[:rows], weight), long[:rows])]
-    assert not drifted, f"rows round unlike a 1024-row matmul at {drifted} rows"
+    counts = sorted({exact_attention.MATMUL_ROWS, 5, 8, 16, 64})
+    drifted = [rows for rows in counts if not torch.equal(torch.nn.functional.linear(inputs[:rows], weight), long[:rows])]
+    assert not drifted, f"rows round unlike a 1024-row matmul at {drifted} rows (MATMUL_ROWS {exact_attention.MATMUL_ROWS})"
 
 
 def test_the_same_seed_gives_the_same_tokens_alone_and_in_a_busy_batch(engine):

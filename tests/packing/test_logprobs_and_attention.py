@@ -111,14 +111,15 @@ def tiny_config(**overrides) -> Qwen2Config:
 
 def test_the_exact_kernel_scores_each_branch_of_a_tree_bit_for_bit_as_the_branch_alone():
     """A tree row puts a group's later completions further along the row than the sampler's own sequence had them;
-    the exact kernel's softmax must not round with where a key sits (torch's own left them ~1e-6 apart). Bit for bit
-    where MKL runs in its strict mode; elsewhere rows of other lengths round apart, within 1e-5."""
+    the exact kernel's softmax and its values' matmul must not round with where a key sits (torch's softmax left them
+    ~1e-6 apart, a 32-column values' matmul over 200+ keys ~1e-6 too). Bit for bit where MKL runs in its strict mode;
+    elsewhere rows of other lengths round apart, within 1e-5."""
     allowed = 0.0 if exact_attention.ROWS_ROUND_ALIKE else 1e-5
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32).eval()
     attention.prepare(model)
     generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(3, 384, (30,), generator=generator).tolist()
-    branches = [sample(prompt + torch.randint(3, 384, (8,), generator=generator).tolist(), [False] * 30 + [True] * 8)
+    prompt = torch.randint(3, 384, (230,), generator=generator).tolist()  # rows of 262 keys: MKL blocks 200+
+    branches = [sample(prompt + torch.randint(3, 384, (8,), generator=generator).tolist(), [False] * 230 + [True] * 8)
                 for _ in range(4)]
     with torch.no_grad():
         tree = row_logprobs(model, pack(branches), "exact").log_probs.view(4, 8)

@@ -47,7 +47,7 @@ def test_max_grad_norm_zero_means_no_clipping_and_accumulation_equals_the_full_b
     accumulated = one_step(tmp_path, [[pack([first])], [pack([second])]], max_grad_norm=0)
     full_batch = one_step(tmp_path, [[pack([first, second])]], max_grad_norm=0)
     assert (accumulated - before).abs().max() > 1e-3, "max_grad_norm=0 must not zero the update"
-    torch.testing.assert_close(accumulated, full_batch, atol=1e-6, rtol=1e-6)  # fp32 rounding of larger weights
+    torch.testing.assert_close(accumulated, full_batch, atol=1e-5, rtol=1e-5)  # fp32: two rows sum in another order than one
 
     clipped = one_step(tmp_path, [[pack([first, second])]], max_grad_norm=1e-3)
     assert (clipped - before).norm() < 1.01e-3 < (full_batch - before).norm(), "a positive max_grad_norm clips"

@@ -86,25 +86,27 @@ class EngineRequest:
         return all(s.finish_reason is not None for s in self.sequences)
 
 
-def _filler_adapters(adapters: list[str | None], width: int) -> list[str | None]:
-    """The adapters of the filler sequences exact decoding adds: every matmul must see at least MIN_ROWS rows,
+def _filler_adapters(adapters: list[str | None], width: int, min_rows: int) -> list[str | None]:
+    """The adapters of the filler sequences exact decoding adds: every matmul must see at least `min_rows` rows,
     the base layers' (all sequences) and each adapter's LoRA product (only its own sequences) alike."""
-    need = -(-exact_attention.MIN_ROWS // width)
+    need = -(-min_rows // width)
     counts = collections.Counter(a for a in adapters if a)
     fillers = [name for name, count in counts.items() for _ in range(need - count)]
     return fillers + [None] * (need - len(adapters) - len(fillers))
 
 
-def _pads_rows(model: torch.nn.Module, exact: bool) -> bool:
-    """Whether exact decoding must pad its matmuls to MIN_ROWS rows: where MKL's strict mode is off. Warns when MKL is
-    there but the mode is not (set otherwise, or torch ran a matmul before tandem was imported)."""
-    pad = exact and not exact_attention.ROWS_ROUND_ALIKE
-    if pad and torch.backends.mkl.is_available() and next(model.parameters()).device.type == "cpu":
+def _min_rows(model: torch.nn.Module, exact: bool) -> int:
+    """Rows every matmul of a decode step needs: exact decoding's MATMUL_ROWS (16 where MKL's strict mode is off), 1
+    otherwise. Warns when MKL is there but the mode is not (set otherwise, or torch ran a matmul before tandem was
+    imported)."""
+    if not exact:
+        return 1
+    if not exact_attention.ROWS_ROUND_ALIKE and torch.backends.mkl.is_available() and next(model.parameters()).device.type == "cpu":
         logger.warning("tandem serve: exact decoding without MKL's strict reproducible mode pads every matmul to %d "
                        "rows, and layers 1024 or more wide may still round unlike the trainer's forward; start the "
                        "process with MKL_CBWR=AUTO,STRICT (or import tandem before torch's first matmul)",
                        exact_attention.MIN_ROWS)
-    return pad
+    return exact_attention.MATMUL_ROWS
 
 
 def _generator(seed: int | None, child: int) -> torch.Generator:
@@ -170,8 +172,8 @@ class Engine:
         self.logprobs_mode = logprobs_mode
         self.adapters = adapters
         self.exact = exact
-        self.pad_rows = _pads_rows(model, exact)
-        """Exact decoding without MKL's strict mode: every matmul gets at least MIN_ROWS rows (filler sequences)."""
+        self.min_rows = _min_rows(model, exact)
+        """Rows every matmul gets, filler sequences added where a step has fewer (exact decoding: MATMUL_ROWS)."""
         self.step_delay_s = step_delay_s
         """Extra seconds per decode step: lets benchmarks stand in a slower (GPU-sized) server. The wait comes
         between steps, so pauses and weight reloads do not sit behind it."""
@@ -448,9 +450,9 @@ class Engine:
         return leaders, followers
 
     def _positions_to_keep(self, rows: int) -> int:
-        """Positions whose logits we compute: the last one, or when rows are padded enough for the lm_head matmul
-        to have 16 rows (the caller guarantees rows x width >= 16)."""
-        return -(-exact_attention.MIN_ROWS // rows) if self.pad_rows else 1
+        """Positions whose logits we compute: the last one, or enough for the lm_head matmul to have `min_rows` rows
+        (the caller guarantees rows x width >= min_rows)."""
+        return -(-self.min_rows // rows)
 
     def _window_forward(self, windows: list[list[int]], totals: list[int], rows: slice, adapters, all_logits=False) -> torch.Tensor:
         """Forward the last tokens of several sequences at once, left-padded to a common width.
@@ -463,7 +465,7 @@ class Engine:
         if isinstance(self.cache, SequenceStates):
             return self._sequence_forward(windows, totals, rows, adapters, all_logits)
         width = max(len(w) for w in windows)
-        fillers = _filler_adapters(adapters, width) if self.pad_rows else []
+        fillers = _filler_adapters(adapters, width, self.min_rows)
         if fillers:  # too few rows for the long-forward matmul path: add filler sequences in free cache rows
             self.cache.ensure_rows(rows.stop + len(fillers))
             windows, totals = windows + [[0]] * len(fillers), totals + [1] * len(fillers)

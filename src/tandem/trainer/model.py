@@ -37,6 +37,7 @@ def load_model(model, args: AsyncGRPOConfig) -> tuple[str, PreTrainedModel, str]
         name, loaded = model.name_or_path or "tandem-policy", model
     else:
         raise TypeError(f"model must be a path, a hub id, 'tiny' or a PreTrainedModel, not {type(model).__name__}")
+    architecture.without_hub_kernels(loaded)
     freeze_vision(loaded)
     layout = tree_attention.prepare(loaded)
     if layout == PADDED:
