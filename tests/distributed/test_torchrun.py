@@ -79,6 +79,7 @@ rollout_worker_timeout: 60
     assert max((reloaded[name] - initial[name]).abs().max() for name in weights) > 0, "the checkpoint holds trained weights"
 
 
+@pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
 def test_a_checkpoint_resumes_on_another_number_of_ranks_each_way(tmp_path):
     """Two ranks crash after step 2; one rank resumes from their checkpoint and crashes after step 4; two ranks resume
     from that one and finish the epoch. Each resume finishes exactly what its checkpoint had not."""
@@ -97,6 +98,7 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks_each_way(tmp_path):
     assert set().union(*finished.values()) == set(range(prompts)), "no prompt of the epoch is skipped"
 
 
+@pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
 def test_lora_under_two_ranks_syncs_the_gathered_adapter(tmp_path):
     example = Path(__file__).parents[2] / "examples" / "lora.yaml"
     check(run(2, "-m", "tandem", "train", example, "--output_dir", tmp_path / "run", "--max_steps", 2,

@@ -38,7 +38,7 @@ def environment(taskset: str):
     return vf.load_environment(vf.SingleAgentEnvConfig(taskset={"id": taskset}, agent=agent()))
 
 
-@pytest.mark.slow
+@pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
 def test_a_verifiers_environment_trains_through_the_worker_with_the_samplers_own_tokens(tmp_path):
     args = AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=2, num_generations=4, max_completion_length=32,
                            max_staleness=0, learning_rate=1e-4, gradient_checkpointing=False, save_strategy="no",

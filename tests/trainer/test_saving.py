@@ -53,6 +53,7 @@ def test_save_strategy_best_and_save_only_model_keep_the_best_model_and_load_bes
             resume_from_checkpoint=str(best))
 
 
+@pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
 def test_push_to_hub_uploads_in_the_background_retries_never_writes_the_token_and_callbacks_resume_their_state(
         tmp_path, monkeypatch):
     hub = HubStandIn()

@@ -342,6 +342,7 @@ def test_a_killed_embedded_server_is_restarted_with_the_current_weights_and_the_
     assert "the embedded tandem serve exited (code -9); restarting it with the weights of step" in capsys.readouterr().err
 
 
+@pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
 def test_an_embedded_server_that_keeps_dying_stops_the_run_with_its_log(tmp_path, monkeypatch):
     monkeypatch.setattr("tandem.runtime.runtime.SERVER_RESTARTS", 0)
     with pytest.raises(RuntimeError, match=r"the embedded tandem serve exited \(code -9\)"):
@@ -398,6 +399,7 @@ class KillExternalServerAfterStepOne(AsyncGRPOTrainer):
         return super().training_step(micro_batches)
 
 
+@pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
 def test_an_external_server_gone_for_good_is_waited_for_saying_so_then_ends_the_run_in_one_line(tmp_path, capsys):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
