@@ -4,7 +4,8 @@ CPU matmuls with fewer than ~16 rows take a differently rounded code path. A dec
 query per sequence, so plain eager attention there differs from a full forward over the same tokens
 in the last bits, and those bits grow through the layers. Padding short query blocks (by repeating the
 last one) keeps each real row on the long-forward path, and a softmax whose denominator is summed by a
-matmul (ExactSoftmax) rounds the same wherever a key sits, so cached decoding gives log-probs bitwise
+matmul (ExactSoftmax) and a values' matmul of 8 columns at a time (WeightedValues) round the same wherever a
+key sits, so cached decoding gives log-probs bitwise
 equal to a teacher-forced forward and to a tree-packed row. Where MKL runs in its strict reproducible
 mode (ROWS_ROUND_ALIKE) every matmul needs only a few rows (MATMUL_ROWS, probed at import: 2 on one
 x86 machine, 4 on another); elsewhere the engine pads them all to 16.

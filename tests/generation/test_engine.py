@@ -200,6 +200,23 @@ def test_context_length_ends_a_sequence_with_length():
         engine.stop()
 
 
+def test_the_kv_cache_holds_the_positions_its_sequences_reach_not_max_model_len():
+    """Short sequences under a long max_model_len: the cache grows as far as they go (it once zeroed 1 GiB up front for
+    512 rows of the tiny model), and what it held survives each growth (the tokens match a request run alone)."""
+    engine = make_engine(max_model_len=1024)
+    try:
+        alone = EngineRequest(prompt=[1, 5, 6], params=SamplingParams(max_tokens=40, ignore_eos=True, seed=3))
+        run(engine, [alone])
+        assert engine.cache.kv.shape[4] == 64, "43 positions: the first growth, 64"
+        requests = [EngineRequest(prompt=[1, 5, 6], params=SamplingParams(max_tokens=100, ignore_eos=True, seed=3))]
+        requests += [EngineRequest(prompt=list(range(3, 3 + 20 * i)), params=SamplingParams(max_tokens=10)) for i in range(1, 6)]
+        run(engine, requests)
+        assert engine.cache.kv.shape[4] == 128, "110 positions reached (a 100-token prompt): 64 doubled once"
+        assert requests[0].sequences[0].output[:40] == alone.sequences[0].output, "the growth kept every row's keys"
+    finally:
+        engine.stop()
+
+
 def test_abort_frees_the_slot_and_the_others_continue(engine):
     long = EngineRequest(prompt=[1, 9, 9], params=SamplingParams(max_tokens=200, ignore_eos=True))
     short = EngineRequest(prompt=[1, 8, 8], params=SamplingParams(max_tokens=30, ignore_eos=True, seed=4))
