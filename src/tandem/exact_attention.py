@@ -29,7 +29,7 @@ MKL_CBWR_STRICT = 0x10000
 
 def _rows_round_alike() -> bool:
     """Whether MKL runs in its strict reproducible mode (MKL_CBWR=AUTO,STRICT, which `import tandem` sets), where each
-    row of a matmul rounds the same whatever the number of rows. Without it MKL takes another kernel under 16 rows and
+    row of a matmul rounds the same from a few rows on (MATMUL_ROWS). Without it MKL takes another kernel under 16 rows and
     splits a wide inner sum over threads when rows are few (1024+ wide at 2 threads: a 76M model's down projection
     drifted ~1e-6 from the trainer's forward even at 16 rows). False on a torch without MKL."""
     if not torch.backends.mkl.is_available():
@@ -48,14 +48,20 @@ ROWS_ROUND_ALIKE = _rows_round_alike()
 def _fewest_rows_rounding_alike() -> int:
     """The fewest rows from which each row of a matmul, plain or batched, rounds as in a 64-row one, up to MIN_ROWS.
     Which kernel MKL's strict mode takes for few rows differs by CPU (1 row apart on one machine, 1-3 on another), so it
-    is measured: ~60 small matmuls, ~20 ms."""
+    is measured: ~100 small matmuls, ~10 ms."""
     generator = torch.Generator().manual_seed(0)
-    cases = []  # functions of the row count
-    for width in (64, 768):
-        inputs, weight = torch.randn(64, width, generator=generator), torch.randn(32, width, generator=generator)
-        queries, keys = torch.randn(2, 2, 64, width, generator=generator), torch.randn(2, 2, 24, width, generator=generator)
-        cases += [lambda rows, x=inputs, w=weight: torch.nn.functional.linear(x[:rows], w),
-                  lambda rows, q=queries, k=keys: torch.matmul(q[:, :, :rows], k.transpose(2, 3))]
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, dtype=torch.float32, device="cpu")
+
+    cases = []  # functions of the row count: the matmuls exact attention and the linear layers run
+    for width in (64, 768, 2048):  # inner sums of a head dim, a hidden size, a wide down projection
+        cases.append(lambda rows, x=randn(64, width), w=randn(32, width): torch.nn.functional.linear(x[:rows], w))
+    queries, keys = randn(2, 2, 64, 64), randn(2, 2, 24, 64)
+    weights, values = randn(2, 2, 64, 250).abs(), randn(2, 2, 250, 8)
+    cases += [lambda rows: torch.matmul(queries[:, :, :rows], keys.transpose(2, 3)),
+              lambda rows: torch.matmul(weights[:, :, :rows], weights.new_ones(250, 2)),  # ExactSoftmax's denominator
+              lambda rows: torch.matmul(weights[:, :, :rows], values)]  # WeightedValues' 8 columns
     longs = [case(64) for case in cases]
 
     def alike(rows: int) -> bool:
@@ -108,7 +114,10 @@ class WeightedValues(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weights: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(weights, value)
-        return torch.cat([torch.matmul(weights, value[..., start : start + 8]) for start in range(0, value.shape[-1], 8)], dim=-1)
+        dim = value.shape[-1]
+        if dim % 8:  # zero columns up to a multiple of 8: a narrower last matmul could take another kernel (1: a gemv)
+            value = torch.nn.functional.pad(value, (0, 8 - dim % 8))
+        return torch.cat([torch.matmul(weights, value[..., start : start + 8]) for start in range(0, dim, 8)], dim=-1)[..., :dim]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -277,3 +277,15 @@ def test_a_tree_rows_segments_end_where_another_branch_leaves():
     scan = tree_scan([0, 1, 2, 3, 4, 5, 4, 2, 0, 1])
     assert scan.parents == [-1, 0, 1, 2, 3, 4, 3, 1, -1, 8]
     assert scan.segments == [(0, 2, -1), (2, 4, 1), (4, 6, 3), (6, 7, 3), (7, 8, 1), (8, 10, -1)]
+
+
+def test_the_values_matmul_of_8_columns_at_a_time_is_the_plain_one_at_any_head_dim():
+    torch.manual_seed(0)
+    for dim in (8, 12, 32):
+        weights = torch.rand(1, 2, 5, 30, requires_grad=True)
+        value = torch.randn(1, 2, 30, dim, requires_grad=True)
+        got = exact_attention.WeightedValues.apply(weights, value)
+        expected = torch.matmul(weights, value)
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+        grads = torch.autograd.grad(got.sum(), (weights, value))
+        torch.testing.assert_close(grads, torch.autograd.grad(expected.sum(), (weights, value)), atol=1e-6, rtol=1e-6)

@@ -58,6 +58,7 @@ async def async_add(a: int, b: int) -> int:
     return a + b
 
 
+@pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
 def test_the_spec_tool_example_trains(tmp_path):
     data = Dataset.from_list(arithmetic.make_rows(16, split="train", seed=5))
     trainer = AsyncGRPOTrainer(model="tiny", reward_funcs=[arithmetic.correctness_reward, reward_func], args=args(tmp_path),
@@ -126,6 +127,7 @@ class DatasetIncrementEnv:
         return self.counter
 
 
+@pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
 def test_the_spec_dataset_driven_environment_trains(tmp_path):
     dataset = Dataset.from_dict({
         "prompt": [[{"role": "user", "content": f"Increment the counter to {i}."}] for i in range(1, 7)],

@@ -496,6 +496,7 @@ class CurriculumTrainer(AsyncGRPOTrainer):
     loop_cls = CurriculumRolloutLoop
 
 
+@pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
 def test_the_spec_curriculum_loop_runs(tmp_path):
     values = {k: v for k, v in vars(config(tmp_path, max_steps=3)).items()}
     trainer = CurriculumTrainer("tiny", accuracy_reward, args=CurriculumConfig(**values, pass_rate_cap=0.5), train_dataset=small_dataset())
@@ -699,6 +700,7 @@ class ForkingFlashTrainer(ForkingTrainer):
         return super().training_step(micro_batches)
 
 
+@pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
 def test_flash_reinforce_trains_all_samples_of_a_multi_turn_rollout_in_one_step(tmp_path):
     args = config(tmp_path, algorithm="flash_reinforce", num_generations=1, max_staleness=1, max_steps=8,
                   token_budget=90, max_completion_length=4)

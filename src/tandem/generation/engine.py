@@ -96,12 +96,12 @@ def _filler_adapters(adapters: list[str | None], width: int, min_rows: int) -> l
 
 
 def _min_rows(model: torch.nn.Module, exact: bool) -> int:
-    """Rows every matmul of a decode step needs: exact decoding's MATMUL_ROWS (16 where MKL's strict mode is off), 1
-    otherwise. Warns when MKL is there but the mode is not (set otherwise, or torch ran a matmul before tandem was
-    imported)."""
-    if not exact:
+    """Rows every matmul of a decode step needs: exact decoding's MATMUL_ROWS on a CPU (16 where MKL's strict mode is
+    off), 1 otherwise (the probe is of MKL's kernels). Warns when MKL is there but the mode is not (set otherwise, or
+    torch ran a matmul before tandem was imported)."""
+    if not exact or next(model.parameters()).device.type != "cpu":
         return 1
-    if not exact_attention.ROWS_ROUND_ALIKE and torch.backends.mkl.is_available() and next(model.parameters()).device.type == "cpu":
+    if not exact_attention.ROWS_ROUND_ALIKE and torch.backends.mkl.is_available():
         logger.warning("tandem serve: exact decoding without MKL's strict reproducible mode pads every matmul to %d "
                        "rows, and layers 1024 or more wide may still round unlike the trainer's forward; start the "
                        "process with MKL_CBWR=AUTO,STRICT (or import tandem before torch's first matmul)",
@@ -164,7 +164,7 @@ class Engine:
                  prefix_caching: bool = True, prefix_cache_max_tokens: int | None = None):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={logprobs_mode!r} is not one of {LOGPROBS_MODES}")
-        self.model = model
+        self.model = architecture.without_hub_kernels(model)
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self.extra_stop_token_ids = set(extra_stop_token_ids)

@@ -1,4 +1,4 @@
-"""A slot KV cache: one fixed-length row per running sequence, rows 0..n-1 always the live ones.
+"""A slot KV cache: one row per running sequence, grown as sequences lengthen, rows 0..n-1 always the live ones.
 
 transformers' attention layers call `update(key, value, layer_idx)` on whatever cache object the
 model is given; this one writes each new key/value at that row's own position (rows differ in

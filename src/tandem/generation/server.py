@@ -155,7 +155,7 @@ def load_model(args: ServeArgs) -> tuple[torch.nn.Module, bool]:
     model = architecture.auto_class(args.model, trust_remote_code=args.trust_remote_code).from_pretrained(
         args.model, dtype=pick_dtype(args.dtype), trust_remote_code=args.trust_remote_code,
         attn_implementation="eager" if exact else None)
-    return architecture.without_hub_kernels(model).to(device).eval(), exact
+    return model.to(device).eval(), exact
 
 
 class Server:
