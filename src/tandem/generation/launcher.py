@@ -13,6 +13,13 @@ import threading
 from pathlib import Path
 
 
+def core_share() -> int:
+    """OpenMP threads for each of the two processes computing on this machine's cores, a trainer and its embedded
+    server: half the cores each. One matmul spread over every core stalls whenever the other process runs: on 2 cores
+    the demo trained 1.2-1.4x the samples a second with one thread each (benchmarks/vs_trl.py)."""
+    return max(1, len(os.sched_getaffinity(0)) // 2)
+
+
 class ServerProcess:
     """A server subprocess that is ready once it prints a line `ready` matches (its group 1 is the URL).
 

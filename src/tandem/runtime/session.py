@@ -12,6 +12,8 @@ import urllib.parse
 from contextlib import ExitStack
 from pathlib import Path
 
+import torch
+
 from tandem.generation.client import ControlClient, GenerationClient, ServerProblem
 from tandem.generation.launcher import EmbeddedServer
 from tandem.metrics import report
@@ -34,6 +36,7 @@ class Session:
         self.runner = asyncio.Runner()
         self.server: EmbeddedServer | None = None
         self.server_args: list[str] = []
+        self.server_env: dict[str, str] = {}
         self.control: ControlClient | None = None
         self.worker: RolloutWorker | None = None
         self.sinks: list = []
@@ -59,9 +62,14 @@ class Session:
             self.check_server(wait_s=DYING_S)
             raise
 
-    def start_server(self, model_path: str, log_path: Path, extra_args: list[str]) -> str:
-        """The embedded `tandem serve` for `model_path` (its output in `log_path`); returns its URL."""
-        self.server = EmbeddedServer(model_path, log_path=log_path, extra_args=extra_args)
+    def start_server(self, model_path: str, log_path: Path, extra_args: list[str], threads: int | None = None) -> str:
+        """The embedded `tandem serve` for `model_path` (its output in `log_path`); returns its URL. With `threads`,
+        the server and this process (until the session ends) each compute with that many OpenMP threads."""
+        if threads is not None:
+            self.stack.callback(torch.set_num_threads, torch.get_num_threads())
+            torch.set_num_threads(threads)
+            self.server_env = {"OMP_NUM_THREADS": str(threads)}
+        self.server = EmbeddedServer(model_path, log_path=log_path, extra_args=extra_args, env=self.server_env)
         self.server_args = extra_args
         self.stack.callback(lambda: self.server.stop())  # the one running then (it may have been restarted)
         return self.server.url
@@ -72,7 +80,8 @@ class Session:
         dead = self.server
         dead.stop()  # reaps it and closes its output
         port = urllib.parse.urlsplit(dead.url).port
-        self.server = EmbeddedServer(model_path, log_path=dead.log_path, extra_args=[*self.server_args, "--port", str(port)])
+        self.server = EmbeddedServer(model_path, log_path=dead.log_path, extra_args=[*self.server_args, "--port", str(port)],
+                                     env=self.server_env)
         self.run(self.control.wait_healthy(self.timeout_s))
 
     def connect(self, url: str) -> ControlClient:
