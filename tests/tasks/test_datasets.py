@@ -49,6 +49,20 @@ def test_a_dataset_with_a_length_is_indexed_in_order_or_shuffled_per_epoch():
     assert [shuffled.at(p).index for p in range(8)] == epoch_order(3, 0, 4) + epoch_order(3, 1, 4)
 
 
+def test_a_position_read_again_reads_the_dataset_once_and_hands_out_its_own_copy_of_the_row():
+    class Counted(list):
+        reads = 0
+
+        def __getitem__(self, index):
+            Counted.reads += 1
+            return super().__getitem__(index)
+
+    stream = PromptStream(Counted(ROWS))
+    first = stream.at(7)
+    first.row["solution"] = "changed by the rollout loop"
+    assert [stream.at(7).row for _ in range(3)] == [ROWS[2]] * 3 and Counted.reads == 1
+
+
 def test_local_files_and_folders_load_and_streaming_gives_an_iterable(tmp_path):
     (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS))
     assert len(datasets.load(str(tmp_path / "rows.jsonl"))) == 5
