@@ -22,7 +22,7 @@ from transformers import TrainerCallback
 
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop, Rollout, exact_attention
 from tandem.generation.client import ServerProblem
-from tandem.generation.launcher import EmbeddedProxy, EmbeddedServer
+from tandem.generation.launcher import EmbeddedProxy, EmbeddedServer, core_share
 from tandem.rewards import accuracy_reward
 from tandem.rollout.worker import WorkerError, WorkerLost
 from tandem.runtime.sample_source import StalledError
@@ -344,28 +344,28 @@ class RecordThreads(TrainerCallback):
         self.seen.append((torch.get_num_threads(), server_threads(self.trainer)))
 
 
-def test_a_cpu_trainer_and_its_embedded_server_split_the_cores_and_the_threads_come_back_after(tmp_path, monkeypatch):
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    before = torch.get_num_threads()
+def threads_in_one_step(tmp_path) -> list[tuple[int, str | None]]:
+    """(the trainer's threads, the server's OMP_NUM_THREADS) at the one step of a one-step run."""
     record = RecordThreads()
     trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=config(tmp_path, max_steps=1), train_dataset=small_dataset(),
                                callbacks=[record])
     record.trainer = trainer
     trainer.train()
-    share = max(1, len(os.sched_getaffinity(0)) // 2)
-    assert record.seen == [(share, str(share))], "the trainer and the server compute with half the cores each"
+    return record.seen
+
+
+def test_a_cpu_trainer_and_its_embedded_server_split_the_cores_and_the_threads_come_back_after(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    share = core_share()
+    assert threads_in_one_step(tmp_path) == [(share, str(share))], "the trainer and the server compute with half the cores each"
     assert torch.get_num_threads() == before, "the process's own thread count is back once train() returns"
 
 
 def test_omp_num_threads_set_by_the_user_decides_the_threads_of_both(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # read by the server as it starts; this process's torch keeps its count
     before = torch.get_num_threads()
-    record = RecordThreads()
-    trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=config(tmp_path, max_steps=1), train_dataset=small_dataset(),
-                               callbacks=[record])
-    record.trainer = trainer
-    trainer.train()
-    assert record.seen == [(before, "3")], "with OMP_NUM_THREADS set, tandem leaves both thread counts alone"
+    assert threads_in_one_step(tmp_path) == [(before, "3")], "with OMP_NUM_THREADS set, tandem leaves both thread counts alone"
 
 
 def test_a_killed_embedded_server_is_restarted_with_the_current_weights_and_the_run_goes_on(tmp_path, capsys):
@@ -377,8 +377,7 @@ def test_a_killed_embedded_server_is_restarted_with_the_current_weights_and_the_
     trainer.train()
     rows = logged(tmp_path)
     assert trainer.state.step == 6 and trainer.runtime.session.server.process.pid != trainer.killed
-    share = str(max(1, len(os.sched_getaffinity(0)) // 2))
-    assert record.seen[-1][1] == share, "the restarted server keeps its share of the cores"
+    assert record.seen[-1][1] == str(core_share()), "the restarted server keeps its share of the cores"
     assert sum(r.get("rollout/server_restart_count", 0) for r in rows) == 1
     ratios = [r["sampling/importance_sampling_ratio/mean"] for r in rows if r["step"] >= 3 and "stalled_s" not in r]
     assert all(abs(ratio - 1.0) < 1e-4 for ratio in ratios), f"the restarted server samples from the trained weights: {ratios}"

@@ -8,14 +8,14 @@ generated again. A resumed run reads past the examples its checkpoint consumed. 
 that make their own tasks) every position is an empty row of epoch 0.
 """
 
+import dataclasses
 import functools
 import random
-from dataclasses import dataclass
 
 from tandem.dataset_rows import is_iterable
 
 
-@dataclass
+@dataclasses.dataclass
 class PromptRow:
     epoch: int
     index: int
@@ -65,8 +65,7 @@ class PromptStream:
             if self.order_seed is not None:
                 index = epoch_order(self.order_seed, epoch, len(self.dataset))[index]
             self.recent[position] = PromptRow(epoch, index, dict(self.dataset[index]), first)
-        row = self.recent[position]
-        return PromptRow(row.epoch, row.index, dict(row.row), row.epoch_start)
+        return dataclasses.replace(self.recent[position], row=dict(self.recent[position].row))
 
     def forget_below(self, position: int) -> None:
         """The trainer finished every position below `position`: their rows are not needed again."""
