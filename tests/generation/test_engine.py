@@ -244,6 +244,30 @@ def test_requests_beyond_max_num_seqs_wait_for_a_free_slot():
         engine.stop()
 
 
+def test_a_pause_stops_the_clock_of_a_simulated_slow_step():
+    """`step_delay_s` stands in for a GPU's step: paused, that GPU computes nothing, so the wait left at the pause
+    comes after the resume (a synchronous benchmark baseline would otherwise hide training inside it)."""
+    engine = make_engine(step_delay_s=0.4)
+    try:
+        request = EngineRequest(prompt=[1, 7, 3], params=SamplingParams(max_tokens=4, ignore_eos=True))
+        engine.submit(request)
+        output = request.sequences[0].output
+        while len(output) < 2:  # the first step prefills and decodes: its wait starts after its second token
+            time.sleep(0.002)
+        engine.set_paused(True)
+        produced = len(output)
+        time.sleep(0.6)  # longer than the step's whole wait
+        assert len(output) == produced, "a paused engine decoded"
+        engine.set_paused(False)
+        resumed = time.monotonic()
+        while len(output) == produced:
+            time.sleep(0.002)
+        assert time.monotonic() - resumed >= 0.2, "the wait left at the pause was skipped: it ran while paused"
+        wait([request])
+    finally:
+        engine.stop()
+
+
 def test_a_stream_sees_only_checked_tokens_until_the_sequence_finishes(engine):
     """`checked` counts the tokens whose stop conditions were tested without ending the sequence: the token that
     completes a stop arrives only with `finish_reason`, so a stream never shows a stop string."""

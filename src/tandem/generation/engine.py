@@ -176,8 +176,9 @@ class Engine:
         """Rows every matmul gets, filler sequences added where a step has fewer (exact decoding: MATMUL_ROWS)."""
         self.step_delay_s = step_delay_s
         """Extra seconds per decode step: lets benchmarks stand in a slower (GPU-sized) server. The wait comes
-        between steps, so pauses and weight reloads do not sit behind it."""
+        between steps, so weight reloads do not sit behind it; a pause stops its clock (`set_paused`)."""
         self._next_step_at = 0.0
+        self._delay_left = 0.0
         if exact and not architecture.attention_extras(model):  # sinks, soft-capping: the model's own eager attention
             model.set_attn_implementation(exact_attention.NAME)
         config = model.config.get_text_config()
@@ -244,7 +245,14 @@ class Engine:
             self._lock.notify_all()
 
     def set_paused(self, paused: bool) -> None:
+        """A pause also stops the clock of a simulated slow step (`step_delay_s`): a paused GPU computes nothing, so
+        the rest of the wait comes after the resume."""
         with self._lock:
+            now = time.monotonic()
+            if paused and not self.paused:
+                self._delay_left = max(0.0, self._next_step_at - now)
+            elif self.paused and not paused:
+                self._next_step_at = now + self._delay_left
             self.paused = paused
             self._lock.notify_all()
 
