@@ -202,7 +202,7 @@ class Runtime:
             self.window.add("sample/time_in_queue_s", *[taken - s.created_at for row in rows for s in row.samples])
             micro_batches.append(rows)
         earliest = 2 if self.in_flight is not None else 1  # the staleness of a group started now, at the earliest
-        if self.args.max_staleness > earliest:  # a step of slack left: start it now (else the sync's end releases)
+        if self.args.max_staleness >= earliest:  # it can still be trained: start it now (else the sync's end releases)
             self.source.release()
         return micro_batches
 

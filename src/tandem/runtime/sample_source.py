@@ -153,7 +153,7 @@ class SampleSource:
         """The worker said it had nothing left to send (it sends more if asked to regenerate)."""
         self.unpublished = 0.0
         """Tokens taken or dropped since the worker was last told (`release`): told once the step's rows are placed
-        when that keeps staleness slack, else when its sync ends (the runtime decides), and at once when the trainer has
+        when the groups it admits can still be trained, else when its sync ends (the runtime decides), and at once when the trainer has
         to wait for the worker (so a half-filled row never deadlocks the allowance)."""
         self.pending: set[int] = set()
         """Positions sent back to the worker whose new group has not arrived yet."""
