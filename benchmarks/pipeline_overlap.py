@@ -2,7 +2,7 @@
 
 The generation server is `tandem serve` with a fixed delay after every decode step, standing in for a
 GPU server, tuned so generation and training take comparable time. The synchronous run pauses the
-server while the trainer computes (generate, then train, then generate...); the asynchronous run is the
+server, and the clock of its step delay, while the trainer computes (generate, then train, then generate...); the asynchronous run is the
 trainer as it is. Both train the same number of steps from the same weights; printed: both wall times,
 the speed-up, and the ideal (G + T) / max(G, T) from the synchronous run's own G and T. The reward is
 the task's own integer check (math-verify would cost the worker CPU time the trainer then misses).
