@@ -20,6 +20,15 @@ def core_share() -> int:
     return max(1, len(os.sched_getaffinity(0)) // 2)
 
 
+def server_threads(trainer_device: str) -> int | None:
+    """OpenMP threads for an embedded server beside a trainer on `trainer_device` ("cpu", "cuda"...): the core share
+    where both compute on this machine's cores; None (the server's own default) beside a GPU trainer, or when the
+    user's OMP_NUM_THREADS already says how many."""
+    if "OMP_NUM_THREADS" in os.environ or trainer_device != "cpu":
+        return None
+    return core_share()
+
+
 class ServerProcess:
     """A server subprocess that is ready once it prints a line `ready` matches (its group 1 is the URL).
 

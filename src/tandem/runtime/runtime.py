@@ -11,7 +11,6 @@ import copy
 import itertools
 import json
 import math
-import os
 import signal
 import threading
 import time
@@ -27,7 +26,7 @@ from tandem.dataset_rows import first_rows, is_iterable
 from tandem.distributed import Ranks
 from tandem.errors import UsageError
 from tandem.generation.client import EngineDead, ServerProblem, engine_died, server_gone
-from tandem.generation.launcher import core_share
+from tandem.generation.launcher import server_threads
 from tandem.metrics.doctor import OFF_POLICY_BOUND
 from tandem.metrics.window import MetricWindow
 from tandem.model_folder import save_model_folder
@@ -150,8 +149,9 @@ class Runtime:
         self.version = version
         self.served_path = self._served_path() if args.vllm_server_base_url is None else None
         if main:
+            device = next(spec.model.parameters()).device.type
             url = args.vllm_server_base_url or session.start_server(self.served_path, spec.output_dir / "server.log",
-                                                                    self._server_args(), self._server_threads())
+                                                                    self._server_args(), server_threads(device))
             control = session.connect(url)
             facts = session.run(server_checks.read_facts(control))
             server_checks.check(facts, url, spec.served_dtype)
@@ -556,13 +556,6 @@ class Runtime:
         if args.trust_remote_code:
             extra += ["--trust-remote-code"]
         return extra
-
-    def _server_threads(self) -> int | None:
-        """OpenMP threads for the embedded server and the trainer where both compute on this machine's cores (a CPU
-        trainer): half the cores each, unless OMP_NUM_THREADS says how many."""
-        if "OMP_NUM_THREADS" in os.environ or next(self.spec.model.parameters()).device.type != "cpu":
-            return None
-        return core_share()
 
     def _served_name(self) -> str:
         served = [m["id"] for m in self.session.run(self.session.control.models())]
