@@ -51,10 +51,14 @@ def run(engine: Engine, requests: list[EngineRequest], timeout: float = 60) -> N
 
 
 def wait(requests: list[EngineRequest], timeout: float = 60) -> None:
+    until(lambda: all(r.finished for r in requests), timeout)
+
+
+def until(condition, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
-    while not all(r.finished for r in requests):
+    while not condition():
         assert time.monotonic() < deadline, "engine did not finish in time"
-        time.sleep(0.005)
+        time.sleep(0.002)
 
 
 def random_prompt(rng: random.Random, length: int) -> list[int]:
@@ -252,16 +256,14 @@ def test_a_pause_stops_the_clock_of_a_simulated_slow_step():
         request = EngineRequest(prompt=[1, 7, 3], params=SamplingParams(max_tokens=4, ignore_eos=True))
         engine.submit(request)
         output = request.sequences[0].output
-        while len(output) < 2:  # the first step prefills and decodes: its wait starts after its second token
-            time.sleep(0.002)
+        until(lambda: len(output) >= 2)  # the first step prefills and decodes: its wait starts after its second token
         engine.set_paused(True)
         produced = len(output)
         time.sleep(0.6)  # longer than the step's whole wait
         assert len(output) == produced, "a paused engine decoded"
         engine.set_paused(False)
         resumed = time.monotonic()
-        while len(output) == produced:
-            time.sleep(0.002)
+        until(lambda: len(output) > produced)
         assert time.monotonic() - resumed >= 0.2, "the wait left at the pause was skipped: it ran while paused"
         wait([request])
     finally:

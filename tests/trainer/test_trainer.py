@@ -716,8 +716,9 @@ class ForkingTrainer(AsyncGRPOTrainer):
 @pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
 def test_forking_rollouts_train_every_prompt_of_both_epochs_without_stale_drops(tmp_path):
     """The pacing reserves what rollouts really produce (a forking group puts ~3x the tokens of a single-turn one
-    on the queue), at max_staleness 1 the room a step frees is released when its sync ends (groups it admits start
-    under the new policy) and a step ends on a whole group, so nothing goes stale at max_staleness 1; num_train_epochs
+    on the queue), at max_staleness 1 the room a step frees goes back once its rows are placed (the groups it admits,
+    under the served policy, can still train at the next step) and a step ends on a whole group, so nothing goes
+    stale at max_staleness 1; num_train_epochs
     counts prompts, not the samples forks make, so the forking run takes more steps over the same two epochs."""
     data, runs = small_dataset(8), {}
     for name, trainer_cls in (("fork", ForkingTrainer), ("single", AsyncGRPOTrainer)):
