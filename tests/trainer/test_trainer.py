@@ -330,7 +330,7 @@ def test_a_hung_worker_is_detected_by_its_heartbeat(tmp_path):
     assert time.monotonic() - start < 25
 
 
-def server_threads(trainer) -> str | None:
+def server_omp_threads(trainer) -> str | None:
     """OMP_NUM_THREADS in the environment of the trainer's embedded server process."""
     environ = open(f"/proc/{trainer.runtime.session.server.process.pid}/environ", "rb").read().split(b"\0")
     return next((v.decode().split("=", 1)[1] for v in environ if v.startswith(b"OMP_NUM_THREADS=")), None)
@@ -341,7 +341,7 @@ class RecordThreads(TrainerCallback):
         self.seen = []
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.seen.append((torch.get_num_threads(), server_threads(self.trainer)))
+        self.seen.append((torch.get_num_threads(), server_omp_threads(self.trainer)))
 
 
 def threads_in_one_step(tmp_path) -> list[tuple[int, str | None]]:
@@ -718,8 +718,8 @@ def test_forking_rollouts_train_every_prompt_of_both_epochs_without_stale_drops(
     """The pacing reserves what rollouts really produce (a forking group puts ~3x the tokens of a single-turn one
     on the queue), at max_staleness 1 the room a step frees goes back once its rows are placed (the groups it admits,
     under the served policy, can still train at the next step) and a step ends on a whole group, so nothing goes
-    stale at max_staleness 1; num_train_epochs
-    counts prompts, not the samples forks make, so the forking run takes more steps over the same two epochs."""
+    stale at max_staleness 1; num_train_epochs counts prompts, not the samples forks make, so the forking run takes
+    more steps over the same two epochs."""
     data, runs = small_dataset(8), {}
     for name, trainer_cls in (("fork", ForkingTrainer), ("single", AsyncGRPOTrainer)):
         args = config(tmp_path / name, max_steps=-1, num_train_epochs=2, num_generations=3, max_staleness=1,

@@ -65,7 +65,8 @@ class PromptStream:
             if self.order_seed is not None:
                 index = epoch_order(self.order_seed, epoch, len(self.dataset))[index]
             self.recent[position] = PromptRow(epoch, index, dict(self.dataset[index]), first)
-        return dataclasses.replace(self.recent[position], row=dict(self.recent[position].row))
+        kept = self.recent[position]
+        return dataclasses.replace(kept, row=dict(kept.row))
 
     def forget_below(self, position: int) -> None:
         """The trainer finished every position below `position`: their rows are not needed again."""
