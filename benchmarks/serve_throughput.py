@@ -12,7 +12,8 @@ scripts/vllm_serve.sh); without that environment its column is left out, saying 
 run time into a temporary folder (nothing downloaded). Each figure is the median of `--repeats` interleaved runs (this
 machine's speed varies by ±20% from run to run).
 
-    python benchmarks/serve_throughput.py [--model tiny|76m] [--concurrency 1 8 64] [--requests 64] [--repeats 3] [--markdown PATH]
+    python benchmarks/serve_throughput.py [--model tiny|76m] [--concurrency 1 8 64] [--requests 64] [--repeats 3]
+                                          [--dtype float32|bfloat16] [--markdown PATH]
 """
 
 import argparse
@@ -58,10 +59,10 @@ def model_folder(name: str, into: Path) -> str:
     return str(into)
 
 
-def start_vllm(folder: str) -> ServerProcess:
+def start_vllm(folder: str, dtype: str) -> ServerProcess:
     """vLLM's CPU build serving `folder` alone on the machine, as scripts/vllm_serve.sh starts it."""
     port = free_port("127.0.0.1")
-    command = [str(REPO / "scripts" / "vllm_serve.sh"), folder, "--max-num-batched-tokens", "65536",
+    command = [str(REPO / "scripts" / "vllm_serve.sh"), folder, "--max-num-batched-tokens", "65536", "--dtype", dtype,
                "--host", "127.0.0.1", "--port", str(port)]
     return ServerProcess(command, re.compile(r"Starting vLLM server on (http://\S+)"), startup_timeout_s=400,
                          env={"PYTHONUNBUFFERED": "1"}, shares_cores=False)
@@ -110,6 +111,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=64, help="requests per concurrency level (16 at concurrency 1)")
     parser.add_argument("--min-tokens", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="every side's weights and compute (default float32, the trainer's on CPU)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each measurement, interleaved; the median is reported")
     add_markdown_flag(parser)
     return parser.parse_args(argv)
@@ -120,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = model_folder(args.model, Path(tmp))
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype), attn_implementation="sdpa").eval()
         levels = args.concurrency
         jobs = {c: workload(tokenizer, 16 if c == 1 else args.requests, args.min_tokens, args.max_tokens, seed=c) for c in levels}
         # Every server stays up (idle, they cost nothing) so that the sides' runs interleave and share the machine's
@@ -129,9 +132,9 @@ def main(argv: list[str] | None = None) -> None:
         try:
             for mode in ("exact", "fast"):
                 servers[mode] = EmbeddedServer(folder, shares_cores=False, extra_args=[
-                    "--logprobs-mode", "processed_logprobs", "--decode-mode", mode])
+                    "--logprobs-mode", "processed_logprobs", "--decode-mode", mode, "--dtype", args.dtype])
             if (VLLM_ENV / ".tandem-stamp").exists():
-                servers["vllm"] = start_vllm(folder)
+                servers["vllm"] = start_vllm(folder, args.dtype)
             else:
                 print(f"no vLLM environment in {VLLM_ENV} (scripts/vllm_env.sh builds one): its column is left out")
             for server in servers.values():

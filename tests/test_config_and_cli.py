@@ -9,6 +9,8 @@ import pytest
 
 from tandem.cli import main
 from tandem.config import AsyncGRPOConfig, load_recipe
+from tandem.generation.launcher import EmbeddedServer
+from tandem.tasks import TINY_MODEL_PATH
 
 
 def test_defaults_follow_the_spec():
@@ -161,6 +163,17 @@ def test_tandem_serve_refuses_a_bad_weight_transfer_config_in_one_line():
         done = subprocess.run([sys.executable, "-m", "tandem", "serve", "tiny", "--weight-transfer-config", value],
                               capture_output=True, text=True, timeout=120)
         assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_tandem_serve_tiny_answers_to_the_name_it_was_typed_with_and_to_its_folder():
+    from openai import OpenAI
+
+    with EmbeddedServer("tiny", shares_cores=False) as server:
+        client = OpenAI(base_url=server.url + "/v1", api_key="none")
+        assert [model.id for model in client.models.list()] == ["tiny", TINY_MODEL_PATH], "listed as typed first, as vLLM"
+        for name in ("tiny", TINY_MODEL_PATH):  # the folder: the name a trainer pointed at this server asks for
+            completion = client.completions.create(model=name, prompt="What is 2 + 3?", max_tokens=2)
+            assert completion.model == name and completion.choices[0].text
 
 
 def test_fsdp_config_takes_reshard_after_forward_and_refuses_the_rest():

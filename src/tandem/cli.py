@@ -29,7 +29,7 @@ def serve_parser(sub) -> None:
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto: the checkpoint's)")
     p.add_argument("--seed", type=int, default=None, help="seed for requests that send none")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1, /v2, /inference, /cohere, as vLLM does")
-    p.add_argument("--served-model-name", nargs="+", default=[], help="names the model answers to (default: MODEL)")
+    p.add_argument("--served-model-name", nargs="+", default=[], help="names the model answers to (default: MODEL as typed; tiny: tiny and its folder)")
     p.add_argument("--enable-lora", action="store_true", help="allow /v1/load_lora_adapter and adapter names in `model`")
     p.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one batch (default 1)")
     p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted (default 16)")
@@ -172,7 +172,8 @@ def run_serve(ns: argparse.Namespace) -> None:
         check_tool_flags(args)
     except ValueError as exc:
         sys.exit(f"tandem serve: {exc}")
-    if args.model == "tiny":
+    if args.model == "tiny":  # answers to the name as typed (vLLM's default) and to its folder (the trainer's name)
+        args.served_model_name = args.served_model_name or ["tiny", TINY_MODEL_PATH]
         args.model = TINY_MODEL_PATH
     if args.model.startswith(("/", ".", "~")) and not Path(args.model).expanduser().is_dir():
         user_error(f"tandem serve: {args.model}: no such model folder. Give a folder with config.json and safetensors "
