@@ -22,6 +22,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.qwen2.modeling_qwen2 import repeat_kv
 
+from tandem.openmp import in_passing_thread
+
 MIN_ROWS = 16
 NAME = "tandem_exact"
 MKL_CBWR_STRICT = 0x10000
@@ -73,7 +75,7 @@ def _fewest_rows_rounding_alike() -> int:
     return fewest
 
 
-MATMUL_ROWS = _fewest_rows_rounding_alike() if ROWS_ROUND_ALIKE else MIN_ROWS
+MATMUL_ROWS = in_passing_thread(_fewest_rows_rounding_alike) if ROWS_ROUND_ALIKE else MIN_ROWS
 """Rows each matmul of exact decoding needs, padded with filler rows where it has fewer: without the strict mode,
 16 (and layers 1024 or more wide may still drift); padding a 3:1 model's 3 stacked query rows to 16 was ~20% of an
 exact decode step."""

@@ -18,6 +18,7 @@ from tandem.generation.engine import Engine
 from tandem.generation.lora import AdapterNotFound, AdapterSet
 from tandem.generation.protocol import ApiError, bad_request
 from tandem.generation.weight_transfer import Receiver, TransferError
+from tandem.openmp import in_passing_thread
 
 logger = logging.getLogger("tandem.serve")
 WEIGHT_TRANSFER_PATHS = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update")
@@ -156,7 +157,8 @@ class Control:
                 info = info[0] if len(info) == 1 else None
             if not isinstance(info, dict):
                 raise TransferError("Missing 'update_info' in request body (an object, or a list with one per worker)")
-            await asyncio.to_thread(receiver.receive, info, served_parameters(self.engine.model))
+            # a thread that ends with the update: its copies' OpenMP team must not outlive it (tandem.openmp)
+            await asyncio.to_thread(in_passing_thread, receiver.receive, info, served_parameters(self.engine.model))
             return web.json_response({"message": "Weights updated"})
         staged = receiver.finish(discard=body.discard)  # "discard": tandem proxy's, see Receiver.finish
 

@@ -34,6 +34,7 @@ from tandem.generation.protocol import ApiError, bad_request
 from tandem.generation.streaming import DONE, ChatStream, CompletionStream, Stream, sse
 from tandem.generation.weight_transfer import Receiver, parse_config
 from tandem.httpapp import api_key_auth, error_body, error_response, start_app
+from tandem.openmp import in_passing_thread
 
 logger = logging.getLogger("tandem.serve")
 VLLM_PROTOCOL_VERSION = "0.33.0"
@@ -497,6 +498,6 @@ def prometheus_text(stats, model_name: str, prefix_caching: bool) -> str:
 
 async def start_server(args: ServeArgs) -> tuple[web.AppRunner, int]:
     """Start serving in the running event loop; returns the runner and the bound port (for --port 0)."""
-    app = Server(args).app()
+    app = in_passing_thread(Server, args).app()  # the main thread stays out of OpenMP (tandem.openmp)
     gc.freeze()  # the ~200k objects of the imports and the model, never garbage: no collection walks them (2x decode)
     return await start_app(app, args.host, args.port, handler_cancellation=True)
