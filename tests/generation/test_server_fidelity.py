@@ -50,26 +50,55 @@ def test_same_seed_same_tokens_alone_and_inside_a_busy_batch(server, tokenizer):
     assert busy == alone
 
 
-def test_fast_mode_stays_within_fp32_noise_of_the_forward():
-    """Fast mode (SDPA, one query row per step) rounds differently from a full forward; it must stay close."""
+def fast_drift(requests: list[EngineRequest], reference) -> float:
+    """The largest gap between served log-probs and `reference`'s teacher-forced ones."""
+    return max(
+        float((torch.tensor(r.sequences[0].logprobs) - teacher_forced(reference, r.prompt, r.sequences[0].output, r.params)[
+            torch.arange(len(r.sequences[0].output)), torch.tensor(r.sequences[0].output)]).abs().max())
+        for r in requests
+    )
+
+
+def sdpa_tiny_model():
     from transformers import AutoModelForCausalLM
 
     from tandem.tasks import TINY_MODEL_PATH
 
+    return AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def test_fast_mode_stays_within_fp32_noise_of_the_forward():
+    """Fast mode (SDPA, one query row per step, oneDNN-packed linear weights on a CPU) rounds differently from a full
+    forward; it must stay close."""
     engine = make_engine(attention="sdpa")
-    reference = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32, attn_implementation="sdpa").eval()
     try:
         rng = random.Random(3)
         requests = [EngineRequest(prompt=[rng.randrange(3, 384) for _ in range(20)], params=SamplingParams(max_tokens=16, seed=i)) for i in range(8)]
         run(engine, requests)
     finally:
         engine.stop()
-    worst = max(
-        float((torch.tensor(r.sequences[0].logprobs) - teacher_forced(reference, r.prompt, r.sequences[0].output, r.params)[
-            torch.arange(len(r.sequences[0].output)), torch.tensor(r.sequences[0].output)]).abs().max())
-        for r in requests
-    )
+    worst = fast_drift(requests, sdpa_tiny_model())
     assert worst < 1e-4, f"fast mode drifts {worst:.2e} from the forward"
+
+
+def test_fast_mode_serves_weights_changed_in_place():
+    """A weight update (a sync, reload_weights) copies into the served parameters; the packed copies of the linear
+    weights fast mode computes with must follow them (Engine.weights_changed)."""
+    engine, reference = make_engine(attention="sdpa"), sdpa_tiny_model()
+    assert engine.packed, "a CPU model in fast mode runs on packed linear weights"
+    try:
+        with torch.no_grad():
+            for model in (engine.model, reference):
+                for parameter in model.parameters():
+                    parameter.mul_(1.25)
+        engine.call(engine.weights_changed).result(60)
+        rng = random.Random(4)
+        requests = [EngineRequest(prompt=[rng.randrange(3, 384) for _ in range(20)], params=SamplingParams(max_tokens=8, seed=i)) for i in range(4)]
+        run(engine, requests)
+    finally:
+        engine.stop()
+    worst = fast_drift(requests, reference)
+    assert worst < 1e-4, f"fast mode serves {worst:.2e} away from the updated weights"
 
 
 def test_echo_scores_random_prompts_as_a_teacher_forced_forward_then_the_generated_tokens(server, tiny_model):

@@ -113,7 +113,10 @@ class Control:
 
         def reload():
             self.engine.reset_prefix_cache()  # first: a checkpoint refused halfway has changed some weights already
-            load_weights(self.engine.model, path)
+            try:
+                load_weights(self.engine.model, path)
+            finally:
+                self.engine.weights_changed()
 
         try:
             await asyncio.wrap_future(self.engine.call(reload))
@@ -168,6 +171,7 @@ class Control:
             with torch.no_grad():
                 for name, tensor in staged.items():
                     params[name].copy_(tensor)
+            self.engine.weights_changed()
 
         if staged:
             await asyncio.wrap_future(self.engine.call(swap))
