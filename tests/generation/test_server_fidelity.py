@@ -8,6 +8,7 @@ import torch
 from tandem.generation.sampling import SamplingParams
 from tests.conftest import chat_prompt
 from tests.generation.test_engine import make_engine, run, teacher_forced
+from tandem.generation import packed_linear
 from tandem.generation.engine import EngineRequest
 
 
@@ -81,11 +82,12 @@ def test_fast_mode_stays_within_fp32_noise_of_the_forward():
     assert worst < 1e-4, f"fast mode drifts {worst:.2e} from the forward"
 
 
-def test_fast_mode_serves_weights_changed_in_place():
+def test_fast_mode_serves_weights_changed_in_place(monkeypatch):
     """A weight update (a sync, reload_weights) copies into the served parameters; the packed copies of the linear
     weights fast mode computes with must follow them (Engine.weights_changed)."""
+    monkeypatch.setattr(packed_linear, "MIN_PACKED_ELEMENTS", 0)  # the tiny model's layers too
     engine, reference = make_engine(attention="sdpa"), sdpa_tiny_model()
-    assert engine.packed, "a CPU model in fast mode runs on packed linear weights"
+    assert engine.model.lm_head.packed_weight is not None, "a CPU model in fast mode runs on packed linear weights"
     try:
         with torch.no_grad():
             for model in (engine.model, reference):
