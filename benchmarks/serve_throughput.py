@@ -115,7 +115,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="every side's weights and compute (default float32, the trainer's on CPU)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each measurement, interleaved; the median is reported")
     add_markdown_flag(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.markdown and args.dtype != "float32":
+        parser.error("--markdown writes the README's float32 table: measure --dtype bfloat16 without it")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -45,7 +45,7 @@ def serve_parser(sub) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default auto)")
     p.add_argument("--decode-mode", default="auto", choices=["auto", "exact", "fast"],
                    help="exact: log-probs bitwise equal to a full forward (re-forwards a 16-token window per step, eager "
-                        "attention); fast: one token per step with SDPA, on a CPU with oneDNN-packed linear weights (default auto: "
+                        "attention); fast: one token per step with SDPA, on a CPU large linear layers on oneDNN (default auto: "
                         "exact on CPU, fast on GPU)")
     p.add_argument("--step-delay-s", type=float, default=0.0, help="benchmarks: sleep this long after every decode step")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,

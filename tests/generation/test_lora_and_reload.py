@@ -9,7 +9,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from tandem.generation import packed_linear
+from tandem.generation import onednn_linear
 from tandem.tasks import TINY_MODEL_PATH
 from tests.generation.test_streaming import sse_events
 from tests.conftest import ServerThread, chat_prompt
@@ -129,8 +129,9 @@ def test_adapter_rank_above_max_lora_rank_is_refused(server, tmp_path):
 
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 def test_reload_weights_swaps_the_model_between_steps(tmp_path, tokenizer, mode, monkeypatch):
-    """In fast mode on a CPU the linear layers compute on packed copies of the weights: they follow the reload too."""
-    monkeypatch.setattr(packed_linear, "MIN_PACKED_ELEMENTS", 0)  # the tiny model's layers too
+    """In fast mode on a CPU the linear layers compute on copies of the weights reordered for oneDNN: they follow the
+    reload too."""
+    monkeypatch.setattr(onednn_linear, "MIN_ELEMENTS", 0)  # the tiny model's layers too
     torch.manual_seed(0)
     changed = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -144,6 +145,7 @@ def test_reload_weights_swaps_the_model_between_steps(tmp_path, tokenizer, mode,
     s = ServerThread(logprobs_mode="processed_logprobs", decode_mode=mode)
     try:
         prompt = chat_prompt(tokenizer, "What is 8 + 8?")
+        complete(s, prompt, seed=4)  # served before the reload (fast mode: the weights reordered for oneDNN)
         assert s.request("POST", "/pause?mode=keep")[0] == 200
         status, _ = s.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(weights), "is_checkpoint_format": True}})
         assert status == 200

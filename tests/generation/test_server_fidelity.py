@@ -3,12 +3,13 @@
 import concurrent.futures
 import random
 
+import pytest
 import torch
 
 from tandem.generation.sampling import SamplingParams
 from tests.conftest import chat_prompt
 from tests.generation.test_engine import make_engine, run, teacher_forced
-from tandem.generation import packed_linear
+from tandem.generation import onednn_linear
 from tandem.generation.engine import EngineRequest
 
 
@@ -68,9 +69,10 @@ def sdpa_tiny_model():
     return AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
-def test_fast_mode_stays_within_fp32_noise_of_the_forward():
-    """Fast mode (SDPA, one query row per step, oneDNN-packed linear weights on a CPU) rounds differently from a full
-    forward; it must stay close."""
+def test_fast_mode_stays_within_fp32_noise_of_the_forward(monkeypatch):
+    """Fast mode (SDPA, one query row per step, linear layers on oneDNN's reordered weights on a CPU) rounds
+    differently from a full forward; it must stay close."""
+    monkeypatch.setattr(onednn_linear, "MIN_ELEMENTS", 0)  # the tiny model's layers too
     engine = make_engine(attention="sdpa")
     try:
         rng = random.Random(3)
@@ -82,13 +84,15 @@ def test_fast_mode_stays_within_fp32_noise_of_the_forward():
     assert worst < 1e-4, f"fast mode drifts {worst:.2e} from the forward"
 
 
+@pytest.mark.skipif(not onednn_linear.usable(torch.float32), reason="oneDNN's matmul needs an x86 CPU and a torch with it")
 def test_fast_mode_serves_weights_changed_in_place(monkeypatch):
-    """A weight update (a sync, reload_weights) copies into the served parameters; the packed copies of the linear
-    weights fast mode computes with must follow them (Engine.weights_changed)."""
-    monkeypatch.setattr(packed_linear, "MIN_PACKED_ELEMENTS", 0)  # the tiny model's layers too
+    """A weight update (a sync, reload_weights) copies into the served parameters; the copies fast mode reorders for
+    oneDNN must follow them (Engine.weights_changed)."""
+    monkeypatch.setattr(onednn_linear, "MIN_ELEMENTS", 0)  # the tiny model's layers too
     engine, reference = make_engine(attention="sdpa"), sdpa_tiny_model()
-    assert engine.model.lm_head.packed_weight is not None, "a CPU model in fast mode runs on packed linear weights"
+    assert hasattr(engine.model.lm_head, "onednn_weight"), "a CPU model in fast mode computes with oneDNN"
     try:
+        run(engine, [EngineRequest(prompt=[5, 6, 7], params=SamplingParams(max_tokens=2))])  # reorders the weights
         with torch.no_grad():
             for model in (engine.model, reference):
                 for parameter in model.parameters():

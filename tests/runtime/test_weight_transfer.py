@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tandem.generation.client import ControlClient, EngineDead, GenerationClient, ServerError
+from tandem.generation import onednn_linear
 from tandem.generation.launcher import EmbeddedProxy
 from tandem.packing import attention as tree_attention
 from tandem.tasks import TINY_MODEL_PATH
@@ -78,6 +79,23 @@ def test_each_transfer_is_served_exactly_and_a_failed_one_leaves_the_previous_we
             sync.push(trained_model(seed=3), 3)
         assert gaps(run, [server.url], model, prompt)[0] <= ATOL, "a failed transfer must leave version 2 served"
         assert not run.run(control.is_paused()), "generation goes on after a failed transfer"
+        run.run(control.close())
+    server.close()
+
+
+def test_a_transfer_reaches_the_weights_fast_decoding_reordered_for_onednn(tokenizer, monkeypatch):
+    monkeypatch.setattr(onednn_linear, "MIN_ELEMENTS", 0)  # the tiny model's layers too
+    server = ServerThread(weight_transfer_config=GLOO, decode_mode="fast")
+    prompt = chat_prompt(tokenizer, "What is 12 + 30?")
+    with asyncio.Runner() as run:
+        control = ControlClient(server.url)
+        sync = TransferSync(control, run, TINY_MODEL_PATH, timeout_s=20)
+        assert sync.connect() == 1
+        gaps(run, [server.url], trained_model(seed=1), prompt)  # a first forward: the served weights are reordered
+        model = trained_model(seed=2)
+        sync.push(model, 2)
+        gap = gaps(run, [server.url], model, prompt)[0]
+        assert gap <= 1e-4, f"fast decoding serves {gap:.2e} away from the weights transferred"  # SDPA, oneDNN: not bitwise
         run.run(control.close())
     server.close()
 

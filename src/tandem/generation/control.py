@@ -168,10 +168,12 @@ class Control:
         def swap():
             self.engine.reset_prefix_cache()
             params = served_parameters(self.engine.model)
-            with torch.no_grad():
-                for name, tensor in staged.items():
-                    params[name].copy_(tensor)
-            self.engine.weights_changed()
+            try:
+                with torch.no_grad():
+                    for name, tensor in staged.items():
+                        params[name].copy_(tensor)
+            finally:
+                self.engine.weights_changed()
 
         if staged:
             await asyncio.wrap_future(self.engine.call(swap))

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from tandem import architecture, exact_attention
-from tandem.generation import packed_linear
+from tandem.generation import onednn_linear
 from tandem.generation.kv_cache import SequenceStates, SlotKVCache
 from tandem.generation.lora import AdapterSet
 from tandem.generation.prefix_cache import PrefixCache
@@ -173,10 +173,8 @@ class Engine:
         self.logprobs_mode = logprobs_mode
         self.adapters = adapters
         self.exact = exact
-        self.packed = not exact and adapters is None and packed_linear.can_pack(model)
-        """Fast decoding on a CPU, no adapters: the linear layers run on oneDNN-packed weights (packed_linear)."""
-        if self.packed:
-            packed_linear.pack(model)
+        if not exact and adapters is None and next(model.parameters()).device.type == "cpu":
+            onednn_linear.install(model)  # fast decoding on a CPU: large linear layers on reordered weights
         self.min_rows = _min_rows(model, exact)
         """Rows every matmul gets, filler sequences added where a step has fewer (exact decoding: MATMUL_ROWS)."""
         self.step_delay_s = step_delay_s
@@ -301,9 +299,8 @@ class Engine:
             self.prefix_cache.clear()
 
     def weights_changed(self) -> None:
-        """The weights were changed in place: packed copies follow. On the engine thread, like reset_prefix_cache."""
-        if self.packed:
-            packed_linear.pack(self.model)
+        """The weights were changed in place: copies of them made for oneDNN follow. On the engine thread."""
+        onednn_linear.forget(self.model)
 
     # ---- engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
