@@ -112,10 +112,9 @@ class Control:
             raise bad_request(f"reload_weights: weights_path {path} is not a directory.", "weights_path", path)
 
         def reload():
-            self.engine.reset_prefix_cache()  # first: a checkpoint refused halfway has changed some weights already
             try:
                 load_weights(self.engine.model, path)
-            finally:
+            finally:  # a checkpoint refused halfway has changed some weights already
                 self.engine.weights_changed()
 
         try:
@@ -166,7 +165,6 @@ class Control:
         staged = receiver.finish(discard=body.discard)  # "discard": tandem proxy's, see Receiver.finish
 
         def swap():
-            self.engine.reset_prefix_cache()
             params = served_parameters(self.engine.model)
             try:
                 with torch.no_grad():

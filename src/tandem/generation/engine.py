@@ -299,7 +299,9 @@ class Engine:
             self.prefix_cache.clear()
 
     def weights_changed(self) -> None:
-        """The weights were changed in place: copies of them made for oneDNN follow. On the engine thread."""
+        """The weights were changed in place: the prefix cache is dropped and copies made for oneDNN follow. On the
+        engine thread, between steps."""
+        self.reset_prefix_cache()
         onednn_linear.forget(self.model)
 
     # ---- engine thread -------------------------------------------------------------------
