@@ -10,7 +10,8 @@ SOURCE = Path(tandem.__file__).parent
 
 NEUTRAL = {"tandem.__version__", "tandem.config", "tandem.prompts", "tandem.tool_calls", "tandem.exact_attention",
            "tandem.architecture", "tandem.httpapp", "tandem.tasks", "tandem.records", "tandem.channels",
-           "tandem.distributed", "tandem.model_folder", "tandem.dataset_rows", "tandem.errors", "tandem.openmp"}
+           "tandem.distributed", "tandem.model_folder", "tandem.dataset_rows", "tandem.errors", "tandem.openmp",
+           "tandem.onednn_linear"}
 """Modules any layer may use: the package itself (its version), plain settings, the records both processes exchange,
 the process group and the model folder writer, and small shared helpers."""
 

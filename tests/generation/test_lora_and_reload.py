@@ -9,7 +9,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from tandem.generation import onednn_linear
+from tandem import onednn_linear
 from tandem.tasks import TINY_MODEL_PATH
 from tests.generation.test_streaming import sse_events
 from tests.conftest import ServerThread, chat_prompt

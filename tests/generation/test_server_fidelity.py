@@ -9,7 +9,7 @@ import torch
 from tandem.generation.sampling import SamplingParams
 from tests.conftest import chat_prompt
 from tests.generation.test_engine import make_engine, run, teacher_forced
-from tandem.generation import onednn_linear
+from tandem import onednn_linear
 from tandem.generation.engine import EngineRequest
 
 

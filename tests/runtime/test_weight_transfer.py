@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tandem.generation.client import ControlClient, EngineDead, GenerationClient, ServerError
-from tandem.generation import onednn_linear
+from tandem import onednn_linear
 from tandem.generation.launcher import EmbeddedProxy
 from tandem.packing import attention as tree_attention
 from tandem.tasks import TINY_MODEL_PATH

@@ -20,7 +20,7 @@ import pytest
 from datasets import Dataset
 from transformers import TrainerCallback
 
-from tandem import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop, Rollout, exact_attention
+from tandem import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop, Rollout, exact_attention, onednn_linear
 from tandem.generation.client import ServerProblem
 from tandem.generation.launcher import EmbeddedProxy, EmbeddedServer, core_share
 from tandem.rewards import accuracy_reward
@@ -68,6 +68,25 @@ def test_at_staleness_zero_the_importance_ratio_is_one(tmp_path):
         assert "perf/weight_sync_barrier_s" not in r, "one process has no ranks to wait for"
         assert (r["batch/row_imbalance"], r["batch/pad_frac"]) == (1.0, 0.0), "one row a micro-batch: balanced, unpadded"
         assert r["perf/fwd_s"] < r["perf/fwd_bwd_s"], "the step's forward passes are part of its forward + backward"
+
+
+@pytest.mark.skipif(onednn_linear.EXACT_ROWS is None, reason="oneDNN's rows do not round alike here (or no x86 oneDNN)")
+@pytest.mark.parametrize("adapter", [False, True], ids=["full weights", "LoRA"])
+def test_at_staleness_zero_the_ratio_is_one_with_layers_on_onednn(tmp_path, wide_path, adapter):
+    """A model wide enough that its large layers compute on oneDNN, in the trainer and in exact decoding alike; under
+    LoRA the base layers do, the adapters' small products stay on MKL on both sides."""
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"], lora_dropout=0.0)
+    args = config(tmp_path, max_staleness=0, max_steps=3, learning_rate=1e-3)
+    trainer = AsyncGRPOTrainer(wide_path, varied_reward, args=args, train_dataset=small_dataset(),
+                               peft_config=lora if adapter else None)
+    model = trainer.model.get_base_model() if adapter else trainer.model
+    assert onednn_linear.routed(model.lm_head) and not onednn_linear.routed(model.model.layers[0].self_attn.k_proj)
+    trainer.train()
+    rows = [r for r in logged(tmp_path) if "sampling/importance_sampling_ratio/mean" in r]
+    assert len(rows) == 3 and all(r["sample/staleness_max"] == 0 for r in rows)
+    assert all(r["sampling/sampling_logp_difference/max"] == 0.0 for r in rows), "the trainer's log-probs differ"
     assert rows[-1]["num_tokens"] == sum(r["batch/forwarded_tokens_per_step"] for r in rows)
 
 

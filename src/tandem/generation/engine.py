@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from tandem import architecture, exact_attention
-from tandem.generation import onednn_linear
+from tandem import onednn_linear
 from tandem.generation.kv_cache import SequenceStates, SlotKVCache
 from tandem.generation.lora import AdapterSet
 from tandem.generation.prefix_cache import PrefixCache
@@ -98,8 +98,8 @@ def _filler_adapters(adapters: list[str | None], width: int, min_rows: int) -> l
 
 def _min_rows(model: torch.nn.Module, exact: bool) -> int:
     """Rows every matmul of a decode step needs: exact decoding's MATMUL_ROWS on a CPU (16 where MKL's strict mode is
-    off), 1 otherwise (the probe is of MKL's kernels). Warns when MKL is there but the mode is not (set otherwise, or
-    torch ran a matmul before tandem was imported)."""
+    off), at least oneDNN's EXACT_ROWS where layers run on it; 1 otherwise (the probes are of CPU kernels). Warns when
+    MKL is there but the mode is not (set otherwise, or torch ran a matmul before tandem was imported)."""
     if not exact or next(model.parameters()).device.type != "cpu":
         return 1
     if not exact_attention.ROWS_ROUND_ALIKE and torch.backends.mkl.is_available():
@@ -107,6 +107,8 @@ def _min_rows(model: torch.nn.Module, exact: bool) -> int:
                        "rows, and layers 1024 or more wide may still round unlike the trainer's forward; start the "
                        "process with MKL_CBWR=AUTO,STRICT (or import tandem before torch's first matmul)",
                        exact_attention.MIN_ROWS)
+    if any(onednn_linear.routed(module) for module in model.modules()):
+        return max(exact_attention.MATMUL_ROWS, onednn_linear.EXACT_ROWS)
     return exact_attention.MATMUL_ROWS
 
 
@@ -173,8 +175,8 @@ class Engine:
         self.logprobs_mode = logprobs_mode
         self.adapters = adapters
         self.exact = exact
-        if not exact and adapters is None and next(model.parameters()).device.type == "cpu":
-            onednn_linear.install(model)  # fast decoding on a CPU: large linear layers on reordered weights
+        if next(model.parameters()).device.type == "cpu":  # large linear layers on reordered weights, as the trainer's
+            onednn_linear.install(model, exact=exact, reorder=True)
         self.min_rows = _min_rows(model, exact)
         """Rows every matmul gets, filler sequences added where a step has fewer (exact decoding: MATMUL_ROWS)."""
         self.step_delay_s = step_delay_s

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from tandem import onednn_linear
 from tandem.exact_attention import MIN_ROWS
 from tandem.packing.attention import tree_masks
 from tandem.packing.trie import PADDED, TREE, PackedRow
@@ -50,8 +51,9 @@ def chunked_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch
         return TokenLogprobs(empty + hidden.sum() * 0, empty, hidden.new_zeros(0, width) + hidden.sum() * 0)
     if plain_linear(head):
         extra = extra_ids if extra_ids is not None else targets.new_zeros(len(targets), 0)
+        project = onednn_linear.linear if onednn_linear.routed(head) else torch.nn.functional.linear  # as head(x) would
         logprobs, entropy, scored = LinearHeadLogprobs.apply(hidden, head.weight, head.bias, targets, extra, sampling_mask,
-                                                             temperature, softcap, chunk_size)
+                                                             temperature, softcap, chunk_size, project)
         return TokenLogprobs(logprobs, entropy, scored if extra_ids is not None else None)
     parts = []  # any other head (a LoRA-wrapped one): autograd, each chunk checkpointed
     for start in range(0, hidden.shape[0], chunk_size):
@@ -77,15 +79,15 @@ class LinearHeadLogprobs(torch.autograd.Function):
     second [vocab, hidden] gradient per chunk: 855 MiB against about 300 at 8192 tokens x 32k vocabulary (benchmarks)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, extra_ids, kept, temperature, softcap, chunk_size):
+    def forward(ctx, hidden, weight, bias, targets, extra_ids, kept, temperature, softcap, chunk_size, project):
         def head(x):
-            return torch.nn.functional.linear(x, weight, bias)
+            return project(x, weight, bias)
 
         with torch.no_grad():  # the forward of the autograd path, value for value (the staleness-0 ratio is exactly 1)
             parts = [_chunk(head, hidden[part], targets[part], temperature, kept[part] if kept is not None else None,
                             softcap, extra_ids[part]) for part in _chunks(hidden.shape[0], chunk_size)]
         ctx.save_for_backward(hidden, weight, bias, targets, extra_ids, kept)
-        ctx.settings = temperature, softcap, chunk_size
+        ctx.settings = temperature, softcap, chunk_size, project
         logprobs, entropy, extra = (torch.cat(values) for values in zip(*parts))
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy, extra
@@ -93,31 +95,31 @@ class LinearHeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, _grad_entropy, grad_extra):
         hidden, weight, bias, targets, extra_ids, kept = ctx.saved_tensors
-        temperature, softcap, chunk_size = ctx.settings
+        temperature, softcap, chunk_size, project = ctx.settings
         wants_hidden, wants_weight, wants_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if wants_hidden else None
         grad_weight = torch.zeros_like(weight) if wants_weight else None
         grad_bias = torch.zeros_like(bias) if wants_bias else None
         for part in _chunks(hidden.shape[0], chunk_size):
-            grad = _logits_grad(hidden[part], weight, bias, targets[part], grad_logprobs[part], extra_ids[part],
-                                grad_extra[part], kept[part] if kept is not None else None, temperature, softcap)
+            grad = _logits_grad(project(hidden[part], weight, bias), weight.dtype, targets[part], grad_logprobs[part],
+                                extra_ids[part], grad_extra[part], kept[part] if kept is not None else None, temperature,
+                                softcap)
             if wants_hidden:
                 torch.mm(grad, weight, out=grad_hidden[part])
             if wants_weight:
                 grad_weight.addmm_(grad.T, hidden[part])
             if wants_bias:
                 grad_bias += grad.sum(0)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def _chunks(rows: int, chunk_size: int) -> list[slice]:
     return [slice(start, start + chunk_size) for start in range(0, rows, chunk_size)]
 
 
-def _logits_grad(hidden, weight, bias, targets, grad_target, extra_ids, grad_extra, kept, temperature, softcap):
-    """d loss / d head(hidden) for one chunk, built in the logits' buffer: onehot(targets) * g + onehot(extra) * g_extra
-    - softmax * (g + sum g_extra), zero where the sampler masked, then back through temperature and softcap."""
-    logits = torch.nn.functional.linear(hidden, weight, bias)
+def _logits_grad(logits, dtype, targets, grad_target, extra_ids, grad_extra, kept, temperature, softcap):
+    """d loss / d logits for one chunk's recomputed logits, built in their buffer: onehot(targets) * g + onehot(extra) *
+    g_extra - softmax * (g + sum g_extra), zero where the sampler masked, then back through temperature and softcap."""
     logits = logits.float() if logits.dtype != torch.float64 else logits
     capped = torch.tanh(logits / softcap) if softcap else None
     scaled = (capped * softcap if softcap else logits).div_(temperature)
@@ -134,7 +136,7 @@ def _logits_grad(hidden, weight, bias, targets, grad_target, extra_ids, grad_ext
     grad.div_(temperature)
     if softcap:
         grad.mul_(capped.square_().neg_().add_(1))
-    return grad.to(weight.dtype)
+    return grad.to(dtype)
 
 
 def _chunk(head, hidden, targets, temperature, kept, softcap, extra_ids):

@@ -10,7 +10,7 @@ from peft import get_peft_model
 from transformers import PreTrainedModel
 from transformers.debug_utils import DebugUnderflowOverflow
 
-from tandem import architecture
+from tandem import architecture, onednn_linear
 from tandem.config import AsyncGRPOConfig
 from tandem.dataset_rows import columns_of, first_rows, is_iterable
 from tandem.errors import UsageError
@@ -39,6 +39,8 @@ def load_model(model, args: AsyncGRPOConfig) -> tuple[str, PreTrainedModel, str]
         raise TypeError(f"model must be a path, a hub id, 'tiny' or a PreTrainedModel, not {type(model).__name__}")
     architecture.without_hub_kernels(loaded)
     freeze_vision(loaded)
+    if loaded.device.type == "cpu" and autocast_dtype(args, loaded.device) is None:  # before any adapter wraps a layer
+        onednn_linear.install(loaded, exact=True, reorder=False)  # as exact decoding computes: log-probs bit for bit
     layout = tree_attention.prepare(loaded)
     if layout == PADDED:
         warnings.warn(f"{type(loaded).__name__} cannot be tree-packed ({'; '.join(tree_attention.padded_reasons(loaded))}): "

@@ -1,0 +1,140 @@
+"""Large linear layers on an x86 CPU through oneDNN's matmul, in the server and in the trainer alike.
+
+`nn.Linear` calls MKL's sgemm, which reorders the weight on every call; with the few rows of a decode step that reorder
+is most of the work (an 8 x 2048 @ 2048 x 768 matmul: 0.47-0.53 ms with MKL, 0.14-0.16 ms reordered once, on an AMD
+EPYC). vLLM's CPU build computes with weights reordered so too. The server keeps a reordered copy (the linear weights'
+memory again), made at a layer's first forward after each weight update (`forget`), so layers that never run (a vision
+tower) get none. The trainer passes the weight as it is, which oneDNN reorders inside the call (a 2048-row matmul: 1.3-1.7x
+faster than MKL's strict mode even so) and which rounds the same as the reordered copy.
+
+Exact decoding depends on one more fact: oneDNN's float32 matmul rounds each row the same whatever the row count from
+EXACT_ROWS on (2 here: 1 row takes a gemv), at 1 or 2 threads. So where that holds (probed at import) the trainer's
+forward and exact decoding both run their large layers on it, and their log-probs stay equal bit for bit.
+"""
+
+import platform
+
+import torch
+
+from tandem.openmp import in_passing_thread
+
+REORDERED_FOR_ROWS = 64
+"""The row count oneDNN tunes the layout for; any count runs on it (1 to 200 rows measured: as fast or faster)."""
+MIN_ELEMENTS = 1 << 17
+"""Smaller weights stay on MKL: oneDNN's ~15 us a call outweighs the reorder it saves (192 x 512 at 1 row: 22 us against
+MKL's 9). From 256 x 768 on it is about even at 1 row (by run) and faster at 8 rows (1.1-1.7x there, 2.6-3.8x at
+768 x 2048)."""
+PROBED_ROWS = 16
+"""Exact decoding pads its matmuls to at most this many rows: oneDNN must round alike from here on, or exact stays on MKL."""
+
+
+def usable(dtype: torch.dtype) -> bool:
+    """oneDNN in this torch, an x86 CPU (the only kind measured), and for bfloat16 the AVX-512 (or AVX-NE-CONVERT)
+    its bfloat16 path needs."""
+    if not torch.backends.mkldnn.is_available() or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ weight.T + bias` on oneDNN; `weight` plain or reordered, the same rounding either way."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _fewest_rows_rounding_alike() -> int | None:
+    """The fewest rows from which each row of a float32 matmul rounds as in a 300-row one (past oneDNN's blocks of
+    rows), plain weight or reordered, up to PROBED_ROWS; None if not even there. ~10 small matmuls, a few ms."""
+    if not usable(torch.float32):
+        return None
+    generator = torch.Generator().manual_seed(0)
+    cases = []
+    for width in (768, 2048):  # a hidden size, a wide down projection
+        x, weight = torch.randn(300, width, generator=generator), torch.randn(64, width, generator=generator)
+        cases += [(x, weight), (x, torch.ops.mkldnn._reorder_linear_weight(weight, REORDERED_FOR_ROWS))]
+    longs = [_matmul(x, weight, None) for x, weight in cases]
+
+    def alike(rows: int) -> bool:
+        return all(torch.equal(_matmul(x[:rows], weight, None), long[:rows]) for (x, weight), long in zip(cases, longs))
+
+    if not alike(PROBED_ROWS):
+        return None
+    fewest = PROBED_ROWS
+    while fewest > 1 and alike(fewest - 1):
+        fewest -= 1
+    return fewest
+
+
+EXACT_ROWS = in_passing_thread(_fewest_rows_rounding_alike)
+"""Rows each matmul of exact decoding needs on oneDNN, or None where its rows do not round alike (exact stays on MKL)."""
+
+
+def routable(module: torch.nn.Module, exact: bool) -> bool:
+    """Exactly an `nn.Linear` (not a subclass that computes otherwise) with MIN_ELEMENTS weights or more, in a dtype
+    oneDNN takes here; for exact decoding and the trainer, float32 only and only where its rows round alike."""
+    if type(module) is not torch.nn.Linear or module.weight.numel() < MIN_ELEMENTS or not usable(module.weight.dtype):
+        return False
+    return not exact or (module.weight.dtype == torch.float32 and EXACT_ROWS is not None)
+
+
+def install(model: torch.nn.Module, *, exact: bool, reorder: bool) -> int:
+    """Route every routable `nn.Linear` of `model` through oneDNN; returns how many. `reorder`: keep a reordered copy of
+    the weight (the server, until `forget`); else pass the weight each call, with a gradient (the trainer)."""
+    forward = _forward_on_reordered if reorder else _forward_with_gradient
+    count = 0
+    for module in model.modules():
+        if routable(module, exact):
+            module.onednn_weight = None
+            module.forward = forward.__get__(module)
+            count += 1
+    return count
+
+
+def routed(module: torch.nn.Module) -> bool:
+    """Whether `install` routed this layer: what a caller computing with its weight directly must match."""
+    return hasattr(module, "onednn_weight")
+
+
+def forget(model: torch.nn.Module) -> None:
+    """The weights changed in place: each routed layer reorders its weight again at its next forward."""
+    for module in model.modules():
+        if routed(module):
+            module.onednn_weight = None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` on oneDNN, differentiable: the trainer's routed layers, and its log-prob head where that is routed."""
+    return _Linear.apply(x, weight, bias)
+
+
+def _forward_on_reordered(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if self.onednn_weight is None:
+        self.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), REORDERED_FOR_ROWS)
+    return _matmul(x, self.onednn_weight, self.bias)
+
+
+def _forward_with_gradient(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    # F.linear under autocast, whose cast oneDNN's call would skip, and under torch.compile, which lowers oneDNN's call
+    # for frozen weights only (a compiled decoder's fused kernels round apart from exact decoding anyway: model.py warns)
+    if torch.is_autocast_enabled(x.device.type) or torch.compiler.is_compiling():
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    return linear(x, self.weight, self.bias)
+
+
+class _Linear(torch.autograd.Function):
+    """oneDNN's forward; the backward is F.linear's, as plain matmuls (its rounding is no one else's to match)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _matmul(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        wants_x, wants_weight, wants_bias = ctx.needs_input_grad
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad.matmul(weight) if wants_x else None
+        grad_weight = rows.T.mm(x.reshape(-1, x.shape[-1])) if wants_weight else None
+        grad_bias = rows.sum(0) if ctx.has_bias and wants_bias else None
+        return grad_x, grad_weight, grad_bias
