@@ -93,3 +93,12 @@ def test_a_compiled_trainer_layer_computes_as_f_linear(monkeypatch):
         mkl = torch.nn.functional.linear(x, model[0].weight, model[0].bias)
         assert not torch.equal(model(x), mkl), "oneDNN and MKL round apart on this input: the check below can tell them"
         assert torch.equal(torch.compile(model, backend="eager")(x), mkl)
+
+
+def test_a_trainer_layers_output_may_be_changed_in_place_as_f_linears_may(monkeypatch):
+    model = routed(torch.nn.Linear(16, 8), monkeypatch=monkeypatch, reorder=False)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    out = model(x)
+    out.mul_(2)  # a view returned by a custom Function could not be: autograd refuses
+    out.sum().backward()
+    assert torch.allclose(model[0].bias.grad, torch.full((8,), 20.0))

@@ -37,8 +37,11 @@ def usable(dtype: torch.dtype) -> bool:
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ weight.T + bias` on oneDNN; `weight` plain or reordered, the same rounding either way."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    """`x @ weight.T + bias` on oneDNN; `weight` plain or reordered, the same rounding either way. Shaped back as
+    F.linear does (`_unsafe_view`): oneDNN's own result for a 3-D input is a view, which autograd forbids modifying in
+    place when a custom Function returns it."""
+    rows = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), weight, bias, "none", [], "")
+    return torch.ops.aten._unsafe_view(rows, (*x.shape[:-1], rows.shape[-1]))
 
 
 def _fewest_rows_rounding_alike() -> int | None:
