@@ -19,6 +19,7 @@ import time
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from tandem import onednn_linear
 from tandem.packing import attention
 from tandem.packing.logprobs import chunked_logprobs, row_logprobs
 from tandem.records import Sample
@@ -147,6 +148,9 @@ def main(argv: list[str] | None = None) -> None:
     attention.prepare(tree_model)
     padded_model = load(args.model, attn_implementation="sdpa").to(device)
     padded_model.load_state_dict(tree_model.state_dict())  # the same random weights
+    if device.type == "cpu":  # large linear layers on oneDNN, as the trainer's load_model routes them
+        for model in (tree_model, padded_model):
+            onednn_linear.install(model, exact=True, reorder=False)
     kernels = args.kernels or [attention.default_kernel(device), "sdpa"]
     print(f"model {args.model}  device {device}  token_budget {args.token_budget}  "
           f"{args.groups} groups x G={G}, completions {args.completion[0]}-{args.completion[1]} tokens")
