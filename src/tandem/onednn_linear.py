@@ -4,8 +4,8 @@
 is most of the work (an 8 x 2048 @ 2048 x 768 matmul: 0.47-0.53 ms with MKL, 0.14-0.16 ms reordered once, on an AMD
 EPYC). vLLM's CPU build computes with weights reordered so too. The server keeps a reordered copy (the linear weights'
 memory again), made at a layer's first forward after each weight update (`forget`), so layers that never run (a vision
-tower) get none. The trainer passes the weight as it is, which oneDNN reorders inside the call (a 2048-row matmul: 1.3-1.7x
-faster than MKL's strict mode even so) and which rounds the same as the reordered copy.
+tower) get none. The trainer passes the weight as it is, which oneDNN reorders inside the call (a 2048-row forward matmul:
+1.1-1.7x faster than MKL's even so; its backward stays on MKL) and which rounds the same as the reordered copy.
 
 Exact decoding depends on one more fact: oneDNN's float32 matmul rounds each row the same whatever the row count from
 EXACT_ROWS on (2 here: 1 row takes a gemv), at 1 or 2 threads. So where that holds (probed at import) the trainer's

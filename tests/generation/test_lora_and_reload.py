@@ -79,6 +79,24 @@ def test_adapters_load_serve_mixed_batches_and_match_peft(server, adapters, toke
     assert not torch.allclose(results[4][1], other, atol=1e-3), "alpha's log-probs must differ from beta's"
 
 
+def test_fast_decoding_serves_adapters_over_base_layers_on_onednn(adapters, tokenizer, monkeypatch):
+    """PEFT wraps the layers the engine routed to oneDNN: the adapter's product adds to the reordered base layer's."""
+    monkeypatch.setattr(onednn_linear, "MIN_ELEMENTS", 0)  # the tiny model's layers too
+    fast = ServerThread(logprobs_mode="processed_logprobs", enable_lora=True, decode_mode="fast")
+    try:
+        assert fast.post("/v1/load_lora_adapter", {"lora_name": "alpha", "lora_path": str(adapters["alpha"])})[0] == 200
+        prompt = chat_prompt(tokenizer, "What is 5 + 9?")
+        tokens, logprobs = complete(fast, prompt, "alpha", seed=2)
+        wrapped = fast.server.engine.model.get_base_model().model.layers[0].self_attn.q_proj
+        assert onednn_linear.routed(wrapped.base_layer) and wrapped.base_layer.onednn_weight is not None
+    finally:
+        fast.close()
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32),
+                                          str(adapters["alpha"])).eval()
+    expected = teacher_logprobs(reference, prompt, tokens)
+    assert torch.allclose(logprobs, expected, atol=1e-4), f"log-probs drift by {(logprobs - expected).abs().max():.2e}"
+
+
 def test_unload_removes_the_name_and_eviction_reloads_from_disk(server, adapters, tokenizer):
     prompt = chat_prompt(tokenizer, "What is 5 + 9?")
     tokens_before, logprobs_before = complete(server, prompt, "alpha", seed=9)

@@ -28,8 +28,7 @@ from typing import Callable
 
 import torch
 
-from tandem import architecture, exact_attention
-from tandem import onednn_linear
+from tandem import architecture, exact_attention, onednn_linear
 from tandem.generation.kv_cache import SequenceStates, SlotKVCache
 from tandem.generation.lora import AdapterSet
 from tandem.generation.prefix_cache import PrefixCache
