@@ -16,6 +16,7 @@ Shared by the server's exact decoding (generation/engine.py) and the trainer's p
 
 import ctypes
 import os
+from collections.abc import Callable
 
 import torch
 from transformers import AttentionInterface
@@ -65,10 +66,11 @@ def _fewest_rows_rounding_alike() -> int:
               lambda rows: torch.matmul(weights[:, :, :rows], weights.new_ones(250, 2)),  # ExactSoftmax's denominator
               lambda rows: torch.matmul(weights[:, :, :rows], values)]  # WeightedValues' 8 columns
     longs = [case(64) for case in cases]
+    return fewest_rows(lambda rows: all(torch.equal(case(rows), long[..., :rows, :]) for case, long in zip(cases, longs)))
 
-    def alike(rows: int) -> bool:
-        return all(torch.equal(case(rows), long[..., :rows, :]) for case, long in zip(cases, longs))
 
+def fewest_rows(alike: Callable[[int], bool]) -> int:
+    """The fewest rows from which `alike(rows)` holds, searching down from MIN_ROWS rows."""
     fewest = MIN_ROWS
     while fewest > 1 and alike(fewest - 1):
         fewest -= 1

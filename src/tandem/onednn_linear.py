@@ -8,14 +8,17 @@ tower) get none. The trainer passes the weight as it is, which oneDNN reorders i
 1.1-1.7x faster than MKL's even so; its backward stays on MKL) and which rounds the same as the reordered copy.
 
 Exact decoding depends on one more fact: oneDNN's float32 matmul rounds each row the same whatever the row count from
-EXACT_ROWS on (2 here: 1 row takes a gemv), at 1 or 2 threads. So where that holds (probed at import) the trainer's
-forward and exact decoding both run their large layers on it, and their log-probs stay equal bit for bit.
+EXACT_ROWS on (2 here: 1 row takes a gemv) and whatever the thread count (1 and 2 here, up to 3000 rows). So where that
+holds (each process probes its own thread count at import) the trainer's forward and exact decoding both run their
+large layers on it, and their log-probs stay equal bit for bit.
 """
 
 import platform
+from collections.abc import Callable
 
 import torch
 
+from tandem.exact_attention import MIN_ROWS, fewest_rows
 from tandem.openmp import in_passing_thread
 
 REORDERED_FOR_ROWS = 64
@@ -24,8 +27,6 @@ MIN_ELEMENTS = 1 << 17
 """Smaller weights stay on MKL: oneDNN's ~15 us a call outweighs the reorder it saves (192 x 512 at 1 row: 22 us against
 MKL's 9). From 256 x 768 on it is about even at 1 row (by run) and faster at 8 rows (1.1-1.7x there, 2.6-3.8x at
 768 x 2048)."""
-PROBED_ROWS = 16
-"""Exact decoding pads its matmuls to at most this many rows: oneDNN must round alike from here on, or exact stays on MKL."""
 
 
 def usable(dtype: torch.dtype) -> bool:
@@ -45,33 +46,36 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 def _fewest_rows_rounding_alike() -> int | None:
-    """The fewest rows from which each row of a float32 matmul rounds as in a 300-row one (past oneDNN's blocks of
-    rows), plain weight or reordered, up to PROBED_ROWS; None if not even there. ~10 small matmuls, a few ms."""
+    """The fewest rows from which each row of a float32 matmul, plain weight or reordered, at this process's thread
+    count, rounds as in a 300-row one (past oneDNN's blocks of rows) on one thread with the plain weight; None if not
+    even at MIN_ROWS. Each process probes its own thread count against the same one-thread reference, so the trainer
+    and the server agree wherever both find a number. ~40 small matmuls, a few ms."""
     if not usable(torch.float32):
         return None
     generator = torch.Generator().manual_seed(0)
-    cases = []
+    cases, references = [], []
+    threads = torch.get_num_threads()
     for width in (768, 2048):  # a hidden size, a wide down projection
         x, weight = torch.randn(300, width, generator=generator), torch.randn(64, width, generator=generator)
-        cases += [(x, weight), (x, torch.ops.mkldnn._reorder_linear_weight(weight, REORDERED_FOR_ROWS))]
-    longs = [_matmul(x, weight, None) for x, weight in cases]
+        torch.set_num_threads(1)
+        references.append(_matmul(x, weight, None))
+        torch.set_num_threads(threads)
+        cases += [(x, weight, references[-1]), (x, torch.ops.mkldnn._reorder_linear_weight(weight, REORDERED_FOR_ROWS),
+                                                references[-1])]
 
     def alike(rows: int) -> bool:
-        return all(torch.equal(_matmul(x[:rows], weight, None), long[:rows]) for (x, weight), long in zip(cases, longs))
+        return all(torch.equal(_matmul(x[:rows], weight, None), reference[:rows]) for x, weight, reference in cases)
 
-    if not alike(PROBED_ROWS):
+    if not (alike(len(references[0])) and alike(MIN_ROWS)):
         return None
-    fewest = PROBED_ROWS
-    while fewest > 1 and alike(fewest - 1):
-        fewest -= 1
-    return fewest
+    return fewest_rows(alike)
 
 
 EXACT_ROWS = in_passing_thread(_fewest_rows_rounding_alike)
 """Rows each matmul of exact decoding needs on oneDNN, or None where its rows do not round alike (exact stays on MKL)."""
 
 
-def routable(module: torch.nn.Module, exact: bool) -> bool:
+def _routable(module: torch.nn.Module, exact: bool) -> bool:
     """Exactly an `nn.Linear` (not a subclass that computes otherwise) with MIN_ELEMENTS weights or more, in a dtype
     oneDNN takes here; for exact decoding and the trainer, float32 only and only where its rows round alike."""
     if type(module) is not torch.nn.Linear or module.weight.numel() < MIN_ELEMENTS or not usable(module.weight.dtype):
@@ -85,7 +89,7 @@ def install(model: torch.nn.Module, *, exact: bool, reorder: bool) -> int:
     forward = _forward_on_reordered if reorder else _forward_with_gradient
     count = 0
     for module in model.modules():
-        if routable(module, exact):
+        if _routable(module, exact):
             module.onednn_weight = None
             module.forward = forward.__get__(module)
             count += 1
@@ -104,9 +108,16 @@ def forget(model: torch.nn.Module) -> None:
             module.onednn_weight = None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` on oneDNN, differentiable: the trainer's routed layers, and its log-prob head where that is routed."""
-    return _Linear.apply(x, weight, bias)
+def projection(layer: torch.nn.Linear) -> Callable:
+    """What a trainer's `layer(x)` computes, as a function of (x, weight, bias): oneDNN's matmul with a gradient where
+    `install` routed it, else F.linear. F.linear also under autocast, whose cast oneDNN's call would skip; under
+    torch.compile, which lowers oneDNN's call for frozen weights only (a compiled decoder rounds apart from exact
+    decoding anyway: model.py warns); and once the layer left the CPU or float32."""
+    weight = layer.weight
+    if (not routed(layer) or weight.device.type != "cpu" or weight.dtype != torch.float32
+            or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()):
+        return torch.nn.functional.linear
+    return _Linear.apply
 
 
 def _forward_on_reordered(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -116,11 +127,7 @@ def _forward_on_reordered(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tenso
 
 
 def _forward_with_gradient(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    # F.linear under autocast, whose cast oneDNN's call would skip, and under torch.compile, which lowers oneDNN's call
-    # for frozen weights only (a compiled decoder's fused kernels round apart from exact decoding anyway: model.py warns)
-    if torch.is_autocast_enabled(x.device.type) or torch.compiler.is_compiling():
-        return torch.nn.functional.linear(x, self.weight, self.bias)
-    return linear(x, self.weight, self.bias)
+    return projection(self)(x, self.weight, self.bias)
 
 
 class _Linear(torch.autograd.Function):
@@ -129,7 +136,6 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
         return _matmul(x, weight, bias)
 
     @staticmethod
@@ -139,5 +145,5 @@ class _Linear(torch.autograd.Function):
         rows = grad.reshape(-1, grad.shape[-1])
         grad_x = grad.matmul(weight) if wants_x else None
         grad_weight = rows.T.mm(x.reshape(-1, x.shape[-1])) if wants_weight else None
-        grad_bias = rows.sum(0) if ctx.has_bias and wants_bias else None
+        grad_bias = rows.sum(0) if wants_bias else None
         return grad_x, grad_weight, grad_bias

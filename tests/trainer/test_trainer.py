@@ -68,6 +68,7 @@ def test_at_staleness_zero_the_importance_ratio_is_one(tmp_path):
         assert "perf/weight_sync_barrier_s" not in r, "one process has no ranks to wait for"
         assert (r["batch/row_imbalance"], r["batch/pad_frac"]) == (1.0, 0.0), "one row a micro-batch: balanced, unpadded"
         assert r["perf/fwd_s"] < r["perf/fwd_bwd_s"], "the step's forward passes are part of its forward + backward"
+    assert rows[-1]["num_tokens"] == sum(r["batch/forwarded_tokens_per_step"] for r in rows)
 
 
 @pytest.mark.skipif(onednn_linear.EXACT_ROWS is None, reason="oneDNN's rows do not round alike here (or no x86 oneDNN)")
@@ -82,12 +83,13 @@ def test_at_staleness_zero_the_ratio_is_one_with_layers_on_onednn(tmp_path, wide
     trainer = AsyncGRPOTrainer(wide_path, varied_reward, args=args, train_dataset=small_dataset(),
                                peft_config=lora if adapter else None)
     model = trainer.model.get_base_model() if adapter else trainer.model
-    assert onednn_linear.routed(model.lm_head) and not onednn_linear.routed(model.model.layers[0].self_attn.k_proj)
+    attention = model.model.layers[0].self_attn
+    assert onednn_linear.routed(model.lm_head) and not onednn_linear.routed(attention.k_proj)
+    assert onednn_linear.routed(attention.q_proj.base_layer if adapter else attention.q_proj), "PEFT wraps a routed layer"
     trainer.train()
     rows = [r for r in logged(tmp_path) if "sampling/importance_sampling_ratio/mean" in r]
     assert len(rows) == 3 and all(r["sample/staleness_max"] == 0 for r in rows)
     assert all(r["sampling/sampling_logp_difference/max"] == 0.0 for r in rows), "the trainer's log-probs differ"
-    assert rows[-1]["num_tokens"] == sum(r["batch/forwarded_tokens_per_step"] for r in rows)
 
 
 def test_a_sync_runs_beside_the_next_step_and_ends_before_its_optimizer_changes_the_weights(tmp_path, monkeypatch):

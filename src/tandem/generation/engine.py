@@ -174,10 +174,10 @@ class Engine:
         self.logprobs_mode = logprobs_mode
         self.adapters = adapters
         self.exact = exact
-        if next(model.parameters()).device.type == "cpu":  # large linear layers on reordered weights, as the trainer's
+        if next(model.parameters()).device.type == "cpu":  # large linear layers on oneDNN, as the trainer's forward
             onednn_linear.install(model, exact=exact, reorder=True)
         self.min_rows = _min_rows(model, exact)
-        """Rows every matmul gets, filler sequences added where a step has fewer (exact decoding: MATMUL_ROWS)."""
+        """Rows every matmul gets, filler sequences added where a step has fewer (exact decoding: see _min_rows)."""
         self.step_delay_s = step_delay_s
         """Extra seconds per decode step: lets benchmarks stand in a slower (GPU-sized) server. The wait comes
         between steps, so weight reloads do not sit behind it; a pause stops its clock (`set_paused`)."""

@@ -51,7 +51,7 @@ def chunked_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch
         return TokenLogprobs(empty + hidden.sum() * 0, empty, hidden.new_zeros(0, width) + hidden.sum() * 0)
     if plain_linear(head):
         extra = extra_ids if extra_ids is not None else targets.new_zeros(len(targets), 0)
-        project = onednn_linear.linear if onednn_linear.routed(head) else torch.nn.functional.linear  # as head(x) would
+        project = onednn_linear.projection(head)  # what head(x) computes
         logprobs, entropy, scored = LinearHeadLogprobs.apply(hidden, head.weight, head.bias, targets, extra, sampling_mask,
                                                              temperature, softcap, chunk_size, project)
         return TokenLogprobs(logprobs, entropy, scored if extra_ids is not None else None)
