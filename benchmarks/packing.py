@@ -17,13 +17,13 @@ import random
 import time
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from tandem import onednn_linear
 from tandem.packing import attention
 from tandem.packing.logprobs import chunked_logprobs, row_logprobs
 from tandem.records import Sample
-from tandem.tasks import TINY_MODEL_PATH
+from tandem.tasks import TINY_MODEL_PATH, scaled_tiny
 from tandem.packing.batching import TokenBudgetBatcher
 
 from tables import add_markdown_flag, emit, markdown_table
@@ -110,17 +110,6 @@ def measure(models, kernels, prompt_len: int, args) -> list[list[str]]:
         table.append([kernel, str(prompt_len), f"{ratio:.2f}", f"{rates[0]:.0f}", f"{rates[1]:.0f}", f"{padded:.0f}",
                       f"{speedup:.2f}x", f"{rates[0] / padded:.2f}x", f"{speedup / ratio:.2f}"])
     return table
-
-
-def scaled_tiny(hidden: int, layers: int, dtype=torch.float32, **kwargs) -> torch.nn.Module:
-    """The tiny model's architecture at another size, random weights, built from its config (nothing downloaded): heads
-    of 32 dimensions, a third as many key-value heads, an MLP 8/3 as wide (hidden 768, 12 layers: 76M parameters)."""
-    config = AutoConfig.from_pretrained(TINY_MODEL_PATH, **kwargs)
-    config.hidden_size, config.intermediate_size = hidden, hidden * 8 // 3
-    config.num_attention_heads, config.num_key_value_heads = hidden // 32, hidden // 96
-    config.num_hidden_layers, config.layer_types = layers, ["full_attention"] * layers
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def load(name: str, **kwargs) -> torch.nn.Module:

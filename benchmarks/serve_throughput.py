@@ -32,9 +32,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tandem.generation.client import ControlClient, GenerationClient
 from tandem.generation.launcher import EmbeddedServer, ServerProcess
 from tandem.runtime.weight_transfer import free_port
-from tandem.tasks import TINY_MODEL_PATH, arithmetic
+from tandem.tasks import TINY_MODEL_PATH, arithmetic, scaled_tiny
 
-from packing import scaled_tiny
 from tables import add_markdown_flag, emit, markdown_table
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,12 +8,12 @@ import urllib.parse
 
 import pytest
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
-                          Qwen2_5_VLConfig, Qwen3_5TextConfig)
+from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, Qwen2_5_VLConfig,
+                          Qwen3_5TextConfig)
 
 from tandem import exact_attention
 from tandem.generation.server import SERVER_KEY, ServeArgs, start_server
-from tandem.tasks import TINY_MODEL_PATH
+from tandem.tasks import TINY_MODEL_PATH, scaled_tiny
 
 
 @pytest.fixture(autouse=True)
@@ -55,10 +55,7 @@ def tiny_vlm() -> torch.nn.Module:
 def tiny_wide() -> torch.nn.Module:
     """The tiny model's architecture twice as wide (hidden 384, 2 layers), random weights: its head and all but its key
     and value projections reach onednn_linear.MIN_ELEMENTS, so on an x86 CPU they compute on oneDNN."""
-    config = AutoConfig.from_pretrained(TINY_MODEL_PATH, hidden_size=384, intermediate_size=1024, num_attention_heads=12,
-                                        num_key_value_heads=4, num_hidden_layers=2, layer_types=["full_attention"] * 2)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return scaled_tiny(384, 2).eval()
 
 
 def saved_with_tiny_tokenizer(model: torch.nn.Module, folder) -> str:
