@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem.metrics.doctor import OFF_POLICY_BOUND
 from tandem.runtime.weight_transfer import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -117,6 +118,29 @@ def vllm_pair(tmp_path_factory):
 def vllm_server(vllm_pair) -> VllmServer:
     """The session's first server: full-weight training changes its weights (every run pushes its own at connect)."""
     return vllm_pair[0]
+
+
+TOKEN_GAP = OFF_POLICY_BOUND["float32"]
+"""The largest |server log-prob − trainer log-prob| of any trained token or probe token: tandem's own fp32 rounding
+bound (tandem doctor's, the sync probe's). vLLM's CPU kernels against tandem's exact ones: up to ~5e-5 over 80 steps
+of the demo, a rare token at 1.2e-4 and 1.5e-4 (two of about twenty CI runs). One step stale: 0.13-0.8."""
+
+MEAN_GAP = 1e-5
+"""The largest mean |log-prob gap| of a step, and |mean importance ratio − 1|: at most 8e-7 and 2.3e-7 over 80 steps of
+the demo against vLLM; one step stale, the mean gap is 8e-3 to 5e-2."""
+
+
+def assert_on_policy(records: list[dict], steps: int, probed: bool = True) -> None:
+    """Every one of `steps` steps trained within rounding of the sampler's log-probs; `probed`: each sync's probe too."""
+    steps_logged = [r for r in records if "sampling/sampling_logp_difference/max" in r]
+    assert len(steps_logged) == steps, f"{len(steps_logged)} of {steps} steps logged their log-prob gap"
+    for r in steps_logged:
+        step = r["step"]
+        assert r["sampling/sampling_logp_difference/max"] <= TOKEN_GAP, (step, r["sampling/sampling_logp_difference/max"])
+        assert r["sampling/sampling_logp_difference/mean"] <= MEAN_GAP, (step, r["sampling/sampling_logp_difference/mean"])
+        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1) <= MEAN_GAP, (step, r["sampling/importance_sampling_ratio/mean"])
+        if probed:
+            assert r["weight_sync/served_logprob_gap"] <= TOKEN_GAP, (step, r["weight_sync/served_logprob_gap"])
 
 
 def run_tandem(*args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:

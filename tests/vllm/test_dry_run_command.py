@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tandem.tasks import TINY_MODEL_PATH
-from tests.vllm.conftest import ENV_DIR, REPO, VllmServer, require_environment, run_tandem
+from tests.vllm.conftest import ENV_DIR, REPO, VllmServer, assert_on_policy, require_environment, run_tandem
 
 
 def cpu_command(recipe: str) -> tuple[dict, list[str]]:
@@ -46,8 +46,7 @@ def test_the_demo_trains_against_the_vllm_its_dry_run_starts(tmp_path, dry_run_s
     assert done.returncode == 0, f"{done.stderr[-3000:]}\nserver:\n{dry_run_server.tail()}"
     assert "UserWarning" not in done.stderr, f"the command tandem printed is the one it wants:\n{done.stderr[-2000:]}"
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    gaps = [r["sampling/sampling_logp_difference/max"] for r in rows if "loss" in r]
-    assert len(gaps) == 20 and max(gaps) <= 1e-4, gaps
+    assert_on_policy(rows, 20, probed=False)  # no weight_sync_check_atol: only the first syncs are probed
 
 
 def test_when_the_engine_of_that_server_dies_the_run_stops_at_once_in_one_line(tmp_path, dry_run_server):

@@ -9,7 +9,7 @@ from pathlib import Path
 from openenv.core.harness import MCPHarnessAdapter
 
 from tandem import HarnessAsyncGRPOTrainer
-from tests.vllm.test_training import TOKEN_GAP, assert_on_policy
+from tests.vllm.conftest import TOKEN_GAP, assert_on_policy
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 from openenv_counter import CounterSessions, config  # noqa: E402

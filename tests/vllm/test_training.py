@@ -5,11 +5,7 @@ reaches the server: full weights streamed (tandem's gloo plugin), a LoRA adapter
 
 import json
 
-from tests.vllm.conftest import run_tandem
-
-TOKEN_GAP = 1e-4
-"""The largest |server log-prob − trainer log-prob| of any trained token: fp32 on both sides, vLLM's CPU kernels
-against the trainer's (measured: up to 1.4e-5, full weights, LoRA and tools alike)."""
+from tests.vllm.conftest import TOKEN_GAP, assert_on_policy, run_tandem
 
 
 def train(tmp_path, server, recipe: str, steps: int, *overrides: str) -> list[dict]:
@@ -19,16 +15,6 @@ def train(tmp_path, server, recipe: str, steps: int, *overrides: str) -> list[di
                       "no", "--disable_tqdm", "true", *overrides)
     assert done.returncode == 0, f"tandem train {recipe} failed:\n{done.stderr[-3000:]}\nserver:\n{server.tail()}"
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def assert_on_policy(records: list[dict], steps: int) -> None:
-    steps_logged = [r for r in records if "sampling/sampling_logp_difference/max" in r]
-    assert len(steps_logged) == steps, f"{len(steps_logged)} of {steps} steps logged their log-prob gap"
-    for r in steps_logged:
-        step = r["step"]
-        assert r["sampling/sampling_logp_difference/max"] <= TOKEN_GAP, (step, r["sampling/sampling_logp_difference/max"])
-        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1) <= TOKEN_GAP, (step, r["sampling/importance_sampling_ratio/mean"])
-        assert r["weight_sync/served_logprob_gap"] <= TOKEN_GAP, (step, r["weight_sync/served_logprob_gap"])
 
 
 def test_lora_adapters_sync_exactly_into_vllm(tmp_path, vllm_pair):

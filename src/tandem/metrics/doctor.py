@@ -171,7 +171,7 @@ def learning(first: list[dict], last: list[dict], config: dict) -> Finding:
 
 OFF_POLICY_BOUND = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 1e-2}
 """The largest gap between a token's log-prob under the server and under the trainer, at staleness 0, that is still
-rounding, by the dtype both compute in: fp32 against vLLM's CPU kernels reached 1.4e-5 (the `vllm` tier's runs); bf16
+rounding, by the dtype both compute in: fp32 against vLLM's CPU kernels reached 1.5e-4 on a rare token (the `vllm` tier's runs); bf16
 rounding alone reaches about 1e-2 on the tiny model. A larger gap means the server samples from other weights."""
 
 
