@@ -10,6 +10,7 @@ from tandem.generation.sampling import SamplingParams
 from tests.conftest import chat_prompt
 from tests.generation.test_engine import make_engine, run, teacher_forced
 from tandem import onednn_linear
+from tandem.generation import decode_attention
 from tandem.generation.engine import EngineRequest
 
 
@@ -70,10 +71,11 @@ def sdpa_tiny_model():
 
 
 def test_fast_mode_stays_within_fp32_noise_of_the_forward(monkeypatch):
-    """Fast mode (SDPA, one query row per step, linear layers on oneDNN's reordered weights on a CPU) rounds
-    differently from a full forward; it must stay close."""
+    """Fast mode (grouped decode attention, SDPA for prefill, linear layers on oneDNN's reordered weights on a CPU)
+    rounds differently from a full forward; it must stay close."""
     monkeypatch.setattr(onednn_linear, "MIN_ELEMENTS", 0)  # the tiny model's layers too
     engine = make_engine(attention="sdpa")
+    assert engine.model.config._attn_implementation == decode_attention.NAME, "a CPU model decodes with tandem_decode"
     try:
         rng = random.Random(3)
         requests = [EngineRequest(prompt=[rng.randrange(3, 384) for _ in range(20)], params=SamplingParams(max_tokens=16, seed=i)) for i in range(8)]

@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from tandem import architecture, exact_attention, onednn_linear
+from tandem.generation import decode_attention
 from tandem.generation.kv_cache import SequenceStates, SlotKVCache
 from tandem.generation.lora import AdapterSet
 from tandem.generation.prefix_cache import PrefixCache
@@ -183,11 +184,14 @@ class Engine:
         between steps, so weight reloads do not sit behind it; a pause stops its clock (`set_paused`)."""
         self._next_step_at = 0.0
         self._delay_left = 0.0
-        if exact and not architecture.attention_extras(model):  # sinks, soft-capping: the model's own eager attention
-            model.set_attn_implementation(exact_attention.NAME)
+        self.device = next(model.parameters()).device
+        if not architecture.attention_extras(model):  # sinks, soft-capping: the model's own attention
+            if exact:
+                model.set_attn_implementation(exact_attention.NAME)
+            elif self.device.type == "cpu" and model.config._attn_implementation == "sdpa":
+                model.set_attn_implementation(decode_attention.NAME)
         config = model.config.get_text_config()
         self.vocab_size = config.vocab_size
-        self.device = next(model.parameters()).device
         bound = max_num_seqs * max_model_len if prefix_cache_max_tokens is None else prefix_cache_max_tokens
         self.cache, self.prefix_cache = caches_for(model, max_model_len, exact, bound if prefix_caching else None)
         self.layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
