@@ -31,7 +31,7 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     allowed = attention_mask[:, :, :, : key.shape[-2]].repeat(1, 1, group, 1)
     scores = scores.mul_(scaling if scaling is not None else dim**-0.5).masked_fill_(~allowed, float("-inf"))
     weights = scores.softmax(-1).to(value.dtype)
-    output = torch.matmul(weights, value).reshape(batch, heads, q_len, dim)
+    output = torch.matmul(weights, value).reshape(batch, heads, q_len, value.shape[-1])
     return output.transpose(1, 2).contiguous(), None
 
 

@@ -33,9 +33,9 @@ from tandem.generation import decode_attention
 from tandem.generation.kv_cache import SequenceStates, SlotKVCache
 from tandem.generation.lora import AdapterSet
 from tandem.generation.prefix_cache import PrefixCache
-from tandem.generation.sampling import SamplingParams, apply_penalties, process_logits, sample
+from tandem.generation.emission import Emission
+from tandem.generation.sampling import SamplingParams
 
-LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 ENGINE_STOPPED = "The generation engine has stopped: see the server log."
 MAX_PREFILL_TOKENS = 8192
 """Prompt tokens prefilled in one step at most, so running sequences keep decoding while many arrive."""
@@ -165,14 +165,12 @@ class Engine:
                  extra_stop_token_ids: list[int] = (), max_num_seqs: int = 256, logprobs_mode: str = "raw_logprobs",
                  adapters: AdapterSet | None = None, exact: bool = False, step_delay_s: float = 0.0,
                  prefix_caching: bool = True, prefix_cache_max_tokens: int | None = None):
-        if logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode={logprobs_mode!r} is not one of {LOGPROBS_MODES}")
+        config = model.config.get_text_config()
+        self.emission = Emission(logprobs_mode, config.vocab_size, eos_token_id, frozenset(extra_stop_token_ids),
+                                 max_model_len)
         self.model = architecture.without_hub_kernels(model)
         self.max_model_len = max_model_len
-        self.eos_token_id = eos_token_id
-        self.extra_stop_token_ids = set(extra_stop_token_ids)
         self.max_num_seqs = max_num_seqs
-        self.logprobs_mode = logprobs_mode
         self.adapters = adapters
         self.exact = exact
         if next(model.parameters()).device.type == "cpu":  # large linear layers on oneDNN, as the trainer's forward
@@ -190,8 +188,6 @@ class Engine:
                 model.set_attn_implementation(exact_attention.NAME)
             elif self.device.type == "cpu" and model.config._attn_implementation == "sdpa":
                 model.set_attn_implementation(decode_attention.NAME)
-        config = model.config.get_text_config()
-        self.vocab_size = config.vocab_size
         bound = max_num_seqs * max_model_len if prefix_cache_max_tokens is None else prefix_cache_max_tokens
         self.cache, self.prefix_cache = caches_for(model, max_model_len, exact, bound if prefix_caching else None)
         self.layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
@@ -516,7 +512,8 @@ class Engine:
         all_logits = requests[0].params.prompt_logprobs is not None
         logits = self._window_forward(windows, lengths, slice(base, base + n), [r.adapter for r in requests], all_logits)[:n]
         if all_logits:
-            requests[0].prompt_logprobs = self._prompt_logprobs(logits[0, -lengths[0]:], requests[0].prompt, requests[0].params.prompt_logprobs)
+            requests[0].prompt_logprobs = self.emission.prompt_logprobs(logits[0, -lengths[0]:], requests[0].prompt,
+                                                                        requests[0].params.prompt_logprobs)
         self.counters["prompt_tokens"] += sum(lengths)
         for j, request in enumerate(requests):
             self._store_prefix(base + j, request, request.prompt)
@@ -563,93 +560,15 @@ class Engine:
         self._next_step_at = time.monotonic() + self.step_delay_s
 
     def _emit(self, rows: range, logits: torch.Tensor) -> None:
-        """Sample one token for each of `rows` from its logits, record log-probs, retire finished rows."""
+        """Sample one token for each of `rows` from its logits (emission.py), count it, retire finished rows."""
         rows = list(rows)
         entries = [self.rows[i] for i in rows]
-        params = [request.params for request, _ in entries]
-        raw = logits.clone()
-        for b, (request, seq) in enumerate(entries):
-            p = request.params
-            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-                apply_penalties(logits[b], p, request.prompt, seq.output)
-            if len(seq.output) < p.min_tokens:
-                blocked = set(p.stop_token_ids) | self.extra_stop_token_ids | ({self.eos_token_id} - {None})
-                logits[b, sorted(blocked)] = float("-inf")
-        processed = process_logits(logits, params)
-        tokens = sample(processed, params, [seq.generator for _, seq in entries])
-        reported = {
-            "raw_logprobs": lambda: raw.log_softmax(-1),
-            "processed_logprobs": lambda: processed.log_softmax(-1),
-            "raw_logits": lambda: raw,
-            "processed_logits": lambda: processed,
-        }[self.logprobs_mode]()
-        chosen = reported.gather(1, tokens[:, None])[:, 0]
-        ranks = ((reported > chosen[:, None]).sum(-1) + 1).tolist()
-        top = self._top(reported, max((p.logprobs for p in params if p.logprobs is not None), default=None))
-        finished = set()
-        for b, (i, (request, seq), token, value) in enumerate(zip(rows, entries, tokens.tolist(), chosen.tolist())):
-            seq.output.append(token)
-            seq.logprobs.append(value)
-            if request.params.logprobs is not None:
-                seq.top_logprobs.append(self._top_entries(top, b, token, value, ranks[b], request.params.logprobs))
-            if request.return_sampling_mask:
-                seq.sampling_masks.append(torch.isfinite(processed[b]).nonzero().flatten().tolist())
-            if self._check_finished(request, seq, self.lengths[i] + 1):
-                finished.add(i)
-            else:
-                seq.checked = len(seq.output)
+        reasons = self.emission.emit(entries, [self.lengths[i] + 1 for i in rows], logits)
+        self.finished_total.update(reason for reason in reasons if reason)
         self.counters["generation_tokens"] += len(rows)
         for request in {id(r): r for r, _ in entries}.values():
             request.notify()
-        self._retire(finished)
-
-    def _top(self, values: torch.Tensor, k: int | None) -> tuple[list, list, list] | None:
-        """Each row's top-k (all of the vocabulary for k = -1) as lists of ids, values and ranks, read out for the whole
-        batch at once rather than row by row (three tensor-to-list conversions a step, not three per row). Rank is 1 +
-        the number of strictly larger values, so ties share a rank. None for no top-k."""
-        if not k:
-            return None
-        top = values.topk(self.vocab_size if k < 0 else min(k, self.vocab_size))
-        ranks = torch.searchsorted(-top.values, -top.values, side="left") + 1
-        return top.indices.tolist(), top.values.tolist(), ranks.tolist()
-
-    @staticmethod
-    def _top_entries(top, row: int, token: int, value: float, rank: int, k: int) -> list[tuple[int, float, int]]:
-        """(id, value, rank): the sampled token first, then the row's top-k by value (`_top`), duplicates merged."""
-        entries = [(token, value, rank)]
-        if top is None or k == 0:
-            return entries
-        ids, values, ranks = (part[row] if k < 0 else part[row][:k] for part in top)
-        return entries + [(t, v, r) for t, v, r in zip(ids, values, ranks) if t != token]
-
-    def _prompt_logprobs(self, logits: torch.Tensor, prompt: list[int], k: int) -> list:
-        """Entry 0 is None; entry j holds prompt token j and the top-k at that position (raw log-probs)."""
-        logprobs = logits.log_softmax(-1)
-        targets = torch.tensor(prompt[1:], device=logprobs.device)
-        chosen = logprobs[:-1].gather(1, targets[:, None])[:, 0]
-        ranks = ((logprobs[:-1] > chosen[:, None]).sum(-1) + 1).tolist()
-        top = self._top(logprobs[:-1], k)
-        result: list = [None]
-        for j, (token, value) in enumerate(zip(prompt[1:], chosen.tolist())):
-            result.append({t: (v, r) for t, v, r in self._top_entries(top, j, token, value, ranks[j], k)})
-        return result
-
-    def _check_finished(self, request: EngineRequest, seq: Sequence, total_len: int) -> bool:
-        token, p = seq.output[-1], request.params
-        reason, stop_reason = None, None
-        if token == self.eos_token_id and not p.ignore_eos:
-            reason = "stop"
-        elif token in p.stop_token_ids or (token in self.extra_stop_token_ids and not p.ignore_eos):
-            reason, stop_reason = "stop", token
-        elif request.stop_check and (matched := request.stop_check(seq.output)) is not None:
-            reason, stop_reason = "stop", matched
-        elif len(seq.output) >= p.max_tokens or total_len >= self.max_model_len:
-            reason = "length"
-        if reason is None:
-            return False
-        seq.finish_reason, seq.stop_reason = reason, stop_reason
-        self.finished_total[reason] += 1
-        return True
+        self._retire({i for i, reason in zip(rows, reasons) if reason})
 
     def _retire(self, finished: set[int]) -> None:
         """Store the finished rows' blocks in the prefix cache (their last sampled token has no KV), then free the rows."""

@@ -1,0 +1,117 @@
+"""From a step's logits to what each sequence reports: the sampled token, its log-prob and rank, the top-k, the
+sampling mask, and whether the sequence is done (vLLM's stop rules). Pure of the engine's state: the engine passes
+the rows and keeps the counts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from tandem.generation.sampling import apply_penalties, process_logits, sample
+
+if TYPE_CHECKING:
+    from tandem.generation.engine import EngineRequest, Sequence
+
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+
+
+@dataclass(frozen=True)
+class Emission:
+    """The engine's fixed settings for turning logits into tokens."""
+
+    logprobs_mode: str
+    vocab_size: int
+    eos_token_id: int | None
+    extra_stop_token_ids: frozenset[int]
+    max_model_len: int
+
+    def __post_init__(self):
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode={self.logprobs_mode!r} is not one of {LOGPROBS_MODES}")
+
+    def emit(self, entries: list[tuple[EngineRequest, Sequence]], totals: list[int], logits: torch.Tensor) -> list[str | None]:
+        """Sample one token per entry from its row of `logits`, append it to the sequence with its log-prob (top-k,
+        sampling mask when asked); each entry's finish reason, None while it runs. `totals`: tokens in each row's
+        sequence once the new one is appended."""
+        params = [request.params for request, _ in entries]
+        raw = logits.clone()
+        for b, (request, seq) in enumerate(entries):
+            p = request.params
+            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+                apply_penalties(logits[b], p, request.prompt, seq.output)
+            if len(seq.output) < p.min_tokens:
+                blocked = set(p.stop_token_ids) | self.extra_stop_token_ids | ({self.eos_token_id} - {None})
+                logits[b, sorted(blocked)] = float("-inf")
+        processed = process_logits(logits, params)
+        tokens = sample(processed, params, [seq.generator for _, seq in entries])
+        reported = {
+            "raw_logprobs": lambda: raw.log_softmax(-1),
+            "processed_logprobs": lambda: processed.log_softmax(-1),
+            "raw_logits": lambda: raw,
+            "processed_logits": lambda: processed,
+        }[self.logprobs_mode]()
+        chosen = reported.gather(1, tokens[:, None])[:, 0]
+        ranks = ((reported > chosen[:, None]).sum(-1) + 1).tolist()
+        top = self._top(reported, max((p.logprobs for p in params if p.logprobs is not None), default=None))
+        reasons = []
+        for b, ((request, seq), token, value, total) in enumerate(zip(entries, tokens.tolist(), chosen.tolist(), totals)):
+            seq.output.append(token)
+            seq.logprobs.append(value)
+            if request.params.logprobs is not None:
+                seq.top_logprobs.append(_top_entries(top, b, token, value, ranks[b], request.params.logprobs))
+            if request.return_sampling_mask:
+                seq.sampling_masks.append(torch.isfinite(processed[b]).nonzero().flatten().tolist())
+            reasons.append(self._finish(request, seq, total))
+            if reasons[-1] is None:
+                seq.checked = len(seq.output)
+        return reasons
+
+    def prompt_logprobs(self, logits: torch.Tensor, prompt: list[int], k: int) -> list:
+        """Entry 0 is None; entry j holds prompt token j and the top-k at that position (raw log-probs)."""
+        logprobs = logits.log_softmax(-1)
+        targets = torch.tensor(prompt[1:], device=logprobs.device)
+        chosen = logprobs[:-1].gather(1, targets[:, None])[:, 0]
+        ranks = ((logprobs[:-1] > chosen[:, None]).sum(-1) + 1).tolist()
+        top = self._top(logprobs[:-1], k)
+        result: list = [None]
+        for j, (token, value) in enumerate(zip(prompt[1:], chosen.tolist())):
+            result.append({t: (v, r) for t, v, r in _top_entries(top, j, token, value, ranks[j], k)})
+        return result
+
+    def _top(self, values: torch.Tensor, k: int | None) -> tuple[list, list, list] | None:
+        """Each row's top-k (all of the vocabulary for k = -1) as lists of ids, values and ranks, read out for the whole
+        batch at once rather than row by row (three tensor-to-list conversions a step, not three per row). Rank is 1 +
+        the number of strictly larger values, so ties share a rank. None for no top-k."""
+        if not k:
+            return None
+        top = values.topk(self.vocab_size if k < 0 else min(k, self.vocab_size))
+        ranks = torch.searchsorted(-top.values, -top.values, side="left") + 1
+        return top.indices.tolist(), top.values.tolist(), ranks.tolist()
+
+    def _finish(self, request: EngineRequest, seq: Sequence, total_len: int) -> str | None:
+        """Whether the sequence's last token ends it, as vLLM decides: EOS, a stop token or string, max_tokens, the
+        model's length; sets the sequence's finish and stop reasons."""
+        token, p = seq.output[-1], request.params
+        reason, stop_reason = None, None
+        if token == self.eos_token_id and not p.ignore_eos:
+            reason = "stop"
+        elif token in p.stop_token_ids or (token in self.extra_stop_token_ids and not p.ignore_eos):
+            reason, stop_reason = "stop", token
+        elif request.stop_check and (matched := request.stop_check(seq.output)) is not None:
+            reason, stop_reason = "stop", matched
+        elif len(seq.output) >= p.max_tokens or total_len >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            seq.finish_reason, seq.stop_reason = reason, stop_reason
+        return reason
+
+
+def _top_entries(top, row: int, token: int, value: float, rank: int, k: int) -> list[tuple[int, float, int]]:
+    """(id, value, rank): the sampled token first, then the row's top-k by value (`Emission._top`), duplicates merged."""
+    entries = [(token, value, rank)]
+    if top is None or k == 0:
+        return entries
+    ids, values, ranks = (part[row] if k < 0 else part[row][:k] for part in top)
+    return entries + [(t, v, r) for t, v, r in zip(ids, values, ranks) if t != token]
