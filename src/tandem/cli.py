@@ -44,9 +44,9 @@ def serve_parser(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences decoded together at most (default 256)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default auto)")
     p.add_argument("--decode-mode", default="auto", choices=["auto", "exact", "fast"],
-                   help="exact: log-probs bitwise equal to a full forward (re-forwards a 16-token window per step, eager "
-                        "attention); fast: one token per step with SDPA, on a CPU large linear layers on oneDNN (default auto: "
-                        "exact on CPU, fast on GPU)")
+                   help="exact: log-probs bitwise equal to the trainer's forward (tandem_exact attention, matmuls padded to "
+                        "the rows that round alike); fast: one token per step, on a CPU grouped attention (tandem_decode) and "
+                        "large linear layers on oneDNN (default auto: exact on CPU, fast on GPU)")
     p.add_argument("--step-delay-s", type=float, default=0.0, help="benchmarks: sleep this long after every decode step")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of earlier requests' whole 16-token blocks, so a repeated prefix (the next turn of "

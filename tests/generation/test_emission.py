@@ -7,8 +7,7 @@ from tandem.generation.emission import Emission
 from tandem.generation.engine import EngineRequest
 from tandem.generation.sampling import SamplingParams
 
-EMISSION = Emission("processed_logprobs", vocab_size=6, eos_token_id=5, extra_stop_token_ids=frozenset({4}),
-                    max_model_len=10)
+EMISSION = Emission("processed_logprobs", eos_token_id=5, extra_stop_token_ids=frozenset({4}), max_model_len=10)
 
 
 def certain(token: int, rows: int = 1) -> torch.Tensor:
@@ -53,4 +52,4 @@ def test_the_sampled_token_comes_first_in_its_top_entries_with_its_rank():
 
 def test_an_unknown_logprobs_mode_is_refused_naming_the_modes():
     with pytest.raises(ValueError, match=r"logprobs_mode='raw' is not one of \('raw_logprobs'"):
-        Emission("raw", 6, 5, frozenset(), 10)
+        Emission("raw", 5, frozenset(), 10)

@@ -33,7 +33,7 @@ def untied_server(tmp_path_factory):
         server.kill()
 
 
-def test_an_untied_model_reloads_exactly_into_vllm(tmp_path, untied_server):
+def test_an_untied_model_reloads_on_policy_into_vllm(tmp_path, untied_server):
     server, model = untied_server
     out = tmp_path / "run"
     done = run_tandem("train", "examples/demo.yaml", "--model", model, "--vllm_server_base_url", server.url,

@@ -17,12 +17,12 @@ def train(tmp_path, server, recipe: str, steps: int, *overrides: str) -> list[di
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_lora_adapters_sync_exactly_into_vllm(tmp_path, vllm_pair):
+def test_lora_adapters_sync_on_policy_into_vllm(tmp_path, vllm_pair):
     # On the server no test trains full weights into: its base weights stay the tiny model's own, as the adapter's
     assert_on_policy(train(tmp_path, vllm_pair[1], "examples/lora.yaml", 30), 30)
 
 
-def test_full_weights_stream_exactly_into_vllm(tmp_path, vllm_server):
+def test_full_weights_stream_on_policy_into_vllm(tmp_path, vllm_server):
     assert_on_policy(train(tmp_path, vllm_server, "examples/demo.yaml", 30), 30)
 
 

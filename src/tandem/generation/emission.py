@@ -1,6 +1,6 @@
 """From a step's logits to what each sequence reports: the sampled token, its log-prob and rank, the top-k, the
-sampling mask, and whether the sequence is done (vLLM's stop rules). Pure of the engine's state: the engine passes
-the rows and keeps the counts."""
+sampling mask, and whether the sequence is done (vLLM's stop rules). Holds none of the engine's state: the engine
+passes its rows (whose sequences this appends to) and keeps the counts."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ class Emission:
     """The engine's fixed settings for turning logits into tokens."""
 
     logprobs_mode: str
-    vocab_size: int
     eos_token_id: int | None
     extra_stop_token_ids: frozenset[int]
     max_model_len: int
@@ -32,9 +31,9 @@ class Emission:
             raise ValueError(f"logprobs_mode={self.logprobs_mode!r} is not one of {LOGPROBS_MODES}")
 
     def emit(self, entries: list[tuple[EngineRequest, Sequence]], totals: list[int], logits: torch.Tensor) -> list[str | None]:
-        """Sample one token per entry from its row of `logits`, append it to the sequence with its log-prob (top-k,
-        sampling mask when asked); each entry's finish reason, None while it runs. `totals`: tokens in each row's
-        sequence once the new one is appended."""
+        """Sample one token per entry from its row of `logits` (changed in place: penalties, min_tokens), append it to
+        the sequence with its log-prob (top-k, sampling mask when asked); each entry's finish reason, None while it runs.
+        `totals`: tokens in each row's sequence once the new one is appended."""
         params = [request.params for request, _ in entries]
         raw = logits.clone()
         for b, (request, seq) in enumerate(entries):
@@ -86,7 +85,7 @@ class Emission:
         the number of strictly larger values, so ties share a rank. None for no top-k."""
         if not k:
             return None
-        top = values.topk(self.vocab_size if k < 0 else min(k, self.vocab_size))
+        top = values.topk(values.shape[-1] if k < 0 else min(k, values.shape[-1]))
         ranks = torch.searchsorted(-top.values, -top.values, side="left") + 1
         return top.indices.tolist(), top.values.tolist(), ranks.tolist()
 

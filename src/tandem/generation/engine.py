@@ -165,9 +165,7 @@ class Engine:
                  extra_stop_token_ids: list[int] = (), max_num_seqs: int = 256, logprobs_mode: str = "raw_logprobs",
                  adapters: AdapterSet | None = None, exact: bool = False, step_delay_s: float = 0.0,
                  prefix_caching: bool = True, prefix_cache_max_tokens: int | None = None):
-        config = model.config.get_text_config()
-        self.emission = Emission(logprobs_mode, config.vocab_size, eos_token_id, frozenset(extra_stop_token_ids),
-                                 max_model_len)
+        self.emission = Emission(logprobs_mode, eos_token_id, frozenset(extra_stop_token_ids), max_model_len)
         self.model = architecture.without_hub_kernels(model)
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -188,6 +186,7 @@ class Engine:
                 model.set_attn_implementation(exact_attention.NAME)
             elif self.device.type == "cpu" and model.config._attn_implementation == "sdpa":
                 model.set_attn_implementation(decode_attention.NAME)
+        config = model.config.get_text_config()
         bound = max_num_seqs * max_model_len if prefix_cache_max_tokens is None else prefix_cache_max_tokens
         self.cache, self.prefix_cache = caches_for(model, max_model_len, exact, bound if prefix_caching else None)
         self.layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
