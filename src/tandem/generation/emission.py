@@ -53,7 +53,7 @@ class Emission:
         }[self.logprobs_mode]()
         chosen = reported.gather(1, tokens[:, None])[:, 0]
         ranks = ((reported > chosen[:, None]).sum(-1) + 1).tolist()
-        top = self._top(reported, max((p.logprobs for p in params if p.logprobs is not None), default=None))
+        top = _top(reported, max((p.logprobs for p in params if p.logprobs is not None), default=None))
         reasons = []
         for b, ((request, seq), token, value, total) in enumerate(zip(entries, tokens.tolist(), chosen.tolist(), totals)):
             seq.output.append(token)
@@ -73,21 +73,11 @@ class Emission:
         targets = torch.tensor(prompt[1:], device=logprobs.device)
         chosen = logprobs[:-1].gather(1, targets[:, None])[:, 0]
         ranks = ((logprobs[:-1] > chosen[:, None]).sum(-1) + 1).tolist()
-        top = self._top(logprobs[:-1], k)
+        top = _top(logprobs[:-1], k)
         result: list = [None]
         for j, (token, value) in enumerate(zip(prompt[1:], chosen.tolist())):
             result.append({t: (v, r) for t, v, r in _top_entries(top, j, token, value, ranks[j], k)})
         return result
-
-    def _top(self, values: torch.Tensor, k: int | None) -> tuple[list, list, list] | None:
-        """Each row's top-k (all of the vocabulary for k = -1) as lists of ids, values and ranks, read out for the whole
-        batch at once rather than row by row (three tensor-to-list conversions a step, not three per row). Rank is 1 +
-        the number of strictly larger values, so ties share a rank. None for no top-k."""
-        if not k:
-            return None
-        top = values.topk(values.shape[-1] if k < 0 else min(k, values.shape[-1]))
-        ranks = torch.searchsorted(-top.values, -top.values, side="left") + 1
-        return top.indices.tolist(), top.values.tolist(), ranks.tolist()
 
     def _finish(self, request: EngineRequest, seq: Sequence, total_len: int) -> str | None:
         """Whether the sequence's last token ends it, as vLLM decides: EOS, a stop token or string, max_tokens, the
@@ -107,8 +97,19 @@ class Emission:
         return reason
 
 
+def _top(values: torch.Tensor, k: int | None) -> tuple[list, list, list] | None:
+    """Each row's top-k (all of the vocabulary for k = -1) as lists of ids, values and ranks, read out for the whole
+    batch at once rather than row by row (three tensor-to-list conversions a step, not three per row). Rank is 1 +
+    the number of strictly larger values, so ties share a rank. None for no top-k."""
+    if not k:
+        return None
+    top = values.topk(values.shape[-1] if k < 0 else min(k, values.shape[-1]))
+    ranks = torch.searchsorted(-top.values, -top.values, side="left") + 1
+    return top.indices.tolist(), top.values.tolist(), ranks.tolist()
+
+
 def _top_entries(top, row: int, token: int, value: float, rank: int, k: int) -> list[tuple[int, float, int]]:
-    """(id, value, rank): the sampled token first, then the row's top-k by value (`Emission._top`), duplicates merged."""
+    """(id, value, rank): the sampled token first, then the row's top-k by value (`_top`), duplicates merged."""
     entries = [(token, value, rank)]
     if top is None or k == 0:
         return entries

@@ -30,10 +30,10 @@ import torch
 
 from tandem import architecture, exact_attention, onednn_linear
 from tandem.generation import decode_attention
+from tandem.generation.emission import Emission
 from tandem.generation.kv_cache import SequenceStates, SlotKVCache
 from tandem.generation.lora import AdapterSet
 from tandem.generation.prefix_cache import PrefixCache
-from tandem.generation.emission import Emission
 from tandem.generation.sampling import SamplingParams
 
 ENGINE_STOPPED = "The generation engine has stopped: see the server log."
