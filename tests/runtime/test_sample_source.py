@@ -25,9 +25,10 @@ class ListInbox:
 
 
 def counters():
+    rings = []
     return SimpleNamespace(consumed_tokens=SimpleNamespace(value=0.0), tokens_per_step=SimpleNamespace(value=0.0),
                            watermark=SimpleNamespace(value=0), retry=SimpleNamespace(put=print),
-                           evaluate=SimpleNamespace(put=print))
+                           evaluate=SimpleNamespace(put=print), room=SimpleNamespace(ring=lambda: rings.append(1), rings=rings))
 
 
 def group(position, size=2, version=0, tokens=5):
@@ -64,6 +65,22 @@ def test_samples_come_out_in_order_and_taking_one_frees_its_tokens_for_the_worke
     assert taken == first + second
     source.publish(tokens_per_step=20)  # after the step's weight sync
     assert source.counters.consumed_tokens.value == 4 * 5
+
+
+def test_the_worker_is_woken_when_room_is_freed_and_when_the_allowance_moves():
+    source = source_of(("samples", group(0)), ("end", None))
+    rings = source.counters.room.rings
+    source.drain()
+    source.release()
+    assert rings == [], "nothing taken yet: no wake-up"
+    next_sample(source, 0)
+    source.take()
+    source.release()
+    assert len(rings) == 1, "a sample taken frees its tokens: the waiting worker is woken"
+    source.release()
+    assert len(rings) == 1, "nothing new freed: no wake-up"
+    source.publish(tokens_per_step=10)
+    assert len(rings) == 2, "a new allowance wakes it too"
 
 
 def test_a_group_beyond_max_staleness_is_dropped_counted_and_generated_again():

@@ -30,6 +30,9 @@ REPORT_EVERY_S = 1.0
 OUTAGE_SAY_S, OUTAGE_SAY_AGAIN_S = 10.0, 60.0
 """A server silent this long is said to be (and again as often while it lasts): its requests retry without a word."""
 IDLE_POLL_S = 0.05
+ROOM_POLL_S = 0.1
+"""How often a worker waiting for room looks again on its own: the trainer's doorbell and the worker's finished groups
+wake it at once, this only bounds a wake-up missed."""
 RECENT_GROUPS = 16
 FAILED_IN_A_ROW = 5
 """Groups dropped in a row for failures (a reward function, or the server twice) before the worker stops the run."""
@@ -59,6 +62,8 @@ class RolloutScheduler:
         self.records: dict[str, list] = defaultdict(list)
         self.produced_tokens, self.in_flight_tokens = settings.queued_tokens, 0.0
         self.groups_in_flight = self.groups_finished = 0
+        self.room_changed = asyncio.Event()
+        """Set when the allowance may admit a group: the trainer freed room (its doorbell), or a group here ended."""
         self.kept_tokens: deque[int] = deque(maxlen=RECENT_GROUPS)
         """Tokens each recent kept group put on the queue, forks included: what a group really produces."""
         self.retries: deque[int] = deque()
@@ -114,6 +119,7 @@ class RolloutScheduler:
     async def run(self) -> None:
         background = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._report()),
                       asyncio.create_task(self._say_outages())]
+        self.channels.room.listen(self.room_changed)
         try:
             await self.loop.setup()
             self.generation.sampling_masks = self.config.uses_truncated_sampling and await self._server_returns_sampling_masks()
@@ -125,6 +131,7 @@ class RolloutScheduler:
             await self._dispatch_all()
             self._flush_records()
         finally:
+            self.channels.room.stop_listening()
             for task in background:
                 task.cancel()
             self.generation.runner.close()
@@ -202,10 +209,16 @@ class RolloutScheduler:
 
     async def _wait_for_allowance(self, reservation: float) -> None:
         start = time.monotonic()
-        while not self.allowance.may_start(self._queued_tokens(), self.in_flight_tokens, reservation,
-                                           self.channels.tokens_per_step.value, self.groups_in_flight, self.groups_finished):
+        while True:
+            self.room_changed.clear()  # before the look: a wake-up after it is kept for the wait
+            if self.allowance.may_start(self._queued_tokens(), self.in_flight_tokens, reservation,
+                                        self.channels.tokens_per_step.value, self.groups_in_flight, self.groups_finished):
+                break
             self._raise_failure()
-            await asyncio.sleep(0.01)  # the trainer frees tokens from another process: polled
+            try:
+                await asyncio.wait_for(self.room_changed.wait(), ROOM_POLL_S)
+            except TimeoutError:
+                pass
         self.record("rollout/backpressure_s", time.monotonic() - start)
         limit = self.allowance.limit(self.channels.tokens_per_step.value)
         used = self._queued_tokens() + self.in_flight_tokens + reservation
@@ -237,6 +250,7 @@ class RolloutScheduler:
         finally:
             self.groups_in_flight -= 1
             self.in_flight_tokens -= reservation
+            self.room_changed.set()
             self.generating.pop(asyncio.current_task(), None)
         if not episodes:  # each of its episodes failed (another library's: counted where they failed)
             self.emit("skip", position)

@@ -311,12 +311,15 @@ class SampleSource:
         and the room it made if not released yet."""
         self.counters.tokens_per_step.value = tokens_per_step
         self.release()
+        self.counters.room.ring()  # the allowance itself moved
 
     def release(self) -> None:
         """Tell the worker the room the trainer took or dropped: it may start groups in its place."""
-        self.counters.consumed_tokens.value += self.unpublished
         self.counters.watermark.value = self.ledger.watermark
-        self.unpublished = 0.0
+        if self.unpublished:
+            self.counters.consumed_tokens.value += self.unpublished
+            self.unpublished = 0.0
+            self.counters.room.ring()
 
     def discard_oversize(self, count: int) -> None:
         """Drop the next `count` samples: together (one rollout) they fit no row."""

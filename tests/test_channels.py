@@ -1,0 +1,57 @@
+"""The doorbell the trainer rings when it frees room: the worker's event loop hears it at once, across processes,
+and ringing never blocks the trainer, whoever listens."""
+
+import asyncio
+import multiprocessing as mp
+
+from tandem.channels import Doorbell
+
+
+def listen_once(bell: Doorbell, listening, heard) -> None:
+    """A worker's side: wait on the event loop for one ring, then say so."""
+    async def main():
+        rang = asyncio.Event()
+        bell.listen(rang)
+        listening.set()
+        await asyncio.wait_for(rang.wait(), 30)
+        bell.stop_listening()
+        heard.set()
+    asyncio.run(main())
+
+
+def test_a_ring_in_the_trainer_wakes_the_worker_process():
+    context = mp.get_context("spawn")
+    bell, listening, heard = Doorbell(context), context.Event(), context.Event()
+    worker = context.Process(target=listen_once, args=(bell, listening, heard), daemon=True)
+    worker.start()
+    try:
+        assert listening.wait(60), "the worker process did not start listening"
+        assert not heard.wait(0.2), "the worker woke without a ring"
+        bell.ring()
+        assert heard.wait(10), "the ring did not reach the worker's event loop"
+    finally:
+        worker.join(10)
+        worker.kill()
+
+
+def test_ringing_never_blocks_when_nobody_listens():
+    bell = Doorbell(mp.get_context("spawn"))
+    for _ in range(100_000):  # past any pipe buffer (64 KiB on Linux): a full pipe already holds a ring
+        bell.ring()
+
+
+def test_rings_before_listening_are_heard_and_drained():
+    bell = Doorbell(mp.get_context("spawn"))
+    bell.ring()
+    bell.ring()
+
+    async def main():
+        rang = asyncio.Event()
+        bell.listen(rang)
+        await asyncio.wait_for(rang.wait(), 5)
+        rang.clear()
+        await asyncio.sleep(0.05)  # both rings were read at once: nothing sets it again
+        bell.stop_listening()
+        return rang.is_set()
+
+    assert asyncio.run(main()) is False
