@@ -23,6 +23,7 @@ from tandem.config import REFUSED, type_problem
 from tandem.metrics.console import RunConsole
 from tandem.rewards import accuracy_reward
 from tandem.rollout.prompt_stream import epoch_order
+from tandem.runtime import embedded_server
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
 from tandem.packing import pack
 from tandem.packing.batching import TokenBudgetBatcher
@@ -34,6 +35,12 @@ from tests.trainer.test_trainer import config, logged
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Dataset.from_list(arithmetic.make_rows(4, seed=0))
+
+
+def server_flags(trainer) -> list[str]:
+    """The flags the trainer's embedded server is started with."""
+    spec = trainer.runtime.spec
+    return embedded_server.server_flags(spec.args, spec.model_name, spec.served_dtype, spec.lora_rank)
 
 
 def non_default(item: dataclasses.Field):
@@ -165,7 +172,7 @@ def test_trust_remote_code_loads_a_model_that_ships_its_own_code(tmp_path):
     trainer = AsyncGRPOTrainer(str(folder), accuracy_reward, train_dataset=DATA,
                                args=AsyncGRPOConfig(output_dir=str(tmp_path), trust_remote_code=True))
     assert type(trainer.model).__name__ == "CustomForCausalLM"
-    assert "--trust-remote-code" in trainer.runtime._server_args(), "the embedded server loads the same code"
+    assert "--trust-remote-code" in server_flags(trainer), "the embedded server loads the same code"
 
 
 def test_remove_unused_columns_keeps_the_prompt_and_the_columns_rewards_name(tmp_path):
@@ -243,7 +250,7 @@ def test_dtype_loads_the_weights_in_it_and_model_init_kwargs_takes_precedence(tm
                                             args=AsyncGRPOConfig(output_dir=str(tmp_path), **args))
     bf16 = build(dtype="bfloat16")
     assert bf16.device.type == "cpu" and next(bf16.model.parameters()).dtype == torch.bfloat16
-    assert "--dtype bfloat16" in " ".join(bf16.runtime._server_args()), "the embedded server samples in the same dtype"
+    assert "--dtype bfloat16" in " ".join(server_flags(bf16)), "the embedded server samples in the same dtype"
     assert next(build(dtype="bfloat16", model_init_kwargs={"dtype": "float16"}).model.parameters()).dtype == torch.float16
 
 
@@ -393,7 +400,7 @@ def test_full_determinism_turns_on_deterministic_algorithms_and_log_levels_pick_
 def test_max_concurrent_rollouts_caps_the_loop_and_the_embedded_servers_batch(tmp_path):
     args = AsyncGRPOConfig(output_dir=str(tmp_path), max_concurrent_rollouts=7)
     trainer = AsyncGRPOTrainer("tiny", accuracy_reward, train_dataset=DATA, args=args)
-    assert "--max-num-seqs 7" in " ".join(trainer.runtime._server_args())
+    assert "--max-num-seqs 7" in " ".join(server_flags(trainer))
     loop = rollout_loop(args)
     assert loop._scheduler.generation.cap.value == 7 and loop._scheduler.generation.runner.pool_size == 7
 

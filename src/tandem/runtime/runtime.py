@@ -9,12 +9,10 @@ worker is replaced once, and a server that stays away ends the run with a `Serve
 
 import copy
 import itertools
-import json
 import math
 import signal
 import threading
 import time
-import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,31 +20,25 @@ from pathlib import Path
 import torch
 
 from tandem.config import AsyncGRPOConfig
-from tandem.dataset_rows import first_rows, is_iterable
+from tandem.dataset_rows import first_rows
 from tandem.distributed import Ranks
-from tandem.errors import UsageError
 from tandem.generation.client import EngineDead, ServerProblem, engine_died, server_gone
 from tandem.generation.launcher import server_threads
 from tandem.metrics.doctor import OFF_POLICY_BOUND
 from tandem.metrics.window import MetricWindow
-from tandem.model_folder import save_model_folder
 from tandem.packing import PackedRow
 from tandem.packing.batching import TokenBudgetBatcher, record_micro_batch
-from tandem.prompts import render_chat, render_prompt
+from tandem.prompts import render_prompt
 from tandem.rollout.loop import AsyncRolloutLoop
 from tandem.rollout.settings import RolloutSettings
 from tandem.records import Sample
 from tandem.rollout.worker import WorkerLost, WorkerSpec
-from tandem.runtime import server_checks, sync_check
+from tandem.runtime import embedded_server, server_checks, sync_check
 from tandem.runtime.sample_source import POLL_S, ResumePoint, SampleSource, Stall
 from tandem.runtime.session import DYING_S, Session
 from tandem.runtime.weight_transfer import GlooPlane, InThread, TransferSync
-from tandem.runtime.weight_sync import ADAPTER_NAME, LoraSync, choose_sync, follower_sync, lora_server_flags, publish
-from tandem.tool_calls import tool_schema
+from tandem.runtime.weight_sync import ADAPTER_NAME, LoraSync, choose_sync, follower_sync, publish
 
-PROMPTS_MEASURED = 1000
-"""An IterableDataset's first rows whose prompts are checked against the server's context length (a streamed dataset
-is not read through before training)."""
 SERVER_RESTARTS = 3
 SERVER_RESTART_WINDOW_S = 600.0
 """The embedded server is restarted when it dies, unless it died SERVER_RESTARTS times in the last 10 minutes."""
@@ -147,17 +139,19 @@ class Runtime:
         `resume`. Rank 0 talks to the server and owns the worker; every rank takes part in the syncs."""
         args, session, spec, main = self.args, self.session, self.spec, self.ranks.main
         self.version = version
-        self.served_path = self._served_path() if args.vllm_server_base_url is None else None
+        self.served_path = (embedded_server.served_folder(spec.model_name, spec.model, spec.tokenizer, spec.output_dir,
+                                                          self.ranks) if args.vllm_server_base_url is None else None)
         if main:
             device = next(spec.model.parameters()).device.type
+            flags = embedded_server.server_flags(args, spec.model_name, spec.served_dtype, spec.lora_rank)
             url = args.vllm_server_base_url or session.start_server(self.served_path, spec.output_dir / "server.log",
-                                                                    self._server_args(), server_threads(device))
+                                                                    flags, server_threads(device))
             control = session.connect(url)
             facts = session.run(server_checks.read_facts(control))
             server_checks.check(facts, url, spec.served_dtype)
             self.probe_bound = max(self.probe_bound, (OFF_POLICY_BOUND.get(facts.dtype, 0.0), facts.dtype))
             max_model_len = session.run(control.max_model_len())
-            served_name = self._served_name()
+            served_name = server_checks.served_name([m["id"] for m in session.run(control.models())], spec.model_name)
             self.sync_strategy = choose_sync(control, session, served_name, spec.model, args, self.lora, self.ranks)
         kind, max_model_len, served_name = self.ranks.broadcast((type(self.sync_strategy), max_model_len, served_name) if main else None)
         if not main:
@@ -167,7 +161,7 @@ class Runtime:
         self.probe_tokens = max(1, min(sync_check.PROBE_TOKENS, max_model_len - len(self.probe_prompt)))
         self.batcher = TokenBudgetBatcher(self.token_budget, num_rows=self.ranks.world_size, layout=spec.layout,
                                           max_samples=args.per_device_train_batch_size)
-        self._check_prompt_lengths(max_model_len)
+        server_checks.check_prompt_lengths(spec.dataset, spec.tokenizer, spec.tools, args.chat_template_kwargs, max_model_len)
         if resumed or args.vllm_server_base_url is not None or self.lora:
             self._push(version)  # the server must sample from our weights
         if not main:
@@ -524,61 +518,6 @@ class Runtime:
         if self.args.max_steps > 0 or self.spec.dataset is None:
             return None
         return math.ceil(self.args.num_train_epochs * len(self.spec.dataset))
-
-    # ---- the server -------------------------------------------------------------------------------
-    def _served_path(self) -> str:
-        """A folder with exactly the trainer's weights for the embedded server: the model's own, or a saved copy."""
-        spec = self.spec
-        if Path(spec.model_name).is_dir():
-            return spec.model_name
-        source = spec.output_dir / ".weights" / "initial"
-        save_model_folder(spec.model, source, self.ranks)
-        if self.ranks.main:
-            spec.tokenizer.save_pretrained(source)
-        return str(source)
-
-    def _server_args(self) -> list[str]:
-        args, spec = self.args, self.spec
-        extra = ["--served-model-name", spec.model_name, "--logprobs-mode", "processed_logprobs",
-                 "--max-logprobs", str(max(20, args.num_sampler_logprobs)), "--dtype", spec.served_dtype,
-                 "--max-num-seqs", str(min(256, args.max_concurrent_rollouts))]
-        if args.uses_truncated_sampling:  # each token's kept set, to renormalise the trainer's log-probs over it
-            extra += ["--enable-scale-out", "--return-sampling-mask"]
-        if self.lora:
-            extra += lora_server_flags(args.max_staleness, spec.lora_rank)
-        else:  # full weights stream over a gloo group: faster than the reload (benchmarks/weight_sync.py)
-            extra += ["--weight-transfer-config", json.dumps({"backend": "gloo"}),
-                      "--weight-transfer-timeout-s", str(args.vllm_server_timeout)]
-        if args.vllm_server_host != "127.0.0.1":
-            extra += ["--host", args.vllm_server_host]
-        if args.vllm_server_api_key:
-            extra += ["--api-key", args.vllm_server_api_key]
-        if args.trust_remote_code:
-            extra += ["--trust-remote-code"]
-        return extra
-
-    def _served_name(self) -> str:
-        served = [m["id"] for m in self.session.run(self.session.control.models())]
-        if self.spec.model_name in served:
-            return self.spec.model_name
-        warnings.warn(f"the server does not serve a model named {self.spec.model_name!r}; generating with {served[0]!r}, "
-                      "its first model. Start it with --served-model-name to silence this.", stacklevel=4)
-        return served[0]
-
-    def _check_prompt_lengths(self, max_model_len: int) -> None:
-        """Every dataset prompt (with the tools' schemas) leaves room to generate; an environment's reset() may add more."""
-        spec = self.spec
-        schemas = [tool_schema(tool) for tool in spec.tools] or None
-        rows = first_rows(spec.dataset, PROMPTS_MEASURED) if is_iterable(spec.dataset) else spec.dataset or []
-        for index, row in enumerate(rows):
-            if not row.get("prompt"):
-                continue
-            length = len(render_chat(spec.tokenizer, row["prompt"], tools=schemas,
-                                     chat_template_kwargs=self.args.chat_template_kwargs))
-            if length >= max_model_len:
-                raise UsageError(f"train_dataset row {index}: the prompt renders to {length} tokens, but the server's "
-                                 f"max_model_len is {max_model_len}, leaving no room to generate. Start the server with a "
-                                 "larger --max-model-len, or drop the long prompts from the dataset.")
 
 
 @contextmanager

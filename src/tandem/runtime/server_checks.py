@@ -8,7 +8,15 @@ import re
 import warnings
 from dataclasses import dataclass
 
+from tandem.dataset_rows import first_rows, is_iterable
+from tandem.errors import UsageError
 from tandem.generation.client import ServerError, ServerProblem
+from tandem.prompts import render_chat
+from tandem.tool_calls import tool_schema
+
+PROMPTS_MEASURED = 1000
+"""An IterableDataset's first rows whose prompts are checked against the server's context length (a streamed dataset
+is not read through before training)."""
 
 OLDEST_VLLM = (0, 30)
 """The oldest vLLM tandem drives: the weight-transfer routes and `/inference/v1/generate` appeared in 0.30."""
@@ -89,3 +97,26 @@ def check_vllm(facts: ServerFacts, url: str) -> None:
                       f"split over two steps, and tandem seeds every group. Restart the server at {url} with "
                       f"--max-num-batched-tokens {unchunked} (max_num_seqs x max_model_len: no prefill is split).",
                       stacklevel=4)
+
+
+def served_name(served: list[str], wanted: str) -> str:
+    """The name to generate with: `wanted` (the model as the user named it) when the server serves it, else its first."""
+    if wanted in served:
+        return wanted
+    warnings.warn(f"the server does not serve a model named {wanted!r}; generating with {served[0]!r}, its first model. "
+                  "Start it with --served-model-name to silence this.", stacklevel=4)
+    return served[0]
+
+
+def check_prompt_lengths(dataset, tokenizer, tools: list, chat_template_kwargs: dict | None, max_model_len: int) -> None:
+    """Every dataset prompt (with the tools' schemas) leaves room to generate; an environment's reset() may add more."""
+    schemas = [tool_schema(tool) for tool in tools] or None
+    rows = first_rows(dataset, PROMPTS_MEASURED) if is_iterable(dataset) else dataset or []
+    for index, row in enumerate(rows):
+        if not row.get("prompt"):
+            continue
+        length = len(render_chat(tokenizer, row["prompt"], tools=schemas, chat_template_kwargs=chat_template_kwargs))
+        if length >= max_model_len:
+            raise UsageError(f"train_dataset row {index}: the prompt renders to {length} tokens, but the server's "
+                             f"max_model_len is {max_model_len}, leaving no room to generate. Start the server with a "
+                             "larger --max-model-len, or drop the long prompts from the dataset.")

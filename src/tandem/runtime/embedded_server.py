@@ -1,0 +1,44 @@
+"""The `tandem serve` a run starts for itself when no vllm_server_base_url is given: the folder it loads, and its flags."""
+
+import json
+from pathlib import Path
+
+import torch
+
+from tandem.config import AsyncGRPOConfig
+from tandem.distributed import Ranks
+from tandem.model_folder import save_model_folder
+from tandem.runtime.weight_sync import lora_server_flags
+
+
+def served_folder(model_name: str, model: torch.nn.Module, tokenizer, output_dir: Path, ranks: Ranks) -> str:
+    """A folder with exactly the trainer's weights: the model's own, or a copy saved under `output_dir`."""
+    if Path(model_name).is_dir():
+        return model_name
+    folder = output_dir / ".weights" / "initial"
+    save_model_folder(model, folder, ranks)
+    if ranks.main:
+        tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def server_flags(args: AsyncGRPOConfig, model_name: str, served_dtype: str, lora_rank: int | None) -> list[str]:
+    """The server's command-line flags: the trainer's name for the model, its log-probs and dtype, its sampling masks
+    when top-k / top-p truncate, and the way weights reach it (a gloo stream, or LoRA adapters)."""
+    flags = ["--served-model-name", model_name, "--logprobs-mode", "processed_logprobs",
+             "--max-logprobs", str(max(20, args.num_sampler_logprobs)), "--dtype", served_dtype,
+             "--max-num-seqs", str(min(256, args.max_concurrent_rollouts))]
+    if args.uses_truncated_sampling:  # each token's kept set, to renormalise the trainer's log-probs over it
+        flags += ["--enable-scale-out", "--return-sampling-mask"]
+    if lora_rank is not None:
+        flags += lora_server_flags(args.max_staleness, lora_rank)
+    else:  # full weights stream over a gloo group: faster than the reload (benchmarks/weight_sync.py)
+        flags += ["--weight-transfer-config", json.dumps({"backend": "gloo"}),
+                  "--weight-transfer-timeout-s", str(args.vllm_server_timeout)]
+    if args.vllm_server_host != "127.0.0.1":
+        flags += ["--host", args.vllm_server_host]
+    if args.vllm_server_api_key:
+        flags += ["--api-key", args.vllm_server_api_key]
+    if args.trust_remote_code:
+        flags += ["--trust-remote-code"]
+    return flags
