@@ -3,6 +3,7 @@ and ringing never blocks the trainer, whoever listens."""
 
 import asyncio
 import multiprocessing as mp
+import threading
 
 from tandem.channels import Doorbell
 
@@ -34,10 +35,44 @@ def test_a_ring_in_the_trainer_wakes_the_worker_process():
         worker.kill()
 
 
+def hear_the_end(bell: Doorbell, listening, heard) -> None:
+    """A worker's side: wait for the pipe to read as closed, then say so."""
+    async def main():
+        rang = asyncio.Event()
+        bell.listen(rang)
+        listening.set()
+        await asyncio.wait_for(rang.wait(), 30)
+        heard.set()
+    asyncio.run(main())
+
+
+def test_the_worker_hears_when_the_trainer_side_closes():
+    context = mp.get_context("spawn")
+    bell, listening, heard = Doorbell(context), context.Event(), context.Event()
+    worker = context.Process(target=hear_the_end, args=(bell, listening, heard), daemon=True)
+    worker.start()
+    try:
+        assert listening.wait(60), "the worker process did not start listening"
+        bell.close()  # as when the trainer's process is gone: the worker holds no write end of its own
+        assert heard.wait(10), "the worker's event loop did not hear the pipe close"
+    finally:
+        worker.join(10)
+        worker.kill()
+
+
 def test_ringing_never_blocks_when_nobody_listens():
     bell = Doorbell(mp.get_context("spawn"))
-    for _ in range(100_000):  # past any pipe buffer (64 KiB on Linux): a full pipe already holds a ring
-        bell.ring()
+
+    def ring_a_lot():
+        for _ in range(100_000):  # past any pipe buffer (64 KiB on Linux): a full pipe already holds a ring
+            bell.ring()
+
+    ringer = threading.Thread(target=ring_a_lot, daemon=True)
+    ringer.start()
+    ringer.join(60)
+    assert not ringer.is_alive(), "a ring blocked on the full pipe"
+    bell.close()
+    bell.ring()  # a closed bell (a stopped worker's) is silent
 
 
 def test_rings_before_listening_are_heard_and_drained():

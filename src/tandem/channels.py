@@ -23,10 +23,16 @@ class Doorbell:
 
     def __init__(self, context):
         self.reader, self.writer = context.Pipe(duplex=False)
+        os.set_blocking(self.writer.fileno(), False)  # a ring never blocks the trainer
+
+    def __getstate__(self) -> dict:
+        """The worker gets the read end only: once the trainer's process is gone, the pipe reads as closed."""
+        return {"reader": self.reader, "writer": None}
 
     def ring(self) -> None:
-        """Never blocks: a full pipe holds a ring not heard yet, which is as good."""
-        os.set_blocking(self.writer.fileno(), False)
+        """Nothing happens on a full pipe (it holds a ring not heard yet, which is as good) or a closed bell."""
+        if self.writer is None or self.writer.closed:
+            return
         try:
             os.write(self.writer.fileno(), b"\0")
         except BlockingIOError:
@@ -35,13 +41,19 @@ class Doorbell:
     def listen(self, heard: asyncio.Event) -> None:
         """Set `heard` on every ring, from the running event loop (until `stop_listening`)."""
         def drain():
-            if not os.read(self.reader.fileno(), 4096):  # end of file: no trainer rings any more
+            if not os.read(self.reader.fileno(), 4096):  # end of file: the trainer's process is gone
                 self.stop_listening()
             heard.set()
         asyncio.get_running_loop().add_reader(self.reader.fileno(), drain)
 
     def stop_listening(self) -> None:
         asyncio.get_running_loop().remove_reader(self.reader.fileno())
+
+    def close(self) -> None:
+        """The trainer's side, once its worker is stopped: both ends' descriptors freed."""
+        self.reader.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 @dataclass

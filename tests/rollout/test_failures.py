@@ -46,9 +46,9 @@ class ScriptedLoop(AsyncRolloutLoop):
 
 
 def run_loop(reward, prompts: int = 6, failing_requests=None, slow_until_synced=None, loop_cls=ScriptedLoop,
-             settings: dict | None = None, **config) -> tuple[list, dict]:
-    """Run the loop over `prompts` prompts until it says "end"; returns its messages and its metrics merged.
-    `settings` overrides RolloutSettings fields (another dataset, a resumed run's start)."""
+             settings: dict | None = None, timeout_s: float | None = None, **config) -> tuple[list, dict]:
+    """Run the loop over `prompts` prompts until it says "end" (or `timeout_s` passes); returns its messages and its
+    metrics merged. `settings` overrides RolloutSettings fields (another dataset, a resumed run's start)."""
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"prompt {i}"}]} for i in range(prompts)])
     settings = RolloutSettings(**{
         "config": AsyncGRPOConfig(num_generations=2, max_completion_length=8,
@@ -73,11 +73,12 @@ def run_loop(reward, prompts: int = 6, failing_requests=None, slow_until_synced=
             messages.append(channels.out.get())
             if messages[-1][0] == "samples":  # the trainer takes them: room for the next groups
                 channels.consumed_tokens.value += sum(s.num_tokens for s in messages[-1][1])
+                channels.room.ring()
         channels.stop.set()
         await task
         return messages
 
-    messages = asyncio.run(main())
+    messages = asyncio.run(asyncio.wait_for(main(), timeout_s))
     metrics: dict[str, list] = {}
     for kind, payload in messages:
         if kind == "metrics":

@@ -4,9 +4,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.metrics.window import MetricWindow
+from tandem.rollout import scheduler
 from tandem.rollout.pacing import ConcurrencyCap, TokenAllowance
 from tandem.rollout.reconcile import reconcile
 from tandem.records import TurnRecord
+from tests.rollout.test_failures import by_reply, positions, run_loop
 
 
 def test_allowance_is_max_staleness_steps_of_consumption():
@@ -14,6 +16,13 @@ def test_allowance_is_max_staleness_steps_of_consumption():
     assert allowance.limit(0) == 2000, "before the first step, every row counts as full"
     assert allowance.limit(300) == 600
     assert TokenAllowance(max_staleness=0, full_step_tokens=1000).limit(300) == 300
+
+
+def test_a_worker_waiting_for_room_starts_the_next_group_when_the_trainer_rings(monkeypatch):
+    monkeypatch.setattr(scheduler, "ROOM_POLL_S", 3600.0)  # no look of its own: only a wake-up moves it on
+    # An allowance of one token: each group waits until the trainer took the last one's samples and rang.
+    messages, _ = run_loop(by_reply, prompts=4, settings={"full_step_tokens": 1}, max_staleness=1, timeout_s=30)
+    assert sorted(set(positions(messages, "samples"))) == [0, 1, 2, 3]
 
 
 def test_one_group_at_a_time_until_the_first_finishes():

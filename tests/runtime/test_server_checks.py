@@ -13,7 +13,8 @@ from tandem.tasks import TINY_MODEL_PATH
 from tandem.runtime.weight_sync import LoraSync, ReloadSync, choose_sync
 
 from tandem.generation.client import ServerProblem
-from tandem.runtime.server_checks import ServerFacts, check, release
+from tandem.errors import UsageError
+from tandem.runtime.server_checks import ServerFacts, check, check_prompt_lengths, release, served_name
 
 URL = "http://127.0.0.1:8000"
 
@@ -102,3 +103,18 @@ def test_chunked_prefill_that_can_split_a_seeded_prompt_on_vllms_cpu_build_is_wa
     assert "CPU Generator does not use offset" in message and "--max-num-batched-tokens 131072" in message
     assert warned(vllm(batched=2048, device="cuda")) == [], "the GPU build has no such crash"
     assert warned(vllm(batched=2048, chunked=False)) == []
+
+
+def test_the_served_name_is_the_users_when_served_else_the_first_with_a_warning():
+    assert served_name(["other", "my-model"], "my-model") == "my-model"
+    with pytest.warns(UserWarning, match="does not serve a model named 'my-model'.*--served-model-name"):
+        assert served_name(["other", "third"], "my-model") == "other"
+
+
+def test_a_prompt_that_leaves_no_room_to_generate_is_refused_by_row():
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
+    rows = [{"prompt": [{"role": "user", "content": "2 + 2?"}]}, {"prompt": [{"role": "user", "content": "1 + 1 = " * 40}]}]
+    check_prompt_lengths(rows[:1], tokenizer, [], None, max_model_len=64)
+    with pytest.raises(UsageError, match="train_dataset row 1: the prompt renders to .* max_model_len is 64"):
+        check_prompt_lengths(rows, tokenizer, [], None, max_model_len=64)

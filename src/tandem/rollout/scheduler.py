@@ -327,6 +327,7 @@ class RolloutScheduler:
                              f"rollout ({len(rollouts)})")
         self.record("rollout/score_s", time.monotonic() - start)
         self.groups_finished += 1
+        self.room_changed.set()  # the first group finished: the allowance binds, and may admit more than one
         # GRPO learns only from groups whose rewards differ; FlashREINFORCE's baseline is the batch, not the group.
         kept = bool(np.isfinite(group.rewards).any()) if self.flash else scoring.keeps_signal(group.rewards)
         record_group(self.record, group, columns, kept, self.eos_token_ids, self.config.log_completions)

@@ -109,7 +109,7 @@ class RolloutWorker:
             self.process.start()
 
     def stop(self) -> None:
-        """End the process and close this side of its queues (their pipes and the thread that feeds `retry`)."""
+        """End the process and close this side of its queues (their pipes and the thread that feeds `retry`) and doorbell."""
         self.channels.stop.set()
         if self.process.is_alive():
             self.process.terminate()
@@ -117,6 +117,7 @@ class RolloutWorker:
         for channel in (self.channels.out, self.channels.retry, self.channels.evaluate):
             channel.close()
             channel.join_thread()
+        self.channels.room.close()
 
     def get(self, timeout_s: float) -> tuple[str, object] | None:
         """The next message, or None after `timeout_s`; raises WorkerError if the worker failed or hung."""

@@ -1,5 +1,6 @@
-"""What the generation server says about itself at connect (`/version`, `/server_info`), checked before the first
-step, so that a server which would train off-policy, crash or refuse the run says so now and not at step 16.
+"""What the generation server says about itself at connect (`/version`, `/server_info`, the names it serves) and
+whether the dataset's prompts fit its context, checked before the first step, so that a server which would train
+off-policy, crash or refuse the run says so now and not at step 16.
 
 tandem serve answers `/version` with a `tandem_version` too; every other server is taken for vLLM.
 """
