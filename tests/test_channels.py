@@ -4,12 +4,13 @@ and ringing never blocks the trainer, whoever listens."""
 import asyncio
 import multiprocessing as mp
 import threading
+from contextlib import contextmanager
 
 from tandem.channels import Doorbell
 
 
-def listen_once(bell: Doorbell, listening, heard) -> None:
-    """A worker's side: wait on the event loop for one ring, then say so."""
+def wait_for_a_wake_up(bell: Doorbell, listening, heard) -> None:
+    """A worker's side: wait on the event loop until the bell wakes it (a ring, or its pipe closing), then say so."""
     async def main():
         rang = asyncio.Event()
         bell.listen(rang)
@@ -20,44 +21,32 @@ def listen_once(bell: Doorbell, listening, heard) -> None:
     asyncio.run(main())
 
 
-def test_a_ring_in_the_trainer_wakes_the_worker_process():
+@contextmanager
+def listening_worker():
+    """A spawned process listening to a new bell: yields the bell and the event it sets once woken."""
     context = mp.get_context("spawn")
     bell, listening, heard = Doorbell(context), context.Event(), context.Event()
-    worker = context.Process(target=listen_once, args=(bell, listening, heard), daemon=True)
+    worker = context.Process(target=wait_for_a_wake_up, args=(bell, listening, heard), daemon=True)
     worker.start()
     try:
         assert listening.wait(60), "the worker process did not start listening"
+        yield bell, heard
+    finally:
+        worker.join(10)
+        worker.kill()
+
+
+def test_a_ring_in_the_trainer_wakes_the_worker_process():
+    with listening_worker() as (bell, heard):
         assert not heard.wait(0.2), "the worker woke without a ring"
         bell.ring()
         assert heard.wait(10), "the ring did not reach the worker's event loop"
-    finally:
-        worker.join(10)
-        worker.kill()
-
-
-def hear_the_end(bell: Doorbell, listening, heard) -> None:
-    """A worker's side: wait for the pipe to read as closed, then say so."""
-    async def main():
-        rang = asyncio.Event()
-        bell.listen(rang)
-        listening.set()
-        await asyncio.wait_for(rang.wait(), 30)
-        heard.set()
-    asyncio.run(main())
 
 
 def test_the_worker_hears_when_the_trainer_side_closes():
-    context = mp.get_context("spawn")
-    bell, listening, heard = Doorbell(context), context.Event(), context.Event()
-    worker = context.Process(target=hear_the_end, args=(bell, listening, heard), daemon=True)
-    worker.start()
-    try:
-        assert listening.wait(60), "the worker process did not start listening"
+    with listening_worker() as (bell, heard):
         bell.close()  # as when the trainer's process is gone: the worker holds no write end of its own
         assert heard.wait(10), "the worker's event loop did not hear the pipe close"
-    finally:
-        worker.join(10)
-        worker.kill()
 
 
 def test_ringing_never_blocks_when_nobody_listens():
