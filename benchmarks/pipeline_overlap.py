@@ -4,7 +4,8 @@ The generation server is `tandem serve` with a fixed delay after every decode st
 GPU server, tuned so generation and training take comparable time. The synchronous run pauses the
 server, and the clock of its step delay, while the trainer computes (generate, then train, then generate...); the asynchronous run is the
 trainer as it is. Both train the same number of steps from the same weights; printed: both wall times,
-the speed-up, and the ideal (G + T) / max(G, T) from the synchronous run's own G and T. The reward is
+the speed-up, and the ideal (G + T) / max(G, T) from the synchronous run's own G and T, each the median of
+`--repeats` pairs of runs (a single pair's ratio to the ideal moves by up to 0.2 on this 2-core machine). The reward is
 the task's own integer check (math-verify would cost the worker CPU time the trainer then misses).
 Each configuration (a server step delay and a max_staleness) is one row of the printed table, once with the three
 processes sharing the machine's cores and once pinned (`--cores`): the trainer alone on its cores, as on a device of
@@ -13,12 +14,13 @@ asynchronous run. `--train-delay-s` slows every optimizer step, standing in for 
 
     python benchmarks/pipeline_overlap.py [--steps 60] [--config STEP_DELAY_S MAX_STALENESS ...]
                                           [--cores shared|pinned|both] [--train-delay-s S] [--weight-sync-steps N]
-                                          [--max-num-seqs N] [--markdown PATH]
+                                          [--max-num-seqs N] [--repeats 3] [--markdown PATH]
 """
 
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 import urllib.request
@@ -135,22 +137,37 @@ def bottleneck(folder: Path) -> str:
 
 
 def compare(steps: int, delay: float, staleness: int, train_delay: float, pinned: bool, sync_steps: int,
-            max_num_seqs: int, folder: Path) -> list[str]:
-    """Both runs of one configuration; returns its row of the README table."""
-    sync = run(slowed(AsyncGRPOTrainer, train_delay), steps, delay, staleness, folder / "sync", pinned, sync_steps,
-               max_num_seqs, take_turns=True)
-    print(f"  synchronous : {sync['wall']:.1f}s wall ({sync['train']:.1f}s training)", flush=True)
-    overlapped = run(slowed(AsyncGRPOTrainer, train_delay), steps, delay, staleness, folder / "async", pinned, sync_steps,
-                     max_num_seqs)
-    print(f"  asynchronous: {overlapped['wall']:.1f}s wall ({overlapped['wait']:.1f}s waiting for samples)", flush=True)
-    train = sync["train"]
-    generate = sync["wall"] - train
-    ideal = (generate + train) / max(generate, train)
-    speedup = sync["wall"] / overlapped["wall"]
+            max_num_seqs: int, repeats: int, folder: Path) -> list[str]:
+    """`repeats` pairs of runs of one configuration, synchronous then asynchronous; returns its row of the README table:
+    the median of each figure (a row moved by up to 0.2 of the ideal between single runs), the ratios computed from
+    those medians, and the doctor's word on the asynchronous run of median wall time."""
+    syncs, overlaps = [], []
+    for repeat in range(repeats):
+        sync = run(slowed(AsyncGRPOTrainer, train_delay), steps, delay, staleness, folder / f"sync-{repeat}", pinned,
+                   sync_steps, max_num_seqs, take_turns=True)
+        overlapped = run(slowed(AsyncGRPOTrainer, train_delay), steps, delay, staleness, folder / f"async-{repeat}",
+                         pinned, sync_steps, max_num_seqs)
+        syncs.append(sync)
+        overlaps.append(overlapped | {"folder": folder / f"async-{repeat}"})
+        generate, train = sync["wall"] - sync["train"], sync["train"]
+        print(f"  run {repeat + 1}: synchronous {sync['wall']:.1f}s ({train:.1f}s training), asynchronous "
+              f"{overlapped['wall']:.1f}s ({overlapped['wait']:.1f}s waiting for samples): "
+              f"{sync['wall'] / overlapped['wall'] / ideal_speedup(generate, train):.2f} of the ideal", flush=True)
+    train = statistics.median(s["train"] for s in syncs)
+    sync_wall = statistics.median(s["wall"] for s in syncs)
+    generate = sync_wall - train
+    ideal = ideal_speedup(generate, train)
+    middle = sorted(overlaps, key=lambda o: o["wall"])[len(overlaps) // 2]
+    speedup = sync_wall / middle["wall"]
     slower = ((f", trainer +{train_delay:g} s" if train_delay else "") + (f", sync every {sync_steps}" if sync_steps > 1 else "")
               + (f", {max_num_seqs} seqs" if max_num_seqs != 256 else ""))
-    return [f"{delay:g} s, {staleness}{slower}", "pinned" if pinned else "shared", f"{generate:.1f}", f"{train:.1f}", f"{sync['wall']:.1f}", f"{overlapped['wall']:.1f}",
-            f"{speedup:.2f}x", f"{ideal:.2f}x", f"{speedup / ideal:.2f}", bottleneck(folder / "async")]
+    return [f"{delay:g} s, {staleness}{slower}", "pinned" if pinned else "shared", f"{generate:.1f}", f"{train:.1f}", f"{sync_wall:.1f}", f"{middle['wall']:.1f}",
+            f"{speedup:.2f}x", f"{ideal:.2f}x", f"{speedup / ideal:.2f}", bottleneck(middle["folder"])]
+
+
+def ideal_speedup(generate: float, train: float) -> float:
+    """(G + T) / max(G, T): generation and training overlapped perfectly."""
+    return (generate + train) / max(generate, train)
 
 
 def main() -> None:
@@ -166,6 +183,8 @@ def main() -> None:
     parser.add_argument("--train-delay-s", type=float, default=0.0,
                         help="sleep this long in every optimizer step, standing in for a slower trainer (default 0)")
     parser.add_argument("--weight-sync-steps", type=int, default=1, help="steps between weight syncs (default 1)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="pairs of runs of each row; the table gives their medians (default 3)")
     parser.add_argument("--max-num-seqs", type=int, default=256,
                         help="the server's batch limit (default 256); a small one makes a server at capacity")
     add_markdown_flag(parser)
@@ -184,7 +203,7 @@ def main() -> None:
                 print(f"step delay {delay} s, max_staleness {staleness}, {args.steps} steps, "
                       f"{'pinned' if pinned else 'shared'} cores", flush=True)
                 rows.append(compare(args.steps, delay, staleness, args.train_delay_s, pinned, args.weight_sync_steps,
-                                    args.max_num_seqs, Path(tmp) / f"{i}-{pinned}"))
+                                    args.max_num_seqs, args.repeats, Path(tmp) / f"{i}-{pinned}"))
     emit(markdown_table(["step delay, max_staleness", "cores", "G (s)", "T (s)", "synchronous (s)", "asynchronous (s)",
                          "speed-up", "ideal (G+T)/max(G,T)", "speed-up / ideal", "doctor (asynchronous run)"],
                         "rlrrrrrrrl", rows), args.markdown)

@@ -24,7 +24,7 @@ ROOT = HERE.parent
 
 BENCHMARKS = {  # in README order, with about how long each takes on the project's quiet 2-core machine
     "vs_trl": "~15 min",
-    "pipeline_overlap": "~10 min",
+    "pipeline_overlap": "~25 min",
     "packing": "~4 min",
     "packing_76m": "~9 min",
     "logprob_memory": "~2 min",
