@@ -1,11 +1,15 @@
 """Pacing rules, the metric window rules, and turn reconciliation, on hand-made numbers."""
 
+import asyncio
+from types import SimpleNamespace
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.metrics.window import MetricWindow
-from tandem.rollout import scheduler
-from tandem.rollout.pacing import ConcurrencyCap, TokenAllowance
+from tandem.rollout import pacing
+from tandem.rollout.pacing import ConcurrencyCap, Room, TokenAllowance
 from tandem.rollout.reconcile import reconcile
 from tandem.records import TurnRecord
 from tests.rollout.test_failures import by_reply, positions, run_loop
@@ -19,10 +23,37 @@ def test_allowance_is_max_staleness_steps_of_consumption():
 
 
 def test_a_worker_waiting_for_room_starts_the_next_group_when_the_trainer_rings(monkeypatch):
-    monkeypatch.setattr(scheduler, "ROOM_POLL_S", 3600.0)  # no look of its own: only a wake-up moves it on
+    monkeypatch.setattr(pacing, "ROOM_POLL_S", 3600.0)  # no look of its own: only a wake-up moves it on
     # An allowance of one token: each group waits until the trainer took the last one's samples and rang.
     messages, _ = run_loop(by_reply, prompts=4, settings={"full_step_tokens": 1}, max_staleness=1, timeout_s=30)
     assert sorted(set(positions(messages, "samples"))) == [0, 1, 2, 3]
+
+
+def test_room_keeps_the_books_of_reservations_and_queued_tokens():
+    async def main():
+        consumed = SimpleNamespace(value=0.0)  # what the trainer publishes across the process boundary
+        room = Room(TokenAllowance(max_staleness=1, full_step_tokens=1000), 0.0, SimpleNamespace(value=1000.0), consumed)
+        assert await room.wait(600, check=lambda: None) == (pytest.approx(0, abs=0.1), None), \
+            "the first group starts at once; the allowance binds only once a group finished"
+        room.group_ended(600)
+        room.group_scored(500)
+        assert (room.in_flight_tokens, room.queued_tokens()) == (0, 500)
+        assert room.reservation(300) == 500, "never less than the largest recent kept group"
+        assert (await room.wait(500, check=lambda: None))[1] == 1.0, "500 queued + 500 reserved: the whole allowance"
+
+        waiting = asyncio.create_task(room.wait(1, check=lambda: None))
+        await asyncio.sleep(0.05)
+        assert not waiting.done(), "one token more than the allowance waits"
+        consumed.value = 500  # the trainer took the queued samples and rang
+        room.changed.set()
+        await asyncio.wait_for(waiting, 5)
+
+        def failed():
+            raise RuntimeError("a group failed")
+        with pytest.raises(RuntimeError, match="a group failed"):
+            await room.wait(10_000, check=failed)
+
+    asyncio.run(main())
 
 
 def test_one_group_at_a_time_until_the_first_finishes():

@@ -1,9 +1,14 @@
 """How many rollouts may run: the token allowance (staleness) and the server-load concurrency cap.
 
-Both are small state machines with no I/O, so the rules of the spec's concurrency section can be read
-and tested directly: the worker feeds them numbers and asks them for decisions.
+`TokenAllowance` and `ConcurrencyCap` are small state machines with no I/O, so the rules of the spec's concurrency
+section can be read and tested directly: the worker feeds them numbers and asks them for decisions. `Room` keeps the
+worker's books for the allowance (what its groups reserve and put on the queue) and waits for room in it.
 """
 
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 METRICS_POLL_S = 5.0
@@ -33,6 +38,69 @@ class TokenAllowance:
         if groups_finished == 0:
             return groups_in_flight == 0
         return queued + in_flight + reservation <= self.limit(tokens_per_step)
+
+
+ROOM_POLL_S = 0.1
+"""How often a worker waiting for room looks again on its own: the trainer's doorbell and the worker's finished groups
+wake it at once, this only bounds a wake-up missed."""
+RECENT_GROUPS = 16
+
+
+class Room:
+    """The allowance's books on the worker's side. A group in flight holds a reservation, an upper bound of what it
+    may put on the queue, until it ends; a scored group's samples count as queued until the trainer consumes them
+    (`consumed_tokens`, published with `tokens_per_step` by the trainer, which rings `changed` as it frees some)."""
+
+    def __init__(self, allowance: TokenAllowance, queued_tokens: float, tokens_per_step, consumed_tokens):
+        self.allowance, self.tokens_per_step, self.consumed_tokens = allowance, tokens_per_step, consumed_tokens
+        self.produced_tokens, self.in_flight_tokens = queued_tokens, 0.0
+        self.groups_in_flight = self.groups_finished = 0
+        self.changed = asyncio.Event()
+        """Set when the allowance may admit a group: the trainer freed room (its doorbell), or a group here ended."""
+        self.kept_tokens: deque[int] = deque(maxlen=RECENT_GROUPS)
+        """Tokens each recent kept group put on the queue, forks included: what a group really produces."""
+
+    def reservation(self, single_turn: int) -> float:
+        """What a group may put on the queue: `single_turn`, G × (prompt + max_completion_length), bounds a single-turn
+        group; multi-turn rollouts and forks can produce more, so never less than the largest recent kept group."""
+        return max(single_turn, max(self.kept_tokens, default=0))
+
+    def queued_tokens(self) -> float:
+        return self.produced_tokens - self.consumed_tokens.value
+
+    async def wait(self, reservation: float, check: Callable[[], None]) -> tuple[float, float | None]:
+        """Wait until `reservation` fits, calling `check` (which raises to end the wait) at every look, then take it.
+        Returns the seconds waited and the allowance then used with it (None before it binds: no group finished)."""
+        start = time.monotonic()
+        while True:
+            self.changed.clear()  # before the look: a wake-up after it is kept for the wait
+            if self.allowance.may_start(self.queued_tokens(), self.in_flight_tokens, reservation,
+                                        self.tokens_per_step.value, self.groups_in_flight, self.groups_finished):
+                break
+            check()
+            try:
+                await asyncio.wait_for(self.changed.wait(), ROOM_POLL_S)
+            except TimeoutError:
+                pass
+        used = (self.queued_tokens() + self.in_flight_tokens + reservation) / self.allowance.limit(self.tokens_per_step.value)
+        self.groups_in_flight += 1  # taken now, not when the group's task first runs
+        self.in_flight_tokens += reservation
+        return time.monotonic() - start, used if self.groups_finished else None
+
+    def group_ended(self, reservation: float) -> None:
+        """A group's generation ended (or failed): its reservation is free."""
+        self.groups_in_flight -= 1
+        self.in_flight_tokens -= reservation
+        self.changed.set()
+
+    def group_scored(self, tokens: int | None) -> None:
+        """A group was scored: `tokens` on the queue (None: dropped). The first one makes the allowance bind, and it may
+        then admit more than one group."""
+        self.groups_finished += 1
+        self.changed.set()
+        if tokens is not None:
+            self.produced_tokens += tokens
+            self.kept_tokens.append(tokens)
 
 
 class ConcurrencyCap:

@@ -21,7 +21,7 @@ from tandem.records import Rollout, RolloutGroup, Sample
 from tandem.rollout import rewards as scoring
 from tandem.rollout.generation import GROUP_VERSION, Generation
 from tandem.rollout.group_metrics import group_stds, record_group
-from tandem.rollout.pacing import METRICS_POLL_S, ConcurrencyCap, TokenAllowance
+from tandem.rollout.pacing import METRICS_POLL_S, ConcurrencyCap, Room, TokenAllowance
 from tandem.rollout.prompt_stream import PromptStream
 from tandem.rollout.settings import RolloutSettings
 
@@ -30,10 +30,6 @@ REPORT_EVERY_S = 1.0
 OUTAGE_SAY_S, OUTAGE_SAY_AGAIN_S = 10.0, 60.0
 """A server silent this long is said to be (and again as often while it lasts): its requests retry without a word."""
 IDLE_POLL_S = 0.05
-ROOM_POLL_S = 0.1
-"""How often a worker waiting for room looks again on its own: the trainer's doorbell and the worker's finished groups
-wake it at once, this only bounds a wake-up missed."""
-RECENT_GROUPS = 16
 FAILED_IN_A_ROW = 5
 """Groups dropped in a row for failures (a reward function, or the server twice) before the worker stops the run."""
 
@@ -53,19 +49,15 @@ class RolloutScheduler:
         self.eos_token_ids, self.adapter_name = list(settings.eos_token_ids), settings.adapter_name
         self.base_url = settings.base_url
         self.control = ControlClient(settings.base_url, api_key=settings.api_key, timeout_s=30)
-        self.allowance = TokenAllowance(config.max_staleness, settings.full_step_tokens)
+        self.room = Room(TokenAllowance(config.max_staleness, settings.full_step_tokens), settings.queued_tokens,
+                         channels.tokens_per_step, channels.consumed_tokens)
+        """The allowance's books: what groups in flight reserve, what is queued, and the wait for room (pacing.py)."""
         self.server_metrics = False
         self.last_preemptions: float | None = None
         self.flash = config.algorithm == "flash_reinforce"
         self.score_queue: asyncio.Queue = asyncio.Queue(maxsize=SCORE_QUEUE_MAXSIZE)
         self.failure: BaseException | None = None
         self.records: dict[str, list] = defaultdict(list)
-        self.produced_tokens, self.in_flight_tokens = settings.queued_tokens, 0.0
-        self.groups_in_flight = self.groups_finished = 0
-        self.room_changed = asyncio.Event()
-        """Set when the allowance may admit a group: the trainer freed room (its doorbell), or a group here ended."""
-        self.kept_tokens: deque[int] = deque(maxlen=RECENT_GROUPS)
-        """Tokens each recent kept group put on the queue, forks included: what a group really produces."""
         self.retries: deque[int] = deque()
         """Positions to generate again: groups the trainer dropped as stale, or whose LoRA version was unloaded."""
         self.unscored = 0
@@ -119,7 +111,7 @@ class RolloutScheduler:
     async def run(self) -> None:
         background = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._report()),
                       asyncio.create_task(self._say_outages())]
-        self.channels.room.listen(self.room_changed)
+        self.channels.room.listen(self.room.changed)
         try:
             await self.loop.setup()
             self.generation.sampling_masks = self.config.uses_truncated_sampling and await self._server_returns_sampling_masks()
@@ -192,38 +184,15 @@ class RolloutScheduler:
 
     async def _start_group(self, row: dict, position: int, group_id: int) -> asyncio.Task:
         """Wait for room in the allowance, reserve the group's tokens and start it."""
-        reservation = self._reservation(row.get("prompt"))
-        await self._wait_for_allowance(reservation)
-        self.groups_in_flight += 1  # counted now, not when the task first runs
-        self.in_flight_tokens += reservation
+        prompt = row.get("prompt")
+        single_turn = self.config.num_generations * ((len(self.generation.render(prompt)) if prompt else 0)
+                                                     + self.config.max_completion_length)
+        reservation = self.room.reservation(single_turn)
+        waited, used = await self.room.wait(reservation, self._raise_failure)
+        self.record("rollout/backpressure_s", waited)
+        if used is not None:
+            self.record("rollout/allowance_used_max", used)
         return self._watch(asyncio.create_task(self._run_group(row, position, group_id, reservation)))
-
-    def _reservation(self, prompt: list[dict] | None) -> float:
-        """The tokens a group may put on the queue: single-turn, at most G × (prompt + max_completion_length);
-        multi-turn rollouts and forks can produce more, so never less than the largest recent kept group."""
-        single_turn = self.config.num_generations * ((len(self.generation.render(prompt)) if prompt else 0) + self.config.max_completion_length)
-        return max(single_turn, max(self.kept_tokens, default=0))
-
-    def _queued_tokens(self) -> float:
-        return self.produced_tokens - self.channels.consumed_tokens.value
-
-    async def _wait_for_allowance(self, reservation: float) -> None:
-        start = time.monotonic()
-        while True:
-            self.room_changed.clear()  # before the look: a wake-up after it is kept for the wait
-            if self.allowance.may_start(self._queued_tokens(), self.in_flight_tokens, reservation,
-                                        self.channels.tokens_per_step.value, self.groups_in_flight, self.groups_finished):
-                break
-            self._raise_failure()
-            try:
-                await asyncio.wait_for(self.room_changed.wait(), ROOM_POLL_S)
-            except TimeoutError:
-                pass
-        self.record("rollout/backpressure_s", time.monotonic() - start)
-        limit = self.allowance.limit(self.channels.tokens_per_step.value)
-        used = self._queued_tokens() + self.in_flight_tokens + reservation
-        if self.groups_finished:  # the allowance binds once the first group has finished
-            self.record("rollout/allowance_used_max", used / limit)
 
     async def _run_group(self, row: dict, position: int, group_id: int, reservation: float) -> None:
         version = self.channels.model_version.value  # read as it runs: its first request goes out under this version
@@ -248,9 +217,7 @@ class RolloutScheduler:
                                   f"generated anew: {exc}")
             return
         finally:
-            self.groups_in_flight -= 1
-            self.in_flight_tokens -= reservation
-            self.room_changed.set()
+            self.room.group_ended(reservation)
             self.generating.pop(asyncio.current_task(), None)
         if not episodes:  # each of its episodes failed (another library's: counted where they failed)
             self.emit("skip", position)
@@ -326,20 +293,16 @@ class RolloutScheduler:
             raise ValueError(f"compute_advantages returned shape {advantages.shape}; it must return one advantage per "
                              f"rollout ({len(rollouts)})")
         self.record("rollout/score_s", time.monotonic() - start)
-        self.groups_finished += 1
-        self.room_changed.set()  # the first group finished: the allowance binds, and may admit more than one
         # GRPO learns only from groups whose rewards differ; FlashREINFORCE's baseline is the batch, not the group.
         kept = bool(np.isfinite(group.rewards).any()) if self.flash else scoring.keeps_signal(group.rewards)
         record_group(self.record, group, columns, kept, self.eos_token_ids, self.config.log_completions)
         samples = self._samples(group, rollouts, advantages, position, group_stds(group.rewards, columns)) if kept else []
         self._flush_records()  # the group's metrics travel ahead of its samples
-        if not samples:
+        self.room.group_scored(sum(s.num_tokens for s in samples) if samples else None)
+        if samples:
+            self.emit("samples", samples)
+        else:
             self.emit("skip", position)
-            return
-        tokens = sum(s.num_tokens for s in samples)
-        self.produced_tokens += tokens
-        self.kept_tokens.append(tokens)
-        self.emit("samples", samples)
 
     async def _reward(self, group: RolloutGroup) -> dict[str, np.ndarray]:
         """Every reward source of the group, summed into `group.rewards`; returns the reward functions' columns."""
