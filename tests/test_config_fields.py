@@ -469,11 +469,11 @@ def test_debug_underflow_overflow_stops_at_the_first_inf_with_transformers_repor
     trainer = AsyncGRPOTrainer("tiny", accuracy_reward, train_dataset=DATA,
                                args=AsyncGRPOConfig(output_dir=str(tmp_path), debug="underflow_overflow"))
     row = pack([sample([5, 6, 7, 8])])
-    assert torch.isfinite(trainer._forward(row).log_probs).all(), "finite activations pass"
+    assert torch.isfinite(trainer.passes.forward(row).log_probs).all(), "finite activations pass"
     with torch.no_grad():
         trainer.model.model.layers[1].mlp.down_proj.weight[0, 0] = float("inf")
     with pytest.raises(ValueError, match="inf/nan"):
-        trainer._forward(row)
+        trainer.passes.forward(row)
     with pytest.raises(ValueError, match="'tpu_metrics_debug' needs a TPU"):
         AsyncGRPOConfig(debug="underflow_overflow tpu_metrics_debug")
 

@@ -1,11 +1,75 @@
-"""transformers' callbacks in tandem's loop: the handler, the names evaluations are given to them under, and the state
-of stateful callbacks (transformers' `ExportableState`) carried through checkpoints."""
+"""transformers' callbacks in tandem's loop: `Callbacks` calls them and keeps the flags they set, as transformers'
+Trainer does; also the names evaluations are given to them under, and the state of stateful callbacks (transformers'
+`ExportableState`) carried through checkpoints."""
 
+import os
 from collections import defaultdict
 
 from transformers import TrainerControl
 from transformers.trainer_callback import CallbackHandler, ExportableState
 from transformers.utils import logging as hf_logging
+
+from tandem.distributed import Ranks
+
+
+def local_main() -> bool:
+    """This process is its machine's first (torchrun's LOCAL_RANK 0, or no torchrun)."""
+    return int(os.environ.get("LOCAL_RANK", 0)) == 0
+
+
+def due(strategy: str, every: int, step: int, epoch_ended: bool) -> bool:
+    """An interval strategy's event at this step: 'steps' every `every` steps, 'epoch' when a pass over the dataset
+    ended, 'no' (and 'best', decided by evaluations) never."""
+    return (strategy == "steps" and step % every == 0) or (strategy == "epoch" and epoch_ended)
+
+
+class Callbacks:
+    """The run's TrainerCallback objects and the `control` flags they set (should_log, should_save,
+    should_training_stop), read by the loop. The interval strategies set the same flags (`plan`: what transformers'
+    DefaultFlowCallback does), on rank 0; `agreed` gives every rank rank 0's flags."""
+
+    def __init__(self, handler: CallbackHandler, args, state, ranks: Ranks):
+        self.handler, self.args, self.state, self.ranks = handler, args, state, ranks
+        self.control = TrainerControl()
+
+    def event(self, event: str, **kwargs) -> None:
+        """Call every callback's `event` with (args, state, control)."""
+        args, state = self.args, self.state
+        state.is_world_process_zero, state.is_local_process_zero = self.ranks.main, local_main()
+        state.max_steps, state.logging_steps, state.save_steps, state.eval_steps = (
+            args.max_steps, args.every("logging_steps"), args.every("save_steps"), args.every("eval_steps"))
+        returned = getattr(self.handler, event)(args, state, self.control, **kwargs)
+        if returned is not self.control:  # a callback that returned a control of its own: its flags count
+            vars(self.control).update(vars(returned))
+
+    def plan(self, epoch_ended: bool) -> None:
+        """Whether this step logs and saves, by the strategies (on rank 0; the ranks agree on its flags next):
+        logging_strategy 'steps' (every logging_steps) or 'epoch', and after the first step with logging_first_step."""
+        if self.ranks.main:
+            args, step = self.args, self.state.step
+            self.control.should_log |= (due(args.logging_strategy, args.every("logging_steps"), step, epoch_ended)
+                                        or (args.logging_first_step and step == 1 and args.logging_strategy != "no"))
+            self.control.should_save |= due(args.save_strategy, args.every("save_steps"), step, epoch_ended)
+
+    def eval_due(self, epoch_ended: bool) -> bool:
+        """eval_strategy 'steps' (every eval_steps, logging_steps when unset) or 'epoch', from eval_delay on."""
+        args, step = self.args, self.state.step
+        return step >= args.eval_delay and due(args.eval_strategy, args.every("eval_steps"), step, epoch_ended)
+
+    def agreed(self) -> TrainerControl:
+        """This step's flags as rank 0's callbacks set them, on every rank (logging and saving are collective);
+        `on_step_begin` clears should_log and should_save, as in transformers."""
+        flags = ("should_log", "should_save", "should_training_stop")
+        return TrainerControl(**self.ranks.broadcast({f: getattr(self.control, f) for f in flags} if self.ranks.main else None))
+
+    def exported(self) -> dict:
+        """What a checkpoint keeps of the callbacks' and the control's states (`exported_states`)."""
+        return exported_states(self.handler, self.control)
+
+    def restore(self, stored: dict) -> list[str]:
+        """Rebuild the callbacks and the control from a checkpoint's states; returns the stored classes left unmatched."""
+        self.control, unmatched = restore_states(self.handler, self.control, stored)
+        return unmatched
 
 
 def callback_handler(callbacks: list, model, tokenizer, optimizer, scheduler) -> CallbackHandler:

@@ -8,17 +8,14 @@ until `max_steps` or the last epoch. The trainer calls the runtime; the runtime 
 
 import gc
 import math
-import os
 import sys
 import tempfile
 import time
 import warnings
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import TrainerControl
 from transformers.trainer_utils import enable_full_determinism
 from transformers.utils import logging as hf_logging
 
@@ -30,12 +27,11 @@ from tandem.metrics.window import MetricWindow
 from tandem.model_folder import save_model_folder
 from tandem.packing import PackedRow
 from tandem.packing import attention as tree_attention
-from tandem.packing.logprobs import TokenLogprobs, row_logprobs
 from tandem.runtime.rollout_inputs import check_agents, check_sendable, loop_class, rollout_template
 from tandem.runtime.runtime import Runtime, RuntimeSpec
 from tandem.runtime.sample_source import ResumePoint
 from tandem.trainer import OPENMP_POLICY_TOO_LATE, checkpoint, export
-from tandem.trainer.callbacks import callback_handler, exported_states, restore_states, with_transformers_names
+from tandem.trainer.callbacks import Callbacks, callback_handler, local_main, with_transformers_names
 from tandem.trainer.checkpoint import TrainerState
 from tandem.trainer.hub import HubUploader
 from tandem.trainer.flops import model_shape, peak_flops, rows_flops
@@ -44,6 +40,7 @@ from tandem.trainer.model import (autocast_dtype, check_dataset, check_precision
                                   use_bf16, with_adapter)
 from tandem.trainer.objectives import LossShare, make_objective
 from tandem.trainer.optimization import clip_gradients, make_optimizer, make_scheduler
+from tandem.trainer.row_passes import RowPasses
 from tandem.trainer.step_metrics import StepTimes, record_memory, record_samples, record_step
 
 
@@ -58,11 +55,6 @@ def seed_run(args: AsyncGRPOConfig) -> None:
 def run_log_level(args: AsyncGRPOConfig, main: bool, local_main: bool) -> str:
     """log_level on the job's first process (and each machine's first with log_on_each_node), else log_level_replica."""
     return args.log_level if main or (args.log_on_each_node and local_main) else args.log_level_replica
-
-
-def local_main() -> bool:
-    """This process is its machine's first (torchrun's LOCAL_RANK 0, or no torchrun)."""
-    return int(os.environ.get("LOCAL_RANK", 0)) == 0
 
 
 def set_log_level(level: str) -> None:
@@ -124,6 +116,8 @@ class AsyncGRPOTrainer:
         self.scaler = check_precision(args, self.device, self.ranks.several, next(self.model.parameters()).dtype)
         self.kernel = attention_kernel(args, self.device)
         instrument(self.model, args, self.ranks.several)
+        self.passes = RowPasses(self.model, self.kernel, args.temperature, autocast_dtype(args, self.device), self.ranks)
+        """This rank's passes of a step's rows through the model, and their clock (trainer/row_passes.py)."""
         self.peak_flops = peak_flops(self.device, autocast_dtype(args, self.device) is not None)
         """One GPU's peak FLOP/s for perf/*_mfu; None on CPU or an unknown GPU (trainer/flops.py)."""
         self.flops_shape = model_shape(self.model) if self.peak_flops else None
@@ -135,14 +129,14 @@ class AsyncGRPOTrainer:
         """transformers' TrainerState, filled in place (from a checkpoint when resuming): callbacks hold it."""
         self.window = MetricWindow()
         self.losses, self.reward_history = [], []  # each step's loss, each logged window's mean reward
-        self.callback_handler = callback_handler(callbacks or [], self.model, self.tokenizer, self.optimizer, self.scheduler)
-        """transformers' TrainerCallback objects, called with (args, state, control) at each event of the loop."""
-        self.control = TrainerControl()
-        """The flags callbacks set (should_log, should_save, should_training_stop), read by the loop."""
+        self.callbacks = Callbacks(callback_handler(callbacks or [], self.model, self.tokenizer, self.optimizer,
+                                                    self.scheduler), args, self.state, self.ranks)
+        """transformers' TrainerCallback objects, called with (args, state, control) at each event of the loop, and
+        the flags they set (should_log, should_save, should_training_stop), read by the loop."""
         self.hub: HubUploader | None = None  # push_to_hub's uploads (rank 0), started with the first one
         self.runtime = Runtime(self._runtime_spec())
         """The generation server, the rollout worker, the queue and the weight sync: started by train()."""
-        self._callback_event("on_init_end")
+        self.callbacks.event("on_init_end")
 
     # ---- public ---------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None) -> TrainOutput:
@@ -167,7 +161,7 @@ class AsyncGRPOTrainer:
             resume_from_checkpoint = self.args.resume_from_checkpoint
         resume = checkpoint.resolve(resume_from_checkpoint, self.output_dir)
         point = self._restore(resume)
-        self._callback_event("on_train_begin")
+        self.callbacks.event("on_train_begin")
         if self.args.gradient_checkpointing:
             enable_checkpointing(self.model, self.args.gradient_checkpointing_kwargs or {"use_reentrant": False})
         self.model.train()
@@ -186,8 +180,13 @@ class AsyncGRPOTrainer:
         if runtime.preempted.is_set():
             print(f"tandem: stopped on SIGTERM after a checkpoint at step {self.state.step}; resume with "
                   "train(resume_from_checkpoint=True), or tandem train with --resume_from_checkpoint true", file=sys.stderr)
-        self._callback_event("on_train_end")
+        self.callbacks.event("on_train_end")
         return output
+
+    @property
+    def callback_handler(self):
+        """transformers' CallbackHandler, under the name its Trainer gives it."""
+        return self.callbacks.handler
 
     def add_callback(self, callback) -> None:
         """Add a transformers `TrainerCallback` (an instance, or a class to instantiate)."""
@@ -206,16 +205,16 @@ class AsyncGRPOTrainer:
         `micro_batches` are every rank's rows: rank r trains row r of each (one process trains them all); a rank
         with no row in a micro-batch forwards its first one with weight 0, so every rank runs the same passes."""
         rows = [row for micro_batch in micro_batches for row in micro_batch]
-        records = self.objective.begin_step(rows, lambda: self._score_all(micro_batches))
+        records = self.objective.begin_step(rows, lambda: self.passes.score_all(micro_batches))
         if self.ranks.main:
             self.window.extend(records)
         loss, forward_s = 0.0, 0.0
         for micro_batch in micro_batches:
             share = LossShare.of(micro_batch, len(micro_batches))
-            for row, real in self._my_rows(micro_batch):
-                start = self._clock()
-                scored = self._forward(row)
-                forward_s += self._clock() - start
+            for row, real in self.passes.mine(micro_batch):
+                start = self.passes.clock()
+                scored = self.passes.forward(row)
+                forward_s += self.passes.clock() - start
                 row_loss = self.objective.row_loss(row, scored, share)
                 self._backward(row_loss.loss if real else row_loss.loss * 0.0)
                 if real:
@@ -277,18 +276,18 @@ class AsyncGRPOTrainer:
             if not micro_batches:
                 break
             rows = [row for micro_batch in micro_batches for row in micro_batch]
-            self._callback_event("on_step_begin")
-            step_start = self._clock()
+            self.callbacks.event("on_step_begin")
+            step_start = self.passes.clock()
             step = self.training_step(micro_batches)
-            step_end = self._clock()
+            step_end = self.passes.clock()
             self._synced(runtime)  # the last step's overlapped sync reads the weights the optimizer is about to change
-            optimizer_start = self._clock()
+            optimizer_start = self.passes.clock()
             grad_norm = self.optimizer_step()
-            optimizer_s, forward_backward_s = self._clock() - optimizer_start, step_end - step_start
+            optimizer_s, forward_backward_s = self.passes.clock() - optimizer_start, step_end - step_start
             epoch_ended = self._step_done(rows, runtime)
             if args.torch_empty_cache_steps and state.step % args.torch_empty_cache_steps == 0:
                 empty_device_cache(self.device)
-            eval_pending, eval_s = self._sync(runtime, eval_pending or self._eval_due(epoch_ended))
+            eval_pending, eval_s = self._sync(runtime, eval_pending or self.callbacks.eval_due(epoch_ended))
             if main:
                 runtime.publish(tokens_per_step=sum(row.raw_tokens for row in rows))  # after the sync, or its start
                 times = StepTimes(total=time.perf_counter() - start - eval_s, rollout_wait=runtime.rollout_wait_s - waited,
@@ -296,16 +295,16 @@ class AsyncGRPOTrainer:
                 self._record(rows, len(micro_batches), step.loss, grad_norm, times)
             if not args.skip_memory_metrics:  # every rank's: the window is gathered, the largest logged
                 record_memory(self.window, self.device)
-            self._callback_event("on_step_end")
-            self._plan(epoch_ended)
+            self.callbacks.event("on_step_end")
+            self.callbacks.plan(epoch_ended)
             if runtime.preempted_everywhere():  # SIGTERM with enable_jit_checkpoint: save this step, then stop
-                self.control.should_save = self.control.should_training_stop = True
-            control = self._agreed_control()
+                self.callbacks.control.should_save = self.callbacks.control.should_training_stop = True
+            control = self.callbacks.agreed()
             if control.should_log:
                 metrics = self._log(runtime)
             if control.should_save:
                 saved_step = self._checkpoint(runtime)
-            if control.should_training_stop or self._agreed_control().should_training_stop:  # asked in on_log/on_save
+            if control.should_training_stop or self.callbacks.agreed().should_training_stop:  # asked in on_log/on_save
                 break
         self._synced(runtime, record=False)  # the run stopped after the step's log (a callback, the data's end)
         if main:  # what came in after the last log (drops while the worker finished)
@@ -352,14 +351,6 @@ class AsyncGRPOTrainer:
             if not runtime.preempted.is_set():
                 raise
 
-    def _my_rows(self, micro_batch: list[PackedRow]) -> list[tuple[PackedRow, bool]]:
-        """(row, real) pairs this rank forwards: all rows on one process, row `rank` under torchrun, or the first row
-        as a weight-0 filler when the micro-batch has fewer rows than ranks (FSDP needs the same passes everywhere)."""
-        if not self.ranks.several:
-            return [(row, True) for row in micro_batch]
-        rank = self.ranks.rank
-        return [(micro_batch[rank], True)] if rank < len(micro_batch) else [(micro_batch[0], False)]
-
     def optimizer_step(self) -> float:
         """Clip the accumulated gradients, step the optimizer and the schedule, zero the gradients; returns the
         gradient norm before clipping. Callbacks see the clipped gradients (`on_pre_optimizer_step`) and the stepped
@@ -367,13 +358,13 @@ class AsyncGRPOTrainer:
         if self.scaler:  # fp16: the gradients are clipped and measured unscaled; a step with inf/NaN ones is skipped
             self.scaler.unscale_(self.optimizer)
         grad_norm = clip_gradients(self.model, self.args.max_grad_norm)
-        self._callback_event("on_pre_optimizer_step")
+        self.callbacks.event("on_pre_optimizer_step")
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.step()
-        self._callback_event("on_optimizer_step")
+        self.callbacks.event("on_optimizer_step")
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
@@ -390,20 +381,6 @@ class AsyncGRPOTrainer:
         before, state.dataset_start_index = state.dataset_start_index, runtime.trained(rows, state.step)
         epochs = len(self.dataset) if self.dataset is not None and not is_iterable(self.dataset) else None
         return epochs is not None and state.dataset_start_index // epochs > before // epochs
-
-    def _plan(self, epoch_ended: bool) -> None:
-        """Whether this step logs and saves, by the strategies: what transformers' DefaultFlowCallback sets in
-        `control`, here on rank 0 (the ranks agree on its flags next)."""
-        if self.ranks.main:
-            args = self.args
-            self.control.should_log |= self._log_now(epoch_ended)
-            self.control.should_save |= due(args.save_strategy, args.every("save_steps"), self.state.step, epoch_ended)
-
-    def _log_now(self, epoch_ended: bool) -> bool:
-        """logging_strategy 'steps' (every logging_steps) or 'epoch', and after the first step with logging_first_step."""
-        args, step = self.args, self.state.step
-        return (due(args.logging_strategy, args.every("logging_steps"), step, epoch_ended)
-                or (args.logging_first_step and step == 1 and args.logging_strategy != "no"))
 
     def _record(self, rows: list[PackedRow], num_micro_batches: int, loss: float, grad_norm: float, times: StepTimes) -> None:
         if math.isfinite(loss):  # logging_nan_inf_filter, always on: a NaN or infinite loss is left out of `loss`
@@ -438,17 +415,12 @@ class AsyncGRPOTrainer:
             self.reward_history.append(metrics["reward"])
         self.state.epoch = metrics.get("epoch")
         self.state.log_history.append({**metrics, "step": self.state.step})
-        self._callback_event("on_log", logs=metrics)
+        self.callbacks.event("on_log", logs=metrics)
         runtime.session.log(self.state.step, metrics)
         runtime.session.progress.update(self.state.step, metrics)
         if examples:
             runtime.session.log_completions(self.state.step, examples, self.args.num_completions_to_print)
         return metrics
-
-    def _eval_due(self, epoch_ended: bool) -> bool:
-        """eval_strategy 'steps' (every eval_steps, logging_steps when unset) or 'epoch', from eval_delay on."""
-        args, step = self.args, self.state.step
-        return step >= args.eval_delay and due(args.eval_strategy, args.every("eval_steps"), step, epoch_ended)
 
     def _evaluate(self, runtime: Runtime) -> dict:
         """The eval prompts generated by the server under the policy version it serves now, scored by the reward
@@ -462,10 +434,10 @@ class AsyncGRPOTrainer:
         metrics = window.flush() | {"eval/runtime_s": time.perf_counter() - start, "eval/model_version": state.model_version,
                                     "eval/num_prompts": len(self.eval_dataset)}
         state.log_history.append({**metrics, "step": state.step})
-        self._callback_event("on_evaluate", metrics=with_transformers_names(metrics))  # the best so far is the last one's
+        self.callbacks.event("on_evaluate", metrics=with_transformers_names(metrics))  # the best so far is the last one's
         if self.args.metric_for_best_model and state.step > 0 and checkpoint.record_if_best(
                 state, metrics, self.args.metric_for_best_model, self.args.greater_is_better):
-            self.control.should_save |= self.args.save_strategy != "no"  # the best step is always checkpointed
+            self.callbacks.control.should_save |= self.args.save_strategy != "no"  # the best step is always checkpointed
             saved = self.output_dir / f"checkpoint-{state.step}"
             if saved.is_dir():  # evaluated at the start of a run resumed from it (eval_on_start): it is the best one
                 state.best_model_checkpoint = str(saved)
@@ -477,7 +449,7 @@ class AsyncGRPOTrainer:
     def _checkpoint(self, runtime: Runtime) -> int:
         """A checkpoint of this step, with where the prompt stream goes on; returns the step."""
         self.state.dataset_start_index = self.ranks.broadcast(self.state.dataset_start_index)
-        self.state.stateful_callbacks = exported_states(self.callback_handler, self.control)
+        self.state.stateful_callbacks = self.callbacks.exported()
         for name in ("best_metric", "best_global_step"):  # rank 0 evaluates; every rank writes its shards
             setattr(self.state, name, self.ranks.broadcast(getattr(self.state, name)))
         model_only = self.args.save_only_model and not runtime.preempted_everywhere()  # a preempted run resumes
@@ -486,53 +458,8 @@ class AsyncGRPOTrainer:
                                model_only=model_only)
         if self.args.push_to_hub and self.ranks.main:
             self._uploader().checkpoint_saved(path, self.state.step, self.args.hub_strategy)
-        self._callback_event("on_save")
+        self.callbacks.event("on_save")
         return self.state.step
-
-    # ---- callbacks ------------------------------------------------------------------------------
-    def _callback_event(self, event: str, **kwargs) -> None:
-        """Call every callback's `event` with (args, state, control); what they set in `control` is read by the loop."""
-        self.state.is_world_process_zero = self.ranks.main
-        self.state.is_local_process_zero = local_main()
-        self.state.max_steps, self.state.logging_steps, self.state.save_steps, self.state.eval_steps = (
-            self.args.max_steps, self.args.every("logging_steps"), self.args.every("save_steps"), self.args.every("eval_steps"))
-        returned = getattr(self.callback_handler, event)(self.args, self.state, self.control, **kwargs)
-        if returned is not self.control:  # a callback that returned a control of its own: its flags count
-            vars(self.control).update(vars(returned))
-
-    def _agreed_control(self) -> TrainerControl:
-        """This step's `should_log` / `should_save` / `should_training_stop` as rank 0's callbacks set them, on every
-        rank (logging and saving are collective); `on_step_begin` clears the first two, as in transformers."""
-        flags = ("should_log", "should_save", "should_training_stop")
-        return TrainerControl(**self.ranks.broadcast({f: getattr(self.control, f) for f in flags} if self.ranks.main else None))
-
-    # ---- forward passes -------------------------------------------------------------------------
-    def _clock(self) -> float:
-        """Now, once the device has finished the work queued so far (GPU kernels run asynchronously)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def _forward(self, row: PackedRow) -> TokenLogprobs:
-        """The row's log-probs at its trained positions (bf16 autocast where configured)."""
-        dtype = autocast_dtype(self.args, self.device)
-        with torch.autocast(self.device.type, dtype=dtype) if dtype else nullcontext():
-            return row_logprobs(self.model, row, self.kernel, self.args.temperature)
-
-    def _score(self, row: PackedRow) -> TokenLogprobs:
-        """The row's log-probs without gradients, in the model's own dtype (objectives that score the whole step first)."""
-        with torch.no_grad():
-            return row_logprobs(self.model, row, self.kernel, self.args.temperature)
-
-    def _score_all(self, micro_batches: list[list[PackedRow]]) -> list[TokenLogprobs]:
-        """Every row of the step scored without gradients, in order: each rank scores its own rows, then the ranks
-        exchange their log-probs and entropies (what an objective that decides per trajectory needs)."""
-        mine = [self._score(row) for micro_batch in micro_batches for row, _ in self._my_rows(micro_batch)]
-        if not self.ranks.several:
-            return mine
-        exchanged = self.ranks.all_gather([(s.log_probs.cpu(), s.entropy.cpu()) for s in mine])
-        return [TokenLogprobs(*(t.to(self.device) for t in exchanged[rank][index]))
-                for index, micro_batch in enumerate(micro_batches) for rank in range(len(micro_batch))]
 
     # ---- setup ----------------------------------------------------------------------------------
     def _restore(self, resume: Path | None) -> ResumePoint:
@@ -542,7 +469,7 @@ class AsyncGRPOTrainer:
             return ResumePoint(0)
         checkpoint.load(resume, self.model, self.optimizer, self.scheduler, self.state)
         if self.args.restore_callback_states_from_checkpoint:
-            self.control, unmatched = restore_states(self.callback_handler, self.control, self.state.stateful_callbacks)
+            unmatched = self.callbacks.restore(self.state.stateful_callbacks)
             if unmatched:
                 warnings.warn(f"{resume} holds the state of callbacks this run does not have, left alone: "
                               f"{', '.join(unmatched)}", stacklevel=3)
@@ -572,12 +499,6 @@ def check_train_dataset(dataset, args: AsyncGRPOConfig, environments: bool):
         raise UsageError(f"data_seed={args.data_seed} orders a dataset by its indices, and an IterableDataset has none: "
                          "shuffle the stream itself (dataset.shuffle(seed=..., buffer_size=...)), or drop data_seed.")
     return dataset
-
-
-def due(strategy: str, every: int, step: int, epoch_ended: bool) -> bool:
-    """An interval strategy's event at this step: 'steps' every `every` steps, 'epoch' when a pass over the dataset
-    ended, 'no' (and 'best', decided by evaluations) never."""
-    return (strategy == "steps" and step % every == 0) or (strategy == "epoch" and epoch_ended)
 
 
 def empty_device_cache(device: torch.device) -> None:

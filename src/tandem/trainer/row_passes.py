@@ -1,0 +1,53 @@
+"""How this rank passes a step's rows through the model: which rows are its own, their log-probs with gradients (under
+autocast where configured) or without (for an objective that scores the whole step first), and a clock that waits for
+the device, so each pass is timed by its own work."""
+
+import time
+from contextlib import nullcontext
+
+import torch
+
+from tandem.distributed import Ranks
+from tandem.packing import PackedRow
+from tandem.packing.logprobs import TokenLogprobs, row_logprobs
+
+
+class RowPasses:
+    def __init__(self, model: torch.nn.Module, kernel: str, temperature: float, autocast: torch.dtype | None,
+                 ranks: Ranks):
+        self.model, self.kernel, self.temperature, self.autocast, self.ranks = model, kernel, temperature, autocast, ranks
+        self.device = next(model.parameters()).device
+
+    def mine(self, micro_batch: list[PackedRow]) -> list[tuple[PackedRow, bool]]:
+        """(row, real) pairs this rank forwards: all rows on one process, row `rank` under torchrun, or the first row
+        as a weight-0 filler when the micro-batch has fewer rows than ranks (FSDP needs the same passes everywhere)."""
+        if not self.ranks.several:
+            return [(row, True) for row in micro_batch]
+        rank = self.ranks.rank
+        return [(micro_batch[rank], True)] if rank < len(micro_batch) else [(micro_batch[0], False)]
+
+    def forward(self, row: PackedRow) -> TokenLogprobs:
+        """The row's log-probs at its trained positions, with gradients (bf16 autocast where configured)."""
+        with torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else nullcontext():
+            return row_logprobs(self.model, row, self.kernel, self.temperature)
+
+    def score(self, row: PackedRow) -> TokenLogprobs:
+        """The row's log-probs without gradients, in the model's own dtype."""
+        with torch.no_grad():
+            return row_logprobs(self.model, row, self.kernel, self.temperature)
+
+    def score_all(self, micro_batches: list[list[PackedRow]]) -> list[TokenLogprobs]:
+        """Every row of the step scored without gradients, in order: each rank scores its own rows, then the ranks
+        exchange their log-probs and entropies (what an objective that decides per trajectory needs)."""
+        mine = [self.score(row) for micro_batch in micro_batches for row, _ in self.mine(micro_batch)]
+        if not self.ranks.several:
+            return mine
+        exchanged = self.ranks.all_gather([(s.log_probs.cpu(), s.entropy.cpu()) for s in mine])
+        return [TokenLogprobs(*(t.to(self.device) for t in exchanged[rank][index]))
+                for index, micro_batch in enumerate(micro_batches) for rank in range(len(micro_batch))]
+
+    def clock(self) -> float:
+        """Now, once the device has finished the work queued so far (GPU kernels run asynchronously)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
