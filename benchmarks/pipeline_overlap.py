@@ -4,8 +4,9 @@ The generation server is `tandem serve` with a fixed delay after every decode st
 GPU server, tuned so generation and training take comparable time. The synchronous run pauses the
 server, and the clock of its step delay, while the trainer computes (generate, then train, then generate...); the asynchronous run is the
 trainer as it is. Both train the same number of steps from the same weights; printed: both wall times,
-the speed-up, and the ideal (G + T) / max(G, T) from the synchronous run's own G and T, each the median of
-`--repeats` pairs of runs (a single pair's ratio to the ideal moves by up to 0.2 on this 2-core machine). The reward is
+the speed-up, and the ideal (G + T) / max(G, T) from the synchronous run's own G and T. Each row runs `--repeats`
+pairs of runs (a single pair's ratio to the ideal moves by up to 0.2 on this 2-core machine): both wall times and T
+are medians, G the median synchronous wall time less the median T. The reward is
 the task's own integer check (math-verify would cost the worker CPU time the trainer then misses).
 Each configuration (a server step delay and a max_staleness) is one row of the printed table, once with the three
 processes sharing the machine's cores and once pinned (`--cores`): the trainer alone on its cores, as on a device of
@@ -139,8 +140,8 @@ def bottleneck(folder: Path) -> str:
 def compare(steps: int, delay: float, staleness: int, train_delay: float, pinned: bool, sync_steps: int,
             max_num_seqs: int, repeats: int, folder: Path) -> list[str]:
     """`repeats` pairs of runs of one configuration, synchronous then asynchronous; returns its row of the README table:
-    the median of each figure (a row moved by up to 0.2 of the ideal between single runs), the ratios computed from
-    those medians, and the doctor's word on the asynchronous run of median wall time."""
+    the medians (a row moved by up to 0.2 of the ideal between single runs), the ratios computed from them, and the
+    doctor's word on the asynchronous run of median wall time."""
     syncs, overlaps = [], []
     for repeat in range(repeats):
         sync = run(slowed(AsyncGRPOTrainer, train_delay), steps, delay, staleness, folder / f"sync-{repeat}", pinned,
@@ -184,11 +185,13 @@ def main() -> None:
                         help="sleep this long in every optimizer step, standing in for a slower trainer (default 0)")
     parser.add_argument("--weight-sync-steps", type=int, default=1, help="steps between weight syncs (default 1)")
     parser.add_argument("--repeats", type=int, default=3,
-                        help="pairs of runs of each row; the table gives their medians (default 3)")
+                        help="pairs of runs of each row, an odd number; the table gives their medians (default 3)")
     parser.add_argument("--max-num-seqs", type=int, default=256,
                         help="the server's batch limit (default 256); a small one makes a server at capacity")
     add_markdown_flag(parser)
     args = parser.parse_args()
+    if args.repeats < 1 or args.repeats % 2 == 0:
+        parser.error(f"--repeats {args.repeats}: give an odd number (1, 3, 5), so that each median is one run's figure")
     configs = [(float(d), int(s)) for d, s in args.config] if args.config else CONFIGS
     modes = {"shared": [False], "pinned": [True], "both": [False, True]}[args.cores]
     if True in modes and len(os.sched_getaffinity(0)) < 2:

@@ -260,9 +260,9 @@ def test_bf16_autocasts_the_trainers_forward_and_leaves_the_weights_in_float32(t
                                             args=AsyncGRPOConfig(output_dir=str(tmp_path), **args))
     mixed, plain = build(bf16=True), build(bf16=False)
     assert next(mixed.model.parameters()).dtype == torch.float32
-    exact = plain._score(row).log_probs
-    torch.testing.assert_close(plain._forward(row).log_probs, exact, rtol=0, atol=0)
-    gap = (mixed._forward(row).log_probs.float() - exact).abs().max()
+    exact = plain.passes.score(row).log_probs
+    torch.testing.assert_close(plain.passes.forward(row).log_probs, exact, rtol=0, atol=0)
+    gap = (mixed.passes.forward(row).log_probs.float() - exact).abs().max()
     assert 1e-5 < gap < 0.5, f"bf16 rounds the forward a little ({gap})"
 
 
@@ -313,7 +313,7 @@ def test_logging_strategy_no_logs_no_step_and_logging_first_step_logs_the_first(
         steps = []
         for step in range(1, 7):
             trainer.state.step = step
-            steps += [step] if trainer._log_now(epoch_ended=step == 5) else []
+            steps += [step] if trainer.callbacks.log_due(epoch_ended=step == 5) else []
         return steps
 
     assert logged_steps(logging_steps=3) == [3, 6]
@@ -489,7 +489,7 @@ def test_torch_compile_compiles_the_decoder_once_for_rows_of_any_length(tmp_path
     counters.clear()
     for length in (12, 19, 31):  # packed rows change length every step: dynamic shapes, one graph
         row = pack([sample(list(range(5, 5 + length)), group=0), sample(list(range(5, 5 + length - 4)) + [9] * 6, group=0)])
-        assert torch.equal(compiled._forward(row).log_probs, plain._forward(row).log_probs), length
+        assert torch.equal(compiled.passes.forward(row).log_probs, plain.passes.forward(row).log_probs), length
     assert counters["stats"]["unique_graphs"] >= 1, "the decoder ran compiled"
     assert counters["stats"]["unique_graphs"] <= 2, f"recompiled for new lengths: {dict(counters['stats'])}"
 

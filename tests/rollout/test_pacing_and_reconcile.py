@@ -32,7 +32,8 @@ def test_a_worker_waiting_for_room_starts_the_next_group_when_the_trainer_rings(
 def test_room_keeps_the_books_of_reservations_and_queued_tokens():
     async def main():
         consumed = SimpleNamespace(value=0.0)  # what the trainer publishes across the process boundary
-        room = Room(TokenAllowance(max_staleness=1, full_step_tokens=1000), 0.0, SimpleNamespace(value=1000.0), consumed)
+        channels = SimpleNamespace(tokens_per_step=SimpleNamespace(value=1000.0), consumed_tokens=consumed)
+        room = Room(TokenAllowance(max_staleness=1, full_step_tokens=1000), 0.0, channels)
         assert await room.wait(600, check=lambda: None) == (pytest.approx(0, abs=0.1), None), \
             "the first group starts at once; the allowance binds only once a group finished"
         room.group_ended(600)

@@ -49,10 +49,11 @@ RECENT_GROUPS = 16
 class Room:
     """The allowance's books on the worker's side. A group in flight holds a reservation, an upper bound of what it
     may put on the queue, until it ends; a scored group's samples count as queued until the trainer consumes them
-    (`consumed_tokens`, published with `tokens_per_step` by the trainer, which rings `changed` as it frees some)."""
+    (`channels.consumed_tokens`, published with `tokens_per_step` by the trainer, which rings `changed` as it frees
+    some)."""
 
-    def __init__(self, allowance: TokenAllowance, queued_tokens: float, tokens_per_step, consumed_tokens):
-        self.allowance, self.tokens_per_step, self.consumed_tokens = allowance, tokens_per_step, consumed_tokens
+    def __init__(self, allowance: TokenAllowance, queued_tokens: float, channels):
+        self.allowance, self.channels = allowance, channels
         self.produced_tokens, self.in_flight_tokens = queued_tokens, 0.0
         self.groups_in_flight = self.groups_finished = 0
         self.changed = asyncio.Event()
@@ -66,7 +67,7 @@ class Room:
         return max(single_turn, max(self.kept_tokens, default=0))
 
     def queued_tokens(self) -> float:
-        return self.produced_tokens - self.consumed_tokens.value
+        return self.produced_tokens - self.channels.consumed_tokens.value
 
     async def wait(self, reservation: float, check: Callable[[], None]) -> tuple[float, float | None]:
         """Wait until `reservation` fits, calling `check` (which raises to end the wait) at every look, then take it.
@@ -75,17 +76,20 @@ class Room:
         while True:
             self.changed.clear()  # before the look: a wake-up after it is kept for the wait
             if self.allowance.may_start(self.queued_tokens(), self.in_flight_tokens, reservation,
-                                        self.tokens_per_step.value, self.groups_in_flight, self.groups_finished):
+                                        self.channels.tokens_per_step.value, self.groups_in_flight, self.groups_finished):
                 break
             check()
             try:
                 await asyncio.wait_for(self.changed.wait(), ROOM_POLL_S)
             except TimeoutError:
                 pass
-        used = (self.queued_tokens() + self.in_flight_tokens + reservation) / self.allowance.limit(self.tokens_per_step.value)
+        used = None
+        if self.groups_finished:  # the allowance binds once the first group has finished
+            used = (self.queued_tokens() + self.in_flight_tokens + reservation) / \
+                self.allowance.limit(self.channels.tokens_per_step.value)
         self.groups_in_flight += 1  # taken now, not when the group's task first runs
         self.in_flight_tokens += reservation
-        return time.monotonic() - start, used if self.groups_finished else None
+        return time.monotonic() - start, used
 
     def group_ended(self, reservation: float) -> None:
         """A group's generation ended (or failed): its reservation is free."""

@@ -49,8 +49,7 @@ class RolloutScheduler:
         self.eos_token_ids, self.adapter_name = list(settings.eos_token_ids), settings.adapter_name
         self.base_url = settings.base_url
         self.control = ControlClient(settings.base_url, api_key=settings.api_key, timeout_s=30)
-        self.room = Room(TokenAllowance(config.max_staleness, settings.full_step_tokens), settings.queued_tokens,
-                         channels.tokens_per_step, channels.consumed_tokens)
+        self.room = Room(TokenAllowance(config.max_staleness, settings.full_step_tokens), settings.queued_tokens, channels)
         """The allowance's books: what groups in flight reserve, what is queued, and the wait for room (pacing.py)."""
         self.server_metrics = False
         self.last_preemptions: float | None = None

@@ -43,13 +43,18 @@ class Callbacks:
             vars(self.control).update(vars(returned))
 
     def plan(self, epoch_ended: bool) -> None:
-        """Whether this step logs and saves, by the strategies (on rank 0; the ranks agree on its flags next):
-        logging_strategy 'steps' (every logging_steps) or 'epoch', and after the first step with logging_first_step."""
+        """Whether this step logs (`log_due`) and saves (save_strategy 'steps', every save_steps, or 'epoch'), set on
+        rank 0; the ranks agree on its flags next."""
         if self.ranks.main:
-            args, step = self.args, self.state.step
-            self.control.should_log |= (due(args.logging_strategy, args.every("logging_steps"), step, epoch_ended)
-                                        or (args.logging_first_step and step == 1 and args.logging_strategy != "no"))
-            self.control.should_save |= due(args.save_strategy, args.every("save_steps"), step, epoch_ended)
+            self.control.should_log |= self.log_due(epoch_ended)
+            self.control.should_save |= due(self.args.save_strategy, self.args.every("save_steps"), self.state.step,
+                                            epoch_ended)
+
+    def log_due(self, epoch_ended: bool) -> bool:
+        """logging_strategy 'steps' (every logging_steps) or 'epoch', and after the first step with logging_first_step."""
+        args, step = self.args, self.state.step
+        return (due(args.logging_strategy, args.every("logging_steps"), step, epoch_ended)
+                or (args.logging_first_step and step == 1 and args.logging_strategy != "no"))
 
     def eval_due(self, epoch_ended: bool) -> bool:
         """eval_strategy 'steps' (every eval_steps, logging_steps when unset) or 'epoch', from eval_delay on."""

@@ -13,6 +13,8 @@ from tandem.packing.logprobs import TokenLogprobs, row_logprobs
 
 
 class RowPasses:
+    """A step's rows through `model` on this rank, with the attention `kernel` the rows were packed for."""
+
     def __init__(self, model: torch.nn.Module, kernel: str, temperature: float, autocast: torch.dtype | None,
                  ranks: Ranks):
         self.model, self.kernel, self.temperature, self.autocast, self.ranks = model, kernel, temperature, autocast, ranks

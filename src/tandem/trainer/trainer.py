@@ -118,12 +118,12 @@ class AsyncGRPOTrainer:
         instrument(self.model, args, self.ranks.several)
         self.passes = RowPasses(self.model, self.kernel, args.temperature, autocast_dtype(args, self.device), self.ranks)
         """This rank's passes of a step's rows through the model, and their clock (trainer/row_passes.py)."""
-        self.peak_flops = peak_flops(self.device, autocast_dtype(args, self.device) is not None)
+        self.peak_flops = peak_flops(self.device, self.passes.autocast is not None)
         """One GPU's peak FLOP/s for perf/*_mfu; None on CPU or an unknown GPU (trainer/flops.py)."""
         self.flops_shape = model_shape(self.model) if self.peak_flops else None
         self.objective = make_objective(args, router_coefficient(args, self.model))
         self.output_dir = Path(args.output_dir)
-        self.compute_dtype = str(autocast_dtype(args, self.device) or next(self.model.parameters()).dtype).removeprefix("torch.")
+        self.compute_dtype = str(self.passes.autocast or next(self.model.parameters()).dtype).removeprefix("torch.")
         """The dtype of the trainer's forward: the rounding it expects between its log-probs and the server's."""
         self.state = TrainerState()
         """transformers' TrainerState, filled in place (from a checkpoint when resuming): callbacks hold it."""
