@@ -5,8 +5,8 @@ GPU server, tuned so generation and training take comparable time. The synchrono
 server, and the clock of its step delay, while the trainer computes (generate, then train, then generate...); the asynchronous run is the
 trainer as it is. Both train the same number of steps from the same weights; printed: both wall times,
 the speed-up, and the ideal (G + T) / max(G, T) from the synchronous run's own G and T. Each row runs `--repeats`
-pairs of runs (a single pair's ratio to the ideal moves by up to 0.2 on this 2-core machine): both wall times and T
-are medians, G the median synchronous wall time less the median T. The reward is
+pairs of runs (a single pair's ratio to the ideal moves by up to 0.2 on this 2-core machine) and shows the pair whose
+ratio is the median, every figure from that pair. The reward is
 the task's own integer check (math-verify would cost the worker CPU time the trainer then misses).
 Each configuration (a server step delay and a max_staleness) is one row of the printed table, once with the three
 processes sharing the machine's cores and once pinned (`--cores`): the trainer alone on its cores, as on a device of
@@ -21,7 +21,6 @@ asynchronous run. `--train-delay-s` slows every optimizer step, standing in for 
 import argparse
 import json
 import os
-import statistics
 import tempfile
 import time
 import urllib.request
@@ -140,30 +139,28 @@ def bottleneck(folder: Path) -> str:
 def compare(steps: int, delay: float, staleness: int, train_delay: float, pinned: bool, sync_steps: int,
             max_num_seqs: int, repeats: int, folder: Path) -> list[str]:
     """`repeats` pairs of runs of one configuration, synchronous then asynchronous; returns its row of the README table:
-    the medians (a row moved by up to 0.2 of the ideal between single runs), the ratios computed from them, and the
-    doctor's word on the asynchronous run of median wall time."""
-    syncs, overlaps = [], []
+    the pair whose speed-up over the ideal is the median (a row moved by up to 0.2 of the ideal between single pairs),
+    every figure of the row from that pair, and the doctor's word on its asynchronous run."""
+    pairs = []
     for repeat in range(repeats):
         sync = run(slowed(AsyncGRPOTrainer, train_delay), steps, delay, staleness, folder / f"sync-{repeat}", pinned,
                    sync_steps, max_num_seqs, take_turns=True)
         overlapped = run(slowed(AsyncGRPOTrainer, train_delay), steps, delay, staleness, folder / f"async-{repeat}",
                          pinned, sync_steps, max_num_seqs)
-        syncs.append(sync)
-        overlaps.append(overlapped | {"folder": folder / f"async-{repeat}"})
-        generate, train = sync["wall"] - sync["train"], sync["train"]
-        print(f"  run {repeat + 1}: synchronous {sync['wall']:.1f}s ({train:.1f}s training), asynchronous "
-              f"{overlapped['wall']:.1f}s ({overlapped['wait']:.1f}s waiting for samples): "
-              f"{sync['wall'] / overlapped['wall'] / ideal_speedup(generate, train):.2f} of the ideal", flush=True)
-    train = statistics.median(s["train"] for s in syncs)
-    sync_wall = statistics.median(s["wall"] for s in syncs)
-    generate = sync_wall - train
-    ideal = ideal_speedup(generate, train)
-    middle = sorted(overlaps, key=lambda o: o["wall"])[len(overlaps) // 2]
-    speedup = sync_wall / middle["wall"]
+        train = sync["train"]
+        generate = sync["wall"] - train
+        ideal, speedup = ideal_speedup(generate, train), sync["wall"] / overlapped["wall"]
+        pairs.append({"generate": generate, "train": train, "sync": sync["wall"], "async": overlapped["wall"],
+                      "speedup": speedup, "ideal": ideal, "folder": folder / f"async-{repeat}"})
+        print(f"  pair {repeat + 1}: synchronous {sync['wall']:.1f}s ({train:.1f}s training), asynchronous "
+              f"{overlapped['wall']:.1f}s ({overlapped['wait']:.1f}s waiting for samples): {speedup / ideal:.2f} of the "
+              "ideal", flush=True)
+    pair = sorted(pairs, key=lambda p: p["speedup"] / p["ideal"])[len(pairs) // 2]
     slower = ((f", trainer +{train_delay:g} s" if train_delay else "") + (f", sync every {sync_steps}" if sync_steps > 1 else "")
               + (f", {max_num_seqs} seqs" if max_num_seqs != 256 else ""))
-    return [f"{delay:g} s, {staleness}{slower}", "pinned" if pinned else "shared", f"{generate:.1f}", f"{train:.1f}", f"{sync_wall:.1f}", f"{middle['wall']:.1f}",
-            f"{speedup:.2f}x", f"{ideal:.2f}x", f"{speedup / ideal:.2f}", bottleneck(middle["folder"])]
+    return [f"{delay:g} s, {staleness}{slower}", "pinned" if pinned else "shared", f"{pair['generate']:.1f}",
+            f"{pair['train']:.1f}", f"{pair['sync']:.1f}", f"{pair['async']:.1f}", f"{pair['speedup']:.2f}x",
+            f"{pair['ideal']:.2f}x", f"{pair['speedup'] / pair['ideal']:.2f}", bottleneck(pair["folder"])]
 
 
 def ideal_speedup(generate: float, train: float) -> float:
@@ -185,13 +182,14 @@ def main() -> None:
                         help="sleep this long in every optimizer step, standing in for a slower trainer (default 0)")
     parser.add_argument("--weight-sync-steps", type=int, default=1, help="steps between weight syncs (default 1)")
     parser.add_argument("--repeats", type=int, default=3,
-                        help="pairs of runs of each row, an odd number; the table gives their medians (default 3)")
+                        help="pairs of runs of each row, an odd number; the table shows the pair of median ratio to the ideal "
+                             "(default 3)")
     parser.add_argument("--max-num-seqs", type=int, default=256,
                         help="the server's batch limit (default 256); a small one makes a server at capacity")
     add_markdown_flag(parser)
     args = parser.parse_args()
     if args.repeats < 1 or args.repeats % 2 == 0:
-        parser.error(f"--repeats {args.repeats}: give an odd number (1, 3, 5), so that each median is one run's figure")
+        parser.error(f"--repeats {args.repeats}: give an odd number (1, 3, 5), so that the median is one pair's")
     configs = [(float(d), int(s)) for d, s in args.config] if args.config else CONFIGS
     modes = {"shared": [False], "pinned": [True], "both": [False, True]}[args.cores]
     if True in modes and len(os.sched_getaffinity(0)) < 2:
