@@ -66,6 +66,11 @@ class Ranks:
             dist.barrier(group=self.objects)
 
 
+def local_main() -> bool:
+    """This process is its machine's first (torchrun's LOCAL_RANK 0, or no torchrun)."""
+    return int(os.environ.get("LOCAL_RANK", 0)) == 0
+
+
 def join(timeout_s: float) -> Ranks:
     """This process's place in the torchrun group (gloo on CPU, NCCL on GPU, one GPU per local rank), or a single
     process when torchrun did not start it. `timeout_s` bounds every collective, so a rank that died is an error."""

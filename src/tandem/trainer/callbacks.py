@@ -2,19 +2,13 @@
 Trainer does; also the names evaluations are given to them under, and the state of stateful callbacks (transformers'
 `ExportableState`) carried through checkpoints."""
 
-import os
 from collections import defaultdict
 
 from transformers import TrainerControl
 from transformers.trainer_callback import CallbackHandler, ExportableState
 from transformers.utils import logging as hf_logging
 
-from tandem.distributed import Ranks
-
-
-def local_main() -> bool:
-    """This process is its machine's first (torchrun's LOCAL_RANK 0, or no torchrun)."""
-    return int(os.environ.get("LOCAL_RANK", 0)) == 0
+from tandem.distributed import Ranks, local_main
 
 
 def due(strategy: str, every: int, step: int, epoch_ended: bool) -> bool:

@@ -31,7 +31,7 @@ from tandem.runtime.rollout_inputs import check_agents, check_sendable, loop_cla
 from tandem.runtime.runtime import Runtime, RuntimeSpec
 from tandem.runtime.sample_source import ResumePoint
 from tandem.trainer import OPENMP_POLICY_TOO_LATE, checkpoint, export
-from tandem.trainer.callbacks import Callbacks, callback_handler, local_main, with_transformers_names
+from tandem.trainer.callbacks import Callbacks, callback_handler, with_transformers_names
 from tandem.trainer.checkpoint import TrainerState
 from tandem.trainer.hub import HubUploader
 from tandem.trainer.flops import model_shape, peak_flops, rows_flops
@@ -155,7 +155,7 @@ class AsyncGRPOTrainer:
                           "OMP_WAIT_POLICY=PASSIVE, or import tandem before torch.", stacklevel=2)
         check_sendable(self.reward_funcs, self.loop_cls)
         seed_run(self.args)
-        set_log_level(run_log_level(self.args, self.ranks.main, local_main()))
+        set_log_level(run_log_level(self.args, self.ranks.main, distributed.local_main()))
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if resume_from_checkpoint is None:
             resume_from_checkpoint = self.args.resume_from_checkpoint
