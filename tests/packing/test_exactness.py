@@ -1,5 +1,5 @@
 """Tree packing changes the layout, never the numbers: every trained token's log-prob matches forwarding each sample
-alone (stock attention, full logits) within 1e-5 in fp32, and every parameter gradient within 2e-5 of the largest.
+alone (stock attention, full logits) within 2e-5 in fp32, and every parameter gradient within 5e-5 of the largest.
 
 How the two are compared, and why:
   * a log-prob within 1e-5, or 1e-6 of its size when larger: random tokens have log-probs down to -40,
@@ -9,9 +9,11 @@ How the two are compared, and why:
   * SDPA's CPU kernel (online softmax, blocked backward) rounds differently on a long packed row than on a
     short sample: its gradients are held to 5e-5 (worst seen over 600 random tries: 1.06e-5; one drawn example
     since: 2.22e-5, reproduced on an older commit, so rounding and not a change). The `exact`
-    kernel, the CPU default, is held to 2e-5 too: its typical worst is 3e-6 (150 tries), but the tied embedding
-    matrix collects contributions of both signs from every position, and one CI try reached 1.03e-5 of the
-    largest entry (the summation order, nothing else: a wrong mask or position is off by orders more);
+    kernel, the CPU default, is held to 5e-5 too: its typical worst is 3e-6 (150 tries), but the tied embedding
+    matrix collects contributions of both signs from every position; one CI try reached 1.03e-5 of the largest
+    entry, and a later one 2.08e-5 (layer 0's q_proj, 6 samples of 10-16 tokens). That example in float64 differs by
+    1.9e-6, SDPA's by as much, bounded there by transformers' float32 RMSNorm: the summation order, nothing else (a
+    wrong mask or position is off by orders more);
   * FlexAttention on CPU is PyTorch's unfused reference implementation (forward only; 1.6e-5 seen): it checks
     the block masks, which a wrong mask would miss by far more than the 1e-4 it is held to.
 Shrinking is off: a failure reports the example as found instead of spending minutes of CI minimising it."""
@@ -32,7 +34,7 @@ LOGPROB_TOLERANCE = {"exact": 2e-5, "sdpa": 2e-5, "flex": 1e-4}
 """Against transformers' own attention on one sample at a time, the packed row's matmuls have other shapes (and SDPA's
 fused kernel sums in another order): fp32 rounding, ~1e-6 relative (a 4-token sample at log-prob -9.52 once differed
 by 1.05e-5)."""
-GRADIENT_TOLERANCE = {"exact": 2e-5, "sdpa": 5e-5}
+GRADIENT_TOLERANCE = {"exact": 5e-5, "sdpa": 5e-5}
 NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target)
 TEMPERATURE = 0.7
 
