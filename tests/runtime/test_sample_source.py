@@ -314,7 +314,7 @@ def test_what_the_worker_says_reaches_the_user_and_changes_nothing_else():
 
 
 def test_the_pacing_allowance_before_the_first_step_counts_every_rank_full():
-    from tandem.runtime.runtime import full_step_tokens
+    from tandem.runtime.rollout_inputs import full_step_tokens
 
     assert full_step_tokens(token_budget=1024, gradient_accumulation_steps=2, world_size=1) == 2048
     assert full_step_tokens(token_budget=1024, gradient_accumulation_steps=2, world_size=4) == 8192, "× ranks"

@@ -108,3 +108,22 @@ def test_adapters_the_server_cannot_serve_fall_back_to_merged_sync_with_the_reas
     peft_config = {"default": LoraConfig(r=4, **{"target_modules": ["q_proj"], **config})}
     why = adapter_sync_obstacle(peft_config, lora, parallel, flags="--enable-lora --max-loras 3")
     assert why == expected if expected is None else expected in why
+
+
+def test_the_sync_probe_checks_what_the_settings_and_the_server_call_for():
+    prompt = [1, 2, 3]
+    embedded = sync_check.SyncProbe(prompt, "float32", atol=None, external=False)
+    assert [embedded.limit(pushes) for pushes in (1, 2, 3)] == [None, None, None], "tandem's own server is checked only on request"
+    checked = sync_check.SyncProbe(prompt, "float32", atol=1e-5, external=False)
+    assert checked.limit(7) == (1e-5, "weight_sync_check_atol")
+
+    external = sync_check.SyncProbe(prompt, "float32", atol=None, external=True)
+    assert [external.limit(pushes) for pushes in (1, 2, 3)] == [(1e-3, "float32 rounding bound")] * 2 + [None], \
+        "an external server's first FORCED_PROBES syncs are checked against the dtype's rounding bound"
+    external.server_dtype("bfloat16")
+    assert external.limit(1) == (5e-2, "bfloat16 rounding bound"), "the coarser of the trainer's and the server's dtype"
+    loose = sync_check.SyncProbe(prompt, "float32", atol=0.5, external=True)
+    assert loose.limit(9) == (1e-3, "float32 rounding bound"), "no setting loosens the rounding bound"
+
+    external.fit(max_model_len=10)
+    assert external.tokens == 7, "the probe's completion fits the server's context"

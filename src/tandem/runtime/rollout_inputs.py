@@ -1,13 +1,18 @@
 """What the rollout worker will run, checked when the trainer is built (before any training work): the tools and
-environments, the chat template multi-turn rollouts render with, and that all of it can be sent to the worker."""
+environments, the chat template multi-turn rollouts render with, and that all of it can be sent to the worker; then
+the settings it starts with (`worker_spec`)."""
 
+import copy
+import math
 import warnings
 
 from tandem.errors import UsageError
 from tandem.prompts import check_prefix_preserving, training_chat_template
 from tandem.rollout.environments import factories_of, validate_environments
+from tandem.rollout.loop import AsyncRolloutLoop
+from tandem.rollout.settings import RolloutSettings
 from tandem.rollout.tools import validate_tools
-from tandem.rollout.worker import check_picklable
+from tandem.rollout.worker import WorkerSpec, check_picklable
 from tandem.tool_calls import tool_schema
 
 
@@ -66,3 +71,37 @@ def rollout_template(tokenizer, tools: list, chat_template_kwargs: dict | None) 
     print(f"tandem: the chat template is not prefix-preserving ({problem}); training with tandem's {family} training "
           "template, which renders earlier turns unchanged")
     return template
+
+
+def worker_spec(spec, point, *, served_name: str, served_url: str, token_budget: int, max_model_len: int,
+                world_size: int, adapter_name: str | None) -> WorkerSpec:
+    """The worker's loop and settings for the run of `spec` (a runtime.RuntimeSpec), generating from the ResumePoint
+    `point` on; its tokenizer is saved under output_dir with the template rollouts render with."""
+    args = spec.args
+    tokenizer_path = spec.output_dir / ".tokenizer"
+    tokenizer = copy.copy(spec.tokenizer)  # the training template renders rollouts; checkpoints keep the model's own
+    tokenizer.chat_template = spec.rollout_template or spec.tokenizer.chat_template
+    tokenizer.save_pretrained(tokenizer_path)
+    settings = RolloutSettings(
+        config=args, model_name=served_name, tokenizer_path=str(tokenizer_path), dataset=spec.dataset,
+        reward_funcs=spec.reward_funcs, eos_token_ids=spec.eos_token_ids, base_url=served_url,
+        tools=spec.tools, environment_factory=spec.environment_factory, harness=spec.harness, api_key=args.vllm_server_api_key,
+        dataset_start_index=point.dataset_start_index, received=point.received, queued_tokens=point.queued_tokens,
+        full_step_tokens=full_step_tokens(token_budget, args.gradient_accumulation_steps, world_size),
+        num_positions=num_positions(args, spec.dataset), eval_dataset=spec.eval_dataset, max_model_len=max_model_len,
+        adapter_name=adapter_name)
+    return WorkerSpec(loop_cls=spec.loop_cls or AsyncRolloutLoop, settings=settings)
+
+
+def num_positions(args, dataset) -> int | None:
+    """Where the prompt stream ends: epochs × rows; None for an endless stream (max_steps decides, or environments
+    sample their own tasks)."""
+    if args.max_steps > 0 or dataset is None:
+        return None
+    return math.ceil(args.num_train_epochs * len(dataset))
+
+
+def full_step_tokens(token_budget: int, gradient_accumulation_steps: int, world_size: int) -> int:
+    """The pacing allowance's step before the first one trained: as if every row were full (spec 000), one row per
+    rank in each of the step's micro-batches."""
+    return token_budget * gradient_accumulation_steps * world_size

@@ -7,9 +7,7 @@ dies is restarted with the weights of `spec.model` (the module the trainer train
 worker is replaced once, and a server that stays away ends the run with a `ServerProblem`.
 """
 
-import copy
 import itertools
-import math
 import signal
 import threading
 import time
@@ -24,16 +22,14 @@ from tandem.dataset_rows import first_rows
 from tandem.distributed import Ranks
 from tandem.generation.client import EngineDead, ServerProblem, engine_died, server_gone
 from tandem.generation.launcher import server_threads
-from tandem.metrics.doctor import OFF_POLICY_BOUND
 from tandem.metrics.window import MetricWindow
 from tandem.packing import PackedRow
 from tandem.packing.batching import TokenBudgetBatcher, record_micro_batch
 from tandem.prompts import render_prompt
-from tandem.rollout.loop import AsyncRolloutLoop
-from tandem.rollout.settings import RolloutSettings
 from tandem.records import Sample
-from tandem.rollout.worker import WorkerLost, WorkerSpec
+from tandem.rollout.worker import WorkerLost
 from tandem.runtime import embedded_server, server_checks, sync_check
+from tandem.runtime.rollout_inputs import num_positions, worker_spec
 from tandem.runtime.sample_source import POLL_S, ResumePoint, SampleSource, Stall
 from tandem.runtime.session import DYING_S, Session
 from tandem.runtime.weight_transfer import GlooPlane, InThread, TransferSync
@@ -44,9 +40,6 @@ SERVER_RESTART_WINDOW_S = 600.0
 """The embedded server is restarted when it dies, unless it died SERVER_RESTARTS times in the last 10 minutes."""
 RECONNECT_POLL_S = 5.0
 """While waiting for an external server after a failed sync, how often the worker is asked whether it stopped."""
-FORCED_PROBES = 2
-"""Against an external server the first syncs are always probed: the connect push (same weights) and the first trained
-weights (a reload that misses a layer shows only once the weights differ from the server's own)."""
 
 
 @dataclass
@@ -92,15 +85,11 @@ class Runtime:
         self.window = MetricWindow()
         """The runtime's own records (syncs, drops, restarts): the trainer takes them at each log."""
         first_prompt = next(iter(first_rows(spec.dataset, 1)), {}).get("prompt")
-        self.probe_prompt = render_prompt(spec.tokenizer, first_prompt or [{"role": "user", "content": "What is 2 + 2?"}],
-                                          spec.args.chat_template_kwargs)
-        self.probe_tokens = sync_check.PROBE_TOKENS
-        """How long the probe's completion is: shorter when the server's context has no room for the full probe."""
-        self.probe_bound = (OFF_POLICY_BOUND.get(spec.compute_dtype, OFF_POLICY_BOUND["float32"]), spec.compute_dtype)
-        """The largest probe gap that rounding explains, and the dtype it is that of: the coarser of the trainer's and
-        the server's, which is learnt at connect."""
-        self.probe = None
-        """The client of the sync probe, opened at the first checked sync."""
+        self.probe = sync_check.SyncProbe(
+            render_prompt(spec.tokenizer, first_prompt or [{"role": "user", "content": "What is 2 + 2?"}],
+                          spec.args.chat_template_kwargs),
+            spec.compute_dtype, spec.args.weight_sync_check_atol, external=spec.args.vllm_server_base_url is not None)
+        """Which syncs are checked, and how far the server's log-probs may then be from the trainer's (sync_check.py)."""
         self.pushes = 0
         """Weight syncs pushed since the server was reached: against an external server the first FORCED_PROBES are
         always probed (the connect push, then the first trained weights; again after a reconnect)."""
@@ -149,7 +138,7 @@ class Runtime:
             control = session.connect(url)
             facts = session.run(server_checks.read_facts(control))
             server_checks.check(facts, url, spec.served_dtype)
-            self.probe_bound = max(self.probe_bound, (OFF_POLICY_BOUND.get(facts.dtype, 0.0), facts.dtype))
+            self.probe.server_dtype(facts.dtype)
             max_model_len = session.run(control.max_model_len())
             served_name = server_checks.served_name([m["id"] for m in session.run(control.models())], spec.model_name)
             self.sync_strategy = choose_sync(control, session, served_name, spec.model, args, self.lora, self.ranks)
@@ -158,7 +147,7 @@ class Runtime:
             self.sync_strategy = follower_sync(kind, spec.output_dir, served_name, args.max_staleness, self.ranks)
         self.max_model_len = max_model_len
         self.token_budget = args.token_budget or max_model_len
-        self.probe_tokens = max(1, min(sync_check.PROBE_TOKENS, max_model_len - len(self.probe_prompt)))
+        self.probe.fit(max_model_len)
         self.batcher = TokenBudgetBatcher(self.token_budget, num_rows=self.ranks.world_size, layout=spec.layout,
                                           max_samples=args.per_device_train_batch_size)
         server_checks.check_prompt_lengths(spec.dataset, spec.tokenizer, spec.tools, args.chat_template_kwargs, max_model_len)
@@ -173,7 +162,7 @@ class Runtime:
         worker = self._start_worker(resume)
         self.source = SampleSource(worker, worker.channels, self.window, resume=resume,
                                    max_staleness=args.max_staleness, token_budget=self.token_budget,
-                                   end_position=self._num_positions(), stall_timeout=args.stall_timeout,
+                                   end_position=num_positions(args, spec.dataset), stall_timeout=args.stall_timeout,
                                    say=session.progress.say)
 
     def next_micro_batches(self, version: int) -> list[list[PackedRow]]:
@@ -245,7 +234,7 @@ class Runtime:
         the GPU), and no probe due after it (the probe forwards the model the next step trains)."""
         sync = self.sync_strategy
         return (not self.ranks.several and self.args.max_staleness > 1 and isinstance(sync, TransferSync)
-                and isinstance(sync.plane, GlooPlane) and self._probe_limit(self.pushes + 1) is None)
+                and isinstance(sync.plane, GlooPlane) and self.probe.limit(self.pushes + 1) is None)
 
     def _settle(self, version: int, push, waited: float | None = None) -> None:
         """End a sync as `push()` returns: its timings recorded (with `perf/weight_sync_wait_s`, how long this thread
@@ -306,38 +295,25 @@ class Runtime:
 
     # ---- the sync ---------------------------------------------------------------------------------
     def _push(self, version: int) -> dict[str, float]:
-        """Sync the weights as `version` (every rank takes part), then, when `_probe_limit` says so, check that the
-        server now samples from them."""
+        """Sync the weights as `version` (every rank takes part), then, when the probe's `limit` says so, check that
+        the server now samples from them."""
         timings = self.sync_strategy.push(self.spec.model, version, announce=self._announce)
         self.pushes += 1
-        limit = self._probe_limit(self.pushes)
+        limit = self.probe.limit(self.pushes)
         if limit is not None:
-            name = self.sync_strategy.name_for(version)
+            name, probe = self.sync_strategy.name_for(version), self.probe
             served = None
             if self.ranks.main:
-                self.probe = self.probe or self.session.generation_client()
-                served = self.session.run(sync_check.probe(self.probe, name, self.probe_prompt, self.probe_tokens))
+                probe.client = probe.client or self.session.generation_client()
+                served = self.session.run(sync_check.probe(probe.client, name, probe.prompt, probe.tokens))
             served = self.ranks.broadcast(served)
-            ours = sync_check.policy_logprobs(self.spec.model, self.probe_prompt, served.token_ids, self.spec.kernel,
+            ours = sync_check.policy_logprobs(self.spec.model, probe.prompt, served.token_ids, self.spec.kernel,
                                               self.spec.layout)
             if self.ranks.main:
                 gap = sync_check.compare(name, served, ours)
                 sync_check.check(gap, *limit)
                 timings["weight_sync/served_logprob_gap"] = gap.max_abs
         return timings
-
-    def _probe_limit(self, pushes: int) -> tuple[float, str] | None:
-        """How far the probe after this sync may land from the trainer's log-probs, and where that bound comes from; None
-        for no probe. The user's weight_sync_check_atol; against an external server also the dtype's rounding bound,
-        probed after the first FORCED_PROBES syncs whatever the settings."""
-        atol = self.args.weight_sync_check_atol
-        user = (atol, "weight_sync_check_atol") if atol is not None else None
-        if self.args.vllm_server_base_url is None:
-            return user
-        bound = (self.probe_bound[0], f"{self.probe_bound[1]} rounding bound")
-        if user is None:
-            return bound if pushes <= FORCED_PROBES else None
-        return min(user, bound)
 
     def _announce(self, version: int) -> None:
         """Called by the sync once the server serves `version`: the groups started from now on sample from it."""
@@ -479,7 +455,11 @@ class Runtime:
     # ---- the worker ---------------------------------------------------------------------------------
     def _start_worker(self, point: ResumePoint):
         """The rollout worker, generating from `point` on (its start, leaving out what the trainer holds past it)."""
-        return self.session.start_worker(self._worker_spec(point), self.args.rollout_worker_timeout, self.version)
+        lora_adapter = isinstance(self.sync_strategy, LoraSync)
+        settings = worker_spec(self.spec, point, served_name=self.served_name, served_url=self.served_url,
+                               token_budget=self.token_budget, max_model_len=self.max_model_len,
+                               world_size=self.ranks.world_size, adapter_name=ADAPTER_NAME if lora_adapter else None)
+        return self.session.start_worker(settings, self.args.rollout_worker_timeout, self.version)
 
     def _replace_worker(self, lost: WorkerLost) -> None:
         """Start a new worker where the lost one left off: from the watermark, leaving out the positions already
@@ -496,28 +476,6 @@ class Runtime:
         self.session.progress.say(f"{lost}. Restarted it from prompt position {point.dataset_start_index}, leaving out the "
                                   f"{len(point.received)} positions past it already received; a second loss stops the run.")
 
-    def _worker_spec(self, point: ResumePoint) -> WorkerSpec:
-        args, spec = self.args, self.spec
-        tokenizer_path = spec.output_dir / ".tokenizer"
-        tokenizer = copy.copy(spec.tokenizer)  # the training template renders rollouts; checkpoints keep the model's own
-        tokenizer.chat_template = spec.rollout_template or spec.tokenizer.chat_template
-        tokenizer.save_pretrained(tokenizer_path)
-        settings = RolloutSettings(
-            config=args, model_name=self.served_name, tokenizer_path=str(tokenizer_path), dataset=spec.dataset,
-            reward_funcs=spec.reward_funcs, eos_token_ids=spec.eos_token_ids, base_url=self.served_url,
-            tools=spec.tools, environment_factory=spec.environment_factory, harness=spec.harness, api_key=args.vllm_server_api_key,
-            dataset_start_index=point.dataset_start_index, received=point.received, queued_tokens=point.queued_tokens,
-            full_step_tokens=full_step_tokens(self.token_budget, args.gradient_accumulation_steps, self.ranks.world_size),
-            num_positions=self._num_positions(),
-            eval_dataset=spec.eval_dataset, max_model_len=self.max_model_len, adapter_name=ADAPTER_NAME if isinstance(self.sync_strategy, LoraSync) else None)
-        return WorkerSpec(loop_cls=spec.loop_cls or AsyncRolloutLoop, settings=settings)
-
-    def _num_positions(self) -> int | None:
-        """Where the prompt stream ends: epochs × rows; None for an endless stream (max_steps decides, or environments
-        sample their own tasks)."""
-        if self.args.max_steps > 0 or self.spec.dataset is None:
-            return None
-        return math.ceil(self.args.num_train_epochs * len(self.spec.dataset))
 
 
 @contextmanager
@@ -533,9 +491,3 @@ def on_sigterm(enabled: bool, flag: threading.Event):
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def full_step_tokens(token_budget: int, gradient_accumulation_steps: int, world_size: int) -> int:
-    """The pacing allowance's step before the first one trained: as if every row were full (spec 000), one row per
-    rank in each of the step's micro-batches."""
-    return token_budget * gradient_accumulation_steps * world_size

@@ -11,12 +11,16 @@ from dataclasses import dataclass
 import torch
 
 from tandem.generation.client import GenerationClient, ServerProblem
+from tandem.metrics.doctor import OFF_POLICY_BOUND
 from tandem.packing import TREE, pack
 from tandem.packing.logprobs import row_logprobs
 from tandem.records import Sample
 
 PROBE_TOKENS = 16
 PROBE_SEED = 1234
+FORCED_PROBES = 2
+"""Against an external server the first syncs are always probed: the connect push (same weights) and the first trained
+weights (a reload that misses a layer shows only once the weights differ from the server's own)."""
 
 
 class SyncMismatch(ServerProblem):
@@ -29,6 +33,39 @@ class SyncGap:
     tokens: int
     max_abs: float
     """The largest |served log-prob − trainer log-prob| over the probe's sampled tokens."""
+
+
+class SyncProbe:
+    """Which syncs are checked, and how: a completion of `tokens` tokens after `prompt`, whose log-probs may differ from
+    the trainer's by the user's weight_sync_check_atol; against an external server also by no more than the rounding
+    bound of the coarser dtype, checked after the first FORCED_PROBES syncs whatever the settings."""
+
+    def __init__(self, prompt: list[int], dtype: str, atol: float | None, external: bool):
+        self.prompt, self.atol, self.external = prompt, atol, external
+        self.bound = (OFF_POLICY_BOUND.get(dtype, OFF_POLICY_BOUND["float32"]), dtype)
+        """The largest gap that rounding explains, and the dtype it is that of: the trainer's, then the coarser of it
+        and the server's (`server_dtype`)."""
+        self.tokens = PROBE_TOKENS
+        """Shorter when the server's context has no room for the full probe (`fit`)."""
+        self.client: GenerationClient | None = None
+        """Opened by the runtime at the first checked sync."""
+
+    def server_dtype(self, dtype: str) -> None:
+        self.bound = max(self.bound, (OFF_POLICY_BOUND.get(dtype, 0.0), dtype))
+
+    def fit(self, max_model_len: int) -> None:
+        self.tokens = max(1, min(PROBE_TOKENS, max_model_len - len(self.prompt)))
+
+    def limit(self, pushes: int) -> tuple[float, str] | None:
+        """How far the probe after the `pushes`-th sync may land from the trainer's log-probs, and where that bound comes
+        from; None for no probe."""
+        user = (self.atol, "weight_sync_check_atol") if self.atol is not None else None
+        if not self.external:
+            return user
+        bound = (self.bound[0], f"{self.bound[1]} rounding bound")
+        if user is None:
+            return bound if pushes <= FORCED_PROBES else None
+        return min(user, bound)
 
 
 async def sync_gap(client: GenerationClient, served_name: str, model: torch.nn.Module, prompt_ids: list[int],
