@@ -3,6 +3,7 @@ the server samples from the trainer's weights after each sync."""
 
 import asyncio
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -111,19 +112,19 @@ def test_adapters_the_server_cannot_serve_fall_back_to_merged_sync_with_the_reas
 
 
 def test_the_sync_probe_checks_what_the_settings_and_the_server_call_for():
-    prompt = [1, 2, 3]
-    embedded = sync_check.SyncProbe(prompt, "float32", atol=None, external=False)
-    assert [embedded.limit(pushes) for pushes in (1, 2, 3)] == [None, None, None], "tandem's own server is checked only on request"
-    checked = sync_check.SyncProbe(prompt, "float32", atol=1e-5, external=False)
-    assert checked.limit(7) == (1e-5, "weight_sync_check_atol")
+    def probe(atol=None, url=None):
+        return sync_check.SyncProbe([1, 2, 3], "float32", SimpleNamespace(weight_sync_check_atol=atol, vllm_server_base_url=url))
 
-    external = sync_check.SyncProbe(prompt, "float32", atol=None, external=True)
+    assert [probe().limit(pushes) for pushes in (1, 2, 3)] == [None] * 3, "tandem's own server is checked only on request"
+    assert probe(atol=1e-5).limit(7) == (1e-5, "weight_sync_check_atol")
+
+    external = probe(url="http://gpu-box:8000")
     assert [external.limit(pushes) for pushes in (1, 2, 3)] == [(1e-3, "float32 rounding bound")] * 2 + [None], \
         "an external server's first FORCED_PROBES syncs are checked against the dtype's rounding bound"
-    external.server_dtype("bfloat16")
+    external.note_server_dtype("bfloat16")
     assert external.limit(1) == (5e-2, "bfloat16 rounding bound"), "the coarser of the trainer's and the server's dtype"
-    loose = sync_check.SyncProbe(prompt, "float32", atol=0.5, external=True)
-    assert loose.limit(9) == (1e-3, "float32 rounding bound"), "no setting loosens the rounding bound"
+    assert probe(atol=0.5, url="http://gpu-box:8000").limit(9) == (1e-3, "float32 rounding bound"), \
+        "no setting loosens the rounding bound"
 
     external.fit(max_model_len=10)
     assert external.tokens == 7, "the probe's completion fits the server's context"

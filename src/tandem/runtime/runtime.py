@@ -88,7 +88,7 @@ class Runtime:
         self.probe = sync_check.SyncProbe(
             render_prompt(spec.tokenizer, first_prompt or [{"role": "user", "content": "What is 2 + 2?"}],
                           spec.args.chat_template_kwargs),
-            spec.compute_dtype, spec.args.weight_sync_check_atol, external=spec.args.vllm_server_base_url is not None)
+            spec.compute_dtype, spec.args)
         """Which syncs are checked, and how far the server's log-probs may then be from the trainer's (sync_check.py)."""
         self.pushes = 0
         """Weight syncs pushed since the server was reached: against an external server the first FORCED_PROBES are
@@ -121,6 +121,7 @@ class Runtime:
         finally:
             self.sync_strategy = None  # its transfer group (sockets, threads) joined the server the session stopped
             self.in_flight = None  # a sync left running by a failed step went with the server: not the next run's
+            self.probe.client = None  # closed with the session: the next train() opens its own
 
     # ---- what the trainer calls ---------------------------------------------------------------------
     def start(self, version: int, resume: ResumePoint, resumed: bool) -> None:
@@ -138,7 +139,7 @@ class Runtime:
             control = session.connect(url)
             facts = session.run(server_checks.read_facts(control))
             server_checks.check(facts, url, spec.served_dtype)
-            self.probe.server_dtype(facts.dtype)
+            self.probe.note_server_dtype(facts.dtype)
             max_model_len = session.run(control.max_model_len())
             served_name = server_checks.served_name([m["id"] for m in session.run(control.models())], spec.model_name)
             self.sync_strategy = choose_sync(control, session, served_name, spec.model, args, self.lora, self.ranks)
@@ -456,10 +457,10 @@ class Runtime:
     def _start_worker(self, point: ResumePoint):
         """The rollout worker, generating from `point` on (its start, leaving out what the trainer holds past it)."""
         lora_adapter = isinstance(self.sync_strategy, LoraSync)
-        settings = worker_spec(self.spec, point, served_name=self.served_name, served_url=self.served_url,
-                               token_budget=self.token_budget, max_model_len=self.max_model_len,
-                               world_size=self.ranks.world_size, adapter_name=ADAPTER_NAME if lora_adapter else None)
-        return self.session.start_worker(settings, self.args.rollout_worker_timeout, self.version)
+        spec = worker_spec(self.spec, point, served_name=self.served_name, served_url=self.served_url,
+                           token_budget=self.token_budget, max_model_len=self.max_model_len,
+                           world_size=self.ranks.world_size, adapter_name=ADAPTER_NAME if lora_adapter else None)
+        return self.session.start_worker(spec, self.args.rollout_worker_timeout, self.version)
 
     def _replace_worker(self, lost: WorkerLost) -> None:
         """Start a new worker where the lost one left off: from the watermark, leaving out the positions already
@@ -475,7 +476,6 @@ class Runtime:
         self.source.replace_worker(worker, worker.channels)
         self.session.progress.say(f"{lost}. Restarted it from prompt position {point.dataset_start_index}, leaving out the "
                                   f"{len(point.received)} positions past it already received; a second loss stops the run.")
-
 
 
 @contextmanager

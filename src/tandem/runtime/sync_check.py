@@ -38,10 +38,11 @@ class SyncGap:
 class SyncProbe:
     """Which syncs are checked, and how: a completion of `tokens` tokens after `prompt`, whose log-probs may differ from
     the trainer's by the user's weight_sync_check_atol; against an external server also by no more than the rounding
-    bound of the coarser dtype, checked after the first FORCED_PROBES syncs whatever the settings."""
+    bound of the coarser dtype, and each of the first FORCED_PROBES syncs is checked whatever the settings. `args`
+    (the AsyncGRPOConfig) is read at each sync, as the runtime reads it."""
 
-    def __init__(self, prompt: list[int], dtype: str, atol: float | None, external: bool):
-        self.prompt, self.atol, self.external = prompt, atol, external
+    def __init__(self, prompt: list[int], dtype: str, args):
+        self.prompt, self.args = prompt, args
         self.bound = (OFF_POLICY_BOUND.get(dtype, OFF_POLICY_BOUND["float32"]), dtype)
         """The largest gap that rounding explains, and the dtype it is that of: the trainer's, then the coarser of it
         and the server's (`server_dtype`)."""
@@ -50,17 +51,20 @@ class SyncProbe:
         self.client: GenerationClient | None = None
         """Opened by the runtime at the first checked sync."""
 
-    def server_dtype(self, dtype: str) -> None:
+    def note_server_dtype(self, dtype: str) -> None:
+        """The server's dtype, read at connect: the bound becomes the coarser dtype's."""
         self.bound = max(self.bound, (OFF_POLICY_BOUND.get(dtype, 0.0), dtype))
 
     def fit(self, max_model_len: int) -> None:
+        """A probe as long as the server's context leaves room for after the prompt (at least one token)."""
         self.tokens = max(1, min(PROBE_TOKENS, max_model_len - len(self.prompt)))
 
     def limit(self, pushes: int) -> tuple[float, str] | None:
         """How far the probe after the `pushes`-th sync may land from the trainer's log-probs, and where that bound comes
         from; None for no probe."""
-        user = (self.atol, "weight_sync_check_atol") if self.atol is not None else None
-        if not self.external:
+        atol = self.args.weight_sync_check_atol
+        user = (atol, "weight_sync_check_atol") if atol is not None else None
+        if self.args.vllm_server_base_url is None:
             return user
         bound = (self.bound[0], f"{self.bound[1]} rounding bound")
         if user is None:
