@@ -167,6 +167,19 @@ class RecordingTrainer(AsyncGRPOTrainer):
         return super().training_step(micro_batches)
 
 
+def test_a_second_train_call_checks_its_syncs_against_its_own_server(tmp_path):
+    """Each train() starts its own embedded server; the sync probe's client went with the first one's session (it
+    used to be kept, and the second run's first probe waited on a server long gone, then failed)."""
+    trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=config(tmp_path, max_steps=2, weight_sync_check_atol=1e-5),
+                               train_dataset=small_dataset())
+    trainer.train()
+    trainer.args.max_steps = 4
+    trainer.train()
+    assert trainer.state.global_step == 4
+    gaps = {r["step"]: r.get("weight_sync/served_logprob_gap") for r in logged(tmp_path)}
+    assert gaps == {1: 0.0, 2: 0.0, 3: 0.0, 4: 0.0}, "every sync of both runs is probed and served exactly"
+
+
 def test_stopped_and_resumed_at_three_random_points_a_run_finishes_every_prompt_exactly_once(tmp_path):
     seed = random.randrange(1_000_000)
     stops = sorted(random.Random(seed).sample(range(1, 5), 3))  # the epoch takes 5 steps or more
