@@ -45,6 +45,17 @@ def test_the_bottleneck_is_named_from_queue_waits_and_caps(changes, verdict):
     assert verdicts(run(changes), "bottleneck") == [verdict]
 
 
+def test_one_poll_that_caught_a_burst_of_waiting_requests_is_no_saturated_server():
+    starved = {"perf/rollout_wait_s": 0.6, "rollout/vllm_running_requests": 80}
+    burst = run({**starved, "rollout/vllm_queued_requests": 0}, {**starved, "rollout/vllm_queued_requests": 48}, windows=3)
+    assert verdicts(burst, "bottleneck") == ["generation-bound"], "waiting in half the polls: requests between two steps"
+    backlog = run({**starved, "rollout/vllm_queued_requests": 0}, {**starved, "rollout/vllm_queued_requests": 48}, windows=3)
+    backlog[0]["rollout/vllm_queued_requests"] = 48
+    assert verdicts(backlog, "bottleneck") == ["server saturated"], "waiting in most polls: the server is at capacity"
+    assert verdicts(run({**starved, "rollout/vllm_queued_requests": 48}, windows=1), "bottleneck") == ["generation-bound"], \
+        "a single poll says nothing either way"
+
+
 @pytest.mark.parametrize("phases, verdict, critical", [
     (({}, {}), "healthy", False),
     (({"reward": 0.6}, {"reward": 0.95, "frac_reward_zero_std": 0.8, "reward_dropped": 0.97}), "saturated at the top", False),

@@ -27,7 +27,8 @@ LOW_SHARE = 0.05
 SYNC_SHARE = 0.2
 """Syncs are worth a knob when they take this share of the training time or more (spec 002's run 3: 25%)."""
 BACKLOG_SHARE = 0.25
-"""The server is at capacity when the requests waiting in it are this share of those running or more."""
+"""The server is at capacity when the requests waiting in it are this share of those running or more, in most of the
+worker's polls of its /metrics (one poll can catch a burst of requests waiting for the server's next step)."""
 FULL_ALLOWANCE = 0.95
 """The token allowance binds when the windows' largest use of it averages this much or more."""
 RECOMPUTE_RATIO = 2.8
@@ -70,6 +71,17 @@ def steps_covered(rows: list[dict]) -> list[int]:
     return [max(step - previous, 0) for previous, step in zip([steps[0] - 1] + steps[:-1], steps)]
 
 
+def held_backlog(rows: list[dict]) -> bool:
+    """Whether the server held a backlog: in more than half of at least two polls of its queue, more requests waiting
+    than those that arrive between two of its steps (BACKLOG_SHARE of those running). The worker polls every few
+    seconds, so one poll that caught the groups a step's room had just released is no evidence: the demo's console
+    named its server saturated from one such poll (48 waiting beside 67 running, of 256 it may run)."""
+    polls = [(r["rollout/vllm_queued_requests"], r.get("rollout/vllm_running_requests") or 0.0) for r in rows
+             if isinstance(r.get("rollout/vllm_queued_requests"), (int, float))]
+    held = [queued >= max(1.0, BACKLOG_SHARE * running) for queued, running in polls]
+    return len(held) >= 2 and sum(held) > len(held) / 2
+
+
 def bottleneck(rows: list[dict], config: dict) -> Finding:
     """Where the time goes: an empty queue with training waiting is generation-bound; a full one with generation
     held back is trainer-bound; both at once, max_staleness too tight; the caps and KV usage say which limit binds.
@@ -81,8 +93,7 @@ def bottleneck(rows: list[dict], config: dict) -> Finding:
     allowance, queued = mean(rows, "rollout/allowance_used_max"), mean(rows, "rollout/vllm_queued_requests")
     running = mean(rows, "rollout/vllm_running_requests") or 0.0
     wait_high, back_high = step > 0 and wait >= HIGH_SHARE * step, step > 0 and back >= HIGH_SHARE * step
-    # the server holds more requests than it runs at once (a few that arrived since its last step are no backlog)
-    backlog = queued is not None and queued >= max(1.0, BACKLOG_SHARE * running)
+    backlog = held_backlog(rows)
     held = allowance is not None and allowance >= FULL_ALLOWANCE and not backlog  # in flight, not waiting in the server
     # spec 002: "queue empty, rollout wait rising, no backpressure: generation is too slow; queue full, rollout wait
     # zero: the trainer is" -- read from the queue when neither wait is high on its own
