@@ -39,7 +39,7 @@ def engine(request):
     """Exact decoding as this machine runs it (MKL's strict mode: matmuls of the few rows MATMUL_ROWS probed), and
     with every matmul padded to 16 rows as on a torch without MKL."""
     e = make_engine()
-    e.min_rows = request.param or e.min_rows
+    e.runner.min_rows = request.param or e.runner.min_rows
     yield e
     e.stop()
 

@@ -33,6 +33,7 @@ from tandem.generation import decode_attention
 from tandem.generation.emission import Emission
 from tandem.generation.kv_cache import SequenceStates, SlotKVCache
 from tandem.generation.lora import AdapterSet
+from tandem.generation.model_runner import ModelRunner
 from tandem.generation.prefix_cache import PrefixCache
 from tandem.generation.sampling import SamplingParams
 
@@ -85,15 +86,6 @@ class EngineRequest:
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.sequences)
-
-
-def _filler_adapters(adapters: list[str | None], width: int, min_rows: int) -> list[str | None]:
-    """The adapters of the filler sequences exact decoding adds: every matmul must see at least `min_rows` rows,
-    the base layers' (all sequences) and each adapter's LoRA product (only its own sequences) alike."""
-    need = -(-min_rows // width)
-    counts = collections.Counter(a for a in adapters if a)
-    fillers = [name for name, count in counts.items() for _ in range(need - count)]
-    return fillers + [None] * (need - len(adapters) - len(fillers))
 
 
 def _min_rows(model: torch.nn.Module, exact: bool) -> int:
@@ -166,15 +158,13 @@ class Engine:
                  adapters: AdapterSet | None = None, exact: bool = False, step_delay_s: float = 0.0,
                  prefix_caching: bool = True, prefix_cache_max_tokens: int | None = None):
         self.emission = Emission(logprobs_mode, eos_token_id, frozenset(extra_stop_token_ids), max_model_len)
-        self.model = architecture.without_hub_kernels(model)
+        model = architecture.without_hub_kernels(model)
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.adapters = adapters
         self.exact = exact
         if next(model.parameters()).device.type == "cpu":  # large linear layers on oneDNN, as the trainer's forward
             onednn_linear.install(model, exact=exact, reorder=True)
-        self.min_rows = _min_rows(model, exact)
-        """Rows every matmul gets, filler sequences added where a step has fewer (exact decoding: see _min_rows)."""
         self.step_delay_s = step_delay_s
         """Extra seconds per decode step: lets benchmarks stand in a slower (GPU-sized) server. The wait comes
         between steps, so weight reloads do not sit behind it; a pause stops its clock (`set_paused`)."""
@@ -186,11 +176,11 @@ class Engine:
                 model.set_attn_implementation(exact_attention.NAME)
             elif self.device.type == "cpu" and model.config._attn_implementation == "sdpa":
                 model.set_attn_implementation(decode_attention.NAME)
-        config = model.config.get_text_config()
         bound = max_num_seqs * max_model_len if prefix_cache_max_tokens is None else prefix_cache_max_tokens
         self.cache, self.prefix_cache = caches_for(model, max_model_len, exact, bound if prefix_caching else None)
-        self.layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-        self.sliding_window = getattr(config, "sliding_window", None)
+        self.runner = ModelRunner(model, self.cache, max_model_len=max_model_len, min_rows=_min_rows(model, exact),
+                                  exact=exact, adapters=adapters)
+        """The forward passes (model_runner.py): it holds the model, which weight and adapter loads replace."""
 
         self.waiting: collections.deque[EngineRequest] = collections.deque()
         self.rows: list[tuple[EngineRequest, Sequence]] = []
@@ -212,6 +202,15 @@ class Engine:
         """The engine thread's figures as of its last step, published for /metrics (read whole, never mid-step)."""
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self.error: BaseException | None = None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
+
+    @model.setter
+    def model(self, model: torch.nn.Module) -> None:
+        """Set on the engine thread only (a `call`), as every change of the model is."""
+        self.runner.model = model
 
     # ---- public, thread-safe -------------------------------------------------------------
     def start(self) -> None:
@@ -383,7 +382,7 @@ class Engine:
     def _admit(self) -> list[EngineRequest]:
         """FIFO into free slots; a request whose adapter would exceed max_loras waits (deferred)."""
         admitted, free, budget = [], self.max_num_seqs - len(self.rows), MAX_PREFILL_TOKENS
-        active_adapters = {r.adapter for r, _ in self.rows if r.adapter}
+        active_adapters = self._adapters_in_use()
         with self._lock:
             for request in list(self.waiting):
                 if request.n > free or (admitted and len(request.prompt) > budget):
@@ -410,39 +409,9 @@ class Engine:
             self._finish_request(request, "error")
             return False
 
-    def _forward(self, input_ids, write_pos, kv_len, mask, rows: slice, adapters: list[str | None], all_logits: bool) -> torch.Tensor:
-        """One model forward over cache rows `rows`; float32 logits of every position or of the last one(s)."""
-        self.cache.begin(rows, write_pos, kv_len)
-        masks = {"full_attention": mask}
-        if "sliding_attention" in self.layer_types:
-            query_pos = write_pos[:, None, :, None]
-            masks["sliding_attention"] = mask & (query_pos - torch.arange(kv_len, device=self.device) < self.sliding_window)
-        masks = {kind: exact_attention.model_mask(m, self.model) for kind, m in masks.items()}
-        kwargs = self._adapter_kwargs(adapters)
-        out = self.model(
-            input_ids=input_ids, position_ids=write_pos, attention_mask=masks, cache=self.cache,
-            use_cache=True, logits_to_keep=0 if all_logits else self._positions_to_keep(input_ids.shape[0]), **kwargs,
-        )
-        return out.logits.float()
-
-    def _sequence_forward(self, windows: list[list[int]], totals: list[int], rows: slice, adapters, all_logits: bool) -> torch.Tensor:
-        """`_window_forward` for a model with recurrent layers: each sequence forwarded on its own from its own state,
-        the logits left-padded to a common width as a batched window's are."""
-        logits = []
-        for row, window, total, adapter in zip(range(rows.start, rows.stop), windows, totals, adapters):
-            kwargs = self._adapter_kwargs([adapter])  # may wrap self.model: read it after
-            logits.append(self.cache.forward(self.model, row, window, total, all_logits, **kwargs))
-        width = max(len(part) for part in logits)
-        return torch.stack([torch.nn.functional.pad(part, (0, 0, width - len(part), 0)) for part in logits]).float()
-
-    def _adapter_kwargs(self, adapters: list[str | None]) -> dict:
-        """The forward's `adapter_names` for these rows' adapters, loading any not loaded yet ({} without adapters)."""
-        wanted = {a for a in adapters if a}
-        if self.adapters is None or not (wanted or self.adapters.active):
-            return {}
-        in_use = {r.adapter for r, _ in self.rows if r.adapter}
-        self.model = self.adapters.ensure_loaded(self.model, wanted, in_use)
-        return {"adapter_names": self.adapters.names_for(adapters)}
+    def _adapters_in_use(self) -> set[str]:
+        """The adapters of the running rows: loading another must keep them."""
+        return {r.adapter for r, _ in self.rows if r.adapter}
 
     def _prefill(self, requests: list[EngineRequest]) -> None:
         # A request asking for prompt log-probs needs logits at every prompt position: prefill it alone.
@@ -466,42 +435,6 @@ class Engine:
                 computed.update(uncached)
         return leaders, followers
 
-    def _positions_to_keep(self, rows: int) -> int:
-        """Positions whose logits we compute: the last one, or enough for the lm_head matmul to have `min_rows` rows
-        (the caller guarantees rows x width >= min_rows)."""
-        return -(-self.min_rows // rows)
-
-    def _window_forward(self, windows: list[list[int]], totals: list[int], rows: slice, adapters, all_logits=False) -> torch.Tensor:
-        """Forward the last tokens of several sequences at once, left-padded to a common width.
-
-        `windows[b]` are the final tokens of a sequence `totals[b]` tokens long, written to cache positions
-        totals[b]-len .. totals[b]-1 of row rows.start+b. Pad columns write to scratch positions past the
-        sequence, the row's last position once they run out (overwritten later, never attended), so padded
-        batches need no special layout.
-        """
-        if isinstance(self.cache, SequenceStates):
-            return self._sequence_forward(windows, totals, rows, adapters, all_logits)
-        width = max(len(w) for w in windows)
-        fillers = _filler_adapters(adapters, width, self.min_rows)
-        if fillers:  # too few rows for the long-forward matmul path: add filler sequences in free cache rows
-            self.cache.ensure_rows(rows.stop + len(fillers))
-            windows, totals = windows + [[0]] * len(fillers), totals + [1] * len(fillers)
-            rows, adapters = slice(rows.start, rows.stop + len(fillers)), adapters + fillers
-        ids, positions = [], []
-        for tokens, total in zip(windows, totals):
-            pad = width - len(tokens)
-            ids.append([0] * pad + tokens)
-            scratch = [min(p, self.max_model_len - 1) for p in range(total, total + pad)]
-            positions.append(scratch + list(range(total - len(tokens), total)))
-        input_ids, write_pos = torch.tensor(ids), torch.tensor(positions)
-        kv_len = int(write_pos.max()) + 1
-        if self.exact:  # short key blocks take another matmul path too; the extra keys are masked out
-            kv_len = min(max(kv_len, exact_attention.MIN_ROWS), self.max_model_len)
-        keys = torch.arange(kv_len)
-        mask = (keys[None, None, :] <= write_pos[:, :, None]) & (keys[None, None, :] < torch.tensor(totals)[:, None, None])
-        return self._forward(input_ids.to(self.device), write_pos.to(self.device), kv_len, mask[:, None].to(self.device),
-                             rows, adapters, all_logits)
-
     def _prefill_group(self, requests: list[EngineRequest]) -> None:
         """Prefill each prompt once (batched) past its cached blocks; a request's other sequences get copies of its KV row."""
         base, n = len(self.rows), len(requests)
@@ -509,7 +442,8 @@ class Engine:
         self.cache.ensure_rows(base + sum(r.n for r in requests))
         windows = [r.prompt[self._load_prefix(r, base + j):] for j, r in enumerate(requests)]
         all_logits = requests[0].params.prompt_logprobs is not None
-        logits = self._window_forward(windows, lengths, slice(base, base + n), [r.adapter for r in requests], all_logits)[:n]
+        logits = self.runner.window_forward(windows, lengths, slice(base, base + n), [r.adapter for r in requests],
+                                            self._adapters_in_use(), all_logits)[:n]
         if all_logits:
             requests[0].prompt_logprobs = self.emission.prompt_logprobs(logits[0, -lengths[0]:], requests[0].prompt,
                                                                         requests[0].params.prompt_logprobs)
@@ -553,7 +487,8 @@ class Engine:
         """One new token per running sequence."""
         totals = [length + 1 for length in self.lengths]
         windows = [[seq.output[-1]] for _, seq in self.rows]
-        logits = self._window_forward(windows, totals, slice(0, len(self.rows)), [r.adapter for r, _ in self.rows])
+        logits = self.runner.window_forward(windows, totals, slice(0, len(self.rows)), [r.adapter for r, _ in self.rows],
+                                            self._adapters_in_use())
         self.lengths = totals
         self._emit(range(len(self.rows)), logits[: len(self.rows), -1])
         self._next_step_at = time.monotonic() + self.step_delay_s
