@@ -180,7 +180,8 @@ class Engine:
         self.cache, self.prefix_cache = caches_for(model, max_model_len, exact, bound if prefix_caching else None)
         self.runner = ModelRunner(model, self.cache, max_model_len=max_model_len, min_rows=_min_rows(model, exact),
                                   exact=exact, adapters=adapters)
-        """The forward passes (model_runner.py): it holds the model, which weight and adapter loads replace."""
+        """The forward passes (model_runner.py). It holds the model: weight loads copy into it, an adapter load may
+        replace it (peft wraps it), so `model` reads it there."""
 
         self.waiting: collections.deque[EngineRequest] = collections.deque()
         self.rows: list[tuple[EngineRequest, Sequence]] = []

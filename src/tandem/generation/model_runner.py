@@ -1,6 +1,7 @@
 """`ModelRunner`: the engine's forward passes. A step's windows of tokens (a prompt past its cached blocks, or a
 decode step's last token) become one batched forward over their KV-cache rows, left-padded to a common width, with
-the masks, the adapters and, in exact mode, the filler rows that keep each matmul rounding as the trainer's does.
+the masks, the adapters and, in exact mode, the filler rows that keep each matmul rounding as the trainer's does (a
+model with recurrent layers forwards each sequence on its own, from its own state).
 
 The engine (engine.py) decides which rows run; this module only computes their logits. Both run on the engine thread.
 """
@@ -24,8 +25,8 @@ def filler_adapters(adapters: list[str | None], width: int, min_rows: int) -> li
 
 
 class ModelRunner:
-    """Forwards windows of several cache rows at once. `model` may be replaced (a weight reload, an adapter loaded:
-    peft wraps it), so it is read at every forward."""
+    """Forwards windows of several cache rows at once. `model` may be replaced (an adapter load: peft wraps it), so it
+    is read at every forward."""
 
     def __init__(self, model: torch.nn.Module, cache: SlotKVCache | SequenceStates, *, max_model_len: int,
                  min_rows: int, exact: bool, adapters: AdapterSet | None):

@@ -72,10 +72,11 @@ def steps_covered(rows: list[dict]) -> list[int]:
 
 
 def held_backlog(rows: list[dict]) -> bool:
-    """Whether the server held a backlog: in more than half of at least two polls of its queue, more requests waiting
-    than those that arrive between two of its steps (BACKLOG_SHARE of those running). The worker polls every few
-    seconds, so one poll that caught the groups a step's room had just released is no evidence: the demo's console
-    named its server saturated from one such poll (48 waiting beside 67 running, of 256 it may run)."""
+    """Whether the server held a backlog: in more than half of at least two logged polls of its queue (a row holds the
+    mean of the worker's polls in its window, one every few seconds), more requests waiting than those that arrive
+    between two of its steps (BACKLOG_SHARE of those running). One poll that caught the groups a step's room had just
+    released is no evidence: a pipeline_overlap run whose allowance was full read "server saturated" from polls of 0
+    and 48 waiting beside 80-88 running, of 256 it may run."""
     polls = [(r["rollout/vllm_queued_requests"], r.get("rollout/vllm_running_requests") or 0.0) for r in rows
              if isinstance(r.get("rollout/vllm_queued_requests"), (int, float))]
     held = [queued >= max(1.0, BACKLOG_SHARE * running) for queued, running in polls]
