@@ -2,8 +2,10 @@
 alone (stock attention, full logits) within 2e-5 in fp32, and every parameter gradient within 5e-5 of the largest.
 
 How the two are compared, and why:
-  * a log-prob within 1e-5, or 1e-6 of its size when larger: random tokens have log-probs down to -40,
-    where one fp32 step is 4e-6;
+  * a log-prob within 2e-5, or 5e-6 of its size when larger: random tokens have log-probs down to -40,
+    where one fp32 step is 4e-6. One CI draw (6 samples of 3-18 tokens) put a log-prob of -11.98 2.15e-6 of its size
+    apart with the `exact` kernel, and 1.99e-6 with SDPA on both sides; in float64, SDPA's agree to 1e-15 and
+    `exact`'s to 2.5e-7, as far as its float32 softmax (eager attention's too, in another order) reaches: rounding;
   * the model's gradient as one vector: the largest difference relative to its largest entry (when that
     exceeds 1), since the packed row sums each weight's per-token contributions in another order;
   * SDPA's CPU kernel (online softmax, blocked backward) rounds differently on a long packed row than on a
@@ -34,6 +36,8 @@ LOGPROB_TOLERANCE = {"exact": 2e-5, "sdpa": 2e-5, "flex": 1e-4}
 """Against transformers' own attention on one sample at a time, the packed row's matmuls have other shapes (and SDPA's
 fused kernel sums in another order): fp32 rounding, ~1e-6 relative (a 4-token sample at log-prob -9.52 once differed
 by 1.05e-5)."""
+LOGPROB_RELATIVE = {"exact": 5e-6, "sdpa": 5e-6, "flex": 1e-5}
+"""The same bound as a share of a log-prob's size, for the large ones (see the module's docstring)."""
 GRADIENT_TOLERANCE = {"exact": 5e-5, "sdpa": 5e-5}
 NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target)
 TEMPERATURE = 0.7
@@ -88,7 +92,7 @@ def check_exact(reference_models, packed_model, samples, kernel, backward=True):
     weights = torch.linspace(0.5, 1.5, terms)
     expected, expected_grads = unpacked(reference_models[REFERENCE_ATTENTION[kernel]], samples, weights)
     got, grads = packed(packed_model, samples, weights, kernel, backward)
-    allowed = torch.clamp(expected.abs() * LOGPROB_TOLERANCE[kernel] / 10, min=LOGPROB_TOLERANCE[kernel])
+    allowed = torch.clamp(expected.abs() * LOGPROB_RELATIVE[kernel], min=LOGPROB_TOLERANCE[kernel])
     worst = int(((got - expected).abs() / allowed).argmax())
     assert (got - expected).abs()[worst] <= allowed[worst], \
         f"{kernel}: log-prob {worst} is {got[worst]:.7f}, unpacked {expected[worst]:.7f}"
