@@ -45,7 +45,7 @@ class SyncProbe:
         self.prompt, self.args = prompt, args
         self.bound = (OFF_POLICY_BOUND.get(dtype, OFF_POLICY_BOUND["float32"]), dtype)
         """The largest gap that rounding explains, and the dtype it is that of: the trainer's, then the coarser of it
-        and the server's (`server_dtype`)."""
+        and the server's (`note_server_dtype`)."""
         self.tokens = PROBE_TOKENS
         """Shorter when the server's context has no room for the full probe (`fit`)."""
         self.client: GenerationClient | None = None
