@@ -7,12 +7,16 @@ Three facts decide how a model is packed, decoded and loaded:
   * a vision-language checkpoint, which loads through its own auto class and trains and serves text only.
 """
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")
 SCANNING_MODULES = ("mamba", "rwkv", "shortconv", "deltanet", "recurrent", "xlstm", "linearattention")
 """Module class names that give away layers reading across tokens outside attention."""
+Mask = TypeVar("Mask")
 HUB_KWARGS = ("revision", "trust_remote_code", "token", "cache_dir", "local_files_only", "subfolder")
 """The from_pretrained arguments that also decide which config is read."""
 
@@ -40,6 +44,26 @@ def attention_extras(model: torch.nn.Module) -> list[str]:
     if getattr(model.config.get_text_config(), "attn_logit_softcapping", None):
         extras.append("soft-capped attention scores (attn_logit_softcapping)")
     return extras
+
+
+def layer_masks(config, build: Callable[[str, int | None], Mask]) -> Mask | dict[str, Mask]:
+    """The attention mask in the form the model's forward takes, `build(layer_type, sliding_window)` making each one.
+
+    transformers hands a ready 4D mask to every layer as it is, and only models whose config lists `layer_types` read
+    a dict keyed by layer type. So one mask goes in wherever the layers attend alike: a config without `layer_types`
+    windows every layer by its `sliding_window` when it sets one (Mistral, Mixtral, Phi-3, Qwen3-MoE), and a dict only
+    where layer types differ (Gemma 2's alternating sliding and full layers, a hybrid's linear-attention layers)."""
+    text = config.get_text_config()
+    window = getattr(text, "sliding_window", None) or None  # Qwen2-MoE writes 0 for no window
+    layer_types = getattr(text, "layer_types", None)
+    if not layer_types:
+        return build("full_attention" if window is None else "sliding_attention", window)
+    windows = {t: window if t == "sliding_attention" else None for t in dict.fromkeys(layer_types)}
+    kinds = {(t if t not in ATTENTION_LAYERS else "attention", w) for t, w in windows.items()}
+    if len(kinds) == 1:
+        layer_type, window = next(iter(windows.items()))
+        return build(layer_type, window)
+    return {t: build(t, w) for t, w in windows.items()}
 
 
 def is_vision_language(config) -> bool:

@@ -182,7 +182,7 @@ def run_serve(ns: argparse.Namespace) -> None:
     try:
         run_until_interrupted(start_server(args), lambda port: f"tandem serve: {args.model} on http://{args.host}:{port} "
                                                               f"(vLLM {VLLM_PROTOCOL_VERSION} protocol)")
-    except OSError as exc:  # a Hub id that is not there, a port in use
+    except (OSError, UsageError) as exc:  # a Hub id that is not there, a port in use, a model it cannot serve
         user_error(f"tandem serve: {' '.join(str(exc).split())}")
 
 

@@ -83,6 +83,30 @@ MATMUL_ROWS = in_passing_thread(_fewest_rows_rounding_alike) if ROWS_ROUND_ALIKE
 exact decode step."""
 
 
+def _fewest_keys_summing_alike(rows: int) -> int:
+    """The fewest keys, a multiple of MIN_ROWS up to 8 of them, from which exact attention's sums over the keys
+    (ExactSoftmax's denominator, WeightedValues) round as over a longer row of keys whose extra weights are 0, for
+    every query block from `rows` to MIN_ROWS rows. One Sapphire Rapids machine summed 2 rows over 16-24 keys in
+    another order (a decode step drifted 4e-6 from the trainer's forward); ~2,000 small matmuls, ~50 ms."""
+    generator = torch.Generator().manual_seed(0)
+    longest = 8 * MIN_ROWS + 64
+    weights = torch.rand(2, 2, 64, longest, generator=generator)
+    weights[..., 13:] = 0  # 13 keys seen, as a query early in its sequence; the rest masked
+    values, ones = torch.randn(2, 2, longest, 8, generator=generator), weights.new_ones(longest, 2)
+    sums, weighted = torch.matmul(weights, ones), torch.matmul(weights, values)
+
+    def alike(keys: int) -> bool:
+        return all(torch.equal(torch.matmul(weights[:, :, :r, :k], ones[:k]), sums[:, :, :r])
+                   and torch.equal(torch.matmul(weights[:, :, :r, :k], values[:, :, :k]), weighted[:, :, :r])
+                   for r in range(rows, MIN_ROWS + 1) for k in range(keys, keys + 64))
+    return next((keys for keys in range(MIN_ROWS, 8 * MIN_ROWS + 1, MIN_ROWS) if alike(keys)), 8 * MIN_ROWS)
+
+
+MATMUL_KEYS = in_passing_thread(_fewest_keys_summing_alike, MATMUL_ROWS) if ROWS_ROUND_ALIKE else MIN_ROWS
+"""Keys every attention of exact decoding reads at least, the extra ones masked: 16 on most machines, 32 where few
+query rows summed over 16-24 keys in another order."""
+
+
 def exact_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Eager attention's math (transformers' `eager_attention_forward`), with the query heads that share a key-value head
     stacked into one matmul, padded to MATMUL_ROWS rows: no copies of the keys and values per query head, and a third of
@@ -105,7 +129,7 @@ def exact_attention(module, query, key, value, attention_mask, scaling=None, dro
         scores = scores + mask
     weights = ExactSoftmax.apply(scores.float()).to(query.dtype)
     weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
-    output = WeightedValues.apply(weights, value)[:, :, :rows].reshape(batch, heads, q_len, dim)
+    output = WeightedValues.apply(weights, value)[:, :, :rows].reshape(batch, heads, q_len, value.shape[-1])
     return output.transpose(1, 2).contiguous(), None  # the weights are stacked and padded: none returned, as SDPA
 
 
@@ -118,6 +142,9 @@ class WeightedValues(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weights: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(weights, value)
+        device = weights.device.type  # under autocast the matmuls ran in its dtype: the backward's run in it too
+        ctx.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else \
+            torch.promote_types(weights.dtype, value.dtype)
         dim = value.shape[-1]
         if dim % 8:  # zero columns up to a multiple of 8: a narrower last matmul could take another kernel (1: a gemv)
             value = torch.nn.functional.pad(value, (0, 8 - dim % 8))
@@ -126,7 +153,8 @@ class WeightedValues(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weights, value = ctx.saved_tensors
-        return torch.matmul(grad, value.transpose(-1, -2)), torch.matmul(weights.transpose(-1, -2), grad)
+        grad, w, v = (t.to(ctx.dtype) for t in (grad, weights, value))  # as the forward computed (bf16 under autocast)
+        return torch.matmul(grad, v.transpose(-1, -2)).to(weights.dtype), torch.matmul(w.transpose(-1, -2), grad).to(value.dtype)
 
 
 class ExactSoftmax(torch.autograd.Function):

@@ -65,3 +65,21 @@ def test_a_server_bug_is_a_500_with_its_traceback_logged_and_the_server_keeps_se
     assert "Traceback" in caplog.text and "broken_encode" in caplog.text, "the traceback goes to the server log"
     monkeypatch.undo()
     assert server.post("/tokenize", {"prompt": "What is 1 + 1?"})[0] == 200
+
+
+def test_a_failure_inside_an_engine_step_is_a_500_and_the_engine_serves_the_next_request(server, monkeypatch, caplog):
+    """One forward that raises (a model the engine meets a case of for the first time, say) fails the requests of that
+    step alone: /health stays 200 and the next request is served."""
+    forward = server.server.engine.runner.window_forward
+
+    def fails_once(*args, **kwargs):
+        monkeypatch.setattr(server.server.engine.runner, "window_forward", forward)
+        raise RuntimeError("a forward that broke")
+
+    monkeypatch.setattr(server.server.engine.runner, "window_forward", fails_once)
+    status, answer = server.post("/v1/completions", {"prompt": [1, 5, 6], "max_tokens": 3, "n": 2})
+    assert status == 500 and "a forward that broke" in answer["error"]["message"], answer
+    assert "Traceback" in caplog.text and "fails_once" in caplog.text, "the traceback goes to the server log"
+    assert server.get("/health")[0] == 200, "the engine survived its failed step"
+    status, body = server.post("/v1/completions", {"prompt": [1, 5, 6], "max_tokens": 3})
+    assert status == 200 and body["usage"]["completion_tokens"] == 3

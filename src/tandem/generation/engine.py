@@ -29,9 +29,10 @@ from typing import Callable
 import torch
 
 from tandem import architecture, exact_attention, onednn_linear
+from tandem.errors import UsageError
 from tandem.generation import decode_attention
 from tandem.generation.emission import Emission
-from tandem.generation.kv_cache import SequenceStates, SlotKVCache
+from tandem.generation.kv_cache import SequenceStates, SlotKVCache, kv_shapes
 from tandem.generation.lora import AdapterSet
 from tandem.generation.model_runner import ModelRunner
 from tandem.generation.prefix_cache import PrefixCache
@@ -113,10 +114,13 @@ def _generator(seed: int | None, child: int) -> torch.Generator:
 
 def kv_cache_for(model: torch.nn.Module, max_model_len: int) -> SlotKVCache:
     """A KV cache shaped for the model's layers and heads, on its device and in its dtype."""
-    config = model.config.get_text_config()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layers = kv_shapes(model).layers
+    shapes = set(layers.values())
+    if sorted(layers) != list(range(len(layers))) or len(shapes) != 1:
+        raise UsageError(f"{type(model).__name__}: its layers store keys and values of differing shapes "
+                         f"({sorted(shapes)}), which tandem serve's one KV tensor cannot hold; generate with vllm serve")
     param = next(model.parameters())
-    return SlotKVCache(config.num_hidden_layers, config.num_key_value_heads, head_dim, max_model_len, param.dtype, param.device)
+    return SlotKVCache(len(layers), *shapes.pop(), max_model_len, param.dtype, param.device)
 
 
 @dataclass
@@ -322,7 +326,7 @@ class Engine:
                     self._run_calls()
                     self._retire_aborted()
                     if not self.paused and time.monotonic() >= self._next_step_at:
-                        self.step()
+                        self._guarded_step()
                     stats = self._snapshot()
                 with self._lock:
                     self._stats, self._stepping = stats, False
@@ -348,6 +352,21 @@ class Engine:
                 future.set_result(fn())
             except BaseException as exc:
                 future.set_exception(exc)
+
+    def _guarded_step(self) -> None:
+        """One step. An exception inside it fails the requests it ran (each client gets a 500, the log the traceback)
+        and the engine goes on serving: their rows and the prefix cache are dropped, waiting requests keep their place."""
+        try:
+            self.step()
+        except Exception as exc:  # noqa: BLE001 - reported to the failed requests' callers and logged
+            logger.exception("tandem serve: a step failed; its requests are answered with an error, the engine goes on")
+            reason = f"The generation engine failed while serving this request ({type(exc).__name__}: {exc}); see the server log."
+            ran = {id(r): r for r in self.prefilling + [r for r, _ in self.rows]}
+            for request in ran.values():
+                request.error = request.error or reason
+                self._finish_request(request, "error")
+            self.rows, self.lengths, self.prefilling = [], [], []
+            self.reset_prefix_cache()
 
     def step(self) -> None:
         """Admit and prefill new requests, then decode one token for every running row."""

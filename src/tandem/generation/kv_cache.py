@@ -12,17 +12,46 @@ import copy
 
 import torch
 
+from tandem import architecture, exact_attention
 from tandem.exact_attention import MIN_ROWS
 
 
+class KVShapes:
+    """Records what each attention layer stores in a cache: handed to a forward of one token as its cache."""
+
+    def __init__(self):
+        self.layers: dict[int, tuple[int, int, int]] = {}
+        """layer index -> (key-value heads, key width, value width)."""
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *_, **__) -> tuple[torch.Tensor, torch.Tensor]:
+        self.layers[layer_idx] = (key.shape[1], key.shape[-1], value.shape[-1])
+        return key, value
+
+
+def kv_shapes(model: torch.nn.Module) -> KVShapes:
+    """What `model`'s layers store, read from one token's forward rather than from its config: configs name heads and
+    widths their own way (GPT-2 has no `num_key_value_heads`; DeepSeek-V3's latent attention keeps keys 192 wide and
+    values 128)."""
+    shapes, device = KVShapes(), next(model.parameters()).device
+    attend = exact_attention.model_mask(torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device), model)
+    with torch.no_grad():  # position and mask given: the model asks the cache nothing else
+        model(input_ids=torch.ones(1, 1, dtype=torch.long, device=device), position_ids=torch.zeros(1, 1, dtype=torch.long,
+              device=device), attention_mask=architecture.layer_masks(model.config, lambda *_: attend), cache=shapes,
+              use_cache=True)
+    return shapes
+
+
 class SlotKVCache:
-    """Keys and values of every layer in one tensor, `[2 (keys, values), layers, rows, kv_heads, length, head_dim]`:
-    copying a row is one copy, where a copy per layer and kind was ~10% of the demo server's engine time. Rows and
+    """Keys and values of every layer in one tensor, `[2 (keys, values), layers, rows, kv_heads, length, width]`:
+    copying a row is one copy, where a copy per layer and kind was ~10% of the demo server's engine time. Keys and values
+    may differ in width (latent attention): the tensor is as wide as the wider, each read back at its own. Rows and
     length both grow by doubling as sequences need them: a cache of max_len positions per row zeroed 1 GiB for 512 short
     rows of the tiny model (2.1 s), one of the positions they reach 32 MiB."""
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype, device: torch.device):
-        self.kv = torch.zeros(2, num_layers, 0, kv_heads, 0, head_dim, dtype=dtype, device=device)
+    def __init__(self, num_layers: int, kv_heads: int, key_dim: int, value_dim: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.kv = torch.zeros(2, num_layers, 0, kv_heads, 0, max(key_dim, value_dim), dtype=dtype, device=device)
+        self.key_dim, self.value_dim = key_dim, value_dim
         self.max_len = max_len
         self.rows = slice(0, 0)
         self.write_pos = torch.zeros(0, 0, dtype=torch.long)
@@ -59,9 +88,9 @@ class SlotKVCache:
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, **_) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.kv[0, layer_idx], self.kv[1, layer_idx]
         batch = torch.arange(self.rows.start, self.rows.stop, device=key.device)[:, None]
-        keys[batch, :, self.write_pos] = key.transpose(1, 2).to(keys.dtype)
-        values[batch, :, self.write_pos] = value.transpose(1, 2).to(values.dtype)
-        return keys[self.rows, :, : self.kv_len], values[self.rows, :, : self.kv_len]
+        keys[batch, :, self.write_pos, : self.key_dim] = key.transpose(1, 2).to(keys.dtype)
+        values[batch, :, self.write_pos, : self.value_dim] = value.transpose(1, 2).to(values.dtype)
+        return keys[self.rows, :, : self.kv_len, : self.key_dim], values[self.rows, :, : self.kv_len, : self.value_dim]
 
     def copy_row(self, source: int, targets: range, length: int) -> None:
         """Rows `targets` (not `source`) become copies of row `source` up to position `length`: one broadcast copy,
@@ -69,7 +98,7 @@ class SlotKVCache:
         self.kv[:, :, targets.start : targets.stop, :, :length] = self.kv[:, :, source : source + 1, :, :length]
 
     def read(self, row: int, start: int, stop: int) -> torch.Tensor:
-        """A copy of positions start..stop-1 of a row, every layer: `[2 (keys, values), layers, kv_heads, stop - start, head_dim]`."""
+        """A copy of positions start..stop-1 of a row, every layer: `[2 (keys, values), layers, kv_heads, stop - start, width]`."""
         return self.kv[:, :, row, :, start:stop].clone()
 
     def write(self, row: int, kv: torch.Tensor) -> None:

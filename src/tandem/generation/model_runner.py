@@ -10,7 +10,7 @@ import collections
 
 import torch
 
-from tandem import exact_attention
+from tandem import architecture, exact_attention
 from tandem.generation.kv_cache import SequenceStates, SlotKVCache
 from tandem.generation.lora import AdapterSet
 
@@ -33,9 +33,6 @@ class ModelRunner:
         self.model, self.cache, self.adapters = model, cache, adapters
         self.max_model_len, self.min_rows, self.exact = max_model_len, min_rows, exact
         """`min_rows`: rows every matmul gets, filler sequences added where a step has fewer (engine._min_rows)."""
-        config = model.config.get_text_config()
-        self.layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-        self.sliding_window = getattr(config, "sliding_window", None)
         self.device = next(model.parameters()).device
 
     def window_forward(self, windows: list[list[int]], totals: list[int], rows: slice, adapters: list[str | None],
@@ -64,7 +61,7 @@ class ModelRunner:
         input_ids, write_pos = torch.tensor(ids), torch.tensor(positions)
         kv_len = int(write_pos.max()) + 1
         if self.exact:  # short key blocks take another matmul path too; the extra keys are masked out
-            kv_len = min(max(kv_len, exact_attention.MIN_ROWS), self.max_model_len)
+            kv_len = min(max(kv_len, exact_attention.MATMUL_KEYS), self.max_model_len)
         keys = torch.arange(kv_len)
         mask = (keys[None, None, :] <= write_pos[:, :, None]) & (keys[None, None, :] < torch.tensor(totals)[:, None, None])
         return self._forward(input_ids.to(self.device), write_pos.to(self.device), kv_len, mask[:, None].to(self.device),
@@ -74,11 +71,9 @@ class ModelRunner:
                  all_logits: bool) -> torch.Tensor:
         """One model forward over cache rows `rows`; float32 logits of every position or of the last one(s)."""
         self.cache.begin(rows, write_pos, kv_len)
-        masks = {"full_attention": mask}
-        if "sliding_attention" in self.layer_types:
-            query_pos = write_pos[:, None, :, None]
-            masks["sliding_attention"] = mask & (query_pos - torch.arange(kv_len, device=self.device) < self.sliding_window)
-        masks = {kind: exact_attention.model_mask(m, self.model) for kind, m in masks.items()}
+        distance = write_pos[:, None, :, None] - torch.arange(kv_len, device=self.device)  # query minus key position
+        masks = architecture.layer_masks(self.model.config, lambda layer_type, window: exact_attention.model_mask(
+            mask & (distance < window) if window else mask, self.model))
         kwargs = self._adapter_kwargs(adapters, in_use)
         out = self.model(
             input_ids=input_ids, position_ids=write_pos, attention_mask=masks, cache=self.cache,

@@ -53,16 +53,15 @@ def prepare(model: torch.nn.Module) -> str:
     return TREE
 
 
-def tree_masks(end: torch.Tensor, position_ids: torch.Tensor, model: torch.nn.Module, kernel: str) -> dict:
-    """One mask per layer type of the model, in the form `kernel` takes."""
+def tree_masks(end: torch.Tensor, position_ids: torch.Tensor, model: torch.nn.Module, kernel: str):
+    """The tree mask in the form `kernel` takes and the model's forward reads (architecture.layer_masks): a
+    linear-attention layer's "mask" is the row's TreeScan."""
     if kernel not in KERNELS:
         raise ValueError(f"tree attention kernel {kernel!r} is not one of {KERNELS}")
-    config = model.config.get_text_config()
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    windows = {t: getattr(config, "sliding_window", None) if t == "sliding_attention" else None for t in layer_types}
     dtype = next(model.parameters()).dtype
-    return {t: linear_attention.tree_scan(position_ids.tolist()) if t == LINEAR else
-            _mask(end, position_ids, window, kernel, dtype) for t, window in windows.items()}
+    return architecture.layer_masks(model.config, lambda layer_type, window: (
+        linear_attention.tree_scan(position_ids.tolist()) if layer_type == LINEAR else
+        _mask(end, position_ids, window, kernel, dtype)))
 
 
 def _mask(end, position_ids, window, kernel, dtype):

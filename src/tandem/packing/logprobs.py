@@ -41,9 +41,11 @@ class TokenLogprobs:
 
 def chunked_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float = 1.0,
                      sampling_mask: torch.Tensor | None = None, softcap: float | None = None,
-                     chunk_size: int | None = None, extra_ids: torch.Tensor | None = None) -> TokenLogprobs:
+                     chunk_size: int | None = None, extra_ids: torch.Tensor | None = None,
+                     logits_scaling: float | None = None) -> TokenLogprobs:
     """log softmax(head(hidden) / temperature)[target] for each of the N rows of `hidden` ([N, H]), and at
-    `extra_ids` ([N, K]) when given."""
+    `extra_ids` ([N, K]) when given. The model's own logits come first: divided by `logits_scaling` (Granite), then
+    soft-capped (`softcap`, Gemma 2), in the order its forward computes them."""
     chunk_size = chunk_size or default_chunk_size(head.weight.shape[0])
     if hidden.shape[0] == 0:  # no trained token: an empty result still attached to the graph, so backward() works
         empty = hidden.new_zeros(0, dtype=torch.float32)
@@ -53,13 +55,13 @@ def chunked_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch
         extra = extra_ids if extra_ids is not None else targets.new_zeros(len(targets), 0)
         project = onednn_linear.projection(head)  # what head(x) computes
         logprobs, entropy, scored = LinearHeadLogprobs.apply(hidden, head.weight, head.bias, targets, extra, sampling_mask,
-                                                             temperature, softcap, chunk_size, project)
+                                                             temperature, softcap, chunk_size, project, logits_scaling)
         return TokenLogprobs(logprobs, entropy, scored if extra_ids is not None else None)
     parts = []  # any other head (a LoRA-wrapped one): autograd, each chunk checkpointed
     for start in range(0, hidden.shape[0], chunk_size):
         part = slice(start, start + chunk_size)
         args = (head, hidden[part], targets[part], temperature, sampling_mask[part] if sampling_mask is not None else None,
-                softcap, extra_ids[part] if extra_ids is not None else None)
+                softcap, extra_ids[part] if extra_ids is not None else None, logits_scaling)
         parts.append(checkpoint(_chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk(*args))
     logprobs, entropy, extra = zip(*parts)
     return TokenLogprobs(torch.cat(logprobs), torch.cat(entropy), torch.cat(extra) if extra_ids is not None else None)
@@ -79,15 +81,15 @@ class LinearHeadLogprobs(torch.autograd.Function):
     second [vocab, hidden] gradient per chunk: 855 MiB against about 300 at 8192 tokens x 32k vocabulary (benchmarks)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, extra_ids, kept, temperature, softcap, chunk_size, project):
+    def forward(ctx, hidden, weight, bias, targets, extra_ids, kept, temperature, softcap, chunk_size, project, scaling):
         def head(x):
             return project(x, weight, bias)
 
         with torch.no_grad():  # the forward of the autograd path, value for value (the staleness-0 ratio is exactly 1)
             parts = [_chunk(head, hidden[part], targets[part], temperature, kept[part] if kept is not None else None,
-                            softcap, extra_ids[part]) for part in _chunks(hidden.shape[0], chunk_size)]
+                            softcap, extra_ids[part], scaling) for part in _chunks(hidden.shape[0], chunk_size)]
         ctx.save_for_backward(hidden, weight, bias, targets, extra_ids, kept)
-        ctx.settings = temperature, softcap, chunk_size, project
+        ctx.settings = temperature, softcap, chunk_size, project, scaling
         logprobs, entropy, extra = (torch.cat(values) for values in zip(*parts))
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy, extra
@@ -95,7 +97,7 @@ class LinearHeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, _grad_entropy, grad_extra):
         hidden, weight, bias, targets, extra_ids, kept = ctx.saved_tensors
-        temperature, softcap, chunk_size, project = ctx.settings
+        temperature, softcap, chunk_size, project, scaling = ctx.settings
         wants_hidden, wants_weight, wants_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if wants_hidden else None
         grad_weight = torch.zeros_like(weight) if wants_weight else None
@@ -103,24 +105,27 @@ class LinearHeadLogprobs(torch.autograd.Function):
         for part in _chunks(hidden.shape[0], chunk_size):
             grad = _logits_grad(project(hidden[part], weight, bias), weight.dtype, targets[part], grad_logprobs[part],
                                 extra_ids[part], grad_extra[part], kept[part] if kept is not None else None, temperature,
-                                softcap)
+                                softcap, scaling)
             if wants_hidden:
                 torch.mm(grad, weight, out=grad_hidden[part])
             if wants_weight:
                 grad_weight.addmm_(grad.T, hidden[part])
             if wants_bias:
                 grad_bias += grad.sum(0)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 
 def _chunks(rows: int, chunk_size: int) -> list[slice]:
     return [slice(start, start + chunk_size) for start in range(0, rows, chunk_size)]
 
 
-def _logits_grad(logits, dtype, targets, grad_target, extra_ids, grad_extra, kept, temperature, softcap):
+def _logits_grad(logits, dtype, targets, grad_target, extra_ids, grad_extra, kept, temperature, softcap, scaling):
     """d loss / d logits for one chunk's recomputed logits, built in their buffer: onehot(targets) * g + onehot(extra) *
-    g_extra - softmax * (g + sum g_extra), zero where the sampler masked, then back through temperature and softcap."""
+    g_extra - softmax * (g + sum g_extra), zero where the sampler masked, then back through temperature, softcap and
+    the logits' scaling."""
     logits = logits.float() if logits.dtype != torch.float64 else logits
+    if scaling:
+        logits = logits.div_(scaling)
     capped = torch.tanh(logits / softcap) if softcap else None
     scaled = (capped * softcap if softcap else logits).div_(temperature)
     keep = None
@@ -136,10 +141,12 @@ def _logits_grad(logits, dtype, targets, grad_target, extra_ids, grad_extra, kep
     grad.div_(temperature)
     if softcap:
         grad.mul_(capped.square_().neg_().add_(1))
+    if scaling:
+        grad.div_(scaling)
     return grad.to(dtype)
 
 
-def _chunk(head, hidden, targets, temperature, kept, softcap, extra_ids):
+def _chunk(head, hidden, targets, temperature, kept, softcap, extra_ids, scaling=None):
     """One chunk's log-probs at `targets` and `extra_ids`, and its entropy. Without autograd (LinearHeadLogprobs'
     forward) every step runs in place, the same kernels on the same values: two chunk-sized buffers alive, not six."""
     rows, in_place = hidden.shape[0], not torch.is_grad_enabled()
@@ -147,6 +154,8 @@ def _chunk(head, hidden, targets, temperature, kept, softcap, extra_ids):
         hidden = torch.cat([hidden, hidden[-1:].expand(MIN_ROWS - rows, -1)])
     logits = head(hidden)[:rows]
     logits = logits.float() if logits.dtype != torch.float64 else logits  # half-precision logits are scored in fp32
+    if scaling:
+        logits = logits.div_(scaling) if in_place else logits / scaling
     if softcap:
         logits = logits.div_(softcap).tanh_().mul_(softcap) if in_place else torch.tanh(logits / softcap) * softcap
     logits = logits.div_(temperature) if in_place else logits / temperature
@@ -175,7 +184,7 @@ def row_logprobs(model: torch.nn.Module, row: PackedRow, kernel: str, temperatur
     wide = max(width, MIN_ROWS)  # CPU matmuls with fewer rows round differently (exact_attention.py)
     inputs = _tree_inputs(row, wide, model, kernel, device) if row.layout == TREE else {}
     input_ids = torch.nn.functional.pad(row.input_ids.view(len(lengths), width), (0, wide - width))
-    moe = hasattr(model.config.get_text_config(), "output_router_logits")
+    moe = _balancing_loss_func(model) is not None
     router = {"output_router_logits": False} if moe else {}  # the model's own aux loss cannot read a tree or padding
     out = decoder_output(model, {"output_router_logits": True} if moe else {}, input_ids=input_ids.to(device),
                          use_cache=False, **inputs, **router)
@@ -183,7 +192,7 @@ def row_logprobs(model: torch.nn.Module, row: PackedRow, kernel: str, temperatur
     kept = row.sampling_mask.to(device) if row.sampling_mask is not None else None
     top = row.sampler_ids.to(device) if row.sampler_ids is not None else None
     scored = chunked_logprobs(hidden, model.get_output_embeddings(), row.targets.to(device), temperature, kept,
-                              _softcap(model), chunk_size, extra_ids=top)
+                              _softcap(model), chunk_size, extra_ids=top, logits_scaling=_logits_scaling(model))
     if moe:
         real = torch.arange(wide)[None] < lengths[:, None]
         scored.aux_loss = _load_balancing_loss(model, out.router_logits, real.long().to(device))
@@ -223,9 +232,17 @@ def _load_balancing_loss(model, router_logits, real: torch.Tensor) -> torch.Tens
     """The model's own router load-balancing loss over the row's real tokens (`real`, [sequences, width]: fillers and
     padding left out)."""
     config = model.config.get_text_config()
-    balance = sys.modules[type(model).__module__].load_balancing_loss_func
+    balance = _balancing_loss_func(model)
     experts = getattr(config, "num_experts", None) or config.num_local_experts
     return balance(router_logits, experts, config.num_experts_per_tok, real)
+
+
+def _balancing_loss_func(model: torch.nn.Module):
+    """The router load-balancing loss of an MoE model that trains with one (Mixtral, Qwen-MoE), else None: a dense
+    model, or one that balances its experts without a loss (DeepSeek-V3's bias on the routing scores)."""
+    if not hasattr(model.config.get_text_config(), "output_router_logits"):
+        return None
+    return getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
 
 
 def check_head(model: torch.nn.Module) -> None:
@@ -237,11 +254,18 @@ def check_head(model: torch.nn.Module) -> None:
         expected = model(input_ids=ids, use_cache=False).logits.float()
         hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
         logits = model.get_output_embeddings()(hidden).float()
+        if scaling := _logits_scaling(model):
+            logits = logits / scaling
         if softcap := _softcap(model):
             logits = torch.tanh(logits / softcap) * softcap
     if not torch.allclose(logits, expected, atol=1e-3, rtol=1e-3):
         raise NotImplementedError(f"{type(model).__name__} computes its logits other than as lm_head(hidden states) "
                                   "(e.g. a logit scale); tandem's chunked log-prob head would not reproduce them.")
+
+
+def _logits_scaling(model) -> float | None:
+    """What a Granite model divides its logits by (`logits_scaling`, 8 or 16 in released checkpoints)."""
+    return getattr(model.config.get_text_config(), "logits_scaling", None)
 
 
 def _softcap(model) -> float | None:
