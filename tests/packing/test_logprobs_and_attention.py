@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma2Config, Qwen2Config, Qwen3NextConfig
+from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3NextConfig
 
-from tandem import exact_attention
+from tandem import architecture, exact_attention
 from tandem.packing import PADDED, TREE, attention, pack
 from tandem.packing.logprobs import chunked_logprobs, default_chunk_size, plain_linear, row_logprobs
 from tandem.tasks import TINY_MODEL_PATH
@@ -289,3 +289,43 @@ def test_the_values_matmul_of_8_columns_at_a_time_is_the_plain_one_at_any_head_d
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
         grads = torch.autograd.grad(got.sum(), (weights, value))
         torch.testing.assert_close(grads, torch.autograd.grad(expected.sum(), (weights, value)), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("config, expected", [
+    (LlamaConfig(), ("full_attention", None)),
+    (MistralConfig(sliding_window=12), ("sliding_attention", 12)),
+    (Qwen2Config(layer_types=["full_attention"] * 2, num_hidden_layers=2), ("full_attention", None)),
+    (Gemma2Config(sliding_window=12, num_hidden_layers=2), {"sliding_attention": ("sliding_attention", 12),
+                                                            "full_attention": ("full_attention", None)}),
+], ids=["no layer types", "a window without layer types", "one layer type", "layer types that differ"])
+def test_the_mask_goes_in_alone_unless_the_layer_types_differ(config, expected):
+    """Only models whose layers attend differently read a dict of masks by layer type; one mask suits all the others
+    (Llama's forward takes nothing else), windowed by `sliding_window` where a config sets one without layer types."""
+    assert architecture.layer_masks(config, lambda layer_type, window: (layer_type, window)) == expected
+
+
+def test_granite_logits_scaling_is_applied_before_the_temperature_forward_and_backward():
+    torch.manual_seed(0)
+    hidden, head = torch.randn(20, 8, requires_grad=True), torch.nn.Linear(8, 30, bias=False)
+    targets = torch.randint(0, 30, (20,))
+    got = chunked_logprobs(hidden, head, targets, 0.7, logits_scaling=8.0, chunk_size=7)
+    expected = (head(hidden) / 8.0 / 0.7).log_softmax(-1).gather(1, targets[:, None])[:, 0]
+    torch.testing.assert_close(got.log_probs, expected)
+    grad, = torch.autograd.grad(got.log_probs.sum(), hidden)
+    expected_grad, = torch.autograd.grad(expected.sum(), hidden)
+    torch.testing.assert_close(grad, expected_grad)
+
+
+@pytest.mark.parametrize("kernel", ["exact", "sdpa"])
+def test_bf16_autocast_trains_through_every_cpu_tree_kernel(kernel):
+    """`bf16: true` on CPU runs the tree row under bf16 autocast; the exact kernel's backward computes in bf16 too."""
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32)
+    layout = attention.prepare(model)
+    samples = [sample(list(range(3, 30)), group=0), sample(list(range(3, 20)) + [7, 8], group=0)]
+    with torch.no_grad():
+        full = row_logprobs(model, pack(samples, layout), kernel).log_probs
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        half = row_logprobs(model, pack(samples, layout), kernel).log_probs
+    half.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert (half - full).abs().max() < 0.02 * full.abs().max(), "bf16 log-probs far from fp32 (bf16 keeps ~3 digits)"
