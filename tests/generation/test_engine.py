@@ -283,17 +283,22 @@ def test_a_stream_sees_only_checked_tokens_until_the_sequence_finishes(engine):
     assert seen[-1] == (5, 6, True), "the stopping token is never counted as checked"
 
 
-def test_a_model_whose_layers_store_differing_key_value_shapes_is_refused_at_load_in_one_line(monkeypatch):
-    """One KV tensor holds every layer alike; a model it cannot hold (layers of differing key-value heads or widths, as
-    a model sharing KV across layers has) is refused before serving, saying what to use instead."""
+@pytest.mark.parametrize("layers, message", [
+    ({0: (2, 32, 32), 1: (2, 32, 32), 2: (1, 64, 64), 3: (2, 32, 32)},
+     r"its layers store keys and values of differing shapes \(\[\(1, 64, 64\), \(2, 32, 32\)\]\)"),
+    ({0: (2, 32, 32), 1: (2, 32, 32)}, r"only layers \[0, 1\] store keys and values \(the others share them\)"),
+], ids=["differing shapes", "shared across layers"])
+def test_a_model_whose_layers_store_keys_and_values_unlike_each_other_is_refused_at_load_in_one_line(monkeypatch, layers,
+                                                                                                      message):
+    """One KV tensor holds every layer alike; a model it cannot hold (layers of differing key-value heads or widths, or
+    later layers reading an earlier layer's keys) is refused before serving, saying what to use instead."""
     from tandem.errors import UsageError
     from tandem.generation import engine as engine_module
     from tandem.generation.kv_cache import KVShapes
 
     shapes = KVShapes()
-    shapes.layers = {0: (2, 32, 32), 1: (2, 32, 32), 2: (1, 64, 64), 3: (2, 32, 32)}
+    shapes.layers = layers
     monkeypatch.setattr(engine_module, "kv_shapes", lambda model: shapes)
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH).eval()
-    with pytest.raises(UsageError, match=r"Qwen2ForCausalLM: its layers store keys and values of differing shapes "
-                                         r"\(\[\(1, 64, 64\), \(2, 32, 32\)\]\).*generate with vllm serve"):
+    with pytest.raises(UsageError, match=rf"Qwen2ForCausalLM: {message}.*generate with vllm serve"):
         Engine(model, eos_token_id=2, max_model_len=64, exact=True)

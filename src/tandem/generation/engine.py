@@ -116,9 +116,12 @@ def kv_cache_for(model: torch.nn.Module, max_model_len: int) -> SlotKVCache:
     """A KV cache shaped for the model's layers and heads, on its device and in its dtype."""
     layers = kv_shapes(model).layers
     shapes = set(layers.values())
-    if sorted(layers) != list(range(len(layers))) or len(shapes) != 1:
+    if len(shapes) != 1:
         raise UsageError(f"{type(model).__name__}: its layers store keys and values of differing shapes "
                          f"({sorted(shapes)}), which tandem serve's one KV tensor cannot hold; generate with vllm serve")
+    if sorted(layers) != list(range(model.config.get_text_config().num_hidden_layers)):
+        raise UsageError(f"{type(model).__name__}: only layers {sorted(layers)} store keys and values (the others share "
+                         "them), which tandem serve's KV cache cannot follow; generate with vllm serve")
     param = next(model.parameters())
     return SlotKVCache(len(layers), *shapes.pop(), max_model_len, param.dtype, param.device)
 

@@ -71,9 +71,11 @@ class ModelRunner:
                  all_logits: bool) -> torch.Tensor:
         """One model forward over cache rows `rows`; float32 logits of every position or of the last one(s)."""
         self.cache.begin(rows, write_pos, kv_len)
-        distance = write_pos[:, None, :, None] - torch.arange(kv_len, device=self.device)  # query minus key position
-        masks = architecture.layer_masks(self.model.config, lambda layer_type, window: exact_attention.model_mask(
-            mask & (distance < window) if window else mask, self.model))
+        def windowed(layer_type: str, window: int | None) -> torch.Tensor:  # query minus key position below the window
+            distance = write_pos[:, None, :, None] - torch.arange(kv_len, device=self.device)
+            return exact_attention.model_mask(mask & (distance < window) if window else mask, self.model)
+
+        masks = architecture.layer_masks(self.model.config, windowed)
         kwargs = self._adapter_kwargs(adapters, in_use)
         out = self.model(
             input_ids=input_ids, position_ids=write_pos, attention_mask=masks, cache=self.cache,
