@@ -248,3 +248,20 @@ def test_packed_buffers_carry_every_dtype_and_shape_exactly_across_several_buffe
     assert len(buffers) == 3, "one broadcast per buffer, not per tensor"
     for name, tensor in tensors.items():
         assert staged[name].dtype == tensor.dtype and torch.equal(staged[name], tensor), f"{name} arrived changed"
+
+
+def test_vllm_gets_each_weight_under_the_checkpoints_name_and_layout(tmp_path):
+    """transformers fuses an MoE's experts into one 3D tensor per layer as it loads; vLLM loads the checkpoint's names,
+    one tensor per expert and projection: what the stream sends it is what save_pretrained writes, tensor for tensor."""
+    from safetensors.torch import load_file
+
+    from tests.conftest import saved_with_tiny_tokenizer
+    from tests.families.catalog import BY_NAME
+
+    folder = saved_with_tiny_tokenizer(BY_NAME["Qwen3-MoE"].build(), tmp_path / "moe")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in dict(model.named_parameters()), "the model holds fused experts"
+    sent = dict(pair for name, p in model.named_parameters() for pair in weight_transfer.checkpoint_tensors(model, name, p.detach()))
+    saved = load_file(f"{folder}/model.safetensors")
+    assert sorted(sent) == sorted(saved), f"names differ: {sorted(set(sent) ^ set(saved))[:4]}"
+    assert all(torch.equal(sent[name], saved[name]) for name in saved)

@@ -172,7 +172,7 @@ def choose_sync(control: ControlClient, run: "asyncio.Runner | Session", served_
         if backend in ("gloo", "nccl"):
             plane = GlooPlane(stages=facts.tandem) if backend == "gloo" else nccl_plane(model)
             sync = TransferSync(control, run, served_name, ranks, args.weight_transfer_address, args.vllm_server_timeout,
-                                plane)
+                                plane, checkpoint_names=not facts.tandem)
             sync.connect()
             return sync
         if backend is not None:

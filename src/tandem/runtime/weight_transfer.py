@@ -4,7 +4,8 @@ One protocol layer, two data planes. `TransferSync` speaks vLLM's routes, the sa
 connect, the trainer (rank 0 of the group) opens a rendezvous at `weight_transfer_address` and, while it waits
 there, asks the server (or every replica behind `tandem proxy`) to join with `/init_weight_transfer_engine`. Each
 sync: pause (keep) where the plane needs it, `/start_weight_update`, then `/update_weights` with every trained
-parameter's name, dtype and shape, in order (a frozen part, a vision tower, stays as the server loaded it) — on a
+parameter's name, dtype and shape, in order (a frozen part, a vision tower, stays as the server loaded it; vLLM gets the
+checkpoint's names and layouts, `checkpoint_tensors`, tandem serve the model's own) — on a
 thread, since it returns only when the server has received them — while the plane sends the tensors;
 `/finish_weight_update`, resume. The plane carries the tensors:
 - `GlooPlane`, into `--weight-transfer-config '{"backend":"gloo"}'`: a torch.distributed gloo group. `tandem serve`
@@ -28,6 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
+from transformers.core_model_loading import revert_weight_conversion
 
 from tandem.distributed import Ranks, full_tensor
 from tandem.generation.client import ENGINE_WATCH_S, ControlClient, EngineDead, ServerProblem, engine_died
@@ -40,6 +42,13 @@ ENGINE_DEATH_CHECKS = 4
 
 class TransferFailed(RuntimeError):
     """The weights did not reach the server; it still serves the previous version."""
+
+
+def checkpoint_tensors(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Parameter `name` of `model` as its checkpoint holds it, which is what vLLM loads: transformers fuses some weights
+    as it loads them (an MoE's experts into one 3D tensor per layer), so one parameter may be several checkpoint tensors.
+    Each parameter converts on its own (what `save_pretrained` writes, key for key)."""
+    return list(revert_weight_conversion(model, {name: tensor}).items())
 
 
 def free_port(address: str) -> int:
@@ -184,10 +193,13 @@ class VllmNcclPlane:
 
 class TransferSync:
     def __init__(self, control: ControlClient | None, run, served_name: str, ranks: Ranks = Ranks(),
-                 address: str = "127.0.0.1", timeout_s: float = 600.0, plane: GlooPlane | VllmNcclPlane | None = None):
+                 address: str = "127.0.0.1", timeout_s: float = 600.0, plane: GlooPlane | VllmNcclPlane | None = None,
+                 checkpoint_names: bool = False):
         self.control, self.run, self.served_name, self.ranks = control, run, served_name, ranks
         self.address, self.timeout_s = address, timeout_s
         self.plane = plane or GlooPlane()
+        self.checkpoint_names = checkpoint_names
+        """Send the checkpoint's names and layouts (vLLM), not the model's (tandem serve loads through transformers)."""
 
     def name_for(self, version: int) -> str:
         return self.served_name
@@ -213,18 +225,24 @@ class TransferSync:
         """Stream every trained parameter to the server as `version` (every rank takes part in the gathers); a frozen part
         (a vision-language model's vision tower) keeps the weights the server loaded."""
         params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # tied weights once, as served
-        tensors = ((name, full_tensor(param.detach())) for name, param in params)
+
+        def as_sent(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+            return checkpoint_tensors(model, name, tensor) if self.checkpoint_names else [(name, tensor)]
+
+        tensors = (sent for name, param in params for sent in as_sent(name, full_tensor(param.detach())))
         if not self.ranks.main:
             collections.deque(tensors, maxlen=0)  # take part in every gather, keeping none
             return {}
+        announced = [sent for name, param in params  # names, dtypes and shapes, from the full shapes on no device
+                     for sent in as_sent(name, torch.empty(param.shape, dtype=param.dtype, device="meta"))]
         start = time.perf_counter()
         if self.plane.pauses_generation:
             self.run.run(self.control.pause("keep"))
         paused = time.perf_counter()
         self.run.run(self.control.start_weight_update())
-        names = [name for name, _ in params]
-        dtypes = [str(param.dtype).removeprefix("torch.") for _, param in params]
-        shapes = [list(param.shape) for _, param in params]
+        names = [name for name, _ in announced]
+        dtypes = [str(tensor.dtype).removeprefix("torch.") for _, tensor in announced]
+        shapes = [list(tensor.shape) for _, tensor in announced]
         call = InThread(control_call(self.control, self.timeout_s,
                                      lambda client: client.update_weights(names, dtypes, shapes)))
         try:
@@ -256,7 +274,8 @@ class TransferSync:
         def push():
             with asyncio.Runner() as runner:
                 control = ControlClient(self.control.base_url, api_key=self.control.api_key, timeout_s=self.timeout_s)
-                own = TransferSync(control, runner, self.served_name, self.ranks, self.address, self.timeout_s, self.plane)
+                own = TransferSync(control, runner, self.served_name, self.ranks, self.address, self.timeout_s, self.plane,
+                                   self.checkpoint_names)
                 try:
                     return own.push(model, version, announce)
                 finally:
