@@ -8,7 +8,7 @@ import torch
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from tandem import AsyncGRPOConfig, AsyncGRPOTrainer, architecture
+from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
 from tandem.generation.engine import Engine, EngineRequest
 from tandem.generation.sampling import SamplingParams
 from tandem.packing import PADDED, TREE, pack
@@ -28,13 +28,11 @@ TEMPERATURE = 0.8
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, str]:
     """Each family's model saved with the tiny tokenizer, built on first use."""
-    saved = {}
-
     class Folders(dict):
         def __missing__(self, name):
             self[name] = saved_with_tiny_tokenizer(BY_NAME[name].build(), tmp_path_factory.mktemp(name.replace(" ", "_")))
             return self[name]
-    return Folders(saved)
+    return Folders()
 
 
 def trainer_model(folder: str, **settings):
@@ -100,11 +98,11 @@ def test_exact_decoding_samples_the_log_probs_the_trainer_computes(folders, name
     assert max(gaps) <= family.served_gap, f"{name}: served log-probs {max(gaps):.2e} from the trainer's"
 
 
-def train(tmp_path, folder: str, **overrides) -> list[dict]:
+def train(tmp_path, folder: str, peft_config=None, **overrides) -> list[dict]:
     """Two steps at staleness 0 through the embedded server; the metrics of each."""
     args = config(tmp_path, max_staleness=0, max_steps=2, num_generations=3, learning_rate=1e-3,
                   temperature=TEMPERATURE, **overrides)
-    AsyncGRPOTrainer(folder, varied_reward, args=args, train_dataset=small_dataset(8)).train()
+    AsyncGRPOTrainer(folder, varied_reward, args=args, train_dataset=small_dataset(8), peft_config=peft_config).train()
     rows = [r for r in logged(tmp_path) if "sampling/importance_sampling_ratio/mean" in r]
     assert len(rows) == 2 and all(r["sample/staleness_max"] == 0 for r in rows)
     return rows
@@ -125,11 +123,8 @@ def test_trains_on_policy_with_full_weights_and_gradient_checkpointing(tmp_path,
 @pytest.mark.parametrize("name", NAMES)
 def test_a_lora_adapter_trains_and_syncs(tmp_path, folders, name):
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=BY_NAME[name].lora_targets, lora_dropout=0.0)
-    args = config(tmp_path, max_staleness=0, max_steps=2, num_generations=3, learning_rate=1e-3, temperature=TEMPERATURE,
-                  weight_sync_check_atol=1e-4)
-    AsyncGRPOTrainer(folders[name], varied_reward, args=args, train_dataset=small_dataset(8), peft_config=lora).train()
-    rows = [r for r in logged(tmp_path) if "sampling/importance_sampling_ratio/mean" in r]
-    assert len(rows) == 2 and all(r["weight_sync/served_logprob_gap"] <= 1e-4 for r in rows if "weight_sync/served_logprob_gap" in r)
+    rows = train(tmp_path, folders[name], peft_config=lora, weight_sync_check_atol=1e-4)
+    assert all(r["weight_sync/served_logprob_gap"] <= 1e-4 for r in rows if "weight_sync/served_logprob_gap" in r)
     on_policy(name, rows, max(BY_NAME[name].served_gap, 1e-4))
 
 
