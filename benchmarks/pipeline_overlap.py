@@ -44,8 +44,8 @@ CONFIGS = [(0.05, 2), (0.02, 1), (0.05, 4), (0.15, 2)]
 class TakeTurns(TrainerCallback):
     """Generation and training take turns: the server is paused from the step's first forward until the step's
     weights are served (the step's end comes after its weight sync). The first step's sync is probed against this
-    external server (sync_check.FORCED_PROBES), which must generate for it: that step resumes at its optimizer step, and
-    is left out of the measurement anyway."""
+    external server (sync_check.FORCED_PROBES; this exact fp32 server settles the probe there), which must score the
+    probe: that step resumes at its optimizer step, and is left out of the measurement anyway."""
 
     def __init__(self, server_url: str):
         self.server_url = server_url

@@ -3,8 +3,10 @@
 import asyncio
 import http.client
 import json
+import math
 import threading
 import urllib.parse
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -160,6 +162,16 @@ def mask_server():
     s = ServerThread(logprobs_mode="processed_logprobs", enable_scale_out=True, return_sampling_mask=True)
     yield s
     s.close()
+
+
+def probe_gap(run: asyncio.Runner, client, served_name: str, model, prompt: list[int]):
+    """The sync probe's gap (SyncGap) between what `served_name` serves for a fresh seeded completion of `prompt` and
+    `model`'s own log-probs of it."""
+    from tandem.runtime import sync_check
+
+    probe = sync_check.SyncProbe(prompt, "float32", SimpleNamespace(weight_sync_check_atol=math.inf, vllm_server_base_url=None))
+    completion, served = run.run(probe.served_logprobs(client, served_name))
+    return probe.judge(served_name, served, sync_check.policy_logprobs(model, prompt, completion, "exact"))
 
 
 def chat_prompt(tokenizer, question: str) -> list[int]:

@@ -231,6 +231,14 @@ def test_a_mistake_met_while_building_or_starting_the_run_is_one_line(argv, mess
     assert re.search(message, err.strip().splitlines()[-1]), err  # after the model's loading bar, one line
 
 
+def test_tandem_serve_refuses_a_tool_call_format_its_tokenizer_cannot_write_in_one_line():
+    done = subprocess.run([sys.executable, "-m", "tandem", "serve", "tiny", "--enable-auto-tool-choice",
+                           "--tool-call-parser", "llama3_json"], capture_output=True, text=True, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "'llama3_json' reads calls opened by <|python_tag|>, which this tokenizer has no token for" in lines[0]
+
+
 def test_a_server_mistake_is_one_line_naming_what_to_check(capsys, tmp_path):
     done = subprocess.run([sys.executable, "-m", "tandem", "serve", "/nonexistent/model"], capture_output=True, text=True,
                           timeout=120)

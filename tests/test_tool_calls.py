@@ -6,7 +6,7 @@ import copy
 import pytest
 
 from tandem.prompts import PROBE_TOOL
-from tandem.tool_calls import hermes_server_calls, parse_reply, tool_schema
+from tandem.tool_calls import parse_reply, tool_schema
 
 CALL_1_PLUS_2 = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n</tool_call>'
 CALL_3_TIMES_4 = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 * 4"}}\n</tool_call>'
@@ -241,19 +241,6 @@ def test_tool_schema_names_the_tool_and_the_fix_when_it_cannot_describe_it(func)
     message = str(failure.value)
     assert repr(func.__name__) in message, message
     assert "type hints" in message and "Args:" in message and "chat_extras#passing-tools" in message, message
-
-
-def test_the_server_reads_calls_as_vllms_hermes_parser_all_or_nothing():
-    content, calls = hermes_server_calls('Sure.<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
-                                         '<tool_call>{"name": "neg", "arguments": {"x": 2}}')
-    assert content == "Sure." and calls == [("add", '{"a": 1}'), ("neg", '{"x": 2}')], \
-        "an unclosed last block still counts, as in vLLM"
-    broken = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call><tool_call>{oops</tool_call>'
-    assert hermes_server_calls(broken) == (broken, []), "one malformed block: the whole reply is content"
-    assert hermes_server_calls('<tool_call>{"name": "f", "arguments": []}</tool_call>') == (None, [("f", "[]")]), \
-        "no text before: content None; any JSON arguments, re-encoded"
-    no_arguments = '<tool_call>{"name": "f"}</tool_call>'
-    assert hermes_server_calls(no_arguments) == (no_arguments, []), "vLLM needs an arguments key"
 
 
 def test_a_tool_call_whose_type_is_not_function_is_answered_with_an_error_not_run(mistral_tokenizer):

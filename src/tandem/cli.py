@@ -17,6 +17,7 @@ import yaml
 
 from tandem.errors import UsageError
 from tandem.tasks import TINY_MODEL_PATH
+from tandem.tool_formats import FORMATS
 
 
 def serve_parser(sub) -> None:
@@ -59,8 +60,9 @@ def serve_parser(sub) -> None:
                    help="seconds a weight-transfer collective may wait for the trainer before it fails (default 600)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='chat requests with tools (tool_choice "auto") get the reply\'s calls in message.tool_calls')
-    p.add_argument("--tool-call-parser", default=None, choices=["hermes"],
-                   help="how replies write tool calls: hermes (<tool_call> JSON blocks, as Qwen and Hermes models)")
+    p.add_argument("--tool-call-parser", default=None, choices=list(FORMATS),
+                   help="the format replies write tool calls in, by vLLM's names: hermes (Qwen, Hermes), llama3_json, "
+                        "mistral, deepseek_v3, granite, pythonic")
     p.add_argument("--prefix-cache-max-tokens", type=int, default=None,
                    help="tokens the prefix cache keeps at most, least recently used evicted (default: --max-num-seqs x --max-model-len)")
     p.add_argument("--trust-remote-code", action="store_true", help="load a model and tokenizer that ship their own code")
@@ -182,7 +184,7 @@ def run_serve(ns: argparse.Namespace) -> None:
     try:
         run_until_interrupted(start_server(args), lambda port: f"tandem serve: {args.model} on http://{args.host}:{port} "
                                                               f"(vLLM {VLLM_PROTOCOL_VERSION} protocol)")
-    except (OSError, UsageError) as exc:  # a Hub id that is not there, a port in use, a model it cannot serve
+    except (OSError, UsageError, NotImplementedError) as exc:  # a Hub id not there, a port in use, a model it cannot serve
         user_error(f"tandem serve: {' '.join(str(exc).split())}")
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from tandem.errors import UsageError
+from tandem.tool_formats import FORMATS
 
 ALGORITHMS = ("grpo", "flash_reinforce")
 REPORT_TO = {"none", "all", "tensorboard", "wandb", "trackio"}
@@ -224,6 +225,10 @@ class AsyncGRPOConfig:
     """Tool-calling turns per rollout at most; None: until a reply calls no tool."""
     tool_call_timeout: float = 60.0
     """Seconds one tool call may take; a late call is an error message to the model and a failure. tandem's own field."""
+    tool_call_parser: str | None = None
+    """The format the rollout loop reads tool calls in, by vLLM's parser names (hermes, llama3_json, mistral,
+    deepseek_v3, granite, pythonic), as `tandem serve` and `vllm serve --tool-call-parser` read it; None: Hermes
+    `<tool_call>` blocks, else the tokenizer's `response_template`. tandem's own field."""
 
     # ---- the generation server ----
     vllm_server_base_url: str | None = None
@@ -367,6 +372,8 @@ class AsyncGRPOConfig:
             ("max_tool_calling_iterations", self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 0,
              "must be >= 0, or None for no limit"),
             ("tool_call_timeout", self.tool_call_timeout > 0, "must be a positive number of seconds"),
+            ("tool_call_parser", self.tool_call_parser is None or self.tool_call_parser in FORMATS,
+             f"must be one of {', '.join(FORMATS)} (vLLM's names), or None"),
             ("temperature", 0 < self.temperature <= 2, "must be in (0, 2]: RL needs sampling, not greedy decoding"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be 0 (off) or positive"),

@@ -1,8 +1,7 @@
 """Tool calls in a model's reply: which calls it makes, which of them are malformed, and the assistant message
-that goes back into the conversation. Used by the rollout worker's multi-turn tool loop; `tandem serve`'s chat
-`tool_calls` read a reply with `hermes_server_calls`, vLLM's stricter reading of the same blocks.
-
-Two ways of reading a reply:
+that goes back into the conversation. Used by the rollout worker's multi-turn tool loop, which reads replies in the
+format the run's `tool_call_parser` names (tool_formats.py, the readings `tandem serve` and vLLM answer with) or, by
+default, in one of two ways:
 
 - Hermes / Qwen blocks, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, tried first for every
   tokenizer. Each block is judged on its own: a malformed one (bad JSON, no name, arguments that are not an
@@ -23,10 +22,11 @@ import re
 from dataclasses import dataclass, field
 
 from tandem.errors import UsageError
+from tandem.tool_formats import HERMES_OPEN, ToolCallFormat
 
 TOOLS_DOCS = "https://huggingface.co/docs/transformers/en/chat_extras#passing-tools"
 
-HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+HERMES_CLOSE = "</tool_call>"
 
 HERMES_BLOCK = re.compile(r"<tool_call>(?P<body>(?:(?!<tool_call>).)*?)(?P<close></tool_call>|(?=<tool_call>)|\Z)",
                           re.DOTALL)
@@ -77,16 +77,19 @@ class ParsedReply:
         return message
 
 
-def parse_reply(text: str, tokenizer=None, *, prefix: str = "") -> ParsedReply:
+def parse_reply(text: str, tokenizer=None, *, prefix: str = "", tool_format: ToolCallFormat | None = None) -> ParsedReply:
     """Read the tool calls in `text`, a decoded reply.
 
-    A trailing end marker is dropped when it is `tokenizer.eos_token`. Hermes `<tool_call>` blocks are read
-    whatever the tokenizer; a reply without one goes through the tokenizer's `response_template` when it has
-    one, else it is all content. `prefix` is the prompt's text, which that parser needs for families whose
-    generation prompt already opens part of the reply (a template ending its prompt with `<think>`, such as
-    Qwen3-Thinking-2507's, makes the reply start inside the reasoning); "" when the prompt opens nothing.
+    A trailing end marker is dropped when it is `tokenizer.eos_token`. With a `tool_format` the reply is read as that
+    format reads it (`read_in_format`). Without one, Hermes `<tool_call>` blocks are read whatever the tokenizer; a
+    reply without one goes through the tokenizer's `response_template` when it has one, else it is all content.
+    `prefix` is the prompt's text, which that parser needs for families whose generation prompt already opens part of
+    the reply (a template ending its prompt with `<think>`, such as Qwen3-Thinking-2507's, makes the reply start
+    inside the reasoning); "" when the prompt opens nothing.
     """
     text = strip_eos(text, tokenizer)
+    if tool_format is not None and tool_format.name != "hermes":
+        return read_in_format(text, tool_format)
     if HERMES_OPEN in text:
         return parse_hermes(text)
     if getattr(tokenizer, "response_template", None) is not None:
@@ -99,6 +102,21 @@ def strip_eos(text: str, tokenizer) -> str:
     eos = getattr(tokenizer, "eos_token", None)
     stripped = text.rstrip()
     return stripped[: -len(eos)] if eos and stripped.endswith(eos) else text
+
+
+def read_in_format(text: str, tool_format: ToolCallFormat) -> ParsedReply:
+    """`text` read as `tool_format` reads it. That reading is all or nothing, so a reply that opens a call the format
+    cannot read is kept whole as content with one malformed call saying so; each call read must have arguments that
+    are a JSON object."""
+    reading = tool_format.read(text)
+    if not reading.calls:
+        opened = next((marker for marker in tool_format.markers if marker in text), None)
+        if opened is None:
+            return ParsedReply(content=text.strip())
+        return unparsed(text, f"the reply opens a call with {opened} but does not read as {tool_format.name} tool calls")
+    calls = [call_from_object({"name": name, "arguments": arguments}, json.dumps({"name": name, "arguments": arguments}))
+             for name, arguments in reading.calls]
+    return ParsedReply(content=(reading.content or "").strip(), tool_calls=calls)
 
 
 def parse_hermes(text: str) -> ParsedReply:
@@ -142,26 +160,6 @@ def call_from_object(body, raw: str) -> ToolCall:
     if not isinstance(arguments, dict):
         return ToolCall(name, {}, error=f'"arguments" is a JSON {type(arguments).__name__}, not an object', raw=raw)
     return ToolCall(name, arguments, raw=raw)
-
-
-def hermes_server_calls(text: str) -> tuple[str | None, list[tuple[str, str]]]:
-    """A chat reply read as `vllm serve --tool-call-parser hermes` (0.33) reads it: every block, closed or running to
-    the end, must be a JSON object with a string "name" and an "arguments" (any JSON, passed on re-encoded), else the
-    reply is all content and makes no call; with calls, the content is the text before the first block (None when
-    empty). Returns the content and each call's (name, arguments as JSON)."""
-    if HERMES_OPEN not in text:
-        return text, []
-    calls = []
-    for closed, unclosed in re.findall(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", text, flags=re.DOTALL):
-        try:
-            body = json.loads(closed or unclosed)
-            name, arguments = body["name"], body["arguments"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            return text, []
-        if not isinstance(name, str):
-            return text, []
-        calls.append((name, json.dumps(arguments, ensure_ascii=False)))
-    return text[: text.find(HERMES_OPEN)] or None, calls
 
 
 def parse_with_response_template(text: str, tokenizer, prefix: str) -> ParsedReply:

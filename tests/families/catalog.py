@@ -134,6 +134,22 @@ def table() -> str:
         targets = f.lora_targets if isinstance(f.lora_targets, str) else "attention only: an adapter on the expert " \
             "layers is not synced yet"
         lines.append(f"| {f.name} | `{f.config}` | {f.exercises} | {rows} | {served} | {targets} |")
+    lines += ["", "## Tool calls", "",
+              "Each family writes tool calls in its own format. `tool_call_parser` (the rollout loop) and `tandem serve "
+              "--tool-call-parser` (the chat endpoint) take vLLM's parser names and read the same calls vLLM does: "
+              "`hermes` (Qwen 2.5 / 3, Hermes, SmolLM3), `llama3_json` (Llama 3.1 - 3.3), `mistral` (Mistral and "
+              "Mixtral tokenizers before v11), `deepseek_v3` (DeepSeek-V3, R1), `granite` (Granite 3.0 / 3.1) and "
+              "`pythonic` (Llama 3.2 / 4). A parser whose tokens the tokenizer lacks is refused at start.",
+              "", "## Against `vllm serve`", "",
+              "The `vllm` tier (`tests/vllm/test_families.py`) trains the matrix's Llama against a `vllm serve` of its "
+              "folder (vLLM's CPU build, fp32), syncing a LoRA adapter, then full weights, at `max_staleness 0`: the "
+              "served log-probs stay within 1e-6 of the trainer's. Qwen3-MoE is served by vLLM's CPU build within "
+              "4.8e-7 of the trainer until the first weight update, and 0.067 off after it, even when the update "
+              "streams the weights it already holds: on its first load the CPU experts repack their weights into a "
+              "grouped-GEMM layout (`fused_moe/experts/cpu_moe.py`), and an update writes checkpoint-layout tensors "
+              "into that storage without repacking (`unquantized_fused_moe_method.py`, `_setup_kernel`). Started with "
+              "`--enable-lora`, its engine dies: vLLM's LoRA for expert layers runs on Triton, which the CPU build "
+              "lacks. Train MoE models against `vllm serve` on a GPU, or against `tandem serve`."]
     return "\n".join(lines) + "\n"
 
 

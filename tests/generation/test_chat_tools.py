@@ -22,13 +22,13 @@ CALL = 'Let me add.<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": 30}}
 ANSWER = "The sum is 42."
 
 
-@pytest.fixture(scope="module")
-def tool_server(tokenizer):
-    """A server whose model writes CALL to a fresh question and ANSWER once a tool response is in the prompt."""
+def scripted_server(tokenizer, parser: str, call: str) -> ServerThread:
+    """A server reading `parser` calls whose model writes `call` to a fresh question and ANSWER once a tool response
+    is in the prompt."""
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    scripts = {False: tokenizer.encode(CALL) + [eos], True: tokenizer.encode(ANSWER) + [eos]}
+    scripts = {False: tokenizer.encode(call) + [eos], True: tokenizer.encode(ANSWER) + [eos]}
     answered = tokenizer.encode("<tool_response>")[0]
-    server = ServerThread(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    server = ServerThread(enable_auto_tool_choice=True, tool_call_parser=parser)
     engine = server.server.engine
 
     def scripted_emit(rows, logits):
@@ -40,6 +40,12 @@ def tool_server(tokenizer):
         return Engine._emit(engine, rows, logits)
 
     engine._emit = scripted_emit  # this server's engine only
+    return server
+
+
+@pytest.fixture(scope="module")
+def tool_server(tokenizer):
+    server = scripted_server(tokenizer, "hermes", CALL)
     yield server
     server.close()
 
@@ -93,3 +99,22 @@ def test_tool_choices_tandem_serve_cannot_honour_are_clear_400s(tool_server, ser
         assert status == 400 and message in body["error"]["message"], (fields, body)
     assert server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [ADD],
                                                 "tool_choice": "none", "max_tokens": 2})[0] == 200
+
+
+def test_a_model_that_writes_pythonic_calls_is_served_with_its_parser(tokenizer):
+    """Llama 3.2's format: the reply is a Python list of calls. Streamed, its content comes whole at the end, where the
+    reading decides what of the text is content."""
+    server = scripted_server(tokenizer, "pythonic", "[add(a=12, b=30)]")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "What is 12 + 30?"}]
+        choice = client.chat.completions.create(model=TINY_MODEL_PATH, messages=messages, tools=[ADD], max_tokens=64).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 12, "b": 30}
+        chunks = [c.choices[0] for c in client.chat.completions.create(model=TINY_MODEL_PATH, messages=messages,
+                                                                        tools=[ADD], max_tokens=64, stream=True)]
+        assert not "".join(c.delta.content or "" for c in chunks), "the call's text is not content"
+        assert [c.function.name for chunk in chunks for c in chunk.delta.tool_calls or []] == ["add"]
+    finally:
+        server.close()

@@ -141,7 +141,7 @@ def test_the_chunks_are_one_per_token_however_late_the_server_reads_the_engine()
     def streamed(read_after: list[int]) -> list[dict]:
         request = EngineRequest(prompt=[1, 2, 3], params=SamplingParams(temperature=0.0))
         stream = ChatStream(ChatCompletionRequest(messages=MESSAGES, stream=True), [request], "chatcmpl-1", "m", "fp",
-                            TokenText(tokenizer), [], read_calls=False)
+                            TokenText(tokenizer), [], tool_format=None)
         seq, chunks = request.sequences[0], stream.chunks()
         for step, token in enumerate(answer, 1):  # the engine appends a token, then checks it (or ends the sequence)
             seq.output.append(token), seq.logprobs.append(-0.1), seq.top_logprobs.append([])

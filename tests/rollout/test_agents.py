@@ -161,6 +161,18 @@ def test_the_iteration_cap_stops_a_rollout_that_keeps_calling_and_it_is_still_tr
     assert sum(sum(s.trained) for s in samples) == len(rollout.completion_ids)
 
 
+def test_tool_call_parser_reads_replies_in_the_models_own_format():
+    """A Llama 3.2-style model writes pythonic calls; the chat template still renders them back as messages."""
+    loop = make_loop(["[multiply(a=6, b=7)]", "42"], tools=[multiply], tool_call_parser="pythonic")
+    rollout = run(loop)
+    assert [m["role"] for m in rollout.completion] == ["assistant", "tool", "assistant"]
+    assert rollout.completion[0]["tool_calls"] == [{"type": "function", "function": {"name": "multiply", "arguments": {"a": 6, "b": 7}}}]
+    assert rollout.completion[1]["content"] == "42" and rollout.tool_call_count == 1
+
+    hermes_block = make_loop([call("multiply", a=6, b=7)], tools=[multiply], tool_call_parser="pythonic")
+    assert run(hermes_block).tool_call_count == 0, "another format's block is plain text to this one"
+
+
 def test_a_conversation_that_would_pass_max_model_len_ends_there_and_is_counted():
     loop = make_loop([call("multiply", a=1, b=2)] * 5, tools=[multiply])
     first = loop.render([{"role": "user", "content": "What is 6 times 7?"}], loop.toolbox([multiply]).schemas)

@@ -16,7 +16,7 @@ from tandem.tasks import TINY_MODEL_PATH
 from tandem.runtime import sync_check
 from tandem.runtime.weight_sync import adapter_sync_obstacle
 from tandem.runtime.weight_sync import LoraSync, merged_state_dict
-from tests.conftest import chat_prompt
+from tests.conftest import chat_prompt, probe_gap
 
 ATOL = 1e-5
 
@@ -50,16 +50,16 @@ def test_after_each_adapter_sync_the_server_matches_the_trainer_and_stale_or_bas
         for version in (1, 2, 3):  # each sync loads a new name; the gap to the trainer is rounding only
             perturb(model, seed=version)
             sync.push(model, version)
-            gaps.append(run.run(sync_check.sync_gap(client, sync.name_for(version), model, prompt, "exact")))
+            gaps.append(probe_gap(run, client, sync.name_for(version), model, prompt))
             if version == 2:
                 shutil.copytree(tmp_path / ".vllm_lora" / sync.name_for(2), tmp_path / "stale")
         # A stale adapter (version 2's weights) answering to the new name...
         run.run(control.load_lora("tandem-policy-v4", str(tmp_path / "stale")))
-        stale = run.run(sync_check.sync_gap(client, "tandem-policy-v4", model, prompt, "exact"))
+        stale = probe_gap(run, client, "tandem-policy-v4", model, prompt)
         # ...and the base model: a fresh adapter (B = 0) computes exactly the base weights.
         lora_model(seed=5, init_lora_weights=True).save_pretrained(tmp_path / "zero")
         run.run(control.load_lora("tandem-policy-v5", str(tmp_path / "zero")))
-        base = run.run(sync_check.sync_gap(client, "tandem-policy-v5", model, prompt, "exact"))
+        base = probe_gap(run, client, "tandem-policy-v5", model, prompt)
         for name in ("tandem-policy-v3", "tandem-policy-v4", "tandem-policy-v5"):
             run.run(control.unload_lora(name))
         run.run(control.close())
@@ -111,20 +111,66 @@ def test_adapters_the_server_cannot_serve_fall_back_to_merged_sync_with_the_reas
     assert why == expected if expected is None else expected in why
 
 
-def test_the_sync_probe_checks_what_the_settings_and_the_server_call_for():
-    def probe(atol=None, url=None):
-        return sync_check.SyncProbe([1, 2, 3], "float32", SimpleNamespace(weight_sync_check_atol=atol, vllm_server_base_url=url))
+def probe(atol=None, url=None, dtype="float32") -> sync_check.SyncProbe:
+    return sync_check.SyncProbe([1, 2, 3], dtype, SimpleNamespace(weight_sync_check_atol=atol, vllm_server_base_url=url))
 
-    assert [probe().limit(pushes) for pushes in (1, 2, 3)] == [None] * 3, "tandem's own server is checked only on request"
-    assert probe(atol=1e-5).limit(7) == (1e-5, "weight_sync_check_atol")
+
+def test_the_sync_probe_checks_what_the_settings_and_the_server_call_for():
+    assert not any(probe().due(push) for push in (1, 2, 3)), "tandem's own server is checked only on request"
+    assert probe(atol=1e-5).due(99)
 
     external = probe(url="http://gpu-box:8000")
-    assert [external.limit(pushes) for pushes in (1, 2, 3)] == [(1e-3, "float32 rounding bound")] * 2 + [None], \
-        "an external server's first FORCED_PROBES syncs are checked against the dtype's rounding bound"
-    external.note_server_dtype("bfloat16")
-    assert external.limit(1) == (5e-2, "bfloat16 rounding bound"), "the coarser of the trainer's and the server's dtype"
-    assert probe(atol=0.5, url="http://gpu-box:8000").limit(9) == (1e-3, "float32 rounding bound"), \
-        "no setting loosens the rounding bound"
+    assert [external.due(push) for push in (1, sync_check.FORCED_PROBES, sync_check.FORCED_PROBES + 1)] == [True, True, False], \
+        "an external server's syncs are probed until one is judged, FORCED_PROBES at most"
+    external.settled = True
+    assert not external.due(2), "a sync seen to move the server ends the forced probes"
+    external.restart()
+    assert external.due(1), "a server reached anew is probed as a new one"
 
     external.fit(max_model_len=10)
-    assert external.tokens == 7, "the probe's completion fits the server's context"
+    assert external.tokens == 6, "the probe and the one token its scoring asks for fit the server's context"
+
+
+def test_the_probe_tells_a_missed_sync_from_a_bf16_servers_rounding():
+    """Numbers shaped like a bf16 server's against an fp32 trainer on the tiny model (rounding 0.06 RMS, 0.3 at a
+    token); an optimizer step that moves the probe's log-probs by 0.5 RMS."""
+    torch.manual_seed(0)
+    connect = -torch.rand(16, dtype=torch.float64) * 3  # the trainer's log-probs at the first probe
+    rounding = 0.06 * torch.randn(16, dtype=torch.float64)
+    trained = connect + 0.5 * torch.randn(16, dtype=torch.float64)
+
+    def first_probe(served_dtype):
+        p = probe(url="http://gpu-box:8000")
+        p.note_server_dtype(served_dtype)
+        return p
+
+    def external():
+        p = first_probe("bfloat16")
+        p.judge("policy", (connect + rounding).tolist(), connect)  # the first probe: the reference
+        return p
+
+    healthy = external()
+    healthy.judge("policy", (trained + rounding).tolist(), trained)
+    assert healthy.settled, "a server that moved with the weights ends the forced probes"
+
+    with pytest.raises(sync_check.SyncMismatch, match="did not reach the server"):
+        external().judge("policy", (connect + rounding).tolist(), trained)
+
+    barely = connect + 0.01 * torch.randn(16, dtype=torch.float64)  # a step smaller than the server's rounding
+    undecided = external()
+    undecided.judge("policy", (connect + rounding).tolist(), barely)
+    assert not undecided.settled and undecided.due(2), "too close to tell: the next sync is probed again"
+
+    with pytest.raises(sync_check.SyncMismatch, match="bfloat16 rounding stays under 0.25"):
+        first_probe("bfloat16").judge("policy", (trained + rounding).tolist(), connect)  # another checkpoint
+    with pytest.raises(sync_check.SyncMismatch, match="float32 rounding stays under 0.001"):
+        first_probe("float32").judge("policy", (connect + rounding).tolist(), connect)
+    with pytest.raises(sync_check.SyncMismatch, match="weight_sync_check_atol"):
+        probe(atol=1e-3, url="http://gpu-box:8000").judge("policy", (connect + rounding).tolist(), connect)
+
+
+def test_moved_is_exact_where_the_server_is():
+    reference, new = torch.zeros(4, dtype=torch.float64), torch.full((4,), 1e-6, dtype=torch.float64)
+    assert sync_check.moved(new, new, reference) is True, "an exact server: any step that moved is seen"
+    assert sync_check.moved(reference, new, reference) is False
+    assert sync_check.moved(reference, reference, reference) is None, "a step that moved nothing cannot be judged"

@@ -17,12 +17,12 @@ from tandem import onednn_linear
 from tandem.generation.launcher import EmbeddedProxy
 from tandem.packing import attention as tree_attention
 from tandem.tasks import TINY_MODEL_PATH
-from tandem.runtime import sync_check, weight_transfer
+from tandem.runtime import weight_transfer
 from tandem.runtime.weight_sync import nccl_plane
 from tandem.generation.client import ServerProblem
 from tandem.generation.weight_transfer import Receiver, pack_chunks
 from tandem.runtime.weight_transfer import GlooPlane, InThread, TransferFailed, TransferSync, VllmNcclPlane, control_call, first_failure
-from tests.conftest import ServerThread, chat_prompt
+from tests.conftest import ServerThread, chat_prompt, probe_gap
 
 ATOL = 1e-5
 GLOO = '{"backend": "gloo"}'
@@ -44,7 +44,7 @@ def gaps(run, urls: list[str], model, prompt) -> list[float]:
     result = []
     for url in urls:
         client = GenerationClient(url)
-        result.append(run.run(sync_check.sync_gap(client, TINY_MODEL_PATH, model, prompt, "exact")).max_abs)
+        result.append(probe_gap(run, client, TINY_MODEL_PATH, model, prompt).max_abs)
         run.run(client.close())
     return result
 

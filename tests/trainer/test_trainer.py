@@ -26,6 +26,7 @@ from tandem.generation.launcher import EmbeddedProxy, EmbeddedServer, core_share
 from tandem.rewards import accuracy_reward
 from tandem.rollout.worker import WorkerError, WorkerLost
 from tandem.runtime.sample_source import StalledError
+from tandem.runtime.weight_sync import ReloadSync
 from tandem.runtime.weight_transfer import TransferSync
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
 from tests.conftest import ServerThread
@@ -306,14 +307,14 @@ def test_a_server_that_stops_serving_the_synced_weights_stops_the_run_with_the_n
     already held and died in a traceback). Here the third probe sees other weights."""
     from tandem.runtime import sync_check
 
-    compare, probes = sync_check.compare, []
+    served_logprobs, probes = sync_check.SyncProbe.served_logprobs, []
 
-    def drifting(name, served, ours):
-        probes.append(name)
-        gap = compare(name, served, ours)
-        return sync_check.SyncGap(gap.served_name, gap.tokens, 0.0167 if len(probes) == 3 else gap.max_abs)
+    async def drifting(probe, client, served_name):
+        probes.append(served_name)
+        completion, served = await served_logprobs(probe, client, served_name)
+        return completion, [value + (0.0167 if len(probes) == 3 else 0.0) for value in served]
 
-    monkeypatch.setattr(sync_check, "compare", drifting)
+    monkeypatch.setattr(sync_check.SyncProbe, "served_logprobs", drifting)
     external = ServerThread(logprobs_mode="processed_logprobs", max_logprobs=20)
     try:
         args = config(tmp_path, vllm_server_base_url=external.url, max_staleness=0, max_steps=6,
@@ -324,6 +325,37 @@ def test_a_server_that_stops_serving_the_synced_weights_stops_the_run_with_the_n
     finally:
         external.close()
     assert len(probes) == 3 and trainer.state.global_step == 2, "stopped at the sync that failed, not synced again"
+
+
+@pytest.mark.parametrize("sync_reaches_the_server", [True, False])
+def test_against_a_bf16_server_the_probe_passes_rounding_and_stops_a_sync_that_never_arrived(tmp_path, monkeypatch,
+                                                                                              sync_reaches_the_server):
+    """A bf16 server rounds the probe's log-probs 0.06 RMS from an fp32 trainer's (0.3 at a token), beyond any fixed
+    bound a missed sync could be told by; the probe asks instead which version the server's log-probs sit nearer."""
+    if not sync_reaches_the_server:
+        push = ReloadSync.push
+
+        def connect_only(sync, model, version, announce=lambda version: None):
+            if version == 0:
+                return push(sync, model, version, announce)
+            announce(version)  # the rollouts are told of the new version, the server never loads it
+            return {}
+
+        monkeypatch.setattr(ReloadSync, "push", connect_only)
+    external = ServerThread(dtype="bfloat16", logprobs_mode="processed_logprobs", max_logprobs=20)
+    try:
+        args = config(tmp_path, vllm_server_base_url=external.url, max_staleness=0, max_steps=4, learning_rate=2e-4)
+        trainer = AsyncGRPOTrainer(TINY_MODEL_PATH, accuracy_reward, args=args, train_dataset=small_dataset())
+        if sync_reaches_the_server:
+            trainer.train()
+        else:
+            with pytest.raises(ServerProblem, match="nearer the weights it served at the first probe .* did not reach"):
+                trainer.train()
+    finally:
+        external.close()
+    if sync_reaches_the_server:
+        probed = [r["step"] for r in logged(tmp_path) if "weight_sync/served_logprob_gap" in r]
+        assert probed and len(probed) < 4, f"the probes end once a sync is seen to move the server: {probed}"
 
 
 def test_a_prompt_too_long_for_the_server_is_named(tmp_path):

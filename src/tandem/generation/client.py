@@ -181,6 +181,16 @@ class GenerationClient(_Http):
         data = await self.post_json("/v1/completions", body)
         return [_completion_choice(c, logprobs) for c in data["choices"]]
 
+    async def score(self, token_ids: list[int], *, model: str | None = None) -> list[float]:
+        """The log-prob the server gives each token of `token_ids` after the ones before it (`prompt_logprobs`: a
+        teacher-forced forward, nothing sampled that counts); the first token has none, so one fewer than given."""
+        body = {"prompt": list(token_ids), "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0,
+                "return_token_ids": True, "skip_special_tokens": False}
+        if model is not None:
+            body["model"] = model
+        positions = (await self.post_json("/v1/completions", body))["choices"][0]["prompt_logprobs"][1:]
+        return [entries[str(token)]["logprob"] for token, entries in zip(token_ids[1:], positions)]
+
     async def generate(self, prompt_ids: list[int], *, sampling_params: dict, model: str | None = None) -> list[Completion]:
         """`/inference/v1/generate` (needs `--enable-scale-out`); returns sampling masks when the server sends them."""
         body = {"token_ids": list(prompt_ids), "sampling_params": sampling_params, "model": model, "return_token_ids": True}

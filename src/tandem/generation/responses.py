@@ -6,7 +6,7 @@ import uuid
 from tandem.generation.engine import EngineRequest, Sequence
 from tandem.generation.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from tandem.generation.sampling import floor_logprob
-from tandem.tool_calls import hermes_server_calls
+from tandem.tool_formats import ToolCallFormat, served_reply
 
 
 class TokenText:
@@ -164,13 +164,13 @@ def chat_finish_reason(seq: Sequence, called: bool) -> str | None:
     return "tool_calls" if called and seq.finish_reason == "stop" else seq.finish_reason
 
 
-def chat_choice(req: ChatCompletionRequest, seq: Sequence, text: TokenText, read_calls: bool) -> dict:
-    """One chat choice; with `read_calls` (tool_choice "auto" on a server with a tool-call parser) the reply's tool
-    calls move from the content to `message.tool_calls`, as vLLM's hermes parser reads them."""
+def chat_choice(req: ChatCompletionRequest, seq: Sequence, text: TokenText, tool_format: ToolCallFormat | None) -> dict:
+    """One chat choice; with a `tool_format` (tool_choice "auto" on a server with a tool-call parser) the reply's tool
+    calls move from the content to `message.tool_calls`, as vLLM's parser of that format reads them."""
     content = output_text(seq, text, include_stop=req.include_stop_str_in_output, skip_special=req.skips_special_tokens)
     calls = []
-    if read_calls:
-        content, parsed = hermes_server_calls(content)
+    if tool_format is not None:
+        content, parsed = served_reply(tool_format, content)
         calls = message_tool_calls(parsed, req.parallel_tool_calls)
     top = req.top_logprobs or 0
     message = {"role": "assistant", "content": content, "refusal": None, "annotations": None, "audio": None,
@@ -187,10 +187,10 @@ def chat_choice(req: ChatCompletionRequest, seq: Sequence, text: TokenText, read
 
 
 def chat_body(request_id: str, model: str, fingerprint: str, req: ChatCompletionRequest, request: EngineRequest,
-              text: TokenText, read_calls: bool) -> dict:
+              text: TokenText, tool_format: ToolCallFormat | None) -> dict:
     return {
         "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [chat_choice(req, s, text, read_calls) for s in request.sequences], "service_tier": None,
+        "choices": [chat_choice(req, s, text, tool_format) for s in request.sequences], "service_tier": None,
         "system_fingerprint": fingerprint, "usage": usage([request]),
         "prompt_logprobs": prompt_logprobs_json(request, text),
         "prompt_token_ids": list(request.prompt) if req.return_token_ids else None, "prompt_text": None,

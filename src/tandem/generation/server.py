@@ -35,6 +35,7 @@ from tandem.generation.streaming import DONE, ChatStream, CompletionStream, Stre
 from tandem.generation.weight_transfer import Receiver, parse_config
 from tandem.httpapp import api_key_auth, error_body, error_response, start_app
 from tandem.openmp import in_passing_thread
+from tandem.tool_formats import FORMATS, tool_call_format
 
 logger = logging.getLogger("tandem.serve")
 VLLM_PROTOCOL_VERSION = "0.33.0"
@@ -79,10 +80,10 @@ class ServeArgs:
     weight_transfer_timeout_s: float = 600.0
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
-    """Reads chat replies' tool calls into `message.tool_calls`; "hermes" (`<tool_call>` JSON blocks) is the one."""
+    """Reads chat replies' tool calls into `message.tool_calls`, in one of the formats of tool_formats.py (vLLM's
+    names: hermes, llama3_json, mistral, deepseek_v3, granite, pythonic)."""
 
 
-TOOL_CALL_PARSERS = ("hermes",)
 SERVER_KEY = web.AppKey("tandem_server", object)
 
 
@@ -142,9 +143,9 @@ def check_tool_flags(args: ServeArgs) -> None:
     """`--enable-auto-tool-choice` and `--tool-call-parser` as vLLM takes them."""
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
-    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_CALL_PARSERS:
+    if args.tool_call_parser is not None and args.tool_call_parser not in FORMATS:
         raise ValueError(f"--tool-call-parser {args.tool_call_parser!r} is not one tandem serve has: "
-                         f"{', '.join(TOOL_CALL_PARSERS)} (<tool_call> JSON blocks, as Qwen and Hermes models write them)")
+                         f"{', '.join(FORMATS)} (vLLM's names for them)")
 
 
 def load_model(args: ServeArgs) -> tuple[torch.nn.Module, bool]:
@@ -166,6 +167,8 @@ class Server:
         check_tool_flags(args)
         self.args = args
         self.tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+        self.tool_format = (None if args.tool_call_parser is None
+                            else tool_call_format(args.tool_call_parser, self.tokenizer))
         model, exact = load_model(args)
         config = model.config.get_text_config()  # a vision-language model serves its language model
         self.max_model_len = args.max_model_len or getattr(config, "max_position_embeddings", 2048)
@@ -346,9 +349,10 @@ class Server:
         self._check_stream_fields(req)
         if req.top_logprobs and not req.logprobs:
             raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs", req.top_logprobs)
-        read_calls = protocol.tool_choice(req, self.args.tool_call_parser, self.args.enable_auto_tool_choice) == "auto"
-        if read_calls:
-            req.skip_special_tokens = False  # as vLLM's hermes parser: some models mark the call tags special
+        auto = protocol.tool_choice(req, self.args.tool_call_parser, self.args.enable_auto_tool_choice) == "auto"
+        tool_format = self.tool_format if auto else None
+        if tool_format is not None and tool_format.keeps_special_tokens:
+            req.skip_special_tokens = False  # as vLLM's parser: the format's markers may be special tokens
         top = req.top_logprobs or 0
         ask = Ask([self.prepare.render_chat(req)], req, req.max_completion_tokens or req.max_tokens,
                   logprobs=(top if top >= 0 else -1) if req.logprobs else None, prompt_logprobs=req.prompt_logprobs)
@@ -356,11 +360,11 @@ class Server:
         if req.stream:
             requests = self.prepare.engine_requests(ask, adapter)
             stream = ChatStream(req, requests, request_id, name, self.fingerprint, self.text, protocol.stop_strings(req.stop),
-                                read_calls=read_calls)
+                                tool_format=tool_format)
             return await self._stream(request, requests, stream)
         (engine_request,) = await self._generate(ask, adapter)
         return web.json_response(responses.chat_body(request_id, name, self.fingerprint, req, engine_request, self.text,
-                                                     read_calls))
+                                                     tool_format))
 
     async def generate(self, request: web.Request) -> web.Response:
         if not self.args.enable_scale_out:

@@ -17,7 +17,7 @@ from tandem.generation.engine import EngineRequest, Sequence
 from tandem.generation.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.generation.responses import (TokenText, chat_finish_reason, chat_logprobs, completion_logprobs, echoed,
                                          message_tool_calls, output_text)
-from tandem.tool_calls import HERMES_OPEN, hermes_server_calls
+from tandem.tool_formats import ToolCallFormat, served_reply
 
 DONE = b"data: [DONE]\n\n"
 
@@ -156,15 +156,16 @@ class CompletionStream(Stream):
 
 class ChatStream(Stream):
     """`/v1/chat/completions` chunks: first, for every choice, `delta: {role, content: ""}` (with the prompt's ids
-    when asked); then `delta.content`, `logprobs.content` and `token_ids` of the new tokens. With `read_calls` the
-    content stops where a `<tool_call>` block starts, and the choice's last chunk carries the parsed calls as
-    `delta.tool_calls` (whole, one entry per call) — or the rest of the text, when the blocks are not valid calls."""
+    when asked); then `delta.content`, `logprobs.content` and `token_ids` of the new tokens. With a `tool_format` the
+    content stops where a call may start (hermes: at `<tool_call>`; the other formats hold the whole content to the
+    end, where the reading decides what is content), and the choice's last chunk carries the parsed calls as
+    `delta.tool_calls` (whole, one entry per call) — or the rest of the text, when the reply makes no valid call."""
 
     object_name = "chat.completion.chunk"
 
-    def __init__(self, *args, read_calls: bool):
+    def __init__(self, *args, tool_format: ToolCallFormat | None):
         super().__init__(*args)
-        self.read_calls = read_calls
+        self.tool_format = tool_format
         self.calls: dict[int, list[tuple[str, str]]] = {}
         """Each finished choice's parsed calls, by choice index."""
         self.roles_sent = False
@@ -187,16 +188,19 @@ class ChatStream(Stream):
 
     def _visible_text(self, tokens: list[int]) -> str:
         text = super()._visible_text(tokens)
-        if not self.read_calls:
+        if self.tool_format is None:
             return text
-        return text[: text.find(HERMES_OPEN)] if HERMES_OPEN in text else without_partial(text, [HERMES_OPEN])
+        marker = self.tool_format.streams_until
+        if marker is None:
+            return ""
+        return text[: text.find(marker)] if marker in text else without_partial(text, [marker])
 
     def _final_text(self, seq: Sequence) -> str:
         text = super()._final_text(seq)
-        if not self.read_calls:
+        if self.tool_format is None:
             return text
-        content, self.calls[seq.index] = hermes_server_calls(text)
-        return (content or "") if self.calls[seq.index] else text
+        content, self.calls[seq.index] = served_reply(self.tool_format, text)
+        return content or ""
 
     def _chunk(self, p, new, positions, delta, finished):
         req = self.req

@@ -21,6 +21,7 @@ from tandem.rollout.scheduler import RolloutScheduler
 from tandem.rollout.settings import RolloutSettings
 from tandem.rollout.tools import Toolbox
 from tandem.tool_calls import ToolCall, parse_reply
+from tandem.tool_formats import tool_call_format
 
 
 class AsyncRolloutLoop:
@@ -36,6 +37,9 @@ class AsyncRolloutLoop:
         self.settings = settings
         self.config = settings.config
         self.tokenizer = processing_class
+        self.tool_format = (None if self.config.tool_call_parser is None
+                            else tool_call_format(self.config.tool_call_parser, processing_class))
+        """The format replies' tool calls are read in (the run's tool_call_parser; None: Hermes or response_template)."""
         self.base_url, self.api_key = settings.base_url, settings.api_key
         self._scheduler = RolloutScheduler(self, settings, processing_class, channels,
                                            whole_groups=samples_whole_groups(type(self)))
@@ -117,7 +121,7 @@ class AsyncRolloutLoop:
             ids.pop()
         if not parse:
             return {"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=True)}, []
-        parsed = parse_reply(self.tokenizer.decode(ids, skip_special_tokens=False), self.tokenizer)
+        parsed = parse_reply(self.tokenizer.decode(ids, skip_special_tokens=False), self.tokenizer, tool_format=self.tool_format)
         return parsed.message(), parsed.tool_calls
 
     def toolbox(self, tools: list) -> Toolbox:

@@ -20,7 +20,7 @@ import torch
 from tandem.config import AsyncGRPOConfig
 from tandem.dataset_rows import first_rows
 from tandem.distributed import Ranks
-from tandem.generation.client import EngineDead, ServerProblem, engine_died, server_gone
+from tandem.generation.client import EngineDead, ServerError, ServerProblem, engine_died, server_gone
 from tandem.generation.launcher import server_threads
 from tandem.metrics.window import MetricWindow
 from tandem.packing import PackedRow
@@ -89,10 +89,7 @@ class Runtime:
             render_prompt(spec.tokenizer, first_prompt or [{"role": "user", "content": "What is 2 + 2?"}],
                           spec.args.chat_template_kwargs),
             spec.compute_dtype, spec.args)
-        """Which syncs are checked, and how far the server's log-probs may then be from the trainer's (sync_check.py)."""
-        self.pushes = 0
-        """Weight syncs pushed since the server was reached: against an external server the first FORCED_PROBES are
-        always probed (the connect push, then the first trained weights; again after a reconnect)."""
+        """Which syncs are probed, and how the server's log-probs are judged against the trainer's (sync_check.py)."""
         self.in_flight: tuple[int, InThread] | None = None
         """An overlapped sync: its version and its thread (`sync`, `wait_sync`)."""
         self.version = 0
@@ -140,6 +137,7 @@ class Runtime:
             facts = session.run(server_checks.read_facts(control))
             server_checks.check(facts, url, spec.served_dtype)
             self.probe.note_server_dtype(facts.dtype)
+            server_dtype = facts.dtype
             max_model_len = session.run(control.max_model_len())
             served_name = server_checks.served_name([m["id"] for m in session.run(control.models())], spec.model_name)
             self.sync_strategy = choose_sync(control, session, served_name, spec.model, args, self.lora, self.ranks)
@@ -152,11 +150,12 @@ class Runtime:
         self.batcher = TokenBudgetBatcher(self.token_budget, num_rows=self.ranks.world_size, layout=spec.layout,
                                           max_samples=args.per_device_train_batch_size)
         server_checks.check_prompt_lengths(spec.dataset, spec.tokenizer, spec.tools, args.chat_template_kwargs, max_model_len)
+        self.probe.restart()
         if resumed or args.vllm_server_base_url is not None or self.lora:
             self._push(version)  # the server must sample from our weights
         if not main:
             return
-        config = args.to_dict() | {"compute_dtype": spec.compute_dtype}  # tandem doctor's rounding bound
+        config = args.to_dict() | {"compute_dtype": spec.compute_dtype, "server_dtype": server_dtype}  # tandem doctor's rounding bound
         session.open_sinks(args.report_to, spec.output_dir, config, args.max_steps if args.max_steps > 0 else None,
                            dashboard=not args.disable_tqdm)
         self.served_url, self.served_name = url, served_name
@@ -224,7 +223,7 @@ class Runtime:
 
         def pushed() -> dict[str, float]:
             timings = call.result(None)  # the push bounds each of its waits
-            self.pushes += 1
+            self.probe.pushes += 1
             return timings if record else {}
 
         self._settle(version, pushed)
@@ -235,7 +234,7 @@ class Runtime:
         the GPU), and no probe due after it (the probe forwards the model the next step trains)."""
         sync = self.sync_strategy
         return (not self.ranks.several and self.args.max_staleness > 1 and isinstance(sync, TransferSync)
-                and isinstance(sync.plane, GlooPlane) and self.probe.limit(self.pushes + 1) is None)
+                and isinstance(sync.plane, GlooPlane) and not self.probe.due(self.probe.pushes + 1))
 
     def _settle(self, version: int, push, waited: float | None = None) -> None:
         """End a sync as `push()` returns: its timings recorded (with `perf/weight_sync_wait_s`, how long this thread
@@ -250,6 +249,8 @@ class Runtime:
         except EngineDead as error:
             raise ServerProblem(f"the weight sync failed: {engine_died(error)}") from None
         except Exception as error:
+            if isinstance(error, ServerError) and 400 <= error.status < 500:  # refused: a reconnect would be refused too
+                raise ServerProblem(f"the weight sync failed: {error}") from None
             if not self._reconnect(version, error):  # the server brought back serves this version
                 raise
             timings = {}
@@ -296,24 +297,26 @@ class Runtime:
 
     # ---- the sync ---------------------------------------------------------------------------------
     def _push(self, version: int) -> dict[str, float]:
-        """Sync the weights as `version` (every rank takes part), then, when the probe's `limit` says so, check that
-        the server now samples from them."""
+        """Sync the weights as `version` (every rank takes part), then, when a probe is due, check that the server now
+        samples from them."""
         timings = self.sync_strategy.push(self.spec.model, version, announce=self._announce)
-        self.pushes += 1
-        limit = self.probe.limit(self.pushes)
-        if limit is not None:
-            name, probe = self.sync_strategy.name_for(version), self.probe
-            served = None
-            if self.ranks.main:
-                probe.client = probe.client or self.session.generation_client()
-                served = self.session.run(sync_check.probe(probe.client, name, probe.prompt, probe.tokens))
-            served = self.ranks.broadcast(served)
-            ours = sync_check.policy_logprobs(self.spec.model, probe.prompt, served.token_ids, self.spec.kernel,
-                                              self.spec.layout)
-            if self.ranks.main:
-                gap = sync_check.compare(name, served, ours)
-                sync_check.check(gap, *limit)
-                timings["weight_sync/served_logprob_gap"] = gap.max_abs
+        probe = self.probe
+        probe.pushes += 1
+        if not probe.due(probe.pushes):
+            return timings
+        name, served = self.sync_strategy.name_for(version), None
+        if self.ranks.main:
+            probe.client = probe.client or self.session.generation_client()
+            served = self.session.run(probe.served_logprobs(probe.client, name))
+        completion, served = self.ranks.broadcast(served)
+        probe.completion = completion
+        ours = sync_check.policy_logprobs(self.spec.model, probe.prompt, completion, self.spec.kernel, self.spec.layout)
+        gap = probe.judge(name, served, ours)  # every rank: the next syncs' probes are due alike
+        timings["weight_sync/served_logprob_gap"] = gap.max_abs
+        if probe.gave_up() and self.ranks.main:
+            self.session.progress.say(f"the sync probe could not tell the trained weights from the first probe's after "
+                                      f"{probe.pushes} syncs (they moved less than the server's rounding): syncs are no "
+                                      "longer probed; set weight_sync_check_atol to probe each one")
         return timings
 
     def _announce(self, version: int) -> None:
@@ -360,7 +363,7 @@ class Runtime:
                 if time.monotonic() >= deadline:
                     raise ServerProblem(f"the weight sync failed: {server_gone(error, args.vllm_server_timeout)}") from None
         self.sync_strategy = choose_sync(session.control, session, self.served_name, self.spec.model, args, self.lora, self.ranks)
-        self.pushes = 0  # the server that came back may serve other weights: probe it as a new one
+        self.probe.restart()  # the server that came back may serve other weights: probe it as a new one
         self._push(version)
         self.window.add("rollout/server_reconnect_count", 1)
         return True

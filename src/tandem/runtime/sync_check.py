@@ -1,9 +1,10 @@
 """Does the server now sample from the trainer's policy? A check run after a weight sync.
 
-A short completion is sampled under the name the rollouts will use, and the log-probs the server
-reports for its tokens are compared with the trainer's own forward over the same tokens. In fp32 the two
-agree bit for bit with tandem serve's exact decoding, and to rounding with vLLM's CPU kernels (~1e-5, a rare token
-1.5e-4); a server that serves the base model, or an older adapter, under the new name is off by 0.1 or more.
+A fixed probe (a prompt and a short completion) is scored under the name the rollouts will use, and the server's
+log-probs are compared with the trainer's own forward over the same tokens. In fp32 the two agree bit for bit with
+tandem serve's exact decoding, and to rounding with vLLM's CPU kernels (~1e-5, a rare token 1.5e-4). A bf16 server's
+rounding is far larger (0.06 RMS, 0.34 at a token, on the tiny model), so no bound on the gap alone tells it from a
+missed sync; the trainer's log-probs under an earlier version do: a server that moved sits nearer the new ones.
 """
 
 from dataclasses import dataclass
@@ -11,16 +12,21 @@ from dataclasses import dataclass
 import torch
 
 from tandem.generation.client import GenerationClient, ServerProblem
-from tandem.metrics.doctor import OFF_POLICY_BOUND
+from tandem.metrics.doctor import rounding_bound
 from tandem.packing import TREE, pack
 from tandem.packing.logprobs import row_logprobs
 from tandem.records import Sample
 
 PROBE_TOKENS = 16
 PROBE_SEED = 1234
-FORCED_PROBES = 2
-"""Against an external server the first syncs are always probed: the connect push (same weights) and the first trained
-weights (a reload that misses a layer shows only once the weights differ from the server's own)."""
+FORCED_PROBES = 8
+"""Against an external server the syncs are probed, whatever the settings, until one shows the server moved with the
+trainer's weights (at most this many: the connect push, then trained weights until they differ from the connect ones by
+more than the server's rounding; again after a reconnect)."""
+MARGIN = 3.0
+"""A sync is judged once the trainer's new log-probs lie MARGIN times farther from the reference version's than the
+served ones lie from the nearer of the two. From 2 on, the triangle inequality keeps rounding from carrying the served
+log-probs nearer the wrong version; 3 leaves room for a rounding error that leans toward it."""
 
 
 class SyncMismatch(ServerProblem):
@@ -32,63 +38,115 @@ class SyncGap:
     served_name: str
     tokens: int
     max_abs: float
-    """The largest |served log-prob − trainer log-prob| over the probe's sampled tokens."""
+    """The largest |served log-prob − trainer log-prob| over the probe's tokens."""
+    mean_abs: float
+
+
+def rms(values: torch.Tensor) -> float:
+    return float(values.double().pow(2).mean().sqrt())
+
+
+def moved(served: torch.Tensor, new: torch.Tensor, reference: torch.Tensor) -> bool | None:
+    """Whether the server now serves the `new` weights (True) or still the `reference` version's (False), judged by
+    which of the trainer's log-probs under each the `served` ones sit nearer; None while the two versions lie too close
+    for the server's rounding to tell apart (then a missed sync also changes the policy by less than rounding)."""
+    to_new, to_reference = rms(served - new), rms(served - reference)
+    if rms(new - reference) <= MARGIN * min(to_new, to_reference):
+        return None
+    return to_new < to_reference
 
 
 class SyncProbe:
-    """Which syncs are checked, and how: a completion of `tokens` tokens after `prompt`, whose log-probs may differ from
-    the trainer's by the user's weight_sync_check_atol; against an external server also by no more than the rounding
-    bound of the coarser dtype, and each of the first FORCED_PROBES syncs is checked whatever the settings. `args`
-    (the AsyncGRPOConfig) is read at each sync, as the runtime reads it."""
+    """Which syncs are probed and how they are judged. The probe is a fixed sequence: the prompt and a completion the
+    server sampled at the first probe, scored by the server under the synced name and by the trainer.
+
+    - With weight_sync_check_atol set, every sync is probed, and a gap above it stops the run.
+    - Else, against an external server, the first probe since connect takes the trainer's log-probs as the reference
+      and checks the server serves this model at all: a mean gap above the coarser dtype's rounding bound stops the
+      run. Later probes ask whether the served log-probs moved with the trainer's (`moved`): a server that still
+      serves the reference stops the run; one that moved ends the forced probes.
+
+    `args` (the AsyncGRPOConfig) is read at each sync, as the runtime reads it."""
 
     def __init__(self, prompt: list[int], dtype: str, args):
         self.prompt, self.args = prompt, args
-        self.bound = (OFF_POLICY_BOUND.get(dtype, OFF_POLICY_BOUND["float32"]), dtype)
-        """The largest gap that rounding explains, and the dtype it is that of: the trainer's, then the coarser of it
-        and the server's (`note_server_dtype`)."""
+        self.dtypes = [dtype]
+        """The trainer's dtype, then the server's (`note_server_dtype`): the connect check takes the coarser bound."""
         self.tokens = PROBE_TOKENS
         """Shorter when the server's context has no room for the full probe (`fit`)."""
+        self.completion: list[int] | None = None
+        """The probe's completion, sampled by the server at the first probe and scored again at each later one."""
         self.client: GenerationClient | None = None
-        """Opened by the runtime at the first checked sync."""
+        """Opened by the runtime at the first probe."""
+        self.restart()
+
+    def restart(self) -> None:
+        """A server reached anew (connect, reconnect): it may serve other weights, so it is probed as a new one."""
+        self.pushes = 0
+        """Weight syncs pushed since the server was reached."""
+        self.reference: torch.Tensor | None = None
+        """The trainer's log-probs of the completion at the first probe since the server was reached."""
+        self.settled = False
+        """Whether a probe saw the server move with the trainer's weights (no more forced probes)."""
 
     def note_server_dtype(self, dtype: str) -> None:
-        """The server's dtype, read at connect: the bound becomes the coarser dtype's."""
-        self.bound = max(self.bound, (OFF_POLICY_BOUND.get(dtype, 0.0), dtype))
+        self.dtypes.append(dtype)
 
     def fit(self, max_model_len: int) -> None:
-        """A probe as long as the server's context leaves room for after the prompt (at least one token)."""
-        self.tokens = max(1, min(PROBE_TOKENS, max_model_len - len(self.prompt)))
+        """A probe as long as the server's context leaves room for after the prompt (at least one token), and one token
+        more: scoring it asks for one (vLLM refuses a request that leaves no room to generate)."""
+        self.tokens = max(1, min(PROBE_TOKENS, max_model_len - len(self.prompt) - 1))
 
-    def limit(self, pushes: int) -> tuple[float, str] | None:
-        """How far the probe after the `pushes`-th sync may land from the trainer's log-probs, and where that bound comes
-        from; None for no probe."""
+    def due(self, push: int) -> bool:
+        """Whether the `push`-th sync since the server was reached is probed."""
+        if self.args.weight_sync_check_atol is not None:
+            return True
+        return self.args.vllm_server_base_url is not None and not self.settled and push <= FORCED_PROBES
+
+    def gave_up(self) -> bool:
+        """Whether the last forced probe has passed without the versions lying far enough apart to judge it."""
+        return self.args.weight_sync_check_atol is None and self.pushes == FORCED_PROBES and not self.settled
+
+    async def served_logprobs(self, client: GenerationClient, served_name: str) -> tuple[list[int], list[float]]:
+        """The probe's completion and the server's log-probs of it under `served_name`: sampled at the first probe (at
+        temperature 1 over the full vocabulary, where raw and processed log-probs coincide; past any end-of-sequence
+        token, for a probe of fixed length), scored by a teacher-forced forward at each later one."""
+        if self.completion is None:
+            sampled = (await client.complete(self.prompt, max_tokens=self.tokens, model=served_name, seed=PROBE_SEED,
+                                             ignore_eos=True))[0]
+            self.completion = sampled.token_ids
+            return sampled.token_ids, sampled.logprobs
+        scored = await client.score(self.prompt + self.completion, model=served_name)
+        return self.completion, scored[len(self.prompt) - 1:]
+
+    def judge(self, served_name: str, served: list[float], ours: torch.Tensor) -> SyncGap:
+        """The gap between the `served` log-probs and the trainer's (`ours`), after SyncMismatch if the rule in
+        effect (class docstring) says the server does not serve the trainer's weights."""
+        served = torch.tensor(served, dtype=torch.float64)
+        gap = SyncGap(served_name, len(served), float((served - ours).abs().max()), float((served - ours).abs().mean()))
         atol = self.args.weight_sync_check_atol
-        user = (atol, "weight_sync_check_atol") if atol is not None else None
-        if self.args.vllm_server_base_url is None:
-            return user
-        bound = (self.bound[0], f"{self.bound[1]} rounding bound")
-        if user is None:
-            return bound if pushes <= FORCED_PROBES else None
-        return min(user, bound)
-
-
-async def sync_gap(client: GenerationClient, served_name: str, model: torch.nn.Module, prompt_ids: list[int],
-                   kernel: str) -> SyncGap:
-    """Sample `PROBE_TOKENS` tokens under `served_name` and compare their served log-probs with `model`'s forward."""
-    served = await probe(client, served_name, prompt_ids)
-    return compare(served_name, served, policy_logprobs(model, prompt_ids, served.token_ids, kernel))
-
-
-async def probe(client: GenerationClient, served_name: str, prompt_ids: list[int], tokens: int = PROBE_TOKENS):
-    """A completion of `tokens` tokens under `served_name` at temperature 1 (full vocabulary, so raw and processed
-    log-probs coincide; past any end-of-sequence token, for a probe of fixed length), with its log-probs."""
-    return (await client.complete(prompt_ids, max_tokens=tokens, model=served_name, seed=PROBE_SEED, ignore_eos=True))[0]
-
-
-def compare(served_name: str, served, ours: torch.Tensor) -> SyncGap:
-    """How far the probe's served log-probs are from the trainer's over the same tokens (`ours`)."""
-    gap = (torch.tensor(served.logprobs, dtype=torch.float64) - ours).abs()
-    return SyncGap(served_name, len(gap), float(gap.max()))
+        if atol is not None:
+            check(gap, atol)
+        elif self.reference is None:
+            self.reference = ours
+            bound, dtype = rounding_bound(self.dtypes)
+            if gap.mean_abs > bound:
+                raise SyncMismatch(
+                    f"weight sync check: the server's log-probs under {served_name!r} differ from the trainer's by "
+                    f"{gap.mean_abs:.3g} on average over {gap.tokens} tokens (largest {gap.max_abs:.3g}); {dtype} "
+                    f"rounding stays under {bound:g}. The server does not serve the trainer's model under that name "
+                    "(another checkpoint, a different decode mode or logprobs mode), so training would be off-policy.")
+        else:
+            verdict = moved(served, ours, self.reference)
+            if verdict is False:
+                raise SyncMismatch(
+                    f"weight sync check: after the sync, the server's log-probs under {served_name!r} sit nearer the "
+                    f"weights it served at the first probe than the trainer's new ones ({rms(served - self.reference):.3g} "
+                    f"against {rms(served - ours):.3g} RMS over {gap.tokens} tokens, while the two versions lie "
+                    f"{rms(ours - self.reference):.3g} apart). The weights did not reach the server (a reload that "
+                    "missed, an adapter not applied), so training would be off-policy.")
+            self.settled = verdict is True
+        return gap
 
 
 def policy_logprobs(model: torch.nn.Module, prompt_ids: list[int], completion_ids: list[int], kernel: str,
@@ -108,15 +166,13 @@ def policy_logprobs(model: torch.nn.Module, prompt_ids: list[int], completion_id
         model.train(was_training)
 
 
-def check(gap: SyncGap, atol: float, limit: str = "weight_sync_check_atol") -> None:
-    """Raise SyncMismatch when the gap passes `atol`; `limit` names where that bound comes from (the setting, or the
-    dtype's rounding bound, which no setting loosens)."""
+def check(gap: SyncGap, atol: float) -> None:
+    """Raise SyncMismatch when the gap passes the user's weight_sync_check_atol."""
     if gap.max_abs <= atol:
         return
-    advice = ("Raise weight_sync_check_atol only if the gap is expected rounding (--decode-mode fast)."
-              if limit == "weight_sync_check_atol" else "No rounding of that dtype reaches so far.")
     raise SyncMismatch(
         f"weight sync check: the server's log-probs under {gap.served_name!r} differ from the trainer's by up to "
-        f"{gap.max_abs:.3g} over {gap.tokens} tokens (allowed: {atol:g}, {limit}). The server is not sampling from the "
-        "trained weights under that name (a stale or missing adapter, the base model, a weight reload that missed a "
-        f"layer, or a different dtype / decode mode), so training would be off-policy. {advice}")
+        f"{gap.max_abs:.3g} over {gap.tokens} tokens (allowed: {atol:g}, weight_sync_check_atol). The server is not "
+        "sampling from the trained weights under that name (a stale or missing adapter, the base model, a weight reload "
+        "that missed a layer, or a different dtype / decode mode), so training would be off-policy. Raise "
+        "weight_sync_check_atol only if the gap is expected rounding (--decode-mode fast, a bf16 server).")

@@ -30,6 +30,7 @@ from tandem.packing import attention as tree_attention
 from tandem.runtime.rollout_inputs import check_agents, check_sendable, loop_class, rollout_template
 from tandem.runtime.runtime import Runtime, RuntimeSpec
 from tandem.runtime.sample_source import ResumePoint
+from tandem.tool_formats import tool_call_format
 from tandem.trainer import OPENMP_POLICY_TOO_LATE, checkpoint, export
 from tandem.trainer.callbacks import Callbacks, callback_handler, with_transformers_names
 from tandem.trainer.checkpoint import TrainerState
@@ -110,6 +111,8 @@ class AsyncGRPOTrainer:
         self.rollout_template = rollout_template(self.tokenizer, self.tools, args.chat_template_kwargs) \
             if self.tools or environments else None
         """A training-safe chat template the worker renders rollouts with, when the model's is not prefix-preserving."""
+        if args.tool_call_parser is not None:
+            tool_call_format(args.tool_call_parser, self.tokenizer)  # the tokenizer has the format's tokens
         self.optimizer = optimizers[0] or make_optimizer(self.model, args)
         self.scheduler = optimizers[1] or make_scheduler(self.optimizer, args)
         self.device = next(self.model.parameters()).device  # the scaler below: fp16's gradient scaler, or None
