@@ -4,8 +4,8 @@ Two replicas stand in for generation servers: each answers a completion after a 
 unbounded prefix cache of 16-token blocks, counting the prompt tokens it would have to prefill. The
 workload is the rollout worker's: P prompts (a shared 32-token chat template + 96 own tokens), G=8
 requests per prompt sent as separate requests, C in flight. The same requests go once through the proxy
-and once round-robin straight to the replicas. Printed: affinity / spilled / unmatched fractions (unmatched as
-spec 002 counts it: new prompts, 1/G of the requests, and the later rollouts of prompts every replica already
+and once round-robin straight to the replicas. Printed: affinity / spilled / unmatched fractions (unmatched
+counts the new prompts, 1/G of the requests, and the later rollouts of prompts every replica already
 holds, which still hit a cache), prefill tokens computed vs round-robin (what routing saves), and the latency the
 proxy adds per request (p50, p99) against direct calls to an instant replica.
 

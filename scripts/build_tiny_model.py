@@ -149,7 +149,7 @@ def integer_function(name: str, params: list[str], docstring: str):
 
 INCREMENT = get_json_schema(integer_function("increment", ["step"], "Increment the internal counter.\n\nArgs:\n"
                                              "    step: Value to add to the counter.\n\nReturns:\n    The updated counter value."))
-"""The schema of the spec's IncrementEnv tool (a bound method's schema leaves `self` out), measured as is."""
+"""The schema of the IncrementEnv example's tool (a bound method's schema leaves `self` out), measured as is."""
 
 
 def random_tool(rng: random.Random) -> SyntheticTool:

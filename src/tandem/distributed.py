@@ -1,5 +1,5 @@
 """Training across processes started by `torchrun`: the process group, FSDP2 sharding and the few collectives
-the trainer needs (DESIGN.md §6).
+the trainer needs.
 
 Without torchrun a run is one rank of one and every helper here is the identity, so the trainer reads the
 same either way. Rank 0 alone owns the rollout worker, the server and the metric sinks; it plans each step's

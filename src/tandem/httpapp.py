@@ -8,7 +8,7 @@ import asyncio
 from aiohttp import web
 
 AUTH_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
-"""The paths vLLM's `--api-key` guards; its dev routes, `/health` and `/metrics` stay open (reference/vllm_protocol.md §1)."""
+"""The paths vLLM's `--api-key` guards; its dev routes, `/health` and `/metrics` stay open."""
 CONTROL_PATHS = ("/pause", "/resume", "/reset_prefix_cache", "/collective_rpc", "/init_weight_transfer_engine",
                  "/start_weight_update", "/update_weights", "/finish_weight_update")
 """Routes that change what a server serves: tandem guards them with `--api-key` too (vLLM leaves them open), so a

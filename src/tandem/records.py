@@ -1,6 +1,6 @@
 """What a rollout produces, from one sampling request (TurnRecord) to the samples the trainer packs.
 
-Names and fields follow the spec's API reference (`TurnRecord`, `Rollout`, `RolloutGroup`); `Sample`
+Names and fields follow TRL's AsyncGRPOTrainer API (`TurnRecord`, `Rollout`, `RolloutGroup`); `Sample`
 is the unit of training: one token sequence with the positions that are trained, their sampler
 log-probs, and the advantage of the rollout it came from.
 """

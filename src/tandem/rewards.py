@@ -1,4 +1,4 @@
-"""Built-in reward functions, called with the spec's reward-function signature."""
+"""Built-in reward functions, called with TRL's reward-function signature."""
 
 import functools
 import logging

@@ -131,8 +131,8 @@ def table() -> str:
     for f in FAMILIES:
         rows = f"padded: {f.padded}" if f.padded else "tree-packed"
         served = "bit for bit" if not f.served_gap else f"within {f.served_gap:g}: {f.why_gap}"
-        targets = f.lora_targets if isinstance(f.lora_targets, str) else "attention only: an adapter on the expert " \
-            "layers is not synced yet"
+        targets = f.lora_targets if isinstance(f.lora_targets, str) else "attention only: LoRA on the fused expert " \
+            "weights (what all-linear reaches) is refused when the trainer is built, as no server is synced such an adapter yet"
         lines.append(f"| {f.name} | `{f.config}` | {f.exercises} | {rows} | {served} | {targets} |")
     lines += ["", "## Tool calls", "",
               "Each family writes tool calls in its own format. `tool_call_parser` (the rollout loop) and `tandem serve "

@@ -205,7 +205,7 @@ vllm:cache_config_info{block_size="16",engine="1",kv_cache_size_tokens="3000",mo
 """
     m = parse_metrics(text)
     assert (m.running, m.waiting, m.preemptions, m.kv_capacity_tokens) == (7, 1, 2, 4000)
-    assert m.kv_cache_usage == 0.5, "spec: the largest engine's usage (a full engine preempts, whatever the others hold)"
+    assert m.kv_cache_usage == 0.5, "the largest engine's usage (a full engine preempts, whatever the others hold)"
 
 
 async def test_a_client_that_disconnects_frees_its_slot(server):

@@ -35,7 +35,7 @@ def test_clipped_surrogate_gradient_is_masked_and_clipped_ratio_times_advantage(
 
 def test_clip_ratio_counts_every_token_outside_the_trust_region_whatever_its_advantage_sign():
     ratios = torch.tensor([1.1, 0.5, 5.0, 0.4, 1.5, 0.7], dtype=F64)
-    for sign in (1.0, -1.0):  # the clip is active for one sign only; the spec's clip_ratio/* count both
+    for sign in (1.0, -1.0):  # the clip is active for one sign only; clip_ratio/* counts both
         _, stats = clipped_surrogate(ratios.log(), torch.zeros(6, dtype=F64), torch.full((6,), sign, dtype=F64), **BOUNDS)
         assert stats.above.tolist() == [False, False, True, False, True, False], "above 1 + epsilon_high = 1.28"
         assert stats.below.tolist() == [False, True, False, True, False, True], "below 1 - epsilon = 0.8"

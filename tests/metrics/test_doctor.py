@@ -1,4 +1,4 @@
-"""`tandem doctor` on synthetic runs, one per row of the spec's symptom tables (reference/metrics.md, "Reading them")."""
+"""`tandem doctor` on synthetic runs, one per row of the symptom tables in TRL's AsyncGRPOTrainer documentation."""
 
 import json
 

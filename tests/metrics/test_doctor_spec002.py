@@ -1,7 +1,8 @@
-"""`tandem doctor` on the five runs of spec 002 ("ボトルネックを巡るピンポン"): the figures the post publishes for each
-run, under tandem's metric names, must lead to the conclusion the post reached by reading its dashboard.
+"""`tandem doctor` on the five runs of the HF Jobs LoRA async-GRPO blog post (its section "ボトルネックを巡るピンポン"):
+the figures the post publishes for each run, under tandem's metric names, must lead to the conclusion the post
+reached by reading its dashboard.
 
-Every figure cites its line in ../shared/spec/002_41895f2570635225.txt. The post's names map to tandem's as:
+Every figure cites its line in the post's Japanese text. The post's names map to tandem's as:
 sample/rollout_queue_size -> rollout/queue_size, rollout/inflight -> rollout/concurrency,
 max_inflight_tasks -> max_concurrent_rollouts, perf/mfu_fwd_bwd -> perf/fwd_bwd_mfu.
 """

@@ -1,5 +1,5 @@
-"""Window rules: every metric name of the catalogue (catalogue.tsv, kept equal to ../shared/reference/metrics.md)
-is reduced as the catalogue says."""
+"""Window rules: every metric name of the catalogue (catalogue.tsv, kept equal to a copy of the catalogue
+beside the clone when there is one) is reduced as the catalogue says."""
 
 import re
 from pathlib import Path
@@ -27,7 +27,7 @@ def catalogue() -> dict[str, str]:
 
 
 def reference_names() -> set[str]:
-    """The names in the reference catalogue: every table's first column (with the shorthand `a/mean_length`,
+    """The names in the catalogue beside the clone: every table's first column (with the shorthand `a/mean_length`,
     `min_length` and `a/b/mean`, `/max` expanded) and every namespaced name written anywhere else."""
     text = REFERENCE.read_text()
     names = {span for span in re.findall(r"`([^`]+)`", text) if "/" in span[1:] and " " not in span}
@@ -46,7 +46,8 @@ def reference_names() -> set[str]:
 def test_the_catalogue_here_lists_every_name_of_the_reference():
     if not REFERENCE.is_file():
         pytest.skip(f"{REFERENCE} is not beside this clone: catalogue.tsv is checked on its own")
-    assert set(catalogue()) == reference_names(), "catalogue.tsv and reference/metrics.md disagree: update catalogue.tsv"
+    assert set(catalogue()) == reference_names(), ("catalogue.tsv and the catalogue beside the clone disagree: "
+                                                   "update catalogue.tsv")
 
 
 def test_the_catalogue_is_whole():

@@ -242,7 +242,7 @@ def tiny_qwen3_next() -> torch.nn.Module:
 
 @pytest.mark.parametrize("make", [tiny_hybrid, tiny_qwen3_next], ids=["qwen3_5", "qwen3_next"])
 def test_gated_deltanet_hybrids_are_tree_packed_each_branch_from_its_parents_state(make):
-    """Spec 000's tree packing for Gated DeltaNet hybrids: a group's completions share their prompt, each continuing
+    """Tree packing for Gated DeltaNet hybrids: a group's completions share their prompt, each continuing
     the convolution window and recurrent state the prompt ended in; log-probs and gradients equal each sample's own
     forward to the chunked kernel's rounding (its 64-token chunks start where a segment starts)."""
     model = make()

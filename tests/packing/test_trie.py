@@ -1,4 +1,4 @@
-"""Rows as prefix tries: the spec's worked example, sharing rules, and what a row costs."""
+"""Rows as prefix tries: a worked example, sharing rules, and what a row costs."""
 
 import torch
 
@@ -10,7 +10,7 @@ P1, P2, P3, A1, A2, B1, B2 = 11, 12, 13, 21, 22, 31, 32
 
 
 def test_the_spec_worked_example():
-    """Spec 000, 트리 패킹: two rollouts p1 p2 p3 a1 a2 / p1 p2 p3 b1 b2."""
+    """The worked example: two rollouts p1 p2 p3 a1 a2 / p1 p2 p3 b1 b2."""
     r0 = sample([P1, P2, P3, A1, A2], [0, 0, 0, 1, 1])
     r1 = sample([P1, P2, P3, B1, B2], [0, 0, 0, 1, 1])
     row = pack([r0, r1])

@@ -93,7 +93,7 @@ async def test_routing_sticks_spreads_and_forgets_on_a_cache_reset():
         async with s.get(url + "/proxy/stats") as r:
             stats = await r.json()
         # 5 repeats, plus the first new prompt: until a second prompt fans out of the template, the template
-        # block looks specific to the first one (the spec's rule; the second new prompt makes it common).
+        # block looks specific to the first one (the router's rule; the second new prompt makes it common).
         assert stats["router"]["affinity"] == 6 and stats["router"]["routed"] == 14
         async with s.post(url + "/reset_prefix_cache") as r:
             assert r.status == 200

@@ -14,7 +14,8 @@ def problem(seed: int, blocks: int) -> list[int]:
 
 
 def test_the_spec_four_request_walkthrough():
-    """Spec 002: A and B each have 3 requests in flight and both know only the template block h1."""
+    """The HF Jobs LoRA async-GRPO blog post's walkthrough: A and B each have 3 requests in flight and both know
+    only the template block h1."""
     router = PrefixRouter(2)
     for replica in (A, B):
         router.record(router.block_hashes("policy", TEMPLATE), replica)
@@ -29,7 +30,7 @@ def test_the_spec_four_request_walkthrough():
     fourth = router.choose("policy", p0, inflight=[12, 3])
     assert (fourth.replica, fourth.kind) == (B, "spilled")  # A holds 7 specific blocks but is 9 requests ahead
     # Both replicas now hold problem 0: its blocks are common, and later rollouts go by load alone, counted
-    # unmatched as the spec counts them (the replica chosen still holds the whole prompt in its cache).
+    # unmatched (the replica chosen still holds the whole prompt in its cache).
     fifth = router.choose("policy", p0, inflight=[6, 4])
     assert (fifth.replica, fifth.kind, fifth.specific_blocks) == (B, "unmatched", 0)
     stats = router.stats()

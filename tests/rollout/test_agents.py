@@ -58,7 +58,7 @@ def sleepy(x: int) -> int:
 
 
 class Counter:
-    """The spec's IncrementEnv, reset from a dataset column."""
+    """TRL's IncrementEnv example, reset from a dataset column."""
 
     def reset(self, target: int = 3, **kwargs) -> str:
         self.counter, self.target = 0, target
@@ -300,7 +300,7 @@ def test_an_eval_row_naming_an_unknown_environment_fails_when_the_trainer_is_bui
 
 
 class Expensive(Counter):
-    """An environment whose __init__ is costly: the spec pays it once per pooled instance."""
+    """An environment whose __init__ is costly: the pool pays it once per instance."""
 
     built = 0
 

@@ -1,4 +1,4 @@
-"""The spec's reward-function examples, run through the worker's scoring exactly as written."""
+"""TRL's documented reward-function examples, run through the worker's scoring exactly as written."""
 
 import asyncio
 import math

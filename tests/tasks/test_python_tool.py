@@ -1,4 +1,4 @@
-"""The spec's Python tool runs the model's programs apart: its own interpreter and folder, limits, no network."""
+"""The Python tool runs the model's programs apart: its own interpreter and folder, limits, no network."""
 
 import subprocess
 

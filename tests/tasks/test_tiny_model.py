@@ -12,7 +12,7 @@ from tandem.tasks import TINY_MODEL_PATH, arithmetic
 from tandem.tasks.tools import calculator
 from tandem.tool_calls import parse_reply
 from tests.conftest import chat_prompt
-from tests.trainer.test_agent_training import IncrementEnv  # the spec's example environment
+from tests.trainer.test_agent_training import IncrementEnv  # TRL's example environment
 
 
 def test_loads_with_the_ordinary_from_pretrained():

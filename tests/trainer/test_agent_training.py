@@ -1,5 +1,5 @@
-"""The spec's agent-training examples (spec 000, 에이전트 학습) run as written, with the tiny model for the hub model,
-a few steps for max_steps=1000, and a defined reward function where the spec writes `...`. Real processes: an
+"""TRL's documented agent-training examples run as written, with the tiny model for the hub model, a few steps
+for max_steps=1000, and a defined reward function where the documentation writes `...`. Real processes: an
 embedded `tandem serve`, a spawned rollout worker. The tiny model calls an offered integer tool on part of the
 requests, so an environment's own reward varies within a group and groups train."""
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def args(tmp_path, **overrides) -> AsyncGRPOConfig:
-    """The spec's AsyncGRPOConfig, sized for two CPU cores."""
+    """The examples' AsyncGRPOConfig, sized for two CPU cores."""
     values = dict(output_dir=str(tmp_path / "run"), max_steps=3, num_generations=4, max_completion_length=32,
                   learning_rate=1e-4, gradient_checkpointing=False, save_strategy="no", vllm_server_timeout=120,
                   rollout_worker_timeout=60, max_tool_calling_iterations=2)
@@ -29,7 +29,7 @@ def logged(tmp_path) -> list[dict]:
     return [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
 
 
-# ---- 도구: the spec's tool example ------------------------------------------------------------------------------
+# ---- tools: TRL's tool example ----------------------------------------------------------------------------------
 def multiply(a: int, b: int) -> int:
     """
     Multiplies two integers.
@@ -69,7 +69,7 @@ def test_the_spec_tool_example_trains(tmp_path):
     assert all("tools/failure_frequency" in r for r in rows), "NaN when a window saw no call, but always logged"
 
 
-# ---- 환경: self-sampling, dataset-driven, env-owned + trainer-owned rewards ------------------------------------------
+# ---- environments: self-sampling, dataset-driven, env-owned + trainer-owned rewards -----------------------------
 class IncrementEnv:
     # Reserved methods
     def reset(self, **kwargs) -> str | None:  # required; called at the start of each rollout
@@ -139,7 +139,7 @@ def test_the_spec_dataset_driven_environment_trains(tmp_path):
 
 
 def format_reward(completions, **kwargs) -> list[float]:  # trainer-owned: scores the completion text
-    """1.0 when the first reply is a tool call (defined here: the spec leaves it to the reader)."""
+    """1.0 when the first reply is a tool call (defined here: the example leaves it to the reader)."""
     return [float(bool(c and c[0].get("tool_calls"))) for c in completions]
 
 
@@ -152,7 +152,7 @@ def test_env_owned_and_trainer_owned_rewards_add_up(tmp_path):
     assert rows and all("rewards/format_reward/mean" in r and "rewards/IncrementEnv/mean" in r for r in rows)
 
 
-# ---- 여러 환경: routing by the dataset's environment column -------------------------------------------------------
+# ---- several environments: routing by the dataset's environment column ------------------------------------------
 class CodingEnv:
     def reset(self, **kwargs) -> str:
         n = random.randint(1, 20)
@@ -187,7 +187,7 @@ class GameEnv:
 
 
 def reward_func(completions, **kwargs) -> list[float]:
-    """Shorter final replies score higher (defined here: the spec leaves it to the reader)."""
+    """Shorter final replies score higher (defined here: the example leaves it to the reader)."""
     return [-float(len(c[-1].get("content") or "")) for c in completions]
 
 

@@ -585,7 +585,7 @@ class CurriculumConfig(AsyncGRPOConfig):
 
 
 class CurriculumRolloutLoop(AsyncRolloutLoop):
-    """The spec's curriculum example, as written there."""
+    """TRL's curriculum example, as its documentation writes it."""
 
     def filter_prompt(self, row_index, row, epoch):
         return self.pass_rates.get(row_index, 0.0) < self.config.pass_rate_cap
@@ -628,7 +628,7 @@ def test_flash_reinforce_trains_exactly_b_single_rollouts_a_step_with_the_batch_
     trainer.train()
     rows = logged(tmp_path)
     for r in rows:
-        assert r["batch/samples_per_step"] == 7, "flash_batch_size: exactly B trajectories a step (the spec's B)"
+        assert r["batch/samples_per_step"] == 7, "flash_batch_size: exactly B trajectories a step (FlashREINFORCE's B)"
         assert r["batch/microbatches_per_step"] > 1, "as many micro-batches as the token budget needs"
         # On policy (staleness 0) the policy equals the sampler: every trajectory's KL is 0 and passes the gate.
         assert r["flash/acceptance_rate"] == 1.0 and r["flash/sequence_kl_max"] < 1e-6
@@ -707,11 +707,23 @@ def test_an_adapter_on_lm_head_is_refused(tmp_path):
                          peft_config=LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
 
 
+def test_an_adapter_on_an_moes_fused_expert_weights_is_refused_naming_what_to_target(tmp_path):
+    from peft import LoraConfig
+
+    from tests.families.catalog import BY_NAME
+
+    with pytest.raises(NotImplementedError, match=r"LoRA on an MoE's fused weights \(mlp.experts, mlp.gate\).*"
+                                                  r"target_modules=\['q_proj', 'k_proj', 'v_proj', 'o_proj'\]"):
+        AsyncGRPOTrainer(BY_NAME["Qwen3-MoE"].build(), accuracy_reward, args=config(tmp_path), train_dataset=small_dataset(),
+                         peft_config=LoraConfig(r=4, target_modules="all-linear"))
+
+
 def test_a_reward_model_is_refused_at_construction_not_in_the_worker(tmp_path):
     from transformers import AutoModelForCausalLM
 
     for reward in (AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH), "org/reward-model"):
-        with pytest.raises(ValueError, match="reward models are not supported .as in the spec.; pass a function"):
+        with pytest.raises(ValueError, match="reward models are not supported .as in TRL's AsyncGRPOTrainer.; "
+                                             "pass a function"):
             AsyncGRPOTrainer("tiny", [accuracy_reward, reward], args=config(tmp_path), train_dataset=small_dataset())
 
 

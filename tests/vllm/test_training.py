@@ -1,7 +1,8 @@
 """Training against real vLLM at staleness 0 (full weights and tools into the session's first server, LoRA into the
 second, whose base weights nothing changes): every sampled token's log-prob under the server must be the trainer's
-(the sampler's log-probs are the behaviour policy, DESIGN.md §3 invariant 1), at every step, for each way the policy
-reaches the server: full weights streamed (tandem's gloo plugin), a LoRA adapter per version, and multi-turn tools."""
+(the sampler's log-probs are the behaviour policy: invariant 1 in docs/architecture.md), at every step, for each way
+the policy reaches the server: full weights streamed (tandem's gloo plugin), a LoRA adapter per version, and
+multi-turn tools."""
 
 import json
 

@@ -2,7 +2,7 @@
 
 `GenerationClient` sends token ids and reads back token ids with their sampler log-probs;
 `ControlClient` drives the server around weight syncs (health, pause/resume, reload, LoRA,
-`/metrics`). Both use only protocol facts from reference/vllm_protocol.md, so they work unchanged
+`/metrics`). Both use only what vLLM's own HTTP API offers, so they work unchanged
 against real vLLM. Transport errors and 502/503/504 are retried with exponential backoff (`max_retries`
 times, or for `retry_for_s` seconds: a server that restarts is waited for); a 4xx is the caller's mistake
 and is raised at once.
@@ -352,7 +352,7 @@ def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
 
 def parse_metrics(text: str) -> ServerMetrics:
     """The load numbers of a vLLM /metrics page, over all its engines (and replicas, behind `tandem proxy`):
-    running, waiting and preemptions summed, KV capacity summed, KV usage of the fullest engine (spec 000)."""
+    running, waiting and preemptions summed, KV capacity summed, KV usage of the fullest engine."""
     sums: dict[str, float] = {}
     usage: list[float] = []
     capacity: dict[str, float] = {}

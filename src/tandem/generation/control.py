@@ -127,7 +127,7 @@ class Control:
         return web.json_response({"weight_version": self.weight_version})
 
     async def weight_transfer(self, request: web.Request) -> web.Response:
-        """The four routes of vLLM's weight-transfer API (reference/vllm_protocol.md §6.1) over the gloo group of
+        """The four routes of vLLM's weight-transfer API (`--weight-transfer-config`) over the gloo group of
         generation/weight_transfer.py. Joining and receiving block, so they run on a thread; the swap runs on the
         engine thread between two steps and drops the prefix cache."""
         if self.receiver is None:

@@ -2,8 +2,8 @@
 
 Request models ignore unknown fields (vLLM's `extra="allow"`). Whatever the client got wrong is
 raised as an `ApiError` (a 400 unless said otherwise), which the server answers as
-`{"error": {"message", "type", "param", "code"}}` with the HTTP status equal to `code`
-(reference/vllm_protocol.md §1). Any other exception is a bug of the server's, answered 500.
+`{"error": {"message", "type", "param", "code"}}` with the HTTP status equal to `code`,
+as vLLM answers. Any other exception is a bug of the server's, answered 500.
 """
 
 import json
@@ -178,7 +178,7 @@ class CollectiveRpcRequest(Request):
 
 
 class WeightTransferRequest(Request):
-    """The body of the weight-transfer routes (reference/vllm_protocol.md §6.1); `discard` is tandem proxy's."""
+    """The body of vLLM's weight-transfer routes; `discard` is tandem proxy's."""
 
     init_info: dict | None = None
     update_info: dict | list | None = None

@@ -1,4 +1,5 @@
-"""vLLM 0.33 response bodies built from finished engine sequences (reference/vllm_protocol.md §2-§3, §11)."""
+"""vLLM 0.33 response bodies built from finished engine sequences: completions, chat completions and
+`/inference/v1/generate`."""
 
 import time
 import uuid

@@ -1,6 +1,6 @@
 """Sampling parameters and the processed distribution every generated token is drawn from.
 
-The order follows vLLM's sampler (reference/vllm_protocol.md §4): penalties and min_tokens masking,
+The order follows vLLM's sampler (`vllm/v1/sample/sampler.py`): penalties and min_tokens masking,
 then ÷temperature, then min_p, then top-k, then top-p. The log-softmax of the result is what
 `--logprobs-mode processed_logprobs` returns, so the trainer's importance ratio divides by the exact
 probability the token was sampled with. Tokens outside the kept support get -inf.

@@ -471,7 +471,7 @@ class Server:
 
 
 def prometheus_text(stats, model_name: str, prefix_caching: bool) -> str:
-    """The `/metrics` exposition with vLLM's names and labels (reference/vllm_protocol.md §9)."""
+    """The `/metrics` exposition with vLLM's names and labels."""
     labels = f'engine="0",model_name="{model_name}"'
     lines = []
 

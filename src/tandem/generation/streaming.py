@@ -1,4 +1,4 @@
-"""Streaming as vLLM 0.33 does it (reference/vllm_protocol.md §1, §2.5, §3): server-sent events `data: <json>`
+"""Streaming as vLLM 0.33 does it on its completion and chat routes: server-sent events `data: <json>`
 carrying each choice's new tokens as the engine produces them, `finish_reason` on a choice's last chunk, a usage
 chunk when asked, then `data: [DONE]`.
 

@@ -1,4 +1,4 @@
-"""Weights over the network instead of the disk: vLLM's weight-transfer protocol (reference/vllm_protocol.md §6)
+"""Weights over the network instead of the disk: vLLM's weight-transfer protocol (`--weight-transfer-config`)
 with a torch.distributed gloo group as its data plane, for `tandem serve --weight-transfer-config '{"backend":"gloo"}'`.
 
     /init_weight_transfer_engine  join the group the trainer holds (rank 0); this server is rank `rank_offset`

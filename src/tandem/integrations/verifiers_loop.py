@@ -165,8 +165,8 @@ class VerifiersRolloutLoop(AsyncRolloutLoop):
                        reward=float(traces[0].reward) if traces[0].rewards else None)
 
     def _record(self, trace, results: list) -> None:
-        """The episode's metrics under the spec's names: its setup as env/reset_s, its scoring as env/reward_s, each of
-        its rewards, its tool calls (each result when tandem's harness reported them), a context it outgrew."""
+        """The episode's metrics under the catalogue's names: its setup as env/reset_s, its scoring as env/reward_s,
+        each of its rewards, its tool calls (each result when tandem's harness reported them), a context it outgrew."""
         generation = self._scheduler.generation
         self.record("env/reset_s", trace.timing.boot.duration + trace.timing.setup.duration)
         self.record("env/reward_s", trace.timing.scoring.duration)

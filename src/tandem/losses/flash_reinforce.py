@@ -1,4 +1,4 @@
-"""FlashREINFORCE's reference loss (spec 004; reference/flashreinforce_notes.md B.3), standalone.
+"""FlashREINFORCE's reference loss (`flashreinforce/loss.py` in its public repository), standalone.
 
 One rollout per prompt, the batch mean reward as the baseline, a detached and unclipped token ratio,
 and the Sequence Trust Region gate: a trajectory takes part only if the mean Bernoulli KL between the

@@ -1,4 +1,4 @@
-"""The GRPO objective with masked importance sampling (spec 000, 손실 계산, score_centering=False).
+"""The GRPO objective with masked importance sampling (`score_centering=False`).
 
     r_t = π_θ(o_t) / π_sampler(o_t)                      (the sampler's log-probs are the behaviour policy)
     L   = -Σ_t 1[C_min ≤ r_t ≤ C_max] · min(r_t·A, clip(r_t, 1-ε_low, 1+ε_high)·A)

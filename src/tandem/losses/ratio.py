@@ -1,9 +1,9 @@
-"""The importance ratio every objective starts from, and which tokens its bounds mask or clip (spec 000, 손실 계산).
+"""The importance ratio every objective starts from, and which tokens its bounds mask or clip.
 
     r_t = π_θ(o_t) / π_sampler(o_t)                  (the sampler's log-probs are the behaviour policy)
     in_bounds_t    = C_min ≤ r_t ≤ C_max              (masked importance sampling: the token is trained)
     below_t        = r_t < 1-ε_low                    (outside the trust region, whatever the advantage's sign:
-    above_t        = r_t > 1+ε_high                    clip_ratio/*, as reference/metrics.md counts them)
+    above_t        = r_t > 1+ε_high                    clip_ratio/* counts them)
 
 One ratio covers both the sampler/trainer mismatch and staleness. FlashREINFORCE neither masks nor
 clips: `UNBOUNDED` gives its statistics (every token in bounds, none clipped).

@@ -1,4 +1,4 @@
-"""Score centering (spec 000, 손실 계산; the default objective, `score_centering=True`).
+"""Score centering (the default objective, `score_centering=True`).
 
     ∇L = -E_{o~μ}[ A · ( f(r_o) ∇log π_θ(o) - E_{v~μ}[ f(r_v) ∇log π_θ(v) ] ) ],   r_v = π_θ(v) / μ(v)
     f(r) = r inside [C_min, C_max], 0 outside

@@ -1,9 +1,9 @@
 """What a run shows on the console while it trains.
 
-In a terminal, a live dashboard (rich): progress and ETA, the reward with a sparkline, the four metric pairs spec 002
-reads a run by (step against forward+backward, rollout wait, queue against a step's samples, backpressure against
-score block), the step time split, staleness, ratio and concurrency. Elsewhere (a pipe, a log file, CI), one plain
-line per logged window, never cut to the console's width. In both, a one-line `doctor:` warning when one of the
+In a terminal, a live dashboard (rich): progress and ETA, the reward with a sparkline, the four metric pairs that show
+where a run's bottleneck is (step against forward+backward, rollout wait, queue against a step's samples, backpressure
+against score block), the step time split, staleness, ratio and concurrency. Elsewhere (a pipe, a log file, CI), one
+plain line per logged window, never cut to the console's width. In both, a one-line `doctor:` warning when one of the
 doctor's findings for the recent windows changes (metrics/doctor.py).
 """
 
@@ -144,7 +144,7 @@ class RunConsole:
         return f"{value:{fmt}}{unit}" if isinstance(value, (int, float)) else "–"
 
     def dashboard(self):
-        """The live view: progress, reward and its sparkline, spec 002's pairs, the step split, sync health."""
+        """The live view: progress, reward and its sparkline, the four metric pairs, the step split, sync health."""
         elapsed, eta = self.timing()
         top = Table.grid(padding=(0, 2))
         top.add_row(Text(self.step_label(), style="bold"),

@@ -1,11 +1,11 @@
-"""`tandem doctor`: the spec's tables of symptom → cause → knob (reference/metrics.md, "Reading them"), applied to a
+"""`tandem doctor`: the tables of symptom → cause → knob from TRL's AsyncGRPOTrainer documentation, applied to a
 run's `metrics.jsonl`, for its last window and over the whole run.
 
 Four questions, each answered with the numbers behind it and the knob to turn:
 - bottleneck: generation-bound, trainer-bound, staleness bound too tight, concurrency cap bound, server saturated,
   or balanced (queue, rollout wait, backpressure, concurrency against its caps, KV usage);
 - the trainer's step: micro-batches of one sample (pack them), a backward that recomputes the forward (gradient
-  checkpointing), compute-bound (spec 002's first pair, perf/step_s against perf/fwd_bwd_s);
+  checkpointing), compute-bound (the first metric pair, perf/step_s against perf/fwd_bwd_s);
 - learning health: healthy, saturated at the top, stuck at the bottom, regression, collapse (zero-std groups, the
   reward of dropped groups, duplicates, entropy, truncations);
 - sync health: importance-ratio drift, stale drops, the sync's share of a step.
@@ -25,7 +25,8 @@ HIGH_SHARE = 0.3
 LOW_SHARE = 0.05
 """A wait is "near zero" below this share of the step's time."""
 SYNC_SHARE = 0.2
-"""Syncs are worth a knob when they take this share of the training time or more (spec 002's run 3: 25%)."""
+"""Syncs are worth a knob when they take this share of the training time or more (25% in the third run
+of the HF Jobs LoRA async-GRPO blog post)."""
 BACKLOG_SHARE = 0.25
 """The server is at capacity when the requests waiting in it are this share of those running or more, in most of the
 worker's polls of its /metrics (one poll can catch a burst of requests waiting for the server's next step)."""
@@ -33,7 +34,8 @@ FULL_ALLOWANCE = 0.95
 """The token allowance binds when the windows' largest use of it averages this much or more."""
 RECOMPUTE_RATIO = 2.8
 """A backward this many times its forward or slower runs the forward again (gradient checkpointing); about 2 is usual.
-Spec 002 measured 3.2 with checkpointing and 2.5 without it (frozen LoRA bases, FSDP2): this sits between them."""
+The HF Jobs LoRA async-GRPO blog post measured 3.2 with checkpointing and 2.5 without it (frozen LoRA bases, FSDP2):
+this sits between them."""
 LAST_WINDOW = 0.2
 """The last window is this share of the run's logged lines (at least one)."""
 MIN_TREND_WINDOWS = 5
@@ -96,8 +98,9 @@ def bottleneck(rows: list[dict], config: dict) -> Finding:
     wait_high, back_high = step > 0 and wait >= HIGH_SHARE * step, step > 0 and back >= HIGH_SHARE * step
     backlog = held_backlog(rows)
     held = allowance is not None and allowance >= FULL_ALLOWANCE and not backlog  # in flight, not waiting in the server
-    # spec 002: "queue empty, rollout wait rising, no backpressure: generation is too slow; queue full, rollout wait
-    # zero: the trainer is" -- read from the queue when neither wait is high on its own
+    # as the HF Jobs LoRA async-GRPO blog post reads them: "queue empty, rollout wait rising, no backpressure:
+    # generation is too slow; queue full, rollout wait zero: the trainer is" -- read from the queue when neither
+    # wait is high on its own
     starved = wait_high or (queue < per_step and wait >= LOW_SHARE * step and back < LOW_SHARE * step)
     ahead = back_high or (queue >= per_step and (wait < LOW_SHARE * step or (held and not wait_high)))
     evidence = (f"step {step:.2f}s, rollout wait {wait:.2f}s, backpressure {back:.2f}s, queue {queue:.0f} samples "

@@ -1,7 +1,7 @@
 """Where metrics go: `metrics.jsonl` in the output folder always, and trackio / tensorboard / wandb (offline) when
 `report_to` names them. The console is metrics/console.py's.
 
-The sinks log each metric under its catalogue name (`reward`, `perf/step_s`, `eval/reward`), as the spec's
+The sinks log each metric under its catalogue name (`reward`, `perf/step_s`, `eval/reward`), as TRL's
 dashboards show them; transformers' integration callbacks would rename them `train/...`."""
 
 import importlib.util

@@ -1,6 +1,6 @@
 """One logging window: everything recorded since the last log, reduced by an explicit rule per name.
 
-The rule (reference/metrics.md, window rule) comes from the last part of a name, split on `_` into
+The rule (the metric catalogue's window rule) comes from the last part of a name, split on `_` into
 exact tokens, never from substrings (`mean_terminated_length` is a mean although "terminated" contains
 "min"):
 

@@ -1,5 +1,5 @@
 """Tree attention: one attention call over a packed trie row, for any model that uses transformers'
-attention interface (DESIGN.md §4).
+attention interface.
 
 The mask rule is `k <= q <= end[k]` (plus `pos[q] - pos[k] < window` on sliding-window layers). The
 backend `tandem_tree` takes the mask in one of three forms and picks the kernel from it:

@@ -1,4 +1,4 @@
-"""The token-budget batcher: which samples go into which row of a micro-batch (DESIGN.md §4).
+"""The token-budget batcher: which samples go into which row of a micro-batch.
 
 A micro-batch has one row per rank. A row holds at most `token_budget` unique tokens (a prefix shared
 by several samples counts once) and as many loss terms. A sample goes to the least-loaded row that
@@ -83,6 +83,6 @@ def record_micro_batch(window: MetricWindow, rows: list[PackedRow], token_budget
     window.add("batch/row_tokens_max", *lengths)
     window.add("batch/row_fill_frac", *[n / token_budget for n in lengths])
     window.add("batch/packing_ratio", *[r.packing_ratio for r in rows])
-    loads = [r.load for r in rows]  # one process: one row, balanced (1.0) and unpadded (0.0), as the spec defines them
+    loads = [r.load for r in rows]  # one process: one row, balanced (1.0) and unpadded (0.0) by definition
     window.add("batch/row_imbalance", max(loads) / (sum(loads) / num_ranks))
     window.add("batch/pad_frac", 1 - sum(lengths) / (num_ranks * max(lengths)))

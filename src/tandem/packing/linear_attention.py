@@ -1,5 +1,5 @@
 """Gated DeltaNet layers (Qwen3.5, Qwen3-Next) on tree rows: each branch of the trie continues the convolution
-window and the recurrent state of the token it branches from (spec 000, tree packing), so a packed row computes what
+window and the recurrent state of the token it branches from, so a packed row computes what
 each sample's own sequence would, to the rounding of the layer's chunked kernel (its 64-token chunks start where a
 segment starts, not where the sequence does).
 

@@ -1,4 +1,4 @@
-"""Log-probs and entropy at the trained positions of a packed row, a chunk at a time (DESIGN.md §4).
+"""Log-probs and entropy at the trained positions of a packed row, a chunk at a time.
 
 The model runs without its head; the head is applied only to the hidden states that predict trained
 tokens, a chunk of them at a time, and each chunk's logits are recomputed in the backward pass instead of

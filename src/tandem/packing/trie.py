@@ -1,10 +1,10 @@
-"""Tree packing: the samples of a row folded into a prefix trie and laid out depth-first (spec 000, 트리 패킹).
+"""Tree packing: the samples of a row folded into a prefix trie and laid out depth-first.
 
 A trie node is keyed by (token, next token), so two samples share a node only when they also agree on
 what follows it: the trie branches one token before the samples diverge, and every node predicts a
 single next token. Walking the trie depth-first and collapsing unary chains gives segments; a token's
 `position_id` is its depth, and `end[j]` is the last packed index of its segment's subtree, so query q
-may attend key k iff k <= q <= end[k] (DESIGN.md §4). Samples that share nothing are plain
+may attend key k iff k <= q <= end[k]. Samples that share nothing are plain
 padding-free packing. Every trained token keeps its own loss term, read at the packed index of the
 token before it; a shared position can serve several samples.
 

@@ -1,1 +1,1 @@
-"""`tandem proxy`: one vLLM-protocol endpoint in front of several generation servers (spec 002)."""
+"""`tandem proxy`: one vLLM-protocol endpoint in front of several generation servers."""

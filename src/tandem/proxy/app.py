@@ -1,4 +1,4 @@
-"""`tandem proxy`: one vLLM-protocol endpoint in front of several generation servers (spec 002).
+"""`tandem proxy`: one vLLM-protocol endpoint in front of several generation servers.
 
 Generation requests are routed by prompt prefix (router.py): token ids as sent, chat `messages` rendered to
 token ids with `--tokenizer` (by their text otherwise), and a `/v1/completions` batch split into one request
@@ -214,7 +214,7 @@ class Proxy:
                 "router": self.router.stats()}
 
     async def _print_stats(self) -> None:
-        """Spec 002's `[proxy] stats` line, every `stats_interval_s`: per-replica load and the router's counts."""
+        """The `[proxy] stats` line, every `stats_interval_s`: per-replica load and the router's counts."""
         while True:
             await asyncio.sleep(self.args.stats_interval_s)
             print(f"[proxy] stats {json.dumps(self._stats())}", flush=True)
@@ -510,7 +510,7 @@ class Proxy:
         return error(504 if b"No adapter found" in data else status, failed_on(f"to load {name}", failed, len(results), note))
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 only when every replica is healthy (spec 002), else 503 (or the first unhealthy one's 5xx) naming them.
+        """200 only when every replica is healthy, else 503 (or the first unhealthy one's 5xx) naming them.
         The proxy still serves on the replicas that are up: /proxy/stats says which (the trainer reads it)."""
         members = self._members()
         results = await self._all(request, b"", members)

@@ -1,4 +1,4 @@
-"""Prefix-aware routing: send a request to the replica that already holds its prompt's KV prefix (spec 002).
+"""Prefix-aware routing: send a request to the replica that already holds its prompt's KV prefix.
 
 A prompt is cut into whole blocks (16 tokens, as vLLM's prefix cache counts them) and each block is named
 by a chained hash seeded with the model (adapter) name, so a hash names the whole prefix up to it and a new
@@ -11,8 +11,8 @@ prompt (a chat template, a system prompt): only the blocks after them count as a
   spilled    such a replica exists but is too busy: the least-loaded replica gets it;
   unmatched  no replica holds a specific block: the least-loaded replica, round-robin on ties.
 
-Once a prompt has spilled to every replica its blocks count as common (spec 002) and load alone places
-its later rollouts, counted unmatched as spec 002 counts them, though the chosen replica's cache still hits.
+Once a prompt has spilled to every replica its blocks count as common and load alone places
+its later rollouts, counted unmatched, though the chosen replica's cache still hits.
 """
 
 import hashlib

@@ -1,4 +1,4 @@
-"""Environments (spec 000, 환경): stateful objects whose public methods are a rollout's tools.
+"""Environments: stateful objects whose public methods are a rollout's tools.
 
 `environment_factory` is one factory (a class or a callable) or a dict of them, named; a dataset row picks
 its environment by its `environment` column. Each rollout takes an instance from its factory's pool,
@@ -102,7 +102,7 @@ def validate_environments(environment_factory, tools: list[Callable], datasets: 
 
 def unbuilt(factory: Callable):
     """An instance to read an environment's tools from: a class's bare object (`__new__` without `__init__`, whose
-    cost the pool pays once per instance, as the spec promises); a factory function has to be called once."""
+    cost the pool pays once per instance); a factory function has to be called once."""
     if isinstance(factory, type):
         try:
             return factory.__new__(factory)

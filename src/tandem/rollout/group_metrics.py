@@ -1,5 +1,5 @@
-"""What the worker records about each scored group: rewards per source, lengths, duplicates (reference/metrics.md,
-"Rewards and groups"). `record(name, *values)` appends to the worker's window records."""
+"""What the worker records about each scored group: rewards per source, lengths, duplicates (the
+catalogue's rewards and groups metrics). `record(name, *values)` appends to the worker's window records."""
 
 import numpy as np
 

@@ -1,4 +1,4 @@
-"""`AsyncRolloutLoop`: generates and scores rollouts in the worker process (spec: 롤아웃 루프 사용자 정의).
+"""`AsyncRolloutLoop`: generates and scores rollouts in the worker process.
 
 For each prompt, in dataset order from `dataset_start_index`: `filter_prompt`, then `num_generations`
 rollouts (`generate_one`: the multi-turn tool loop, which calls `generate_one_turn` per sampling request;
@@ -145,7 +145,7 @@ class AsyncRolloutLoop:
 def samples_whole_groups(loop_cls: type) -> bool:
     """Whether a single-turn group may be one request with n = num_generations (one prefill and one HTTP round trip
     instead of G): only when `generate_one` and `generate_one_turn` are the defaults, since an override is called per
-    rollout and per request, as the spec says. (Tools and environments keep one call per rollout too: the scheduler
+    rollout and per request, as TRL documents it. (Tools and environments keep one call per rollout too: the scheduler
     knows those.)"""
     return (loop_cls.generate_one is AsyncRolloutLoop.generate_one
             and loop_cls.generate_one_turn is AsyncRolloutLoop.generate_one_turn)

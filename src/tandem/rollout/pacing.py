@@ -1,7 +1,7 @@
 """How many rollouts may run: the token allowance (staleness) and the server-load concurrency cap.
 
-`TokenAllowance` and `ConcurrencyCap` are small state machines with no I/O, so the rules of the spec's concurrency
-section can be read and tested directly: the worker feeds them numbers and asks them for decisions. `Room` keeps the
+`TokenAllowance` and `ConcurrencyCap` are small state machines with no I/O, so the concurrency rules
+can be read and tested directly: the worker feeds them numbers and asks them for decisions. `Room` keeps the
 worker's books for the allowance (what its groups reserve and put on the queue) and waits for room in it.
 """
 
@@ -108,7 +108,7 @@ class Room:
 
 
 class ConcurrencyCap:
-    """The live cap on rollouts in flight, driven by the server's KV-cache usage (spec: 동시성).
+    """The live cap on rollouts in flight, driven by the server's KV-cache usage.
 
     Starts at what fits the KV cache at full length; while usage < 60% and nothing waits it rises by up
     to 25%, at most by the number of rollouts finished since the last poll; above 80% it drops by 30%.

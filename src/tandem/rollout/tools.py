@@ -1,4 +1,4 @@
-"""Running the tools a rollout calls (spec 000, 도구).
+"""Running the tools a rollout calls.
 
 A `Toolbox` is the set of tools one rollout sees, by `__name__`, with the JSON schemas the chat template
 lists. `ToolRunner` executes one call: async tools are awaited, sync ones run in a thread pool sized

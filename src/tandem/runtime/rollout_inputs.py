@@ -102,6 +102,6 @@ def num_positions(args, dataset) -> int | None:
 
 
 def full_step_tokens(token_budget: int, gradient_accumulation_steps: int, world_size: int) -> int:
-    """The pacing allowance's step before the first one trained: as if every row were full (spec 000), one row per
+    """The pacing allowance's step before the first one trained: as if every row were full, one row per
     rank in each of the step's micro-batches."""
     return token_budget * gradient_accumulation_steps * world_size

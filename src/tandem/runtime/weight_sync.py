@@ -1,4 +1,4 @@
-"""Pushing the policy to the generation server: the `reload` and `lora` strategies (DESIGN.md §2).
+"""Pushing the policy to the generation server: the `reload` and `lora` strategies.
 
 `reload` writes the whole model in checkpoint format to `<output_dir>/.weights/v{N}` (to a temporary
 folder first, then renamed, so the server never reads half a checkpoint), then pauses the server
@@ -119,7 +119,7 @@ def lora_server_flags(max_staleness: int, rank: int) -> list[str]:
 
 
 class LoraSync:
-    """The `lora` strategy (DESIGN.md §2): only the adapter travels. Each version is a new name
+    """The `lora` strategy: only the adapter travels. Each version is a new name
     (`tandem-policy-v{N}`), so a cached prefix can never mix two versions; the last `keep` versions stay
     loaded for the rollouts still sampling from them. The new one is loaded before the oldest is unloaded,
     and a version's folder is deleted one sync after its unload (vLLM may still read an adapter's files

@@ -1,4 +1,4 @@
-"""The `transfer` sync: the trained weights streamed to the server without the disk (reference/vllm_protocol.md §6).
+"""The `transfer` sync: the trained weights streamed to the server without the disk (vLLM's weight-transfer API).
 
 One protocol layer, two data planes. `TransferSync` speaks vLLM's routes, the same for every server: once, at
 connect, the trainer (rank 0 of the group) opens a rendezvous at `weight_transfer_address` and, while it waits

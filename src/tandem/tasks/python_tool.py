@@ -1,5 +1,5 @@
-"""The spec's Python tool (spec 004's multi-turn tool use): the model writes a program, the tool runs it and answers
-with what it printed.
+"""A sandboxed Python tool (for FlashREINFORCE's multi-turn tool use): the model writes a program, the tool runs it
+and answers with what it printed.
 
 It runs code nobody reviewed, so every call runs in a fresh interpreter of its own (`python -I`: no user site, no
 environment variables) in an empty temporary folder, with its address space, CPU time, file sizes and wall time

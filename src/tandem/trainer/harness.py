@@ -1,6 +1,6 @@
-"""`HarnessAsyncGRPOTrainer`: AsyncGRPOTrainer over OpenEnv harness episodes (spec 000, 환경 통합: an agent trained on
-its own harness). Each rollout is one episode of a session from `harness_session_factory`, driven by
-`harness_adapter` in the rollout worker, every model call sampled by tandem (integrations/openenv.py)."""
+"""`HarnessAsyncGRPOTrainer`: AsyncGRPOTrainer over OpenEnv harness episodes (an agent trained on its own harness).
+Each rollout is one episode of a session from `harness_session_factory`, driven by `harness_adapter` in the rollout
+worker, every model call sampled by tandem (integrations/openenv.py)."""
 
 from tandem.config import AsyncGRPOConfig
 from tandem.integrations import openenv

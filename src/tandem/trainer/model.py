@@ -7,6 +7,7 @@ import warnings
 
 import torch
 from peft import get_peft_model
+from peft.tuners.lora.layer import ParamWrapper
 from transformers import PreTrainedModel
 from transformers.debug_utils import DebugUnderflowOverflow
 
@@ -71,9 +72,17 @@ def with_adapter(model: PreTrainedModel, peft_config):
         raise UsageError("peft_config targets lm_head: tandem trains adapters on the transformer layers only (the "
                          "chunked log-prob head reads the base head). Remove lm_head from target_modules / modules_to_save.")
     try:
-        return get_peft_model(model, peft_config)
+        wrapped = get_peft_model(model, peft_config)
     except ValueError as exc:  # peft's refusal: target modules the model does not have
         raise UsageError(f"peft_config: {exc}") from None
+    fused = sorted({".".join(name.split(".")[-2:]) for name, module in wrapped.named_modules()
+                    if isinstance(module, ParamWrapper) and not name.endswith(".base_layer")})
+    if fused:
+        raise NotImplementedError(
+            f"peft_config target_modules={targets!r} puts LoRA on an MoE's fused weights ({', '.join(fused)}), and "
+            "tandem does not sync such an adapter to a generation server yet. Target the attention projections "
+            "(target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']), or train full weights.")
+    return wrapped
 
 
 def instrument(model, args: AsyncGRPOConfig, several_ranks: bool) -> None:
@@ -114,7 +123,7 @@ def served_dtype(model) -> str:
 
 
 def processing_class_for(given, model_name: str, trust_remote_code: bool):
-    """The processing class `given`, or the model's own tokenizer, under the spec's rules (`prepare_processing_class`)."""
+    """The processing class `given`, or the model's own tokenizer, under TRL's rules (`prepare_processing_class`)."""
     from transformers import AutoTokenizer
 
     tokenizer = given or AutoTokenizer.from_pretrained(model_name, trust_remote_code=trust_remote_code)
@@ -122,12 +131,12 @@ def processing_class_for(given, model_name: str, trust_remote_code: bool):
 
 
 def prepare_processing_class(tokenizer, given: bool):
-    """The spec's rules for the processing class: left padding (said when a `given` one pads on the right), and
+    """TRL's rules for the processing class: left padding (said when a `given` one pads on the right), and
     `pad_token` falling back to `eos_token`. tandem pads nothing with it; reward functions and callbacks that batch
-    with it get what the spec promises."""
+    with it get what TRL promises them."""
     text = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's tokenizer
     if given and getattr(text, "padding_side", "left") != "left":
-        warnings.warn(f"processing_class.padding_side={text.padding_side!r}: set to 'left', as the spec requires",
+        warnings.warn(f"processing_class.padding_side={text.padding_side!r}: set to 'left', as the trainer requires",
                       stacklevel=4)
     text.padding_side = "left"
     if text.pad_token is None:

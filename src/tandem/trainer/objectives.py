@@ -8,10 +8,10 @@ The trainer's step reads the same whatever the objective, on one rank or several
             result = objective.row_loss(row, row_logprobs(model, row, ...), LossShare.of(micro_batch, ...))
             result.loss.backward()                        # records += result.metrics
 
-`ClippedSurrogate` (spec 000, 손실 계산, score_centering=False) and `ScoreCentering` (the default) are
+`ClippedSurrogate` (`score_centering=False`) and `ScoreCentering` (the default) are
 per-token losses normalised by the trained tokens of the whole micro-batch (every rank's rows) and averaged
 over the micro-batches, plus the MoE router's load-balancing loss: summed over ranks, the gradient is one
-process's over the same rows. `FlashReinforce` (spec 004) is one loss over the whole step: its
+process's over the same rows. `FlashReinforce` is one loss over the whole step: its
 `begin_step` scores every row of the step without gradients (`score` returns every rank's) and fixes each
 token's coefficient c_t, then each row's loss is Σ_t c_t log π_θ(a_t), the row's share of the update.
 """
@@ -105,7 +105,7 @@ class ScoreCentering(ClippedSurrogate):
 
 
 class FlashReinforce(Objective):
-    """FlashREINFORCE over the whole optimizer batch (reference/flashreinforce_notes.md): its update is
+    """FlashREINFORCE over the whole optimizer batch: its update is
     Σ_t c_t ∇log π_θ(a_t) with every c_t detached, c_t being the gradient of the reference loss
     (losses/flash_reinforce.py) with respect to the current log-prob of token t. A multi-turn rollout is one
     trajectory whatever rows its samples landed in. It neither clips nor masks, and adds no aux loss."""
@@ -156,7 +156,7 @@ def make_objective(args: AsyncGRPOConfig, aux_loss_coef: float) -> Objective:
 
 def token_stats(row: PackedRow, log_probs: torch.Tensor, behavior: torch.Tensor, entropy: torch.Tensor,
                 stats: TokenStats) -> dict[str, list]:
-    """The loss and sampling diagnostics over a row's trained tokens (reference/metrics.md)."""
+    """The loss and sampling diagnostics over a row's trained tokens."""
     diff = (log_probs - behavior).abs()
     low, high = stats.below.float().cpu(), stats.above.float().cpu()
     return {

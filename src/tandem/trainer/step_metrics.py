@@ -1,4 +1,4 @@
-"""What one optimizer step records: its rows, its samples, its timings (names from reference/metrics.md).
+"""What one optimizer step records: its rows, its samples, its timings (names from the metric catalogue).
 
 Pure functions from a step's facts to window records, so the training loop only says when to record.
 """
@@ -34,7 +34,7 @@ def record_samples(window: MetricWindow, rows: list[PackedRow], model_version: i
         window.add("sample/forwarded_tokens_mean", sample.num_tokens)
         window.add("sample/forwarded_tokens_max", sample.num_tokens)
         window.add("sample/trained_tokens_mean", sample.num_trained)
-        window.add("reward_kept", sample.reward)  # reference/metrics.md: over trained samples
+        window.add("reward_kept", sample.reward)  # over trained samples
         window.add("reward_group_std", sample.group_reward_std)
         for source, std in sample.source_group_stds.items():
             window.add(f"rewards/{source}/group_std", std)

@@ -413,7 +413,7 @@ class AsyncGRPOTrainer:
         if self.dataset is not None and not is_iterable(self.dataset):
             metrics["epoch"] = self.state.dataset_start_index / len(self.dataset)
         if self.tools or self.environment_factory is not None or self.harness is not None:
-            metrics.setdefault("tools/failure_frequency", math.nan)  # no call in the window (reference/metrics.md)
+            metrics.setdefault("tools/failure_frequency", math.nan)  # no call in the window
         if "reward" in metrics:
             self.reward_history.append(metrics["reward"])
         self.state.epoch = metrics.get("epoch")
@@ -557,9 +557,10 @@ def _reward_list(reward_funcs, environment_rewards: bool) -> list:
         raise UsageError("reward_funcs is empty and no environment defines get_reward(): pass at least one reward function "
                          "(e.g. tandem.rewards.accuracy_reward), or give the environment a get_reward() method")
     for func in funcs:
-        if isinstance(func, (str, torch.nn.Module)):  # TRL's synchronous trainer takes these; the spec's does not
+        if isinstance(func, (str, torch.nn.Module)):  # TRL's GRPOTrainer takes these; its AsyncGRPOTrainer does not
             raise UsageError(f"reward function {type(func).__name__} {str(func)[:80]!r}: reward models are not supported "
-                             "(as in the spec); pass a function that scores the completions, calling the model there")
+                             "(as in TRL's AsyncGRPOTrainer); pass a function that scores the completions, "
+                             "calling the model there")
         if not callable(func):
             raise TypeError(f"reward function {func!r} is not callable; pass functions, not {type(func).__name__}")
     return funcs
