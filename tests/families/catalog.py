@@ -124,7 +124,9 @@ def table() -> str:
              "- a run trains two steps at `max_staleness 0` with gradient checkpointing on, syncing full weights, and "
              "another syncs a LoRA adapter; each step's importance ratio is 1 within that bound.", "",
              "A model outside this list loads the same way; what tandem cannot serve or pack is refused when it loads, "
-             "saying what to do instead.", "",
+             "saying what to do instead. A model whose config drops units in training (GPT-2's config defaults to "
+             "0.1) is warned of: its training forward is then not the policy the server samples from, and "
+             "the warning gives the `model_init_kwargs` that set the rates to 0 (the matrix's GPT-2 sets them).", "",
              "This page is generated: `python -m tests.families.catalog > docs/models.md`.", "",
              "| family | config | what its test model exercises | rows | served log-probs | LoRA targets |",
              "|---|---|---|---|---|---|"]
@@ -141,15 +143,15 @@ def table() -> str:
               "Mixtral tokenizers before v11), `deepseek_v3` (DeepSeek-V3, R1), `granite` (Granite 3.0 / 3.1) and "
               "`pythonic` (Llama 3.2 / 4). A parser whose tokens the tokenizer lacks is refused at start.",
               "", "## Against `vllm serve`", "",
-              "The `vllm` tier (`tests/vllm/test_families.py`) trains the matrix's Llama against a `vllm serve` of its "
-              "folder (vLLM's CPU build, fp32), syncing a LoRA adapter, then full weights, at `max_staleness 0`: the "
-              "served log-probs stay within 1e-6 of the trainer's. Qwen3-MoE is served by vLLM's CPU build within "
-              "4.8e-7 of the trainer until the first weight update, and 0.067 off after it, even when the update "
-              "streams the weights it already holds: on its first load the CPU experts repack their weights into a "
-              "grouped-GEMM layout (`fused_moe/experts/cpu_moe.py`), and an update writes checkpoint-layout tensors "
-              "into that storage without repacking (`unquantized_fused_moe_method.py`, `_setup_kernel`). Started with "
-              "`--enable-lora`, its engine dies: vLLM's LoRA for expert layers runs on Triton, which the CPU build "
-              "lacks. Train MoE models against `vllm serve` on a GPU, or against `tandem serve`."]
+              "The `vllm` tier (`tests/vllm/test_families.py`) trains the matrix's Llama and Qwen3-MoE against a `vllm "
+              "serve` of their folders (vLLM's CPU build, fp32) at `max_staleness 0`, streaming full weights, and "
+              "Llama also syncing a LoRA adapter: the served log-probs stay within 1e-6 of the trainer's. vLLM's CPU "
+              "experts pack their weights into a grouped-GEMM layout on the first load only (`fused_moe/experts/"
+              "cpu_moe.py`), and a weight update writes checkpoint-layout values into that storage "
+              "(`unquantized_fused_moe_method.py`, `_setup_kernel`): tandem's vLLM plugin packs them again after each "
+              "update (without it a random Qwen3-MoE was served 0.067 off after a stream of the very weights it held). "
+              "An MoE's LoRA cannot be served by the CPU build: started with `--enable-lora`, it runs the experts' "
+              "adapters through Triton, which it lacks, and its engine dies at the first request."]
     return "\n".join(lines) + "\n"
 
 

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import urllib.request
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 
@@ -716,6 +717,19 @@ def test_an_adapter_on_an_moes_fused_expert_weights_is_refused_naming_what_to_ta
                                                   r"target_modules=\['q_proj', 'k_proj', 'v_proj', 'o_proj'\]"):
         AsyncGRPOTrainer(BY_NAME["Qwen3-MoE"].build(), accuracy_reward, args=config(tmp_path), train_dataset=small_dataset(),
                          peft_config=LoraConfig(r=4, target_modules="all-linear"))
+
+
+def test_a_model_that_drops_units_in_training_is_warned_of_with_the_settings_that_turn_it_off():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tandem.trainer.model import warn_dropout
+
+    with pytest.warns(UserWarning, match=r"drops units in training \(attn_pdrop=0.1, embd_pdrop=0.1, resid_pdrop=0.1"):
+        warn_dropout(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)))  # GPT-2's defaults
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_dropout(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, attn_pdrop=0.0,
+                                                embd_pdrop=0.0, resid_pdrop=0.0, summary_first_dropout=0.0)))
 
 
 def test_a_reward_model_is_refused_at_construction_not_in_the_worker(tmp_path):

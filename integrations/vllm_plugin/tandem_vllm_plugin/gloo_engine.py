@@ -57,6 +57,23 @@ def tied_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [layer for layers in by_storage.values() if len(layers) > 1 for layer in layers]
 
 
+def cpu_experts(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
+    """The MoE layers whose experts run on vLLM's CPU kernels, with those experts. vLLM 0.32 packs their weights into a
+    grouped-GEMM layout on the first load only: an update's reload writes checkpoint-layout values into that storage
+    (`UnquantizedFusedMoEMethod._setup_kernel` skips the packing on a weight update), which served a random Qwen3-MoE
+    0.067 off after a stream of the very weights it held. Packing them again after the update restores the first load."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a build without CPU experts
+        return []
+    found = []
+    for layer in model.modules():
+        experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            found.append((layer, experts))
+    return found
+
+
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
     init_info_cls = GlooInitInfo
     update_info_cls = GlooUpdateInfo
@@ -105,6 +122,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         finalize_layerwise_reload(self.model, self.model_config)
         for layer in tied_layers(self.model):
             layer.quant_method.process_weights_after_loading(layer)
+        for layer, experts in cpu_experts(self.model):
+            experts.process_weights_after_loading(layer)
 
     def shutdown(self) -> None:
         self.group = None

@@ -49,7 +49,21 @@ def load_model(model, args: AsyncGRPOConfig) -> tuple[str, PreTrainedModel, str]
                       "per rollout instead of once per row, and each row's samples are padded to its longest (the "
                       "token budget counts the padding; batch/packing_ratio below 1 is what it costs).", stacklevel=3)
     check_head(loaded)
+    warn_dropout(loaded)
     return name, loaded, layout
+
+
+def warn_dropout(model: PreTrainedModel) -> None:
+    """A warning when the model drops units in training: its forward is then not the policy the server samples from
+    (GPT-2's default 0.1 kept a random 2-layer model's importance ratio at 1.02-1.17 at staleness 0, not 1)."""
+    rates = {name: value for name, value in model.config.get_text_config().to_dict().items()
+             if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float) and value > 0}
+    if rates and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        settings = ", ".join(f"{name}={value:g}" for name, value in sorted(rates.items()))
+        warnings.warn(f"the model's config drops units in training ({settings}), which the server's sampling does not: "
+                      "the trainer's log-probs are then not the sampler's policy, and the importance ratio drifts from 1 "
+                      f"even at staleness 0. Load it with them at 0 (model_init_kwargs: {{{', '.join(f'{n}: 0.0' for n in sorted(rates))}}}).",
+                      stacklevel=3)
 
 
 def freeze_vision(model: PreTrainedModel) -> None:
