@@ -227,8 +227,9 @@ class AsyncGRPOConfig:
     """Seconds one tool call may take; a late call is an error message to the model and a failure. tandem's own field."""
     tool_call_parser: str | None = None
     """The format the rollout loop reads tool calls in, by vLLM's parser names (hermes, llama3_json, mistral,
-    deepseek_v3, granite, pythonic), as `tandem serve` and `vllm serve --tool-call-parser` read it; None: Hermes
-    `<tool_call>` blocks, else the tokenizer's `response_template`. tandem's own field."""
+    deepseek_v3, granite, pythonic), as `tandem serve` and `vllm serve --tool-call-parser` read it (hermes block by
+    block: a malformed block is reported to the model, the others run); None: Hermes `<tool_call>` blocks, else the
+    tokenizer's `response_template`. tandem's own field."""
 
     # ---- the generation server ----
     vllm_server_base_url: str | None = None
@@ -268,9 +269,10 @@ class AsyncGRPOConfig:
     max_staleness: int = 4
     weight_sync_steps: int = 1
     weight_sync_check_atol: float | None = None
-    """After each sync, sample a short completion under the synced name and stop training if the server's log-probs
-    differ from the trainer's forward by more than this (1e-5 holds in fp32 with exact decoding). None: no check.
-    tandem's own field, not in TRL's config."""
+    """After each sync, score a fixed probe under the synced name and stop training if the server's log-probs differ
+    from the trainer's forward by more than this at any token (1e-5 holds in fp32 with exact decoding). None: no such
+    bound; against an external server the first syncs are probed all the same, until one is seen to reach it (mean gap
+    within the dtype's rounding, log-probs moved toward the new weights). tandem's own field, not in TRL's config."""
     rollout_worker_timeout: float = 300.0
     reward_timeout: float | None = 600.0
     """Seconds one reward function may take on a group; a late or raising call is made once more, then the group is
@@ -387,7 +389,7 @@ class AsyncGRPOConfig:
             ("max_staleness", self.max_staleness >= 0, "must be >= 0"),
             ("weight_sync_steps", self.weight_sync_steps >= 1, "must be at least 1"),
             ("weight_sync_check_atol", self.weight_sync_check_atol is None or self.weight_sync_check_atol > 0,
-             "must be a positive tolerance (e.g. 1e-5), or None to skip the check"),
+             "must be a positive tolerance (e.g. 1e-5), or None for no per-token bound"),
             ("max_concurrent_rollouts", self.max_concurrent_rollouts >= 1, "must be at least 1"),
             ("reward_timeout", self.reward_timeout is None or self.reward_timeout > 0,
              "must be a positive number of seconds, or None for no limit"),

@@ -80,9 +80,11 @@ class ParsedReply:
 def parse_reply(text: str, tokenizer=None, *, prefix: str = "", tool_format: ToolCallFormat | None = None) -> ParsedReply:
     """Read the tool calls in `text`, a decoded reply.
 
-    A trailing end marker is dropped when it is `tokenizer.eos_token`. With a `tool_format` the reply is read as that
-    format reads it (`read_in_format`). Without one, Hermes `<tool_call>` blocks are read whatever the tokenizer; a
-    reply without one goes through the tokenizer's `response_template` when it has one, else it is all content.
+    A trailing end marker is dropped when it is `tokenizer.eos_token`. With a `tool_format` other than hermes the reply
+    is read as that format reads it (`read_in_format`). Otherwise Hermes `<tool_call>` blocks are read whatever the
+    tokenizer, each on its own (a malformed block is reported, the others run: more than vLLM's all-or-nothing
+    reading gives the model to learn from); a reply without one goes through the tokenizer's `response_template` when
+    it has one (not with hermes chosen), else it is all content.
     `prefix` is the prompt's text, which that parser needs for families whose generation prompt already opens part of
     the reply (a template ending its prompt with `<think>`, such as Qwen3-Thinking-2507's, makes the reply start
     inside the reasoning); "" when the prompt opens nothing.
@@ -90,7 +92,7 @@ def parse_reply(text: str, tokenizer=None, *, prefix: str = "", tool_format: Too
     text = strip_eos(text, tokenizer)
     if tool_format is not None and tool_format.name != "hermes":
         return read_in_format(text, tool_format)
-    if HERMES_OPEN in text:
+    if HERMES_OPEN in text or tool_format is not None:
         return parse_hermes(text)
     if getattr(tokenizer, "response_template", None) is not None:
         return parse_with_response_template(text, tokenizer, prefix)
@@ -139,7 +141,7 @@ def hermes_call(block: re.Match) -> ToolCall:
         return ToolCall("", {}, error=f"{HERMES_OPEN} is not closed by {HERMES_CLOSE}", raw=raw)
     try:
         body = json.loads(block.group("body"))
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:  # bad JSON; a 5000-digit integer; nesting too deep
         return ToolCall("", {}, error=f"invalid JSON: {e}", raw=raw)
     return call_from_object(body, raw)
 
@@ -155,7 +157,7 @@ def call_from_object(body, raw: str) -> ToolCall:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError as e:
+        except (ValueError, RecursionError) as e:
             return ToolCall(name, {}, error=f'"arguments" is a string but not valid JSON: {e}', raw=raw)
     if not isinstance(arguments, dict):
         return ToolCall(name, {}, error=f'"arguments" is a JSON {type(arguments).__name__}, not an object', raw=raw)

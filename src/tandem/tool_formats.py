@@ -11,9 +11,12 @@ rollout reads the same calls a served model would make.
 | granite | Granite 3.0 / 3.1 | `<|tool_call|>[{"name": "f", "arguments": {...}}]` |
 | pythonic | Llama 3.2 / 4, ToolACE | `[f(a=1), g(b="x")]` |
 
-Each reader is all or nothing, as vLLM's: a reply whose calls do not all read is plain content.
+Each reader is all or nothing, as vLLM's: a reply whose calls do not all read is plain content. One difference:
+vLLM's mistral (v11) and granite readers convert a string argument to the type the request's tool schema gives it
+(`"n": "2"` to `2` for an integer); tandem passes arguments as written.
 
-Only the standard library is imported here.
+Only the standard library and `regex` (a transformers dependency, for the time-bounded match vLLM uses) are imported
+here.
 """
 
 import ast
@@ -22,7 +25,13 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
+import regex
+
 from tandem.errors import UsageError
+
+UNREADABLE = (ValueError, KeyError, TypeError, RecursionError, MemoryError)
+"""What reading a malformed or pathological call raises (bad JSON; a 5000-digit integer; deep nesting; a value JSON
+cannot hold): the reply is then plain text, as vLLM's parsers answer."""
 
 
 @dataclass
@@ -33,8 +42,9 @@ class Reading:
     content: str | None
     calls: list[tuple[str, str]]
     called: bool
-    """vLLM's `tools_called`: whether the reply counts as calling tools (finish_reason "tool_calls"); True without
-    calls only where deepseek_v3 finds its opening token but no call it can read."""
+    """vLLM's `tools_called`: whether the reply reads as calling tools, so that its content is the reading's (the chat
+    endpoint's finish_reason is "tool_calls" only with calls); True without calls only where deepseek_v3 finds its
+    opening token but no call it can read."""
 
 
 def plain(text: str) -> Reading:
@@ -64,7 +74,7 @@ def read_hermes(text: str) -> Reading:
         try:
             body = json.loads(closed or unclosed)
             name, arguments = body["name"], body["arguments"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except UNREADABLE:
             return plain(text)
         if not isinstance(name, str):
             return plain(text)
@@ -87,7 +97,7 @@ def read_llama3_json(text: str) -> Reading:
             body, length = decoder.raw_decode(text[start:])
             name = body["name"]
             arguments = body["arguments"] if "arguments" in body else body["parameters"]
-        except (json.JSONDecodeError, KeyError):
+        except UNREADABLE:
             return plain(text)
         if not isinstance(name, str):
             return plain(text)
@@ -111,11 +121,11 @@ def read_mistral(text: str) -> Reading:
     body = next((piece.strip() for piece in pieces if piece.strip()), "")
     try:
         parsed = json.JSONDecoder().raw_decode(body)[0]
-    except json.JSONDecodeError:
+    except UNREADABLE:
         bracketed = re.findall(r"\[{.*}\]", body, flags=re.DOTALL)
         try:
             parsed = json.loads(bracketed[0]) if bracketed else None
-        except json.JSONDecodeError:
+        except UNREADABLE:
             parsed = None
     entries = [parsed] if isinstance(parsed, dict) else parsed if isinstance(parsed, list) else []
     calls = []
@@ -154,23 +164,21 @@ GRANITE_MARKERS = ("<|tool_call|>", "<tool_call>")
 
 
 def read_granite(text: str) -> Reading:
-    """Each marker is followed by a JSON list of calls; each element with a string "name" is a call, its "arguments"
-    object passed as written ("{}" without one; a string as the text it holds). With calls the content is the text
-    before the first marker, stripped; without, the text less its markers (and the space after each) and its lists."""
+    """Each marker is followed by a JSON list of calls; each element with a non-blank string "name" (stripped) is a
+    call, its "arguments" passed as written ("{}" without one; a string as the text it holds). With calls the content is
+    the text before the first marker, stripped; without, the text less its markers (and the space after each) and its
+    lists."""
     first, marker = next_marker(text)
     if marker is None:
         return plain(text)
     pieces, calls, rest = [text[:first]], [], text[first + len(marker):]
     while True:
         rest = rest.lstrip()
-        try:
-            entries, length = json.JSONDecoder().raw_decode(rest)
-        except json.JSONDecodeError:
-            entries = None
-        if isinstance(entries, list):
-            calls += [(entry["name"], written_arguments(rest[:length], entry)) for entry in entries
-                      if isinstance(entry, dict) and isinstance(entry.get("name"), str)]
-            rest = rest[length:]
+        elements = list_elements(rest)
+        if elements is not None:
+            entries, rest = elements
+            calls += [(entry["name"].strip(), written_arguments(entry, written)) for entry, written in entries
+                      if isinstance(entry, dict) and isinstance(entry.get("name"), str) and entry["name"].strip()]
         at, marker = next_marker(rest)
         if marker is None:
             break
@@ -187,30 +195,58 @@ def next_marker(text: str) -> tuple[int, str | None]:
     return min(found) if found else (-1, None)
 
 
-def written_arguments(array_text: str, entry: dict) -> str:
-    """The "arguments" of `entry` as the model wrote them in the list's text (spacing kept): an object as written, a
-    string as the text it holds, anything else "{}"."""
-    arguments = entry.get("arguments")
-    if isinstance(arguments, str):
-        return arguments
-    if not isinstance(arguments, dict):
-        return "{}"
+def list_elements(text: str) -> tuple[list[tuple[object, str]], str] | None:
+    """The elements of the JSON list `text` starts with, each with its text as written, and the text after the list;
+    None when it does not start with one."""
     decoder = json.JSONDecoder()
-    for m in re.finditer(r'"arguments"\s*:\s*', array_text):
+    try:
+        whole, end = decoder.raw_decode(text)
+    except UNREADABLE:
+        return None
+    if not isinstance(whole, list):
+        return None
+    elements, at = [], 1
+    for _ in whole:
+        at = skip_space(text, at)
+        value, stop = decoder.raw_decode(text, at)
+        elements.append((value, text[at:stop]))
+        at = skip_space(text, stop) + 1  # past the comma (or the closing bracket)
+    return elements, text[end:]
+
+
+def skip_space(text: str, at: int) -> int:
+    while text[at] in " \t\n\r":
+        at += 1
+    return at
+
+
+def written_arguments(entry: dict, written: str) -> str:
+    """The "arguments" of a call as the model wrote them in its element's text (`written`, spacing kept): a string as
+    the text it holds; "{}" when there are none."""
+    if "arguments" not in entry:
+        return "{}"
+    if isinstance(entry["arguments"], str):
+        return entry["arguments"]
+    decoder = json.JSONDecoder()
+    for m in re.finditer(r'"arguments"\s*:\s*', written):
         try:
-            value, end = decoder.raw_decode(array_text, m.end())
-        except json.JSONDecodeError:
+            value, end = decoder.raw_decode(written, m.end())
+        except UNREADABLE:
             continue
-        if value == arguments:
-            return array_text[m.end():end]
-    return as_json(arguments)
+        if value == entry["arguments"]:
+            return written[m.end():end]
+    return as_json(entry["arguments"])
 
 
 # ---- pythonic -------------------------------------------------------------------------------------------
-PYTHONIC_LIST = re.compile(
+PYTHONIC_LIST = regex.compile(
     r"\[([a-zA-Z]+\w*\(([a-zA-Z]+\w*=.*,\s*)*([a-zA-Z]+\w*=.*\s)?\),\s*)*"
-    r"([a-zA-Z]+\w*\(([a-zA-Z]+\w*=.*,\s*)*([a-zA-Z]+\w*=.*\s*)?\)\s*)+\]", re.DOTALL)
+    r"([a-zA-Z]+\w*\(([a-zA-Z]+\w*=.*,\s*)*([a-zA-Z]+\w*=.*\s*)?\)\s*)+\]", regex.DOTALL)
 """The shape vLLM requires from the reply's first character: a Python list of calls with keyword arguments."""
+PYTHONIC_TIMEOUT_S = 1.0
+"""How long that match may take, as vLLM bounds it (VLLM_TOOL_PARSE_REGEX_TIMEOUT_SECONDS): it can backtrack
+exponentially on a list cut off mid-call (with Python's re, 20 calls and a cut one took 3.3 s, each 4 more 16x), and a
+reply past the bound is plain text."""
 JSON_NAMES = {"null": None, "true": True, "false": False}
 
 
@@ -218,7 +254,10 @@ def read_pythonic(text: str) -> Reading:
     """The reply is a Python list of calls, `[f(a=1), g(b="x")]`, whose keyword arguments are literals (strings,
     numbers, None/True/False or null/true/false, lists, tuples, sets, dicts); anything else makes it plain. No content
     when it calls."""
-    if PYTHONIC_LIST.match(text) is None:
+    try:
+        if PYTHONIC_LIST.match(text, timeout=PYTHONIC_TIMEOUT_S) is None:
+            return plain(text)
+    except TimeoutError:
         return plain(text)
     try:
         node = getattr(ast.parse(text).body[0], "value", None)
@@ -226,7 +265,7 @@ def read_pythonic(text: str) -> Reading:
             return plain(text)
         return called(None, [(dotted_name(call.func), as_json({k.arg: literal(k.value) for k in call.keywords}))
                              for call in node.elts])
-    except (SyntaxError, ValueError, IndexError):
+    except (SyntaxError, IndexError, *UNREADABLE):
         return plain(text)
 
 

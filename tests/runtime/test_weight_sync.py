@@ -167,6 +167,14 @@ def test_the_probe_tells_a_missed_sync_from_a_bf16_servers_rounding():
         first_probe("float32").judge("policy", (connect + rounding).tolist(), connect)
     with pytest.raises(sync_check.SyncMismatch, match="weight_sync_check_atol"):
         probe(atol=1e-3, url="http://gpu-box:8000").judge("policy", (connect + rounding).tolist(), connect)
+    with pytest.raises(sync_check.SyncMismatch, match="differ from the trainer's by .* on average"):
+        external().judge("policy", (trained + 1.0).tolist(), trained)  # neither version: a reload that garbled them
+
+    loose = probe(atol=5.0, url="http://gpu-box:8000")
+    loose.note_server_dtype("bfloat16")
+    loose.judge("policy", (connect + rounding).tolist(), connect)
+    with pytest.raises(sync_check.SyncMismatch, match="did not reach the server"):
+        loose.judge("policy", (connect + rounding).tolist(), trained)  # no setting loosens the external checks
 
 
 def test_moved_is_exact_where_the_server_is():

@@ -713,23 +713,28 @@ def test_an_adapter_on_an_moes_fused_expert_weights_is_refused_naming_what_to_ta
 
     from tests.families.catalog import BY_NAME
 
-    with pytest.raises(NotImplementedError, match=r"LoRA on an MoE's fused weights \(mlp.experts, mlp.gate\).*"
+    with pytest.raises(NotImplementedError, match=r"LoRA on an MoE's parameter-wrapped weights, its experts or router "
+                                                  r"\(mlp.experts, mlp.gate\).*"
                                                   r"target_modules=\['q_proj', 'k_proj', 'v_proj', 'o_proj'\]"):
         AsyncGRPOTrainer(BY_NAME["Qwen3-MoE"].build(), accuracy_reward, args=config(tmp_path), train_dataset=small_dataset(),
                          peft_config=LoraConfig(r=4, target_modules="all-linear"))
 
 
 def test_a_model_that_drops_units_in_training_is_warned_of_with_the_settings_that_turn_it_off():
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     from tandem.trainer.model import warn_dropout
 
-    with pytest.warns(UserWarning, match=r"drops units in training \(attn_pdrop=0.1, embd_pdrop=0.1, resid_pdrop=0.1"):
+    with pytest.warns(UserWarning, match=r"drops units in training \(attn_pdrop=0.1, embd_pdrop=0.1, resid_pdrop=0.1\)"
+                                         r".*model_init_kwargs: \{attn_pdrop: 0.0, embd_pdrop: 0.0, resid_pdrop: 0.0\}"):
         warn_dropout(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)))  # GPT-2's defaults
+    with pytest.warns(UserWarning, match=r"attention_dropout=0.05"):  # a functional dropout: no nn.Dropout module
+        warn_dropout(LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                                  num_attention_heads=2, vocab_size=64, attention_dropout=0.05)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warn_dropout(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, attn_pdrop=0.0,
-                                                embd_pdrop=0.0, resid_pdrop=0.0, summary_first_dropout=0.0)))
+                                                embd_pdrop=0.0, resid_pdrop=0.0)))  # its summary head's rate is unused
 
 
 def test_a_reward_model_is_refused_at_construction_not_in_the_worker(tmp_path):

@@ -36,6 +36,7 @@ REPLIES = {
         '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call><tool_call>{oops</tool_call>',
         '<tool_call>{"name": "f"}</tool_call>',
         '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {"a": ' + "9" * 5000 + "}}</tool_call>",
         "The answer is 42.",
     ],
     "llama3_json": [
@@ -84,6 +85,8 @@ REPLIES = {
         'a<|tool_call|>[{"name": "f", "arguments": {"a": 1}}]<|tool_call|>[{"name": "g", "arguments": {}}]',
         '<|tool_call|>[{"name": "f", "arguments": "{\\"a\\": 1}"}, {"name": "g", "parameters": {"a": 1}}]',
         '<|tool_call|>[]',
+        '<|tool_call|>[{"name": " f ", "arguments": [1]}, {"name": "", "arguments": {}}, {"name": "g", "arguments": null}]',
+        '<|tool_call|>[ {"name": "f", "arguments": {"a":1}} ,\n {"name": "f", "arguments": {"a" :  1}} ] tail',
         "The answer is 42.",
     ],
     "pythonic": [
@@ -95,6 +98,8 @@ REPLIES = {
         '[f(1)]',
         '[f(a=b)]',
         '[f(a=1), 3]',
+        "[" + "f(a=1, b=2), " * 20 + "f(a=",
+        "[f(a=" + "-" * 5000 + "1)]",
         "The answer is 42.",
     ],
 }

@@ -1,4 +1,4 @@
-"""vLLM's end of tandem's gloo weight stream (the trainer's end is tandem/trainer/weight_transfer.py, `GlooPlane`).
+"""vLLM's end of tandem's gloo weight stream (the trainer's end is tandem/runtime/weight_transfer.py, `GlooPlane`).
 
     init_info   {master_address, master_port, rank_offset, world_size}: join the trainer's gloo group
     update_info {names, dtype_names, shapes}: receive each tensor from rank 0, in order, into model.load_weights
@@ -6,7 +6,8 @@
 Each update runs inside vLLM's layerwise reload (like its NCCL engine): a layer is processed for its kernels once
 all its weights have arrived. A layer that owns no checkpoint name, the LM head tied to the embedding, is never
 processed by that reload, and on CPU its kernel keeps a packed copy of the *old* weight (an LM head 2% off after
-one step of the tiny model): `finish_weight_update` processes such tied layers again.
+one step of the tiny model): `finish_weight_update` processes such tied layers again. An MoE layer on vLLM's CPU
+experts is processed but not packed again: `pack_experts_when_processed` has it packed.
 """
 
 import os
@@ -57,21 +58,27 @@ def tied_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [layer for layers in by_storage.values() if len(layers) > 1 for layer in layers]
 
 
-def cpu_experts(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
-    """The MoE layers whose experts run on vLLM's CPU kernels, with those experts. vLLM 0.32 packs their weights into a
-    grouped-GEMM layout on the first load only: an update's reload writes checkpoint-layout values into that storage
-    (`UnquantizedFusedMoEMethod._setup_kernel` skips the packing on a weight update), which served a random Qwen3-MoE
-    0.067 off after a stream of the very weights it held. Packing them again after the update restores the first load."""
+def pack_experts_when_processed(model: torch.nn.Module) -> None:
+    """Have each MoE layer whose experts run on vLLM's CPU kernels pack its weights again whenever a reload processes
+    it. vLLM 0.32 packs them into a grouped-GEMM layout on the first load only: a reload processes the layer's new
+    weights without packing them (`UnquantizedFusedMoEMethod._setup_kernel` skips it on a weight update) and copies them
+    into the packed storage, which served a random Qwen3-MoE 0.067 off after a stream of the very weights it held. The
+    reload processes only the layers it loaded, so only those are packed, and before the copy (padded shapes agree)."""
     try:
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     except ImportError:  # a build without CPU experts
-        return []
-    found = []
+        return
     for layer in model.modules():
-        experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
-        if isinstance(experts, CPUUnquantizedExperts):
-            found.append((layer, experts))
-    return found
+        method = getattr(layer, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or getattr(method, "packs_on_reload", False):
+            continue
+
+        def process_and_pack(layer, process=method.process_weights_after_loading, experts=experts):
+            process(layer)
+            experts.process_weights_after_loading(layer)
+
+        method.process_weights_after_loading, method.packs_on_reload = process_and_pack, True
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
@@ -93,6 +100,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        pack_experts_when_processed(self.model)
         initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict) -> None:
@@ -122,8 +130,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         finalize_layerwise_reload(self.model, self.model_config)
         for layer in tied_layers(self.model):
             layer.quant_method.process_weights_after_loading(layer)
-        for layer, experts in cpu_experts(self.model):
-            experts.process_weights_after_loading(layer)
 
     def shutdown(self) -> None:
         self.group = None

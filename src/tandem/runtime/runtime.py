@@ -136,8 +136,8 @@ class Runtime:
             control = session.connect(url)
             facts = session.run(server_checks.read_facts(control))
             server_checks.check(facts, url, spec.served_dtype)
-            self.probe.note_server_dtype(facts.dtype)
             server_dtype = facts.dtype
+            self.probe.note_server_dtype(server_dtype)  # rank 0 judges the probe
             max_model_len = session.run(control.max_model_len())
             served_name = server_checks.served_name([m["id"] for m in session.run(control.models())], spec.model_name)
             self.sync_strategy = choose_sync(control, session, served_name, spec.model, args, self.lora, self.ranks)
@@ -249,8 +249,6 @@ class Runtime:
         except EngineDead as error:
             raise ServerProblem(f"the weight sync failed: {engine_died(error)}") from None
         except Exception as error:
-            if isinstance(error, ServerError) and 400 <= error.status < 500:  # refused: a reconnect would be refused too
-                raise ServerProblem(f"the weight sync failed: {error}") from None
             if not self._reconnect(version, error):  # the server brought back serves this version
                 raise
             timings = {}
@@ -304,14 +302,26 @@ class Runtime:
         probe.pushes += 1
         if not probe.due(probe.pushes):
             return timings
-        name, served = self.sync_strategy.name_for(version), None
-        if self.ranks.main:
+        name, main, served, verdict = self.sync_strategy.name_for(version), self.ranks.main, None, None
+        if main:
             probe.client = probe.client or self.session.generation_client()
-            served = self.session.run(probe.served_logprobs(probe.client, name))
+            try:
+                served = self.session.run(probe.served_logprobs(probe.client, name))
+            except ServerError as error:
+                if 400 <= error.status < 500:  # refused, not lost: reconnecting would be refused alike
+                    raise ServerProblem(f"the weight sync check's request was refused: {error}") from None
+                raise
         completion, served = self.ranks.broadcast(served)
         probe.completion = completion
         ours = sync_check.policy_logprobs(self.spec.model, probe.prompt, completion, self.spec.kernel, self.spec.layout)
-        gap = probe.judge(name, served, ours)  # every rank: the next syncs' probes are due alike
+        if main:  # judged once: every rank takes rank 0's verdict, so the next syncs' probes are due alike
+            try:
+                verdict = probe.judge(name, served, ours), None
+            except sync_check.SyncMismatch as mismatch:
+                verdict = None, str(mismatch)
+        (gap, failure), probe.settled = self.ranks.broadcast((verdict, probe.settled) if main else None)
+        if failure is not None:
+            raise sync_check.SyncMismatch(failure)
         timings["weight_sync/served_logprob_gap"] = gap.max_abs
         if probe.gave_up() and self.ranks.main:
             self.session.progress.say(f"the sync probe could not tell the trained weights from the first probe's after "

@@ -40,6 +40,7 @@ class SyncGap:
     max_abs: float
     """The largest |served log-prob − trainer log-prob| over the probe's tokens."""
     mean_abs: float
+    """Their mean, which rounding bounds (`metrics.doctor.OFF_POLICY_BOUND`)."""
 
 
 def rms(values: torch.Tensor) -> float:
@@ -60,11 +61,11 @@ class SyncProbe:
     """Which syncs are probed and how they are judged. The probe is a fixed sequence: the prompt and a completion the
     server sampled at the first probe, scored by the server under the synced name and by the trainer.
 
-    - With weight_sync_check_atol set, every sync is probed, and a gap above it stops the run.
-    - Else, against an external server, the first probe since connect takes the trainer's log-probs as the reference
-      and checks the server serves this model at all: a mean gap above the coarser dtype's rounding bound stops the
-      run. Later probes ask whether the served log-probs moved with the trainer's (`moved`): a server that still
-      serves the reference stops the run; one that moved ends the forced probes.
+    - With weight_sync_check_atol set, every sync is probed, and a gap above it at any token stops the run.
+    - Against an external server, whatever the settings, each probe checks the server serves this model at all: a
+      mean gap above the coarser dtype's rounding bound stops the run. The first probe since connect takes the
+      trainer's log-probs as the reference; later ones ask whether the served log-probs moved with the trainer's
+      (`moved`): a server that still serves the reference stops the run; one that moved ends the forced probes.
 
     `args` (the AsyncGRPOConfig) is read at each sync, as the runtime reads it."""
 
@@ -90,6 +91,7 @@ class SyncProbe:
         """Whether a probe saw the server move with the trainer's weights (no more forced probes)."""
 
     def note_server_dtype(self, dtype: str) -> None:
+        """The server's dtype, read at connect on rank 0, which judges the probes."""
         self.dtypes.append(dtype)
 
     def fit(self, max_model_len: int) -> None:
@@ -105,7 +107,8 @@ class SyncProbe:
 
     def gave_up(self) -> bool:
         """Whether the last forced probe has passed without the versions lying far enough apart to judge it."""
-        return self.args.weight_sync_check_atol is None and self.pushes == FORCED_PROBES and not self.settled
+        return (self.args.vllm_server_base_url is not None and self.reference is not None
+                and self.pushes == FORCED_PROBES and not self.settled)
 
     async def served_logprobs(self, client: GenerationClient, served_name: str) -> tuple[list[int], list[float]]:
         """The probe's completion and the server's log-probs of it under `served_name`: sampled at the first probe (at
@@ -120,32 +123,34 @@ class SyncProbe:
         return self.completion, scored[len(self.prompt) - 1:]
 
     def judge(self, served_name: str, served: list[float], ours: torch.Tensor) -> SyncGap:
-        """The gap between the `served` log-probs and the trainer's (`ours`), after SyncMismatch if the rule in
-        effect (class docstring) says the server does not serve the trainer's weights."""
+        """The gap between the `served` log-probs and the trainer's (`ours`), after SyncMismatch if a rule in effect
+        (class docstring) says the server does not serve the trainer's weights."""
         served = torch.tensor(served, dtype=torch.float64)
         gap = SyncGap(served_name, len(served), float((served - ours).abs().max()), float((served - ours).abs().mean()))
-        atol = self.args.weight_sync_check_atol
-        if atol is not None:
-            check(gap, atol)
-        elif self.reference is None:
-            self.reference = ours
-            bound, dtype = rounding_bound(self.dtypes)
-            if gap.mean_abs > bound:
-                raise SyncMismatch(
-                    f"weight sync check: the server's log-probs under {served_name!r} differ from the trainer's by "
-                    f"{gap.mean_abs:.3g} on average over {gap.tokens} tokens (largest {gap.max_abs:.3g}); {dtype} "
-                    f"rounding stays under {bound:g}. The server does not serve the trainer's model under that name "
-                    "(another checkpoint, a different decode mode or logprobs mode), so training would be off-policy.")
-        else:
+        if self.args.weight_sync_check_atol is not None:
+            check(gap, self.args.weight_sync_check_atol)
+        if self.args.vllm_server_base_url is None:
+            return gap
+        if self.reference is not None:
             verdict = moved(served, ours, self.reference)
             if verdict is False:
                 raise SyncMismatch(
                     f"weight sync check: after the sync, the server's log-probs under {served_name!r} sit nearer the "
-                    f"weights it served at the first probe than the trainer's new ones ({rms(served - self.reference):.3g} "
-                    f"against {rms(served - ours):.3g} RMS over {gap.tokens} tokens, while the two versions lie "
-                    f"{rms(ours - self.reference):.3g} apart). The weights did not reach the server (a reload that "
-                    "missed, an adapter not applied), so training would be off-policy.")
-            self.settled = verdict is True
+                    f"weights it served at the first probe than the trainer's new ones "
+                    f"({rms(served - self.reference):.3g} against {rms(served - ours):.3g} RMS over {gap.tokens} tokens, "
+                    f"while the two versions lie {rms(ours - self.reference):.3g} apart). The weights did not reach the "
+                    "server (a reload that missed, an adapter not applied), so training would be off-policy.")
+            self.settled = self.settled or verdict is True
+        bound, dtype = rounding_bound(self.dtypes)
+        if gap.mean_abs > bound:
+            raise SyncMismatch(
+                f"weight sync check: the server's log-probs under {served_name!r} differ from the trainer's by "
+                f"{gap.mean_abs:.3g} on average over {gap.tokens} tokens (largest {gap.max_abs:.3g}); {dtype} rounding "
+                f"stays under {bound:g}. The server does not serve the trainer's weights under that name (another "
+                "checkpoint, a reload that garbled them, a different decode mode or logprobs mode), so training would "
+                "be off-policy.")
+        if self.reference is None:
+            self.reference = ours
         return gap
 
 
@@ -175,4 +180,5 @@ def check(gap: SyncGap, atol: float) -> None:
         f"{gap.max_abs:.3g} over {gap.tokens} tokens (allowed: {atol:g}, weight_sync_check_atol). The server is not "
         "sampling from the trained weights under that name (a stale or missing adapter, the base model, a weight reload "
         "that missed a layer, or a different dtype / decode mode), so training would be off-policy. Raise "
-        "weight_sync_check_atol only if the gap is expected rounding (--decode-mode fast, a bf16 server).")
+        "weight_sync_check_atol only if the gap is expected rounding (--decode-mode fast), or leave it unset against a "
+        "bf16 server: the probe then tells a missed sync from rounding by direction.")

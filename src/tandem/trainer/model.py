@@ -53,12 +53,17 @@ def load_model(model, args: AsyncGRPOConfig) -> tuple[str, PreTrainedModel, str]
     return name, loaded, layout
 
 
+UNUSED_DROPOUT = ("classifier_dropout", "summary_first_dropout")
+"""Rates of heads a causal language model does not run (GPT-NeoX's and GPT-2's configs set them to 0.1)."""
+
+
 def warn_dropout(model: PreTrainedModel) -> None:
     """A warning when the model drops units in training: its forward is then not the policy the server samples from
     (GPT-2's default 0.1 kept a random 2-layer model's importance ratio at 1.02-1.17 at staleness 0, not 1)."""
     rates = {name: value for name, value in model.config.get_text_config().to_dict().items()
-             if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float) and value > 0}
-    if rates and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+             if ("dropout" in name or name.endswith("pdrop")) and name not in UNUSED_DROPOUT
+             and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0}
+    if rates:
         settings = ", ".join(f"{name}={value:g}" for name, value in sorted(rates.items()))
         warnings.warn(f"the model's config drops units in training ({settings}), which the server's sampling does not: "
                       "the trainer's log-probs are then not the sampler's policy, and the importance ratio drifts from 1 "
@@ -93,8 +98,9 @@ def with_adapter(model: PreTrainedModel, peft_config):
                     if isinstance(module, ParamWrapper) and not name.endswith(".base_layer")})
     if fused:
         raise NotImplementedError(
-            f"peft_config target_modules={targets!r} puts LoRA on an MoE's fused weights ({', '.join(fused)}), and "
-            "tandem does not sync such an adapter to a generation server yet. Target the attention projections "
+            f"peft_config (target_modules={targets!r}, target_parameters={getattr(peft_config, 'target_parameters', None)!r}) "
+            f"puts LoRA on an MoE's parameter-wrapped weights, its experts or router ({', '.join(fused)}), and tandem does "
+            "not sync such an adapter to a generation server yet. Target the attention projections "
             "(target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']), or train full weights.")
     return wrapped
 
