@@ -36,8 +36,10 @@ LOGPROB_TOLERANCE = {"exact": 2e-5, "sdpa": 2e-5, "flex": 1e-4}
 """Against transformers' own attention on one sample at a time, the packed row's matmuls have other shapes (and SDPA's
 fused kernel sums in another order): fp32 rounding, ~1e-6 relative (a 4-token sample at log-prob -9.52 once differed
 by 1.05e-5)."""
-LOGPROB_RELATIVE = {"exact": 5e-6, "sdpa": 5e-6, "flex": 1e-5}
-"""The same bound as a share of a log-prob's size, for the large ones (see the module's docstring)."""
+LOGPROB_RELATIVE = {"exact": 5e-6, "sdpa": 1e-5, "flex": 1e-5}
+"""The same bound as a share of a log-prob's size, for the large ones (see the module's docstring). SDPA's fused
+kernel once reached 6.0e-6 (a log-prob of -4.755 off by 2.86e-5, a fresh clone's run); a packing bug is off by 1e-3
+or more."""
 GRADIENT_TOLERANCE = {"exact": 5e-5, "sdpa": 5e-5}
 NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target)
 TEMPERATURE = 0.7
