@@ -177,6 +177,18 @@ def test_the_probe_tells_a_missed_sync_from_a_bf16_servers_rounding():
         loose.judge("policy", (connect + rounding).tolist(), trained)  # no setting loosens the external checks
 
 
+def test_where_each_version_is_an_adapter_the_probes_sample_afresh_and_end_after_the_first_trained_one():
+    """vLLM's CPU build dies scoring a prompt under an adapter, so each probe samples its own completion; without a
+    shared completion only the mean-gap bound judges, over the connect push and the first trained adapter."""
+    adapters = probe(url="http://gpu-box:8000")
+    adapters.rescored, adapters.completion = False, [7, 8]
+    adapters.pushes = 1
+    adapters.judge("policy-v0", [-1.0, -2.0], torch.tensor([-1.0, -2.0], dtype=torch.float64))
+    adapters.pushes = 2
+    adapters.judge("policy-v1", [-3.0, -4.0], torch.tensor([-3.0, -4.0], dtype=torch.float64))  # a new completion
+    assert adapters.settled and not adapters.due(3) and not adapters.gave_up()
+
+
 def test_moved_is_exact_where_the_server_is():
     reference, new = torch.zeros(4, dtype=torch.float64), torch.full((4,), 1e-6, dtype=torch.float64)
     assert sync_check.moved(new, new, reference) is True, "an exact server: any step that moved is seen"

@@ -23,6 +23,9 @@ FORCED_PROBES = 8
 """Against an external server the syncs are probed, whatever the settings, until one shows the server moved with the
 trainer's weights (at most this many: the connect push, then trained weights until they differ from the connect ones by
 more than the server's rounding; again after a reconnect)."""
+FORCED_ADAPTER_PROBES = 2
+"""Where each probe samples its own completion, the forced probes end after the connect push and the first trained
+adapter."""
 MARGIN = 3.0
 """A sync is judged once the trainer's new log-probs lie MARGIN times farther from the reference version's than the
 served ones lie from the nearer of the two. From 2 on, the triangle inequality keeps rounding from carrying the served
@@ -77,6 +80,10 @@ class SyncProbe:
         """Shorter when the server's context has no room for the full probe (`fit`)."""
         self.completion: list[int] | None = None
         """The probe's completion, sampled by the server at the first probe and scored again at each later one."""
+        self.rescored = True
+        """Whether later probes score the first one's completion (prompt log-probs). Not where each version is an
+        adapter of its own: vLLM's CPU build dies scoring a prompt under an adapter (its LoRA logits kernel), so each
+        probe samples its own, and only the mean-gap bound can judge it (FORCED_ADAPTER_PROBES of them)."""
         self.client: GenerationClient | None = None
         """Opened by the runtime at the first probe."""
         self.restart()
@@ -107,14 +114,15 @@ class SyncProbe:
 
     def gave_up(self) -> bool:
         """Whether the last forced probe has passed without the versions lying far enough apart to judge it."""
-        return (self.args.vllm_server_base_url is not None and self.reference is not None
+        return (self.args.vllm_server_base_url is not None and self.reference is not None and self.rescored
                 and self.pushes == FORCED_PROBES and not self.settled)
 
     async def served_logprobs(self, client: GenerationClient, served_name: str) -> tuple[list[int], list[float]]:
         """The probe's completion and the server's log-probs of it under `served_name`: sampled at the first probe (at
         temperature 1 over the full vocabulary, where raw and processed log-probs coincide; past any end-of-sequence
-        token, for a probe of fixed length), scored by a teacher-forced forward at each later one."""
-        if self.completion is None:
+        token, for a probe of fixed length), scored by a teacher-forced forward at each later one (sampled again
+        where not `rescored`)."""
+        if self.completion is None or not self.rescored:
             sampled = (await client.complete(self.prompt, max_tokens=self.tokens, model=served_name, seed=PROBE_SEED,
                                              ignore_eos=True))[0]
             self.completion = sampled.token_ids
@@ -131,7 +139,7 @@ class SyncProbe:
             check(gap, self.args.weight_sync_check_atol)
         if self.args.vllm_server_base_url is None:
             return gap
-        if self.reference is not None:
+        if self.reference is not None and self.rescored:
             verdict = moved(served, ours, self.reference)
             if verdict is False:
                 raise SyncMismatch(
@@ -151,6 +159,7 @@ class SyncProbe:
                 "be off-policy.")
         if self.reference is None:
             self.reference = ours
+        self.settled = self.settled or (not self.rescored and self.pushes >= FORCED_ADAPTER_PROBES)
         return gap
 
 
