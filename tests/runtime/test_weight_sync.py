@@ -177,9 +177,9 @@ def test_the_probe_tells_a_missed_sync_from_a_bf16_servers_rounding():
         loose.judge("policy", (connect + rounding).tolist(), trained)  # no setting loosens the external checks
 
 
-def test_where_each_version_is_an_adapter_the_probes_sample_afresh_and_end_after_the_first_trained_one():
-    """vLLM's CPU build dies scoring a prompt under an adapter, so each probe samples its own completion; without a
-    shared completion only the mean-gap bound judges, over the connect push and the first trained adapter."""
+def test_against_a_vllm_with_lora_enabled_the_probes_sample_afresh_and_end_after_the_first_trained_sync():
+    """vLLM's CPU build started with --enable-lora dies scoring a prompt, so each probe samples its own completion;
+    without a shared completion only the mean-gap bound judges, over the connect push and the first trained weights."""
     adapters = probe(url="http://gpu-box:8000")
     adapters.rescored, adapters.completion = False, [7, 8]
     adapters.pushes = 1

@@ -141,8 +141,9 @@ class Runtime:
             max_model_len = session.run(control.max_model_len())
             served_name = server_checks.served_name([m["id"] for m in session.run(control.models())], spec.model_name)
             self.sync_strategy = choose_sync(control, session, served_name, spec.model, args, self.lora, self.ranks)
-        kind, max_model_len, served_name = self.ranks.broadcast((type(self.sync_strategy), max_model_len, served_name) if main else None)
-        self.probe.rescored = kind is not LoraSync  # an adapter per version: each probe samples its own completion
+            rescored = facts.tandem or not facts.config.get("lora_config")  # sync_check.SyncProbe.rescored
+        kind, max_model_len, served_name, self.probe.rescored = self.ranks.broadcast(
+            (type(self.sync_strategy), max_model_len, served_name, rescored) if main else None)
         if not main:
             self.sync_strategy = follower_sync(kind, spec.output_dir, served_name, args.max_staleness, self.ranks)
         self.max_model_len = max_model_len

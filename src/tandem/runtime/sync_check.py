@@ -25,7 +25,7 @@ trainer's weights (at most this many: the connect push, then trained weights unt
 more than the server's rounding; again after a reconnect)."""
 FORCED_ADAPTER_PROBES = 2
 """Where each probe samples its own completion, the forced probes end after the connect push and the first trained
-adapter."""
+weights."""
 MARGIN = 3.0
 """A sync is judged once the trainer's new log-probs lie MARGIN times farther from the reference version's than the
 served ones lie from the nearer of the two. From 2 on, the triangle inequality keeps rounding from carrying the served
@@ -81,9 +81,9 @@ class SyncProbe:
         self.completion: list[int] | None = None
         """The probe's completion, sampled by the server at the first probe and scored again at each later one."""
         self.rescored = True
-        """Whether later probes score the first one's completion (prompt log-probs). Not where each version is an
-        adapter of its own: vLLM's CPU build dies scoring a prompt under an adapter (its LoRA logits kernel), so each
-        probe samples its own, and only the mean-gap bound can judge it (FORCED_ADAPTER_PROBES of them)."""
+        """Whether later probes score the first one's completion (prompt log-probs). Not against a vLLM started with
+        --enable-lora: its CPU build's engine dies scoring a prompt there (its LoRA logits kernel), so each probe samples
+        its own completion, and only the mean-gap bound can judge it (FORCED_ADAPTER_PROBES of them)."""
         self.client: GenerationClient | None = None
         """Opened by the runtime at the first probe."""
         self.restart()
