@@ -116,8 +116,8 @@ def read_in_format(text: str, tool_format: ToolCallFormat) -> ParsedReply:
         if opened is None:
             return ParsedReply(content=text.strip())
         return unparsed(text, f"the reply opens a call with {opened} but does not read as {tool_format.name} tool calls")
-    calls = [call_from_object({"name": name, "arguments": arguments}, json.dumps({"name": name, "arguments": arguments}))
-             for name, arguments in reading.calls]
+    entries = [{"name": name, "arguments": arguments} for name, arguments in reading.calls]
+    calls = [call_from_object(entry, json.dumps(entry)) for entry in entries]
     return ParsedReply(content=(reading.content or "").strip(), tool_calls=calls)
 
 
