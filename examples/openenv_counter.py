@@ -1,7 +1,7 @@
 """Agent training on an OpenEnv environment through its harness: a counter served as MCP tools, played by OpenEnv's
 `MCPHarnessAdapter`, every model call sampled by tandem.
 
-    pip install 'tandem[openenv]' && python examples/openenv_counter.py      (about 9 minutes on 2 CPU cores)
+    pip install 'tandem-rl[openenv]' && python examples/openenv_counter.py      (about 9 minutes on 2 CPU cores)
 
 `CounterEnvironment` is an OpenEnv `MCPEnvironment` (its tool, `increment`, is a FastMCP tool); `CounterSession` is
 the `ResourceSession` the harness drives: the task (a target drawn from the episode's seed, so the rollouts of a

@@ -1,7 +1,7 @@
 """Training a verifiers.v1 environment: the taskset of examples/arithmetic_taskset (arithmetic, a calculator tool over
 MCP, a reward in Python), played by tandem's in-process harness, every model call sampled by tandem.
 
-    pip install 'tandem[verifiers]' && python examples/verifiers_arithmetic.py     (about 6 minutes on 2 CPU cores)
+    pip install 'tandem-rl[verifiers]' && python examples/verifiers_arithmetic.py     (about 6 minutes on 2 CPU cores)
 
 The environment is verifiers' own object (`vf.load_environment`); tandem takes it as the train_dataset. Its episodes
 run in the rollout worker, the calculator in one MCP server process for the whole run. Nothing needs the network.

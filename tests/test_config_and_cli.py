@@ -83,7 +83,7 @@ def test_dry_run_prints_the_recipe_and_the_server_commands(capsys):
     assert '--weight-transfer-config \'{"backend": "gloo"}\'' in commands["cpu"], "CPUs: tandem's plugin"
     assert f"--max-num-batched-tokens {256 * (longest + 16)}" in commands["cpu"], \
         "no prefill is split on vLLM's CPU build (a seeded one would kill its engine)"
-    assert "pip install 'tandem[vllm]' beside" in " ".join(out.replace("\n# ", " ").split()), \
+    assert "pip install 'tandem-rl[vllm]' beside" in " ".join(out.replace("\n# ", " ").split()), \
         "the NCCL transfer needs vLLM's helpers"
 
 
@@ -128,7 +128,7 @@ def test_the_toy_update_example_runs_one_step_on_cpu():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--learnin_rate", "1e-4"], r"unknown recipe key 'learnin_rate' \(did you mean 'learning_rate'\?\)$"),
+    (["--learnin_rate", "1e-4"], r"unknown recipe key 'learnin_rate' \(did you mean 'learning_rate'\?\)\. Every key is described in docs/config.md"),
     (["--learning_rate", "abc"], r"AsyncGRPOConfig.learning_rate='abc': expected a number, got str.$"),
     (["--max_steps", "1.5"], r"AsyncGRPOConfig.max_steps=1.5: expected a whole number, got float.$"),
     (["--gradient_checkpointing", "maybe"], r"AsyncGRPOConfig.gradient_checkpointing='maybe': expected true or false, got str.$"),

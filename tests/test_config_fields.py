@@ -450,8 +450,8 @@ def test_top_p_and_min_p_need_top_k_at_construction_as_the_spec_says():
 @pytest.mark.parametrize("optim, module", [("galore_adamw", "galore_torch"), ("apollo_adamw", "apollo_torch")])
 def test_optim_target_modules_projects_those_weights_with_galore_or_apollo(optim, module):
     # Left out of the test extra: galore-torch and apollo-torch need bitsandbytes, which warns on every import of
-    # transformers on a CPU. pip install 'tandem[galore]' runs this (it passed where they were installed).
-    pytest.importorskip(module, reason=f"{optim} needs pip install 'tandem[galore]'")
+    # transformers on a CPU. pip install 'tandem-rl[galore]' runs this (it passed where they were installed).
+    pytest.importorskip(module, reason=f"{optim} needs pip install 'tandem-rl[galore]'")
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH)
     args = AsyncGRPOConfig(optim=optim, optim_target_modules=[r".*\.q_proj", r".*\.down_proj"], learning_rate=1e-2,
                            weight_decay=0.1)

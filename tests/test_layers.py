@@ -8,7 +8,7 @@ import tandem
 
 SOURCE = Path(tandem.__file__).parent
 
-NEUTRAL = {"tandem.__version__", "tandem.config", "tandem.prompts", "tandem.tool_calls", "tandem.tool_formats",
+NEUTRAL = {"tandem.__version__", "tandem.DISTRIBUTION", "tandem.config", "tandem.prompts", "tandem.tool_calls", "tandem.tool_formats",
            "tandem.exact_attention",
            "tandem.architecture", "tandem.httpapp", "tandem.tasks", "tandem.records", "tandem.channels",
            "tandem.distributed", "tandem.model_folder", "tandem.dataset_rows", "tandem.errors", "tandem.openmp",

@@ -12,6 +12,8 @@ import os
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 __version__ = "0.1.0"
+DISTRIBUTION = "tandem-rl"
+"""The name tandem installs under (`pip install tandem-rl`): `tandem` on PyPI is another project. It imports as tandem."""
 
 _HOMES = {
     "AsyncGRPOConfig": "tandem.config",
@@ -24,7 +26,7 @@ _HOMES = {
     "UsageError": "tandem.errors",
 }
 
-__all__ = [*_HOMES, "__version__"]
+__all__ = [*_HOMES, "__version__", "DISTRIBUTION"]
 
 
 def __getattr__(name: str):

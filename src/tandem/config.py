@@ -22,9 +22,14 @@ from typing import Any
 
 import yaml
 
+from tandem import trl_names
 from tandem.errors import UsageError
 from tandem.tool_formats import FORMATS
 
+RECIPES = Path(__file__).with_name("recipes")
+"""The built-in recipes, by name: `tandem train demo` is recipes/demo.yaml."""
+FIELD_REFERENCE = "docs/config.md (every field), docs/trl.md (TRL's names)"
+"""Where a user finds every key a recipe takes."""
 ALGORITHMS = ("grpo", "flash_reinforce")
 REPORT_TO = {"none", "all", "tensorboard", "wandb", "trackio"}
 HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
@@ -88,7 +93,7 @@ class AsyncGRPOConfig:
     optim_args: str | None = None
     """More optimizer arguments, transformers' way: "momentum=0.9,nesterov=True"."""
     optim_target_modules: str | list[str] | None = None
-    """The modules the low-rank optimizers (optim galore_* / apollo_*: pip install 'tandem[galore]') project, as
+    """The modules the low-rank optimizers (optim galore_* / apollo_*: the `galore` extra) project, as
     transformers takes them (names or regexes, e.g. ["attn", "mlp"])."""
     weight_decay: float = 0.0
     """Applied as transformers does: not to biases and normalisation weights."""
@@ -237,8 +242,13 @@ class AsyncGRPOConfig:
     vllm_server_timeout: float = 1800.0
     vllm_server_api_key: str | None = None
     """Sent as `Authorization: Bearer KEY` to a server started with --api-key. None: $VLLM_API_KEY if set. tandem's own."""
-    vllm_server_host: str = "127.0.0.1"
-    """The embedded server's bind address (0.0.0.0 to let other machines generate from it). tandem's own."""
+    vllm_server_host: str | None = None
+    """With vllm_server_port, as in TRL: generate from the server at http://HOST:PORT (host 0.0.0.0, port 8000 when only
+    the other is given). vllm_server_base_url says the same in one value."""
+    vllm_server_port: int | None = None
+    """See vllm_server_host."""
+    embedded_server_host: str = "127.0.0.1"
+    """The embedded tandem serve's bind address (0.0.0.0 to let other machines generate from it). tandem's own."""
     weight_transfer_address: str = "127.0.0.1"
     """Where servers with a weight-transfer backend reach the trainer's rank 0 to join its transfer group: an address of
     this machine they can connect to (loopback for servers on this machine). tandem's own."""
@@ -408,6 +418,8 @@ class AsyncGRPOConfig:
         reported = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to or [])
         return [
             ("report_to", set(reported) <= REPORT_TO, f"must be one of {', '.join(sorted(REPORT_TO))}, or a list of them"),
+            ("vllm_server_port", self.vllm_server_port is None or 0 < self.vllm_server_port < 65536,
+             "must be a port number, 1 to 65535"),
             *_interval_checks(self, "logging_steps", "save_steps", "eval_steps"),
             ("save_strategy", self.save_strategy in ("steps", "epoch", "best", "no"), "must be 'steps', 'epoch', 'best' or 'no'"),
             ("metric_for_best_model", self.metric_for_best_model is not None or self.save_strategy != "best"
@@ -449,6 +461,8 @@ class AsyncGRPOConfig:
         if self.lr_scheduler_type not in CONSTANT_SCHEDULES and self.max_steps <= 0:
             raise UsageError(f"AsyncGRPOConfig.lr_scheduler_type={self.lr_scheduler_type!r} decays over max_steps, "
                              "but max_steps is not set: set max_steps, or use 'constant'.")
+        if self.vllm_server_host is not None or self.vllm_server_port is not None:
+            self.vllm_server_base_url = _server_url(self.vllm_server_base_url, self.vllm_server_host, self.vllm_server_port)
         if self.vllm_server_api_key is None:
             self.vllm_server_api_key = os.environ.get("VLLM_API_KEY") or None
         if isinstance(self.fsdp_config, str):  # transformers accepts a JSON string (or a file) here
@@ -508,6 +522,17 @@ def _interval_checks(args: AsyncGRPOConfig, *names: str) -> list[tuple[str, bool
                    (name, not 0 < value < 1 or args.max_steps > 0,
                     "below 1 is a fraction of max_steps, which is not set: set max_steps, or give whole steps")]
     return checks
+
+
+def _server_url(base_url: str | None, host: str | None, port: int | None) -> str:
+    """TRL's vllm_server_host and vllm_server_port as one URL (TRL's defaults for the one not given), which must agree
+    with vllm_server_base_url when that is given too."""
+    url = f"http://{host or '0.0.0.0'}:{8000 if port is None else port}"
+    if base_url is not None and base_url.rstrip("/") != url:
+        raise UsageError(f"AsyncGRPOConfig.vllm_server_base_url={base_url!r} and vllm_server_host/vllm_server_port "
+                         f"({url}) name two servers: keep one. (The embedded server's bind address is "
+                         "embedded_server_host.)")
+    return url
 
 
 def _default(item: dataclasses.Field) -> Any:
@@ -594,8 +619,8 @@ class Recipe:
     config: AsyncGRPOConfig
     model: str
     dataset: str | None
-    """A built-in task, a local file or folder, or a Hub id (the key `dataset_name` too, as TRL's scripts name it);
-    None only with an environment_factory that makes its own tasks."""
+    """A built-in task, a local file or folder, a Hub id, `reasoning-gym:<task>` or `verifiers:<taskset id>`; None
+    only with an environment_factory that makes its own tasks."""
     reward_funcs: list[str] = field(default_factory=list)
     dataset_config: str | None = None
     """The Hub dataset's configuration (subset)."""
@@ -616,11 +641,13 @@ class Recipe:
     """The import path of an environment class (or factory), or a mapping of environment names to import paths."""
     lora: dict | None = None
     """peft.LoraConfig fields: train a LoRA adapter instead of the whole model."""
+    notes: list[str] = field(default_factory=list)
+    """How the recipe's TRL keys were read (one line each), for the command line to print."""
 
 
-RECIPE_KEYS = ("model", "dataset", "dataset_name", "dataset_config", "dataset_split", "dataset_streaming", "dataset_options",
+RECIPE_KEYS = ("model", "dataset", "dataset_config", "dataset_split", "dataset_streaming", "dataset_options",
                "eval_dataset", "eval_dataset_options", "eval_split", "reward_funcs", "tools", "environment_factory", "lora")
-RECIPE_TYPES = {"model": str, "dataset": str | None, "dataset_name": str, "dataset_config": str | None, "dataset_split": str,
+RECIPE_TYPES = {"model": str, "dataset": str | None, "dataset_config": str | None, "dataset_split": str,
                 "dataset_streaming": bool, "dataset_options": dict | None, "eval_dataset": str | None,
                 "eval_dataset_options": dict | None, "eval_split": str, "reward_funcs": str, "tools": str}
 """The recipe keys beside the config's fields, by type (`environment_factory` and `lora` are checked by shape)."""
@@ -684,23 +711,19 @@ def _coerce(key: str, value: Any) -> Any:
 
 
 def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
-    """Read a YAML recipe and apply command-line overrides; unknown keys fail with the valid ones listed."""
+    """Read a YAML recipe (a file, or a built-in recipe's name) and apply command-line overrides; TRL's keys are read
+    as tandem's (`trl_names`), and an unknown key fails with the nearest names."""
     raw: dict[str, Any] = {}
     if path is not None:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"no such recipe file (looked for {Path(path).resolve()})")
-        raw = yaml.safe_load(Path(path).read_text()) or {}
+        raw = yaml.safe_load(recipe_file(path).read_text()) or {}
         if not isinstance(raw, dict):
             raise UsageError(f"{path}: a recipe is a YAML mapping of config fields, got {type(raw).__name__}")
     raw = {key: _coerce(key, value) for key, value in raw.items()}
     raw.update(parse_overrides(list(overrides)))
-    known = set(_field_types()) | set(RECIPE_KEYS)
-    unknown = sorted(set(raw) - known)
+    unknown = sorted(set(raw) - set(_field_types()) - set(RECIPE_KEYS) - trl_names.KNOWN)
     if unknown:
-        guesses = {key: difflib.get_close_matches(key, known, n=1) for key in unknown}
-        named = "; ".join(f"{key!r}" + (f" (did you mean {guess[0]!r}?)" if guess else "") for key, guess in guesses.items())
-        listing = "" if all(guesses.values()) else f". Valid keys: {', '.join(sorted(known))}"
-        raise UsageError(f"unknown recipe key{'s' if len(unknown) > 1 else ''} {named}{listing}")
+        raise UsageError(unknown_keys(unknown))
+    raw, notes = trl_names.from_trl(raw)
     for key in set(RECIPE_TYPES) & set(raw):
         values = raw[key] if key in LISTS and isinstance(raw[key], list) else [raw[key]]
         if any(type_problem(value, RECIPE_TYPES[key]) for value in values):
@@ -716,16 +739,40 @@ def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
     lora = raw.pop("lora", None)
     if lora is not None and not isinstance(lora, dict):
         raise UsageError(f"lora: expected a mapping of peft.LoraConfig fields (r, lora_alpha, target_modules, ...), got {lora!r}")
-    if "dataset" in raw and "dataset_name" in raw:
-        raise UsageError("the recipe has both 'dataset' and 'dataset_name', two names for the same thing: keep one")
     default_dataset = None if environments else "arithmetic"  # environments may make their own tasks
-    dataset = raw.pop("dataset_name") if "dataset_name" in raw else raw.pop("dataset", default_dataset)
-    return Recipe(model=raw.pop("model"), dataset=dataset, reward_funcs=_paths(funcs),
+    dataset = raw.pop("dataset", default_dataset)
+    return Recipe(notes=notes, model=raw.pop("model"), dataset=dataset, reward_funcs=_paths(funcs),
                   dataset_config=raw.pop("dataset_config", None), dataset_split=raw.pop("dataset_split", "train"),
                   dataset_streaming=raw.pop("dataset_streaming", False), dataset_options=raw.pop("dataset_options", None),
                   eval_dataset=raw.pop("eval_dataset", None), eval_dataset_options=raw.pop("eval_dataset_options", None),
                   eval_split=raw.pop("eval_split", "test"),
                   tools=_paths(tools), environment_factory=environments, lora=lora, config=AsyncGRPOConfig(**raw))
+
+
+def recipe_file(path: str) -> Path:
+    """The recipe at `path`, else the built-in recipe of that name (`tandem train demo`)."""
+    if Path(path).is_file():
+        return Path(path)
+    if (RECIPES / f"{path}.yaml").is_file():
+        return RECIPES / f"{path}.yaml"
+    missing = f"no such recipe file (looked for {Path(path).resolve()})"
+    if Path(path).suffix or "/" in path:
+        raise FileNotFoundError(missing)
+    names = sorted(p.stem for p in RECIPES.glob("*.yaml"))
+    near = difflib.get_close_matches(path, names, n=1)
+    raise FileNotFoundError(f"{missing}, and no built-in recipe of that name (" +
+                            (f"did you mean {near[0]!r}? " if near else "") + f"the built-in ones: {', '.join(names)})")
+
+
+def unknown_keys(keys: list[str]) -> str:
+    """Keys neither tandem nor TRL has, each with the nearest names there are, and where every field is described."""
+    known = set(_field_types()) | set(RECIPE_KEYS) | trl_names.KNOWN
+    named = []
+    for key in keys:
+        near = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+        named.append(f"{key!r}" + (f" (did you mean {' or '.join(map(repr, near))}?)" if near else ""))
+    return (f"unknown recipe key{'s' if len(keys) > 1 else ''} {'; '.join(named)}. Every key is described in "
+            f"{FIELD_REFERENCE}.")
 
 
 def _paths(value) -> list[str]:

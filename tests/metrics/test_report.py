@@ -77,6 +77,7 @@ def test_a_report_draws_the_panels_logged_and_names_the_others(tmp_path):
     assert "no run_config.json" in page
 
 
-def test_tandem_report_on_a_folder_without_metrics_is_one_line(tmp_path):
-    with pytest.raises(SystemExit, match=f"tandem report: {tmp_path} has no metrics.jsonl"):
+def test_tandem_report_on_a_folder_without_metrics_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
         main(["report", str(tmp_path)])
+    assert stop.value.code == 2 and capsys.readouterr().err.startswith(f"tandem report: {tmp_path} has no metrics.jsonl")

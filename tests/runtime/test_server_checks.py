@@ -2,7 +2,9 @@
 vLLM 0.32.0 answered `/version` and `/server_info?config_format=json` on this machine (the `vllm` tier talks to it)."""
 
 import asyncio
+import tomllib
 import warnings
+from pathlib import Path
 
 import pytest
 from peft import LoraConfig, get_peft_model
@@ -14,7 +16,8 @@ from tandem.runtime.weight_sync import LoraSync, ReloadSync, choose_sync
 
 from tandem.generation.client import ServerProblem
 from tandem.errors import UsageError
-from tandem.runtime.server_checks import ServerFacts, check, check_prompt_lengths, release, served_name
+from tandem.runtime.server_checks import (NEWEST_VERIFIED_VLLM, OLDEST_VLLM, ServerFacts, check, check_prompt_lengths,
+                                          release, served_name)
 
 URL = "http://127.0.0.1:8000"
 
@@ -118,3 +121,9 @@ def test_a_prompt_that_leaves_no_room_to_generate_is_refused_by_row():
     check_prompt_lengths(rows[:1], tokenizer, [], None, max_model_len=64)
     with pytest.raises(UsageError, match="train_dataset row 1: the prompt renders to .* max_model_len is 64"):
         check_prompt_lengths(rows, tokenizer, [], None, max_model_len=64)
+
+
+def test_the_vllm_extra_installs_the_releases_the_connect_check_takes_as_verified():
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    major, minor = NEWEST_VERIFIED_VLLM
+    assert project["optional-dependencies"]["vllm"] == [f"vllm>={OLDEST_VLLM[0]}.{OLDEST_VLLM[1]},<{major}.{minor + 1}"]

@@ -46,7 +46,7 @@ def test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask(tmp_p
                   lr_scheduler_kwargs={"min_lr_rate": 0.5}, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                   gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False},
                   save_strategy="steps", save_steps=1, save_total_limit=2,
-                  temperature=0.8, tree_attention_kernel="sdpa", vllm_server_host="localhost",
+                  temperature=0.8, tree_attention_kernel="sdpa", embedded_server_host="localhost",
                   weight_transfer_address="localhost", log_completions=True, num_completions_to_print=2)
     watcher = Watcher()
     stream = IterableDataset.from_generator(arithmetic_stream, gen_kwargs={"n": 3})  # no length: read in order, again
@@ -77,7 +77,7 @@ def test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask(tmp_p
     assert train_rows[-1]["model_version"] == 2, "weight_sync_steps=2: two syncs in four steps"
     assert all(row["batch/microbatches_per_step"] == 2 for row in train_rows), "gradient_accumulation_steps"
     assert trainer.kernel == "sdpa" and watcher.addresses == {"localhost"}
-    assert "on http://localhost:" in (tmp_path / "run" / "server.log").read_text(), "vllm_server_host"
+    assert "on http://localhost:" in (tmp_path / "run" / "server.log").read_text(), "embedded_server_host"
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
     tables = re.split(r" completions *\n", capsys.readouterr().err)[1:]
     assert tables and all(table.count("What is") == 2 for table in tables), "log_completions, num_completions_to_print"

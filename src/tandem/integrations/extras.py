@@ -2,7 +2,7 @@
 
 import importlib
 
-from tandem.errors import UsageError
+from tandem.errors import UsageError, install_command
 
 
 def library(module: str, needed_by: str, extra: str):
@@ -11,4 +11,4 @@ def library(module: str, needed_by: str, extra: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise UsageError(f"{needed_by}: pip install 'tandem[{extra}]'") from None
+        raise UsageError(f"{needed_by}: {install_command(extra)}") from None

@@ -9,6 +9,7 @@ import json
 import time
 from pathlib import Path
 
+from tandem.errors import install_command
 
 COLUMNS = ["step", "prompt", "completion", "reward"]
 """The completions table (log_completions): one row per completion of the logging window."""
@@ -53,7 +54,7 @@ class TensorboardSink:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
-            raise ImportError("report_to='tensorboard' needs the tensorboard package: pip install 'tandem[tensorboard]'") from exc
+            raise ImportError("report_to='tensorboard' needs the tensorboard package: " + install_command("tensorboard")) from exc
         self.writer = SummaryWriter(str(folder))
 
     def log(self, step: int, metrics: dict) -> None:
@@ -77,7 +78,7 @@ class WandbSink:
         try:
             import wandb
         except ImportError as exc:
-            raise ImportError("report_to='wandb' needs the wandb package: pip install 'tandem[wandb]'") from exc
+            raise ImportError("report_to='wandb' needs the wandb package: " + install_command("wandb")) from exc
         self.run = wandb.init(mode="offline", dir=str(folder), project=config["project"], name=config["run_name"],
                               config=config)
 
@@ -102,7 +103,7 @@ class TrackioSink:
         try:
             import trackio
         except ImportError as exc:
-            raise ImportError("report_to='trackio' needs the trackio package: pip install 'tandem[trackio]'") from exc
+            raise ImportError("report_to='trackio' needs the trackio package: " + install_command("trackio")) from exc
         self.trackio, self.config = trackio, config
         trackio.init(project=config["project"], name=config["run_name"], space_id=config["trackio_space_id"],
                      bucket_id=config["trackio_bucket_id"], config=config, resume="allow")

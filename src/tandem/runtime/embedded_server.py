@@ -35,8 +35,8 @@ def server_flags(args: AsyncGRPOConfig, model_name: str, served_dtype: str, lora
     else:  # full weights stream over a gloo group: faster than the reload (benchmarks/weight_sync.py)
         flags += ["--weight-transfer-config", json.dumps({"backend": "gloo"}),
                   "--weight-transfer-timeout-s", str(args.vllm_server_timeout)]
-    if args.vllm_server_host != "127.0.0.1":
-        flags += ["--host", args.vllm_server_host]
+    if args.embedded_server_host != "127.0.0.1":
+        flags += ["--host", args.embedded_server_host]
     if args.vllm_server_api_key:
         flags += ["--api-key", args.vllm_server_api_key]
     if args.trust_remote_code:

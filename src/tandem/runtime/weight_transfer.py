@@ -32,6 +32,7 @@ import torch
 from transformers.core_model_loading import revert_weight_conversion
 
 from tandem.distributed import Ranks, full_tensor
+from tandem.errors import install_command
 from tandem.generation.client import ENGINE_WATCH_S, ControlClient, EngineDead, ServerProblem, engine_died
 from tandem.generation.weight_transfer import PACKED_BUFFER_BYTES, RENDEZVOUS_S, join_group
 
@@ -159,7 +160,7 @@ class VllmNcclPlane:
             from vllm.distributed.weight_transfer import nccl_common, packed_tensor
         except ImportError as exc:
             raise ImportError(f"vllm serve transfers weights over NCCL with vLLM's own helpers, and they did not import "
-                              f"({exc}). Install them with: pip install 'tandem[vllm]' (vLLM 0.30 or later), or start "
+                              f"({exc}). Install them with: {install_command('vllm')}, or start "
                               "vllm serve without --weight-transfer-config to sync through a folder it reloads.") from exc
         self.nccl_common, self.packed_tensor, self.device = nccl_common, packed_tensor, device
         self.init_fields = {"packed": True, "packed_buffer_size_bytes": packed_tensor.DEFAULT_PACKED_BUFFER_SIZE_BYTES,
