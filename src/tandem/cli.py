@@ -14,12 +14,11 @@ import signal
 import sys
 import textwrap
 import typing
-import warnings
 from pathlib import Path
 
 import yaml
 
-from tandem.errors import UsageError, install_command
+from tandem.errors import UsageError, install_command, warnings_as_lines
 from tandem.tasks import TINY_MODEL_PATH
 from tandem.tool_formats import FORMATS
 
@@ -492,13 +491,6 @@ def build_trainer(recipe, reward_funcs: list, tools: list, environments):
                             tools=tools or None, environment_factory=environments)
 
 
-def one_line_warnings(command: str):
-    """`warnings.showwarning` for the command line: `tandem <command>: warning: ...` on one line, no source line."""
-    def show(message, category, filename, lineno, file=None, line=None) -> None:
-        print(f"tandem {command}: warning: {' '.join(str(message).split())}", file=file or sys.stderr)
-    return show
-
-
 def main(argv: list[str] | None = None) -> None:
     from tandem import DISTRIBUTION, __version__
 
@@ -524,7 +516,7 @@ def main(argv: list[str] | None = None) -> None:
                    description="Print tandem's, Python's, torch's (its CUDA or CPU build, the GPUs seen), transformers', "
                                "peft's, datasets' and vLLM's versions, the platform and the CPU.")
     ns, rest = parser.parse_known_args(argv)
-    warnings.showwarning = one_line_warnings(ns.command)
+    warnings_as_lines(ns.command)
     if ns.command == "train":
         # Trainer, rollout worker and embedded server share the machine's cores. OpenMP threads that spin while
         # idle steal them from each other (a training step ran 20x slower on two cores); passive waiting costs

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from tandem.channels import Channels
+from tandem.errors import COMMAND_VARIABLE, warnings_as_lines
 from tandem.generation.client import EngineDead, ServerGone, ServerProblem, engine_died, server_gone
 from tandem.rollout.settings import RolloutSettings
 
@@ -52,6 +53,8 @@ def check_picklable(objects: dict[str, object]) -> None:
 
 def worker_main(spec: WorkerSpec, channels: Channels) -> None:
     channels.running.set()
+    if os.environ.get(COMMAND_VARIABLE):  # started by `tandem train`: its warnings look like the trainer's
+        warnings_as_lines(os.environ[COMMAND_VARIABLE])
     import asyncio
 
     from transformers import AutoTokenizer
