@@ -3,6 +3,7 @@ folder outside the repository, it answers --version and trains the built-in demo
 tasks and the recipe all come inside the wheel)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*argv, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    done = subprocess.run([str(a) for a in argv], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing but the environment's own packages
+    done = subprocess.run([str(a) for a in argv], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     assert done.returncode == 0, f"{' '.join(map(str, argv))}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     return done
 
