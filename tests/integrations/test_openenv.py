@@ -162,5 +162,5 @@ def test_a_loop_owning_session_is_refused_with_the_fix():
 
 def test_without_openenv_installed_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "openenv.core.harness", None)  # as if openenv were not installed
-    with pytest.raises(UsageError, match=r"pip install 'tandem\[openenv\]'"):
+    with pytest.raises(UsageError, match=r"pip install 'tandem-rl\[openenv\]'"):
         HarnessAsyncGRPOTrainer("tiny", harness_session_factory=CalculatorSessions(), harness_adapter=MCPHarnessAdapter())

@@ -119,5 +119,5 @@ async def test_the_capture_answers_as_verifiers_client_reads_and_refuses_a_promp
 
 def test_without_verifiers_installed_a_recipe_says_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "verifiers.v1", None)  # as if verifiers were not installed
-    with pytest.raises(UsageError, match=r"pip install 'tandem\[verifiers\]'"):
+    with pytest.raises(UsageError, match=r"pip install 'tandem-rl\[verifiers\]'"):
         datasets.load("verifiers:arithmetic_taskset")

@@ -166,7 +166,7 @@ def test_a_transfer_through_tandem_proxy_reaches_both_replicas(tokenizer):
 
 def test_the_nccl_plane_without_vllm_or_a_gpu_says_what_to_do(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # as when the vllm extra is not installed
-    with pytest.raises(ImportError, match=r"pip install 'tandem\[vllm\]'.*or start vllm serve without"):
+    with pytest.raises(ImportError, match=r"pip install 'tandem-rl\[vllm\]'.*or start vllm serve without"):
         VllmNcclPlane(torch.device("cpu"))
     with pytest.raises(ServerProblem, match="over NCCL, which needs the trainer on a GPU; this model is on cpu"):
         nccl_plane(torch.nn.Linear(2, 2))
