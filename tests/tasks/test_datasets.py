@@ -117,7 +117,7 @@ def test_a_hub_dataset_named_in_a_recipe_loads_offline_from_the_cache(tmp_path):
 def test_a_recipe_names_its_dataset_once(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model: tiny\ndataset: arithmetic\ndataset_name: arithmetic\nreward_funcs: tandem.rewards.accuracy_reward\n")
-    with pytest.raises(ValueError, match="both 'dataset_name' \(TRL's name\) and 'dataset'"):
+    with pytest.raises(ValueError, match=r"both 'dataset_name' \(TRL's name\) and 'dataset'"):
         load_recipe(str(recipe))
 
 
