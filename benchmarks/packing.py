@@ -92,7 +92,7 @@ def timed(step, repeats: int) -> float:
 
 
 def measure(models, kernels, prompt_len: int, args) -> list[list[str]]:
-    """One prompt length: print a line per kernel as it finishes, and return the README table's rows."""
+    """One prompt length: print a line per kernel as it finishes, and return the performance page's table's rows."""
     tree_model, padded_model = models
     samples = workload(prompt_len, args.groups, *args.completion, tree_model.config.get_text_config().vocab_size)
     trained = sum(s.num_trained for s in samples)

@@ -38,7 +38,7 @@ from tandem.tasks import TINY_MODEL_PATH, arithmetic
 from tables import add_markdown_flag, emit, markdown_table
 
 CONFIGS = [(0.05, 2), (0.02, 1), (0.05, 4), (0.15, 2)]
-"""(step delay in seconds, max_staleness) of each row of the README's table."""
+"""(step delay in seconds, max_staleness) of each row of the performance page's table."""
 
 
 class TakeTurns(TrainerCallback):
@@ -138,7 +138,7 @@ def bottleneck(folder: Path) -> str:
 
 def compare(steps: int, delay: float, staleness: int, train_delay: float, pinned: bool, sync_steps: int,
             max_num_seqs: int, repeats: int, folder: Path) -> list[str]:
-    """`repeats` pairs of runs of one configuration, synchronous then asynchronous; returns its row of the README table:
+    """`repeats` pairs of runs of one configuration, synchronous then asynchronous; returns its row of the performance page's table:
     the pair whose speed-up over the ideal is the median (a row moved by up to 0.2 of the ideal between single pairs),
     every figure of the row from that pair, and the doctor's word on its asynchronous run."""
     pairs = []
@@ -173,7 +173,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--config", nargs=2, action="append", metavar=("STEP_DELAY_S", "MAX_STALENESS"),
                         help="one row: the server's sleep after every decode step, and how far generation may run ahead "
-                             "(with slow rollouts it must cover their latency); repeatable. Default: the README's rows, "
+                             "(with slow rollouts it must cover their latency); repeatable. Default: the performance page's rows, "
                              + ", ".join(f"{d} {s}" for d, s in CONFIGS))
     parser.add_argument("--cores", choices=["shared", "pinned", "both"], default="both",
                         help="shared: the three processes share every core; pinned: the trainer alone on its cores, the server "

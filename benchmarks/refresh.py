@@ -1,10 +1,10 @@
-"""Re-run the benchmarks behind README.md's Performance tables and rewrite those tables in place.
+"""Re-run the benchmarks behind the performance page's tables (docs/performance.md) and rewrite them in place.
 
-Each table sits between `<!-- bench:NAME -->` and `<!-- /bench -->` in README.md, where NAME is a script
-in this folder. The script runs at its default (full) sizes in its own process, its output shown as it
-comes, and writes its table with `--markdown PATH`; this one pastes the table in, followed by a line naming
-the commit it was measured at (marked when the work tree had uncommitted changes) and the date. README.md
-is rewritten after each benchmark. A benchmark that fails leaves its table as it was, the others still run,
+Each table sits between `<!-- bench:NAME -->` and `<!-- /bench -->` in docs/performance.md, where NAME is a script
+in this folder; README.md repeats the headline table (vs_trl) in a block of its own, rewritten with it. The script
+runs at its default (full) sizes in its own process, its output shown as it comes, and writes its table with
+`--markdown PATH`; this one pastes the table in, followed by a line naming the commit it was measured at (marked when
+the work tree had uncommitted changes) and the date. The pages are rewritten after each benchmark. A benchmark that fails leaves its table as it was, the others still run,
 and this script then exits non-zero.
 
     python benchmarks/refresh.py [NAME ...]     (every benchmark when none is named)
@@ -22,7 +22,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-BENCHMARKS = {  # in README order, with about how long each takes on the project's quiet 2-core machine
+PAGE = ROOT / "docs" / "performance.md"
+README = ROOT / "README.md"
+BENCHMARKS = {  # in the page's order, with about how long each takes on the project's quiet 2-core machine
     "vs_trl": "~15 min",
     "pipeline_overlap": "~25 min",
     "packing": "~4 min",
@@ -43,7 +45,7 @@ def replace_table(text: str, name: str, table: str, stamp: str) -> str:
     pattern = re.compile(rf"(<!-- bench:{re.escape(name)} -->\n).*?(<!-- /bench -->)", re.DOTALL)
     found = len(pattern.findall(text))
     if found != 1:
-        raise ValueError(f"expected one <!-- bench:{name} --> ... <!-- /bench --> block in the README, found {found}")
+        raise ValueError(f"expected one <!-- bench:{name} --> ... <!-- /bench --> block, found {found}")
     return pattern.sub(lambda match: f"{match[1]}{table}\n{stamp}\n{match[2]}", text)
 
 
@@ -52,9 +54,10 @@ def git(*args: str) -> str:
 
 
 def measured_at() -> str:
-    """The line under each table: the commit, whether the tree differed from it, and today's date. README.md
-    itself is left out of the comparison: rewriting its tables changes nothing measured."""
-    dirty = " (uncommitted changes)" if git("status", "--porcelain", "--", ".", ":(exclude)README.md") else ""
+    """The line under each table: the commit, whether the tree differed from it, and today's date. The pages with
+    tables are left out of the comparison: rewriting them changes nothing measured."""
+    dirty = " (uncommitted changes)" if git("status", "--porcelain", "--", ".", ":(exclude)README.md",
+                                            ":(exclude)docs/performance.md") else ""
     return f"Measured at commit `{git('rev-parse', '--short', 'HEAD')}`{dirty} on {datetime.date.today().isoformat()}."
 
 
@@ -74,7 +77,8 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="benchmarks: " + ", ".join(f"{name} ({duration})" for name, duration in BENCHMARKS.items()))
     parser.add_argument("names", nargs="*", metavar="NAME", help="benchmarks to re-run (default: all)")
-    parser.add_argument("--readme", type=Path, default=ROOT / "README.md", help="the file whose tables are rewritten")
+    parser.add_argument("--page", type=Path, default=PAGE, help="the page whose tables are rewritten (default "
+                                                                   "docs/performance.md; README.md's copies follow)")
     args = parser.parse_args()
     unknown = [name for name in args.names if name not in BENCHMARKS]
     if unknown:
@@ -87,17 +91,18 @@ def main() -> int:
     args = parse_args()
     stamp = measured_at()  # before the first rewrite, which itself makes the tree differ
     for name in args.names:  # every block exists before anything runs for minutes
-        replace_table(args.readme.read_text(), name, "", stamp)
+        replace_table(args.page.read_text(), name, "", stamp)
     failed = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, name in enumerate(args.names, 1):
             print(f"== [{i}/{len(args.names)}] {name} ({BENCHMARKS[name]})", flush=True)
             table_path = Path(tmp) / f"{name}.md"
-            if run_benchmark(name, table_path):
-                args.readme.write_text(replace_table(args.readme.read_text(), name, table_path.read_text(), stamp))
-            else:
+            if not run_benchmark(name, table_path):
                 failed.append(name)
-    print(f"== {args.readme}: {len(args.names) - len(failed)} table(s) rewritten"
+                continue
+            for page in [args.page] + [README] * (f"<!-- bench:{name} -->" in README.read_text()):
+                page.write_text(replace_table(page.read_text(), name, table_path.read_text(), stamp))
+    print(f"== {args.page}: {len(args.names) - len(failed)} table(s) rewritten"
           + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 

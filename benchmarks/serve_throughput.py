@@ -116,7 +116,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_markdown_flag(parser)
     args = parser.parse_args(argv)
     if args.markdown and args.dtype != "float32":
-        parser.error("--markdown writes the README's float32 table: measure --dtype bfloat16 without it")
+        parser.error("--markdown writes the performance page's float32 table: measure --dtype bfloat16 without it")
     return args
 
 

@@ -1,7 +1,7 @@
-"""The README table of a benchmark: printed with its other output and, with `--markdown PATH`, written to PATH.
+"""The performance page's table of a benchmark: printed with its other output and, with `--markdown PATH`, written to PATH.
 
 refresh.py runs each benchmark with `--markdown` and pastes that file into README.md, so what a script
-prints is exactly what the README shows.
+prints is exactly what docs/performance.md shows.
 """
 
 import argparse
@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def add_markdown_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--markdown", metavar="PATH", help="also write the README table to PATH (used by refresh.py)")
+    parser.add_argument("--markdown", metavar="PATH", help="also write the performance page's table to PATH (used by refresh.py)")
 
 
 def markdown_table(header: list[str], align: str, rows: list[list[str]]) -> str:

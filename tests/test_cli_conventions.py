@@ -78,6 +78,8 @@ def test_the_python_api_keeps_its_warnings(tmp_path):
     (["export", "/nonexistent/run/checkpoint-1"], "tandem export: "),
     (["train", "/nonexistent/recipe.yaml"], "tandem train: /nonexistent/recipe.yaml: no such recipe file"),
     (["train", "dmeo"], "tandem train: dmeo: no such recipe file"),
+    (["train", "demo", "--model", "/nonexistent/model"], "tandem train: demo: /nonexistent/model: no such model folder"),
+    (["train", "demo", "--foo", "--max_steps", "3"], "tandem train: demo: --foo needs a value (it is followed by the flag"),
     (["serve", "tiny", "--return-sampling-mask"], "tandem serve: --return-sampling-mask needs --logprobs-mode"),
     (["serve", "tiny", "--weight-transfer-config", "nccl"], "tandem serve: "),
     (["proxy", "--upstream", "http://127.0.0.1:9", "--probe-interval-s", "0"], "tandem proxy: --probe-interval-s 0"),

@@ -13,7 +13,7 @@ from tandem.generation.launcher import EmbeddedServer
 from tandem.tasks import TINY_MODEL_PATH
 
 
-def test_defaults_follow_the_spec():
+def test_defaults_are_the_documented_ones():
     c = AsyncGRPOConfig()
     assert (c.num_generations, c.max_staleness, c.max_concurrent_rollouts, c.learning_rate, c.lr_scheduler_type) == (8, 4, 512, 1e-6, "constant")
     assert (c.vllm_importance_sampling_clip_min, c.vllm_importance_sampling_clip_max, c.num_sampler_logprobs) == (0.5, 5.0, 8)
@@ -128,7 +128,7 @@ def test_the_toy_update_example_runs_one_step_on_cpu():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--learnin_rate", "1e-4"], r"unknown recipe key 'learnin_rate' \(did you mean 'learning_rate'\?\)\. Every key is described in docs/config.md"),
+    (["--learnin_rate", "1e-4"], r"unknown recipe key 'learnin_rate' \(did you mean 'learning_rate'\?\)\. Every key is described in docs/references/config.md"),
     (["--learning_rate", "abc"], r"AsyncGRPOConfig.learning_rate='abc': expected a number, got str.$"),
     (["--max_steps", "1.5"], r"AsyncGRPOConfig.max_steps=1.5: expected a whole number, got float.$"),
     (["--gradient_checkpointing", "maybe"], r"AsyncGRPOConfig.gradient_checkpointing='maybe': expected true or false, got str.$"),

@@ -1,5 +1,5 @@
 """The fields users bring from transformers' TrainingArguments: each one works, or is refused when set, saying why.
-docs/config.md maps every field to the test that shows it works or to its refusal; the first tests keep it honest."""
+FIELD_TESTS maps every field that works to the test that shows it; the first tests keep that honest."""
 
 import asyncio
 import dataclasses
@@ -61,28 +61,219 @@ def test_a_refused_field_set_to_anything_but_its_default_fails_with_the_reason(n
     AsyncGRPOConfig(**{name: getattr(AsyncGRPOConfig(), name)})  # its default is accepted
 
 
-def table_rows() -> dict[str, tuple[str, str]]:
-    """docs/config.md's table: field -> (status, the test or the reason)."""
-    rows = {}
-    for line in (ROOT / "docs" / "config.md").read_text().splitlines():
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if len(cells) == 4 and cells[0].startswith("`") and cells[0] != "`field`":
-            name = cells[0].strip("`")
-            assert name not in rows, f"docs/config.md lists {name} twice"
-            rows[name] = (cells[2], cells[3])
-    return rows
+FIELD_TESTS = {
+    "output_dir":
+        "tests/trainer/test_conventions.py::test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask",
+    "per_device_train_batch_size":
+        "tests/test_config_fields.py::test_per_device_train_batch_size_caps_the_samples_of_a_row",
+    "num_train_epochs":
+        "tests/trainer/test_trainer.py::test_stopped_and_resumed_at_three_random_points_a_run_finishes_every_prompt_exactly_once",
+    "max_steps": "tests/trainer/test_trainer.py::test_a_curriculum_loop_runs",
+    "learning_rate":
+        "tests/trainer/test_conventions.py::test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask",
+    "lr_scheduler_type":
+        "tests/test_config_fields.py::test_lr_scheduler_kwargs_reach_transformers_schedule_and_warmup_applies_to_constant",
+    "lr_scheduler_kwargs":
+        "tests/test_config_fields.py::test_lr_scheduler_kwargs_reach_transformers_schedule_and_warmup_applies_to_constant",
+    "warmup_steps":
+        "tests/test_config_fields.py::test_lr_scheduler_kwargs_reach_transformers_schedule_and_warmup_applies_to_constant",
+    "optim":
+        "tests/test_config_fields.py::test_transformers_optimizer_names_build_their_optimizers_with_decay_spared_on_biases_and_norms",
+    "optim_args":
+        "tests/test_config_fields.py::test_transformers_optimizer_names_build_their_optimizers_with_decay_spared_on_biases_and_norms",
+    "optim_target_modules":
+        "tests/test_config_fields.py::test_optim_target_modules_projects_those_weights_with_galore_or_apollo",
+    "weight_decay":
+        "tests/test_config_fields.py::test_transformers_optimizer_names_build_their_optimizers_with_decay_spared_on_biases_and_norms",
+    "adam_beta1":
+        "tests/test_config_fields.py::test_transformers_optimizer_names_build_their_optimizers_with_decay_spared_on_biases_and_norms",
+    "adam_beta2":
+        "tests/test_config_fields.py::test_transformers_optimizer_names_build_their_optimizers_with_decay_spared_on_biases_and_norms",
+    "adam_epsilon":
+        "tests/test_config_fields.py::test_transformers_optimizer_names_build_their_optimizers_with_decay_spared_on_biases_and_norms",
+    "gradient_accumulation_steps":
+        "tests/trainer/test_conventions.py::test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask",
+    "max_grad_norm":
+        "tests/trainer/test_optimization.py::test_max_grad_norm_zero_means_no_clipping_and_accumulation_equals_the_full_batch",
+    "bf16": "tests/test_config_fields.py::test_bf16_autocasts_the_trainers_forward_and_leaves_the_weights_in_float32",
+    "fp16": "tests/test_config_fields.py::test_fp16_and_tf32_are_refused_on_the_cpu_with_the_reason",
+    "tf32": "tests/test_config_fields.py::test_fp16_and_tf32_are_refused_on_the_cpu_with_the_reason",
+    "gradient_checkpointing":
+        "tests/trainer/test_conventions.py::test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask",
+    "gradient_checkpointing_kwargs":
+        "tests/trainer/test_conventions.py::test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask",
+    "use_cpu": "tests/test_config_fields.py::test_use_cpu_keeps_the_model_on_the_cpu_where_cuda_is_available",
+    "logging_strategy":
+        "tests/test_config_fields.py::test_logging_strategy_no_logs_no_step_and_logging_first_step_logs_the_first",
+    "logging_steps":
+        "tests/test_config_fields.py::test_epoch_and_fractional_strategies_empty_cache_steps_memory_metrics_and_ddp_timeout_work_as_in_transformers",
+    "logging_first_step":
+        "tests/trainer/test_conventions.py::test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask",
+    "log_level":
+        "tests/trainer/test_conventions.py::test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask",
+    "log_level_replica":
+        "tests/test_config_fields.py::test_full_determinism_turns_on_deterministic_algorithms_and_log_levels_pick_the_rank_and_node",
+    "disable_tqdm": "tests/test_config_fields.py::test_disable_tqdm_prints_plain_lines_even_in_a_terminal",
+    "report_to":
+        "tests/metrics/test_sinks.py::test_report_to_all_sends_every_metric_and_the_completions_table_to_tensorboard_wandb_and_trackio",
+    "run_name":
+        "tests/metrics/test_sinks.py::test_report_to_all_sends_every_metric_and_the_completions_table_to_tensorboard_wandb_and_trackio",
+    "project":
+        "tests/metrics/test_sinks.py::test_report_to_all_sends_every_metric_and_the_completions_table_to_tensorboard_wandb_and_trackio",
+    "trackio_space_id":
+        "tests/metrics/test_sinks.py::test_a_hosted_trackio_run_goes_to_its_space_and_bucket_and_is_frozen_when_it_ends",
+    "trackio_bucket_id":
+        "tests/metrics/test_sinks.py::test_a_hosted_trackio_run_goes_to_its_space_and_bucket_and_is_frozen_when_it_ends",
+    "trackio_static_space_id":
+        "tests/metrics/test_sinks.py::test_a_hosted_trackio_run_goes_to_its_space_and_bucket_and_is_frozen_when_it_ends",
+    "save_strategy":
+        "tests/trainer/test_saving.py::test_save_strategy_best_and_save_only_model_keep_the_best_model_and_load_best_model_at_end_loads_it",
+    "save_steps":
+        "tests/test_config_fields.py::test_epoch_and_fractional_strategies_empty_cache_steps_memory_metrics_and_ddp_timeout_work_as_in_transformers",
+    "save_total_limit":
+        "tests/trainer/test_conventions.py::test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask",
+    "enable_jit_checkpoint":
+        "tests/trainer/test_trainer.py::test_sigterm_with_enable_jit_checkpoint_saves_the_step_it_ends_and_exits_as_terminated",
+    "resume_from_checkpoint":
+        "tests/trainer/test_trainer.py::test_lora_training_syncs_versioned_adapters_and_samples_from_them",
+    "seed": "tests/test_config_fields.py::test_train_sampling_strategy_random_orders_each_epoch_by_data_seed_or_seed",
+    "data_seed":
+        "tests/test_config_fields.py::test_train_sampling_strategy_random_orders_each_epoch_by_data_seed_or_seed",
+    "train_sampling_strategy":
+        "tests/test_config_fields.py::test_train_sampling_strategy_random_orders_each_epoch_by_data_seed_or_seed",
+    "full_determinism":
+        "tests/test_config_fields.py::test_full_determinism_turns_on_deterministic_algorithms_and_log_levels_pick_the_rank_and_node",
+    "remove_unused_columns":
+        "tests/test_config_fields.py::test_remove_unused_columns_keeps_the_prompt_and_the_columns_rewards_name",
+    "model_init_kwargs":
+        "tests/test_config_fields.py::test_dtype_loads_the_weights_in_it_and_model_init_kwargs_takes_precedence",
+    "dtype": "tests/test_config_fields.py::test_dtype_loads_the_weights_in_it_and_model_init_kwargs_takes_precedence",
+    "trust_remote_code": "tests/test_config_fields.py::test_trust_remote_code_loads_a_model_that_ships_its_own_code",
+    "router_aux_loss_coef":
+        "tests/test_config_fields.py::test_router_aux_loss_coef_overrides_the_models_own_and_needs_a_mixture_of_experts",
+    "fsdp_config": "tests/test_config_and_cli.py::test_fsdp_config_takes_reshard_after_forward_and_refuses_the_rest",
+    "num_generations":
+        "tests/trainer/test_trainer.py::test_flash_reinforce_trains_exactly_b_single_rollouts_a_step_with_the_batch_baseline",
+    "max_completion_length": "tests/test_config_and_cli.py::test_dry_run_prints_the_recipe_and_the_server_commands",
+    "temperature":
+        "tests/trainer/test_conventions.py::test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask",
+    "top_p": "tests/trainer/test_trainer.py::test_top_k_top_p_ratios_are_exact_with_sampling_masks_and_biased_without",
+    "top_k": "tests/trainer/test_trainer.py::test_top_k_top_p_ratios_are_exact_with_sampling_masks_and_biased_without",
+    "min_p": "tests/test_config_fields.py::test_the_sampling_fields_reach_every_request",
+    "repetition_penalty": "tests/test_config_fields.py::test_the_sampling_fields_reach_every_request",
+    "chat_template_kwargs": "tests/test_config_fields.py::test_chat_template_kwargs_reach_the_rendered_prompts",
+    "max_tool_calling_iterations":
+        "tests/rollout/test_agents.py::test_the_iteration_cap_stops_a_rollout_that_keeps_calling_and_it_is_still_trained",
+    "tool_call_timeout":
+        "tests/rollout/test_agents.py::test_each_tool_failure_is_an_error_message_to_the_model_and_a_counted_failure",
+    "tool_call_parser": "tests/rollout/test_agents.py::test_tool_call_parser_reads_replies_in_the_models_own_format",
+    "vllm_server_base_url":
+        "tests/trainer/test_trainer.py::test_lora_against_a_server_without_adapters_syncs_merged_weights_with_a_warning",
+    "vllm_server_timeout": "tests/trainer/test_trainer.py::test_unreachable_server_is_named",
+    "vllm_server_api_key":
+        "tests/test_config_and_cli.py::test_the_api_key_is_read_from_the_environment_and_masked_in_logs",
+    "vllm_server_host": "tests/test_trl_recipes.py::test_trl_server_host_and_port_name_the_server_to_generate_from",
+    "vllm_server_port": "tests/test_trl_recipes.py::test_trl_server_host_and_port_name_the_server_to_generate_from",
+    "embedded_server_host":
+        "tests/trainer/test_conventions.py::test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask",
+    "weight_transfer_address":
+        "tests/trainer/test_conventions.py::test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask",
+    "algorithm":
+        "tests/trainer/test_trainer.py::test_flash_reinforce_trains_exactly_b_single_rollouts_a_step_with_the_batch_baseline",
+    "flash_delta": "tests/trainer/test_objectives.py::test_make_objective_follows_the_config",
+    "flash_negative_token_fraction":
+        "tests/test_config_fields.py::test_the_objective_takes_its_bounds_and_flash_fields_from_the_config",
+    "flash_batch_size":
+        "tests/trainer/test_trainer.py::test_flash_reinforce_trains_exactly_b_single_rollouts_a_step_with_the_batch_baseline",
+    "epsilon": "tests/trainer/test_objectives.py::test_make_objective_follows_the_config",
+    "epsilon_high": "tests/trainer/test_objectives.py::test_make_objective_follows_the_config",
+    "score_centering": "tests/trainer/test_objectives.py::test_make_objective_follows_the_config",
+    "vllm_importance_sampling_clip_min":
+        "tests/test_config_fields.py::test_the_objective_takes_its_bounds_and_flash_fields_from_the_config",
+    "vllm_importance_sampling_clip_max":
+        "tests/test_config_fields.py::test_the_objective_takes_its_bounds_and_flash_fields_from_the_config",
+    "num_sampler_logprobs": "tests/test_config_fields.py::test_the_sampling_fields_reach_every_request",
+    "token_budget":
+        "tests/trainer/test_trainer.py::test_samples_longer_than_the_token_budget_are_dropped_with_a_warning",
+    "tree_attention_kernel":
+        "tests/trainer/test_conventions.py::test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask",
+    "max_concurrent_rollouts":
+        "tests/test_config_fields.py::test_max_concurrent_rollouts_caps_the_loop_and_the_embedded_servers_batch",
+    "max_staleness":
+        "tests/trainer/test_trainer.py::test_staleness_is_bounded_stale_samples_are_dropped_and_the_allowance_holds",
+    "weight_sync_steps":
+        "tests/trainer/test_conventions.py::test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask",
+    "weight_sync_check_atol":
+        "tests/trainer/test_trainer.py::test_lora_training_syncs_versioned_adapters_and_samples_from_them",
+    "rollout_worker_timeout": "tests/trainer/test_trainer.py::test_a_hung_worker_is_detected_by_its_heartbeat",
+    "reward_timeout": "tests/rollout/test_failures.py::test_a_reward_function_past_reward_timeout_counts_as_a_failure",
+    "stall_timeout":
+        "tests/trainer/test_trainer.py::test_a_reward_that_never_varies_is_said_and_stops_the_run_instead_of_a_silent_wait",
+    "log_completions":
+        "tests/trainer/test_conventions.py::test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask",
+    "num_completions_to_print":
+        "tests/trainer/test_conventions.py::test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask",
+    "eval_strategy":
+        "tests/test_config_fields.py::test_epoch_and_fractional_strategies_empty_cache_steps_memory_metrics_and_ddp_timeout_work_as_in_transformers",
+    "eval_steps":
+        "tests/test_config_fields.py::test_epoch_and_fractional_strategies_empty_cache_steps_memory_metrics_and_ddp_timeout_work_as_in_transformers",
+    "eval_delay":
+        "tests/trainer/test_conventions.py::test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask",
+    "eval_on_start":
+        "tests/trainer/test_conventions.py::test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask",
+    "torch_compile": "tests/test_config_fields.py::test_torch_compile_compiles_the_decoder_once_for_rows_of_any_length",
+    "torch_compile_backend":
+        "tests/test_config_fields.py::test_torch_compile_compiles_the_decoder_once_for_rows_of_any_length",
+    "torch_compile_mode":
+        "tests/test_config_fields.py::test_torch_compile_compiles_the_decoder_once_for_rows_of_any_length",
+    "torch_empty_cache_steps":
+        "tests/test_config_fields.py::test_epoch_and_fractional_strategies_empty_cache_steps_memory_metrics_and_ddp_timeout_work_as_in_transformers",
+    "log_on_each_node":
+        "tests/test_config_fields.py::test_full_determinism_turns_on_deterministic_algorithms_and_log_levels_pick_the_rank_and_node",
+    "save_only_model":
+        "tests/trainer/test_saving.py::test_save_strategy_best_and_save_only_model_keep_the_best_model_and_load_best_model_at_end_loads_it",
+    "push_to_hub":
+        "tests/trainer/test_saving.py::test_push_to_hub_uploads_in_the_background_retries_never_writes_the_token_and_callbacks_resume_their_state",
+    "hub_token":
+        "tests/trainer/test_saving.py::test_push_to_hub_uploads_in_the_background_retries_never_writes_the_token_and_callbacks_resume_their_state",
+    "hub_private_repo":
+        "tests/trainer/test_saving.py::test_push_to_hub_uploads_in_the_background_retries_never_writes_the_token_and_callbacks_resume_their_state",
+    "hub_model_id":
+        "tests/trainer/test_saving.py::test_push_to_hub_uploads_in_the_background_retries_never_writes_the_token_and_callbacks_resume_their_state",
+    "hub_strategy":
+        "tests/trainer/test_saving.py::test_hub_always_push_queues_a_checkpoint_while_an_upload_runs_and_hub_strategy_picks_the_folders",
+    "hub_always_push":
+        "tests/trainer/test_saving.py::test_hub_always_push_queues_a_checkpoint_while_an_upload_runs_and_hub_strategy_picks_the_folders",
+    "hub_revision":
+        "tests/trainer/test_saving.py::test_push_to_hub_uploads_in_the_background_retries_never_writes_the_token_and_callbacks_resume_their_state",
+    "load_best_model_at_end":
+        "tests/trainer/test_saving.py::test_save_strategy_best_and_save_only_model_keep_the_best_model_and_load_best_model_at_end_loads_it",
+    "metric_for_best_model":
+        "tests/trainer/test_saving.py::test_save_strategy_best_and_save_only_model_keep_the_best_model_and_load_best_model_at_end_loads_it",
+    "greater_is_better":
+        "tests/trainer/test_saving.py::test_save_strategy_best_and_save_only_model_keep_the_best_model_and_load_best_model_at_end_loads_it",
+    "restore_callback_states_from_checkpoint":
+        "tests/trainer/test_saving.py::test_push_to_hub_uploads_in_the_background_retries_never_writes_the_token_and_callbacks_resume_their_state",
+    "ddp_timeout":
+        "tests/test_config_fields.py::test_epoch_and_fractional_strategies_empty_cache_steps_memory_metrics_and_ddp_timeout_work_as_in_transformers",
+    "debug":
+        "tests/test_config_fields.py::test_debug_underflow_overflow_stops_at_the_first_inf_with_transformers_report",
+    "skip_memory_metrics":
+        "tests/test_config_fields.py::test_epoch_and_fractional_strategies_empty_cache_steps_memory_metrics_and_ddp_timeout_work_as_in_transformers",
+}
+"""Each field that works -> the test that shows it working (a refused field's test is the parametrized one above)."""
 
 
-def test_the_field_table_maps_every_field_to_a_test_that_exists_or_to_its_refusal():
-    rows, fields = table_rows(), {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
-    assert set(rows) == fields, f"missing from docs/config.md: {sorted(fields - set(rows))}; not fields: {sorted(set(rows) - fields)}"
-    for name, (status, where) in rows.items():
-        assert status in ("works", "refused"), f"{name}: status {status!r}"
-        assert (status == "refused") == (name in REFUSED), f"{name}: the table says {status}, config.REFUSED disagrees"
-        if status == "works":
-            path, _, test = where.strip("`").partition("::")
-            source = (ROOT / path).read_text() if (ROOT / path).is_file() else ""
-            assert re.search(rf"^(async )?def {re.escape(test)}\(", source, re.M), f"{name}: no test {where} in {path}"
+def test_every_field_works_with_a_test_that_exists_or_is_refused():
+    fields = {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
+    assert not set(FIELD_TESTS) & set(REFUSED), f"both working and refused: {sorted(set(FIELD_TESTS) & set(REFUSED))}"
+    missing = fields - set(FIELD_TESTS) - set(REFUSED)
+    assert not missing, f"fields with neither a test nor a refusal: {sorted(missing)}"
+    assert set(FIELD_TESTS) <= fields, f"not fields: {sorted(set(FIELD_TESTS) - fields)}"
+    for name, where in FIELD_TESTS.items():
+        path, _, test = where.partition("::")
+        source = (ROOT / path).read_text() if (ROOT / path).is_file() else ""
+        assert re.search(rf"^(async )?def {re.escape(test)}\(", source, re.M), f"{name}: no test {where}"
 
 
 @pytest.mark.parametrize("optim, optim_args, expected", [
@@ -426,7 +617,7 @@ def test_a_dry_run_lists_the_changed_fields_the_api_key_too_and_a_warmup_fractio
         AsyncGRPOConfig(warmup_steps=0.1)
 
 
-def test_processing_class_pads_on_the_left_and_its_pad_token_falls_back_to_eos_as_the_spec_says(tmp_path):
+def test_processing_class_pads_on_the_left_and_its_pad_token_falls_back_to_eos(tmp_path):
     from transformers import AutoTokenizer
 
     given = AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
@@ -439,7 +630,7 @@ def test_processing_class_pads_on_the_left_and_its_pad_token_falls_back_to_eos_a
     assert loaded.tokenizer.padding_side == "left", "the tokenizer loaded from the model too"
 
 
-def test_top_p_and_min_p_need_top_k_at_construction_as_the_spec_says():
+def test_top_p_and_min_p_need_top_k_at_construction():
     for truncation in ({"top_p": 0.9}, {"min_p": 0.05}):
         with pytest.raises(ValueError, match=r"top_k=0: top_p < 1 and min_p need top_k set too .* e.g. top_k=512"):
             AsyncGRPOConfig(**truncation)

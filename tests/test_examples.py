@@ -15,7 +15,7 @@ from tandem.config import import_object, load_recipe
 from tests.test_config_and_cli import served_commands
 
 FOLDER = Path("examples/flash_reinforce")
-SPEC_004 = {  # model, δ, q, rollouts a step, steps (the FlashREINFORCE tutorial and its launcher's settings)
+PUBLISHED_SETTINGS = {  # model, δ, q, rollouts a step, steps (the FlashREINFORCE tutorial and its launcher's settings)
     "r1": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", 0.005, 1.0, 128, 6000),
     "qwen_math": ("Qwen/Qwen2.5-Math-1.5B", 0.003, 1.0, 128, 2000),
     "tool_use": ("Qwen/Qwen2.5-7B-Instruct", 0.001, 1.0, 128, 600),
@@ -47,12 +47,12 @@ def bare_machine(monkeypatch):
 
 
 def test_the_folder_holds_the_cpu_example_and_spec_004s_presets():
-    assert {path.stem for path in FOLDER.glob("*.yaml")} == {"cpu", *SPEC_004}
+    assert {path.stem for path in FOLDER.glob("*.yaml")} == {"cpu", *PUBLISHED_SETTINGS}
 
 
-@pytest.mark.parametrize("name", sorted(SPEC_004))
+@pytest.mark.parametrize("name", sorted(PUBLISHED_SETTINGS))
 def test_a_preset_dry_run_prints_spec_004s_plan_and_server(name, capsys, bare_machine):
-    model, delta, q, batch, steps = SPEC_004[name]
+    model, delta, q, batch, steps = PUBLISHED_SETTINGS[name]
     recipe = load_recipe(f"{FOLDER}/{name}.yaml")
     assert (recipe.model, recipe.config.algorithm, recipe.config.num_generations) == (model, "flash_reinforce", 1)
     out = dry_run(capsys, f"{FOLDER}/{name}.yaml")

@@ -162,6 +162,14 @@ def run_proxy(ns: argparse.Namespace) -> None:
     run_until_interrupted(start_proxy(args), lambda port: f"tandem proxy: http://{args.host}:{port} -> {', '.join(args.upstreams)}")
 
 
+def missing_folder(model: str) -> str | None:
+    """What is wrong with a model named by a path to a folder that is not there (None for a Hub id or a folder)."""
+    if model.startswith(("/", ".", "~")) and not Path(model).expanduser().is_dir():
+        return (f"{model}: no such model folder. Give a folder with config.json and safetensors weights, a Hub id "
+                "(org/name, from this machine's cache when offline), or 'tiny'.")
+    return None
+
+
 def run_serve(ns: argparse.Namespace) -> None:
     from tandem.generation.server import VLLM_PROTOCOL_VERSION, ServeArgs, check_tool_flags, start_server
     from tandem.generation.weight_transfer import parse_config
@@ -181,9 +189,8 @@ def run_serve(ns: argparse.Namespace) -> None:
     if args.model == "tiny":  # answers to the name as typed (vLLM's default) and to its folder (the trainer's name)
         args.served_model_name = args.served_model_name or ["tiny", TINY_MODEL_PATH]
         args.model = TINY_MODEL_PATH
-    if args.model.startswith(("/", ".", "~")) and not Path(args.model).expanduser().is_dir():
-        user_error(f"tandem serve: {args.model}: no such model folder. Give a folder with config.json and safetensors "
-                   "weights, a Hub id (org/name, from this machine's cache when offline), or 'tiny'.")
+    if missing_folder(args.model):
+        user_error(f"tandem serve: {missing_folder(args.model)}")
     try:
         run_until_interrupted(start_server(args), lambda port: f"tandem serve: {args.model} on http://{args.host}:{port} "
                                                               f"(vLLM {VLLM_PROTOCOL_VERSION} protocol)")
@@ -220,7 +227,8 @@ a recipe is a YAML mapping of these keys:
 
 TRL's names (model_name_or_path, use_peft, lora_r, use_vllm, beta, ...) are
 read as tandem's with a note, or refused where they cannot act, saying why.
-Every key: {reference}.
+Every key is described in
+  {reference}.
 """
 
 
@@ -228,7 +236,7 @@ def train_parser(sub) -> None:
     from tandem.config import FIELD_REFERENCE
 
     p = sub.add_parser("train", help="train with async GRPO from a YAML recipe",
-                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=TRAIN_HELP.format(reference=FIELD_REFERENCE),
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=TRAIN_HELP.format(reference=FIELD_REFERENCE.replace(", ", ",\n  ")),
                        description="Train from a recipe: a YAML file of AsyncGRPOConfig fields and the keys\nbelow, "
                                    "or a built-in recipe's name (demo).")
     p.add_argument("recipe", nargs="?", help="a YAML recipe file, or a built-in recipe's name (demo)")
@@ -385,7 +393,7 @@ def dry_run(source: str, recipe, tools: list, agent: bool) -> None:
                           **({"environment_factory": recipe.environment_factory} if recipe.environment_factory else {}),
                           **({"lora": recipe.lora} if recipe.lora is not None else {}), **config.changed()},
                          sort_keys=False))
-    print(comment("every other AsyncGRPOConfig field at its default (docs/config.md lists them)"))
+    print(comment("every other AsyncGRPOConfig field at its default (docs/references/config.md lists them)"))
     rows, why = local_rows(recipe)
     longest, why = longest_prompt(recipe, tools, rows) if rows is not None else (None, why)
     if longest is not None:
@@ -447,10 +455,14 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
         except UsageError as exc:  # a lora field peft refuses, a tool it cannot describe
             user_error(f"tandem train: {ns.recipe}: {exc}")
         return
+    if missing_folder(recipe.model):
+        user_error(f"tandem train: {ns.recipe}: {missing_folder(recipe.model)}")
     try:
         trainer = build_trainer(recipe, reward_funcs, tools, environments)
     except (UsageError, NotImplementedError) as exc:  # no such dataset, config or split; settings the trainer refuses
         user_error(f"tandem train: {ns.recipe}: {exc}")
+    except OSError as exc:  # transformers' answer to a model folder or Hub id it cannot find
+        user_error(f"tandem train: {ns.recipe}: model {recipe.model!r} could not be loaded: {' '.join(str(exc).split())}")
     from tandem.generation.client import ServerProblem
 
     try:
@@ -491,7 +503,8 @@ def build_trainer(recipe, reward_funcs: list, tools: list, environments):
                             tools=tools or None, environment_factory=environments)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and its flags (the command-line reference page is generated from this)."""
     from tandem import DISTRIBUTION, __version__
 
     parser = argparse.ArgumentParser(prog="tandem", description="Asynchronous RL for language models.")
@@ -515,6 +528,11 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("env", help="the versions and hardware a bug report needs, to paste into it",
                    description="Print tandem's, Python's, torch's (its CUDA or CPU build, the GPUs seen), transformers', "
                                "peft's, datasets' and vLLM's versions, the platform and the CPU.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     ns, rest = parser.parse_known_args(argv)
     warnings_as_lines(ns.command)
     if ns.command == "train":

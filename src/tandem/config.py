@@ -28,7 +28,7 @@ from tandem.tool_formats import FORMATS
 
 RECIPES = Path(__file__).with_name("recipes")
 """The built-in recipes, by name: `tandem train demo` is recipes/demo.yaml."""
-FIELD_REFERENCE = "docs/config.md (every field), docs/trl.md (TRL's names)"
+FIELD_REFERENCE = "docs/references/config.md (every field), docs/migrating-from-trl.md (TRL's names)"
 """Where a user finds every key a recipe takes."""
 ALGORITHMS = ("grpo", "flash_reinforce")
 REPORT_TO = {"none", "all", "tensorboard", "wandb", "trackio"}
@@ -68,20 +68,26 @@ REFUSED = {
     "do_predict": "not read by a trainer: tandem has no predict()",
     "local_rank": "torchrun sets LOCAL_RANK; tandem reads it",
 }
-"""The TrainingArguments fields tandem accepts only at their defaults, and why (docs/config.md lists every field)."""
+"""The TrainingArguments fields tandem accepts only at their defaults, and why (docs/references/config.md lists every field)."""
 
 
 @dataclass
 class AsyncGRPOConfig:
     # ---- run and optimisation ----
     output_dir: str = "runs/tandem"
+    """The run's folder: checkpoints (checkpoint-N), metrics.jsonl, completions.jsonl and the embedded server's log.
+    resume_from_checkpoint=True resumes from its latest checkpoint, so give each new run a folder of its own."""
     per_device_train_batch_size: int | None = None
     """Samples per packed row at most (1: one sample per row, the reference recipe's layout). None: as many as the
-    token budget holds, sharing their prompts: tandem's default, unlike transformers' 8 (docs/config.md)."""
+    token budget holds, sharing their prompts: tandem's default, unlike transformers' 8 (docs/references/config.md)."""
     num_train_epochs: float = 3.0
     """Passes over the prompt dataset (filtered and dropped prompts count). Ignored when max_steps > 0."""
     max_steps: int = -1
+    """Optimizer steps to train; -1 (or 0): stop after num_train_epochs passes over the prompts. Needed by decaying
+    schedules, intervals below 1, an IterableDataset and environments without a dataset (they have no epochs)."""
     learning_rate: float = 1e-6
+    """The optimizer's peak learning rate (after warm-up). Default 1e-6, as in TRL: RL moves a pretrained model in small
+    steps. LoRA adapters usually take a larger one; lower it if rewards collapse or grad_norm spikes."""
     lr_scheduler_type: str = "constant"
     """Any of transformers' schedule names (constant, linear, cosine, cosine_with_min_lr, ...); decaying ones need max_steps."""
     lr_scheduler_kwargs: dict | str | None = None
@@ -96,12 +102,21 @@ class AsyncGRPOConfig:
     """The modules the low-rank optimizers (optim galore_* / apollo_*: the `galore` extra) project, as
     transformers takes them (names or regexes, e.g. ["attn", "mlp"])."""
     weight_decay: float = 0.0
-    """Applied as transformers does: not to biases and normalisation weights."""
+    """The optimizer's weight decay (decoupled in AdamW), pulling weights toward 0 each step; applied as transformers
+    does, not to biases and normalisation weights. Default 0: raise it (e.g. 0.01) only to regularise long runs."""
     adam_beta1: float = 0.9
+    """β1 of the Adam-family optimizers: how fast the gradient's running mean forgets. Default 0.9, transformers'."""
     adam_beta2: float = 0.999
+    """β2 of the Adam-family optimizers: the decay per step of the squared gradient's running mean. Default 0.999,
+    transformers'; a lower value (e.g. 0.99) lets the step size follow a changing gradient scale sooner."""
     adam_epsilon: float = 1e-8
+    """ε of the Adam-family optimizers, added to the update's denominator for numerical stability. Rarely changed."""
     gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step; a micro-batch is one packed row of up to token_budget tokens per rank. Raise it
+    for more samples per update (a steadier gradient, fewer weight syncs per sample). Not read with flash_batch_size."""
     max_grad_norm: float = 1.0
+    """Clip the gradients' global L2 norm to this before each optimizer step; 0 or None: no clipping (as in
+    transformers). grad_norm logs the norm before clipping; lower this if it spikes."""
     bf16: bool | None = None
     """Autocast the trainer's forward to bfloat16. Default: on with CUDA, off on CPU (where it is slow)."""
     fp16: bool = False
@@ -109,6 +124,8 @@ class AsyncGRPOConfig:
     tf32: bool | None = None
     """Let CUDA matmuls use TensorFloat-32 (Ampere or newer). None: torch's default. Refused on CPU."""
     gradient_checkpointing: bool = True
+    """Recompute each layer's activations in the backward pass instead of keeping them: much less memory for about one
+    more forward of compute. Default True, as in TRL; turn it off for speed when the rows fit in memory without it."""
     gradient_checkpointing_kwargs: dict | str | None = None
     """Passed to gradient_checkpointing_enable (default {"use_reentrant": False}); also a JSON string."""
     use_cpu: bool = False
@@ -122,7 +139,8 @@ class AsyncGRPOConfig:
     log_level: str = "passive"
     """transformers' logging level while training on the main process: passive (unchanged), debug, info, warning, error, critical."""
     log_level_replica: str = "warning"
-    """The same on the other torchrun ranks."""
+    """log_level for the other torchrun processes (see log_on_each_node). Default warning, transformers': one process
+    speaks, the others only warn."""
     log_on_each_node: bool = True
     """Under torchrun on several machines, each machine's first process takes log_level too (False: the first
     process of the whole job only). Metrics are gathered and written once, by rank 0, either way."""
@@ -131,6 +149,7 @@ class AsyncGRPOConfig:
     report_to: str | list[str] | None = "none"
     """Extra metric sinks: trackio, tensorboard, wandb (offline). metrics.jsonl is always written."""
     run_name: str | None = None
+    """The run's name in wandb and trackio (None: the tracker picks one). Does not change output_dir."""
     project: str = "huggingface"
     """The trackio and wandb project the run is logged under."""
     trackio_space_id: str | None = None
@@ -180,6 +199,8 @@ class AsyncGRPOConfig:
     resume_from_checkpoint: bool | str | None = None
     """train()'s default: True (the latest checkpoint in output_dir) or a checkpoint folder."""
     seed: int = 42
+    """Seeds the trainer's torch random state and, with each prompt's position, the seed of every generation request,
+    so a rerun or a resumed run sends each prompt's requests with the same seeds. data_seed defaults to it."""
     data_seed: int | None = None
     """The seed of the prompt order with train_sampling_strategy 'random' (None: seed)."""
     train_sampling_strategy: str = "random"
@@ -190,10 +211,17 @@ class AsyncGRPOConfig:
     remove_unused_columns: bool = False
     """True: drop the dataset columns no reward function names (keep False when a reward takes **kwargs)."""
     model_init_kwargs: dict | str | None = None
+    """Extra keyword arguments for from_pretrained when the model is a path or hub id (e.g. {"attention_dropout": 0.0});
+    they take precedence over dtype and trust_remote_code. Also a JSON string. Not read for a model object."""
     dtype: str = "float32"
+    """The dtype of the weights loaded from a path: float32, bfloat16, float16 or auto (the checkpoint's); the embedded
+    server samples in the weights' dtype. Default float32: trainer and sampler log-probs agree most closely; bfloat16
+    halves the memory at the cost of a wider sampler/trainer gap."""
     trust_remote_code: bool = False
     """Load models and tokenizers that ship their own code (the trainer's and the embedded server's)."""
     router_aux_loss_coef: float | None = None
+    """Mixture-of-Experts models only: the weight of the router's load-balancing loss added to the RL loss. None: the
+    model config's own router_aux_loss_coef (0 when it has none). Setting it on a model without a router is an error."""
     torch_compile: bool = False
     """Compile the decoder with torch.compile, dynamic shapes (a packed row's length changes every step: one compile,
     not one per length). One process only; its fused kernels round differently from `tandem serve --decode-mode
@@ -219,13 +247,30 @@ class AsyncGRPOConfig:
 
     # ---- generation ----
     num_generations: int = 8
+    """Rollouts sampled per prompt (a group). GRPO compares them: advantages are rewards standardised within the group,
+    and a group whose rewards are all equal is dropped; so at least 2 (FlashREINFORCE: exactly 1). Raise it when
+    rewards are sparse (more groups with both successes and failures); eval prompts get as many."""
     max_completion_length: int = 2048
+    """Tokens the model may generate per turn (each turn of a tool-calling rollout gets this many), never past the
+    server's context. Raise it when many completions are cut off (completions/clipped_ratio); lower it to save time."""
     temperature: float = 1.0
+    """Sampling temperature of every request; the trainer divides its logits by it too, so its log-probs match the
+    sampler's. In (0, 2]: RL needs sampling, not greedy decoding. Default 1: the model's own distribution."""
     top_p: float = 1.0
+    """Nucleus sampling: keep the most likely tokens up to this probability mass (1: off). Below 1 it needs top_k too,
+    and a server that returns each token's kept set, so the trainer renormalises its log-probs over it."""
     top_k: int = 0
+    """Sample from the k most likely tokens only (0: off). Any truncation (top_k, top_p < 1, min_p) needs sampling masks
+    from the server (`tandem serve`, `vllm serve --return-sampling-mask --enable-scale-out`), else ratios are biased."""
     min_p: float | None = None
+    """Drop tokens less likely than min_p times the most likely one (None or 0: off; 0 is stored as None). Like top_p,
+    it needs top_k set and a server that returns sampling masks."""
     repetition_penalty: float = 1.0
+    """The repetition penalty of every request, as vLLM applies it (1: off; above 1 discourages repeats). The sampler's
+    log-probs include it and the trainer's do not, so any other value biases the importance ratio: keep 1 if you can."""
     chat_template_kwargs: dict | str | None = None
+    """Extra keyword arguments for the tokenizer's apply_chat_template when prompts are rendered, e.g.
+    {"enable_thinking": False} for Qwen3. Also a JSON string."""
     max_tool_calling_iterations: int | None = None
     """Tool-calling turns per rollout at most; None: until a reply calls no tool."""
     tool_call_timeout: float = 60.0
@@ -240,13 +285,16 @@ class AsyncGRPOConfig:
     vllm_server_base_url: str | None = None
     """URL of `vllm serve` / `tandem serve` / `tandem proxy`. None: start `tandem serve` for the model."""
     vllm_server_timeout: float = 1800.0
+    """Seconds to wait for the generation server: to answer /health at start, for one request or weight transfer, and
+    for a server that went away to come back before the run stops. Default 1800 (30 minutes), room for a large model's
+    start; lower it to fail sooner."""
     vllm_server_api_key: str | None = None
     """Sent as `Authorization: Bearer KEY` to a server started with --api-key. None: $VLLM_API_KEY if set. tandem's own."""
     vllm_server_host: str | None = None
     """With vllm_server_port, as in TRL: generate from the server at http://HOST:PORT (host 0.0.0.0, port 8000 when only
     the other is given). vllm_server_base_url says the same in one value."""
     vllm_server_port: int | None = None
-    """See vllm_server_host."""
+    """TRL's port of the server to generate from, with vllm_server_host (8000 when only the host is given)."""
     embedded_server_host: str = "127.0.0.1"
     """The embedded tandem serve's bind address (0.0.0.0 to let other machines generate from it). tandem's own."""
     weight_transfer_address: str = "127.0.0.1"
@@ -264,26 +312,53 @@ class AsyncGRPOConfig:
     """FlashREINFORCE's B: each step trains exactly this many trajectories, in as many micro-batches as token_budget
     needs (gradient_accumulation_steps is then not read). None: gradient_accumulation_steps micro-batches of full rows."""
     epsilon: float = 0.2
+    """Lower bound of the trust region [1 - epsilon, 1 + epsilon_high] on a token's policy/sampler probability ratio.
+    score_centering=False: it clips the surrogate, as in TRL's GRPO; under score centering it only sets clip_ratio/*."""
     epsilon_high: float | None = None
+    """Upper bound of the trust region: 1 + epsilon_high (None: epsilon). DAPO uses 0.28 so that unlikely tokens can
+    grow more. Like epsilon, it changes the loss only with score_centering=False."""
     score_centering: bool = True
+    """True (default): subtract from each sampled token's importance-weighted score its expectation over the sampler's
+    top num_sampler_logprobs tokens, so a constant advantage does not pull the policy toward the sampler. False: TRL's
+    clipped surrogate with epsilon and epsilon_high. GRPO only."""
     vllm_importance_sampling_clip_min: float = 0.5
+    """Tokens whose policy/sampler probability ratio falls below this are masked out of the loss, not clipped
+    (sampling/masked_mean counts them). In [0, 1]; default 0.5. Lower it to keep more off-policy tokens."""
     vllm_importance_sampling_clip_max: float = 5.0
+    """Tokens whose policy/sampler probability ratio rises above this are masked out of the loss. At least 1; default 5.
+    Lower it if a few tokens with large ratios destabilise training. FlashREINFORCE reads neither bound."""
     num_sampler_logprobs: int = 8
+    """K: how many of the sampler's most likely tokens per position score centering averages over (vLLM returns at most
+    20 unless started with a larger --max-logprobs). Default 8; raise it when sampling/sampler_mass, the probability
+    they cover, is low. Not read with score_centering=False or FlashREINFORCE."""
     token_budget: int | None = None
+    """Tokens per packed row, one row per rank per micro-batch (a group's shared prompt counts once). None: the server's
+    max_model_len. Longer samples are dropped (batch/dropped_oversize_count). Lower it if the trainer runs out of
+    memory; raise it to pack more samples into each forward."""
     tree_attention_kernel: str | None = None
     """"exact" (eager math, bitwise equal to `tandem serve --decode-mode exact`), "sdpa" or "flex" (GPU).
     None: flex on GPU, exact on CPU. tandem's own field, not in TRL's config."""
 
     # ---- the asynchronous pipeline ----
     max_concurrent_rollouts: int = 512
+    """The most rollouts in flight at once; under it, the live cap follows the server's KV-cache usage. It also sizes
+    the thread pool of synchronous tools and the embedded server's --max-num-seqs (at most 256). Lower it to what
+    your tools and environments can run at once."""
     max_staleness: int = 4
+    """Policy versions (weight syncs) a sample may lag the trainer: older ones are dropped (a group not yet trained is
+    generated again), and generation runs about this many steps of tokens ahead. Default 4, as in TRL; 0: on-policy.
+    Raise it when the trainer waits for samples (perf/rollout_wait_s); lower it when many tokens are masked."""
     weight_sync_steps: int = 1
+    """Optimizer steps between weight syncs to the server; each sync is one policy version, the unit of max_staleness.
+    Raise it when syncing takes a large share of a step (tandem doctor says so), at the cost of staler samples."""
     weight_sync_check_atol: float | None = None
     """After each sync, score a fixed probe under the synced name and stop training if the server's log-probs differ
     from the trainer's forward by more than this at any token (1e-5 holds in fp32 with exact decoding). None: no such
     bound; against an external server the first syncs are probed all the same, until one is seen to reach it (mean gap
     within the dtype's rounding, log-probs moved toward the new weights). tandem's own field, not in TRL's config."""
     rollout_worker_timeout: float = 300.0
+    """Seconds the rollout worker process may go without a heartbeat (its event loop beats twice a second) before the
+    run stops, calling it hung. Raise it if reward functions or environments block that loop for longer."""
     reward_timeout: float | None = 600.0
     """Seconds one reward function may take on a group; a late or raising call is made once more, then the group is
     dropped (rollout/failed_count). None: no limit. tandem's own field."""
@@ -292,7 +367,11 @@ class AsyncGRPOConfig:
     and their rewards, stale and oversize drops, retried requests); it says so every minute before that. None: wait
     for ever (sparse rewards may legitimately take long). tandem's own field."""
     log_completions: bool = False
+    """Log each window's completions with their prompt and reward: to completions.jsonl in output_dir, as a table to
+    the report_to trackers, and on the console (num_completions_to_print). Off by default: it is verbose."""
     num_completions_to_print: int | None = None
+    """How many of the logged completions the console prints at each log (None: all; 0: none); the file and the
+    trackers get them all. Read only with log_completions."""
 
     # ---- evaluation ----
     eval_strategy: str = "no"
@@ -300,53 +379,95 @@ class AsyncGRPOConfig:
     eval_steps: float | None = None
     """Evaluate every this many steps (below 1: a fraction of max_steps; None: logging_steps)."""
     eval_delay: float = 0
-    """No evaluation before this step."""
+    """No evaluation is due before this optimizer step (counted in steps, also with eval_strategy 'epoch')."""
     eval_on_start: bool = False
     """Evaluate the starting policy before the first step."""
 
     # ---- transformers' TrainingArguments tandem does not implement: accepted at their defaults only (REFUSED) ----
     average_tokens_across_devices: bool = True
+    """transformers: sum the loss's token count over ranks. Refused at any other value: see the reason in the error."""
     label_smoothing_factor: float = 0.0
+    """transformers: label smoothing of the targets. Refused at any other value: see the reason in the error."""
     bf16_full_eval: bool = False
+    """transformers: evaluate with the model cast to bf16. Refused at any other value: see the reason in the error."""
     fp16_full_eval: bool = False
+    """transformers: evaluate with the model cast to fp16. Refused at any other value: see the reason in the error."""
     use_liger_kernel: bool = False
+    """transformers: patch in Liger's fused Triton kernels. Refused at any other value: see the reason in the error."""
     liger_kernel_config: dict | None = None
+    """transformers: which Liger kernels to apply. Refused at any other value: see the reason in the error."""
     use_cache: bool = False
+    """transformers: let the model keep a KV cache. Refused at any other value: see the reason in the error."""
     neftune_noise_alpha: float | None = None
+    """transformers: NEFTune noise on the embeddings. Refused at any other value: see the reason in the error."""
     auto_find_batch_size: bool = False
+    """transformers: halve the batch on out-of-memory. Refused at any other value: see the reason in the error."""
     logging_nan_inf_filter: bool = True
+    """transformers: leave NaN/inf losses out of the logs. Refused at any other value: see the reason in the error."""
     include_num_input_tokens_seen: str | bool = "no"
+    """transformers: count the input tokens seen. Refused at any other value: see the reason in the error."""
     per_device_eval_batch_size: int = 8
+    """transformers: eval batch size per device. Refused at any other value: see the reason in the error."""
     prediction_loss_only: bool = False
+    """transformers: evaluation returns the loss only. Refused at any other value: see the reason in the error."""
     eval_do_concat_batches: bool = True
+    """transformers: concatenate eval outputs of batches. Refused at any other value: see the reason in the error."""
     eval_use_gather_object: bool = False
+    """transformers: gather eval objects from all devices. Refused at any other value: see the reason in the error."""
     eval_accumulation_steps: int | None = None
+    """transformers: eval steps before outputs go to CPU. Refused at any other value: see the reason in the error."""
     include_for_metrics: list[str] = field(default_factory=list)
+    """transformers: extra inputs to compute_metrics. Refused at any other value: see the reason in the error."""
     batch_eval_metrics: bool = False
+    """transformers: compute eval metrics batch by batch. Refused at any other value: see the reason in the error."""
     save_on_each_node: bool = False
+    """transformers: every machine writes checkpoints. Refused at any other value: see the reason in the error."""
     ignore_data_skip: bool = True
+    """transformers: on resume, do not skip seen batches. Refused at any other value: see the reason in the error."""
     accelerator_config: dict | str | None = None
+    """transformers: settings of its Accelerate backend. Refused at any other value: see the reason in the error."""
     parallelism_config: dict | None = None
+    """transformers: Accelerate's parallelism layout. Refused at any other value: see the reason in the error."""
     dataloader_drop_last: bool = False
+    """transformers: drop the last incomplete batch. Refused at any other value: see the reason in the error."""
     dataloader_num_workers: int = 0
+    """transformers: DataLoader worker processes. Refused at any other value: see the reason in the error."""
     dataloader_pin_memory: bool = True
+    """transformers: pin the DataLoader's memory. Refused at any other value: see the reason in the error."""
     dataloader_persistent_workers: bool = False
+    """transformers: keep DataLoader workers alive. Refused at any other value: see the reason in the error."""
     dataloader_prefetch_factor: int | None = None
+    """transformers: batches each worker preloads. Refused at any other value: see the reason in the error."""
     dataloader_multiprocessing_context: str | None = None
+    """transformers: DataLoader workers' start method. Refused at any other value: see the reason in the error."""
     dataloader_in_order: bool = True
+    """transformers: yield batches in dispatch order. Refused at any other value: see the reason in the error."""
     label_names: list[str] | None = None
+    """transformers: the input keys that hold labels. Refused at any other value: see the reason in the error."""
     length_column_name: str = "length"
+    """transformers: column of precomputed lengths. Refused at any other value: see the reason in the error."""
     ddp_find_unused_parameters: bool | None = None
+    """transformers: DDP's find_unused_parameters. Refused at any other value: see the reason in the error."""
     ddp_bucket_cap_mb: int | None = None
+    """transformers: DDP's gradient bucket size, in MB. Refused at any other value: see the reason in the error."""
     ddp_broadcast_buffers: bool | None = None
+    """transformers: DDP's broadcast_buffers. Refused at any other value: see the reason in the error."""
     ddp_static_graph: bool | None = None
+    """transformers: DDP's static_graph. Refused at any other value: see the reason in the error."""
     ddp_backend: str | None = None
+    """transformers: torch.distributed's backend. Refused at any other value: see the reason in the error."""
     fsdp: str | None = None
+    """transformers: turn on its FSDP integration. Refused at any other value: see the reason in the error."""
     deepspeed: dict | str | None = None
+    """transformers: a DeepSpeed config (file or dict). Refused at any other value: see the reason in the error."""
     do_train: bool = False
+    """transformers: tells its example scripts to train. Refused at any other value: see the reason in the error."""
     do_eval: bool = False
+    """transformers: tells its example scripts to evaluate. Refused at any other value: see the reason in the error."""
     do_predict: bool = False
+    """transformers: tells its example scripts to predict. Refused at any other value: see the reason in the error."""
     local_rank: int = -1
+    """transformers: this process's rank on its machine. Refused at any other value: see the reason in the error."""
 
     def __post_init__(self):
         self._check_refused_and_types()
@@ -671,8 +792,9 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
         if "=" in key:
             key, value = key.split("=", 1)
         else:
-            if i + 1 >= len(pairs):
-                raise UsageError(f"--{key} needs a value")
+            if i + 1 >= len(pairs) or pairs[i + 1].startswith("--"):
+                raise UsageError(f"--{key} needs a value" + (f" (it is followed by the flag {pairs[i + 1]})"
+                                                              if i + 1 < len(pairs) else ""))
             i += 1
             value = pairs[i]
         if _takes_words(key):  # the text itself, as transformers' argument parser takes it (null: None, if allowed)

@@ -7,8 +7,20 @@ Only the tokenizer is needed here (no torch), so the proxy can use it too.
 
 import jinja2
 
+from tandem.errors import UsageError
+
 TEMPLATE_ERRORS = (jinja2.TemplateError, ValueError, TypeError, KeyError)
 """What a chat template raises for messages it refuses (a caller's input error, not a bug of ours)."""
+
+
+def check_conversational(prompt, where: str) -> None:
+    """A dataset row's prompt is a non-empty list of {'role', 'content'} messages; anything else is the user's mistake,
+    named with `where` (the dataset and the row)."""
+    if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m
+                                                         for m in prompt)):
+        raise UsageError(f"{where}: 'prompt' must be conversational, a list of {{'role': ..., 'content': ...}} messages; "
+                         f"got {type(prompt).__name__} {str(prompt)[:80]!r}. Wrap plain text as "
+                         "[{'role': 'user', 'content': text}].")
 
 
 def render_chat(tokenizer, messages: list[dict], *, tools: list | None = None, add_generation_prompt: bool = True,

@@ -11,7 +11,7 @@ TRL's `trl grpo --config x.yaml` reads its keys into three dataclasses (the scri
   and what to write instead;
 - `REWARDS`: TRL's built-in reward functions by their short names, as tandem's import paths.
 
-`load_recipe` reads every recipe through `from_trl`; docs/trl.md renders these tables (a test keeps them in step).
+`load_recipe` reads every recipe through `from_trl`; docs/migrating-from-trl.md renders these tables (a test keeps them in step).
 """
 
 from tandem.errors import UsageError

@@ -9,7 +9,7 @@ from .samples import sample
 P1, P2, P3, A1, A2, B1, B2 = 11, 12, 13, 21, 22, 31, 32
 
 
-def test_the_spec_worked_example():
+def test_the_worked_example():
     """The worked example: two rollouts p1 p2 p3 a1 a2 / p1 p2 p3 b1 b2."""
     r0 = sample([P1, P2, P3, A1, A2], [0, 0, 0, 1, 1])
     r1 = sample([P1, P2, P3, B1, B2], [0, 0, 0, 1, 1])

@@ -13,7 +13,7 @@ def problem(seed: int, blocks: int) -> list[int]:
     return TEMPLATE + [rng.randrange(5000) for _ in range(16 * blocks)]
 
 
-def test_the_spec_four_request_walkthrough():
+def test_a_four_request_walkthrough():
     """The HF Jobs LoRA async-GRPO blog post's walkthrough: A and B each have 3 requests in flight and both know
     only the template block h1."""
     router = PrefixRouter(2)

@@ -110,7 +110,7 @@ def run(loop, prompt="What is 6 times 7?", tools=None):
     return asyncio.run(loop.generate_one(messages, loop.settings.tools if tools is None else tools))
 
 
-def test_the_spec_tools_run_in_order_and_their_results_feed_the_next_turn():
+def test_tools_run_in_order_and_their_results_feed_the_next_turn():
     loop = make_loop([call("multiply", a=6, b=7) + call("async_add", a=1, b=2), "42"], tools=[multiply, async_add])
     rollout = run(loop)
     assert [m["role"] for m in rollout.completion] == ["assistant", "tool", "tool", "assistant"]

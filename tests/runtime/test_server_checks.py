@@ -123,6 +123,14 @@ def test_a_prompt_that_leaves_no_room_to_generate_is_refused_by_row():
         check_prompt_lengths(rows, tokenizer, [], None, max_model_len=64)
 
 
+def test_a_plain_text_prompt_past_the_first_rows_is_refused_by_row_before_the_first_step():
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
+    rows = [{"prompt": [{"role": "user", "content": "2 + 2?"}]}] * 11 + [{"prompt": "What is 3 + 4?"}]
+    with pytest.raises(UsageError, match="train_dataset row 11: 'prompt' must be conversational.*got str 'What is"):
+        check_prompt_lengths(rows, tokenizer, [], None, max_model_len=64)
+
+
 def test_the_vllm_extra_installs_the_releases_the_connect_check_takes_as_verified():
     project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
     major, minor = NEWEST_VERIFIED_VLLM

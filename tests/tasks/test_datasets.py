@@ -76,6 +76,8 @@ def test_local_files_and_folders_load_and_streaming_gives_an_iterable(tmp_path):
     assert isinstance(streamed, IterableDataset) and "prompt" in next(iter(streamed))
     with pytest.raises(ValueError, match="neither a built-in task"):
         datasets.load("no-such-task.txt")
+    with pytest.raises(ValueError, match=r"dataset 'data/trian.jsonl': no such file \(looked for /.*/data/trian.jsonl"):
+        datasets.load("data/trian.jsonl")
 
 
 def hub_cache(folder: Path) -> Path:

@@ -59,7 +59,7 @@ async def async_add(a: int, b: int) -> int:
 
 
 @pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
-def test_the_spec_tool_example_trains(tmp_path):
+def test_a_tool_example_trains(tmp_path):
     data = Dataset.from_list(arithmetic.make_rows(16, split="train", seed=5))
     trainer = AsyncGRPOTrainer(model="tiny", reward_funcs=[arithmetic.correctness_reward, reward_func], args=args(tmp_path),
                                train_dataset=data, tools=[multiply, async_add])
@@ -95,7 +95,7 @@ class IncrementEnv:
         return self.counter
 
 
-def test_the_spec_self_sampling_environment_trains_without_a_dataset(tmp_path):
+def test_a_self_sampling_environment_trains_without_a_dataset(tmp_path):
     trainer = AsyncGRPOTrainer(model="tiny", args=args(tmp_path, max_steps=2), environment_factory=IncrementEnv)
     assert trainer.train().global_step == 2
     rows = logged(tmp_path)
@@ -128,7 +128,7 @@ class DatasetIncrementEnv:
 
 
 @pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
-def test_the_spec_dataset_driven_environment_trains(tmp_path):
+def test_a_dataset_driven_environment_trains(tmp_path):
     dataset = Dataset.from_dict({
         "prompt": [[{"role": "user", "content": f"Increment the counter to {i}."}] for i in range(1, 7)],
         "target": list(range(1, 7)),
@@ -192,7 +192,7 @@ def reward_func(completions, **kwargs) -> list[float]:
 
 
 @pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
-def test_the_spec_multi_environment_routing_trains(tmp_path):
+def test_multi_environment_routing_trains(tmp_path):
     dataset = Dataset.from_dict({"environment": ["coding", "game"] * 500})
     trainer = AsyncGRPOTrainer(model="tiny", args=args(tmp_path, max_steps=2), train_dataset=dataset,
                                reward_funcs=reward_func, environment_factory={"coding": CodingEnv, "game": GameEnv})

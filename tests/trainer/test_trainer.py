@@ -606,7 +606,7 @@ class CurriculumTrainer(AsyncGRPOTrainer):
 
 
 @pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
-def test_the_spec_curriculum_loop_runs(tmp_path):
+def test_a_curriculum_loop_runs(tmp_path):
     values = {k: v for k, v in vars(config(tmp_path, max_steps=3)).items()}
     trainer = CurriculumTrainer("tiny", accuracy_reward, args=CurriculumConfig(**values, pass_rate_cap=0.5), train_dataset=small_dataset())
     assert trainer.train().global_step == 3
@@ -746,7 +746,15 @@ def test_a_reward_model_is_refused_at_construction_not_in_the_worker(tmp_path):
             AsyncGRPOTrainer("tiny", [accuracy_reward, reward], args=config(tmp_path), train_dataset=small_dataset())
 
 
-def test_train_takes_transformers_trial_and_ignore_keys_for_eval_as_the_spec_spells_it(tmp_path):
+def test_two_reward_functions_of_one_name_are_refused_at_construction(tmp_path):
+    import functools
+
+    double, triple = functools.partial(accuracy_reward), functools.partial(accuracy_reward)  # both named 'partial'
+    with pytest.raises(ValueError, match="reward functions share the name 'partial': give each its own"):
+        AsyncGRPOTrainer("tiny", [double, triple], args=config(tmp_path), train_dataset=small_dataset())
+
+
+def test_train_takes_transformers_trial_and_ignore_keys_for_eval_as_trl_spells_them(tmp_path):
     trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=config(tmp_path, max_steps=1), train_dataset=small_dataset())
     with pytest.raises(NotImplementedError, match="hyperparameter search is not supported"):
         trainer.train(trial={"learning_rate": 1e-4})

@@ -10,6 +10,7 @@ from tandem.errors import UsageError
 from tandem.prompts import check_prefix_preserving, training_chat_template
 from tandem.rollout.environments import factories_of, validate_environments
 from tandem.rollout.loop import AsyncRolloutLoop
+from tandem.rollout.rewards import reward_name
 from tandem.rollout.settings import RolloutSettings
 from tandem.rollout.tools import validate_tools
 from tandem.rollout.worker import WorkerSpec, check_picklable
@@ -46,6 +47,16 @@ def loop_class(loop_cls: type | None, harness) -> type | None:
         raise UsageError(f"loop_cls {loop_cls.__name__} does not extend {harness.loop_cls.__name__}, which plays the "
                          f"episodes of {type(harness).__name__}: subclass it to customise the hooks")
     return loop_cls
+
+
+def check_reward_names(reward_funcs: list) -> None:
+    """Scores and metrics are kept by the function's name: a second function of the same name would replace the first
+    (two partials of one function summed to the second's score alone)."""
+    names = [reward_name(func) for func in reward_funcs]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise UsageError(f"reward functions share the name {', '.join(map(repr, twice))}: give each its own (a def of "
+                         "its own, or a partial given a __name__ with functools.update_wrapper)")
 
 
 def check_sendable(reward_funcs: list, loop_cls: type | None) -> None:

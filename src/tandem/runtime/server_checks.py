@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from tandem.dataset_rows import first_rows, is_iterable
 from tandem.errors import UsageError
 from tandem.generation.client import ServerError, ServerProblem
-from tandem.prompts import render_chat
+from tandem.prompts import check_conversational, render_chat
 from tandem.tool_calls import tool_schema
 
 PROMPTS_MEASURED = 1000
@@ -87,7 +87,7 @@ def check_vllm(facts: ServerFacts, url: str) -> None:
                             "weight-transfer and generate routes). Upgrade vLLM.")
     if found is None or found > NEWEST_VERIFIED_VLLM:
         warnings.warn(f"the server at {url} runs vLLM {facts.version or '(version unknown)'}; tandem was verified against "
-                      f"vLLM {oldest}-{newest} (the README's table). Watch sampling/sampling_logp_difference/max in the "
+                      f"vLLM {oldest}-{newest} (the vLLM guide's table). Watch sampling/sampling_logp_difference/max in the "
                       "first steps.", stacklevel=4)
     scheduler = facts.config.get("scheduler_config") or {}
     model = facts.config.get("model_config") or {}
@@ -114,8 +114,9 @@ def check_prompt_lengths(dataset, tokenizer, tools: list, chat_template_kwargs: 
     schemas = [tool_schema(tool) for tool in tools] or None
     rows = first_rows(dataset, PROMPTS_MEASURED) if is_iterable(dataset) else dataset or []
     for index, row in enumerate(rows):
-        if not row.get("prompt"):
+        if not row.get("prompt"):  # an environment's row: its reset() makes the prompt
             continue
+        check_conversational(row["prompt"], f"train_dataset row {index}")
         length = len(render_chat(tokenizer, row["prompt"], tools=schemas, chat_template_kwargs=chat_template_kwargs))
         if length >= max_model_len:
             raise UsageError(f"train_dataset row {index}: the prompt renders to {length} tokens, but the server's "

@@ -18,6 +18,7 @@ from tandem.errors import UsageError
 from tandem.packing import PADDED
 from tandem.packing import attention as tree_attention
 from tandem.packing.logprobs import check_head
+from tandem.prompts import check_conversational
 from tandem.tasks import TINY_MODEL_PATH
 
 IMAGE_PARTS = ("image", "image_url", "input_image")
@@ -232,12 +233,8 @@ def check_dataset(dataset, *, environments: bool = False, max_steps: int = -1):
             return dataset
         raise UsageError(f"train_dataset has no 'prompt' column (columns: {columns}). Each row needs a conversational "
                          "prompt: [{'role': 'user', 'content': '...'}]")
-    for index, row in enumerate(rows):
-        prompt = row["prompt"]
-        if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)):
-            raise UsageError(f"train_dataset row {index}: 'prompt' must be conversational, a list of "
-                             f"{{'role': ..., 'content': ...}} messages; got {type(prompt).__name__} {str(prompt)[:80]!r}. "
-                             "Wrap plain text as [{'role': 'user', 'content': text}].")
+    for index, row in enumerate(rows):  # the first rows now; every row before the first step (check_prompt_lengths)
+        check_conversational(row["prompt"], f"train_dataset row {index}")
     check_no_images(columns, (row["prompt"] for row in (rows if is_iterable(dataset) else dataset)))  # a stream: its start
     return dataset
 

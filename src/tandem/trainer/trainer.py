@@ -27,7 +27,8 @@ from tandem.metrics.window import MetricWindow
 from tandem.model_folder import save_model_folder
 from tandem.packing import PackedRow
 from tandem.packing import attention as tree_attention
-from tandem.runtime.rollout_inputs import check_agents, check_sendable, loop_class, rollout_template
+from tandem.runtime.rollout_inputs import (check_agents, check_reward_names, check_sendable, loop_class,
+                                           rollout_template)
 from tandem.runtime.runtime import Runtime, RuntimeSpec
 from tandem.runtime.sample_source import ResumePoint
 from tandem.tool_formats import tool_call_format
@@ -563,4 +564,5 @@ def _reward_list(reward_funcs, environment_rewards: bool) -> list:
                              "calling the model there")
         if not callable(func):
             raise TypeError(f"reward function {func!r} is not callable; pass functions, not {type(func).__name__}")
+    check_reward_names(funcs)
     return funcs

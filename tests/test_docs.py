@@ -1,0 +1,70 @@
+"""The docs are true: every Python block in README.md and docs/ runs as written, every `tandem train RECIPE` they show
+resolves with --dry-run, the README's links reach files, and the generated reference pages match the code.
+
+The Python blocks train for real (a few steps each): they form the `docs` tier, run by CI after the main suite:
+python -m pytest -q -m docs."""
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if "_build" not in p.parts)]
+
+
+def blocks(language: str) -> list[tuple[str, str]]:
+    """(page:line, code) of every fenced block of `language` in the pages."""
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        for match in re.finditer(rf"^```{language}\n(.*?)^```", text, re.S | re.M):
+            found.append((f"{page.relative_to(ROOT)}:{text[:match.start()].count(chr(10)) + 1}", match[1]))
+    return found
+
+
+def shown_train_commands() -> list[tuple[str, list[str]]]:
+    """Each `tandem train RECIPE ...` line of a bash or console block, with a recipe that ships with the repository."""
+    commands = []
+    for where, code in blocks("bash") + blocks("console"):
+        for line in code.replace("\\\n", " ").splitlines():  # a command continued over lines is one line
+            line = line.removeprefix("$ ").split("#")[0].split("&&")[-1].strip()
+            words = shlex.split(line) if line.startswith("tandem train ") else []
+            if len(words) > 2 and not words[2].startswith("-") and (words[2] == "demo" or (ROOT / words[2]).is_file()):
+                commands.append((where, words))
+    return commands
+
+
+@pytest.mark.docs
+@pytest.mark.parametrize("where, code", blocks("python"), ids=lambda value: value if ":" in str(value) else "")
+def test_a_python_block_of_the_docs_runs_as_written(where, code, tmp_path):
+    script = tmp_path / "block.py"
+    script.write_text(code)
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{where}: the block failed\n{done.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize("where, words", shown_train_commands(), ids=lambda value: value if ":" in str(value) else "")
+def test_a_train_command_the_docs_show_resolves_with_dry_run(where, words):
+    done = subprocess.run([sys.executable, "-m", "tandem", *words[1:], "--dry-run"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, f"{where}: {' '.join(words)} --dry-run failed\n{done.stderr[-2000:]}"
+
+
+def test_the_docs_show_the_demo_command():
+    assert any(words[:3] == ["tandem", "train", "demo"] for _, words in shown_train_commands())
+
+
+def test_the_readmes_links_reach_files_of_the_repository():
+    text = (ROOT / "README.md").read_text()
+    targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)]+)\)", text) if not t.startswith(("http", "#"))]
+    missing = [t for t in targets if not (ROOT / t).exists()]
+    assert targets and not missing, f"README.md links to files that do not exist: {missing}"
+
+
+def test_the_generated_reference_pages_match_the_code():
+    done = subprocess.run([sys.executable, "scripts/generate_docs.py", "--check"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
