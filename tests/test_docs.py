@@ -4,6 +4,8 @@ resolves with --dry-run, the README's links reach files, and the generated refer
 The Python blocks train for real (a few steps each): they form the `docs` tier, run by CI after the main suite:
 python -m pytest -q -m docs."""
 
+import dataclasses
+import importlib.util
 import re
 import shlex
 import subprocess
@@ -11,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tandem.config import AsyncGRPOConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if "_build" not in p.parts)]
@@ -68,3 +72,12 @@ def test_the_readmes_links_reach_files_of_the_repository():
 def test_the_generated_reference_pages_match_the_code():
     done = subprocess.run([sys.executable, "scripts/generate_docs.py", "--check"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_every_config_field_says_what_it_does():
+    spec = importlib.util.spec_from_file_location("generate_docs", ROOT / "scripts" / "generate_docs.py")
+    generate_docs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate_docs)
+    docs, _ = generate_docs.field_docs()
+    bare = [f.name for f in dataclasses.fields(AsyncGRPOConfig) if len(docs.get(f.name, "").split()) < 5]
+    assert not bare, f"fields without a docstring that says what they do: {bare}"

@@ -227,7 +227,8 @@ class AsyncGRPOConfig:
     not one per length). One process only; its fused kernels round differently from `tandem serve --decode-mode
     exact`, so the staleness-0 ratio is 1 to ~1e-5, not exactly 1."""
     torch_compile_backend: str | None = None
-    """torch.compile's backend (None: inductor)."""
+    """The backend torch.compile uses with torch_compile on (None: inductor, its default); "eager" or "aot_eager" to
+    tell a compiler problem from a model one."""
     torch_compile_mode: str | None = None
     """torch.compile's mode (None: its default; "max-autotune", "reduce-overhead", ...)."""
     torch_empty_cache_steps: int | None = None
