@@ -123,7 +123,7 @@ class AsyncGRPOTrainer:
         self.passes = RowPasses(self.model, self.kernel, args.temperature, autocast_dtype(args, self.device), self.ranks)
         """This rank's passes of a step's rows through the model, and their clock (trainer/row_passes.py)."""
         self.peak_flops = peak_flops(self.device, self.passes.autocast is not None)
-        """One GPU's peak FLOP/s for perf/*_mfu; None on CPU or an unknown GPU (trainer/flops.py)."""
+        """One GPU's peak FLOP/s for the `perf/*_mfu` metrics; None on CPU or an unknown GPU (trainer/flops.py)."""
         self.flops_shape = model_shape(self.model) if self.peak_flops else None
         self.objective = make_objective(args, router_coefficient(args, self.model))
         self.output_dir = Path(args.output_dir)
