@@ -101,7 +101,7 @@ def run_doctor(ns: argparse.Namespace) -> None:
 
     try:
         text, critical = report(Path(ns.run_dir))
-    except (FileNotFoundError, json.JSONDecodeError) as exc:  # exit 2: a wrong path; exit 1 means a critical finding
+    except (FileNotFoundError, ValueError) as exc:  # exit 2: a wrong path, a broken file; exit 1: a critical finding
         user_error(f"tandem doctor: {exc}")
     print(text)
     if critical:
@@ -115,7 +115,7 @@ def run_report(ns: argparse.Namespace) -> None:
 
     try:
         path = report.write(Path(ns.run_dir))
-    except (FileNotFoundError, json.JSONDecodeError) as exc:
+    except (FileNotFoundError, ValueError) as exc:
         user_error(f"tandem report: {exc}")
     print(f"wrote {path} (plots also in {path.parent / 'report'})")
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from tandem.cli import main
-from tandem.metrics.doctor import diagnose
+from tandem.metrics.doctor import diagnose, read_run
 
 CONFIG = {"max_staleness": 4, "max_concurrent_rollouts": 64, "num_generations": 8, "weight_sync_steps": 1,
           "vllm_importance_sampling_clip_min": 0.5, "vllm_importance_sampling_clip_max": 5.0}
@@ -117,6 +117,20 @@ def test_tandem_doctor_prints_the_findings_and_exits_1_on_a_critical_one(tmp_pat
     with pytest.raises(SystemExit) as stop:  # a wrong path is the user's mistake, 2, not a finding
         main(["doctor", str(tmp_path / "elsewhere")])
     assert stop.value.code == 2 and "has no metrics.jsonl: give the output_dir of a tandem run" in capsys.readouterr().err
+
+
+def test_a_broken_line_is_named_and_an_evaluations_line_joins_its_step(tmp_path, capsys):
+    (tmp_path / "run_config.json").write_text(json.dumps(CONFIG))
+    rows = run({})
+    lines = [json.dumps(r) for r in rows] + [json.dumps({"step": rows[-1]["step"], "eval/reward": 0.5})]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines))
+    read, _ = read_run(tmp_path)
+    assert read[-1]["eval/reward"] == 0.5 and read[-1]["reward"] == rows[-1]["reward"], "the step's two lines merge"
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines[:3] + ["{broken"] + lines[3:]))
+    with pytest.raises(SystemExit) as stop:
+        main(["doctor", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "metrics.jsonl: line 4 is not JSON" in err, err
 
 
 def test_partial_runs_windows_without_reward_and_coarse_logging_are_read_as_they_are(tmp_path, capsys):

@@ -263,15 +263,20 @@ def read_run(run_dir: Path) -> tuple[list[dict], dict]:
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: give the output_dir of a tandem run")
-    lines = [line for line in metrics.read_text().splitlines() if line.strip()]
-    rows = [json.loads(line) for line in lines[:-1]]
-    try:
-        rows.append(json.loads(lines[-1]))
-    except (IndexError, json.JSONDecodeError):  # none yet, or a line a live (or killed) run is still writing
-        pass
-    rows = list({row.get("step"): row for row in rows}.values())  # a resumed run logs its last steps again: the later
-    # line of each step wins, in step order
-    return rows, run_config(run_dir)
+    lines = metrics.read_text().splitlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if number < len(lines):  # the last line may be one a live (or killed) run is still writing
+                raise ValueError(f"{metrics}: line {number} is not JSON ({exc}): {line[:80]!r}") from None
+    by_step: dict = {}
+    for row in rows:  # an evaluation logs its step on a line of its own, and a resumed run logs its last steps
+        by_step.setdefault(row.get("step"), {}).update(row)  # again: a step's lines merge, the later line winning
+    return list(by_step.values()), run_config(run_dir)
 
 
 def run_config(run_dir: Path) -> dict:
