@@ -4,7 +4,8 @@ Each table sits between `<!-- bench:NAME -->` and `<!-- /bench -->` in docs/perf
 in this folder; README.md repeats the headline table (vs_trl) in a block of its own, rewritten with it. The script
 runs at its default (full) sizes in its own process, its output shown as it comes, and writes its table with
 `--markdown PATH`; this one pastes the table in, followed by a line naming the commit it was measured at (marked when
-the work tree had uncommitted changes) and the date. The pages are rewritten after each benchmark. A benchmark that fails leaves its table as it was, the others still run,
+the work tree had uncommitted changes) and the date. The pages are rewritten after each benchmark. A benchmark that
+fails leaves its table as it was, the others still run,
 and this script then exits non-zero.
 
     python benchmarks/refresh.py [NAME ...]     (every benchmark when none is named)
@@ -64,7 +65,8 @@ def measured_at() -> str:
 def run_benchmark(name: str, table_path: Path) -> bool:
     """Run benchmarks/NAME.py at its default sizes; True when it exited 0 and wrote its table."""
     start = time.perf_counter()
-    code = subprocess.run([sys.executable, str(HERE / f"{name}.py"), "--markdown", str(table_path)], cwd=ROOT).returncode
+    command = [sys.executable, str(HERE / f"{name}.py"), "--markdown", str(table_path)]
+    code = subprocess.run(command, cwd=ROOT).returncode
     ok = code == 0 and table_path.is_file() and table_path.read_text().strip() != ""
     seconds = round(time.perf_counter() - start)
     outcome = "done" if ok else f"FAILED (exit code {code}; its table is left as it was)"
@@ -90,8 +92,12 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     stamp = measured_at()  # before the first rewrite, which itself makes the tree differ
-    for name in args.names:  # every block exists before anything runs for minutes
+    copies = [README] if args.page == PAGE else []  # the README repeats tables of the project's own page only
+    for name in args.names:  # every block exists (and the README's copies are single) before anything runs for minutes
         replace_table(args.page.read_text(), name, "", stamp)
+        for page in copies:
+            if f"<!-- bench:{name} -->" in page.read_text():
+                replace_table(page.read_text(), name, "", stamp)
     failed = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, name in enumerate(args.names, 1):
@@ -100,7 +106,7 @@ def main() -> int:
             if not run_benchmark(name, table_path):
                 failed.append(name)
                 continue
-            for page in [args.page] + [README] * (f"<!-- bench:{name} -->" in README.read_text()):
+            for page in [args.page] + [page for page in copies if f"<!-- bench:{name} -->" in page.read_text()]:
                 page.write_text(replace_table(page.read_text(), name, table_path.read_text(), stamp))
     print(f"== {args.page}: {len(args.names) - len(failed)} table(s) rewritten"
           + (f"; failed: {', '.join(failed)}" if failed else ""))

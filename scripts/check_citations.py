@@ -15,17 +15,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CITATIONS = [
-    (re.compile(r"\bspec[ _-]?0\d\d", re.I), "a numbered specification"),
+    (re.compile(r"(?<![a-z0-9])spec[ _-]?0\d\d", re.I), "a numbered specification"),
     (re.compile(r"(?<![a-z])the[ _]spec(?![a-z])", re.I), "the specification"),
-    (re.compile(r"\bDESIGN\.md\b"), "the design notes"),
+    (re.compile(r"\bdesign\.md\b", re.I), "a design document"),
+    (re.compile(r"(?<![a-z])design[ _]notes(?![a-z])", re.I), "a design document's notes"),
     (re.compile(r"(?<![\w./-])reference/\w"), "a reference/ folder"),
-    (re.compile(r"(?<![a-z])the[ _]notes(?![a-z])", re.I), "a set of notes"),
 ]
 FOREIGN = {"ARABIC", "ARMENIAN", "BENGALI", "CJK", "CYRILLIC", "DEVANAGARI", "ETHIOPIC", "GEORGIAN", "GUJARATI",
            "GURMUKHI", "HALFWIDTH", "HANGUL", "HEBREW", "HIRAGANA", "KANNADA", "KATAKANA", "KATAKANA-HIRAGANA", "KHMER",
            "LAO", "MALAYALAM", "MYANMAR", "SINHALA", "TAMIL", "TELUGU", "THAI", "TIBETAN"}
 """Writing systems of other languages, by the first word of their letters' Unicode names."""
-TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".sh", ".txt", ".cfg", ".json", ".jsonl", ".jinja", ".html", ""}
+TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".sh", ".txt", ".cfg", ".json", ".jsonl", ".jinja", ".html",
+                 ""}
 
 
 def script(char: str) -> str | None:
@@ -49,7 +50,8 @@ def findings(path: str, text: str) -> list[str]:
 
 def tracked_files() -> list[str]:
     listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return [p for p in listed.splitlines() if Path(p).suffix in TEXT_SUFFIXES and (ROOT / p).is_file() and not (ROOT / p).is_symlink()]
+    return [p for p in listed.splitlines()
+            if Path(p).suffix in TEXT_SUFFIXES and (ROOT / p).is_file() and not (ROOT / p).is_symlink()]
 
 
 def main() -> int:
@@ -59,7 +61,8 @@ def main() -> int:
             found += findings(path, (ROOT / path).read_text())
         except UnicodeDecodeError:
             continue  # not text
-    print("\n".join(found) or "no citations and no text in other languages", file=sys.stderr if found else sys.stdout)
+    summary = "\n".join(found) or "no citations and no text in other languages"
+    print(summary, file=sys.stderr if found else sys.stdout)
     return 1 if found else 0
 
 

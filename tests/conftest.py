@@ -6,6 +6,7 @@ import json
 import math
 import threading
 import urllib.parse
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +15,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, Aut
                           Qwen3_5TextConfig)
 
 from tandem import exact_attention
+from tandem.errors import COMMAND_VARIABLE
 from tandem.generation.server import SERVER_KEY, ServeArgs, start_server
 from tandem.tasks import TINY_MODEL_PATH, scaled_tiny
 
@@ -23,6 +25,14 @@ def no_run_report(request, monkeypatch):
     """Runs in tests do not draw report.html when they end (2-3 s each), unless the test is marked `report`."""
     if "report" not in request.keywords:
         monkeypatch.setattr("tandem.runtime.session.Session.write_report", lambda session: None)
+
+
+@pytest.fixture(autouse=True)
+def python_api_warnings(monkeypatch):
+    """A test that calls the command line's main() in this process leaves no trace on the next: the command line's
+    warning format (warnings.showwarning, and TANDEM_COMMAND, which the rollout workers it starts read) is undone."""
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
+    monkeypatch.delenv(COMMAND_VARIABLE, raising=False)
 
 
 @pytest.fixture(scope="session")

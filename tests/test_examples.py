@@ -46,12 +46,12 @@ def bare_machine(monkeypatch):
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", not_downloaded)
 
 
-def test_the_folder_holds_the_cpu_example_and_spec_004s_presets():
+def test_the_folder_holds_the_cpu_example_and_the_published_presets():
     assert {path.stem for path in FOLDER.glob("*.yaml")} == {"cpu", *PUBLISHED_SETTINGS}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_SETTINGS))
-def test_a_preset_dry_run_prints_spec_004s_plan_and_server(name, capsys, bare_machine):
+def test_a_preset_dry_run_prints_its_plan_and_server(name, capsys, bare_machine):
     model, delta, q, batch, steps = PUBLISHED_SETTINGS[name]
     recipe = load_recipe(f"{FOLDER}/{name}.yaml")
     assert (recipe.model, recipe.config.algorithm, recipe.config.num_generations) == (model, "flash_reinforce", 1)

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def run(*argv, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing but the environment's own packages
     done = subprocess.run([str(a) for a in argv], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
-    assert done.returncode == 0, f"{' '.join(map(str, argv))}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    command = " ".join(map(str, argv))
+    assert done.returncode == 0, f"{command}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     return done
 
 
@@ -30,7 +31,7 @@ def test_the_wheel_installed_elsewhere_runs_the_demo(tmp_path):
     # The environment sees this one's packages (torch and the rest: nothing downloaded), not this checkout's tandem.
     run(sys.executable, "-m", "venv", "--system-site-packages", tmp_path / "venv", cwd=tmp_path)
     python, command = tmp_path / "venv" / "bin" / "python", tmp_path / "venv" / "bin" / "tandem"
-    run(python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", wheel, cwd=tmp_path)
+    run(python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--force-reinstall", wheel, cwd=tmp_path)
     work = tmp_path / "elsewhere"
     work.mkdir()
     where = run(python, "-c", "import tandem; print(tandem.__file__)", cwd=work).stdout.strip()

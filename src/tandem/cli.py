@@ -189,8 +189,8 @@ def run_serve(ns: argparse.Namespace) -> None:
     if args.model == "tiny":  # answers to the name as typed (vLLM's default) and to its folder (the trainer's name)
         args.served_model_name = args.served_model_name or ["tiny", TINY_MODEL_PATH]
         args.model = TINY_MODEL_PATH
-    if missing_folder(args.model):
-        user_error(f"tandem serve: {missing_folder(args.model)}")
+    if problem := missing_folder(args.model):
+        user_error(f"tandem serve: {problem}")
     try:
         run_until_interrupted(start_server(args), lambda port: f"tandem serve: {args.model} on http://{args.host}:{port} "
                                                               f"(vLLM {VLLM_PROTOCOL_VERSION} protocol)")
@@ -455,14 +455,14 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
         except UsageError as exc:  # a lora field peft refuses, a tool it cannot describe
             user_error(f"tandem train: {ns.recipe}: {exc}")
         return
-    if missing_folder(recipe.model):
-        user_error(f"tandem train: {ns.recipe}: {missing_folder(recipe.model)}")
+    if problem := missing_folder(recipe.model):
+        user_error(f"tandem train: {ns.recipe}: {problem}")
     try:
         trainer = build_trainer(recipe, reward_funcs, tools, environments)
     except (UsageError, NotImplementedError) as exc:  # no such dataset, config or split; settings the trainer refuses
         user_error(f"tandem train: {ns.recipe}: {exc}")
-    except OSError as exc:  # transformers' answer to a model folder or Hub id it cannot find
-        user_error(f"tandem train: {ns.recipe}: model {recipe.model!r} could not be loaded: {' '.join(str(exc).split())}")
+    except OSError as exc:  # a Hub model or dataset that does not load (its own message names which)
+        user_error(f"tandem train: {ns.recipe}: {' '.join(str(exc).split())}")
     from tandem.generation.client import ServerProblem
 
     try:

@@ -386,89 +386,89 @@ class AsyncGRPOConfig:
 
     # ---- transformers' TrainingArguments tandem does not implement: accepted at their defaults only (REFUSED) ----
     average_tokens_across_devices: bool = True
-    """transformers: sum the loss's token count over ranks. Refused at any other value: see the reason in the error."""
+    """transformers: sum the loss's token count over ranks."""
     label_smoothing_factor: float = 0.0
-    """transformers: label smoothing of the targets. Refused at any other value: see the reason in the error."""
+    """transformers: label smoothing of the targets."""
     bf16_full_eval: bool = False
-    """transformers: evaluate with the model cast to bf16. Refused at any other value: see the reason in the error."""
+    """transformers: evaluate with the model cast to bf16."""
     fp16_full_eval: bool = False
-    """transformers: evaluate with the model cast to fp16. Refused at any other value: see the reason in the error."""
+    """transformers: evaluate with the model cast to fp16."""
     use_liger_kernel: bool = False
-    """transformers: patch in Liger's fused Triton kernels. Refused at any other value: see the reason in the error."""
+    """transformers: patch in Liger's fused Triton kernels."""
     liger_kernel_config: dict | None = None
-    """transformers: which Liger kernels to apply. Refused at any other value: see the reason in the error."""
+    """transformers: which Liger kernels to apply."""
     use_cache: bool = False
-    """transformers: let the model keep a KV cache. Refused at any other value: see the reason in the error."""
+    """transformers: let the model keep a KV cache."""
     neftune_noise_alpha: float | None = None
-    """transformers: NEFTune noise on the embeddings. Refused at any other value: see the reason in the error."""
+    """transformers: NEFTune noise on the embeddings."""
     auto_find_batch_size: bool = False
-    """transformers: halve the batch on out-of-memory. Refused at any other value: see the reason in the error."""
+    """transformers: halve the batch on out-of-memory."""
     logging_nan_inf_filter: bool = True
-    """transformers: leave NaN/inf losses out of the logs. Refused at any other value: see the reason in the error."""
+    """transformers: leave NaN/inf losses out of the logs."""
     include_num_input_tokens_seen: str | bool = "no"
-    """transformers: count the input tokens seen. Refused at any other value: see the reason in the error."""
+    """transformers: count the input tokens seen."""
     per_device_eval_batch_size: int = 8
-    """transformers: eval batch size per device. Refused at any other value: see the reason in the error."""
+    """transformers: eval batch size per device."""
     prediction_loss_only: bool = False
-    """transformers: evaluation returns the loss only. Refused at any other value: see the reason in the error."""
+    """transformers: evaluation returns the loss only."""
     eval_do_concat_batches: bool = True
-    """transformers: concatenate eval outputs of batches. Refused at any other value: see the reason in the error."""
+    """transformers: concatenate eval outputs of batches."""
     eval_use_gather_object: bool = False
-    """transformers: gather eval objects from all devices. Refused at any other value: see the reason in the error."""
+    """transformers: gather eval objects from all devices."""
     eval_accumulation_steps: int | None = None
-    """transformers: eval steps before outputs go to CPU. Refused at any other value: see the reason in the error."""
+    """transformers: eval steps before outputs go to CPU."""
     include_for_metrics: list[str] = field(default_factory=list)
-    """transformers: extra inputs to compute_metrics. Refused at any other value: see the reason in the error."""
+    """transformers: extra inputs to compute_metrics."""
     batch_eval_metrics: bool = False
-    """transformers: compute eval metrics batch by batch. Refused at any other value: see the reason in the error."""
+    """transformers: compute eval metrics batch by batch."""
     save_on_each_node: bool = False
-    """transformers: every machine writes checkpoints. Refused at any other value: see the reason in the error."""
+    """transformers: every machine writes checkpoints."""
     ignore_data_skip: bool = True
-    """transformers: on resume, do not skip seen batches. Refused at any other value: see the reason in the error."""
+    """transformers: on resume, do not skip seen batches."""
     accelerator_config: dict | str | None = None
-    """transformers: settings of its Accelerate backend. Refused at any other value: see the reason in the error."""
+    """transformers: settings of its Accelerate backend."""
     parallelism_config: dict | None = None
-    """transformers: Accelerate's parallelism layout. Refused at any other value: see the reason in the error."""
+    """transformers: Accelerate's parallelism layout."""
     dataloader_drop_last: bool = False
-    """transformers: drop the last incomplete batch. Refused at any other value: see the reason in the error."""
+    """transformers: drop the last incomplete batch."""
     dataloader_num_workers: int = 0
-    """transformers: DataLoader worker processes. Refused at any other value: see the reason in the error."""
+    """transformers: DataLoader worker processes."""
     dataloader_pin_memory: bool = True
-    """transformers: pin the DataLoader's memory. Refused at any other value: see the reason in the error."""
+    """transformers: pin the DataLoader's memory."""
     dataloader_persistent_workers: bool = False
-    """transformers: keep DataLoader workers alive. Refused at any other value: see the reason in the error."""
+    """transformers: keep DataLoader workers alive."""
     dataloader_prefetch_factor: int | None = None
-    """transformers: batches each worker preloads. Refused at any other value: see the reason in the error."""
+    """transformers: batches each worker preloads."""
     dataloader_multiprocessing_context: str | None = None
-    """transformers: DataLoader workers' start method. Refused at any other value: see the reason in the error."""
+    """transformers: DataLoader workers' start method."""
     dataloader_in_order: bool = True
-    """transformers: yield batches in dispatch order. Refused at any other value: see the reason in the error."""
+    """transformers: yield batches in dispatch order."""
     label_names: list[str] | None = None
-    """transformers: the input keys that hold labels. Refused at any other value: see the reason in the error."""
+    """transformers: the input keys that hold labels."""
     length_column_name: str = "length"
-    """transformers: column of precomputed lengths. Refused at any other value: see the reason in the error."""
+    """transformers: column of precomputed lengths."""
     ddp_find_unused_parameters: bool | None = None
-    """transformers: DDP's find_unused_parameters. Refused at any other value: see the reason in the error."""
+    """transformers: DDP's find_unused_parameters."""
     ddp_bucket_cap_mb: int | None = None
-    """transformers: DDP's gradient bucket size, in MB. Refused at any other value: see the reason in the error."""
+    """transformers: DDP's gradient bucket size, in MB."""
     ddp_broadcast_buffers: bool | None = None
-    """transformers: DDP's broadcast_buffers. Refused at any other value: see the reason in the error."""
+    """transformers: DDP's broadcast_buffers."""
     ddp_static_graph: bool | None = None
-    """transformers: DDP's static_graph. Refused at any other value: see the reason in the error."""
+    """transformers: DDP's static_graph."""
     ddp_backend: str | None = None
-    """transformers: torch.distributed's backend. Refused at any other value: see the reason in the error."""
+    """transformers: torch.distributed's backend."""
     fsdp: str | None = None
-    """transformers: turn on its FSDP integration. Refused at any other value: see the reason in the error."""
+    """transformers: turn on its FSDP integration."""
     deepspeed: dict | str | None = None
-    """transformers: a DeepSpeed config (file or dict). Refused at any other value: see the reason in the error."""
+    """transformers: a DeepSpeed config (file or dict)."""
     do_train: bool = False
-    """transformers: tells its example scripts to train. Refused at any other value: see the reason in the error."""
+    """transformers: tells its example scripts to train."""
     do_eval: bool = False
-    """transformers: tells its example scripts to evaluate. Refused at any other value: see the reason in the error."""
+    """transformers: tells its example scripts to evaluate."""
     do_predict: bool = False
-    """transformers: tells its example scripts to predict. Refused at any other value: see the reason in the error."""
+    """transformers: tells its example scripts to predict."""
     local_rank: int = -1
-    """transformers: this process's rank on its machine. Refused at any other value: see the reason in the error."""
+    """transformers: this process's rank on its machine."""
 
     def __post_init__(self):
         self._check_refused_and_types()
@@ -647,9 +647,12 @@ def _interval_checks(args: AsyncGRPOConfig, *names: str) -> list[tuple[str, bool
 
 
 def _server_url(base_url: str | None, host: str | None, port: int | None) -> str:
-    """TRL's vllm_server_host and vllm_server_port as one URL (TRL's defaults for the one not given), which must agree
-    with vllm_server_base_url when that is given too."""
+    """TRL's vllm_server_host and vllm_server_port as one URL (TRL's defaults for the one not given). Beside
+    vllm_server_base_url they must name the same server, or be TRL's defaults, which TRL itself then ignores (a config
+    TRL wrote out holds them)."""
     url = f"http://{host or '0.0.0.0'}:{8000 if port is None else port}"
+    if base_url is not None and url == "http://0.0.0.0:8000":
+        return base_url
     if base_url is not None and base_url.rstrip("/") != url:
         raise UsageError(f"AsyncGRPOConfig.vllm_server_base_url={base_url!r} and vllm_server_host/vllm_server_port "
                          f"({url}) name two servers: keep one. (The embedded server's bind address is "
@@ -807,6 +810,10 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
 
 
 def _annotation(key: str) -> str:
+    """The type a key's value has: a field's, a recipe key's, or that of the tandem key or value a TRL key stands for."""
+    key = trl_names.RENAMED.get(key, key)
+    if key in trl_names.NO_USE:
+        return type(trl_names.NO_USE[key][0][0]).__name__
     return str(_field_types().get(key, RECIPE_TYPES.get(key, "")))
 
 
@@ -842,8 +849,12 @@ def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
         if not isinstance(raw, dict):
             raise UsageError(f"{path}: a recipe is a YAML mapping of config fields, got {type(raw).__name__}")
     raw = {key: _coerce(key, value) for key, value in raw.items()}
-    raw.update(parse_overrides(list(overrides)))
-    unknown = sorted(set(raw) - set(_field_types()) - set(RECIPE_KEYS) - trl_names.KNOWN)
+    flags = parse_overrides(list(overrides))
+    for flag in flags:  # a flag replaces the recipe's value, whichever of TRL's or tandem's names either uses
+        for key in trl_names.overridden(flag):
+            raw.pop(key, None)
+    raw.update(flags)
+    unknown = sorted(set(raw) - known_keys())
     if unknown:
         raise UsageError(unknown_keys(unknown))
     raw, notes = trl_names.from_trl(raw)
@@ -887,12 +898,16 @@ def recipe_file(path: str) -> Path:
                             (f"did you mean {near[0]!r}? " if near else "") + f"the built-in ones: {', '.join(names)})")
 
 
+def known_keys() -> set[str]:
+    """Every key a recipe may hold: the config's fields, the recipe's own keys, and TRL's names that are read."""
+    return set(_field_types()) | set(RECIPE_KEYS) | trl_names.KNOWN
+
+
 def unknown_keys(keys: list[str]) -> str:
     """Keys neither tandem nor TRL has, each with the nearest names there are, and where every field is described."""
-    known = set(_field_types()) | set(RECIPE_KEYS) | trl_names.KNOWN
     named = []
     for key in keys:
-        near = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+        near = difflib.get_close_matches(key, known_keys(), n=3, cutoff=0.6)
         named.append(f"{key!r}" + (f" (did you mean {' or '.join(map(repr, near))}?)" if near else ""))
     return (f"unknown recipe key{'s' if len(keys) > 1 else ''} {'; '.join(named)}. Every key is described in "
             f"{FIELD_REFERENCE}.")

@@ -11,7 +11,8 @@ TRL's `trl grpo --config x.yaml` reads its keys into three dataclasses (the scri
   and what to write instead;
 - `REWARDS`: TRL's built-in reward functions by their short names, as tandem's import paths.
 
-`load_recipe` reads every recipe through `from_trl`; docs/migrating-from-trl.md renders these tables (a test keeps them in step).
+`load_recipe` reads every recipe through `from_trl`; docs/migrating-from-trl.md renders these tables (a test keeps
+them in step).
 """
 
 from tandem.errors import UsageError
@@ -36,7 +37,8 @@ LORA_DEFAULTS = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "task_type": "
 SERVER = "generation runs on a server: the embedded tandem serve, or the one at vllm_server_base_url"
 NO_REFERENCE = "tandem's objective has no KL penalty to a reference model, so none is loaded"
 NO_ENTROPY = "tandem's objective has no entropy bonus"
-NO_QUANTIZED = "tandem trains the weights in dtype (float32, bfloat16 or float16); quantized training is not implemented"
+NO_QUANTIZED = ("tandem trains the weights in dtype (float32, bfloat16 or float16); quantized training is not "
+                "implemented")
 SERVE_FLAG = "a setting of the generation server: start vllm serve with {flag} and give its URL as vllm_server_base_url"
 
 NO_USE: dict[str, tuple[tuple, str]] = {
@@ -67,7 +69,7 @@ NO_USE: dict[str, tuple[tuple, str]] = {
     "sync_ref_model": ((False,), NO_REFERENCE),
     "ref_model_mixup_alpha": ((0.6,), NO_REFERENCE),
     "ref_model_sync_steps": ((512,), NO_REFERENCE),
-    "use_bias_correction_kl": ((True,), NO_REFERENCE),
+    "use_bias_correction_kl": ((True, False), NO_REFERENCE),
     "loss_type": (("dapo",), "tandem's loss is the mean over the trained tokens of each micro-batch, all ranks "
                              "together, averaged over gradient_accumulation_steps (TRL's 'dapo')"),
     "scale_rewards": (("group", True), "advantages are (reward - group mean) / group std, always (TRL's 'group')"),
@@ -137,14 +139,16 @@ def from_trl(raw: dict) -> tuple[dict, list[str]]:
     """`raw` recipe keys in tandem's terms, and one note per TRL key read; a TRL key set to something tandem cannot do
     raises UsageError saying why."""
     raw, notes = dict(raw), []
+    test_split_given = "dataset_test_split" in raw
     for trl, ours in RENAMED.items():
         if trl in raw:
             if ours in raw:
-                raise UsageError(f"the recipe has both {trl!r} (TRL's name) and {ours!r}, two names for the same thing: "
+                raise UsageError(f"the recipe has both {trl!r} (TRL's name) and {ours!r}, two names for the same "
+                                 "thing: "
                                  "keep one")
             raw[ours] = raw.pop(trl)
             notes.append(f"{trl}: read as {ours} (tandem's name)")
-    if "eval_split" in raw and "eval_dataset" not in raw and raw.get("eval_strategy", "no") != "no" and "dataset" in raw:
+    if test_split_given and "eval_dataset" not in raw and "dataset" in raw and raw.get("eval_strategy", "no") != "no":
         raw["eval_dataset"] = raw["dataset"]  # TRL's script evaluates the test split of the training dataset
         notes.append(f"eval_dataset: {raw['dataset']} (its {raw['eval_split']} split), as TRL's script evaluates")
     notes += _gather_lora(raw)
@@ -160,6 +164,18 @@ def from_trl(raw: dict) -> tuple[dict, list[str]]:
     return raw, notes
 
 
+def overridden(flag: str) -> set[str]:
+    """The recipe keys a command-line flag replaces: its own, the other name of the same thing, and the other way of
+    saying what to train (tandem's `lora` mapping, or TRL's use_peft)."""
+    ours = RENAMED.get(flag, flag)
+    names = {ours} | {trl for trl, tandem in RENAMED.items() if tandem == ours}
+    if ours == "lora":
+        names |= {"use_peft", *LORA}
+    if flag == "use_peft":
+        names.add("lora")
+    return names
+
+
 def same(value, accepted) -> bool:
     """`value` is `accepted`, a boolean or None only as itself (YAML's `1` is not `true`)."""
     if accepted is None or isinstance(accepted, bool) or value is None or isinstance(value, bool):
@@ -173,9 +189,13 @@ def _gather_lora(raw: dict) -> list[str]:
     use_peft = raw.pop("use_peft", None)
     if use_peft is None and not given:
         return []
+    if not isinstance(use_peft, bool | None):
+        raise UsageError(f"use_peft={use_peft!r}: expected true or false")
+    if not use_peft and not given:
+        return ["use_peft: false, read as training the whole model (tandem's default)"]
     if not use_peft:
-        raise UsageError(f"{', '.join(given) or 'use_peft: false'}: TRL's LoRA keys act only with use_peft: true. "
-                         "Write use_peft: true to train an adapter, or leave them out to train the whole model.")
+        raise UsageError(f"{', '.join(given)}: TRL's LoRA keys act only with use_peft: true. Write use_peft: true to "
+                         "train an adapter, or leave them out to train the whole model.")
     if "lora" in raw:
         raise UsageError("the recipe has both TRL's use_peft/lora_* keys and tandem's lora mapping: keep one")
     raw["lora"] = {**LORA_DEFAULTS, **{LORA[key]: value for key, value in given.items() if value is not None}}

@@ -21,7 +21,7 @@ def test_outside_a_terminal_each_window_is_one_whole_plain_line_even_on_a_narrow
     assert lines[1].startswith("train step 20/300  reward 0.500  elapsed")
 
 
-def test_in_a_terminal_a_live_dashboard_shows_spec_002s_pairs_and_no_plain_lines():
+def test_in_a_terminal_a_live_dashboard_shows_its_metric_pairs_and_no_plain_lines():
     out = io.StringIO()
     console = RunConsole(None, console=Console(file=out, width=120, force_terminal=True))
     for step, reward in enumerate([0.1, 0.3, 0.25], start=1):

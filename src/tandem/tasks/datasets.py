@@ -38,7 +38,7 @@ def load(name: str, config: str | None = None, split: str = "train", streaming: 
         if (path / "dataset_dict.json").is_file() and split not in saved:
             raise UsageError(f"dataset {name!r} has no split {split!r} (its splits: {', '.join(saved)})")
         dataset = saved[split] if (path / "dataset_dict.json").is_file() else saved
-    elif path.suffix in FORMATS:
+    elif path.suffix in FORMATS and not path.is_dir():
         raise UsageError(f"dataset {name!r}: no such file (looked for {path.resolve()}; a recipe's paths resolve from "
                          "the folder tandem train runs in)")
     elif path.is_dir() or "/" in name:  # a Hub id may hold a dot (org/name-1.5)
