@@ -427,8 +427,10 @@ def user_error(message: str) -> typing.NoReturn:
     sys.exit(2)
 
 
-def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
-    from tandem.config import import_object, load_recipe
+def read_recipe(ns: argparse.Namespace, overrides: list[str]):
+    """The one recipe named (as RECIPE or TRL's --config RECIPE) with the flags applied, its TRL notes printed;
+    `ns.recipe` names it from here on."""
+    from tandem.config import load_recipe
 
     if (ns.recipe is None) == (ns.config is None):
         user_error("tandem train: give one recipe: tandem train RECIPE (a YAML file, or demo) or tandem train --config "
@@ -440,6 +442,13 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
         user_error(f"tandem train: {ns.recipe}: {exc}")
     for note in recipe.notes:
         print(f"tandem train: {ns.recipe}: note: {note}", file=sys.stderr)
+    return recipe
+
+
+def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
+    from tandem.config import import_object
+
+    recipe = read_recipe(ns, overrides)
     if os.getcwd() not in sys.path:  # the recipe's import paths resolve from here too, as under `python -m tandem`
         sys.path.insert(0, os.getcwd())
     try:  # an import path of the recipe that does not resolve

@@ -905,9 +905,9 @@ def known_keys() -> set[str]:
 
 def unknown_keys(keys: list[str]) -> str:
     """Keys neither tandem nor TRL has, each with the nearest names there are, and where every field is described."""
-    named = []
+    named, known = [], known_keys()
     for key in keys:
-        near = difflib.get_close_matches(key, known_keys(), n=3, cutoff=0.6)
+        near = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
         named.append(f"{key!r}" + (f" (did you mean {' or '.join(map(repr, near))}?)" if near else ""))
     return (f"unknown recipe key{'s' if len(keys) > 1 else ''} {'; '.join(named)}. Every key is described in "
             f"{FIELD_REFERENCE}.")
