@@ -69,7 +69,7 @@ def main() -> None:
     router = stats["router"]
     print(f"\ntrained {result.global_step} steps; adapter checkpoints in {output}")
     print(f"mean reward, first {len(head)} steps: {sum(head) / len(head):.3f}   last {len(tail)} steps: {sum(tail) / len(tail):.3f}")
-    print(f"proxy: {router['routed']} requests: affinity {router['affinity']}, spill {router['spill']}, unmatched "
+    print(f"proxy: {router['routed']} requests: affinity {router['affinity']}, spilled {router['spilled']}, unmatched "
           f"{router['unmatched']}; per replica {[u['routed'] for u in stats['upstreams']]}")
 
 
