@@ -1,4 +1,4 @@
-"""Shared fixtures: the tiny model, engines over it, and `tandem serve` running in a background thread."""
+"""Shared fixtures: the tiny model, engines over it, and `tandem serve` running in a background thread or process."""
 
 import asyncio
 import http.client
@@ -16,6 +16,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, Aut
 
 from tandem import exact_attention
 from tandem.errors import COMMAND_VARIABLE
+from tandem.generation.launcher import EmbeddedServer
 from tandem.generation.server import SERVER_KEY, ServeArgs, start_server
 from tandem.tasks import TINY_MODEL_PATH, scaled_tiny
 
@@ -100,7 +101,34 @@ def tiny_model():
     return model.eval()
 
 
-class ServerThread:
+class HttpCalls:
+    """Plain HTTP calls to a server on 127.0.0.1:`port`, each answered as (status, parsed JSON or text)."""
+
+    port: int
+
+    def request(self, method: str, path: str, body=None, *, raw: bytes | None = None, headers=None):
+        """A plain HTTP call; returns (status, parsed JSON or text)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        hdrs = {"Content-Type": "application/json"} if data is not None else {}
+        hdrs.update(headers or {})
+        conn.request(method, path, body=data, headers=hdrs)
+        response = conn.getresponse()
+        text = response.read().decode()
+        conn.close()
+        try:
+            return response.status, json.loads(text)
+        except json.JSONDecodeError:
+            return response.status, text
+
+    def post(self, path, body=None, **kw):
+        return self.request("POST", path, body, **kw)
+
+    def get(self, path, params=None, **kw):
+        return self.request("GET", path + ("?" + urllib.parse.urlencode(params) if params else ""), **kw)
+
+
+class ServerThread(HttpCalls):
     """`tandem serve` in a thread with its own event loop; `url` is ready when the constructor returns."""
 
     def __init__(self, model_path: str = TINY_MODEL_PATH, **kwargs):
@@ -128,26 +156,17 @@ class ServerThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=30)
 
-    def request(self, method: str, path: str, body=None, *, raw: bytes | None = None, headers=None):
-        """A plain HTTP call; returns (status, parsed JSON or text)."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        hdrs = {"Content-Type": "application/json"} if data is not None else {}
-        hdrs.update(headers or {})
-        conn.request(method, path, body=data, headers=hdrs)
-        response = conn.getresponse()
-        text = response.read().decode()
-        conn.close()
-        try:
-            return response.status, json.loads(text)
-        except json.JSONDecodeError:
-            return response.status, text
 
-    def post(self, path, body=None, **kw):
-        return self.request("POST", path, body, **kw)
+class ServeProcess(HttpCalls):
+    """`tandem serve tiny FLAGS...` as its own process, what users run; `process` is the launcher's ServerProcess."""
 
-    def get(self, path, params=None, **kw):
-        return self.request("GET", path + ("?" + urllib.parse.urlencode(params) if params else ""), **kw)
+    def __init__(self, *flags: str):
+        self.process = EmbeddedServer("tiny", extra_args=list(flags), startup_timeout_s=120, shares_cores=False)
+        self.url = self.process.url
+        self.port = int(self.url.rsplit(":", 1)[1])
+
+    def close(self):
+        self.process.stop()
 
 
 @pytest.fixture(scope="session")

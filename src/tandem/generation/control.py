@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 from aiohttp import web
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from tandem.generation import protocol
 from tandem.generation.engine import Engine
-from tandem.generation.lora import AdapterNotFound, AdapterSet
+from tandem.generation.lora import AdapterNotFound, AdapterSet, served_parameters
 from tandem.generation.protocol import ApiError, bad_request
 from tandem.generation.weight_transfer import Receiver, TransferError
 from tandem.openmp import in_passing_thread
@@ -29,28 +29,37 @@ class WeightsError(ValueError):
 
 
 def load_weights(model: torch.nn.Module, weights_path: str) -> int:
-    """Copy a safetensors checkpoint (HF parameter names) into `model` in place; returns tensors loaded."""
+    """Copy a safetensors checkpoint (HF parameter names) into `model` in place; returns tensors loaded. Every file,
+    name and shape is checked from the files' headers before the first tensor is copied, so a checkpoint that does
+    not fit leaves the served weights as they were."""
     files = sorted(Path(weights_path).glob("*.safetensors"))
     if not files:
         raise WeightsError(f"reload_weights: no *.safetensors files in {weights_path}")
     params = served_parameters(model)
+    for file in files:
+        for name, shape in checkpoint_shapes(file).items():
+            if name not in params:
+                raise WeightsError(f"reload_weights: {name!r} in {file.name} is not a parameter of the served model")
+            if tuple(params[name].shape) != shape:
+                raise WeightsError(f"reload_weights: {name!r} has shape {shape}, the model expects {tuple(params[name].shape)}")
     loaded = 0
     with torch.no_grad():
         for file in files:
-            for name, tensor in load_file(str(file)).items():
-                if name not in params:
-                    raise WeightsError(f"reload_weights: {name!r} in {file.name} is not a parameter of the served model")
-                if params[name].shape != tensor.shape:
-                    raise WeightsError(f"reload_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(params[name].shape)}")
-                params[name].copy_(tensor)
-                loaded += 1
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    params[name].copy_(f.get_tensor(name))
+                    loaded += 1
     return loaded
 
 
-def served_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The served model's parameters under their checkpoint names (a LoRA wrapper's `.base_layer` removed)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return {name.replace(".base_layer", ""): p for name, p in base.named_parameters()}
+def checkpoint_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    """A safetensors file's tensor names and shapes, read from its header (opening it checks that the file holds all
+    the bytes the header promises)."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except Exception as exc:  # noqa: BLE001 - safetensors' own errors: not a file of its format, or cut short
+        raise WeightsError(f"reload_weights: {file.name} is not a readable safetensors file ({exc})") from None
 
 
 class Control:
@@ -114,7 +123,7 @@ class Control:
         def reload():
             try:
                 load_weights(self.engine.model, path)
-            finally:  # a checkpoint refused halfway has changed some weights already
+            finally:  # a refused checkpoint changed nothing; a disk failing mid-copy did
                 self.engine.weights_changed()
 
         try:
@@ -181,26 +190,22 @@ class Control:
 
     # ---- LoRA ------------------------------------------------------------------------------------
     async def load_lora(self, request: web.Request) -> web.Response:
+        """Check, load and register an adapter on the engine thread. A refused or failed load changes nothing: vLLM's
+        404 for a folder without adapter_config.json, its 500 "Call to add_lora method failed: ..." otherwise."""
         req = await protocol.read(request, protocol.LoadLoRARequest)
         self.check_loadable(req)
-        try:
-            self.adapters.check(req.lora_name, req.lora_path)
-        except AdapterNotFound as exc:
-            raise ApiError(404, str(exc), "NotFoundError") from None
-        except ValueError as exc:  # AdapterSet's refusal of the adapter (its rank): vLLM answers 500
-            raise ApiError(500, f"Call to add_lora method failed: {exc}", "InternalServerError") from None
 
-        def register_and_load():
-            self.engine.reset_prefix_cache()
-            self.adapters.register(req.lora_name, req.lora_path)
+        def add():
             in_use = {r.adapter for r, _ in self.engine.rows if r.adapter}
-            self.engine.model = self.adapters.ensure_loaded(self.engine.model, {req.lora_name}, in_use)
+            self.engine.model = self.adapters.add(self.engine.model, req.lora_name, req.lora_path, in_use)
+            self.engine.reset_prefix_cache()
 
         try:
-            await asyncio.wrap_future(self.engine.call(register_and_load))
+            await asyncio.wrap_future(self.engine.call(add))
+        except AdapterNotFound as exc:
+            raise ApiError(404, f"Loading lora {req.lora_name} failed: {exc}", "NotFoundError") from None
         except Exception as exc:  # noqa: BLE001 - vLLM answers any load failure 500 and keeps serving
-            logger.exception("loading LoRA adapter %r from %s failed", req.lora_name, req.lora_path)
-            self.adapters.paths.pop(req.lora_name, None)
+            logger.warning("loading LoRA adapter %r from %s failed: %s", req.lora_name, req.lora_path, exc)
             raise ApiError(500, f"Call to add_lora method failed: {exc}", "InternalServerError") from None
         return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 

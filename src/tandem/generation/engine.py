@@ -427,7 +427,7 @@ class Engine:
         try:
             self.model = self.adapters.ensure_loaded(self.model, {request.adapter}, in_use)
             return True
-        except Exception as exc:  # noqa: BLE001 - reported to the request's caller
+        except Exception as exc:  # noqa: BLE001 - reported to the request's caller; the model is as it was
             request.error = f"Loading lora {request.adapter} failed: {exc}"
             self._finish_request(request, "error")
             return False
