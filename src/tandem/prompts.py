@@ -5,6 +5,8 @@ loop (what is generated), the trainer (the prompt-length check, the sync probe),
 Only the tokenizer is needed here (no torch), so the proxy can use it too.
 """
 
+import functools
+
 import jinja2
 
 from tandem.errors import UsageError
@@ -25,13 +27,77 @@ def check_conversational(prompt, where: str) -> None:
 
 def render_chat(tokenizer, messages: list[dict], *, tools: list | None = None, add_generation_prompt: bool = True,
                 continue_final_message: bool = False, chat_template: str | None = None,
-                chat_template_kwargs: dict | None = None) -> list[int]:
+                chat_template_kwargs: dict | None = None, content_format: str = "auto") -> list[int]:
     """`messages` through the chat template as vLLM's chat endpoint renders them: with the tools and template
-    options, and without a generation prompt when the last message is continued."""
+    options, without a generation prompt when the last message is continued, and with each message's content in
+    the form the template reads (`content_format`, as vLLM's `--chat-template-content-format`)."""
+    template = chat_template or tokenizer.get_chat_template(chat_template, tools)
+    form = template_content_format(template) if content_format == "auto" else content_format
     return list(tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=add_generation_prompt and not continue_final_message,
+        [with_content_as(message, form) for message in messages], tools=tools,
+        add_generation_prompt=add_generation_prompt and not continue_final_message,
         continue_final_message=continue_final_message, chat_template=chat_template, tokenize=True, return_dict=False,
         **(chat_template_kwargs or {})))
+
+
+CONTENT_FORMATS = ("auto", "string", "openai")
+"""How a template reads a message's content: "string" (one text) or "openai" (a list of typed parts)."""
+
+
+@functools.lru_cache(maxsize=32)
+def template_content_format(template: str) -> str:
+    """"openai" when the template loops over a message's content (its parts), else "string": vLLM's detection, read
+    from the template's syntax tree. A template that does not parse is rendered with strings."""
+    try:
+        tree = jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+    messages = {"messages"} | {node.target.name for node in tree.find_all(jinja2.nodes.For)
+                               if _reads(node.iter, {"messages"}) and isinstance(node.target, jinja2.nodes.Name)}
+    contents = {node.target.name for node in tree.find_all(jinja2.nodes.Assign)
+                if isinstance(node.target, jinja2.nodes.Name) and _content_of(node.node, messages)}
+    for loop in tree.find_all(jinja2.nodes.For):
+        if _content_of(loop.iter, messages) or _reads(loop.iter, contents):
+            return "openai"
+    return "string"
+
+
+def _reads(node, names: set[str]) -> bool:
+    """`node` is one of `names`, an item of it (messages[0]) or it filtered (messages | selectattr(...))."""
+    while isinstance(node, (jinja2.nodes.Getitem, jinja2.nodes.Filter, jinja2.nodes.Slice)) and node.node is not None:
+        node = node.node
+    return isinstance(node, jinja2.nodes.Name) and node.name in names
+
+
+def _content_of(node, messages: set[str]) -> bool:
+    """`node` reads a message's content: `message['content']` or `message.content` (possibly filtered)."""
+    while isinstance(node, jinja2.nodes.Filter) and node.node is not None:
+        node = node.node
+    if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const):
+        return node.arg.value == "content" and _reads(node.node, messages)
+    return isinstance(node, jinja2.nodes.Getattr) and node.attr == "content" and _reads(node.node, messages)
+
+
+def with_content_as(message: dict, form: str) -> dict:
+    """A message whose content is a list of parts, as the template reads it: the text parts joined by newlines for a
+    "string" template (vLLM's join), typed parts for an "openai" one; a text content is wrapped in one part for the
+    latter. A part that is not text (an image) is refused: tandem renders text only."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str) and form == "openai":
+        return {**message, "content": [{"type": "text", "text": content}]}
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        text = part.get("text") if isinstance(part, dict) and part.get("type", "text") == "text" else part
+        if not isinstance(text, str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"a content part of type {kind!r}: tandem renders text parts only "
+                             '([{"type": "text", "text": ...}])')
+        texts.append(text)
+    if form == "openai":
+        return {**message, "content": [{"type": "text", "text": text} for text in texts]}
+    return {**message, "content": "\n".join(texts)}
 
 
 def render_prompt(tokenizer, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:

@@ -208,6 +208,9 @@ class Engine:
         """The engine thread is between taking work and publishing its stats (a request it admitted is in neither)."""
         self._stats = self._snapshot()
         """The engine thread's figures as of its last step, published for /metrics (read whole, never mid-step)."""
+        self._touched: dict[int, EngineRequest] = {}
+        """Requests a step changed, told (`notify`) once its figures are published: a client that has its answer
+        finds it counted in /metrics."""
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self.error: BaseException | None = None
 
@@ -333,8 +336,10 @@ class Engine:
                     stats = self._snapshot()
                 with self._lock:
                     self._stats, self._stepping = stats, False
+                self._notify_touched()
         except BaseException as exc:  # the server reports a dead engine through /health
             self.error = exc
+            self._notify_touched()
             with self._lock:
                 for request in list(self.waiting) + self.prefilling + [r for r, _ in self.rows]:
                     for seq in request.sequences:
@@ -343,6 +348,14 @@ class Engine:
                 while not self._calls.empty():
                     self._calls.get()[1].set_exception(RuntimeError(ENGINE_STOPPED))
             raise
+
+    def _touch(self, request: EngineRequest) -> None:
+        self._touched[id(request)] = request
+
+    def _notify_touched(self) -> None:
+        touched, self._touched = list(self._touched.values()), {}
+        for request in touched:
+            request.notify()
 
     def _has_work(self) -> bool:
         aborted = self._abort_running or any(r.aborted for r in self.waiting) or any(r.aborted for r, _ in self.rows)
@@ -400,7 +413,7 @@ class Engine:
             if seq.finish_reason is None:
                 seq.finish_reason = reason
                 self.finished_total[reason] += 1
-        request.notify()
+        self._touch(request)
 
     def _admit(self) -> list[EngineRequest]:
         """FIFO into free slots; a request whose adapter would exceed max_loras waits (deferred)."""
@@ -523,8 +536,8 @@ class Engine:
         reasons = self.emission.emit(entries, [self.lengths[i] + 1 for i in rows], logits)
         self.finished_total.update(reason for reason in reasons if reason)
         self.counters["generation_tokens"] += len(rows)
-        for request in {id(r): r for r, _ in entries}.values():
-            request.notify()
+        for request, _ in entries:
+            self._touch(request)
         self._retire({i for i, reason in zip(rows, reasons) if reason})
 
     def _retire(self, finished: set[int]) -> None:
