@@ -3,6 +3,7 @@ through `tandem proxy` to two replicas, and a transfer that fails midway; and th
 with gloo stand-ins for them (tests/runtime/vllm_stand_in: vLLM is not installed here and NCCL needs GPUs)."""
 
 import asyncio
+import concurrent.futures
 import sys
 import threading
 import time
@@ -22,7 +23,7 @@ from tandem.runtime.weight_sync import nccl_plane
 from tandem.generation.client import ServerProblem
 from tandem.generation.weight_transfer import Receiver, pack_chunks
 from tandem.runtime.weight_transfer import GlooPlane, InThread, TransferFailed, TransferSync, VllmNcclPlane, control_call, first_failure
-from tests.conftest import ServerThread, chat_prompt, probe_gap
+from tests.conftest import ServeProcess, ServerThread, chat_prompt, probe_gap
 
 ATOL = 1e-5
 GLOO = '{"backend": "gloo"}'
@@ -265,3 +266,33 @@ def test_vllm_gets_each_weight_under_the_checkpoints_name_and_layout(tmp_path):
     saved = load_file(f"{folder}/model.safetensors")
     assert sorted(sent) == sorted(saved), f"names differ: {sorted(set(sent) ^ set(saved))[:4]}"
     assert all(torch.equal(sent[name], saved[name]) for name in saved)
+
+
+def test_weight_versions_label_each_token_with_the_weights_that_sampled_it(tokenizer):
+    """A transfer finished while a sequence decodes starts a new span at the first token the new weights sampled."""
+    serve = ServeProcess("--weight-transfer-config", GLOO, "--step-delay-s", "0.05", "--enable-scale-out")
+    prompt = chat_prompt(tokenizer, "Count to fifty.")
+    sampling = {"max_tokens": 40, "ignore_eos": True, "temperature": 1.0, "seed": 1}
+    bodies = {"/v1/completions": {"prompt": prompt, "return_weight_versions": True, **sampling},
+              "/v1/chat/completions": {"messages": [{"role": "user", "content": "Count."}], "return_weight_versions": True,
+                                       **sampling},
+              "/inference/v1/generate": {"token_ids": prompt, "sampling_params": sampling}}
+    try:
+        with asyncio.Runner() as run, concurrent.futures.ThreadPoolExecutor(3) as pool:
+            control = ControlClient(serve.url)
+            sync = TransferSync(control, run, TINY_MODEL_PATH, timeout_s=20)
+            assert sync.connect() == 1
+            answers = {path: pool.submit(serve.post, path, body) for path, body in bodies.items()}
+            time.sleep(0.8)  # about 16 of the 40 steps
+            sync.push(trained_model(seed=1), 7)
+            for path, answer in answers.items():
+                status, body = answer.result()
+                assert status == 200, body
+                (first, second) = body["choices"][0]["weight_versions"]
+                assert first["version"] == "default" and second["version"] == "7", f"{path}: {first}, {second}"
+                assert first["start"] == 0 and 0 < first["end"] == second["start"] < second["end"] == 40, f"{path}"
+            status, body = serve.post("/v1/completions", {"prompt": prompt, **sampling})
+            assert body["choices"][0]["weight_versions"] is None, "spans only when asked for"
+            run.run(control.close())
+    finally:
+        serve.close()

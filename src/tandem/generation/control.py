@@ -67,7 +67,6 @@ class Control:
 
     def __init__(self, engine: Engine, adapters: AdapterSet | None, names: list[str], receiver: Receiver | None = None):
         self.engine, self.adapters, self.names, self.receiver = engine, adapters, names, receiver
-        self.weight_version = "default"
         self.pause_mode: str | None = None
         """None while serving; 'abort' and 'wait' refuse new requests, 'keep' freezes the running ones."""
 
@@ -133,7 +132,7 @@ class Control:
         return web.Response(status=200)
 
     async def weight_info(self, _: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self.weight_version})
+        return web.json_response({"weight_version": self.engine.weight_version})
 
     async def weight_transfer(self, request: web.Request) -> web.Response:
         """The four routes of vLLM's weight-transfer API (`--weight-transfer-config`) over the gloo group of
@@ -180,12 +179,13 @@ class Control:
                     for name, tensor in staged.items():
                         params[name].copy_(tensor)
             finally:
-                self.engine.weights_changed()
+                if staged:
+                    self.engine.weights_changed()
+            if body.weight_version is not None:  # the label changes with the weights, between the same two steps
+                self.engine.weight_version = body.weight_version
 
-        if staged:
+        if staged or body.weight_version is not None:
             await asyncio.wrap_future(self.engine.call(swap))
-        if body.weight_version is not None:
-            self.weight_version = body.weight_version
         return web.json_response({"message": "Weight update finished"})
 
     # ---- LoRA ------------------------------------------------------------------------------------

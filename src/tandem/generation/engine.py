@@ -59,6 +59,16 @@ class Sequence:
     checked: int = 0
     """Tokens whose stop conditions the engine has checked without finishing: what a stream may show while the
     sequence runs (its lists may already hold a newer token, and its last one arrives with `finish_reason`)."""
+    weight_versions: list[list] = field(default_factory=list)
+    """[version, start, end] spans of `output`: the weights' label when each token was sampled (a swap between two
+    steps starts a new span)."""
+
+    def label_last_token(self, version: str) -> None:
+        spans = self.weight_versions
+        if spans and spans[-1][0] == version:
+            spans[-1][2] = len(self.output)
+        else:
+            spans.append([version, len(self.output) - 1, len(self.output)])
 
 
 @dataclass
@@ -195,6 +205,8 @@ class Engine:
         self.prefilling: list[EngineRequest] = []
         self.lengths: list[int] = []
         self.paused = False
+        self.weight_version = "default"
+        """The served weights' label (`/finish_weight_update`'s weight_version), set on the engine thread between steps."""
         self.counters = collections.Counter()
         self.finished_total: collections.Counter = collections.Counter()
         self._lock = threading.Condition()
@@ -534,6 +546,8 @@ class Engine:
         rows = list(rows)
         entries = [self.rows[i] for i in rows]
         reasons = self.emission.emit(entries, [self.lengths[i] + 1 for i in rows], logits)
+        for _, seq in entries:
+            seq.label_last_token(self.weight_version)
         self.finished_total.update(reason for reason in reasons if reason)
         self.counters["generation_tokens"] += len(rows)
         for request, _ in entries:

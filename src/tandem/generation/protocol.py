@@ -89,6 +89,7 @@ class SamplingFields(Sampling):
 
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    return_weight_versions: bool = False
     stream: bool = False
     stream_options: dict | None = None
     request_id: str | None = None

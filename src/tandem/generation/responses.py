@@ -107,6 +107,11 @@ def usage(requests: list[EngineRequest]) -> dict:
     }
 
 
+def weight_versions(seq: Sequence) -> list[dict]:
+    """`weight_versions`: half-open spans of the output's tokens, each with the label of the weights that sampled it."""
+    return [{"version": version, "start": start, "end": end} for version, start, end in seq.weight_versions]
+
+
 def completion_choice(req: CompletionRequest, request: EngineRequest, seq: Sequence, text: TokenText,
                       prompt_text: str) -> dict:
     """One choice. With `echo` its text and log-probs start with the prompt's (vLLM 0.33): the prompt as sent ("" when
@@ -124,7 +129,7 @@ def completion_choice(req: CompletionRequest, request: EngineRequest, seq: Seque
         "token_ids": list(seq.output) if req.return_token_ids else None,
         "prompt_logprobs": prompt_logprobs_json(request, text),
         "prompt_token_ids": list(request.prompt) if req.return_token_ids else None,
-        "routed_experts": None, "weight_versions": None,
+        "routed_experts": None, "weight_versions": weight_versions(seq) if req.return_weight_versions else None,
     }
 
 
@@ -183,7 +188,7 @@ def chat_choice(req: ChatCompletionRequest, seq: Sequence, text: TokenText, tool
         if req.logprobs else None,
         "finish_reason": chat_finish_reason(seq, bool(calls)), "stop_reason": seq.stop_reason,
         "token_ids": list(seq.output) if req.return_token_ids else None,
-        "routed_experts": None, "weight_versions": None,
+        "routed_experts": None, "weight_versions": weight_versions(seq) if req.return_weight_versions else None,
     }
 
 
@@ -199,15 +204,14 @@ def chat_body(request_id: str, model: str, fingerprint: str, req: ChatCompletion
     }
 
 
-def generate_choice(req: GenerateRequest, seq: Sequence, text: TokenText, sampling_mask: bool, weight_version: str) -> dict:
-    """One choice; its tokens are labelled with the weights served when it ended (vLLM labels spans, should the weights
-    change mid-sequence; tandem serve's swaps wait for no sequence, so a span boundary is not recorded)."""
+def generate_choice(req: GenerateRequest, seq: Sequence, text: TokenText, sampling_mask: bool) -> dict:
+    """One choice, its tokens labelled with the weights that sampled them."""
     sp = req.sampling_params
     choice = {
         "index": seq.index, "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason,
         "token_ids": list(seq.output), "routed_experts": None,
         "sampling_mask": seq.sampling_masks if sampling_mask else None,
-        "weight_versions": [{"version": weight_version, "start": 0, "end": len(seq.output)}],
+        "weight_versions": weight_versions(seq),
         "logprobs": generate_logprobs(seq) if sp.logprobs is not None else None,
     }
     if req.output_mode == "text":
@@ -216,12 +220,12 @@ def generate_choice(req: GenerateRequest, seq: Sequence, text: TokenText, sampli
 
 
 def generate_body(request_id: str, model: str, req: GenerateRequest, request: EngineRequest, text: TokenText,
-                  sampling_mask: bool, weight_version: str) -> dict:
+                  sampling_mask: bool) -> dict:
     """`/inference/v1/generate`: token ids out; `sampling_mask` when the server returns masks."""
     return {
         "request_id": request_id, "model": model, "created": int(time.time()), "usage": usage([request]),
         "prompt_logprobs": prompt_logprobs_json(request, text), "prompt_token_id_logprobs": None,
         "prompt_token_ids": list(req.token_ids), "mm_placeholders": None, "metrics": None,
         "kv_transfer_params": None, "ec_transfer_params": None, "output_mode": req.output_mode,
-        "choices": [generate_choice(req, s, text, sampling_mask, weight_version) for s in request.sequences],
+        "choices": [generate_choice(req, s, text, sampling_mask) for s in request.sequences],
     }

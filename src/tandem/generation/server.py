@@ -380,7 +380,7 @@ class Server:
         (engine_request,) = await self._generate(ask, adapter)
         request_id = f"generate-tokens-{self._request_id(request, req.request_id)}"
         return web.json_response(responses.generate_body(request_id, name, req, engine_request, self.text,
-                                                         self.args.return_sampling_mask, self.control.weight_version))
+                                                         self.args.return_sampling_mask))
 
     # ---- tokenizer -----------------------------------------------------------------------------
     async def tokenize(self, request: web.Request) -> web.Response:
