@@ -197,12 +197,12 @@ def fake_row(tokens: list[int]):
 def test_lookups_match_whole_blocks_leave_the_last_token_and_keep_adapters_apart():
     cache = PrefixCache(max_tokens=64, block_size=4)
     tokens = list(range(10, 22))  # three blocks
-    cache.store(tokens, None, fake_row(tokens))
-    length, kv = cache.lookup(tokens, None)
+    cache.store(tokens, "", fake_row(tokens))
+    length, kv = cache.lookup(tokens, "")
     assert length == 8, "the last token is always computed, so its block is not matched"
     assert kv[0, 0, 0, :, 0].tolist() == tokens[:8]
-    assert cache.lookup(tokens + [5], None)[0] == 12
-    assert cache.lookup([99] + tokens, None)[0] == 0, "a block's hash covers every token before it"
+    assert cache.lookup(tokens + [5], "")[0] == 12
+    assert cache.lookup([99] + tokens, "")[0] == 0, "a block's hash covers every token before it"
     assert cache.lookup(tokens + [5], "adapter")[0] == 0, "another adapter never shares KV"
     assert (cache.queries, cache.hits) == (12 + 13 + 13 + 13, 20)
 
@@ -210,10 +210,10 @@ def test_lookups_match_whole_blocks_leave_the_last_token_and_keep_adapters_apart
 def test_the_cache_stays_within_its_bound_evicting_least_recently_used_blocks_tail_first():
     cache = PrefixCache(max_tokens=8, block_size=4)
     first, second = list(range(10, 22)), list(range(30, 38))
-    cache.store(first, None, fake_row(first))
-    assert cache.num_tokens == 8 and cache.lookup(first + [5], None)[0] == 8, "the chain's head is kept, its tail evicted"
-    cache.store(second, None, fake_row(second))
+    cache.store(first, "", fake_row(first))
+    assert cache.num_tokens == 8 and cache.lookup(first + [5], "")[0] == 8, "the chain's head is kept, its tail evicted"
+    cache.store(second, "", fake_row(second))
     assert cache.num_tokens == 8
-    assert cache.lookup(first + [5], None)[0] == 0 and cache.lookup(second + [5], None)[0] == 8
+    assert cache.lookup(first + [5], "")[0] == 0 and cache.lookup(second + [5], "")[0] == 8
     cache.clear()
-    assert cache.num_tokens == 0 and cache.lookup(second + [5], None)[0] == 0
+    assert cache.num_tokens == 0 and cache.lookup(second + [5], "")[0] == 0

@@ -109,7 +109,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot_at_once(server, proxy, v
     engine = server.server.engine
     port = server.port if via == "server" else int(proxy.url.rsplit(":", 1)[1])
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True,
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True,
                                                                "stream": True}),
                  headers={"Content-Type": "application/json"})
     response = conn.getresponse()
@@ -131,17 +131,18 @@ def test_the_chunks_are_one_per_token_however_late_the_server_reads_the_engine()
 
     from tandem.generation.engine import EngineRequest
     from tandem.generation.protocol import ChatCompletionRequest
-    from tandem.generation.responses import TokenText
+    from tandem.generation.responses import ChatReply, TokenText
     from tandem.generation.sampling import SamplingParams
-    from tandem.generation.streaming import ChatStream
+    from tandem.generation.streaming import ChatStream, StreamOptions
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
     answer = tokenizer.encode("3") + [tokenizer.eos_token_id]  # "3" then the end: vLLM streams "3", then the finish
 
     def streamed(read_after: list[int]) -> list[dict]:
         request = EngineRequest(prompt=[1, 2, 3], params=SamplingParams(temperature=0.0))
-        stream = ChatStream(ChatCompletionRequest(messages=MESSAGES, stream=True), [request], "chatcmpl-1", "m", "fp",
-                            TokenText(tokenizer), [], tool_format=None)
+        req = ChatCompletionRequest(messages=MESSAGES, stream=True)
+        stream = ChatStream(req, [request], "chatcmpl-1", "m", "fp", TokenText(tokenizer), [], StreamOptions(),
+                            reply=ChatReply.of(req, "assistant", TokenText(tokenizer), None))
         seq, chunks = request.sequences[0], stream.chunks()
         for step, token in enumerate(answer, 1):  # the engine appends a token, then checks it (or ends the sequence)
             seq.output.append(token), seq.logprobs.append(-0.1), seq.top_logprobs.append([])

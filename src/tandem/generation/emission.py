@@ -9,12 +9,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.generation.sampling import apply_penalties, process_logits, sample
+from tandem.generation.sampling import apply_masks, apply_penalties, process_logits, sample
 
 if TYPE_CHECKING:
     from tandem.generation.engine import EngineRequest, Sequence
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+NOTHING_TO_SAMPLE = ("No token is left to sample: allowed_token_ids, bad_words, logit_bias and min_tokens together exclude "
+                     "the whole vocabulary at this position. Allow at least one token.")
 
 
 @dataclass(frozen=True)
@@ -38,12 +40,17 @@ class Emission:
         raw = logits.clone()
         for b, (request, seq) in enumerate(entries):
             p = request.params
-            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-                apply_penalties(logits[b], p, request.prompt, seq.output)
+            blocked = set()
             if len(seq.output) < p.min_tokens:
                 blocked = set(p.stop_token_ids) | self.extra_stop_token_ids | ({self.eos_token_id} - {None})
-                logits[b, sorted(blocked)] = float("-inf")
+            if p.allowed_token_ids is not None or p.bad_words or blocked or p.logit_bias:
+                apply_masks(logits[b], p, seq.output, blocked)
+            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+                apply_penalties(logits[b], p, request.prompt, seq.output)
         processed = process_logits(logits, params)
+        nothing_left = ~torch.isfinite(processed).any(-1)
+        if bool(nothing_left.any()):  # its masks excluded every token: that request fails, the others go on
+            processed[nothing_left] = 0.0
         tokens = sample(processed, params, [seq.generator for _, seq in entries])
         reported = {
             "raw_logprobs": lambda: raw.log_softmax(-1),
@@ -55,15 +62,22 @@ class Emission:
         ranks = ((reported > chosen[:, None]).sum(-1) + 1).tolist()
         top = _top(reported, max((p.logprobs for p in params if p.logprobs is not None), default=None))
         reasons = []
+        empty = nothing_left.tolist()
         for b, ((request, seq), token, value, total) in enumerate(zip(entries, tokens.tolist(), chosen.tolist(), totals)):
             seq.output.append(token)
             seq.logprobs.append(value)
-            if request.params.logprobs is not None:
-                seq.top_logprobs.append(_top_entries(top, b, token, value, ranks[b], request.params.logprobs))
+            p = request.params
+            if p.logprob_token_ids is not None:
+                seq.top_logprobs.append(_listed_entries(reported[b], token, value, ranks[b], p.logprob_token_ids))
+            elif p.logprobs is not None:
+                seq.top_logprobs.append(_top_entries(top, b, token, value, ranks[b], p.logprobs))
             if request.return_sampling_mask:
                 seq.sampling_masks.append(torch.isfinite(processed[b]).nonzero().flatten().tolist())
-            reasons.append(self._finish(request, seq, total))
-            if reasons[-1] is None:
+            reasons.append("error" if empty[b] else self._finish(request, seq, total))
+            if empty[b]:
+                seq.finish_reason = "error"
+                request.error, request.error_status = request.error or NOTHING_TO_SAMPLE, 400
+            elif reasons[-1] is None:
                 seq.checked = len(seq.output)
         return reasons
 
@@ -80,21 +94,35 @@ class Emission:
         return result
 
     def _finish(self, request: EngineRequest, seq: Sequence, total_len: int) -> str | None:
-        """Whether the sequence's last token ends it, as vLLM decides: EOS, a stop token or string, max_tokens, the
-        model's length; sets the sequence's finish and stop reasons."""
+        """Whether the sequence's last token ends it, as vLLM decides: EOS, a stop token, then (past min_tokens) a stop
+        string or a repetition, then max_tokens and the model's length; sets the sequence's finish and stop reasons."""
         token, p = seq.output[-1], request.params
         reason, stop_reason = None, None
+        checks_text = len(seq.output) >= p.min_tokens
         if token == self.eos_token_id and not p.ignore_eos:
             reason = "stop"
         elif token in p.stop_token_ids or (token in self.extra_stop_token_ids and not p.ignore_eos):
             reason, stop_reason = "stop", token
-        elif request.stop_check and (matched := request.stop_check(seq.output)) is not None:
+        elif checks_text and request.stop_check and (matched := request.stop_check(seq.output)) is not None:
             reason, stop_reason = "stop", matched
+        elif checks_text and p.repetition_detection and repeats(seq.output, *p.repetition_detection):
+            reason, stop_reason = "repetition", "repetition_detected"
         elif len(seq.output) >= p.max_tokens or total_len >= self.max_model_len:
             reason = "length"
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason, stop_reason
         return reason
+
+
+def repeats(output: list[int], min_size: int, max_size: int, min_count: int) -> bool:
+    """The last L tokens, for some L in [min_size, max_size], occur `min_count` times in a row at the output's end."""
+    for size in range(max(min_size, 1), max_size + 1):
+        if size * min_count > len(output):
+            break
+        tail = output[-size:]
+        if all(output[len(output) - size * (k + 1): len(output) - size * k] == tail for k in range(1, min_count)):
+            return True
+    return False
 
 
 def _top(values: torch.Tensor, k: int | None) -> tuple[list, list, list] | None:
@@ -106,6 +134,14 @@ def _top(values: torch.Tensor, k: int | None) -> tuple[list, list, list] | None:
     top = values.topk(values.shape[-1] if k < 0 else min(k, values.shape[-1]))
     ranks = torch.searchsorted(-top.values, -top.values, side="left") + 1
     return top.indices.tolist(), top.values.tolist(), ranks.tolist()
+
+
+def _listed_entries(row: torch.Tensor, token: int, value: float, rank: int, ids: list[int]) -> list[tuple[int, float, int]]:
+    """(id, value, rank) of the sampled token, then of each listed id in the request's order, duplicates merged."""
+    listed = list(dict.fromkeys(t for t in ids if t != token))
+    values = row[listed].tolist()
+    ranks = ((row[None, :] > row[listed][:, None]).sum(-1) + 1).tolist() if listed else []
+    return [(token, value, rank)] + list(zip(listed, values, ranks))
 
 
 def _top_entries(top, row: int, token: int, value: float, rank: int, k: int) -> list[tuple[int, float, int]]:

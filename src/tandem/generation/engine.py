@@ -85,10 +85,20 @@ class EngineRequest:
     sequences: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
     aborted: bool = False
+    cache_salt: str | None = None
+    """Requests with different salts share no prefix-cache block (vLLM's isolation of tenants)."""
+    reads_prefix_cache: bool = True
+    """False: prefilled whole (`skip_reading_prefix_cache`; prompt log-probs need every position's logits)."""
+    cached_tokens: int = 0
+    """Prompt tokens whose KV the prefix cache held when the request was prefilled."""
+    created_cache_tokens: int = 0
+    """Prompt tokens whose KV this request's prefill added to the prefix cache."""
     prefix_epoch: int = -1
     """The prefix cache's epoch when this request's KV was computed: KV of replaced weights is never stored."""
     error: str | None = None
     """Why the request failed on its own (the engine keeps serving the others)."""
+    error_status: int = 500
+    """400 when the request itself asked for the impossible (its masks left no token to sample)."""
 
     def __post_init__(self):
         if not self.sequences:
@@ -97,6 +107,11 @@ class EngineRequest:
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.sequences)
+
+    @property
+    def cache_namespace(self) -> str:
+        """What seeds the prefix-cache hashes of this request's blocks: its adapter and salt."""
+        return repr((self.adapter, self.cache_salt))
 
 
 def _min_rows(model: torch.nn.Module, exact: bool) -> int:
@@ -475,7 +490,7 @@ class Engine:
             return requests, []
         leaders, followers, computed = [], [], set()
         for request in requests:
-            uncached = self.prefix_cache.uncached_blocks(request.prompt, request.adapter)
+            uncached = self.prefix_cache.uncached_blocks(request.prompt, request.cache_namespace)
             if uncached and uncached[0] in computed:
                 followers.append(request)
             else:
@@ -498,6 +513,9 @@ class Engine:
         self.counters["prompt_tokens"] += sum(lengths)
         for j, request in enumerate(requests):
             self._store_prefix(base + j, request, request.prompt)
+            if self.prefix_cache is not None:
+                whole_blocks = len(request.prompt) // self.prefix_cache.block_size * self.prefix_cache.block_size
+                request.created_cache_tokens = max(0, whole_blocks - request.cached_tokens)
 
         new_rows = [(request, request.sequences[0]) for request in requests]
         new_lengths = list(lengths)
@@ -519,17 +537,18 @@ class Engine:
         if self.prefix_cache is None:
             return 0
         request.prefix_epoch = self.prefix_cache.epoch
-        if request.params.prompt_logprobs is not None:
+        if not request.reads_prefix_cache or request.params.prompt_logprobs is not None:
             return 0
-        length, kv = self.prefix_cache.lookup(request.prompt, request.adapter)
+        length, kv = self.prefix_cache.lookup(request.prompt, request.cache_namespace)
         if length:
             self.cache.write(row, kv)
+        request.cached_tokens = length
         return length
 
     def _store_prefix(self, row: int, request: EngineRequest, tokens: list[int]) -> None:
         """Keep the whole blocks of `tokens`, whose KV fills the start of `row`, unless the weights changed since."""
         if self.prefix_cache is not None and request.prefix_epoch == self.prefix_cache.epoch:
-            self.prefix_cache.store(tokens, request.adapter, lambda start, stop: self.cache.read(row, start, stop))
+            self.prefix_cache.store(tokens, request.cache_namespace, lambda start, stop: self.cache.read(row, start, stop))
 
     def _decode(self) -> None:
         """One new token per running sequence."""

@@ -2,8 +2,8 @@
 earlier one (the next turn of a conversation) prefills only its new tokens.
 
 As in vLLM, a block is named by a chained hash of its tokens and the previous block's hash, seeded with the
-adapter serving the request: a hash names the whole prefix up to its block, and different adapters never
-share KV. Only whole blocks are kept and matched, and a lookup always leaves the prompt's last token to be
+request's namespace (the adapter serving it and its `cache_salt`): a hash names the whole prefix up to its block,
+and requests of different adapters or salts never share KV. Only whole blocks are kept and matched, and a lookup always leaves the prompt's last token to be
 computed (its logits pick the first output token). Blocks are kept least-recently-used within a token bound;
 a hit refreshes the blocks from the last to the first, so a chain loses its tail before its head. The
 engine clears the cache whenever the weights change; `epoch` counts the clears, so KV computed before one
@@ -20,9 +20,9 @@ import torch
 BLOCK_SIZE = 16
 
 
-def block_hashes(tokens: list[int], adapter: str | None, block_size: int = BLOCK_SIZE) -> list[bytes]:
-    """The chained hash of every whole block of `tokens`, the first seeded with the adapter's name."""
-    hashes, previous = [], hashlib.blake2b((adapter or "").encode(), digest_size=16).digest()
+def block_hashes(tokens: list[int], namespace: str, block_size: int = BLOCK_SIZE) -> list[bytes]:
+    """The chained hash of every whole block of `tokens`, the first seeded with the namespace."""
+    hashes, previous = [], hashlib.blake2b(namespace.encode(), digest_size=16).digest()
     for start in range(0, len(tokens) - block_size + 1, block_size):
         block = array("q", tokens[start:start + block_size]).tobytes()
         previous = hashlib.blake2b(previous + block, digest_size=16).digest()
@@ -49,10 +49,10 @@ class PrefixCache:
     def num_tokens(self) -> int:
         return len(self.blocks) * self.block_size
 
-    def lookup(self, prompt: list[int], adapter: str | None) -> tuple[int, torch.Tensor | None]:
+    def lookup(self, prompt: list[int], namespace: str) -> tuple[int, torch.Tensor | None]:
         """The longest cached run of whole blocks at the start of `prompt`, short of its last token: its length
         and its KV, `[2, layers, kv_heads, length, head_dim]` (None when nothing matched)."""
-        hashes = block_hashes(prompt[:-1], adapter, self.block_size)
+        hashes = block_hashes(prompt[:-1], namespace, self.block_size)
         matched = hashes[: self._cached_run(hashes)]
         self._touch(matched)
         length = len(matched) * self.block_size
@@ -60,19 +60,19 @@ class PrefixCache:
         self.hits += length
         return length, torch.cat([self.blocks[h] for h in matched], dim=3) if matched else None
 
-    def uncached_blocks(self, prompt: list[int], adapter: str | None) -> list[bytes]:
+    def uncached_blocks(self, prompt: list[int], namespace: str) -> list[bytes]:
         """The hashes of the blocks a lookup of `prompt` would not find: those after its cached run."""
-        hashes = block_hashes(prompt[:-1], adapter, self.block_size)
+        hashes = block_hashes(prompt[:-1], namespace, self.block_size)
         return hashes[self._cached_run(hashes):]
 
     def _cached_run(self, hashes: list[bytes]) -> int:
         """How many of `hashes`, from the first, are cached."""
         return next((i for i, h in enumerate(hashes) if h not in self.blocks), len(hashes))
 
-    def store(self, tokens: list[int], adapter: str | None, kv: Callable[[int, int], torch.Tensor]) -> None:
+    def store(self, tokens: list[int], namespace: str, kv: Callable[[int, int], torch.Tensor]) -> None:
         """Keep the whole blocks of `tokens`, whose KV is in a cache row: `kv(start, stop)` returns positions
         start..stop-1 as `lookup` returns them. Only the blocks not yet cached are read."""
-        hashes = block_hashes(tokens, adapter, self.block_size)
+        hashes = block_hashes(tokens, namespace, self.block_size)
         missing = [i for i, h in enumerate(hashes) if h not in self.blocks]
         if missing:
             first = missing[0] * self.block_size

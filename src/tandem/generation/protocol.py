@@ -7,16 +7,23 @@ as vLLM answers. Any other exception is a bug of the server's, answered 500.
 """
 
 import json
+import math
 import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tandem.generation.fields import REFUSED, Rule
 from tandem.generation.sampling import SamplingParams
 from tandem.httpapp import error_body
 
 INT64_MAX = 2**63 - 1
 MAX_STOP_STRINGS = 4
+MAX_LISTED_TOKENS = 128
+"""vLLM's caps on logprob_token_ids and on bad_words after tokenization."""
+MAX_CACHE_SALT = 128
+MIN_TEMPERATURE = 0.01
+"""vLLM raises a temperature in (0, 0.01) to this: below it the scaled logits overflow."""
 TokenId = Annotated[int, Field(ge=0)]
 Int64 = Annotated[int, Field(ge=-(2**63), le=INT64_MAX)]
 
@@ -59,6 +66,12 @@ class Request(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class RepetitionDetection(Request):
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+
 class Sampling(Request):
     """vLLM's sampling fields; None means "the server default". `/inference/v1/generate` takes them raw."""
 
@@ -77,16 +90,25 @@ class Sampling(Request):
     ignore_eos: bool = False
     min_tokens: Int64 = 0
     skip_special_tokens: bool | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logprob_token_ids: list[int] | None = None
+    repetition_detection: RepetitionDetection | None = None
+    stream_interval: Annotated[int, Field(ge=1)] | None = None
 
     @property
     def skips_special_tokens(self) -> bool:
-        """`skip_special_tokens` with vLLM's default, true."""
+        """`skip_special_tokens` with vLLM's default, true (the server's default is set into the field first)."""
         return self.skip_special_tokens is not False
 
 
 class SamplingFields(Sampling):
     """The sampling fields of completions and chat, with the OpenAI-style output switches."""
 
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    cache_salt: Any = None
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     return_weight_versions: bool = False
@@ -102,6 +124,7 @@ class CompletionRequest(SamplingFields):
     logprobs: Int64 | None = None
     prompt_logprobs: Int64 | None = None
     echo: bool = False
+    add_special_tokens: bool = True
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -120,14 +143,22 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     """None: "auto" when `tools` are given, else "none" (vLLM's default)."""
     parallel_tool_calls: bool | None = True
+    echo: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    return_prompt_text: bool | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class GenerateSampling(Sampling):
     """`/inference/v1/generate`'s `sampling_params`: vLLM's raw struct, whose max_tokens defaults to the context."""
 
     max_tokens: Int64 | None = None
-    logprobs: Int64 | None = None
-    prompt_logprobs: Int64 | None = None
+    logprobs: Int64 | bool | None = None
+    prompt_logprobs: Int64 | bool | None = None
+    detokenize: bool = True
+    skip_reading_prefix_cache: bool | None = None
 
 
 class GenerateRequest(Request):
@@ -137,9 +168,11 @@ class GenerateRequest(Request):
     token_ids: list[TokenId]
     sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
     model: str | None = None
-    return_token_ids: bool = True
-    output_mode: Literal["tokens", "text"] = "tokens"
+    return_token_ids: bool | None = None
+    output_mode: Literal["tokens", "text", "derender"] = "tokens"
     stream: bool = False
+    stream_options: dict | None = None
+    cache_salt: Any = None
 
 
 class TokenizeRequest(Request):
@@ -164,6 +197,7 @@ class LoadLoRARequest(Request):
     lora_name: str = ""
     lora_path: str = ""
     load_inplace: bool = False
+    is_3d_lora_weight: bool = False
 
 
 class UnloadLoRARequest(Request):
@@ -213,27 +247,130 @@ async def read(request, model: type[BaseModel], *, json_only: bool = True) -> An
 
 def sampling_params(
     fields: dict[str, Any], defaults: dict[str, Any], *, max_tokens: int, max_logprobs: int, vocab_size: int,
-    logprobs: int | None, prompt_logprobs: int | None,
+    logprobs: int | None, prompt_logprobs: int | None, clamp_bias: bool = True, bad_words: list[list[int]] = (),
 ) -> SamplingParams:
-    """Resolve request fields over the server's defaults and check them as vLLM's SamplingParams does."""
+    """Resolve request fields over the server's defaults and check them as vLLM's SamplingParams does. `clamp_bias`:
+    logit_bias values clamped to [-100, 100] (the /v1 routes; /inference/v1/generate takes them as sent)."""
 
     def pick(name: str, neutral: Any) -> Any:
         value = fields.get(name)
         return value if value is not None else defaults.get(name, neutral)
 
+    listed = fields.get("logprob_token_ids") or None
     params = SamplingParams(
         temperature=float(pick("temperature", 1.0)), top_p=float(pick("top_p", 1.0)), top_k=int(pick("top_k", 0)),
         min_p=float(pick("min_p", 0.0)), repetition_penalty=float(pick("repetition_penalty", 1.0)),
         presence_penalty=float(pick("presence_penalty", 0.0)), frequency_penalty=float(pick("frequency_penalty", 0.0)),
         max_tokens=max_tokens, min_tokens=int(fields.get("min_tokens") or 0),
         stop_token_ids=list(fields.get("stop_token_ids") or []), ignore_eos=bool(fields.get("ignore_eos")),
-        logprobs=logprobs, prompt_logprobs=prompt_logprobs, seed=fields.get("seed"),
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs, seed=None if fields.get("seed") == -1 else fields.get("seed"),
+        logit_bias=logit_bias(fields.get("logit_bias"), vocab_size, clamp_bias),
+        allowed_token_ids=allowed_token_ids(fields.get("allowed_token_ids"), vocab_size), bad_words=list(bad_words),
+        logprob_token_ids=listed, repetition_detection=repetition_detection(fields.get("repetition_detection")),
     )
     check_ranges(params)
     if params.greedy:
         params.top_p, params.top_k, params.min_p = 1.0, 0, 0.0
+    elif params.temperature < MIN_TEMPERATURE:
+        params.temperature = MIN_TEMPERATURE
     check_logprobs(params, max_logprobs, vocab_size)
     return params
+
+
+def out_of_vocabulary(name: str, ids: list[int], vocab_size: int) -> None:
+    """vLLM's engine check of listed token ids."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(f"token_id(s) {bad} in {name} contain out-of-vocab token ids. Vocabulary size: {vocab_size}",
+                          name, bad)
+
+
+def logit_bias(bias: dict[str, float] | None, vocab_size: int, clamp: bool) -> dict[int, float]:
+    """`logit_bias` with integer ids, checked as vLLM does (and, unlike vLLM, every value finite: an infinite bias
+    leaves nothing to sample)."""
+    if not bias:
+        return {}
+    ids = {}
+    for key, value in bias.items():
+        try:
+            ids[int(key)] = min(100.0, max(-100.0, value)) if clamp else value
+        except ValueError:
+            ids[key] = value
+    not_ints = [key for key in ids if isinstance(key, str)]
+    if not_ints:
+        raise bad_request(f"logit_bias contains key(s) that cannot be converted to integer token IDs: {not_ints}",
+                          "logit_bias", not_ints)
+    out_of_vocabulary("logit_bias", list(ids), vocab_size)
+    infinite = [key for key, value in ids.items() if not math.isfinite(value)]
+    if infinite:
+        raise bad_request(f"logit_bias values must be finite numbers; token ids {infinite} have none.", "logit_bias",
+                          infinite)
+    return ids
+
+
+def allowed_token_ids(ids: list[int] | None, vocab_size: int) -> list[int] | None:
+    if ids is None:
+        return None
+    if not ids:
+        raise bad_request("allowed_token_ids is not None and empty!", "allowed_token_ids", ids)
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request("allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids", bad)
+    return sorted(set(ids))
+
+
+def repetition_detection(spec: "RepetitionDetection | dict | None") -> tuple[int, int, int] | None:
+    """(min_pattern_size, max_pattern_size, min_count), or None when off (max_pattern_size 0)."""
+    if spec is None:
+        return None
+    spec = spec if isinstance(spec, dict) else spec.model_dump()
+    low, high, count = spec.get("min_pattern_size", 0), spec.get("max_pattern_size", 0), spec.get("min_count", 0)
+    if low < 0 or high < 0 or low > high:
+        raise bad_request("max_pattern_size, min_pattern_size must be >=0, with min_pattern_size <= max_pattern_size. "
+                          "Set both to 0 to disable repetitive pattern detection.", "repetition_detection", spec)
+    if high == 0:
+        return None
+    if count < 2:
+        raise bad_request("min_count must be >= 2 to detect repetitive patterns in engine output. If you do not wish "
+                          "to detect repetitive patterns, set max_pattern_size to 0.", "repetition_detection", spec)
+    return low, high, count
+
+
+def check_listed_logprobs(ids: list[int] | None, logprobs: Any, vocab_size: int, route: str) -> None:
+    """`logprob_token_ids` as vLLM checks it: with `logprobs` set (true in chat; equal to their number on
+    /inference/v1/generate), at most 128 of them, each in the vocabulary."""
+    if not ids:
+        return
+    if route == "chat" and not logprobs:
+        raise bad_request("when using `logprob_token_ids`, `logprobs` must be set to true.", "logprob_token_ids")
+    if route == "completions" and logprobs is None:
+        raise bad_request("when using `logprob_token_ids`, `logprobs` must be set.", "logprob_token_ids")
+    if route == "generate" and logprobs is not None and logprobs != len(ids):
+        raise bad_request("When both logprobs and logprob_token_ids are set, logprobs must equal "
+                          f"len(logprob_token_ids). Got logprobs={logprobs}, len(logprob_token_ids)={len(ids)}.",
+                          "logprob_token_ids")
+    if len(ids) > MAX_LISTED_TOKENS:
+        raise bad_request(f"Requested logprob_token_ids of length {len(ids)}, which is greater than max allowed: "
+                          f"{MAX_LISTED_TOKENS}", "logprob_token_ids", len(ids))
+    out_of_vocabulary("logprob_token_ids", ids, vocab_size)
+
+
+def check_cache_salt(salt: Any) -> None:
+    """vLLM's rules for `cache_salt`: a non-empty string of at most 128 characters without @, /, \\ or NUL."""
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise bad_request("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    if len(salt) > MAX_CACHE_SALT or any(c in salt for c in "@/\\\0"):
+        raise bad_request("Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', "
+                          "'\\\\', or NUL.", "cache_salt")
+
+
+def refuse(fields: dict[str, Any], rules: dict[str, Rule]) -> None:
+    """A 400 for the first field that asks for what tandem serve does not implement (fields.py's tables)."""
+    for name, rule in rules.items():
+        if rule.status == REFUSED and fields.get(name) not in rule.accepted:
+            raise bad_request(f"`{name}` is not supported by tandem serve: {rule.note}.", name, fields.get(name))
 
 
 def check_ranges(params: SamplingParams) -> None:

@@ -3,10 +3,12 @@
 
 import time
 import uuid
+from dataclasses import dataclass
 
 from tandem.generation.engine import EngineRequest, Sequence
 from tandem.generation.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from tandem.generation.sampling import floor_logprob
+from tandem.prompts import with_content_as
 from tandem.tool_formats import ToolCallFormat, served_reply
 
 
@@ -73,7 +75,8 @@ def chat_logprobs(token_ids: list[int], positions: list, k: int, text: TokenText
 
     content = []
     for token, entries in zip(token_ids, positions):
-        content.append({**entry(token, entries[0][1]), "top_logprobs": [entry(t, v) for t, v, _ in entries[: max(k, 0)]]})
+        listed = entries if k < 0 else entries[:k]
+        content.append({**entry(token, entries[0][1]), "top_logprobs": [entry(t, v) for t, v, _ in listed]})
     return {"content": content}
 
 
@@ -98,13 +101,28 @@ def prompt_logprobs_json(request: EngineRequest, text: TokenText) -> list | None
     ]
 
 
-def usage(requests: list[EngineRequest]) -> dict:
+def usage(requests: list[EngineRequest], details: str | None = None) -> dict:
+    """`usage`; with `details` ("completions" or "chat", `--enable-prompt-tokens-details`) the prompt tokens the prefix
+    cache held (the last prompt's, as vLLM reports a batch) and, in chat, those it newly stored."""
     prompt = sum(len(r.prompt) for r in requests)
     completion = sum(len(s.output) for r in requests for s in r.sequences)
     return {
         "prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
-        "prompt_tokens_details": None, "completion_tokens_details": None,
+        "prompt_tokens_details": prompt_tokens_details(requests[-1], details) if details else None,
+        "completion_tokens_details": None,
     }
+
+
+def prompt_tokens_details(request: EngineRequest, route: str) -> dict:
+    created = request.created_cache_tokens if route == "chat" else None
+    return {"cached_tokens": request.cached_tokens, "created_cache_tokens": created, "multimodal_tokens": None}
+
+
+def top_count(req: CompletionRequest | ChatCompletionRequest) -> int:
+    """How many of each position's entries a response lists: all (-1) for `logprob_token_ids` or a whole-vocabulary
+    request, else the request's count (completions' `logprobs`, chat's `top_logprobs`)."""
+    k = req.logprobs if isinstance(req, CompletionRequest) else req.top_logprobs or 0
+    return -1 if req.logprob_token_ids else k
 
 
 def weight_versions(seq: Sequence) -> list[dict]:
@@ -124,7 +142,8 @@ def completion_choice(req: CompletionRequest, request: EngineRequest, seq: Seque
         output, token_ids, positions = echoed(req, request, output, token_ids, positions, prompt_text)
     return {
         "index": 0, "text": output,
-        "logprobs": None if req.logprobs is None else completion_logprobs(token_ids, positions, req.logprobs, text, as_ids),
+        "logprobs": None if req.logprobs is None else completion_logprobs(token_ids, positions, top_count(req), text,
+                                                                          as_ids),
         "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason,
         "token_ids": list(seq.output) if req.return_token_ids else None,
         "prompt_logprobs": prompt_logprobs_json(request, text),
@@ -146,13 +165,14 @@ def echoed(req: CompletionRequest, request: EngineRequest, output: str, token_id
 
 
 def completion_body(request_id: str, model: str, fingerprint: str, req: CompletionRequest, requests: list[EngineRequest],
-                    text: TokenText, prompt_texts: list[str]) -> dict:
+                    text: TokenText, prompt_texts: list[str], details: bool = False) -> dict:
     """`/v1/completions`: choices numbered across prompts, then samples (prompt i's sample j is i·n + j)."""
     triples = [(r, s, prompt) for r, prompt in zip(requests, prompt_texts) for s in r.sequences]
     choices = [{**completion_choice(req, r, s, text, prompt), "index": index} for index, (r, s, prompt) in enumerate(triples)]
     return {
         "id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": choices, "service_tier": None, "system_fingerprint": fingerprint, "usage": usage(requests),
+        "choices": choices, "service_tier": None, "system_fingerprint": fingerprint,
+        "usage": usage(requests, "completions" if details else None),
         "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
     }
 
@@ -170,36 +190,60 @@ def chat_finish_reason(seq: Sequence, called: bool) -> str | None:
     return "tool_calls" if called and seq.finish_reason == "stop" else seq.finish_reason
 
 
-def chat_choice(req: ChatCompletionRequest, seq: Sequence, text: TokenText, tool_format: ToolCallFormat | None) -> dict:
-    """One chat choice; with a `tool_format` (tool_choice "auto" on a server with a tool-call parser) the reply's tool
-    calls move from the content to `message.tool_calls`, as vLLM's parser of that format reads them."""
-    content = output_text(seq, text, include_stop=req.include_stop_str_in_output, skip_special=req.skips_special_tokens)
-    calls = []
-    if tool_format is not None:
-        content, parsed = served_reply(tool_format, content)
-        calls = message_tool_calls(parsed, req.parallel_tool_calls)
-    top = req.top_logprobs or 0
-    message = {"role": "assistant", "content": content, "refusal": None, "annotations": None, "audio": None,
-               "function_call": None, "reasoning": None}
-    return {
-        "index": seq.index,
-        "message": message | ({"tool_calls": calls} if calls else {}),
-        "logprobs": chat_logprobs(seq.output, seq.top_logprobs, top, text, bool(req.return_tokens_as_token_ids))
-        if req.logprobs else None,
-        "finish_reason": chat_finish_reason(seq, bool(calls)), "stop_reason": seq.stop_reason,
-        "token_ids": list(seq.output) if req.return_token_ids else None,
-        "routed_experts": None, "weight_versions": weight_versions(seq) if req.return_weight_versions else None,
-    }
+@dataclass(frozen=True)
+class ChatReply:
+    """How each chat choice is written: its role, what `echo` puts before the reply, how many log-prob entries it
+    lists, the tool-call format its calls are read in."""
+
+    role: str
+    echoed: str
+    top: int
+    text: TokenText
+    tool_format: ToolCallFormat | None
+
+    @classmethod
+    def of(cls, req: ChatCompletionRequest, response_role: str, text: TokenText,
+           tool_format: ToolCallFormat | None) -> "ChatReply":
+        """vLLM's rules: the role is `--response-role` after a generation prompt, else the last message's; echo
+        repeats the last message's content when its role is the reply's (a continued assistant message)."""
+        last = req.messages[-1] if req.messages and isinstance(req.messages[-1], dict) else {}
+        role = response_role if req.add_generation_prompt else str(last.get("role", response_role))
+        echoed = ""
+        if req.echo and last.get("role") == role and last.get("content") is not None:
+            echoed = with_content_as(last, "string")["content"]
+        return cls(role, echoed, top_count(req), text, tool_format)
+
+    def choice(self, req: ChatCompletionRequest, seq: Sequence) -> dict:
+        """One choice; with a `tool_format` (tool_choice "auto" on a server with a tool-call parser) the reply's tool
+        calls move from the content to `message.tool_calls`, as vLLM's parser of that format reads them."""
+        content = output_text(seq, self.text, include_stop=req.include_stop_str_in_output,
+                              skip_special=req.skips_special_tokens)
+        calls = []
+        if self.tool_format is not None:
+            content, parsed = served_reply(self.tool_format, content)
+            calls = message_tool_calls(parsed, req.parallel_tool_calls)
+        message = {"role": self.role, "content": self.echoed + (content or "") if self.echoed else content,
+                   "refusal": None, "annotations": None, "audio": None, "function_call": None, "reasoning": None}
+        as_ids = bool(req.return_tokens_as_token_ids)
+        return {
+            "index": seq.index,
+            "message": message | ({"tool_calls": calls} if calls else {}),
+            "logprobs": chat_logprobs(seq.output, seq.top_logprobs, self.top, self.text, as_ids) if req.logprobs else None,
+            "finish_reason": chat_finish_reason(seq, bool(calls)), "stop_reason": seq.stop_reason,
+            "token_ids": list(seq.output) if req.return_token_ids else None,
+            "routed_experts": None, "weight_versions": weight_versions(seq) if req.return_weight_versions else None,
+        }
 
 
 def chat_body(request_id: str, model: str, fingerprint: str, req: ChatCompletionRequest, request: EngineRequest,
-              text: TokenText, tool_format: ToolCallFormat | None) -> dict:
+              reply: ChatReply, details: bool = False) -> dict:
     return {
         "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [chat_choice(req, s, text, tool_format) for s in request.sequences], "service_tier": None,
-        "system_fingerprint": fingerprint, "usage": usage([request]),
-        "prompt_logprobs": prompt_logprobs_json(request, text),
-        "prompt_token_ids": list(request.prompt) if req.return_token_ids else None, "prompt_text": None,
+        "choices": [reply.choice(req, s) for s in request.sequences], "service_tier": None,
+        "system_fingerprint": fingerprint, "usage": usage([request], "chat" if details else None),
+        "prompt_logprobs": prompt_logprobs_json(request, reply.text),
+        "prompt_token_ids": list(request.prompt) if req.return_token_ids else None,
+        "prompt_text": reply.text.decode(request.prompt, skip_special_tokens=False) if req.return_prompt_text else None,
         "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
     }
 
@@ -220,12 +264,14 @@ def generate_choice(req: GenerateRequest, seq: Sequence, text: TokenText, sampli
 
 
 def generate_body(request_id: str, model: str, req: GenerateRequest, request: EngineRequest, text: TokenText,
-                  sampling_mask: bool) -> dict:
+                  sampling_mask: bool, details: bool = False) -> dict:
     """`/inference/v1/generate`: token ids out; `sampling_mask` when the server returns masks."""
     return {
-        "request_id": request_id, "model": model, "created": int(time.time()), "usage": usage([request]),
+        "request_id": request_id, "model": model, "created": int(time.time()),
+        "usage": usage([request], "completions" if details else None),
         "prompt_logprobs": prompt_logprobs_json(request, text), "prompt_token_id_logprobs": None,
-        "prompt_token_ids": list(req.token_ids), "mm_placeholders": None, "metrics": None,
+        "prompt_token_ids": list(req.token_ids) if req.return_token_ids else None, "mm_placeholders": None,
+        "metrics": None,
         "kv_transfer_params": None, "ec_transfer_params": None, "output_mode": req.output_mode,
         "choices": [generate_choice(req, s, text, sampling_mask) for s in request.sequences],
     }

@@ -33,10 +33,37 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     seed: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Added to the logits before the penalties and the temperature."""
+    allowed_token_ids: list[int] | None = None
+    """Every other token's logit is -inf."""
+    bad_words: list[list[int]] = field(default_factory=list)
+    """Token sequences never completed: a sequence's last token is banned after the rest of it was generated."""
+    logprob_token_ids: list[int] | None = None
+    """The tokens whose log-probs each position reports (with the sampled one), in place of the top-k."""
+    repetition_detection: tuple[int, int, int] | None = None
+    """(min_pattern_size, max_pattern_size, min_count): stop ("repetition") once the output's last L tokens, for some
+    L in the range, repeat min_count times in a row."""
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+
+def apply_masks(logits: torch.Tensor, params: SamplingParams, output: list[int], min_tokens_blocked: set[int]) -> None:
+    """vLLM's masks and bias on one row, in its order, in place: allowed tokens, bad words, min_tokens, logit bias."""
+    if params.allowed_token_ids is not None:
+        keep = logits[params.allowed_token_ids].clone()
+        logits.fill_(float("-inf"))
+        logits[params.allowed_token_ids] = keep
+    for word in params.bad_words:
+        if len(word) == 1 or (len(word) <= len(output) + 1 and output[len(output) - len(word) + 1:] == word[:-1]):
+            logits[word[-1]] = float("-inf")
+    if min_tokens_blocked:
+        logits[sorted(min_tokens_blocked)] = float("-inf")
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=logits.device)
+        logits[ids] += torch.tensor(list(params.logit_bias.values()), device=logits.device, dtype=logits.dtype)
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:

@@ -21,19 +21,20 @@ from pathlib import Path
 
 import torch
 from aiohttp import web
+from pydantic import ValidationError
 from transformers import AutoTokenizer
 
 from tandem import __version__, architecture
-from tandem.generation import protocol, responses
+from tandem.generation import fields, protocol, responses
 from tandem.generation.control import Control
 from tandem.generation.engine import ENGINE_STOPPED, Engine, EngineRequest
 from tandem.generation.lora import AdapterSet
 from tandem.generation.prefix_cache import BLOCK_SIZE
 from tandem.generation.preparation import Ask, Preparer
 from tandem.generation.protocol import ApiError, bad_request
-from tandem.generation.streaming import DONE, ChatStream, CompletionStream, Stream, sse
+from tandem.generation.streaming import DONE, ChatStream, CompletionStream, Stream, StreamOptions, sse
 from tandem.generation.weight_transfer import Receiver, parse_config
-from tandem.httpapp import api_key_auth, error_body, error_response, start_app
+from tandem.httpapp import api_key_auth, error_response, start_app
 from tandem.openmp import in_passing_thread
 from tandem.tool_formats import FORMATS, tool_call_format
 
@@ -43,7 +44,7 @@ PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
 GENERATION_CONFIG_FIELDS = {
     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
     "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty", "max_new_tokens": "max_tokens",
+    "frequency_penalty": "frequency_penalty", "max_new_tokens": "max_tokens", "skip_special_tokens": "skip_special_tokens",
 }
 
 
@@ -82,9 +83,51 @@ class ServeArgs:
     tool_call_parser: str | None = None
     """Reads chat replies' tool calls into `message.tool_calls`, in one of the formats of tool_formats.py (vLLM's
     names: hermes, llama3_json, mistral, deepseek_v3, granite, pythonic)."""
+    exclude_tools_when_tool_choice_none: bool = False
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    """A file or the template itself, in place of the tokenizer's."""
+    chat_template_content_format: str = "auto"
+    default_chat_template_kwargs: dict = field(default_factory=dict)
+    trust_request_chat_template: bool = False
+    response_role: str = "assistant"
+    reasoning_effort_map: dict = field(default_factory=dict)
+    return_tokens_as_token_ids: bool = False
+    enable_prompt_tokens_details: bool = False
+    enable_force_include_usage: bool = False
+    stream_interval: int = 1
+    enable_server_load_tracking: bool = False
+    enable_tokenizer_info_endpoint: bool = False
+    enable_request_id_headers: bool = False
+    lora_modules: list[dict] = field(default_factory=list)
+    """Adapters loaded at start: {"name", "path"} each (`--lora-modules name=path` or its JSON form)."""
+    override_generation_config: dict = field(default_factory=dict)
+    fingerprint_mode: str = "full"
+    fingerprint_value: str | None = None
 
 
 SERVER_KEY = web.AppKey("tandem_server", object)
+LOAD_TRACKED = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/invocations")
+
+
+def plain(value):
+    """A tokenizer's init kwargs as JSON: added tokens by their text."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+@web.middleware
+async def request_id_header(request: web.Request, handler):
+    """`--enable-request-id-headers`: every answer carries X-Request-Id, the request's own or a new one."""
+    response = await handler(request)
+    if not response.prepared:  # a stream sent its headers already, with the id (Server._stream)
+        response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    return response
 
 
 def pick_device(name: str) -> torch.device:
@@ -113,10 +156,12 @@ def generation_config_eos(folder: str) -> set[int]:
 
 
 def sampling_defaults(args: ServeArgs) -> dict:
-    """Server-side sampling defaults: generation_config.json's explicit values ('auto'), or none ('vllm')."""
-    if args.generation_config == "vllm":
-        return {}
-    config = read_generation_config(args.model if args.generation_config == "auto" else args.generation_config)
+    """Server-side sampling defaults: generation_config.json's explicit values ('auto'), or none ('vllm'), with
+    `--override-generation-config` over them."""
+    config = {}
+    if args.generation_config != "vllm":
+        config = read_generation_config(args.model if args.generation_config == "auto" else args.generation_config)
+    config = {**config, **args.override_generation_config}
     return {ours: config[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items() if theirs in config}
 
 
@@ -137,6 +182,21 @@ async def errors(request: web.Request, handler):
     except Exception as exc:
         logger.exception("error while serving %s %s", request.method, request.path)
         return error_response(500, protocol.sanitize(f"{type(exc).__name__}: {exc}"), "InternalServerError")
+
+
+def read_chat_template(template: str) -> str:
+    """`--chat-template`: a file's text, or the template itself."""
+    path = Path(template)
+    return path.read_text() if path.is_file() else template
+
+
+def fingerprint(args: ServeArgs) -> str | None:
+    """`system_fingerprint` by `--fingerprint-mode`: tandem's (full, hash), the given value (custom) or none."""
+    if args.fingerprint_mode == "none":
+        return None
+    if args.fingerprint_mode == "custom":
+        return args.fingerprint_value
+    return f"vllm-{VLLM_PROTOCOL_VERSION}-tandem"
 
 
 def check_tool_flags(args: ServeArgs) -> None:
@@ -166,7 +226,9 @@ class Server:
     def __init__(self, args: ServeArgs):
         check_tool_flags(args)
         self.args = args
-        self.tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
+        if args.chat_template is not None:
+            self.tokenizer.chat_template = read_chat_template(args.chat_template)
         self.tool_format = (None if args.tool_call_parser is None
                             else tool_call_format(args.tool_call_parser, self.tokenizer))
         model, exact = load_model(args)
@@ -186,19 +248,27 @@ class Server:
         self.prepare = Preparer(
             self.tokenizer, self.vocab_size, self.max_model_len, sampling_defaults(args), args.max_logprobs,
             args.max_num_seqs, args.return_sampling_mask, random.Random(args.seed) if args.seed is not None else None,
+            args.trust_request_chat_template, args.default_chat_template_kwargs, args.chat_template_content_format,
+            args.reasoning_effort_map,
         )
+        for module in args.lora_modules:  # before the engine starts: nothing runs yet
+            self.engine.model = self.adapters.add(self.engine.model, module["name"], module["path"], set())
         transfer = parse_config(args.weight_transfer_config)
         self.control = Control(self.engine, self.adapters, self.names,
                                Receiver(args.weight_transfer_timeout_s) if transfer is not None else None)
         self.transfer_config = transfer
         self.text = responses.TokenText(self.tokenizer)
-        self.fingerprint = f"vllm-{VLLM_PROTOCOL_VERSION}-tandem"
+        self.fingerprint = fingerprint(args)
         self.started = int(time.time())
+        self.in_flight = 0
         self.dtype = str(next(model.parameters()).dtype)
 
     # ---- app ---------------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[errors, api_key_auth(self.args.api_key)], client_max_size=256 * 1024 * 1024)
+        middlewares = [errors, api_key_auth(self.args.api_key), self.track_load]
+        if self.args.enable_request_id_headers:
+            middlewares.insert(0, request_id_header)
+        app = web.Application(middlewares=middlewares, client_max_size=256 * 1024 * 1024)
         app[SERVER_KEY] = self
         routes = [
             ("GET", "/health", self.health), ("GET", "/version", self.version), ("GET", "/v1/models", self.models),
@@ -206,7 +276,11 @@ class Server:
             ("POST", "/inference/v1/generate", self.generate), ("POST", "/tokenize", self.tokenize),
             ("POST", "/detokenize", self.detokenize), ("GET", "/server_info", self.server_info),
             ("GET", "/get_world_size", self.world_size), ("GET", "/metrics", self.metrics),
+            ("POST", "/invocations", self.invocations), ("GET", "/load", self.load), ("GET", "/ping", self.health),
+            ("POST", "/ping", self.health),
         ]
+        if self.args.enable_tokenizer_info_endpoint:
+            routes.append(("GET", "/tokenizer_info", self.tokenizer_info))
         for method, path, handler in routes + self.control.routes():
             app.router.add_route(method, path, handler)
         app.on_startup.append(self._start_engine)
@@ -275,12 +349,16 @@ class Server:
                     self.engine.abort(request)
 
     @staticmethod
-    def _failure(requests: list[EngineRequest]) -> str | None:
+    def _failure(requests: list[EngineRequest]) -> ApiError | None:
         """Why the engine failed these requests, or None."""
         if not any(s.finish_reason == "error" for r in requests for s in r.sequences):
             return None
-        reason = next((r.error for r in requests if r.error), None)
-        return reason or "The generation engine failed while serving this request: see the server log."
+        failed = next((r for r in requests if r.error), None)
+        if failed is None:
+            return ApiError(500, "The generation engine failed while serving this request: see the server log.",
+                            "InternalServerError")
+        return ApiError(failed.error_status, failed.error,
+                        "BadRequestError" if failed.error_status == 400 else "InternalServerError")
 
     async def _generate(self, ask: Ask, adapter: str | None) -> list[EngineRequest]:
         """Prepare, submit and wait until every request has finished."""
@@ -289,13 +367,15 @@ class Server:
             async for _ in steps:
                 pass
         if (failure := self._failure(requests)) is not None:
-            raise ApiError(500, failure, "InternalServerError")
+            raise failure
         return requests
 
     async def _stream(self, http_request: web.Request, requests: list[EngineRequest], stream: Stream) -> web.StreamResponse:
         """Server-sent events: the stream's chunks after every engine step, an engine failure as an error event (the
         status is already 200), the usage chunk, `[DONE]`. A client that goes away aborts its requests at once."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        if self.args.enable_request_id_headers:
+            response.headers["X-Request-Id"] = http_request.headers.get("X-Request-Id") or uuid.uuid4().hex
         await response.prepare(http_request)
         try:
             async with contextlib.aclosing(self._steps(requests, every_step=True)) as steps:
@@ -303,7 +383,7 @@ class Server:
                     for chunk in stream.chunks():
                         await response.write(sse(chunk))
             failure = self._failure(requests)
-            for chunk in [error_body(500, failure, "InternalServerError")] if failure else stream.final():
+            for chunk in [failure.body()] if failure else stream.final():
                 await response.write(sse(chunk))
             await response.write(DONE)
             await response.write_eof()
@@ -311,29 +391,35 @@ class Server:
             pass
         return response
 
+    async def _read_openai(self, request: web.Request, model: type) -> protocol.SamplingFields:
+        """A completions or chat body, with the server's default for `return_tokens_as_token_ids` filled in."""
+        req = await protocol.read(request, model)
+        if req.return_tokens_as_token_ids is None:
+            req.return_tokens_as_token_ids = self.args.return_tokens_as_token_ids
+        return req
+
+    def stream_options(self, req: protocol.SamplingFields) -> StreamOptions:
+        return StreamOptions.of(req, force_usage=self.args.enable_force_include_usage, interval=self.args.stream_interval,
+                                details=self.args.enable_prompt_tokens_details)
+
     def _request_id(self, request: web.Request, body_id: str | None) -> str:
         return request.headers.get("X-Request-Id") or body_id or uuid.uuid4().hex
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = await protocol.read(request, protocol.CompletionRequest)
+        req = await self._read_openai(request, protocol.CompletionRequest)
         name, adapter = self._admit(req.model)
         self._check_stream_fields(req)
-        prompts = self.prepare.prompt_ids(req.prompt)
-        # echo: the prompt's log-probs too (vLLM asks for `logprobs` of them unless prompt_logprobs says otherwise);
-        # max_tokens 0 returns the prompt alone, after generating one token
-        prompt_logprobs = req.logprobs if req.echo and req.prompt_logprobs is None else req.prompt_logprobs
-        max_tokens = 1 if req.echo and req.max_tokens == 0 else req.max_tokens
-        ask = Ask(prompts, req, max_tokens, default_max_tokens=16, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
+        ask = self.prepare.completion_ask(req)
         request_id = f"cmpl-{self._request_id(request, req.request_id)}"
-        texts = self._prompt_texts(req.prompt, prompts) if req.echo else [""] * len(prompts)
+        texts = self._prompt_texts(req.prompt, ask.prompts) if req.echo else [""] * len(ask.prompts)
         if req.stream:
             requests = self.prepare.engine_requests(ask, adapter)
             stream = CompletionStream(req, requests, request_id, name, self.fingerprint, self.text,
-                                      protocol.stop_strings(req.stop), prompt_texts=texts)
+                                      protocol.stop_strings(req.stop), self.stream_options(req), prompt_texts=texts)
             return await self._stream(request, requests, stream)
         engine_requests = await self._generate(ask, adapter)
         return web.json_response(responses.completion_body(request_id, name, self.fingerprint, req, engine_requests,
-                                                           self.text, texts))
+                                                           self.text, texts, self.args.enable_prompt_tokens_details))
 
     def _prompt_texts(self, prompt, ids: list[list[int]]) -> list[str]:
         """What echo returns of each prompt: the text as sent, or token ids decoded with their special tokens."""
@@ -344,47 +430,54 @@ class Server:
         return [self.text.decode(p, skip_special_tokens=False) for p in ids]
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        req = await protocol.read(request, protocol.ChatCompletionRequest)
+        req = await self._read_openai(request, protocol.ChatCompletionRequest)
         name, adapter = self._admit(req.model)
         self._check_stream_fields(req)
-        if req.top_logprobs and not req.logprobs:
-            raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs", req.top_logprobs)
-        auto = protocol.tool_choice(req, self.args.tool_call_parser, self.args.enable_auto_tool_choice) == "auto"
-        tool_format = self.tool_format if auto else None
+        choice = protocol.tool_choice(req, self.args.tool_call_parser, self.args.enable_auto_tool_choice)
+        if choice == "none" and self.args.exclude_tools_when_tool_choice_none:
+            req.tools = None
+        tool_format = self.tool_format if choice == "auto" else None
         if tool_format is not None and tool_format.keeps_special_tokens:
             req.skip_special_tokens = False  # as vLLM's parser: the format's markers may be special tokens
-        top = req.top_logprobs or 0
-        ask = Ask([self.prepare.render_chat(req)], req, req.max_completion_tokens or req.max_tokens,
-                  logprobs=(top if top >= 0 else -1) if req.logprobs else None, prompt_logprobs=req.prompt_logprobs)
+        ask = self.prepare.chat_ask(req)
         request_id = f"chatcmpl-{self._request_id(request, req.request_id)}"
+        reply = responses.ChatReply.of(req, self.args.response_role, self.text, tool_format)
         if req.stream:
             requests = self.prepare.engine_requests(ask, adapter)
             stream = ChatStream(req, requests, request_id, name, self.fingerprint, self.text, protocol.stop_strings(req.stop),
-                                tool_format=tool_format)
+                                self.stream_options(req), reply=reply)
             return await self._stream(request, requests, stream)
         (engine_request,) = await self._generate(ask, adapter)
-        return web.json_response(responses.chat_body(request_id, name, self.fingerprint, req, engine_request, self.text,
-                                                     tool_format))
+        return web.json_response(responses.chat_body(request_id, name, self.fingerprint, req, engine_request, reply,
+                                                     self.args.enable_prompt_tokens_details))
 
     async def generate(self, request: web.Request) -> web.Response:
         if not self.args.enable_scale_out:
             raise ApiError(403, "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them.", "PermissionDeniedError")
         req = await protocol.read(request, protocol.GenerateRequest)
         name, adapter = self._admit(req.model)
-        if req.stream:
-            raise bad_request("stream=true is not supported on /inference/v1/generate by tandem serve; send stream=false "
-                              "(/v1/completions and /v1/chat/completions stream).", "stream", True)
-        sp = req.sampling_params
-        ask = Ask([req.token_ids], sp, sp.max_tokens, logprobs=sp.logprobs, prompt_logprobs=sp.prompt_logprobs,
-                  sampling_mask=self.args.return_sampling_mask)
-        (engine_request,) = await self._generate(ask, adapter)
+        (engine_request,) = await self._generate(self.prepare.generate_ask(req), adapter)
         request_id = f"generate-tokens-{self._request_id(request, req.request_id)}"
         return web.json_response(responses.generate_body(request_id, name, req, engine_request, self.text,
-                                                         self.args.return_sampling_mask))
+                                                         self.args.return_sampling_mask,
+                                                         self.args.enable_prompt_tokens_details))
+
+    async def invocations(self, request: web.Request) -> web.StreamResponse:
+        """SageMaker's route, as vLLM serves it: the body is a chat request when it reads as one, else a completion."""
+        body = await protocol.read(request, protocol.Request)
+        for handler, model in ((self.chat, protocol.ChatCompletionRequest), (self.completions, protocol.CompletionRequest)):
+            try:
+                model.model_validate(body.model_dump())
+            except ValidationError:
+                continue
+            return await handler(request)
+        raise bad_request("Cannot find suitable handler for request. Expected one of: ['ChatCompletionRequest', "
+                          "'CompletionRequest']")
 
     # ---- tokenizer -----------------------------------------------------------------------------
     async def tokenize(self, request: web.Request) -> web.Response:
         req = await protocol.read(request, protocol.TokenizeRequest)
+        protocol.refuse(req.model_dump(), fields.TOKENIZE)
         self._adapter_for(req.model)
         if req.messages is not None:
             ids = self.prepare.render_chat(req)
@@ -461,6 +554,29 @@ class Server:
             raise bad_request(f"config_format must be 'text' or 'json', got {fmt!r}.", "config_format", fmt)
         config = self.config()
         return web.json_response({"vllm_config": config if fmt == "json" else str(config), "vllm_env": {}, "system_env": {"server": "tandem serve"}})
+
+    async def load(self, _: web.Request) -> web.Response:
+        """In-flight generation requests (`--enable-server-load-tracking`; 0 without it, as vLLM answers)."""
+        return web.json_response({"server_load": self.in_flight})
+
+    async def tokenizer_info(self, _: web.Request) -> web.Response:
+        """The tokenizer's configuration, as vLLM's `--enable-tokenizer-info-endpoint` shows it."""
+        info = {k: v for k, v in plain(self.tokenizer.init_kwargs).items() if k not in ("vocab_file", "merges_file")}
+        info["tokenizer_class"] = type(self.tokenizer).__name__
+        if self.args.chat_template is not None:
+            info["chat_template"] = self.tokenizer.chat_template
+        return web.json_response(info, dumps=lambda value: json.dumps(value, default=str))
+
+    @web.middleware
+    async def track_load(self, request: web.Request, handler):
+        """Count the generation requests being served, their streams included (`--enable-server-load-tracking`)."""
+        if not (self.args.enable_server_load_tracking and request.path in LOAD_TRACKED):
+            return await handler(request)
+        self.in_flight += 1
+        try:
+            return await handler(request)
+        finally:
+            self.in_flight -= 1
 
     async def world_size(self, _: web.Request) -> web.Response:
         return web.json_response({"world_size": 1})

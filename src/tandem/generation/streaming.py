@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 from tandem.generation.engine import EngineRequest, Sequence
 from tandem.generation.protocol import ChatCompletionRequest, CompletionRequest
-from tandem.generation.responses import (TokenText, chat_finish_reason, chat_logprobs, completion_logprobs, echoed,
-                                         message_tool_calls, output_text)
-from tandem.tool_formats import ToolCallFormat, served_reply
+from tandem.generation.responses import (ChatReply, TokenText, chat_finish_reason, chat_logprobs, completion_logprobs,
+                                         echoed, message_tool_calls, output_text, prompt_tokens_details, top_count,
+                                         weight_versions)
+from tandem.tool_formats import served_reply
 
 DONE = b"data: [DONE]\n\n"
 
@@ -56,6 +57,28 @@ class Progress:
         return self.seq.checked, False
 
 
+@dataclass(frozen=True)
+class StreamOptions:
+    """What a stream carries besides its tokens: usage (the request's `stream_options`, or every stream's on a
+    `--enable-force-include-usage` server), the prompt-token details in the last usage chunk, and how many tokens
+    a chunk holds at least (`stream_interval`, the request's or `--stream-interval`, whichever is larger)."""
+
+    include_usage: bool = False
+    continuous_usage: bool = False
+    interval: int = 1
+    details: str | None = None
+    """"completions" or "chat" on a `--enable-prompt-tokens-details` server."""
+
+    @classmethod
+    def of(cls, req: CompletionRequest | ChatCompletionRequest, *, force_usage: bool, interval: int,
+           details: bool) -> "StreamOptions":
+        options = req.stream_options or {}
+        include = force_usage or bool(options.get("include_usage"))
+        continuous = force_usage or (include and bool(options.get("continuous_usage_stats")))
+        route = "completions" if isinstance(req, CompletionRequest) else "chat"
+        return cls(include, continuous, max(req.stream_interval or 1, interval), route if details else None)
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     """A stream's `usage` object (vLLM leaves the details out of streamed usage)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -68,24 +91,25 @@ class Stream:
     object_name = ""
 
     def __init__(self, req: CompletionRequest | ChatCompletionRequest, requests: list[EngineRequest], request_id: str,
-                 model: str, fingerprint: str, text: TokenText, stops: list[str]):
-        self.req, self.requests, self.text, self.stops = req, requests, text, stops
+                 model: str, fingerprint: str, text: TokenText, stops: list[str], options: StreamOptions):
+        self.req, self.requests, self.text, self.stops, self.options = req, requests, text, stops, options
         self.head = {"id": request_id, "object": self.object_name, "created": int(time.time()), "model": model}
         self.fingerprint = fingerprint
-        options = req.stream_options or {}
-        self.include_usage = bool(options.get("include_usage"))
-        self.continuous_usage = self.include_usage and bool(options.get("continuous_usage_stats"))
+        self.include_usage, self.continuous_usage = options.include_usage, options.continuous_usage
         self.progress = [Progress(r, s, i) for i, (r, s) in enumerate((r, s) for r in requests for s in r.sequences)]
 
     def chunks(self) -> list[dict]:
-        """The chunks of every token produced since the last call: one per token, as vLLM sends one per engine step,
-        so what a client receives never depends on how long the server took to read the engine."""
+        """The chunks of every token produced since the last call: one per token (or per `interval` tokens, the first
+        and the last at once), as vLLM sends them per engine step, so what a client receives never depends on how
+        long the server took to read the engine."""
         out = []
         for p in self.progress:
             if p.done:
                 continue
             count, finished = p.ready()
-            ends = list(range(p.tokens + 1, count + 1)) or ([count] if finished else [])
+            ends = [end for end in range(p.tokens + 1, count + 1) if end == 1 or end % self.options.interval == 0]
+            if finished and (not ends or ends[-1] != count):
+                ends.append(count)
             for end in ends:
                 chunk = self._step(p, end, finished and end == count)
                 if chunk is not None:
@@ -111,8 +135,10 @@ class Stream:
         if not self.include_usage:
             return []
         prompt = sum(len(r.prompt) for r in self.requests)
-        return [{**self.head, "choices": [], "usage": usage(prompt, sum(p.tokens for p in self.progress)),
-                 "system_fingerprint": self.fingerprint}]
+        totals = usage(prompt, sum(p.tokens for p in self.progress))
+        if self.options.details:
+            totals["prompt_tokens_details"] = prompt_tokens_details(self.requests[-1], self.options.details)
+        return [{**self.head, "choices": [], "usage": totals, "system_fingerprint": self.fingerprint}]
 
     def _visible_text(self, tokens: list[int]) -> str:
         """The text of a running choice that can be sent now: no unfinished character, no possible stop-string start."""
@@ -144,13 +170,14 @@ class CompletionStream(Stream):
             prompt_ids = p.request.prompt
         logprobs = None
         if req.logprobs is not None:
-            logprobs = completion_logprobs(tokens, positions, req.logprobs, self.text, as_ids, p.offset)
+            logprobs = completion_logprobs(tokens, positions, top_count(req), self.text, as_ids, p.offset)
             if logprobs["tokens"]:
                 p.offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         choice = {"index": p.index, "text": delta, "logprobs": logprobs,
                   "finish_reason": p.seq.finish_reason if finished else None,
                   "stop_reason": p.seq.stop_reason if finished else None, "prompt_token_ids": prompt_ids,
-                  "token_ids": list(new) if req.return_token_ids else None, "weight_versions": None}
+                  "token_ids": list(new) if req.return_token_ids else None,
+                  "weight_versions": weight_versions(p.seq) if finished and req.return_weight_versions else None}
         return {**self.head, "choices": [choice], "kv_transfer_params": None}
 
 
@@ -163,9 +190,9 @@ class ChatStream(Stream):
 
     object_name = "chat.completion.chunk"
 
-    def __init__(self, *args, tool_format: ToolCallFormat | None):
+    def __init__(self, *args, reply: ChatReply):
         super().__init__(*args)
-        self.tool_format = tool_format
+        self.reply, self.tool_format = reply, reply.tool_format
         self.calls: dict[int, list[tuple[str, str]]] = {}
         """Each finished choice's parsed calls, by choice index."""
         self.roles_sent = False
@@ -175,15 +202,20 @@ class ChatStream(Stream):
         if not self.roles_sent:  # once, even when the first call comes before any token (a step that only prefilled)
             self.roles_sent = True
             request = self.requests[0]
+            prompt_text = self.text.decode(request.prompt, False) if self.req.return_prompt_text else None
             for p in self.progress:
-                choice = {"index": p.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                choice = {"index": p.index, "delta": {"role": self.reply.role, "content": ""}, "logprobs": None,
                           "finish_reason": None}
                 chunk = {**self.head, "choices": [choice],
                          "prompt_token_ids": list(request.prompt) if self.req.return_token_ids else None,
-                         "prompt_text": None}
-                if self.continuous_usage:
-                    chunk["usage"] = usage(len(request.prompt), 0)
+                         "prompt_text": prompt_text}
                 roles.append(chunk)
+            if self.reply.echoed:  # echo: the continued message's content, before the generated deltas
+                roles += [{**self.head, "choices": [{"index": p.index, "delta": {"content": self.reply.echoed},
+                                                     "logprobs": None, "finish_reason": None}]} for p in self.progress]
+            if self.continuous_usage:
+                for chunk in roles:
+                    chunk["usage"] = usage(len(request.prompt), 0)
         return roles + super().chunks()
 
     def _visible_text(self, tokens: list[int]) -> str:
@@ -206,8 +238,7 @@ class ChatStream(Stream):
         req = self.req
         logprobs = None
         if req.logprobs:
-            top, as_ids = req.top_logprobs or 0, bool(req.return_tokens_as_token_ids)
-            logprobs = chat_logprobs(new, positions, top, self.text, as_ids)
+            logprobs = chat_logprobs(new, positions, self.reply.top, self.text, bool(req.return_tokens_as_token_ids))
         parsed = self.calls.get(p.seq.index, []) if finished else []
         calls = [{"index": i, **call} for i, call in enumerate(message_tool_calls(parsed, req.parallel_tool_calls))]
         if not delta and not finished and logprobs is None and not req.return_token_ids:
@@ -217,5 +248,6 @@ class ChatStream(Stream):
                   "finish_reason": chat_finish_reason(p.seq, bool(calls)) if finished else None,
                   "token_ids": list(new) if req.return_token_ids else None}
         if finished:
-            choice |= {"stop_reason": p.seq.stop_reason, "weight_versions": None}
+            choice |= {"stop_reason": p.seq.stop_reason,
+                       "weight_versions": weight_versions(p.seq) if req.return_weight_versions else None}
         return {**self.head, "choices": [choice], "kv_transfer_params": None}
