@@ -5,7 +5,9 @@ tandem keeps 0.33's behaviour and the case is listed in ACCEPTED with the reason
 table this test checks."""
 
 import json
+import os
 import re
+import subprocess
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -79,6 +81,63 @@ CASES = [
     Case("error: unknown model", "/v1/completions", {"model": "nope", "prompt": PROMPT, "max_tokens": 2}),
     Case("error: negative max_tokens", "/v1/completions", {"model": M, "prompt": PROMPT, "max_tokens": -1}),
     Case("error: token id out of vocabulary", "/v1/completions", {"model": M, "prompt": [1, 99999], "max_tokens": 2}),
+    Case("completions: logit_bias", "/v1/completions",
+         {"model": M, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logit_bias": {"42": 8.5, "7": -100},
+          "logprobs": 2}),
+    Case("completions: allowed_token_ids", "/v1/completions",
+         {"model": M, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "allowed_token_ids": [10, 11, 12, 44],
+          "logprobs": 2, "return_token_ids": True}),
+    Case("completions: bad_words", "/v1/completions",
+         {"model": M, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "bad_words": ["$", "%&"],
+          "allowed_token_ids": [10, 11, 12], "return_token_ids": True}),
+    Case("completions: logprob_token_ids", "/v1/completions",
+         {"model": M, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 0,
+          "logprob_token_ids": [3, 17, 200], "return_tokens_as_token_ids": True}),
+    Case("completions: truncate_prompt_tokens, left", "/v1/completions",
+         {"model": M, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "truncate_prompt_tokens": 5, "logprobs": 0,
+          "return_token_ids": True}),
+    Case("completions: truncate_prompt_tokens, right", "/v1/completions",
+         {"model": M, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "truncate_prompt_tokens": 5,
+          "truncation_side": "right", "logprobs": 0}),
+    Case("completions: repetition_detection", "/v1/completions",
+         {"model": M, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "allowed_token_ids": [9],
+          "repetition_detection": {"max_pattern_size": 2, "min_pattern_size": 1, "min_count": 3}}),
+    Case("completions: cache_salt", "/v1/completions",
+         {"model": M, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "cache_salt": "tenant-1", "logprobs": 0}),
+    Case("chat: content as text parts", "/v1/chat/completions",
+         {"model": M, "messages": [{"role": "user", "content": [{"type": "text", "text": "What is"},
+                                                                  {"type": "text", "text": "2 + 3?"}]}],
+          "max_tokens": 6, "temperature": 0, "logprobs": True}),
+    Case("chat: echo of a continued message", "/v1/chat/completions",
+         {"model": M, "messages": [{"role": "user", "content": "What is 2 + 3?"},
+                                   {"role": "assistant", "content": "It is"}],
+          "continue_final_message": True, "add_generation_prompt": False, "echo": True, "max_tokens": 4,
+          "temperature": 0}),
+    Case("chat: logprob_token_ids", "/v1/chat/completions",
+         {"model": M, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0,
+          "logprobs": True, "logprob_token_ids": [3, 17]}),
+    Case("chat: return_prompt_text", "/v1/chat/completions",
+         {"model": M, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0,
+          "return_prompt_text": True}),
+    Case("invocations: a chat body", "/invocations",
+         {"model": M, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}),
+    Case("invocations: a completion body", "/invocations",
+         {"model": M, "prompt": PROMPT, "max_tokens": 3, "temperature": 0}),
+    Case("error: invocations of neither", "/invocations", {"model": M, "prompt": 123}),
+    Case("error: logit_bias key not an integer", "/v1/completions",
+         {"model": M, "prompt": PROMPT, "max_tokens": 2, "logit_bias": {"abc": 1}}),
+    Case("error: allowed_token_ids empty", "/v1/completions",
+         {"model": M, "prompt": PROMPT, "max_tokens": 2, "allowed_token_ids": []}),
+    Case("error: truncate_prompt_tokens above max_model_len", "/v1/completions",
+         {"model": M, "prompt": PROMPT, "max_tokens": 2, "truncate_prompt_tokens": 5000}),
+    Case("error: max_tokens above max_model_len", "/v1/completions",
+         {"model": M, "prompt": PROMPT, "max_tokens": 5000}),
+    Case("error: cache_salt empty", "/v1/completions", {"model": M, "prompt": PROMPT, "max_tokens": 2, "cache_salt": ""}),
+    Case("error: chat top_logprobs -1 above --max-logprobs", "/v1/chat/completions",
+         {"model": M, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True,
+          "top_logprobs": -1}),
+    Case("error: chat logprob_token_ids without logprobs", "/v1/chat/completions",
+         {"model": M, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprob_token_ids": [3]}),
     Case("models", "/v1/models"),
     Case("version", "/version", exact=False),
 ]
@@ -188,3 +247,30 @@ def test_every_metric_tandem_serve_exposes_is_vllms_with_the_same_labels(tandem_
     relabelled = {name: ours[name] ^ theirs[name] for name in ours
                   if not (ours[name] <= theirs[name] if name.endswith("_info") else ours[name] == theirs[name])}
     assert not relabelled, f"label keys that differ: {relabelled}"
+
+
+VLLM_FIELDS = """
+import json
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
+from vllm.sampling_params import SamplingParams
+print(json.dumps({"/v1/completions": list(CompletionRequest.model_fields),
+                  "/v1/chat/completions": list(ChatCompletionRequest.model_fields),
+                  "/inference/v1/generate": list(GenerateRequest.model_fields),
+                  "/inference/v1/generate sampling_params": [f for f in SamplingParams.__struct_fields__
+                                                             if not f.startswith("_")]}))
+"""
+
+
+def test_the_field_table_names_every_field_of_the_installed_vllms_requests():
+    """Every field vLLM declares has its line in tandem serve's table (acts, ignored as by vLLM, or refused)."""
+    from tandem.generation.fields import ROUTES
+    from tests.vllm.conftest import ENV_DIR
+
+    done = subprocess.run([str(ENV_DIR / "bin" / "python"), "-c", VLLM_FIELDS], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    declared = json.loads(done.stdout.strip().splitlines()[-1])
+    missing = {route: sorted(set(names) - set(ROUTES[route])) for route, names in declared.items()}
+    assert not any(missing.values()), f"vLLM's fields without a line in generation/fields.py: {missing}"

@@ -112,7 +112,8 @@ CHAT = OPENAI | {
 GENERATE = {
     "request_id": acts(), "token_ids": acts(), "sampling_params": acts("the fields below"), "model": acts(),
     "return_token_ids": acts(), "output_mode": acts('"tokens" and "text"; "derender" is refused'),
-    "stream": acts(), "stream_options": acts(), "cache_salt": acts(),
+    "stream": refused("tandem serve answers this route whole; /v1/completions streams the same tokens", False),
+    "stream_options": ignored("read by streams only"), "cache_salt": acts(),
     "token_offsets": ignored("an echo of /render's offsets; vLLM does not read it to generate"),
     "features": refused(NO_MEDIA), "content_parts": refused(NO_MEDIA),
     "reasoning_ended": ignored("starts structured outputs at once; without them it changes nothing"),

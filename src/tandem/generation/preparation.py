@@ -75,7 +75,7 @@ class Preparer:
 
     def chat_ask(self, req: protocol.ChatCompletionRequest) -> Ask:
         """`/v1/chat/completions`: the messages rendered (or vLLM's `kv_transfer_params.prompt_token_ids` in their
-        place), `top_logprobs` of -1 for the whole vocabulary."""
+        place), `top_logprobs` of -1 for the whole vocabulary; echo scores the prompt too (`top_logprobs` of each)."""
         protocol.refuse(req.model_dump(), fields.CHAT)
         if req.top_logprobs and not req.logprobs:
             raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs", req.top_logprobs)
@@ -83,8 +83,9 @@ class Preparer:
         prompt = self.reused_prompt(req) or self.render_chat(req)
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         logprobs = None if req.logprob_token_ids or not req.logprobs else req.top_logprobs or 0
+        prompt_logprobs = req.top_logprobs or 0 if req.echo and req.prompt_logprobs is None else req.prompt_logprobs
         return Ask("chat", [self.truncated(prompt, req)], req, req.max_completion_tokens or req.max_tokens, name,
-                   logprobs=logprobs, prompt_logprobs=req.prompt_logprobs, cache_salt=req.cache_salt)
+                   logprobs=logprobs, prompt_logprobs=prompt_logprobs, cache_salt=req.cache_salt)
 
     def generate_ask(self, req: protocol.GenerateRequest) -> Ask:
         """`/inference/v1/generate`: vLLM's raw sampling struct over token ids; max_tokens defaults to the context."""
