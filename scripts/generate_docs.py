@@ -5,7 +5,8 @@ on a page that is out of step (CI runs it), and without it the pages are rewritt
     python scripts/generate_docs.py --check  # exit 1 naming each page that differs
 
 Generated: every AsyncGRPOConfig field (type, default, its docstring, refused or not), every command and flag of the
-`tandem` command line, every metric of the catalogue with its window rule, and the TRL-name tables.
+`tandem` command line, every metric of the catalogue with its window rule, the TRL-name tables, and what `tandem serve`
+does with each of vLLM's request fields and serve flags.
 """
 
 import argparse
@@ -22,6 +23,7 @@ os.environ["COLUMNS"] = "80"  # argparse wraps the usage lines at the terminal's
 import tandem.config as config_module  # noqa: E402
 from tandem import cli, trl_names  # noqa: E402
 from tandem.config import REFUSED, AsyncGRPOConfig, described  # noqa: E402
+from tandem.generation import fields, vllm_flags  # noqa: E402
 from tandem.metrics import catalogue, window  # noqa: E402
 
 DOCS = ROOT / "docs"
@@ -122,11 +124,37 @@ def no_use() -> str:
     return "\n".join(["| TRL's key | accepted at | why it is not read |", "|---|---|---|", *rows])
 
 
+# ---- tandem serve against vLLM's protocol ----------------------------------------------------------------------
+
+def request_fields() -> str:
+    """One table per route: each of vLLM 0.33's fields and what tandem serve does with it."""
+    parts = []
+    for route, table in fields.ROUTES.items():
+        rows = [f"| `{name}` | {rule.status} | {escaped(rule.note)} |" for name, rule in sorted(table.items())]
+        parts.append(f"### `{route}`\n\n| field | tandem serve | how, or why |\n|---|---|---|\n" + "\n".join(rows))
+    return "\n\n".join(parts)
+
+
+def serve_flags() -> str:
+    """vLLM's serve flags tandem serve does not implement: each with its reason, then those it keeps without being
+    asked, then the engine-tuning ones."""
+    refused = [f"| `--{name}` | {escaped(reason)} |" for name, reason in sorted(vllm_flags.REFUSED.items())]
+    taken = [f"| `--{name}` | {escaped(reason)} |" for name, reason in sorted(vllm_flags.ALREADY_SO.items())]
+    defaults = ", ".join(f"`--{name} {' / '.join(values)}`" for name, values in sorted(vllm_flags.DEFAULTS.items()))
+    tuning = ", ".join(f"`--{name}`" for name in sorted(vllm_flags.ENGINE_TUNING))
+    return ("**Refused, with the reason** (exit 2, one line):\n\n| flag | why |\n|---|---|\n" + "\n".join(refused) +
+            f"\n\nTaken when they ask for what tandem serve does anyway: {defaults}, and each refused switch's "
+            "negation (`--no-…`, `--disable-…`).\n\n**Taken, their promise kept without them:**\n\n| flag | because |\n"
+            "|---|---|\n" + "\n".join(taken) + "\n\n**vLLM's engine tuning** (parallelism, memory, kernels, "
+            "compilation, logging, transport), refused with one line saying tandem serve has no such engine: " + tuning)
+
+
 PAGES = {
     "references/config.md": {"fields": config_fields},
     "references/cli.md": {"commands": commands},
     "references/metrics.md": {"metrics": metrics},
     "migrating-from-trl.md": {"renamed": renamed, "no_use": no_use},
+    "references/serve.md": {"request_fields": request_fields, "serve_flags": serve_flags},
 }
 
 

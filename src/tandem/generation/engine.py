@@ -479,24 +479,10 @@ class Engine:
     def _prefill(self, requests: list[EngineRequest]) -> None:
         # A request asking for prompt log-probs needs logits at every prompt position: prefill it alone.
         alone = [r for r in requests if r.params.prompt_logprobs is not None]
-        leaders, followers = self._split_shared([r for r in requests if r.params.prompt_logprobs is None])
+        shared = [r for r in requests if r.params.prompt_logprobs is None]
+        leaders, followers = self.prefix_cache.split_shared(shared) if self.prefix_cache else (shared, [])
         for group in [g for g in (leaders, followers) if g] + [[r] for r in alone]:
             self._prefill_group(group)
-
-    def _split_shared(self, requests: list[EngineRequest]) -> tuple[list[EngineRequest], list[EngineRequest]]:
-        """Requests whose first uncached block an earlier one computes in this step (a group's rollouts sent one
-        by one, a shared system prompt) are prefilled after it, in a second forward, to find that prefix cached."""
-        if self.prefix_cache is None:
-            return requests, []
-        leaders, followers, computed = [], [], set()
-        for request in requests:
-            uncached = self.prefix_cache.uncached_blocks(request.prompt, request.cache_namespace)
-            if uncached and uncached[0] in computed:
-                followers.append(request)
-            else:
-                leaders.append(request)
-                computed.update(uncached)
-        return leaders, followers
 
     def _prefill_group(self, requests: list[EngineRequest]) -> None:
         """Prefill each prompt once (batched) past its cached blocks; a request's other sequences get copies of its KV row."""
@@ -512,10 +498,7 @@ class Engine:
                                                                         requests[0].params.prompt_logprobs)
         self.counters["prompt_tokens"] += sum(lengths)
         for j, request in enumerate(requests):
-            self._store_prefix(base + j, request, request.prompt)
-            if self.prefix_cache is not None:
-                whole_blocks = len(request.prompt) // self.prefix_cache.block_size * self.prefix_cache.block_size
-                request.created_cache_tokens = max(0, whole_blocks - request.cached_tokens)
+            request.created_cache_tokens = self._store_prefix(base + j, request, request.prompt)
 
         new_rows = [(request, request.sequences[0]) for request in requests]
         new_lengths = list(lengths)
@@ -545,10 +528,13 @@ class Engine:
         request.cached_tokens = length
         return length
 
-    def _store_prefix(self, row: int, request: EngineRequest, tokens: list[int]) -> None:
-        """Keep the whole blocks of `tokens`, whose KV fills the start of `row`, unless the weights changed since."""
-        if self.prefix_cache is not None and request.prefix_epoch == self.prefix_cache.epoch:
-            self.prefix_cache.store(tokens, request.cache_namespace, lambda start, stop: self.cache.read(row, start, stop))
+    def _store_prefix(self, row: int, request: EngineRequest, tokens: list[int]) -> int:
+        """Keep the whole blocks of `tokens`, whose KV fills the start of `row`, unless the weights changed since;
+        returns the tokens newly cached."""
+        if self.prefix_cache is None or request.prefix_epoch != self.prefix_cache.epoch:
+            return 0
+        return self.prefix_cache.store(tokens, request.cache_namespace,
+                                       lambda start, stop: self.cache.read(row, start, stop))
 
     def _decode(self) -> None:
         """One new token per running sequence."""

@@ -69,9 +69,24 @@ class PrefixCache:
         """How many of `hashes`, from the first, are cached."""
         return next((i for i, h in enumerate(hashes) if h not in self.blocks), len(hashes))
 
-    def store(self, tokens: list[int], namespace: str, kv: Callable[[int, int], torch.Tensor]) -> None:
+    def split_shared(self, requests: list) -> tuple[list, list]:
+        """Requests (each with `prompt` and `cache_namespace`) whose first uncached block an earlier one computes in
+        this step (a group's rollouts sent one by one, a shared system prompt) are put after it, to be prefilled in a
+        second forward that finds that prefix cached."""
+        leaders, followers, computed = [], [], set()
+        for request in requests:
+            uncached = self.uncached_blocks(request.prompt, request.cache_namespace)
+            if uncached and uncached[0] in computed:
+                followers.append(request)
+            else:
+                leaders.append(request)
+                computed.update(uncached)
+        return leaders, followers
+
+    def store(self, tokens: list[int], namespace: str, kv: Callable[[int, int], torch.Tensor]) -> int:
         """Keep the whole blocks of `tokens`, whose KV is in a cache row: `kv(start, stop)` returns positions
-        start..stop-1 as `lookup` returns them. Only the blocks not yet cached are read."""
+        start..stop-1 as `lookup` returns them. Only the blocks not yet cached are read; returns the tokens they
+        hold."""
         hashes = block_hashes(tokens, namespace, self.block_size)
         missing = [i for i, h in enumerate(hashes) if h not in self.blocks]
         if missing:
@@ -82,6 +97,7 @@ class PrefixCache:
         self._touch(hashes)
         while len(self.blocks) > self.max_blocks:
             self.blocks.popitem(last=False)
+        return len(missing) * self.block_size
 
     def clear(self) -> None:
         """Drop every block (the weights changed); KV computed before now must not be stored."""
