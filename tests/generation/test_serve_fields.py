@@ -215,3 +215,50 @@ def test_invocations_answers_as_chat_or_completion_by_the_body(serve):
     status, answer = serve.post("/invocations", {"prompt": [1, 5], "max_tokens": 2})
     assert status == 200 and answer["object"] == "text_completion"
     assert "Cannot find suitable handler" in refusal(serve, "/invocations", {"prompt": 123})
+
+
+# ---- the remaining fields that act --------------------------------------------------------------------------------
+
+def test_weight_versions_ride_on_each_streamed_choices_last_chunk(serve):
+    from tests.generation.test_streaming import sse_events
+
+    body = {"prompt": [1, 5, 6], "max_tokens": 4, "temperature": 0, "stream": True, "return_weight_versions": True,
+            "ignore_eos": True}
+    chunks = [e for e in sse_events(serve.port, "/v1/completions", body) if e != "[DONE]"]
+    assert [c["choices"][0]["weight_versions"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1]["choices"][0]["weight_versions"] == [{"version": "default", "start": 0, "end": 4}]
+    chat_chunks = [e for e in sse_events(serve.port, "/v1/chat/completions", {"messages": QUESTION, **body}) if e != "[DONE]"]
+    assert chat_chunks[-1]["choices"][0]["weight_versions"] == [{"version": "default", "start": 0, "end": 4}]
+    assert "weight_versions" not in chat_chunks[1]["choices"][0], "only the last chunk of a chat choice carries it"
+
+
+def test_prompt_token_ids_in_kv_transfer_params_replace_the_rendered_messages(serve):
+    ids = [1, 5, 6, 7]
+    reused = chat(serve, kv_transfer_params={"prompt_token_ids": ids}, return_token_ids=True)
+    assert reused["prompt_token_ids"] == ids
+    assert "non-empty list of non-negative integers" in refusal(serve, "/v1/chat/completions", {
+        "messages": QUESTION, "kv_transfer_params": {"prompt_token_ids": []}})
+
+
+def test_seed_minus_one_is_unseeded_and_a_tiny_temperature_is_raised(serve):
+    draws = {tuple(complete(serve, temperature=1.0, seed=-1, max_tokens=8, return_token_ids=True)["choices"][0]["token_ids"])
+             for _ in range(4)}
+    assert len(draws) > 1, "seed -1 must draw anew each time, as an unseeded request"
+    tiny = complete(serve, temperature=0.001, seed=1, logprobs=0)["choices"][0]["logprobs"]["token_logprobs"]
+    floor = complete(serve, temperature=0.01, seed=1, logprobs=0)["choices"][0]["logprobs"]["token_logprobs"]
+    assert tiny == floor, "a temperature below 0.01 samples as 0.01"
+
+
+def test_the_generate_routes_own_switches(serve):
+    body = {"token_ids": [1, 5, 6], "sampling_params": {"max_tokens": 2, "temperature": 0}}
+    status, answer = serve.post("/inference/v1/generate", body)
+    assert status == 200 and answer["prompt_token_ids"] is None, "prompt ids only with return_token_ids, as vLLM"
+    assert serve.post("/inference/v1/generate", {**body, "return_token_ids": True})[1]["prompt_token_ids"] == [1, 5, 6]
+    for change, words in [({"stream": True}, "`stream` is not supported"),
+                          ({"output_mode": "derender"}, "output_mode='derender' is not supported"),
+                          ({"output_mode": "text", "sampling_params": {"detokenize": False}}, "requires sampling_params.detokenize"),
+                          ({"sampling_params": {"trace_decode_token_ids": [1]}}, "--enable-trace-replay")]:
+        assert words in refusal(serve, "/inference/v1/generate", {**body, **change})
+    skipped = serve.post("/inference/v1/generate", {"token_ids": list(range(100, 150)), "sampling_params": {
+        "max_tokens": 1, "skip_reading_prefix_cache": True}, "return_token_ids": True})
+    assert skipped[0] == 200

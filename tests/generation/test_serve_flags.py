@@ -14,7 +14,9 @@ from tests.generation.test_lora_and_reload import make_adapter
 from tests.generation.test_streaming import sse_events
 
 QUESTION = [{"role": "user", "content": "What is 2 + 2?"}]
-TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{{ extra }}<|im_end|>\n{% endfor %}"
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{{ extra }}<|im_end|>\n{% endfor %}"
+            "{% if reasoning_effort %}effort={{ reasoning_effort }} thinking={{ enable_thinking }}{% endif %}"
+            "{% for d in documents or [] %}[{{ d.title }}]{% endfor %}")
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +30,10 @@ def flagged(tmp_path_factory):
         "--enable-prompt-tokens-details", "--enable-force-include-usage", "--enable-server-load-tracking",
         "--enable-tokenizer-info-endpoint", "--enable-request-id-headers", "--response-role", "helper",
         "--chat-template", str(folder / "template.jinja"), "--default-chat-template-kwargs", '{"extra": "!"}',
-        "--fingerprint-mode", "none", "--step-delay-s", "0.02", "--stream-interval", "3",
-        "--exclude-tools-when-tool-choice-none", "--enforce-eager", "--disable-log-requests")
+        "--step-delay-s", "0.02", "--stream-interval", "3",
+        "--exclude-tools-when-tool-choice-none", "--enforce-eager", "--disable-log-requests",
+        "--reasoning-effort-map", '{"max": "high"}', "--override-generation-config", '{"max_new_tokens": 9}',
+        "--fingerprint-mode", "custom", "--fingerprint-value", "fp-1")
     yield s
     s.close()
 
@@ -70,7 +74,15 @@ def test_the_response_role_default_template_kwargs_and_server_template_apply(fla
                                                            "return_prompt_text": True})
     assert answer["choices"][0]["message"]["role"] == "helper"
     assert answer["prompt_text"].startswith("<|im_start|>user\nWhat is 2 + 2?!")
-    assert answer["system_fingerprint"] is None
+    assert answer["system_fingerprint"] == "fp-1"
+
+
+def test_reasoning_effort_documents_and_generation_defaults_reach_the_template_and_sampling(flagged):
+    status, answer = flagged.post("/v1/chat/completions", {"messages": QUESTION, "return_prompt_text": True,
+                                                           "reasoning_effort": "max", "documents": [{"title": "T"}],
+                                                           "ignore_eos": True})
+    assert status == 200 and "effort=high thinking=True[T]" in answer["prompt_text"], answer["prompt_text"]
+    assert answer["usage"]["completion_tokens"] == 9, "--override-generation-config's max_new_tokens caps the reply"
 
 
 def test_tools_stay_out_of_the_prompt_when_tool_choice_is_none(flagged):
