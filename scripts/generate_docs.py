@@ -138,10 +138,12 @@ def request_fields() -> str:
 def serve_flags() -> str:
     """vLLM's serve flags tandem serve does not implement: each with its reason, then those it keeps without being
     asked, then the engine-tuning ones."""
+    serve = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices.values() if a.prog.endswith("serve"))
+    own = {option[2:] for action in serve._actions for option in action.option_strings}  # tandem serve's flags act
     refused = [f"| `--{name}` | {escaped(reason)} |" for name, reason in sorted(vllm_flags.REFUSED.items())]
     taken = [f"| `--{name}` | {escaped(reason)} |" for name, reason in sorted(vllm_flags.ALREADY_SO.items())]
     defaults = ", ".join(f"`--{name} {' / '.join(values)}`" for name, values in sorted(vllm_flags.DEFAULTS.items()))
-    tuning = ", ".join(f"`--{name}`" for name in sorted(vllm_flags.ENGINE_TUNING))
+    tuning = ", ".join(f"`--{name}`" for name in sorted(vllm_flags.ENGINE_TUNING - own - set(vllm_flags.ALREADY_SO)))
     return ("**Refused, with the reason** (exit 2, one line):\n\n| flag | why |\n|---|---|\n" + "\n".join(refused) +
             f"\n\nTaken when they ask for what tandem serve does anyway: {defaults}, and each refused switch's "
             "negation (`--no-…`, `--disable-…`).\n\n**Taken, their promise kept without them:**\n\n| flag | because |\n"

@@ -263,8 +263,8 @@ def run_serve(ns: argparse.Namespace) -> None:
     try:
         run_until_interrupted(start_server(args), lambda port: f"tandem serve: {args.model} on http://{args.host}:{port} "
                                                               f"(vLLM {VLLM_PROTOCOL_VERSION} protocol)")
-    except (OSError, UsageError, NotImplementedError, ValueError) as exc:  # a Hub id not there, a port in use, a model
-        user_error(f"tandem serve: {' '.join(str(exc).split())}")               # it cannot serve, a --lora-modules refused
+    except (OSError, UsageError, NotImplementedError) as exc:  # a Hub id not there, a port in use, a model it cannot
+        user_error(f"tandem serve: {' '.join(str(exc).split())}")  # serve, a --lora-modules adapter refused
 
 
 TRAIN_HELP = """\

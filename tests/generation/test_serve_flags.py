@@ -134,6 +134,7 @@ def test_a_plain_server_has_no_tokenizer_info_and_no_load():
     (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
     (["--enable-lora", "--lora-modules", '[{"name": "a", "path": "/x"}]'], "Invalid fields for --lora-modules"),
     (["--default-chat-template-kwargs", "{bad"], "is not JSON"),
+    (["--enable-lora", "--lora-modules", "a=/nonexistent"], "--lora-modules a=/nonexistent: No adapter found"),
     (["--not-a-flag"], "unrecognized arguments: --not-a-flag"),
 ])
 def test_a_flag_tandem_serve_does_not_take_is_one_line_and_exit_2(flags, line):

@@ -67,7 +67,8 @@ OPENAI = SAMPLING | {
     "model": acts("a served name or a LoRA adapter's"), "request_id": acts(), "stream": acts(),
     "stream_options": acts("include_usage, continuous_usage_stats"), "return_token_ids": acts(),
     "return_tokens_as_token_ids": acts("unset: --return-tokens-as-token-ids"), "return_weight_versions": acts(),
-    "logit_bias": acts("added to the logits before the penalties, clamped to [-100, 100]"),
+    "logit_bias": acts("added to the logits before the penalties, clamped to [-100, 100]; an infinite value is a 400 "
+                       "(it would leave nothing to sample)"),
     "truncate_prompt_tokens": acts("-1: max_model_len - 1"), "truncation_side": acts('"left" (the default) keeps the end'),
     "prompt_logprobs": acts(), "add_special_tokens": acts(),
     "cache_salt": acts("requests with different salts share no prefix-cache block"),
@@ -124,7 +125,8 @@ GENERATE = {
 
 GENERATE_SAMPLING = SAMPLING | {
     "logprobs": acts("true is 1"), "prompt_logprobs": acts("true is 1"),
-    "logit_bias": acts("added to the logits before the penalties (not clamped on this route, as in vLLM)"),
+    "logit_bias": acts("added to the logits before the penalties (not clamped on this route, as in vLLM; an infinite "
+                       "value is a 400)"),
     "watermarking": OPENAI["watermarking"],
     "prompt_logprob_token_ids": refused("scoring listed prompt tokens needs vLLM's V2 model runner; tandem serve "
                                         "returns prompt_logprobs"),

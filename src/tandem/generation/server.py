@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from transformers import AutoTokenizer
 
 from tandem import __version__, architecture
+from tandem.errors import UsageError
 from tandem.generation import fields, protocol, responses
 from tandem.generation.control import Control
 from tandem.generation.engine import ENGINE_STOPPED, Engine, EngineRequest
@@ -252,7 +253,7 @@ class Server:
             args.reasoning_effort_map,
         )
         for module in args.lora_modules:  # before the engine starts: nothing runs yet
-            self.engine.model = self.adapters.add(self.engine.model, module["name"], module["path"], set())
+            self.engine.model = self.load_at_start(module["name"], module["path"])
         transfer = parse_config(args.weight_transfer_config)
         self.control = Control(self.engine, self.adapters, self.names,
                                Receiver(args.weight_transfer_timeout_s) if transfer is not None else None)
@@ -262,6 +263,18 @@ class Server:
         self.started = int(time.time())
         self.in_flight = 0
         self.dtype = str(next(model.parameters()).dtype)
+
+    def load_at_start(self, name: str, path: str) -> torch.nn.Module:
+        """One `--lora-modules` adapter, refused as vLLM refuses it at start (its refusal ends the start)."""
+        where = f"--lora-modules {name}={path}"
+        if name in self.names:
+            raise UsageError(f"{where}: The lora adapter '{name}' conflicts with a served base model.")
+        if name in self.adapters.paths:
+            raise UsageError(f"{where}: The lora adapter '{name}' has already been loaded.")
+        try:
+            return self.adapters.add(self.engine.model, name, path, set())
+        except (LookupError, ValueError) as exc:
+            raise UsageError(f"{where}: {exc}") from None
 
     # ---- app ---------------------------------------------------------------------------------
     def app(self) -> web.Application:

@@ -90,7 +90,6 @@ REFUSED = {
     "cohere-format": NO_ROUTE, "cohere-is-reasoning-model": NO_ROUTE,
     "enable-offline-docs": "tandem serve has no /docs page",
     "enable-per-request-metrics": "tandem serve does not time each request: read /metrics",
-    "fingerprint-value": "only with --fingerprint-mode custom",
     "h11-max-header-count": "tandem serve runs on aiohttp, not uvicorn's h11",
     "h11-max-incomplete-event-size": "tandem serve runs on aiohttp, not uvicorn's h11",
     "middleware": "tandem serve runs on aiohttp, which takes no ASGI middleware",
