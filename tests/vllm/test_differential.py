@@ -274,3 +274,29 @@ def test_the_field_table_names_every_field_of_the_installed_vllms_requests():
     declared = json.loads(done.stdout.strip().splitlines()[-1])
     missing = {route: sorted(set(names) - set(ROUTES[route])) for route, names in declared.items()}
     assert not any(missing.values()), f"vLLM's fields without a line in generation/fields.py: {missing}"
+
+
+VLLM_FLAGS = """
+import json
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+print(json.dumps(sorted(o for a in parser._actions for o in a.option_strings if o.startswith("--"))))
+"""
+
+
+def test_every_flag_of_the_installed_vllm_serve_acts_or_has_its_reason():
+    """A flag of `vllm serve` is one of tandem serve's own options, or vllm_flags.py takes or refuses it: none is
+    left to argparse's "unrecognized arguments"."""
+    from tandem.cli import build_parser
+    from tandem.generation.vllm_flags import verdict
+    from tests.vllm.conftest import ENV_DIR
+
+    done = subprocess.run([str(ENV_DIR / "bin" / "python"), "-c", VLLM_FLAGS], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    flags = json.loads(done.stdout.strip().splitlines()[-1])
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    own = {option for action in serve._actions for option in action.option_strings}
+    unhandled = [flag for flag in flags if flag not in own and verdict(flag[2:], None)[0] == "unknown"]
+    assert not unhandled, f"vLLM's flags tandem serve neither implements nor explains: {unhandled}"

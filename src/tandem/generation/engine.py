@@ -59,16 +59,9 @@ class Sequence:
     checked: int = 0
     """Tokens whose stop conditions the engine has checked without finishing: what a stream may show while the
     sequence runs (its lists may already hold a newer token, and its last one arrives with `finish_reason`)."""
-    weight_versions: list[list] = field(default_factory=list)
-    """[version, start, end] spans of `output`: the weights' label when each token was sampled (a swap between two
-    steps starts a new span)."""
-
-    def label_last_token(self, version: str) -> None:
-        spans = self.weight_versions
-        if spans and spans[-1][0] == version:
-            spans[-1][2] = len(self.output)
-        else:
-            spans.append([version, len(self.output) - 1, len(self.output)])
+    weight_versions: list[tuple[str, int]] = field(default_factory=list)
+    """(version, first token) of each run of `output` sampled under one weights' label: a swap between two steps
+    starts a new run, which ends where the next begins (the last at the output's end)."""
 
 
 @dataclass
@@ -552,7 +545,8 @@ class Engine:
         entries = [self.rows[i] for i in rows]
         reasons = self.emission.emit(entries, [self.lengths[i] + 1 for i in rows], logits)
         for _, seq in entries:
-            seq.label_last_token(self.weight_version)
+            if not seq.weight_versions or seq.weight_versions[-1][0] != self.weight_version:
+                seq.weight_versions.append((self.weight_version, len(seq.output) - 1))
         self.finished_total.update(reason for reason in reasons if reason)
         self.counters["generation_tokens"] += len(rows)
         for request, _ in entries:

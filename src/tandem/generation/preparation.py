@@ -117,17 +117,17 @@ class Preparer:
         requests = []
         for ids in ask.prompts:
             self.check_prompt(ids)
-            fields = {**sampling.model_dump(), "seed": self.seed(sampling.seed)}  # each prompt its own server seed
+            values = {**sampling.model_dump(), "seed": self.seed(sampling.seed)}  # each prompt its own server seed
             params = protocol.sampling_params(
-                fields, self.defaults, max_tokens=self.max_tokens(ask, len(ids)), max_logprobs=self.max_logprobs,
+                values, self.defaults, max_tokens=self.max_tokens(ask, len(ids)), max_logprobs=self.max_logprobs,
                 vocab_size=self.vocab_size, logprobs=ask.logprobs, prompt_logprobs=ask.prompt_logprobs,
                 clamp_bias=ask.route != "generate", bad_words=bad_words,
             )
             self.check_n(sampling.n, params)
             self.check_sampling_mask_request(params)
             requests.append(EngineRequest(prompt=list(ids), params=params, n=sampling.n, adapter=adapter,
-                                          return_sampling_mask=ask.sampling_mask,
-                                          stop_check=self.stop_check(stops, sampling.skips_special_tokens), cache_salt=ask.cache_salt,
+                                          return_sampling_mask=ask.sampling_mask, cache_salt=ask.cache_salt,
+                                          stop_check=self.stop_check(stops, sampling.skips_special_tokens),
                                           reads_prefix_cache=ask.reads_prefix_cache))
         return requests
 

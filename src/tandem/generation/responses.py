@@ -127,7 +127,9 @@ def top_count(req: CompletionRequest | ChatCompletionRequest) -> int:
 
 def weight_versions(seq: Sequence) -> list[dict]:
     """`weight_versions`: half-open spans of the output's tokens, each with the label of the weights that sampled it."""
-    return [{"version": version, "start": start, "end": end} for version, start, end in seq.weight_versions]
+    starts = [start for _, start in seq.weight_versions]
+    return [{"version": version, "start": start, "end": end}
+            for (version, start), end in zip(seq.weight_versions, starts[1:] + [len(seq.output)])]
 
 
 def completion_choice(req: CompletionRequest, request: EngineRequest, seq: Sequence, text: TokenText,
