@@ -197,6 +197,8 @@ def test_fields_at_their_defaults_are_accepted(serve):
                 "prompt_embeds": None, "thinking_token_budget": -1, "structured_outputs": None, "user": "me",
                 "priority": 0, "watermarking": None, "length_penalty": 1.0, "vllm_xargs": {"k": 1}}
     complete(serve, **defaults)
+    complete(serve, echo=None, stream=None)  # null where vLLM's types allow it: the default
+    chat(serve, n=None, logprobs=None, stream=None)
 
 
 @pytest.mark.parametrize("field, value", [("use_beam_search", True), ("suffix", "end"), ("prompt_embeds", "AAAA"),

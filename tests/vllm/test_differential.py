@@ -251,6 +251,7 @@ def test_every_metric_tandem_serve_exposes_is_vllms_with_the_same_labels(tandem_
 
 VLLM_FIELDS = """
 import json
+import typing
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
@@ -260,6 +261,9 @@ print(json.dumps({"/v1/completions": list(CompletionRequest.model_fields),
                   "/inference/v1/generate": list(GenerateRequest.model_fields),
                   "/inference/v1/generate sampling_params": [f for f in SamplingParams.__struct_fields__
                                                              if not f.startswith("_")]}))
+print(json.dumps({route: [f for f, info in model.model_fields.items() if type(None) in typing.get_args(info.annotation)]
+                  for route, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions",
+                                       ChatCompletionRequest), ("/inference/v1/generate", GenerateRequest))}))
 """
 
 
@@ -271,9 +275,25 @@ def test_the_field_table_names_every_field_of_the_installed_vllms_requests():
     done = subprocess.run([str(ENV_DIR / "bin" / "python"), "-c", VLLM_FIELDS], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
     assert done.returncode == 0, done.stderr[-2000:]
-    declared = json.loads(done.stdout.strip().splitlines()[-1])
+    declared, nullable = (json.loads(line) for line in done.stdout.strip().splitlines()[-2:])
     missing = {route: sorted(set(names) - set(ROUTES[route])) for route, names in declared.items()}
     assert not any(missing.values()), f"vLLM's fields without a line in generation/fields.py: {missing}"
+    from tandem.generation import protocol
+    models = {"/v1/completions": (protocol.CompletionRequest, {"prompt": [1]}),
+              "/v1/chat/completions": (protocol.ChatCompletionRequest, {"messages": []}),
+              "/inference/v1/generate": (protocol.GenerateRequest, {"token_ids": [1]})}
+    refused_null = [f"{route} {name}" for route, names in nullable.items() for name in names
+                    if name not in models[route][1] and not accepts(models[route], name)]
+    assert not refused_null, f"null is vLLM's default for these, a 400 in tandem serve: {refused_null}"
+
+
+def accepts(model_and_body, name: str) -> bool:
+    model, body = model_and_body
+    try:
+        model.model_validate({**body, name: None})
+        return True
+    except Exception:  # noqa: BLE001 - pydantic's refusal
+        return False
 
 
 VLLM_FLAGS = """

@@ -11,7 +11,7 @@ import math
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tandem.generation.fields import REFUSED, Rule
 from tandem.generation.sampling import SamplingParams
@@ -76,6 +76,7 @@ class Sampling(Request):
     """vLLM's sampling fields; None means "the server default". `/inference/v1/generate` takes them raw."""
 
     n: Int64 = 1
+    """null is 1, as in vLLM's chat."""
     temperature: float | None = None
     top_p: float | None = None
     top_k: Int64 | None = None
@@ -97,6 +98,11 @@ class Sampling(Request):
     repetition_detection: RepetitionDetection | None = None
     stream_interval: Annotated[int, Field(ge=1)] | None = None
 
+    @field_validator("n", mode="before")
+    @classmethod
+    def _null_is_one(cls, n: Any) -> Any:
+        return 1 if n is None else n
+
     @property
     def skips_special_tokens(self) -> bool:
         """`skip_special_tokens` with vLLM's default, true (the server's default is set into the field first)."""
@@ -112,7 +118,7 @@ class SamplingFields(Sampling):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     return_weight_versions: bool = False
-    stream: bool = False
+    stream: bool | None = False
     stream_options: dict | None = None
     request_id: str | None = None
 
@@ -123,7 +129,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: Int64 | None = 16
     logprobs: Int64 | None = None
     prompt_logprobs: Int64 | None = None
-    echo: bool = False
+    echo: bool | None = False
     add_special_tokens: bool = True
 
 
@@ -132,7 +138,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[dict[str, Any]]
     max_completion_tokens: Int64 | None = None
     max_tokens: Int64 | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: Int64 | None = 0
     prompt_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
@@ -170,7 +176,7 @@ class GenerateRequest(Request):
     model: str | None = None
     return_token_ids: bool | None = None
     output_mode: Literal["tokens", "text", "derender"] = "tokens"
-    stream: bool = False
+    stream: bool | None = False
     stream_options: dict | None = None
     cache_salt: Any = None
 
