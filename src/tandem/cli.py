@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from tandem.errors import UsageError, install_command, warnings_as_lines
+from tandem.prompts import CONTENT_FORMATS
 from tandem.tasks import TINY_MODEL_PATH
 from tandem.tool_formats import FORMATS
 
@@ -44,7 +45,7 @@ def json_object(text: str) -> dict:
 
 def lora_module(text: str) -> dict:
     """One `--lora-modules` item as vLLM reads it: name=path, or a JSON object with name and path."""
-    if "=" in text and "," not in text:
+    if "=" in text and "," not in text:  # name=path
         name, _, path = text.partition("=")
         return {"name": name, "path": path}
     try:
@@ -55,6 +56,9 @@ def lora_module(text: str) -> dict:
                                                                             "is_3d_lora_weight"}):
         raise argparse.ArgumentTypeError(f"Invalid fields for --lora-modules: {text} - write name=path or "
                                          '{"name": ..., "path": ...}')
+    if value.get("is_3d_lora_weight"):
+        raise argparse.ArgumentTypeError(f"--lora-modules {text}: is_3d_lora_weight is not supported: tandem serve "
+                                         "loads PEFT's 2D LoRA layout")
     return {"name": value["name"], "path": value["path"]}
 
 
@@ -108,7 +112,7 @@ def serve_parser(sub) -> None:
     p.add_argument("--weight-transfer-timeout-s", type=float, default=600.0,
                    help="seconds a weight-transfer collective may wait for the trainer before it fails (default 600)")
     p.add_argument("--chat-template", default=None, help="a chat template (a file, or the template itself) in place of the tokenizer's")
-    p.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string", "openai"],
+    p.add_argument("--chat-template-content-format", default="auto", choices=list(CONTENT_FORMATS),
                    help="message content as one string (list parts joined by newlines) or as a list of parts "
                         "(default auto: as the template reads it)")
     p.add_argument("--default-chat-template-kwargs", type=json_object, default={}, metavar="JSON",
@@ -129,7 +133,8 @@ def serve_parser(sub) -> None:
     switch(p, "enable-tokenizer-info-endpoint", "GET /tokenizer_info: the tokenizer's configuration")
     switch(p, "enable-request-id-headers", "every answer carries an X-Request-Id header")
     p.add_argument("--fingerprint-mode", default="full", choices=["full", "hash", "custom", "none"],
-                   help="system_fingerprint: tandem's (full, hash), --fingerprint-value (custom) or null (none)")
+                   help="system_fingerprint: tandem's own for full and hash (it has no parallel sizes to add), "
+                        "--fingerprint-value (custom) or null (none)")
     p.add_argument("--fingerprint-value", default=None, help="system_fingerprint with --fingerprint-mode custom")
     switch(p, "trust-remote-code", "load a model and tokenizer that ship their own code")
 

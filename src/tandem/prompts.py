@@ -27,17 +27,20 @@ def check_conversational(prompt, where: str) -> None:
 
 def render_chat(tokenizer, messages: list[dict], *, tools: list | None = None, add_generation_prompt: bool = True,
                 continue_final_message: bool = False, chat_template: str | None = None,
-                chat_template_kwargs: dict | None = None, content_format: str = "auto") -> list[int]:
+                chat_template_kwargs: dict | None = None, content_format: str = "auto",
+                add_special_tokens: bool = False) -> list[int]:
     """`messages` through the chat template as vLLM's chat endpoint renders them: with the tools and template
-    options, without a generation prompt when the last message is continued, and with each message's content in
-    the form the template reads (`content_format`, as vLLM's `--chat-template-content-format`)."""
+    options, without a generation prompt when the last message is continued, with each message's content in the
+    form the template reads (`content_format`, as vLLM's `--chat-template-content-format`), and the rendered text
+    tokenized with the tokenizer's special tokens when asked."""
     template = chat_template or tokenizer.get_chat_template(chat_template, tools)
     form = template_content_format(template) if content_format == "auto" else content_format
-    return list(tokenizer.apply_chat_template(
+    rendered = tokenizer.apply_chat_template(
         [with_content_as(message, form) for message in messages], tools=tools,
         add_generation_prompt=add_generation_prompt and not continue_final_message,
-        continue_final_message=continue_final_message, chat_template=chat_template, tokenize=True, return_dict=False,
-        **(chat_template_kwargs or {})))
+        continue_final_message=continue_final_message, chat_template=chat_template, tokenize=not add_special_tokens,
+        return_dict=False, **(chat_template_kwargs or {}))
+    return tokenizer(rendered, add_special_tokens=True)["input_ids"] if add_special_tokens else list(rendered)
 
 
 CONTENT_FORMATS = ("auto", "string", "openai")

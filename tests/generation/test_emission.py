@@ -18,7 +18,7 @@ def certain(token: int, rows: int = 1) -> torch.Tensor:
 
 
 def step(request: EngineRequest, token: int, total: int = 3) -> str | None:
-    (reason,) = EMISSION.emit([(request, request.sequences[0])], [total], certain(token))
+    (reason,) = EMISSION.emit([(request, request.sequences[0])], [total], certain(token), "default")
     return reason
 
 
@@ -42,7 +42,7 @@ def test_max_tokens_and_the_model_length_end_a_sequence_for_length():
 def test_the_sampled_token_comes_first_in_its_top_entries_with_its_rank():
     request = EngineRequest([1, 2], SamplingParams(logprobs=2, temperature=1.0, seed=0))
     logits = torch.tensor([[2.0, 1.0, -30.0, -30.0, -30.0, -30.0]])
-    EMISSION.emit([(request, request.sequences[0])], [3], logits)
+    EMISSION.emit([(request, request.sequences[0])], [3], logits, "default")
     seq = request.sequences[0]
     (entries,) = seq.top_logprobs
     ranks = {0: 1, 1: 2}  # by logit

@@ -137,3 +137,6 @@ def test_a_load_that_fails_inside_peft_is_undone(tmp_path, monkeypatch, wrapped)
     assert {name: type(module) for name, module in model.named_modules()} == before, "PEFT's layers were left in"
     if wrapped:
         assert isinstance(model, PeftModel) and set(model.peft_config) == {"lora1"}
+        assert not any("lora2" in getattr(m, "lora_A", {}) for m in model.modules()), "lora2's matrices were left in"
+    else:
+        assert not hasattr(model, "peft_config"), "PEFT's config was left on the model"

@@ -102,6 +102,12 @@ def test_bad_words_are_never_completed(serve):
     assert "bad_words cannot contain an empty string" in refusal(serve, "/v1/completions", {"prompt": [1], "bad_words": [""]})
 
 
+def test_stop_strings_are_looked_for_past_min_tokens_only(serve):
+    choice = complete(serve, allowed_token_ids=[10], stop=["$"], min_tokens=3, max_tokens=8)["choices"][0]  # '$'
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == ("$$$", "stop", "$")
+    assert complete(serve, allowed_token_ids=[10], stop=["$"], max_tokens=8)["choices"][0]["text"] == ""
+
+
 def test_repetition_detection_ends_a_looping_reply(serve):
     choice = complete(serve, allowed_token_ids=[9], max_tokens=20, repetition_detection={
         "max_pattern_size": 2, "min_pattern_size": 1, "min_count": 3})["choices"][0]
@@ -151,12 +157,16 @@ def test_max_tokens_beyond_the_context_is_refused_on_v1_routes(serve):
         "messages": QUESTION, "max_completion_tokens": 2000})
 
 
+def prefix_hits(serve) -> float:
+    text = serve.get("/metrics")[1]
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total")))
+
+
 def test_cache_salts_keep_prefix_caches_apart(serve):
     prompt = list(range(100, 164))  # four whole blocks
 
     def hits() -> float:
-        text = serve.get("/metrics")[1]
-        return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total")))
+        return prefix_hits(serve)
 
     complete(serve, prompt=prompt, cache_salt="alice")
     before = hits()
@@ -261,6 +271,11 @@ def test_the_generate_routes_own_switches(serve):
                           ({"output_mode": "text", "sampling_params": {"detokenize": False}}, "requires sampling_params.detokenize"),
                           ({"sampling_params": {"trace_decode_token_ids": [1]}}, "--enable-trace-replay")]:
         assert words in refusal(serve, "/inference/v1/generate", {**body, **change})
-    skipped = serve.post("/inference/v1/generate", {"token_ids": list(range(100, 150)), "sampling_params": {
-        "max_tokens": 1, "skip_reading_prefix_cache": True}, "return_token_ids": True})
-    assert skipped[0] == 200
+    prompt = {"token_ids": list(range(300, 350)), "sampling_params": {"max_tokens": 1}}
+    serve.post("/inference/v1/generate", prompt)  # its blocks are cached now
+    hits = prefix_hits(serve)
+    status, _ = serve.post("/inference/v1/generate", {**prompt, "sampling_params": {
+        "max_tokens": 1, "skip_reading_prefix_cache": True}})
+    assert status == 200 and prefix_hits(serve) == hits, "skip_reading_prefix_cache read the cache"
+    serve.post("/inference/v1/generate", prompt)
+    assert prefix_hits(serve) > hits

@@ -66,7 +66,7 @@ def test_force_include_usage_puts_usage_in_every_chunk_and_at_the_end(flagged):
     assert all("usage" in chunk for chunk in chunks) and chunks[-1]["choices"] == []
     assert chunks[-1]["usage"]["completion_tokens"] == 7 and "prompt_tokens_details" in chunks[-1]["usage"]
     token_chunks = [c for c in chunks if c["choices"]]
-    assert len(token_chunks) == 4, "--stream-interval 3: tokens 1, 3, 6 and the last (7) in their own chunks"
+    assert len(token_chunks) == 3, "--stream-interval 3: the first token, then one chunk per 3 tokens (4, 7)"
 
 
 def test_the_response_role_default_template_kwargs_and_server_template_apply(flagged):

@@ -9,6 +9,7 @@ an unknown field, a huge or empty prompt, odd unicode, a batch mixing good and b
 """
 
 import collections
+import json
 import os
 
 import pytest
@@ -36,7 +37,9 @@ sampling = st.fixed_dictionaries({}, optional={
     "allowed_token_ids": st.lists(token, min_size=1, max_size=5), "bad_words": st.lists(text, max_size=2),
     "skip_special_tokens": st.booleans(), "include_stop_str_in_output": st.booleans(),
     "cache_salt": st.text(st.characters(categories=["L", "N"]), min_size=1, max_size=8),
-    "repetition_detection": st.just({"max_pattern_size": 2, "min_pattern_size": 1, "min_count": 3}),
+    "repetition_detection": st.fixed_dictionaries({"max_pattern_size": st.integers(0, 6),
+                                                   "min_pattern_size": st.integers(0, 3), "min_count": st.integers(0, 4)}),
+    "return_weight_versions": st.booleans(), "stream_interval": st.integers(1, 4),
 })
 messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": text | st.lists(
     st.fixed_dictionaries({"type": st.just("text"), "text": text}), min_size=1, max_size=2)}), min_size=1, max_size=3)
@@ -102,6 +105,14 @@ def fuzzed(tmp_path_factory):
     s.close()
 
 
+def stream_errors(answer) -> list[dict]:
+    """The error events of a streamed answer (server-sent events), [] for any other answer."""
+    if not isinstance(answer, str):
+        return []
+    events = [json.loads(line[len("data: "):]) for line in answer.splitlines() if line.startswith("data: {")]
+    return [event["error"] for event in events if "error" in event]
+
+
 def vllm_shaped(status: int, answer) -> bool:
     error = answer.get("error") if isinstance(answer, dict) else None
     return isinstance(error, dict) and set(error) == {"message", "type", "param", "code"} and error["code"] == status
@@ -129,6 +140,8 @@ def test_no_body_breaks_the_engine(fuzzed):
                 f"server error: {path} answered {status} to {str(body)[:200]}: {said[:300]}"
         if status >= 400 and path.startswith(("/v1", "/inference", "/tokenize", "/detokenize")):
             assert vllm_shaped(status, answer), f"{path} {status} is not in vLLM's error shape: {said[:300]}"
+        for event in stream_errors(answer):  # a stream's failure comes after its 200, as an event
+            assert event["code"] < 500, f"{path} {str(body)[:200]} streamed a server error: {event}"
         fuzzed.post("/resume")
         assert fuzzed.get("/health")[0] == 200, f"after {path} {str(body)[:200]} the server is unhealthy"
         check, reply = fuzzed.post("/v1/completions", {"prompt": [1, 5, 6], "max_tokens": 1})

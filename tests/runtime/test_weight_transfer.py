@@ -272,7 +272,7 @@ def test_weight_versions_label_each_token_with_the_weights_that_sampled_it(token
     """A transfer finished while a sequence decodes starts a new span at the first token the new weights sampled."""
     serve = ServeProcess("--weight-transfer-config", GLOO, "--step-delay-s", "0.05", "--enable-scale-out")
     prompt = chat_prompt(tokenizer, "Count to fifty.")
-    sampling = {"max_tokens": 40, "ignore_eos": True, "temperature": 1.0, "seed": 1}
+    sampling = {"max_tokens": 60, "ignore_eos": True, "temperature": 1.0, "seed": 1}
     bodies = {"/v1/completions": {"prompt": prompt, "return_weight_versions": True, **sampling},
               "/v1/chat/completions": {"messages": [{"role": "user", "content": "Count."}], "return_weight_versions": True,
                                        **sampling},
@@ -283,14 +283,14 @@ def test_weight_versions_label_each_token_with_the_weights_that_sampled_it(token
             sync = TransferSync(control, run, TINY_MODEL_PATH, timeout_s=20)
             assert sync.connect() == 1
             answers = {path: pool.submit(serve.post, path, body) for path, body in bodies.items()}
-            time.sleep(0.8)  # about 16 of the 40 steps
+            time.sleep(0.8)  # about 16 of the 60 steps
             sync.push(trained_model(seed=1), 7)
             for path, answer in answers.items():
                 status, body = answer.result()
                 assert status == 200, body
                 (first, second) = body["choices"][0]["weight_versions"]
                 assert first["version"] == "default" and second["version"] == "7", f"{path}: {first}, {second}"
-                assert first["start"] == 0 and 0 < first["end"] == second["start"] < second["end"] == 40, f"{path}"
+                assert first["start"] == 0 and 0 < first["end"] == second["start"] < second["end"] == 60, f"{path}"
             status, body = serve.post("/v1/completions", {"prompt": prompt, **sampling})
             assert body["choices"][0]["weight_versions"] is None, "spans only when asked for"
             run.run(control.close())

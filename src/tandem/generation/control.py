@@ -13,9 +13,9 @@ import torch
 from aiohttp import web
 from safetensors import safe_open
 
-from tandem.generation import protocol
+from tandem.generation import fields, protocol
 from tandem.generation.engine import Engine
-from tandem.generation.lora import AdapterNotFound, AdapterSet, served_parameters
+from tandem.generation.lora import AdapterLoaded, AdapterNotFound, AdapterSet, served_parameters
 from tandem.generation.protocol import ApiError, bad_request
 from tandem.generation.weight_transfer import Receiver, TransferError
 from tandem.openmp import in_passing_thread
@@ -193,15 +193,19 @@ class Control:
         """Check, load and register an adapter on the engine thread. A refused or failed load changes nothing: vLLM's
         404 for a folder without adapter_config.json, its 500 "Call to add_lora method failed: ..." otherwise."""
         req = await protocol.read(request, protocol.LoadLoRARequest)
+        protocol.refuse(req.model_dump(), fields.ROUTES["/v1/load_lora_adapter"])
         self.check_loadable(req)
 
         def add():
             in_use = {r.adapter for r, _ in self.engine.rows if r.adapter}
-            self.engine.model = self.adapters.add(self.engine.model, req.lora_name, req.lora_path, in_use)
+            self.engine.model = self.adapters.add(self.engine.model, req.lora_name, req.lora_path, in_use,
+                                                  replace=req.load_inplace)
             self.engine.reset_prefix_cache()
 
         try:
             await asyncio.wrap_future(self.engine.call(add))
+        except AdapterLoaded as exc:  # checked on the engine thread: two loads of one name cannot both pass
+            raise ApiError(400, str(exc), "InvalidUserInput") from None
         except AdapterNotFound as exc:
             raise ApiError(404, f"Loading lora {req.lora_name} failed: {exc}", "NotFoundError") from None
         except Exception as exc:  # noqa: BLE001 - vLLM answers any load failure 500 and keeps serving
@@ -217,16 +221,21 @@ class Control:
             raise ApiError(400, f"The lora adapter '{req.lora_name}' conflicts with a served base model.", "InvalidUserInput")
         if self.adapters is None:
             raise ApiError(500, "Call to add_lora method failed: LoRA is not enabled. Use --enable-lora to enable LoRA.", "InternalServerError")
-        if req.lora_name in self.adapters.paths and not req.load_inplace:
-            raise ApiError(400, f"The lora adapter '{req.lora_name}' has already been loaded. If you want to load the "
-                                "adapter in place, set 'load_inplace' to True.", "InvalidUserInput")
 
     async def unload_lora(self, request: web.Request) -> web.Response:
         req = await protocol.read(request, protocol.UnloadLoRARequest)
         if not req.lora_name:
             raise ApiError(400, "'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput")
-        if self.adapters is None or req.lora_name not in self.adapters.paths:
+        if self.adapters is None:
             raise ApiError(404, f"The lora adapter '{req.lora_name}' cannot be found.", "NotFoundError")
-        self.adapters.unregister(req.lora_name)
-        await asyncio.wrap_future(self.engine.call(self.engine.reset_prefix_cache))
+
+        def remove() -> bool:  # on the engine thread, as every change of what is served
+            if req.lora_name not in self.adapters.paths:
+                return False
+            self.adapters.unregister(req.lora_name)
+            self.engine.reset_prefix_cache()
+            return True
+
+        if not await asyncio.wrap_future(self.engine.call(remove)):
+            raise ApiError(404, f"The lora adapter '{req.lora_name}' cannot be found.", "NotFoundError")
         return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' removed successfully.")

@@ -32,10 +32,12 @@ class Emission:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={self.logprobs_mode!r} is not one of {LOGPROBS_MODES}")
 
-    def emit(self, entries: list[tuple[EngineRequest, Sequence]], totals: list[int], logits: torch.Tensor) -> list[str | None]:
-        """Sample one token per entry from its row of `logits` (changed in place: penalties, min_tokens), append it to
-        the sequence with its log-prob (top-k, sampling mask when asked); each entry's finish reason, None while it runs.
-        `totals`: tokens in each row's sequence once the new one is appended."""
+    def emit(self, entries: list[tuple[EngineRequest, Sequence]], totals: list[int], logits: torch.Tensor,
+             weight_version: str) -> list[str | None]:
+        """Sample one token per entry from its row of `logits` (changed in place: masks, bias, penalties), append it to
+        the sequence with its log-prob (top-k, sampling mask when asked) and the label of the weights that sampled it;
+        each entry's finish reason, None while it runs. `totals`: tokens in each row's sequence once the new one is
+        appended. A row whose masks left nothing to sample gets no token: its request fails ("error")."""
         params = [request.params for request, _ in entries]
         raw = logits.clone()
         for b, (request, seq) in enumerate(entries):
@@ -64,8 +66,16 @@ class Emission:
         reasons = []
         empty = nothing_left.tolist()
         for b, ((request, seq), token, value, total) in enumerate(zip(entries, tokens.tolist(), chosen.tolist(), totals)):
+            if empty[b]:
+                if request.error is None:
+                    request.error, request.error_status = NOTHING_TO_SAMPLE, 400
+                seq.finish_reason = "error"
+                reasons.append("error")
+                continue
             seq.output.append(token)
             seq.logprobs.append(value)
+            if not seq.weight_versions or seq.weight_versions[-1][0] != weight_version:
+                seq.weight_versions.append((weight_version, len(seq.output) - 1))
             p = request.params
             if p.logprob_token_ids is not None:
                 seq.top_logprobs.append(_listed_entries(reported[b], token, value, ranks[b], p.logprob_token_ids))
@@ -73,11 +83,8 @@ class Emission:
                 seq.top_logprobs.append(_top_entries(top, b, token, value, ranks[b], p.logprobs))
             if request.return_sampling_mask:
                 seq.sampling_masks.append(torch.isfinite(processed[b]).nonzero().flatten().tolist())
-            reasons.append("error" if empty[b] else self._finish(request, seq, total))
-            if empty[b]:
-                seq.finish_reason = "error"
-                request.error, request.error_status = request.error or NOTHING_TO_SAMPLE, 400
-            elif reasons[-1] is None:
+            reasons.append(self._finish(request, seq, total))
+            if reasons[-1] is None:
                 seq.checked = len(seq.output)
         return reasons
 
@@ -98,7 +105,7 @@ class Emission:
         string or a repetition, then max_tokens and the model's length; sets the sequence's finish and stop reasons."""
         token, p = seq.output[-1], request.params
         reason, stop_reason = None, None
-        checks_text = len(seq.output) >= p.min_tokens
+        checks_text = len(seq.output) > p.min_tokens  # vLLM: stop strings and repetitions only past min_tokens
         if token == self.eos_token_id and not p.ignore_eos:
             reason = "stop"
         elif token in p.stop_token_ids or (token in self.extra_stop_token_ids and not p.ignore_eos):
@@ -115,12 +122,13 @@ class Emission:
 
 
 def repeats(output: list[int], min_size: int, max_size: int, min_count: int) -> bool:
-    """The last L tokens, for some L in [min_size, max_size], occur `min_count` times in a row at the output's end."""
-    for size in range(max(min_size, 1), max_size + 1):
-        if size * min_count > len(output):
-            break
-        tail = output[-size:]
-        if all(output[len(output) - size * (k + 1): len(output) - size * k] == tail for k in range(1, min_count)):
+    """The last L tokens, for some L in [min_size, max_size], occur `min_count` times in a row at the output's end.
+    A pattern of size L needs the last token to recur L tokens back, which rules most sizes out at one comparison."""
+    end = len(output)
+    for size in range(max(min_size, 1), min(max_size, end // min_count) + 1):
+        if output[end - 1] != output[end - 1 - size]:
+            continue
+        if all(output[end - size * k - i - 1] == output[end - i - 1] for k in range(1, min_count) for i in range(size)):
             return True
     return False
 

@@ -543,12 +543,9 @@ class Engine:
         """Sample one token for each of `rows` from its logits (emission.py), count it, retire finished rows."""
         rows = list(rows)
         entries = [self.rows[i] for i in rows]
-        reasons = self.emission.emit(entries, [self.lengths[i] + 1 for i in rows], logits)
-        for _, seq in entries:
-            if not seq.weight_versions or seq.weight_versions[-1][0] != self.weight_version:
-                seq.weight_versions.append((self.weight_version, len(seq.output) - 1))
+        reasons = self.emission.emit(entries, [self.lengths[i] + 1 for i in rows], logits, self.weight_version)
         self.finished_total.update(reason for reason in reasons if reason)
-        self.counters["generation_tokens"] += len(rows)
+        self.counters["generation_tokens"] += sum(reason != "error" for reason in reasons)
         for request, _ in entries:
             self._touch(request)
         self._retire({i for i, reason in zip(rows, reasons) if reason})

@@ -50,7 +50,6 @@ SAMPLING = {
     "skip_special_tokens": acts("unset: generation_config.json's value, then true"),
     "spaces_between_special_tokens": refused(
         "tandem serve decodes with the tokenizer's own decode, which has no such switch for fast tokenizers", True),
-    "logit_bias": acts("added to the logits before the penalties; clamped to [-100, 100] on /v1 routes"),
     "allowed_token_ids": acts("every other token's logit is -inf"),
     "bad_words": acts("a word's last token is banned once the rest of it was generated"),
     "logprob_token_ids": acts("these tokens' log-probs at every position, with the sampled one's"),
@@ -131,6 +130,7 @@ GENERATE_SAMPLING = SAMPLING | {
     "prompt_logprob_token_ids": refused("scoring listed prompt tokens needs vLLM's V2 model runner; tandem serve "
                                         "returns prompt_logprobs"),
     "prompt_logprob_start": refused("goes with prompt_logprob_token_ids"),
+    "stream_interval": ignored("this route answers whole (its stream is refused), so there are no chunks to space"),
     "flat_logprobs": ignored("the engine's internal container; the JSON is the same"),
     "detokenize": acts("false: no text (output_mode text needs it)"),
     "output_kind": ignored("set by the route (whole or streamed), as in vLLM"),

@@ -19,6 +19,7 @@ from peft import PeftModel
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import AuxiliaryTrainingWrapper
 from safetensors import safe_open
+from transformers.pytorch_utils import Conv1D
 
 BASE = "__base__"
 """PEFT's name for "no adapter" in a mixed batch."""
@@ -38,6 +39,10 @@ TENSOR_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model
 
 class AdapterNotFound(LookupError):
     """No adapter_config.json at the path: vLLM's 404."""
+
+
+class AdapterLoaded(ValueError):
+    """A name already registered, loaded again without `load_inplace`: vLLM's 400."""
 
 
 def served_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -62,7 +67,7 @@ def check_adapter(path: str, model: torch.nn.Module, max_lora_rank: int) -> None
     tensor_file = next((Path(path) / f for f in TENSOR_FILES if (Path(path) / f).is_file()), None)
     if tensor_file is None:
         raise ValueError(f"{path} doesn't contain tensors")
-    check_shapes(path, tensor_shapes(tensor_file), served_parameters(model), max_lora_rank)
+    check_shapes(path, tensor_shapes(tensor_file), model, max_lora_rank)
 
 
 def check_config(config: dict, max_lora_rank: int) -> None:
@@ -108,29 +113,51 @@ def tensor_shapes(tensor_file: Path) -> dict[str, tuple[int, ...]]:
         raise ValueError(f"{tensor_file.name} of the adapter is not readable: {exc}") from None
 
 
-def check_shapes(path: str, shapes: dict[str, tuple[int, ...]], params: dict[str, torch.Tensor], max_rank: int) -> None:
-    """Every tensor is the A or B matrix of a layer the served model has, shaped for that layer's weight:
-    A is [rank, in], B [out, rank] (an embedding's A is [rank, vocabulary], B [width, rank])."""
+def layer_features(module: torch.nn.Module) -> tuple[int, int] | None:
+    """(in, out) of a layer LoRA adapts: a linear layer, transformers' Conv1D (GPT-2's, its weight stored [in, out])
+    or an embedding (vocabulary, width); None for another kind, whose shapes PEFT itself checks."""
+    if isinstance(module, BaseTunerLayer):
+        module = module.get_base_layer()
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features, module.out_features
+    if isinstance(module, Conv1D):
+        return tuple(module.weight.shape)
+    if isinstance(module, torch.nn.Embedding):
+        return module.num_embeddings, module.embedding_dim
+    return None
+
+
+def check_shapes(path: str, shapes: dict[str, tuple[int, ...]], model: torch.nn.Module, max_rank: int) -> None:
+    """Every tensor is the A or B matrix of a layer the served model has, shaped for it: A is [rank, in], B is
+    [out, rank] (an embedding's A is [rank, vocabulary], B [width, rank])."""
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
     unexpected = []
     for key, shape in shapes.items():
         module, _, kind = key.removeprefix("base_model.model.").rpartition(".lora_")
-        weight = params.get(f"{module}.weight")
-        if not module or weight is None or weight.dim() != 2 or len(shape) != 2:
+        try:
+            layer = base.get_submodule(module) if module else None
+        except AttributeError:
+            layer = None
+        if layer is None or len(shape) != 2:
             unexpected.append(key)
             continue
-        out, inner = weight.shape if not kind.startswith("embedding") else weight.shape[::-1]
-        rank = shape[0] if kind.startswith(("A", "embedding_A")) else shape[1]
-        expected = (rank, inner) if kind.startswith(("A", "embedding_A")) else (out, rank)
+        if (features := layer_features(layer)) is None:
+            continue
+        inner, out = features
+        first = kind.startswith(("A", "embedding_A"))
+        rank = shape[0] if first else shape[1]
+        expected = (rank, inner) if first else (out, rank)
         if tuple(shape) != expected or rank > max_rank:
             raise ValueError(f"LoRA tensor {key!r} of {path} has shape {tuple(shape)}, but the served model's "
                              f"{module} needs {expected} with a rank of at most {max_rank}")
     if unexpected:
-        raise ValueError(f"While loading {path}, expected target modules in the served model's linear layers but "
+        raise ValueError(f"While loading {path}, expected target modules in the served model's layers but "
                          f"received {sorted(unexpected)}. Please verify that the loaded LoRA module is correct")
 
 
 def strip_adapter_layers(model: torch.nn.Module) -> None:
-    """Undo a PEFT injection that failed before a PeftModel existed to undo it: every wrapped layer back to its own."""
+    """Undo a PEFT injection that failed before a PeftModel existed to undo it: every wrapped layer back to its own,
+    and the config PEFT attached to the model gone."""
     for name, module in list(model.named_modules()):
         if isinstance(module, BaseTunerLayer):
             base = module.get_base_layer()
@@ -140,6 +167,18 @@ def strip_adapter_layers(model: torch.nn.Module) -> None:
             continue
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, base)
+    if hasattr(model, "peft_config"):
+        del model.peft_config
+
+
+def drop_adapter(model: PeftModel, peft_name: str) -> None:
+    """Remove an adapter wherever PEFT got to with it: its config and the layers it was injected into."""
+    if peft_name in model.peft_config:
+        model.delete_adapter(peft_name)
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer) and any(peft_name in getattr(module, layer, {})
+                                                      for layer in module.adapter_layer_names):
+            module.delete_adapter(peft_name)
 
 
 def load_into(model: torch.nn.Module, path: str, peft_name: str) -> torch.nn.Module:
@@ -148,8 +187,7 @@ def load_into(model: torch.nn.Module, path: str, peft_name: str) -> torch.nn.Mod
         try:
             model.load_adapter(path, adapter_name=peft_name, is_trainable=False)
         except BaseException:
-            if peft_name in model.peft_config:
-                model.delete_adapter(peft_name)
+            drop_adapter(model, peft_name)
             raise
         return model.eval()
     try:
@@ -170,9 +208,13 @@ class AdapterSet:
         self._next_id = 1
         self._stale: list[str] = []
 
-    def add(self, model: torch.nn.Module, name: str, path: str, in_use: set[str]) -> torch.nn.Module:
-        """Check, load and register an adapter under `name` (replacing the weights the name had); returns the model.
-        Raises AdapterNotFound or ValueError, or PEFT's error, with nothing changed."""
+    def add(self, model: torch.nn.Module, name: str, path: str, in_use: set[str], replace: bool = False
+            ) -> torch.nn.Module:
+        """Check, load and register an adapter under `name` (replacing the weights the name had, when `replace`);
+        returns the model. Raises AdapterLoaded, AdapterNotFound or ValueError, or PEFT's error, with nothing changed."""
+        if name in self.paths and not replace:
+            raise AdapterLoaded(f"The lora adapter '{name}' has already been loaded. If you want to load the adapter "
+                                "in place, set 'load_inplace' to True.")
         check_adapter(path, model, self.max_lora_rank)
         int_id = self._next_id
         model = load_into(model, path, f"lora{int_id}")
@@ -196,13 +238,18 @@ class AdapterSet:
 
     def ensure_loaded(self, model: torch.nn.Module, names: set[str], in_use: set[str]) -> torch.nn.Module:
         """Load every adapter in `names` into `model` again from its path (evicted ones); returns the model."""
-        for name in sorted(names - set(self.loaded)):
-            check_adapter(self.paths[name], model, self.max_lora_rank)
-            model = load_into(model, self.paths[name], f"lora{self.int_ids[name]}")
-            self.loaded[name] = f"lora{self.int_ids[name]}"
-        for name in names:
-            self.loaded.move_to_end(name)
-        return self._evict(model, in_use | names)
+        try:
+            for name in sorted(names - set(self.loaded)):
+                if name not in self.paths:
+                    raise AdapterNotFound(f"the adapter {name!r} was unloaded before this request ran")
+                check_adapter(self.paths[name], model, self.max_lora_rank)
+                model = load_into(model, self.paths[name], f"lora{self.int_ids[name]}")
+                self.loaded[name] = f"lora{self.int_ids[name]}"
+        finally:  # the ones loaded stay, within max_cpu_loras, should a later one fail
+            for name in names & set(self.loaded):
+                self.loaded.move_to_end(name)
+            model = self._evict(model, in_use | names)
+        return model
 
     def _evict(self, model: torch.nn.Module, keep: set[str]) -> torch.nn.Module:
         """Drop the least recently used adapters beyond `max_cpu_loras` (never one in `keep`), and the weights a

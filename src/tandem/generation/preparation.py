@@ -83,7 +83,7 @@ class Preparer:
         prompt = self.reused_prompt(req) or self.render_chat(req)
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         logprobs = None if req.logprob_token_ids or not req.logprobs else req.top_logprobs or 0
-        prompt_logprobs = req.top_logprobs or 0 if req.echo and req.prompt_logprobs is None else req.prompt_logprobs
+        prompt_logprobs = (req.top_logprobs or 0) if req.echo and req.prompt_logprobs is None else req.prompt_logprobs
         return Ask("chat", [self.truncated(prompt, req)], req, req.max_completion_tokens or req.max_tokens, name,
                    logprobs=logprobs, prompt_logprobs=prompt_logprobs, cache_salt=req.cache_salt)
 
@@ -127,7 +127,8 @@ class Preparer:
             self.check_sampling_mask_request(params)
             requests.append(EngineRequest(prompt=list(ids), params=params, n=sampling.n, adapter=adapter,
                                           return_sampling_mask=ask.sampling_mask, cache_salt=ask.cache_salt,
-                                          stop_check=self.stop_check(stops, sampling.skips_special_tokens),
+                                          stop_check=self.stop_check(stops, sampling.skips_special_tokens,
+                                                                     params.min_tokens),
                                           reads_prefix_cache=ask.reads_prefix_cache))
         return requests
 
@@ -207,18 +208,16 @@ class Preparer:
             kwargs.setdefault("enable_thinking", effort != "none")
         try:
             tools = [as_vllm_renders(tool) for tool in req.tools] if req.tools else req.tools
-            ids = render_chat(self.tokenizer, req.messages, tools=tools, add_generation_prompt=req.add_generation_prompt,
-                              continue_final_message=req.continue_final_message, chat_template=req.chat_template,
-                              chat_template_kwargs=kwargs, content_format=self.content_format)
+            return render_chat(self.tokenizer, req.messages, tools=tools, add_generation_prompt=req.add_generation_prompt,
+                               continue_final_message=req.continue_final_message, chat_template=req.chat_template,
+                               chat_template_kwargs=kwargs, content_format=self.content_format,
+                               add_special_tokens=bool(req.add_special_tokens))
         except TEMPLATE_ERRORS as exc:  # the template rejecting these messages is the caller's input error
             raise bad_request(f"The chat template could not render these messages: {exc}", "messages", None) from None
-        if req.add_special_tokens:  # what tokenizing the rendered text with the tokenizer's special tokens gives
-            ids = self.tokenizer(self.tokenizer.decode(ids), add_special_tokens=True)["input_ids"]
-        return ids
 
     def reused_prompt(self, req: protocol.ChatCompletionRequest) -> list[int] | None:
         """vLLM's bypass of the template: `kv_transfer_params.prompt_token_ids` are the prompt, unless the request
-        echoes or its messages hold more than text."""
+        echoes."""
         ids = (req.kv_transfer_params or {}).get("prompt_token_ids")
         if ids is None or req.echo:
             return None
@@ -279,14 +278,17 @@ class Preparer:
         if params.top_k <= 0:
             raise bad_request("sampling distribution replay requires top_k > 0", "top_k", params.top_k)
 
-    def stop_check(self, stops: list[str], skip_special: bool):
-        """The engine's per-step test for stop strings in the decoded output (None when there are none)."""
+    def stop_check(self, stops: list[str], skip_special: bool, min_tokens: int):
+        """The engine's per-step test for stop strings in the decoded output past its first `min_tokens` tokens (None
+        when there are none)."""
         if not stops:
             return None
 
         def check(output: list[int]) -> str | None:
             decoded = self.tokenizer.decode(output, skip_special_tokens=skip_special)
-            return next((s for s in stops if s in decoded), None)
+            before = len(self.tokenizer.decode(output[:min_tokens], skip_special_tokens=skip_special)) if min_tokens else 0
+            found = protocol.find_stop(decoded, stops, before)
+            return found[0] if found else None
 
         return check
 

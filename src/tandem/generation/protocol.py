@@ -253,7 +253,7 @@ async def read(request, model: type[BaseModel], *, json_only: bool = True) -> An
 
 def sampling_params(
     fields: dict[str, Any], defaults: dict[str, Any], *, max_tokens: int, max_logprobs: int, vocab_size: int,
-    logprobs: int | None, prompt_logprobs: int | None, clamp_bias: bool = True, bad_words: list[list[int]] = (),
+    logprobs: int | None, prompt_logprobs: int | None, clamp_bias: bool = True, bad_words: tuple[list[int], ...] = (),
 ) -> SamplingParams:
     """Resolve request fields over the server's defaults and check them as vLLM's SamplingParams does. `clamp_bias`:
     logit_bias values clamped to [-100, 100] (the /v1 routes; /inference/v1/generate takes them as sent)."""
@@ -296,22 +296,26 @@ def logit_bias(bias: dict[str, float] | None, vocab_size: int, clamp: bool) -> d
     leaves nothing to sample)."""
     if not bias:
         return {}
-    ids = {}
-    for key, value in bias.items():
-        try:
-            ids[int(key)] = min(100.0, max(-100.0, value)) if clamp else value
-        except ValueError:
-            ids[key] = value
-    not_ints = [key for key in ids if isinstance(key, str)]
+    not_ints = [key for key in bias if not is_int(key)]
     if not_ints:
         raise bad_request(f"logit_bias contains key(s) that cannot be converted to integer token IDs: {not_ints}",
                           "logit_bias", not_ints)
+    ids = {int(key): value for key, value in bias.items()}
     out_of_vocabulary("logit_bias", list(ids), vocab_size)
     infinite = [key for key, value in ids.items() if not math.isfinite(value)]
     if infinite:
         raise bad_request(f"logit_bias values must be finite numbers; token ids {infinite} have none.", "logit_bias",
                           infinite)
-    return ids
+    return {key: min(100.0, max(-100.0, value)) for key, value in ids.items()} if clamp else ids
+
+
+def is_int(text: str) -> bool:
+    """Whether Python's int() reads `text`, as vLLM reads logit_bias keys."""
+    try:
+        int(text)
+        return True
+    except ValueError:
+        return False
 
 
 def allowed_token_ids(ids: list[int] | None, vocab_size: int) -> list[int] | None:
@@ -325,11 +329,10 @@ def allowed_token_ids(ids: list[int] | None, vocab_size: int) -> list[int] | Non
     return sorted(set(ids))
 
 
-def repetition_detection(spec: "RepetitionDetection | dict | None") -> tuple[int, int, int] | None:
+def repetition_detection(spec: dict | None) -> tuple[int, int, int] | None:
     """(min_pattern_size, max_pattern_size, min_count), or None when off (max_pattern_size 0)."""
     if spec is None:
         return None
-    spec = spec if isinstance(spec, dict) else spec.model_dump()
     low, high, count = spec.get("min_pattern_size", 0), spec.get("max_pattern_size", 0), spec.get("min_count", 0)
     if low < 0 or high < 0 or low > high:
         raise bad_request("max_pattern_size, min_pattern_size must be >=0, with min_pattern_size <= max_pattern_size. "
@@ -419,6 +422,13 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     if any(s == "" for s in strings):
         raise bad_request("Empty strings are not allowed in stop.", "stop", strings)
     return strings
+
+
+def find_stop(text: str, stops: list[str], before: int = 0) -> tuple[str, int] | None:
+    """The first stop string in `text` and where it starts, a match lying wholly in its first `before` characters
+    (the text of the first min_tokens tokens, where vLLM does not look) left out."""
+    found = [(at, stop) for stop in stops if (at := text.find(stop, max(0, before - len(stop) + 1))) >= 0]
+    return (min(found)[1], min(found)[0]) if found else None
 
 
 def tool_choice(req: ChatCompletionRequest, parser: str | None, auto_tools: bool) -> str:

@@ -6,7 +6,7 @@ import uuid
 from dataclasses import dataclass
 
 from tandem.generation.engine import EngineRequest, Sequence
-from tandem.generation.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from tandem.generation.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, find_stop
 from tandem.generation.sampling import floor_logprob
 from tandem.prompts import with_content_as
 from tandem.tool_formats import ToolCallFormat, served_reply
@@ -30,13 +30,15 @@ class TokenText:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-def output_text(seq: Sequence, text: TokenText, *, include_stop: bool, skip_special: bool) -> str:
-    """The choice's `text`: a stop string cuts it; the final EOS/stop token is left out unless asked for."""
+def output_text(seq: Sequence, text: TokenText, *, include_stop: bool, skip_special: bool, min_tokens: int = 0) -> str:
+    """The choice's `text`: a stop string cuts it (where the engine found it: past the first `min_tokens` tokens); the
+    final EOS/stop token is left out unless asked for."""
     ids = seq.output
     if seq.finish_reason == "stop" and isinstance(seq.stop_reason, str):
         decoded = text.decode(ids, skip_special)
-        cut = decoded.find(seq.stop_reason)
-        return decoded if cut < 0 else decoded[: cut + len(seq.stop_reason) * include_stop]
+        before = len(text.decode(ids[:min_tokens], skip_special)) if min_tokens else 0
+        found = find_stop(decoded, [seq.stop_reason], before)
+        return decoded if found is None else decoded[: found[1] + len(seq.stop_reason) * include_stop]
     if seq.finish_reason == "stop" and not include_stop:
         ids = ids[:-1]
     return text.decode(ids, skip_special)
@@ -137,7 +139,8 @@ def completion_choice(req: CompletionRequest, request: EngineRequest, seq: Seque
     """One choice. With `echo` its text and log-probs start with the prompt's (vLLM 0.33): the prompt as sent ("" when
     token ids are returned), its log-probs (the first null) and then the output's; `max_tokens: 0` gives the prompt
     alone, though one token was generated (in `token_ids` and `usage`, as vLLM does)."""
-    output = output_text(seq, text, include_stop=req.include_stop_str_in_output, skip_special=req.skips_special_tokens)
+    output = output_text(seq, text, include_stop=req.include_stop_str_in_output, skip_special=req.skips_special_tokens,
+                         min_tokens=req.min_tokens)
     as_ids = bool(req.return_tokens_as_token_ids)
     token_ids, positions = list(seq.output), seq.top_logprobs
     if req.echo:
@@ -211,15 +214,15 @@ class ChatReply:
         last = req.messages[-1] if req.messages and isinstance(req.messages[-1], dict) else {}
         role = response_role if req.add_generation_prompt else str(last.get("role", response_role))
         echoed = ""
-        if req.echo and last.get("role") == role and last.get("content") is not None:
-            echoed = with_content_as(last, "string")["content"]
+        if req.echo and last.get("role") == role and isinstance(last.get("content"), (str, list)):
+            echoed = with_content_as(last, "string")["content"]  # parts joined, as the prompt rendered them
         return cls(role, echoed, top_count(req), text, tool_format)
 
     def choice(self, req: ChatCompletionRequest, seq: Sequence) -> dict:
         """One choice; with a `tool_format` (tool_choice "auto" on a server with a tool-call parser) the reply's tool
         calls move from the content to `message.tool_calls`, as vLLM's parser of that format reads them."""
         content = output_text(seq, self.text, include_stop=req.include_stop_str_in_output,
-                              skip_special=req.skips_special_tokens)
+                              skip_special=req.skips_special_tokens, min_tokens=req.min_tokens)
         calls = []
         if self.tool_format is not None:
             content, parsed = served_reply(self.tool_format, content)
@@ -261,7 +264,8 @@ def generate_choice(req: GenerateRequest, seq: Sequence, text: TokenText, sampli
         "logprobs": generate_logprobs(seq) if sp.logprobs is not None else None,
     }
     if req.output_mode == "text":
-        choice["text"] = output_text(seq, text, include_stop=False, skip_special=sp.skips_special_tokens)
+        choice["text"] = output_text(seq, text, include_stop=False, skip_special=sp.skips_special_tokens,
+                                     min_tokens=sp.min_tokens)
     return choice
 
 

@@ -269,11 +269,9 @@ class Server:
         where = f"--lora-modules {name}={path}"
         if name in self.names:
             raise UsageError(f"{where}: The lora adapter '{name}' conflicts with a served base model.")
-        if name in self.adapters.paths:
-            raise UsageError(f"{where}: The lora adapter '{name}' has already been loaded.")
         try:
             return self.adapters.add(self.engine.model, name, path, set())
-        except (LookupError, ValueError) as exc:
+        except (LookupError, ValueError) as exc:  # not found, already loaded, refused
             raise UsageError(f"{where}: {exc}") from None
 
     # ---- app ---------------------------------------------------------------------------------
@@ -530,7 +528,7 @@ class Server:
 
     async def models(self, _: web.Request) -> web.Response:
         cards = [self._model_card(n, self.args.model, None, self.max_model_len) for n in self.names]
-        for lora, path in (self.adapters.paths.items() if self.adapters else []):
+        for lora, path in (list(self.adapters.paths.items()) if self.adapters else []):  # the engine thread adds
             cards.append(self._model_card(lora, path, self.names[0], None))
         return web.json_response({"object": "list", "data": cards})
 

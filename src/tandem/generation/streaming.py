@@ -80,7 +80,7 @@ class StreamOptions:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    """A stream's `usage` object (vLLM leaves the details out of streamed usage)."""
+    """A stream's `usage` object (the prompt-token details go on the final usage chunk only, as in vLLM)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
@@ -107,7 +107,11 @@ class Stream:
             if p.done:
                 continue
             count, finished = p.ready()
-            ends = [end for end in range(p.tokens + 1, count + 1) if end == 1 or end % self.options.interval == 0]
+            ends, last = [], p.tokens
+            for end in range(p.tokens + 1, count + 1):  # as vLLM: once `interval` tokens have gathered since the last
+                if end == 1 or end - last >= self.options.interval:
+                    ends.append(end)
+                    last = end
             if finished and (not ends or ends[-1] != count):
                 ends.append(count)
             for end in ends:
@@ -146,7 +150,7 @@ class Stream:
 
     def _final_text(self, seq: Sequence) -> str:
         return output_text(seq, self.text, include_stop=self.req.include_stop_str_in_output,
-                           skip_special=self.req.skips_special_tokens)
+                           skip_special=self.req.skips_special_tokens, min_tokens=self.req.min_tokens)
 
     def _chunk(self, p: Progress, new: list[int], positions: list, delta: str, finished: bool) -> dict | None:
         raise NotImplementedError

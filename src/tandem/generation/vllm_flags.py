@@ -156,7 +156,7 @@ ALREADY_SO = {
     "disable-fastapi-docs": "tandem serve has no /docs page",
     "language-model-only": "tandem serve serves the language model only",
 }
-"""Flags whose promise tandem serve keeps on its own: taken (with or without a value of true)."""
+"""Flags whose promise tandem serve keeps on its own: taken (switches, as in vLLM)."""
 
 OPPOSITES = (("no-", ""), ("disable-", "enable-"), ("enable-", "disable-"))
 """vLLM 0.33's negations of a switch: --no-X of --X, --disable-X of --enable-X and the other way round."""
