@@ -159,6 +159,20 @@ def test_flash_reinforce_treats_a_multi_turn_rollout_as_one_trajectory_across_ro
         assert result.metrics["sampling/importance_sampling_ratio/mean"] == pytest.approx(ratios[id(row)])
 
 
+def test_flash_reinforce_adds_the_router_loss_as_grpo_does():
+    """A mixture of experts trained with FlashREINFORCE keeps its routers balanced: the same scaled, per-row term."""
+    row = pack([turn("a", [1, 2, 3], [0, 1, 1], reward=1.0, behavior_log_probs=[0.0, -0.5, -1.0])])
+    objective = FlashReinforce(delta=float("inf"), negative_token_fraction=1.0, aux_loss_coef=0.1)
+    objective.begin_step([row], lambda: [scored([-0.5, -1.0])])
+    forward = scored([-0.5, -1.0], aux_loss=2.5)
+    result = objective.row_loss(row, forward, LossShare(tokens=2 * 4, rows=4))
+    result.loss.backward()
+    assert forward.aux_loss.grad.item() == pytest.approx(0.1 / 4), "the router loss is missing from FlashREINFORCE's"
+    assert result.metrics["aux_loss"] == [2.5]
+    assert make_objective(AsyncGRPOConfig(output_dir="unused", algorithm="flash_reinforce", num_generations=1),
+                          aux_loss_coef=0.01).aux_loss_coef == 0.01
+
+
 def test_a_row_not_seen_by_begin_step_is_refused():
     objective = FlashReinforce(delta=1.0, negative_token_fraction=1.0)
     with pytest.raises(RuntimeError, match="not among the rows passed to begin_step"):

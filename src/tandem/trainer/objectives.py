@@ -10,10 +10,10 @@ The trainer's step reads the same whatever the objective, on one rank or several
 
 `ClippedSurrogate` (`score_centering=False`) and `ScoreCentering` (the default) are
 per-token losses normalised by the trained tokens of the whole micro-batch (every rank's rows) and averaged
-over the micro-batches, plus the MoE router's load-balancing loss: summed over ranks, the gradient is one
-process's over the same rows. `FlashReinforce` is one loss over the whole step: its
-`begin_step` scores every row of the step without gradients (`score` returns every rank's) and fixes each
-token's coefficient c_t, then each row's loss is Σ_t c_t log π_θ(a_t), the row's share of the update.
+over the micro-batches: summed over ranks, the gradient is one process's over the same rows. `FlashReinforce` is one
+loss over the whole step: its `begin_step` scores every row of the step without gradients (`score` returns every
+rank's) and fixes each token's coefficient c_t, then each row's loss is Σ_t c_t log π_θ(a_t), the row's share of the
+update. Every objective adds the MoE router's load-balancing loss (`router_loss`), averaged over the step's rows.
 """
 
 from collections.abc import Callable
@@ -64,6 +64,14 @@ class Objective:
         raise NotImplementedError
 
 
+def router_loss(scored: TokenLogprobs, coefficient: float, share: LossShare) -> tuple[torch.Tensor | float, dict]:
+    """A mixture-of-experts row's load-balancing loss, scaled by the coefficient (the model's own by default) and
+    averaged over the step's rows, and its unscaled value as a record; (0, {}) for a model without a router."""
+    if scored.aux_loss is None:
+        return 0.0, {}
+    return coefficient * scored.aux_loss / share.rows, {"aux_loss": [float(scored.aux_loss.detach())]}
+
+
 class ClippedSurrogate(Objective):
     """GRPO's clipped surrogate with masked importance sampling (losses/grpo.py)."""
 
@@ -82,11 +90,10 @@ class ClippedSurrogate(Objective):
         behavior, advantages = row.behavior_log_probs.to(device), row.advantages.to(device)
         losses, stats, metrics = self.token_losses(row, scored, behavior, advantages)
         # Normalised by the trained tokens of the micro-batch, then averaged over the accumulated micro-batches.
-        loss = losses.sum() / share.tokens
-        if scored.aux_loss is not None:  # MoE: the router's load-balancing loss, with the model's coefficient by default
-            metrics["aux_loss"] = [float(scored.aux_loss.detach())]
-            loss = loss + self.aux_loss_coef * scored.aux_loss / share.rows
-        return RowLoss(loss, metrics | token_stats(row, scored.log_probs.detach(), behavior, scored.entropy, stats))
+        router, recorded = router_loss(scored, self.aux_loss_coef, share)
+        loss = losses.sum() / share.tokens + router
+        return RowLoss(loss, metrics | recorded | token_stats(row, scored.log_probs.detach(), behavior, scored.entropy,
+                                                              stats))
 
 
 class ScoreCentering(ClippedSurrogate):
@@ -108,11 +115,13 @@ class FlashReinforce(Objective):
     """FlashREINFORCE over the whole optimizer batch: its update is
     Σ_t c_t ∇log π_θ(a_t) with every c_t detached, c_t being the gradient of the reference loss
     (losses/flash_reinforce.py) with respect to the current log-prob of token t. A multi-turn rollout is one
-    trajectory whatever rows its samples landed in. It neither clips nor masks, and adds no aux loss."""
+    trajectory whatever rows its samples landed in. It neither clips nor masks; a mixture of experts' router loss is
+    added to each row's as in GRPO."""
 
-    def __init__(self, delta: float, negative_token_fraction: float):
+    def __init__(self, delta: float, negative_token_fraction: float, aux_loss_coef: float = 0.0):
         self.delta = delta
         self.negative_token_fraction = negative_token_fraction
+        self.aux_loss_coef = aux_loss_coef
         self.coefficients: dict[int, torch.Tensor] = {}
         """c_t of each row of the current step, by id(row); set by begin_step, taken by row_loss."""
 
@@ -139,16 +148,17 @@ class FlashReinforce(Objective):
         if id(row) not in self.coefficients:
             raise RuntimeError("FlashReinforce.row_loss: this row was not among the rows passed to begin_step")
         log_probs = scored.log_probs
-        loss = (self.coefficients.pop(id(row)) * log_probs).sum()
+        router, recorded = router_loss(scored, self.aux_loss_coef, share)
+        loss = (self.coefficients.pop(id(row)) * log_probs).sum() + router
         behavior = row.behavior_log_probs.to(log_probs.device)
         _, stats = importance_ratio(log_probs.detach(), behavior, **UNBOUNDED)
-        return RowLoss(loss, token_stats(row, log_probs.detach(), behavior, scored.entropy, stats))
+        return RowLoss(loss, recorded | token_stats(row, log_probs.detach(), behavior, scored.entropy, stats))
 
 
 def make_objective(args: AsyncGRPOConfig, aux_loss_coef: float) -> Objective:
     """The objective `args` selects: `algorithm`, then `score_centering`."""
     if args.algorithm == "flash_reinforce":
-        return FlashReinforce(args.flash_delta, args.flash_negative_token_fraction)
+        return FlashReinforce(args.flash_delta, args.flash_negative_token_fraction, aux_loss_coef)
     bounds = {"epsilon_low": args.epsilon, "epsilon_high": args.epsilon_high,
               "clip_min": args.vllm_importance_sampling_clip_min, "clip_max": args.vllm_importance_sampling_clip_max}
     return (ScoreCentering if args.score_centering else ClippedSurrogate)(bounds, aux_loss_coef)
