@@ -250,5 +250,6 @@ def test_a_tool_call_whose_type_is_not_function_is_answered_with_an_error_not_ru
     text = 'Run it.[TOOL_CALLS][{"type": "code_interpreter", "function": {"name": "calculator", "arguments": {}}}]'
     [call] = parse_reply(text, mistral_tokenizer).tool_calls
     assert "only \"function\" tools can be called" in call.error and "'code_interpreter'" in call.error
+    assert call.name == "calculator", "the error names the tool the model asked for"
     function = 'Run it.[TOOL_CALLS][{"type": "function", "function": {"name": "calculator", "arguments": {"x": 1}}}]'
     assert calls_of(parse_reply(function, mistral_tokenizer)) == [("calculator", {"x": 1}, None)]

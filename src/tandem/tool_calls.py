@@ -176,7 +176,7 @@ def parse_with_response_template(text: str, tokenizer, prefix: str) -> ParsedRep
     calls = [parsed_call(entry) for entry in parsed.get("tool_calls") or []]
     bad = next((i for i, call in enumerate(calls) if call.error is not None), None)
     if bad is not None:
-        return unparsed(text, f"tool call {bad + 1} of the reply is malformed: {calls[bad].error}")
+        return unparsed(text, f"tool call {bad + 1} of the reply is malformed: {calls[bad].error}", calls[bad].name)
     reasoning = parsed.get("reasoning_content", parsed.get("thinking"))
     return ParsedReply(content=(parsed.get("content") or "").strip(), tool_calls=calls, reasoning=reasoning)
 
@@ -186,13 +186,15 @@ def parsed_call(entry) -> ToolCall:
     itself. Only function tools run: a call of another type is malformed, never looked up by its name."""
     raw = json.dumps(entry, ensure_ascii=False)
     if isinstance(entry, dict) and entry.get("type", "function") != "function":
-        return ToolCall("", {}, error=f'a call of type {entry["type"]!r}: only "function" tools can be called', raw=raw)
+        function = entry.get("function") if isinstance(entry.get("function"), dict) else entry
+        name = function.get("name") if isinstance(function.get("name"), str) else ""  # what the model asked for
+        return ToolCall(name, {}, error=f'a call of type {entry["type"]!r}: only "function" tools can be called', raw=raw)
     return call_from_object(entry.get("function", entry) if isinstance(entry, dict) else entry, raw)
 
 
-def unparsed(text: str, error: str) -> ParsedReply:
-    """A reply kept whole as content, with one malformed call that says why."""
-    return ParsedReply(content=text.strip(), tool_calls=[ToolCall("", {}, error=error, raw=text)])
+def unparsed(text: str, error: str, name: str = "") -> ParsedReply:
+    """A reply kept whole as content, with one malformed call that says why (and names the tool asked for, if any)."""
+    return ParsedReply(content=text.strip(), tool_calls=[ToolCall(name, {}, error=error, raw=text)])
 
 
 def tool_schema(func) -> dict:

@@ -93,6 +93,8 @@ def test_save_model_merged_writes_the_export_and_leaves_the_trained_adapter_as_i
     before = {name: p.clone() for name, p in trainer.model.named_parameters()}
 
     trainer.save_model(str(tmp_path / "merged"), merged=True)
+    trainer.save_model(str(tmp_path / "as_transformers"), _internal_call=True)  # transformers' Trainer's signature
+    assert (tmp_path / "as_transformers" / "adapter_config.json").exists()
 
     after = dict(trainer.model.named_parameters())
     assert after.keys() == before.keys() and all(torch.equal(after[n], before[n]) for n in before), "the live model is untouched"

@@ -115,6 +115,9 @@ def test_the_router_loss_is_added_scaled_per_row_and_recorded_unscaled(objective
     assert result.metrics["aux_loss"] == [2.5]
     without = objective(BOUNDS, aux_loss_coef=0.1).row_loss(row, scored([-0.5, -1.0], extra=[[-0.5], [-1.0]]), LossShare(tokens=2 * 4, rows=4))
     assert "aux_loss" not in without.metrics and without.loss.item() == 0.0
+    off = objective(BOUNDS, aux_loss_coef=0.0).row_loss(row, scored([-0.5, -1.0], extra=[[-0.5], [-1.0]], aux_loss=2.5),
+                                                        LossShare(tokens=2 * 4, rows=4))
+    assert "aux_loss" not in off.metrics, "router_aux_loss_coef 0: the router loss trains nothing and is not logged"
 
 
 @pytest.mark.parametrize("objective", [ClippedSurrogate(BOUNDS, 0.0), ScoreCentering(BOUNDS, 0.0)])

@@ -66,8 +66,9 @@ class Objective:
 
 def router_loss(scored: TokenLogprobs, coefficient: float, share: LossShare) -> tuple[torch.Tensor | float, dict]:
     """A mixture-of-experts row's load-balancing loss, scaled by the coefficient (the model's own by default) and
-    averaged over the step's rows, and its unscaled value as a record; (0, {}) for a model without a router."""
-    if scored.aux_loss is None:
+    averaged over the step's rows, and its unscaled value as a record; (0, {}) for a model without a router or with
+    a coefficient of 0 (`aux_loss` is logged only where it trains)."""
+    if scored.aux_loss is None or not coefficient:
         return 0.0, {}
     return coefficient * scored.aux_loss / share.rows, {"aux_loss": [float(scored.aux_loss.detach())]}
 

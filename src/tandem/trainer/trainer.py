@@ -229,12 +229,13 @@ class AsyncGRPOTrainer:
     def _backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def save_model(self, output_dir: str | None = None, merged: bool = False) -> None:
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False, merged: bool = False) -> None:
         """The model (or the LoRA adapter) and tokenizer as a folder transformers, vLLM and `tandem serve` load.
         `merged=True` writes a LoRA model as `tandem export` does: its adapter merged into a fresh copy of the base
         model, read again from the base's folder into host memory (one more copy of the base there, none on the
         GPU), so the trained model is left as it is; a full-weight model is saved as it is. Under torchrun every rank
-        calls it; rank 0 merges."""
+        calls it; rank 0 merges. `_internal_call` is transformers' Trainer argument, taken so that code written for it
+        runs: there it only decides a push to the Hub, which tandem does not do (push_to_hub is refused)."""
         target = Path(output_dir or self.args.output_dir)
         if merged and self.lora:
             with tempfile.TemporaryDirectory() as adapter:
