@@ -94,7 +94,8 @@ METRICS = (
            "collapse."),
     Metric("aux_loss",
            "A Mixture-of-Experts model's router load-balancing loss, per row before it is weighted by "
-           "router_aux_loss_coef, averaged over the window's rows. Logged only for models with a router.",
+           "router_aux_loss_coef, averaged over the window's rows. Logged only for models with a router, when the "
+           "coefficient is not 0 (GRPO and FlashREINFORCE alike).",
            "Rising means the experts' load grows unbalanced."),
     Metric("clip_ratio/low_mean",
            "Fraction of trained tokens whose importance ratio (trainer over sampler probability) is below 1 - epsilon, "
