@@ -1,6 +1,8 @@
 """The `tandem serve` a run starts for itself when no vllm_server_base_url is given: the folder it loads, and its flags."""
 
 import json
+import urllib.request
+import warnings
 from pathlib import Path
 
 import torch
@@ -42,3 +44,22 @@ def server_flags(args: AsyncGRPOConfig, model_name: str, served_dtype: str, lora
     if args.trust_remote_code:
         flags += ["--trust-remote-code"]
     return flags
+
+
+VLLM_DEFAULT_URL = "http://127.0.0.1:8000"
+"""Where `vllm serve` listens unless told otherwise: a server a user started as vLLM's quick start says."""
+
+
+def warn_if_a_server_waits(timeout_s: float = 0.5) -> None:
+    """A run without vllm_server_base_url starts its own server; one that answers at vLLM's default address was most
+    likely meant to be used instead, so say how (half a second at most, and nothing when none answers)."""
+    url = VLLM_DEFAULT_URL
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as answer:
+            if answer.status != 200:
+                return
+    except (OSError, ValueError):
+        return
+    warnings.warn(f"a generation server answers at {url} (vllm serve's default address), but vllm_server_base_url is "
+                  "not set, so this run starts its own embedded tandem serve. To generate from that server, set "
+                  f"vllm_server_base_url={url} (or, as in TRL, vllm_server_port=8000).", stacklevel=2)

@@ -21,6 +21,7 @@ from tandem.metrics.console import RunConsole
 from tandem.metrics.doctor import RUN_CONFIG
 from tandem.metrics.sinks import completion_rows, make_sinks
 from tandem.rollout.worker import RolloutWorker, WorkerSpec
+from tandem.runtime import embedded_server
 
 QUICK_S = 5.0
 """How long a server may take to answer /health before the run says it is waiting for it."""
@@ -65,6 +66,7 @@ class Session:
     def start_server(self, model_path: str, log_path: Path, extra_args: list[str], threads: int | None = None) -> str:
         """The embedded `tandem serve` for `model_path` (its output in `log_path`); returns its URL. With `threads`,
         the server and this process (until the session ends) each compute with that many OpenMP threads."""
+        embedded_server.warn_if_a_server_waits()
         if threads is not None:
             self.stack.callback(torch.set_num_threads, torch.get_num_threads())
             torch.set_num_threads(threads)
