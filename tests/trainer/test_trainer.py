@@ -680,6 +680,21 @@ def test_lora_training_syncs_versioned_adapters_and_samples_from_them(tmp_path):
     assert out.global_step == 6 and abs(out.metrics["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4
 
 
+def test_an_all_linear_adapter_trains_on_policy(tmp_path):
+    """target_modules="all-linear", as TRL's and PEFT's examples write it: every linear layer but the head, served as
+    trained (each sync's probe within 1e-5)."""
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    args = config(tmp_path, max_staleness=0, max_steps=2, learning_rate=1e-3, weight_sync_check_atol=1e-5)
+    trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=small_dataset(), peft_config=lora)
+    adapted = {name.rsplit(".", 1)[-1] for name, module in trainer.model.named_modules() if hasattr(module, "lora_A")}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    trainer.train()
+    for r in logged(tmp_path):
+        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4 and r["weight_sync/served_logprob_gap"] <= 1e-5
+
+
 def test_lora_against_a_server_without_adapters_syncs_merged_weights_with_a_warning(tmp_path):
     from peft import LoraConfig
 
