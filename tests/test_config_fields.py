@@ -224,8 +224,7 @@ FIELD_TESTS = {
     "torch_compile": "tests/test_config_fields.py::test_torch_compile_compiles_the_decoder_once_for_rows_of_any_length",
     "torch_compile_backend":
         "tests/test_config_fields.py::test_torch_compile_compiles_the_decoder_once_for_rows_of_any_length",
-    "torch_compile_mode":
-        "tests/test_config_fields.py::test_torch_compile_compiles_the_decoder_once_for_rows_of_any_length",
+    "torch_compile_mode": "tests/test_config_fields.py::test_torch_compile_mode_and_backend_reach_torch_compile",
     "torch_empty_cache_steps":
         "tests/test_config_fields.py::test_epoch_and_fractional_strategies_empty_cache_steps_memory_metrics_and_ddp_timeout_work_as_in_transformers",
     "log_on_each_node":
@@ -683,6 +682,15 @@ def test_torch_compile_compiles_the_decoder_once_for_rows_of_any_length(tmp_path
         assert torch.equal(compiled.passes.forward(row).log_probs, plain.passes.forward(row).log_probs), length
     assert counters["stats"]["unique_graphs"] >= 1, "the decoder ran compiled"
     assert counters["stats"]["unique_graphs"] <= 2, f"recompiled for new lengths: {dict(counters['stats'])}"
+
+
+def test_torch_compile_mode_and_backend_reach_torch_compile(tmp_path, monkeypatch):
+    asked = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: asked.append(kwargs))
+    with pytest.warns(UserWarning, match="no longer matches"):
+        AsyncGRPOTrainer("tiny", accuracy_reward, train_dataset=DATA, args=AsyncGRPOConfig(
+            output_dir=str(tmp_path), torch_compile=True, torch_compile_mode="max-autotune-no-cudagraphs"))
+    assert asked == [{"backend": "inductor", "mode": "max-autotune-no-cudagraphs", "dynamic": True}]
 
 
 def test_optim_target_modules_without_a_low_rank_optimizer_says_which_optimizers_read_it():
