@@ -4,6 +4,7 @@
 import pytest
 
 from tests.conftest import ServeProcess
+from tests.generation.test_prefix_cache import counter
 
 QUESTION = [{"role": "user", "content": "What is 2 + 2?"}]
 
@@ -158,22 +159,18 @@ def test_max_tokens_beyond_the_context_is_refused_on_v1_routes(serve):
 
 
 def prefix_hits(serve) -> float:
-    text = serve.get("/metrics")[1]
-    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total")))
+    return counter(serve, "vllm:prefix_cache_hits_total")
 
 
 def test_cache_salts_keep_prefix_caches_apart(serve):
     prompt = list(range(100, 164))  # four whole blocks
 
-    def hits() -> float:
-        return prefix_hits(serve)
-
     complete(serve, prompt=prompt, cache_salt="alice")
-    before = hits()
+    before = prefix_hits(serve)
     complete(serve, prompt=prompt, cache_salt="bob")
-    assert hits() == before, "a different salt read another's blocks"
+    assert prefix_hits(serve) == before, "a different salt read another's blocks"
     complete(serve, prompt=prompt, cache_salt="alice")
-    assert hits() > before, "the same salt shares its blocks"
+    assert prefix_hits(serve) > before, "the same salt shares its blocks"
     assert "must be a non-empty string" in refusal(serve, "/v1/completions", {"prompt": prompt, "cache_salt": ""})
     assert "must not contain '@'" in refusal(serve, "/v1/completions", {"prompt": prompt, "cache_salt": "a@b"})
 

@@ -40,15 +40,7 @@ class Emission:
         appended. A row whose masks left nothing to sample gets no token: its request fails ("error")."""
         params = [request.params for request, _ in entries]
         raw = logits.clone()
-        for b, (request, seq) in enumerate(entries):
-            p = request.params
-            blocked = set()
-            if len(seq.output) < p.min_tokens:
-                blocked = set(p.stop_token_ids) | self.extra_stop_token_ids | ({self.eos_token_id} - {None})
-            if p.allowed_token_ids is not None or p.bad_words or blocked or p.logit_bias:
-                apply_masks(logits[b], p, seq.output, blocked)
-            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-                apply_penalties(logits[b], p, request.prompt, seq.output)
+        self._shape_rows(entries, logits)
         processed = process_logits(logits, params)
         nothing_left = ~torch.isfinite(processed).any(-1)
         if bool(nothing_left.any()):  # its masks excluded every token: that request fails, the others go on
@@ -87,6 +79,18 @@ class Emission:
             if reasons[-1] is None:
                 seq.checked = len(seq.output)
         return reasons
+
+    def _shape_rows(self, entries: list[tuple[EngineRequest, Sequence]], logits: torch.Tensor) -> None:
+        """Each row's masks, bias and penalties, in place, in vLLM's order (sampling.apply_masks, apply_penalties)."""
+        for b, (request, seq) in enumerate(entries):
+            p = request.params
+            blocked = set()
+            if len(seq.output) < p.min_tokens:
+                blocked = set(p.stop_token_ids) | self.extra_stop_token_ids | ({self.eos_token_id} - {None})
+            if p.allowed_token_ids is not None or p.bad_words or blocked or p.logit_bias:
+                apply_masks(logits[b], p, seq.output, blocked)
+            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+                apply_penalties(logits[b], p, request.prompt, seq.output)
 
     def prompt_logprobs(self, logits: torch.Tensor, prompt: list[int], k: int) -> list:
         """Entry 0 is None; entry j holds prompt token j and the top-k at that position (raw log-probs)."""
