@@ -26,6 +26,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from tandem.staleness import StalenessPolicy
 from tandem.generation.client import ControlClient
 from tandem.generation.launcher import EmbeddedServer
 from tandem.tasks import TINY_MODEL_PATH
@@ -122,7 +123,7 @@ def main() -> None:
         model = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp / "model", dtype=torch.float32),
                                LoraConfig(r=cli.rank, lora_alpha=2 * cli.rank, lora_dropout=0.0,
                                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-        flags = [*lora_server_flags(max_staleness=1, rank=cli.rank), "--weight-transfer-config", json.dumps({"backend": "gloo"})]
+        flags = [*lora_server_flags(StalenessPolicy(max_staleness=1), rank=cli.rank), "--weight-transfer-config", json.dumps({"backend": "gloo"})]
         with EmbeddedServer(str(tmp / "model"), log_path=tmp / "server.log", extra_args=flags) as server, asyncio.Runner() as run:
             control = ControlClient(server.url, timeout_s=600)
             plain = AutoModelForCausalLM.from_pretrained(tmp / "model", dtype=torch.float32)

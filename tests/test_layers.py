@@ -8,7 +8,7 @@ import tandem
 
 SOURCE = Path(tandem.__file__).parent
 
-NEUTRAL = {"tandem.__version__", "tandem.DISTRIBUTION", "tandem.config", "tandem.prompts", "tandem.tool_calls", "tandem.tool_formats",
+NEUTRAL = {"tandem.__version__", "tandem.DISTRIBUTION", "tandem.config", "tandem.algorithms", "tandem.staleness", "tandem.prompts", "tandem.tool_calls", "tandem.tool_formats",
            "tandem.exact_attention",
            "tandem.architecture", "tandem.httpapp", "tandem.tasks", "tandem.records", "tandem.channels",
            "tandem.distributed", "tandem.model_folder", "tandem.dataset_rows", "tandem.errors", "tandem.openmp",
@@ -22,9 +22,9 @@ ALLOWED = {
     "generation": set(),
     "proxy": {"generation.client"},
     "packing": {"metrics.window"},
-    "rollout": {"generation.client", "metrics"},
-    "runtime": {"generation.client", "generation.launcher", "generation.weight_transfer", "packing", "metrics",
-                "rollout"},
+    "rollout": {"generation.client", "generation.server_facts", "metrics"},
+    "runtime": {"generation.client", "generation.server_facts", "generation.launcher", "generation.weight_transfer",
+                "packing", "metrics", "rollout"},
     "trainer": {"packing", "losses", "metrics", "runtime", "integrations"},
     "integrations": {"rollout", "generation.client"},
 }

@@ -7,7 +7,6 @@ finding); a warning is one `tandem <command>: warning: ...` line."""
 
 import argparse
 import json
-import math
 import os
 import shlex
 import signal
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from tandem.algorithms import algorithm_of
 from tandem.errors import UsageError, install_command, warnings_as_lines
 from tandem.prompts import CONTENT_FORMATS
 from tandem.tasks import TINY_MODEL_PATH
@@ -343,14 +343,14 @@ def serve_command(recipe, max_model_len: int, cpu: bool) -> str:
         parts += ["--weight-transfer-config", json.dumps({"backend": "gloo" if cpu else "nccl"})]
     if not cpu and not lora:  # several API servers: an adapter load would reach only the one that answers it
         parts += ["--api-server-count", "8"]
-    if config.num_sampler_logprobs > 20:
-        parts += ["--max-logprobs", str(config.num_sampler_logprobs)]
+    if (top_logprobs := algorithm_of(config).sampler_top_logprobs(config)) > 20:  # vLLM's default --max-logprobs
+        parts += ["--max-logprobs", str(top_logprobs)]
     if config.uses_truncated_sampling and not cpu:  # vLLM's CPU build cannot return masks (dry_run says so)
         parts += ["--return-sampling-mask", "--enable-scale-out"]
     if lora:
         from tandem.runtime.weight_sync import lora_server_flags
 
-        parts += lora_server_flags(config.max_staleness, lora_config(recipe.lora).r)
+        parts += lora_server_flags(config.staleness_policy, lora_config(recipe.lora).r)
     return " ".join(shlex.quote(part) for part in parts)
 
 
@@ -421,41 +421,13 @@ def shell_lines(command: str) -> str:
     return " \\\n".join(lines)
 
 
-def flash_plan(recipe, max_model_len: int, rows) -> list[str]:
-    """What a FlashREINFORCE recipe will train, computed from its fields (in FlashREINFORCE's terms: B prompts a step,
-    one rollout each, one update per batch; episodes are rollouts)."""
-    config = recipe.config
-    budget = config.token_budget or max_model_len  # the run's default token budget is the server's max_model_len
-    per_row = max(1, budget // max_model_len)
-    exact = config.flash_batch_size is not None
-    batch = config.flash_batch_size if exact else config.gradient_accumulation_steps * per_row
-    at_least = "" if exact else ">= "
-    if config.max_steps > 0:
-        steps, episodes = f"{config.max_steps} (max_steps)", f"{at_least}{config.max_steps * batch} rollouts (steps x batch)"
-    elif rows is not None:
-        total = math.ceil(config.num_train_epochs * len(rows))
-        steps = f"<= {math.ceil(total / batch)} (episodes / batch)"
-        episodes = f"{total} rollouts (num_train_epochs {config.num_train_epochs:g} x {len(rows)} prompts)"
-    else:
-        steps, episodes = "until the data ends", f"num_train_epochs {config.num_train_epochs:g} x the dataset's prompts"
-    per_row_why = (f"token_budget {budget} // {max_model_len}, the longest trajectory" if budget >= max_model_len else
-                   f"token_budget {budget} < {max_model_len}: longer trajectories are dropped, batch/dropped_oversize_count")
-    items = [
-        ("model", recipe.model),
-        ("delta", f"{config.flash_delta:g} (flash_delta): a trajectory trains only if its tokens' mean Bernoulli KL, "
-                  "sampler to policy, is at most this"),
-        ("q", f"{config.flash_negative_token_fraction:g} (flash_negative_token_fraction): a failed trajectory "
-              "(reward 0 or less) keeps this share of its tokens, highest entropy first"),
-        ("batch", f"{batch} prompts a step, one rollout each (flash_batch_size), in as many rows of token_budget "
-                  f"{budget} as they need" if exact else
-                  f">= {batch} prompts a step, one rollout each: {config.gradient_accumulation_steps} micro-batches "
-                  f"(gradient_accumulation_steps) x {per_row} a row ({per_row_why}); x ranks under torchrun; more when "
-                  "rollouts are shorter"),
-        ("steps", steps),
-        ("episodes", episodes),
-    ]
-    return ["# FlashREINFORCE plan, from this recipe:"] + [
-        comment(text, indent=f"#   {label:<10}", hang="#" + " " * 13) for label, text in items]
+def plan(recipe, max_model_len: int, rows) -> list[str]:
+    """What the recipe's algorithm will train, computed from its fields (none for an algorithm with nothing to add)."""
+    algorithm = algorithm_of(recipe.config)
+    items = algorithm.plan(recipe.config, max_model_len, None if rows is None else len(rows))
+    return [f"# {algorithm.title} plan, from this recipe:"] + [
+        comment(text, indent=f"#   {label:<10}", hang="#" + " " * 13) for label, text in [("model", recipe.model), *items]
+    ] if items else []
 
 
 def dry_run(source: str, recipe, tools: list, agent: bool) -> None:
@@ -477,8 +449,8 @@ def dry_run(source: str, recipe, tools: list, agent: bool) -> None:
     else:
         user_error(f"tandem train: {source}: --dry-run cannot size the server's --max-model-len: the prompts are not "
                    f"measured ({why}). Set token_budget to the longest trajectory to train.")
-    if config.algorithm == "flash_reinforce":
-        print("\n".join(flash_plan(recipe, max_model_len, rows)))
+    if lines := plan(recipe, max_model_len, rows):
+        print("\n".join(lines))
     print(comment("Generation server for this recipe (the default without vllm_server_base_url is an embedded tandem serve):"))
     print(comment(f"--max-model-len: {sized}"))
     if agent and longest is not None:

@@ -23,14 +23,15 @@ from typing import Any
 import yaml
 
 from tandem import trl_names
+from tandem.algorithms import algorithm_of, refusals
 from tandem.errors import UsageError
+from tandem.staleness import StalenessPolicy
 from tandem.tool_formats import FORMATS
 
 RECIPES = Path(__file__).with_name("recipes")
 """The built-in recipes, by name: `tandem train demo` is recipes/demo.yaml."""
 FIELD_REFERENCE = "docs/references/config.md (every field), docs/migrating-from-trl.md (TRL's names)"
 """Where a user finds every key a recipe takes."""
-ALGORITHMS = ("grpo", "flash_reinforce")
 REPORT_TO = {"none", "all", "tensorboard", "wandb", "trackio"}
 HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
 LOG_LEVELS = ("passive", "debug", "info", "warning", "error", "critical")
@@ -113,7 +114,7 @@ class AsyncGRPOConfig:
     """ε of the Adam-family optimizers, added to the update's denominator for numerical stability. Rarely changed."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step; a micro-batch is one packed row of up to token_budget tokens per rank. Raise it
-    for more samples per update (a steadier gradient, fewer weight syncs per sample). Not read with flash_batch_size."""
+    for more samples per update (a steadier gradient, fewer weight syncs per sample). Refused beside flash_batch_size, which sets the step."""
     max_grad_norm: float = 1.0
     """Clip the gradients' global L2 norm to this before each optimizer step; 0 or None: no clipping (as in
     transformers). grad_norm logs the norm before clipping; lower this if it spikes."""
@@ -306,12 +307,13 @@ class AsyncGRPOConfig:
     algorithm: str = "grpo"
     """"grpo", or "flash_reinforce" (one rollout per prompt, batch-mean baseline, Sequence Trust Region)."""
     flash_delta: float = 3e-3
-    """FlashREINFORCE: a trajectory trains only if its mean Bernoulli KL to the sampler is at most this."""
+    """FlashREINFORCE only: a trajectory trains only if its mean Bernoulli KL to the sampler is at most this."""
     flash_negative_token_fraction: float = 1.0
-    """FlashREINFORCE: failed trajectories (reward <= 0) keep only this fraction of their tokens, the highest-entropy ones."""
+    """FlashREINFORCE only: failed trajectories (reward <= 0) keep only this fraction of their tokens, the
+    highest-entropy ones."""
     flash_batch_size: int | None = None
     """FlashREINFORCE's B: each step trains exactly this many trajectories, in as many micro-batches as token_budget
-    needs (gradient_accumulation_steps is then not read). None: gradient_accumulation_steps micro-batches of full rows."""
+    needs (gradient_accumulation_steps is then refused). None: gradient_accumulation_steps micro-batches of full rows."""
     epsilon: float = 0.2
     """Lower bound of the trust region [1 - epsilon, 1 + epsilon_high] on a token's policy/sampler probability ratio.
     score_centering=False: it clips the surrogate, as in TRL's GRPO; under score centering it only sets clip_ratio/*."""
@@ -321,17 +323,17 @@ class AsyncGRPOConfig:
     score_centering: bool = True
     """True (default): subtract from each sampled token's importance-weighted score its expectation over the sampler's
     top num_sampler_logprobs tokens, so a constant advantage does not pull the policy toward the sampler. False: TRL's
-    clipped surrogate with epsilon and epsilon_high. GRPO only."""
+    clipped surrogate with epsilon and epsilon_high. GRPO only (refused under FlashREINFORCE)."""
     vllm_importance_sampling_clip_min: float = 0.5
     """Tokens whose policy/sampler probability ratio falls below this are masked out of the loss, not clipped
     (sampling/masked_mean counts them). In [0, 1]; default 0.5. Lower it to keep more off-policy tokens."""
     vllm_importance_sampling_clip_max: float = 5.0
     """Tokens whose policy/sampler probability ratio rises above this are masked out of the loss. At least 1; default 5.
-    Lower it if a few tokens with large ratios destabilise training. FlashREINFORCE reads neither bound."""
+    Lower it if a few tokens with large ratios destabilise training. GRPO only: FlashREINFORCE refuses both."""
     num_sampler_logprobs: int = 8
     """K: how many of the sampler's most likely tokens per position score centering averages over (vLLM returns at most
     20 unless started with a larger --max-logprobs). Default 8; raise it when sampling/sampler_mass, the probability
-    they cover, is low. Not read with score_centering=False or FlashREINFORCE."""
+    they cover, is low. Not read with score_centering=False; refused under FlashREINFORCE."""
     token_budget: int | None = None
     """Tokens per packed row, one row per rank per micro-batch (a group's shared prompt counts once). None: the server's
     max_model_len. Longer samples are dropped (batch/dropped_oversize_count). Lower it if the trainer runs out of
@@ -472,7 +474,8 @@ class AsyncGRPOConfig:
 
     def __post_init__(self):
         self._check_refused_and_types()
-        for name, ok, message in self._algorithm_checks() + self._run_checks():
+        self._check_algorithm()
+        for name, ok, message in algorithm_of(self).checks(self) + self._training_checks() + self._run_checks():
             if not ok:
                 raise UsageError(f"AsyncGRPOConfig.{name}={getattr(self, name)!r}: {message}.")
         self._normalise()
@@ -490,25 +493,24 @@ class AsyncGRPOConfig:
             if expected:
                 raise UsageError(f"AsyncGRPOConfig.{item.name}={value!r}: expected {expected}, got {type(value).__name__}.")
 
-    def _algorithm_checks(self) -> list[tuple[str, bool, str]]:
-        """(field, holds, what it must be) for the sampling and the objective."""
+    def _check_algorithm(self) -> None:
+        """The algorithm's name, then the fields that only another algorithm reads, each refused away from its default."""
+        defaults = {item.name: _default(item) for item in dataclasses.fields(self)}
+        for name, why in refusals(self, defaults):
+            raise UsageError(f"AsyncGRPOConfig.{name}={getattr(self, name)!r} {why}.")
+
+    def _training_checks(self) -> list[tuple[str, bool, str]]:
+        """(field, holds, what it must be) for the sampling, the optimiser and the pacing."""
         return [
-            ("num_generations", self.num_generations >= 2 or self.algorithm != "grpo",
-             "GRPO needs at least 2 generations per prompt to compare them"),
-            ("num_generations", self.num_generations == 1 or self.algorithm != "flash_reinforce",
-             "FlashREINFORCE samples one rollout per prompt: set num_generations=1"),
-            ("flash_delta", self.flash_delta >= 0, "the trust-region threshold must be >= 0 (inf admits everything)"),
-            ("flash_negative_token_fraction", 0 <= self.flash_negative_token_fraction <= 1, "must be in [0, 1]"),
-            ("flash_batch_size", self.flash_batch_size is None or self.flash_batch_size >= 1, "must be at least 1, or None"),
-            ("flash_batch_size", self.flash_batch_size is None or self.algorithm == "flash_reinforce",
-             "is FlashREINFORCE's B (trajectories per step): set algorithm='flash_reinforce', or leave it None"),
             ("max_completion_length", self.max_completion_length >= 1, "must be at least 1"),
             ("max_tool_calling_iterations", self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 0,
              "must be >= 0, or None for no limit"),
             ("tool_call_timeout", self.tool_call_timeout > 0, "must be a positive number of seconds"),
             ("tool_call_parser", self.tool_call_parser is None or self.tool_call_parser in FORMATS,
              f"must be one of {', '.join(FORMATS)} (vLLM's names), or None"),
-            ("temperature", 0 < self.temperature <= 2, "must be in (0, 2]: RL needs sampling, not greedy decoding"),
+            ("temperature", 0 < self.temperature <= 2,
+             "must be in (0, 2]: vLLM refuses a temperature above 2 (every request would fail), and 0 is greedy "
+             "decoding, which gives RL nothing to compare"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be 0 (off) or positive"),
             ("top_k", self.top_k > 0 or (self.top_p == 1 and not self.min_p),
@@ -527,12 +529,6 @@ class AsyncGRPOConfig:
              "must be a positive number of seconds, or None for no limit"),
             ("stall_timeout", self.stall_timeout is None or self.stall_timeout > 0,
              "must be a positive number of seconds, or None to wait for ever"),
-            ("vllm_importance_sampling_clip_min", 0 <= self.vllm_importance_sampling_clip_min <= 1,
-             "must be in [0, 1] (a ratio of 1 must never be masked)"),
-            ("vllm_importance_sampling_clip_max", self.vllm_importance_sampling_clip_max >= 1,
-             "must be >= 1 (a ratio of 1 must never be masked)"),
-            ("epsilon", self.epsilon >= 0, "must be >= 0"),
-            ("algorithm", self.algorithm in ALGORITHMS, f"must be one of {ALGORITHMS}"),
         ]
 
     def _run_checks(self) -> list[tuple[str, bool, str]]:
@@ -613,6 +609,11 @@ class AsyncGRPOConfig:
     def debug_options(self) -> list[str]:
         """`debug` as a list: transformers takes a space-separated string or a list."""
         return self.debug.split() if isinstance(self.debug, str) else list(self.debug)
+
+    @property
+    def staleness_policy(self) -> StalenessPolicy:
+        """Every rule `max_staleness` decides (tandem/staleness.py)."""
+        return StalenessPolicy(self.max_staleness)
 
     @property
     def uses_truncated_sampling(self) -> bool:

@@ -132,7 +132,7 @@ async def test_a_server_that_comes_back_within_retry_for_s_is_waited_for():
 async def test_vllms_dead_engine_is_told_from_other_server_errors_and_a_missing_dev_mode_is_named():
     """vLLM 0.32's answers: 500 with the engine-dead message once its engine process died; 404 for /server_info
     without VLLM_SERVER_DEV_MODE=1."""
-    from tandem.runtime.server_checks import read_facts
+    from tandem.generation.server_facts import read_facts
 
     async def handler(request):
         if request.path == "/v1/completions":

@@ -61,7 +61,8 @@ def test_prompt_tokens_details_count_the_cached_prompt(flagged):
 
 
 def test_force_include_usage_puts_usage_in_every_chunk_and_at_the_end(flagged):
-    events = sse_events(flagged.port, "/v1/completions", {"prompt": [1, 5], "max_tokens": 7, "stream": True})
+    events = sse_events(flagged.port, "/v1/completions", {"prompt": [1, 5], "max_tokens": 7, "ignore_eos": True,
+                                                          "stream": True})  # 7 tokens, whatever is sampled
     chunks = events[:-1]
     assert all("usage" in chunk for chunk in chunks) and chunks[-1]["choices"] == []
     assert chunks[-1]["usage"]["completion_tokens"] == 7 and "prompt_tokens_details" in chunks[-1]["usage"]

@@ -345,7 +345,8 @@ async def test_a_transfer_group_is_formed_again_without_a_replica_that_went_down
 
 async def test_the_dtype_warning_covers_tandem_serve_and_the_servers_behind_tandem_proxy():
     from tandem.generation.client import ControlClient
-    from tandem.runtime.server_checks import check, read_facts
+    from tandem.generation.server_facts import read_facts
+    from tandem.runtime.server_checks import check
     from tests.conftest import ServerThread
 
     replica = ServerThread(dtype="bfloat16", max_num_seqs=4)

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tandem.staleness import StalenessPolicy
 from tandem.metrics.window import MetricWindow
 from tandem.rollout import pacing
 from tandem.rollout.pacing import ConcurrencyCap, Room, TokenAllowance
@@ -16,10 +17,10 @@ from tests.rollout.test_failures import by_reply, positions, run_loop
 
 
 def test_allowance_is_max_staleness_steps_of_consumption():
-    allowance = TokenAllowance(max_staleness=2, full_step_tokens=1000)
+    allowance = TokenAllowance(StalenessPolicy(2), full_step_tokens=1000)
     assert allowance.limit(0) == 2000, "before the first step, every row counts as full"
     assert allowance.limit(300) == 600
-    assert TokenAllowance(max_staleness=0, full_step_tokens=1000).limit(300) == 300
+    assert TokenAllowance(StalenessPolicy(0), full_step_tokens=1000).limit(300) == 300
 
 
 def test_a_worker_waiting_for_room_starts_the_next_group_when_the_trainer_rings(monkeypatch):
@@ -33,7 +34,7 @@ def test_room_keeps_the_books_of_reservations_and_queued_tokens():
     async def main():
         consumed = SimpleNamespace(value=0.0)  # what the trainer publishes across the process boundary
         channels = SimpleNamespace(tokens_per_step=SimpleNamespace(value=1000.0), consumed_tokens=consumed)
-        room = Room(TokenAllowance(max_staleness=1, full_step_tokens=1000), 0.0, channels)
+        room = Room(TokenAllowance(StalenessPolicy(1), full_step_tokens=1000), 0.0, channels)
         assert await room.wait(600, check=lambda: None) == (pytest.approx(0, abs=0.1), None), \
             "the first group starts at once; the allowance binds only once a group finished"
         room.group_ended(600)
@@ -58,14 +59,14 @@ def test_room_keeps_the_books_of_reservations_and_queued_tokens():
 
 
 def test_one_group_at_a_time_until_the_first_finishes():
-    allowance = TokenAllowance(max_staleness=4, full_step_tokens=10_000)
+    allowance = TokenAllowance(StalenessPolicy(4), full_step_tokens=10_000)
     assert allowance.may_start(0, 0, 100, 0, groups_in_flight=0, groups_finished=0)
     assert not allowance.may_start(0, 100, 100, 0, groups_in_flight=1, groups_finished=0)
     assert allowance.may_start(0, 100, 100, 0, groups_in_flight=1, groups_finished=1)
 
 
 def test_allowance_blocks_when_queued_plus_in_flight_would_exceed_it():
-    allowance = TokenAllowance(max_staleness=1, full_step_tokens=1000)
+    allowance = TokenAllowance(StalenessPolicy(1), full_step_tokens=1000)
     assert allowance.may_start(queued=500, in_flight=300, reservation=200, tokens_per_step=1000, groups_in_flight=1, groups_finished=3)
     assert not allowance.may_start(queued=500, in_flight=300, reservation=201, tokens_per_step=1000, groups_in_flight=1, groups_finished=3)
     assert allowance.may_start(queued=0, in_flight=0, reservation=5000, tokens_per_step=1000, groups_in_flight=0, groups_finished=3), \

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tandem.staleness import StalenessPolicy
 from tandem.metrics.window import MetricWindow
 from tandem.rollout.pacing import TokenAllowance
 from tandem.rollout.worker import WorkerLost
@@ -41,7 +42,7 @@ def group(position, size=2, version=0, tokens=5):
 
 def source_of(*messages, start=0, max_staleness=1, token_budget=100, end=None, stall_timeout=None, resume=None):
     source = SampleSource(ListInbox(*messages), counters(), MetricWindow(), resume=resume or ResumePoint(start),
-                          max_staleness=max_staleness, token_budget=token_budget, end_position=end,
+                          staleness=StalenessPolicy(max_staleness), token_budget=token_budget, end_position=end,
                           stall_timeout=stall_timeout)
     source.regenerated = []
     source.counters.retry.put = source.regenerated.append
@@ -228,7 +229,7 @@ def test_a_worker_replaced_mid_step_leaves_out_the_groups_in_the_open_row():
 
 
 def test_the_worker_may_start_a_group_again_once_the_trainer_takes_what_was_queued():
-    allowance = TokenAllowance(max_staleness=1, full_step_tokens=20)
+    allowance = TokenAllowance(StalenessPolicy(1), full_step_tokens=20)
     samples = group(0, size=4, tokens=5)  # the worker produced 20 tokens: a whole step's worth
     source = source_of(("samples", samples), ("end", None))
     produced, reservation = 20.0, 10.0
@@ -327,6 +328,7 @@ def test_a_samples_time_in_the_queue_ends_when_it_is_placed_in_a_row_not_when_it
     from tandem.config import AsyncGRPOConfig
     from tandem.distributed import Ranks
     from tandem.packing.batching import TokenBudgetBatcher
+    from tandem.algorithms import GRPO
     from tandem.runtime.runtime import Runtime
 
     samples = group(0)
@@ -334,6 +336,7 @@ def test_a_samples_time_in_the_queue_ends_when_it_is_placed_in_a_row_not_when_it
         s.created_at = time.time() - 30  # generated half a minute before the trainer takes it
     runtime = Runtime.__new__(Runtime)  # the runtime's batching alone: no server, no worker
     runtime.args, runtime.ranks, runtime.token_budget = AsyncGRPOConfig(), Ranks(), 100
+    runtime.algorithm, runtime.staleness = GRPO(), runtime.args.staleness_policy
     runtime.source, runtime.window = source_of(("samples", samples), ("end", None)), MetricWindow()
     runtime.batcher, runtime.preempted, runtime.in_flight = TokenBudgetBatcher(100), threading.Event(), None
     runtime._read = lambda read: read()

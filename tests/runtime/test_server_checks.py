@@ -16,17 +16,22 @@ from tandem.runtime.weight_sync import LoraSync, ReloadSync, choose_sync
 
 from tandem.generation.client import ServerProblem
 from tandem.errors import UsageError
-from tandem.runtime.server_checks import (NEWEST_VERIFIED_VLLM, OLDEST_VLLM, ServerFacts, check, check_prompt_lengths,
-                                          release, served_name)
+from tandem.generation.server_facts import ServerFacts, facts_of, release
+from tandem.runtime.server_checks import NEWEST_VERIFIED_VLLM, OLDEST_VLLM, check, check_prompt_lengths, served_name
 
 URL = "http://127.0.0.1:8000"
 
 
-def vllm(version="0.32.0", device="cpu", dtype="torch.float32", chunked=True, batched=131072, lora_env=True) -> ServerFacts:
+def vllm(version="0.32.0", device="cpu", dtype="torch.float32", chunked=True, batched=131072, env=None, lora=None,
+         transfer="gloo") -> ServerFacts:
+    """The facts of a vLLM, from its routes' answers shaped as vLLM 0.32.0 gives them."""
     config = {"model_config": {"dtype": dtype, "max_model_len": 1024}, "device_config": {"device": device},
               "scheduler_config": {"max_num_seqs": 128, "max_num_batched_tokens": batched, "enable_chunked_prefill": chunked},
-              "lora_config": None, "weight_transfer_config": {"backend": "gloo"}}
-    return ServerFacts(version, tandem=False, config=config, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": lora_env})
+              "lora_config": lora, "parallel_config": {},
+              "weight_transfer_config": {"backend": transfer} if transfer else None}
+    environment = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": True} if env is None else env
+    return facts_of({"version": version}, {"vllm_config": config, "vllm_env": environment},
+                    [{"id": TINY_MODEL_PATH, "max_model_len": 1024}])
 
 
 def warned(facts: ServerFacts, trainer_dtype="float32") -> list[str]:
@@ -49,18 +54,9 @@ def test_vllm_too_old_is_refused_and_newer_than_verified_is_warned_about():
 
 
 class Control:
-    """The control client's two reads, answering what `facts` says (the rest of choose_sync's calls are not made)."""
+    """A control client that is never called: choose_sync decides from the facts alone for these servers."""
 
     base_url = URL
-
-    def __init__(self, facts: ServerFacts):
-        self.facts = facts
-
-    async def version(self):
-        return {"version": self.facts.version}
-
-    async def server_info(self):
-        return {"vllm_config": self.facts.config, "vllm_env": self.facts.env}
 
 
 def sync_for(facts: ServerFacts, tmp_path, lora: bool):
@@ -68,36 +64,35 @@ def sync_for(facts: ServerFacts, tmp_path, lora: bool):
     if lora:
         model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj"]))
     with asyncio.Runner() as run:
-        return choose_sync(Control(facts), run, TINY_MODEL_PATH, model, AsyncGRPOConfig(output_dir=str(tmp_path)), lora)
+        return choose_sync(Control(), run, facts, TINY_MODEL_PATH, model, AsyncGRPOConfig(output_dir=str(tmp_path)), lora)
 
 
 def test_lora_needs_runtime_adapter_loading_and_says_how(tmp_path):
-    adapters = vllm()
-    adapters.config |= {"lora_config": {"max_loras": 6, "max_lora_rank": 8}, "parallel_config": {}}  # max_staleness 4 + 2
-    assert isinstance(sync_for(adapters, tmp_path, lora=True), LoraSync)
-    adapters.env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": False}
+    slots = {"max_loras": 6, "max_lora_rank": 8}  # max_staleness 4 + 2
+    assert isinstance(sync_for(vllm(lora=slots), tmp_path, lora=True), LoraSync)
     with pytest.raises(ServerProblem, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"):
-        sync_for(adapters, tmp_path, lora=True)
-    adapters.env = {}
-    assert isinstance(sync_for(adapters, tmp_path, lora=True), LoraSync), "a vLLM that lists no variables: not refused"
+        sync_for(vllm(lora=slots, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": False}), tmp_path, lora=True)
+    assert isinstance(sync_for(vllm(lora=slots, env={}), tmp_path, lora=True), LoraSync), \
+        "a vLLM that lists no variables: not refused"
+    with pytest.raises(ServerProblem, match="max_loras=3 adapters of rank <= 8; this run needs 6"):
+        sync_for(vllm(lora={"max_loras": 3, "max_lora_rank": 8}), tmp_path, lora=True)
 
 
 def test_a_tied_model_is_refused_a_folder_reload_into_vllms_cpu_build_lora_fallback_included(tmp_path):
-    reloads = vllm()
-    reloads.config["weight_transfer_config"] = None
     with pytest.raises(ServerProblem, match="does not refresh a tied LM head"):
-        sync_for(reloads, tmp_path, lora=False)
+        sync_for(vllm(transfer=None), tmp_path, lora=False)
     with pytest.warns(UserWarning, match="syncing the merged model"), \
             pytest.raises(ServerProblem, match="does not refresh a tied LM head"):
-        sync_for(reloads, tmp_path, lora=True)  # no LoRA on the server: the merged model would go through the reload
-    reloads.config["device_config"] = {"device": "cuda"}
-    assert isinstance(sync_for(reloads, tmp_path, lora=False), ReloadSync), "vLLM's GPU build reads the tied weight itself"
+        sync_for(vllm(transfer=None), tmp_path, lora=True)  # no LoRA on the server: the merged model would be reloaded
+    assert isinstance(sync_for(vllm(transfer=None, device="cuda"), tmp_path, lora=False), ReloadSync), \
+        "vLLM's GPU build reads the tied weight itself"
 
 
 def test_a_dtype_other_than_the_trainers_is_warned_about_on_any_server():
     [message] = warned(vllm(dtype="torch.bfloat16"))
     assert "decodes in bfloat16 and the trainer holds its weights in float32" in message and "--dtype float32" in message
-    tandem_serve = ServerFacts("0.33.0", tandem=True, config={"model_config": {"dtype": "torch.bfloat16"}}, env={})
+    tandem_serve = facts_of({"version": "0.33.0", "tandem_version": "1"},
+                            {"vllm_config": {"model_config": {"dtype": "torch.bfloat16"}}}, [{"id": "m", "max_model_len": 64}])
     assert len(warned(tandem_serve)) == 1
 
 

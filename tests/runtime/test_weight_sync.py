@@ -14,6 +14,7 @@ from tandem.generation.client import ControlClient, GenerationClient
 from tandem.packing import attention as tree_attention
 from tandem.tasks import TINY_MODEL_PATH
 from tandem.runtime import sync_check
+from tandem.generation.server_facts import facts_of
 from tandem.runtime.weight_sync import adapter_sync_obstacle
 from tandem.runtime.weight_sync import LoraSync, merged_state_dict
 from tests.conftest import chat_prompt, probe_gap
@@ -107,7 +108,9 @@ def test_merged_weights_are_the_base_model_plus_the_adapter_under_the_base_names
 ])
 def test_adapters_the_server_cannot_serve_fall_back_to_merged_sync_with_the_reason(config, lora, parallel, expected):
     peft_config = {"default": LoraConfig(r=4, **{"target_modules": ["q_proj"], **config})}
-    why = adapter_sync_obstacle(peft_config, lora, parallel, flags="--enable-lora --max-loras 3")
+    facts = facts_of({"version": "0.32.0"}, {"vllm_config": {"lora_config": lora, "parallel_config": parallel}},
+                     [{"id": "tiny", "max_model_len": 64}])
+    why = adapter_sync_obstacle(peft_config, facts, flags="--enable-lora --max-loras 3")
     assert why == expected if expected is None else expected in why
 
 

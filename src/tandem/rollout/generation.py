@@ -13,6 +13,7 @@ import random
 import time
 from dataclasses import dataclass
 
+from tandem.algorithms import algorithm_of
 from tandem.generation.client import GenerationClient
 from tandem.prompts import render_chat
 from tandem.records import Rollout, RolloutGroup, TurnRecord
@@ -76,7 +77,7 @@ class Generation:
         """The server's context length: a conversation ends before its prompt would pass it."""
         self.sampling_masks = False
         """Whether requests go to /inference/v1/generate for each token's kept set (top-k / top-p)."""
-        self.top_logprobs = config.num_sampler_logprobs if config.score_centering and config.algorithm != "flash_reinforce" else 0
+        self.top_logprobs = algorithm_of(config).sampler_top_logprobs(config)
         """How many of the sampler's most likely tokens to ask for at each position (score centering needs them)."""
 
     async def sample(self, prompt_ids: list[int], n: int) -> list[TurnRecord]:

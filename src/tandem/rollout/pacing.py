@@ -11,6 +11,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tandem.staleness import StalenessPolicy
+
 METRICS_POLL_S = 5.0
 RAISE_BELOW_USAGE, LOWER_ABOVE_USAGE = 0.6, 0.8
 MAX_RAISE_FRAC, LOWER_FACTOR = 0.25, 0.7
@@ -18,18 +20,18 @@ MAX_RAISE_FRAC, LOWER_FACTOR = 0.25, 0.7
 
 @dataclass
 class TokenAllowance:
-    """Queued + in-flight tokens stay under max(max_staleness, 1) steps' worth of the trainer's consumption.
+    """Queued + in-flight tokens stay under the policy's `allowance_steps` steps' worth of the trainer's consumption.
 
     Before the first step the trainer has consumed nothing, so a step is assumed to fill every row
     (`full_step_tokens`). Until the first group finishes nobody knows a rollout's size, so one group runs at a time.
     """
 
-    max_staleness: int
+    policy: StalenessPolicy
     full_step_tokens: float
 
     def limit(self, tokens_per_step: float) -> float:
         per_step = tokens_per_step if tokens_per_step > 0 else self.full_step_tokens
-        return max(self.max_staleness, 1) * per_step
+        return self.policy.allowance_steps * per_step
 
     def may_start(self, queued: float, in_flight: float, reservation: float, tokens_per_step: float,
                   groups_in_flight: int, groups_finished: int) -> bool:

@@ -84,8 +84,3 @@ def group_advantages(rewards: np.ndarray) -> np.ndarray:
             advantages[scored] = (values - values.mean()) / std
     return advantages
 
-
-def keeps_signal(rewards: np.ndarray) -> bool:
-    """A group trains only with two or more scorable rollouts whose rewards differ."""
-    scored = rewards[~np.isnan(rewards)]
-    return len(scored) >= 2 and float(scored.std()) > 0

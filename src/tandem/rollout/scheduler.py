@@ -14,8 +14,10 @@ from collections import defaultdict, deque
 
 import numpy as np
 
+from tandem.algorithms import algorithm_of
 from tandem.channels import Channels
 from tandem.generation.client import ControlClient, EngineDead, ServerError
+from tandem.generation.server_facts import read_facts
 from tandem.metrics.window import check_values
 from tandem.records import Rollout, RolloutGroup, Sample
 from tandem.rollout import rewards as scoring
@@ -49,11 +51,12 @@ class RolloutScheduler:
         self.eos_token_ids, self.adapter_name = list(settings.eos_token_ids), settings.adapter_name
         self.base_url = settings.base_url
         self.control = ControlClient(settings.base_url, api_key=settings.api_key, timeout_s=30)
-        self.room = Room(TokenAllowance(config.max_staleness, settings.full_step_tokens), settings.queued_tokens, channels)
+        self.staleness = config.staleness_policy
+        self.room = Room(TokenAllowance(self.staleness, settings.full_step_tokens), settings.queued_tokens, channels)
         """The allowance's books: what groups in flight reserve, what is queued, and the wait for room (pacing.py)."""
         self.server_metrics = False
         self.last_preemptions: float | None = None
-        self.flash = config.algorithm == "flash_reinforce"
+        self.algorithm = algorithm_of(config)
         self.score_queue: asyncio.Queue = asyncio.Queue(maxsize=SCORE_QUEUE_MAXSIZE)
         self.failure: BaseException | None = None
         self.records: dict[str, list] = defaultdict(list)
@@ -73,10 +76,8 @@ class RolloutScheduler:
         """Top-k / top-p need each token's kept set to renormalise the trainer's log-probs over it. Without
         `--return-sampling-mask` (and `--enable-scale-out`) the server cannot send it: warn, and train on the
         full-vocabulary distribution, whose ratios are then biased by the mass the sampler cut off."""
-        info = await self.control.server_info()
-        config = info.get("vllm_config")
-        model_config = config.get("model_config", {}) if isinstance(config, dict) else {}
-        if model_config.get("return_sampling_mask"):
+        server = self.settings.server or await read_facts(self.control)
+        if server.returns_sampling_masks:
             return True
         warnings.warn("top_k / top_p / min_p are set but the server does not return sampling masks: start it with "
                       "--return-sampling-mask --enable-scale-out --logprobs-mode processed_logprobs. Training goes on "
@@ -202,9 +203,10 @@ class RolloutScheduler:
         except EngineDead:
             raise  # no retry helps: the worker stops and says so
         except ServerError as exc:
-            # LoRA: the trainer unloads versions older than max_staleness allows; a group that started on one
-            # can no longer be sampled, and its samples would be dropped as stale anyway: generate it again.
-            if self.adapter_name and exc.status == 404 and version < self.channels.model_version.value:
+            # LoRA: the trainer unloads the versions only stale groups use; a group that started on one can no
+            # longer be sampled, and its samples would be dropped as stale anyway: generate it again.
+            stale_adapter = self.staleness.adapter_may_be_gone(self.channels.model_version.value, version)
+            if self.adapter_name and exc.status == 404 and stale_adapter:
                 self.record("rollout/stale_adapter_count", 1)
                 self.retries.append(position)
             elif position not in self.failed_once:  # one failed request: the group is generated again, once
@@ -263,7 +265,7 @@ class RolloutScheduler:
             print(f"tandem: evaluation at step {step}: eval_dataset row {index} failed ({exc})", file=sys.stderr)
             return False
         record_group(lambda name, *values: records[f"eval/{name}"].extend(values), group, columns,
-                     scoring.keeps_signal(group.rewards), self.eos_token_ids, log_completions=False)
+                     self.algorithm.keeps(group.rewards.tolist()), self.eos_token_ids, log_completions=False)
         return True
 
     async def _scorer(self) -> None:
@@ -292,8 +294,7 @@ class RolloutScheduler:
             raise ValueError(f"compute_advantages returned shape {advantages.shape}; it must return one advantage per "
                              f"rollout ({len(rollouts)})")
         self.record("rollout/score_s", time.monotonic() - start)
-        # GRPO learns only from groups whose rewards differ; FlashREINFORCE's baseline is the batch, not the group.
-        kept = bool(np.isfinite(group.rewards).any()) if self.flash else scoring.keeps_signal(group.rewards)
+        kept = self.algorithm.keeps(group.rewards.tolist())
         record_group(self.record, group, columns, kept, self.eos_token_ids, self.config.log_completions)
         samples = self._samples(group, rollouts, advantages, position, group_stds(group.rewards, columns)) if kept else []
         self._flush_records()  # the group's metrics travel ahead of its samples
@@ -386,9 +387,9 @@ class RolloutScheduler:
         position is generated again under the current policy (rollout/cancelled_stale_count)."""
         while True:
             await asyncio.sleep(IDLE_POLL_S)
-            oldest = self.channels.model_version.value - self.config.max_staleness
+            current = self.channels.model_version.value
             for task, (version, position) in list(self.generating.items()):
-                if version < oldest:
+                if self.staleness.is_stale(current, version):
                     del self.generating[task]
                     task.cancel()
                     self.retries.append(position)

@@ -4,6 +4,7 @@ process receives it, the loop reads it."""
 from dataclasses import dataclass
 
 from tandem.config import AsyncGRPOConfig
+from tandem.generation.server_facts import ServerFacts
 
 
 @dataclass
@@ -33,7 +34,13 @@ class RolloutSettings:
     """Where the prompt stream ends (epochs × rows), or None for an endless stream (max_steps decides)."""
     eval_dataset: object = None
     """Prompts the trainer has evaluated (generated and scored, never trained) when it asks on `Channels.evaluate`."""
-    max_model_len: int | None = None
-    """The server's context length, as the trainer read it at connect: a conversation ends before its prompt passes it."""
+    server: ServerFacts | None = None
+    """What the server said about itself when the trainer connected (None: the worker asks it when it needs to)."""
     adapter_name: str | None = None
     """LoRA training: requests name the adapter version current when their group started, e.g. 'tandem-policy-v{version}'."""
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The server's context length, as the trainer read it at connect: a conversation ends before its prompt passes
+        it (None: not known)."""
+        return self.server.max_model_len if self.server else None

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.algorithms import algorithm_of
 from tandem.config import AsyncGRPOConfig
 from tandem.distributed import Ranks
 from tandem.model_folder import save_model_folder
@@ -28,12 +29,12 @@ def server_flags(args: AsyncGRPOConfig, model_name: str, served_dtype: str, lora
     """The server's command-line flags: the trainer's name for the model, its log-probs and dtype, its sampling masks
     when top-k / top-p truncate, and the way weights reach it (a gloo stream, or LoRA adapters)."""
     flags = ["--served-model-name", model_name, "--logprobs-mode", "processed_logprobs",
-             "--max-logprobs", str(max(20, args.num_sampler_logprobs)), "--dtype", served_dtype,
+             "--max-logprobs", str(max(20, algorithm_of(args).sampler_top_logprobs(args))), "--dtype", served_dtype,
              "--max-num-seqs", str(min(256, args.max_concurrent_rollouts))]
     if args.uses_truncated_sampling:  # each token's kept set, to renormalise the trainer's log-probs over it
         flags += ["--enable-scale-out", "--return-sampling-mask"]
     if lora_rank is not None:
-        flags += lora_server_flags(args.max_staleness, lora_rank)
+        flags += lora_server_flags(args.staleness_policy, lora_rank)
     else:  # full weights stream over a gloo group: faster than the reload (benchmarks/weight_sync.py)
         flags += ["--weight-transfer-config", json.dumps({"backend": "gloo"}),
                   "--weight-transfer-timeout-s", str(args.vllm_server_timeout)]

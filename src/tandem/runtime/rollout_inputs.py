@@ -7,6 +7,7 @@ import math
 import warnings
 
 from tandem.errors import UsageError
+from tandem.generation.server_facts import ServerFacts
 from tandem.prompts import check_prefix_preserving, training_chat_template
 from tandem.rollout.environments import factories_of, validate_environments
 from tandem.rollout.loop import AsyncRolloutLoop
@@ -84,7 +85,7 @@ def rollout_template(tokenizer, tools: list, chat_template_kwargs: dict | None) 
     return template
 
 
-def worker_spec(spec, point, *, served_name: str, served_url: str, token_budget: int, max_model_len: int,
+def worker_spec(spec, point, *, served_name: str, served_url: str, token_budget: int, server: ServerFacts,
                 world_size: int, adapter_name: str | None) -> WorkerSpec:
     """The worker's loop and settings for the run of `spec` (a runtime.RuntimeSpec), generating from the ResumePoint
     `point` on; its tokenizer is saved under output_dir with the template rollouts render with."""
@@ -99,7 +100,7 @@ def worker_spec(spec, point, *, served_name: str, served_url: str, token_budget:
         tools=spec.tools, environment_factory=spec.environment_factory, harness=spec.harness, api_key=args.vllm_server_api_key,
         dataset_start_index=point.dataset_start_index, received=point.received, queued_tokens=point.queued_tokens,
         full_step_tokens=full_step_tokens(token_budget, args.gradient_accumulation_steps, world_size),
-        num_positions=num_positions(args, spec.dataset), eval_dataset=spec.eval_dataset, max_model_len=max_model_len,
+        num_positions=num_positions(args, spec.dataset), eval_dataset=spec.eval_dataset, server=server,
         adapter_name=adapter_name)
     return WorkerSpec(loop_cls=spec.loop_cls or AsyncRolloutLoop, settings=settings)
 

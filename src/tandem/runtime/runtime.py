@@ -17,11 +17,13 @@ from pathlib import Path
 
 import torch
 
+from tandem.algorithms import algorithm_of
 from tandem.config import AsyncGRPOConfig
 from tandem.dataset_rows import first_rows
 from tandem.distributed import Ranks
 from tandem.generation.client import EngineDead, ServerError, ServerProblem, engine_died, server_gone
 from tandem.generation.launcher import server_threads
+from tandem.generation.server_facts import ServerFacts, read_facts
 from tandem.metrics.window import MetricWindow
 from tandem.packing import PackedRow
 from tandem.packing.batching import TokenBudgetBatcher, record_micro_batch
@@ -78,6 +80,7 @@ class RuntimeSpec:
 class Runtime:
     def __init__(self, spec: RuntimeSpec):
         self.spec, self.args, self.ranks = spec, spec.args, spec.ranks
+        self.algorithm, self.staleness = algorithm_of(spec.args), spec.args.staleness_policy
         self.lora = spec.lora_rank is not None
         self.session = Session(spec.args.vllm_server_timeout, spec.args.vllm_server_api_key)
         self.preempted = threading.Event()
@@ -103,8 +106,8 @@ class Runtime:
         self.sync_strategy = self.source = self.batcher = None
         self.token_budget = spec.args.token_budget
         self.served_path = self.served_url = self.served_name = None
-        self.max_model_len: int | None = None
-        """The server's context length, read at connect (the worker's turns end before it)."""
+        self.facts: ServerFacts | None = None
+        """What the server said about itself at connect (every rank holds rank 0's reading)."""
 
     def __enter__(self) -> "Runtime":
         self.preempted.clear()
@@ -134,19 +137,17 @@ class Runtime:
             url = args.vllm_server_base_url or session.start_server(self.served_path, spec.output_dir / "server.log",
                                                                     flags, server_threads(device))
             control = session.connect(url)
-            facts = session.run(server_checks.read_facts(control))
+            facts = session.run(read_facts(control))
             server_checks.check(facts, url, spec.served_dtype)
-            server_dtype = facts.dtype
-            self.probe.note_server_dtype(server_dtype)  # rank 0 judges the probe
-            max_model_len = session.run(control.max_model_len())
-            served_name = server_checks.served_name([m["id"] for m in session.run(control.models())], spec.model_name)
-            self.sync_strategy = choose_sync(control, session, served_name, spec.model, args, self.lora, self.ranks)
-            rescored = facts.tandem or not facts.config.get("lora_config")  # sync_check.SyncProbe.rescored
-        kind, max_model_len, served_name, self.probe.rescored = self.ranks.broadcast(
-            (type(self.sync_strategy), max_model_len, served_name, rescored) if main else None)
+            self.probe.note_server_dtype(facts.dtype)  # rank 0 judges the probe
+            served_name = server_checks.served_name(list(facts.served_names), spec.model_name)
+            self.sync_strategy = choose_sync(control, session, facts, served_name, spec.model, args, self.lora, self.ranks)
+        kind, self.facts, served_name = self.ranks.broadcast(
+            (type(self.sync_strategy), facts, served_name) if main else None)
+        max_model_len = self.facts.max_model_len
+        self.probe.rescored = self.facts.scores_prompts  # sync_check.SyncProbe.rescored
         if not main:
-            self.sync_strategy = follower_sync(kind, spec.output_dir, served_name, args.max_staleness, self.ranks)
-        self.max_model_len = max_model_len
+            self.sync_strategy = follower_sync(kind, spec.output_dir, served_name, self.staleness, self.ranks)
         self.token_budget = args.token_budget or max_model_len
         self.probe.fit(max_model_len)
         self.batcher = TokenBudgetBatcher(self.token_budget, num_rows=self.ranks.world_size, layout=spec.layout,
@@ -157,28 +158,29 @@ class Runtime:
             self._push(version)  # the server must sample from our weights
         if not main:
             return
-        config = args.to_dict() | {"compute_dtype": spec.compute_dtype, "server_dtype": server_dtype}  # tandem doctor's rounding bound
+        config = args.to_dict() | {"compute_dtype": spec.compute_dtype, "server_dtype": self.facts.dtype}  # tandem doctor's rounding bound
         session.open_sinks(args.report_to, spec.output_dir, config, args.max_steps if args.max_steps > 0 else None,
                            dashboard=not args.disable_tqdm)
         self.served_url, self.served_name = url, served_name
         worker = self._start_worker(resume)
         self.source = SampleSource(worker, worker.channels, self.window, resume=resume,
-                                   max_staleness=args.max_staleness, token_budget=self.token_budget,
+                                   staleness=self.staleness, token_budget=self.token_budget,
                                    end_position=num_positions(args, spec.dataset), stall_timeout=args.stall_timeout,
                                    say=session.progress.say)
 
     def next_micro_batches(self, version: int) -> list[list[PackedRow]]:
         """Up to gradient_accumulation_steps micro-batches of up to one row per rank, each closed by the token-budget
-        batcher when the next sample fits nowhere; with flash_batch_size B, as many as B trajectories need. Fewer (or
-        none) once the worker has finished. A sample is consumed once placed. Rank 0 only."""
+        batcher when the next sample fits nowhere; when the algorithm counts the units of a step (FlashREINFORCE's
+        flash_batch_size B), as many as those units need. Fewer (or none) once the worker has finished. A sample is
+        consumed once placed. Rank 0 only."""
         self._read(self.source.drain)
         self.window.add("rollout/queue_size", len(self.source.buffer))
-        micro_batches, left = [], self.args.flash_batch_size
+        micro_batches, left = [], self.algorithm.units_per_step(self.args)
         steps = self.args.gradient_accumulation_steps
         for index in itertools.count():
             if (index == steps if left is None else left == 0):
                 break
-            left = self._fill_micro_batch(version, last=index == steps - 1, rollouts=left)
+            left = self._fill_micro_batch(version, last=index == steps - 1, units=left)
             rows = self.batcher.close()
             if not rows:
                 break
@@ -186,8 +188,7 @@ class Runtime:
             taken = time.time()  # a sample leaves the queue when it is placed in a row, not when its step ends
             self.window.add("sample/time_in_queue_s", *[taken - s.created_at for row in rows for s in row.samples])
             micro_batches.append(rows)
-        earliest = 2 if self.in_flight is not None else 1  # the staleness of a group started now, at the earliest
-        if self.args.max_staleness >= earliest:  # it can still be trained: start it now (else the sync's end releases)
+        if self.staleness.step_frees_room(sync_in_flight=self.in_flight is not None):
             self.source.release()
         return micro_batches
 
@@ -235,7 +236,7 @@ class Runtime:
         the last version and train two steps on), a gloo transfer (vLLM's NCCL buffers would add to the step's peak on
         the GPU), and no probe due after it (the probe forwards the model the next step trains)."""
         sync = self.sync_strategy
-        return (not self.ranks.several and self.args.max_staleness > 1 and isinstance(sync, TransferSync)
+        return (not self.ranks.several and self.staleness.syncs_may_overlap and isinstance(sync, TransferSync)
                 and isinstance(sync.plane, GlooPlane) and not self.probe.due(self.probe.pushes + 1))
 
     def _settle(self, version: int, push, waited: float | None = None) -> None:
@@ -259,7 +260,7 @@ class Runtime:
         if self.ranks.main:
             for name, value in timings.items():
                 self.window.add(name, value)
-            if self.args.max_staleness > 0:
+            if self.staleness.sync_end_frees_room:
                 self.source.release()  # the room taken meanwhile admits groups under the new weights
         self.version = version
 
@@ -374,11 +375,18 @@ class Runtime:
             except TimeoutError:
                 if time.monotonic() >= deadline:
                     raise ServerProblem(f"the weight sync failed: {server_gone(error, args.vllm_server_timeout)}") from None
-        self.sync_strategy = choose_sync(session.control, session, self.served_name, self.spec.model, args, self.lora, self.ranks)
+        self._choose_sync_anew()
         self.probe.restart()  # the server that came back may serve other weights: probe it as a new one
         self._push(version)
         self.window.add("rollout/server_reconnect_count", 1)
         return True
+
+    def _choose_sync_anew(self) -> None:
+        """The server came back (restarted, or answering again): its facts read anew, its sync chosen from them."""
+        session = self.session
+        self.facts = session.run(read_facts(session.control))
+        self.sync_strategy = choose_sync(session.control, session, self.facts, self.served_name, self.spec.model,
+                                         self.args, self.lora, self.ranks)
 
     def _may_restart(self) -> bool:
         """On one process, and fewer than SERVER_RESTARTS restarts in the last SERVER_RESTART_WINDOW_S."""
@@ -396,7 +404,7 @@ class Runtime:
                              f"the weights of step {self.step} (log: {session.server.log_path})")
         folder = self.served_path if self.lora else str(publish(spec.model, spec.output_dir / ".weights", "current", self.ranks))
         session.restart_server(folder)
-        self.sync_strategy = choose_sync(session.control, session, self.served_name, spec.model, self.args, self.lora, self.ranks)
+        self._choose_sync_anew()
         if self.lora:
             self.sync_strategy.push(spec.model, version, announce=self._announce)
         else:
@@ -405,31 +413,28 @@ class Runtime:
         self.window.add("perf/server_restart_s", time.perf_counter() - start)
 
     # ---- the queue ----------------------------------------------------------------------------------
-    def _fill_micro_batch(self, version: int, last: bool, rollouts: int | None) -> int | None:
-        """Offer samples to the batcher until one fits nowhere, or until `rollouts` whole rollouts are placed (None: no
-        count); returns how many are left to place. The step's last micro-batch takes whole units: groups (GRPO: a
-        group split across two steps would have its second part trained a policy version later, past max_staleness
-        for a group that was just in bounds) or rollouts (FlashREINFORCE trains a trajectory in one step; every
-        micro-batch when they are counted). A group larger than a whole micro-batch fills it; a rollout larger than
-        one is dropped as oversize."""
-        source, batcher = self.source, self.batcher
-        flash = self.args.algorithm == "flash_reinforce"
-        same = (lambda s: s.rollout_id) if flash else (lambda s: s.position)
-        while rollouts != 0 and (unit := self._next_unit(version, same if last or rollouts else None)) is not None:
+    def _fill_micro_batch(self, version: int, last: bool, units: int | None) -> int | None:
+        """Offer samples to the batcher until one fits nowhere, or until `units` whole units are placed (None: no
+        count); returns how many are left to place. The step's last micro-batch takes whole units (the algorithm's
+        `unit_key`: a GRPO group, a FlashREINFORCE rollout), and so does every micro-batch when they are counted. A
+        unit larger than a whole micro-batch fills it, or is dropped as oversize (the algorithm's
+        `drops_oversize_unit`)."""
+        source, batcher, algorithm = self.source, self.batcher, self.algorithm
+        while units != 0 and (unit := self._next_unit(version, algorithm.unit_key if last or units else None)):
             if batcher.offer_together(unit):
                 for _ in unit:
                     source.take()
-                rollouts = None if rollouts is None else rollouts - 1
+                units = None if units is None else units - 1
             elif not batcher.empty:
-                return rollouts
-            elif flash:
+                return units
+            elif algorithm.drops_oversize_unit:
                 source.discard_oversize(len(unit))
-            else:  # one group overfills the micro-batch: as much of it as fits
+            else:  # one unit overfills the micro-batch: as much of it as fits
                 for sample in unit:
                     if not batcher.offer(sample):
-                        return rollouts
+                        return units
                     source.take()
-        return rollouts
+        return units
 
     def _next_unit(self, version: int, same) -> list[Sample] | None:
         """The source's next trainable unit, waiting for the worker while none is buffered; None once nothing more will
@@ -473,7 +478,7 @@ class Runtime:
         """The rollout worker, generating from `point` on (its start, leaving out what the trainer holds past it)."""
         lora_adapter = isinstance(self.sync_strategy, LoraSync)
         spec = worker_spec(self.spec, point, served_name=self.served_name, served_url=self.served_url,
-                           token_budget=self.token_budget, max_model_len=self.max_model_len,
+                           token_budget=self.token_budget, server=self.facts,
                            world_size=self.ranks.world_size, adapter_name=ADAPTER_NAME if lora_adapter else None)
         return self.session.start_worker(spec, self.args.rollout_worker_timeout, self.version)
 

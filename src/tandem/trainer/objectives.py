@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.algorithms import algorithm_of
 from tandem.config import AsyncGRPOConfig
 from tandem.errors import UsageError
 from tandem.losses.flash_reinforce import flash_reinforce_loss
@@ -80,6 +81,12 @@ class ClippedSurrogate(Objective):
         self.bounds = bounds  # epsilon_low, epsilon_high, clip_min, clip_max
         self.aux_loss_coef = aux_loss_coef
 
+    @classmethod
+    def from_config(cls, args: AsyncGRPOConfig, aux_loss_coef: float) -> "ClippedSurrogate":
+        return cls({"epsilon_low": args.epsilon, "epsilon_high": args.epsilon_high,
+                    "clip_min": args.vllm_importance_sampling_clip_min,
+                    "clip_max": args.vllm_importance_sampling_clip_max}, aux_loss_coef)
+
     def token_losses(self, row: PackedRow, scored: TokenLogprobs, behavior: torch.Tensor,
                      advantages: torch.Tensor) -> tuple[torch.Tensor, TokenStats, dict[str, list]]:
         """Per-token losses, their statistics and any objective-specific records."""
@@ -126,6 +133,10 @@ class FlashReinforce(Objective):
         self.coefficients: dict[int, torch.Tensor] = {}
         """c_t of each row of the current step, by id(row); set by begin_step, taken by row_loss."""
 
+    @classmethod
+    def from_config(cls, args: AsyncGRPOConfig, aux_loss_coef: float) -> "FlashReinforce":
+        return cls(args.flash_delta, args.flash_negative_token_fraction, aux_loss_coef)
+
     def begin_step(self, rows: list[PackedRow], score: Callable[[], list[TokenLogprobs]]) -> dict[str, list]:
         scored = score()
         device = scored[0].log_probs.device
@@ -156,13 +167,14 @@ class FlashReinforce(Objective):
         return RowLoss(loss, recorded | token_stats(row, log_probs.detach(), behavior, scored.entropy, stats))
 
 
+OBJECTIVES: dict[str, type[ClippedSurrogate] | type[FlashReinforce]] = {
+    "clipped_surrogate": ClippedSurrogate, "score_centering": ScoreCentering, "flash_reinforce": FlashReinforce}
+"""Each objective by the name an algorithm gives it (tandem/algorithms.py)."""
+
+
 def make_objective(args: AsyncGRPOConfig, aux_loss_coef: float) -> Objective:
-    """The objective `args` selects: `algorithm`, then `score_centering`."""
-    if args.algorithm == "flash_reinforce":
-        return FlashReinforce(args.flash_delta, args.flash_negative_token_fraction, aux_loss_coef)
-    bounds = {"epsilon_low": args.epsilon, "epsilon_high": args.epsilon_high,
-              "clip_min": args.vllm_importance_sampling_clip_min, "clip_max": args.vllm_importance_sampling_clip_max}
-    return (ScoreCentering if args.score_centering else ClippedSurrogate)(bounds, aux_loss_coef)
+    """The objective of the algorithm `args` chooses."""
+    return OBJECTIVES[algorithm_of(args).objective(args)].from_config(args, aux_loss_coef)
 
 
 def token_stats(row: PackedRow, log_probs: torch.Tensor, behavior: torch.Tensor, entropy: torch.Tensor,

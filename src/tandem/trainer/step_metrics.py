@@ -11,6 +11,7 @@ import torch
 
 from tandem.metrics.window import MetricWindow
 from tandem.packing import PackedRow
+from tandem.staleness import staleness
 
 
 @dataclass
@@ -28,9 +29,9 @@ def record_samples(window: MetricWindow, rows: list[PackedRow], model_version: i
     """Staleness, size and rewards of every sample the step trained (its time in the queue is the runtime's, at
     take)."""
     for sample in (s for row in rows for s in row.samples):
-        staleness = model_version - sample.model_version
-        window.add("sample/staleness_mean", staleness)
-        window.add("sample/staleness_max", staleness)
+        lag = staleness(model_version, sample.model_version)
+        window.add("sample/staleness_mean", lag)
+        window.add("sample/staleness_max", lag)
         window.add("sample/forwarded_tokens_mean", sample.num_tokens)
         window.add("sample/forwarded_tokens_max", sample.num_tokens)
         window.add("sample/trained_tokens_mean", sample.num_trained)
