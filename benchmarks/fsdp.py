@@ -29,7 +29,7 @@ def worker(cli) -> None:
     from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
     from tandem.packing import pack
     from tandem.rewards import accuracy_reward
-    from tandem.records import Sample
+    from tandem.contract.records import Sample
     from tandem.tasks import TINY_MODEL_PATH, arithmetic
 
     config = AutoConfig.from_pretrained(TINY_MODEL_PATH)

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from tandem.generation.client import ControlClient, GenerationClient, parse_prometheus
 from tandem.generation.launcher import EmbeddedServer
 from tandem.rollout.reconcile import reconcile
-from tandem.records import Sample, TurnRecord
+from tandem.contract.records import Sample, TurnRecord
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
 from tandem.packing.batching import TokenBudgetBatcher
 

@@ -19,10 +19,10 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from tandem import onednn_linear
-from tandem.packing import attention
+from tandem.kernels import onednn_linear
+from tandem.packing import tree_attention
 from tandem.packing.logprobs import chunked_logprobs, row_logprobs
-from tandem.records import Sample
+from tandem.contract.records import Sample
 from tandem.tasks import TINY_MODEL_PATH, scaled_tiny
 from tandem.packing.batching import TokenBudgetBatcher
 
@@ -127,20 +127,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--completion", type=int, nargs=2, default=[16, 48], metavar=("MIN", "MAX"))
     parser.add_argument("--token-budget", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--kernels", choices=attention.KERNELS, nargs="+",
+    parser.add_argument("--kernels", choices=tree_attention.KERNELS, nargs="+",
                         help="tree attention kernels to run (default: exact and sdpa on CPU, flex and sdpa on GPU)")
     add_markdown_flag(parser)
     args = parser.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tree_model = load(args.model).to(device)
-    attention.prepare(tree_model)
+    tree_attention.prepare(tree_model)
     padded_model = load(args.model, attn_implementation="sdpa").to(device)
     padded_model.load_state_dict(tree_model.state_dict())  # the same random weights
     if device.type == "cpu":  # large linear layers on oneDNN, as the trainer's load_model routes them
         for model in (tree_model, padded_model):
             onednn_linear.install(model, exact=True, reorder=False)
-    kernels = args.kernels or [attention.default_kernel(device), "sdpa"]
+    kernels = args.kernels or [tree_attention.default_kernel(device), "sdpa"]
     print(f"model {args.model}  device {device}  token_budget {args.token_budget}  "
           f"{args.groups} groups x G={G}, completions {args.completion[0]}-{args.completion[1]} tokens")
     print("padded: stock transformers SDPA on [batch, longest] batches; tree and padding-free: the tree kernel named")

@@ -26,7 +26,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from tandem.staleness import StalenessPolicy
+from tandem.contract.staleness import StalenessPolicy
 from tandem.generation.client import ControlClient
 from tandem.generation.launcher import EmbeddedServer
 from tandem.tasks import TINY_MODEL_PATH

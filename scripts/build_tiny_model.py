@@ -39,7 +39,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
 from tandem.tasks.tools import calculator
-from tandem.tool_calls import parse_reply
+from tandem.chat.tool_calls import parse_reply
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]

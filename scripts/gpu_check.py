@@ -80,9 +80,9 @@ def check_flex(device: str) -> bool:
     """A packed row of three samples (two sharing a prompt) through the flex kernel against each one alone."""
     from transformers import AutoModelForCausalLM
 
-    from tandem.packing import attention, pack
+    from tandem.packing import pack, tree_attention
     from tandem.packing.logprobs import row_logprobs
-    from tandem.records import Sample
+    from tandem.contract.records import Sample
     from tandem.tasks import TINY_MODEL_PATH
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -96,7 +96,7 @@ def check_flex(device: str) -> bool:
                for i, s in enumerate(seqs)]
     reference = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=dtype, attn_implementation="sdpa").to(device).eval()
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=dtype).to(device).eval()
-    attention.prepare(model)
+    tree_attention.prepare(model)
     with torch.no_grad():
         got = row_logprobs(model, pack(samples), "flex").log_probs.float().cpu()
         expected = []

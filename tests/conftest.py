@@ -14,10 +14,10 @@ import torch
 from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, Qwen2_5_VLConfig,
                           Qwen3_5TextConfig)
 
-from tandem import exact_attention
+from tandem.kernels import exact_attention
 from tandem.errors import COMMAND_VARIABLE
 from tandem.generation.launcher import EmbeddedServer
-from tandem.generation.server import SERVER_KEY, ServeArgs, start_server
+from tandem.serve.app import SERVER_KEY, ServeArgs, start_server
 from tandem.tasks import TINY_MODEL_PATH, scaled_tiny
 
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tandem.algorithms import ALGORITHMS, FlashREINFORCE, GRPO, algorithm_of
+from tandem.contract.algorithms import ALGORITHMS, FlashREINFORCE, GRPO, algorithm_of
 from tandem.config import AsyncGRPOConfig
 from tandem.errors import UsageError
 from tandem.trainer.objectives import OBJECTIVES

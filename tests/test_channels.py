@@ -6,7 +6,7 @@ import multiprocessing as mp
 import threading
 from contextlib import contextmanager
 
-from tandem.channels import Doorbell
+from tandem.contract.channels import Doorbell
 
 
 def wait_for_a_wake_up(bell: Doorbell, listening, heard) -> None:

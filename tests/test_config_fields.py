@@ -18,7 +18,7 @@ from rich.console import Console
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
-from tandem import distributed as tandem_distributed
+from tandem.model import distributed as tandem_distributed
 from tandem.config import REFUSED, type_problem
 from tandem.metrics.console import RunConsole
 from tandem.rewards import accuracy_reward
@@ -459,7 +459,7 @@ def test_bf16_autocasts_the_trainers_forward_and_leaves_the_weights_in_float32(t
 def rollout_loop(args: AsyncGRPOConfig, tokenizer=None):
     """The rollout loop built in-process, as the worker builds it (no server behind its address)."""
     from tandem import AsyncRolloutLoop
-    from tandem.channels import Channels
+    from tandem.contract.channels import Channels
     from tandem.rollout.settings import RolloutSettings
     from transformers import AutoTokenizer
 

@@ -4,7 +4,7 @@ layers rounding exactly as exact decoding's, a few rows against many."""
 import pytest
 import torch
 
-from tandem import onednn_linear
+from tandem.kernels import onednn_linear
 
 pytestmark = pytest.mark.skipif(not onednn_linear.usable(torch.float32), reason="needs oneDNN and an x86 CPU")
 exact_rows = pytest.mark.skipif(onednn_linear.EXACT_ROWS is None, reason="oneDNN's rows do not round alike here")

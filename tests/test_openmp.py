@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from tandem.openmp import in_passing_thread
+from tandem.kernels.openmp import in_passing_thread
 
 
 def test_a_passing_thread_returns_its_value_from_another_thread_that_has_ended():
@@ -28,7 +28,7 @@ def test_a_parallel_region_in_a_passing_thread_leaves_no_openmp_worker_behind():
     of its team alive; the same in a passing thread does not."""
     script = textwrap.dedent("""
         import os, time, torch
-        from tandem.openmp import in_passing_thread
+        from tandem.kernels.openmp import in_passing_thread
         torch.set_num_threads(2)
         threads = lambda: len(os.listdir("/proc/self/task"))
         matmul = lambda: torch.randn(512, 512) @ torch.randn(512, 512)

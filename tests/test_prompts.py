@@ -1,4 +1,4 @@
-"""The prefix-preserving check of chat templates and the training templates of known families (tandem.prompts).
+"""The prefix-preserving check of chat templates and the training templates of known families (tandem.chat.prompts).
 A multi-turn rollout is one training sequence only when each turn's prompt extends the previous one token for
 token; Qwen3's template rewrites earlier turns, and its training template does not."""
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.prompts import PROBE_TOOL, check_prefix_preserving, probe_conversation, training_chat_template
+from tandem.chat.prompts import PROBE_TOOL, check_prefix_preserving, probe_conversation, training_chat_template
 
 QWEN3_LIKE = r"""
 {%- if tools %}

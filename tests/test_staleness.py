@@ -3,7 +3,7 @@
 import pytest
 
 from tandem.config import AsyncGRPOConfig
-from tandem.staleness import StalenessPolicy, staleness
+from tandem.contract.staleness import StalenessPolicy, staleness
 
 #   max     allowance  a step frees room      a sync's end   syncs may  adapter versions  adapter
 # staleness (steps)    (no sync / sync runs)  frees room     overlap    kept loaded       slots

@@ -1,12 +1,12 @@
-"""Reading tool calls out of a model's reply (tandem.tool_calls): Hermes / Qwen `<tool_call>` blocks, a tokenizer's
+"""Reading tool calls out of a model's reply (tandem.chat.tool_calls): Hermes / Qwen `<tool_call>` blocks, a tokenizer's
 own `response_template`, and tool schemas from Python functions."""
 
 import copy
 
 import pytest
 
-from tandem.prompts import PROBE_TOOL
-from tandem.tool_calls import parse_reply, tool_schema
+from tandem.chat.prompts import PROBE_TOOL
+from tandem.chat.tool_calls import parse_reply, tool_schema
 
 CALL_1_PLUS_2 = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n</tool_call>'
 CALL_3_TIMES_4 = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 * 4"}}\n</tool_call>'

@@ -6,8 +6,8 @@ from transformers import AutoTokenizer
 
 from tandem.errors import UsageError
 from tandem.tasks import TINY_MODEL_PATH
-from tandem.tool_calls import parse_reply
-from tandem.tool_formats import FORMATS, Reading, served_reply, tool_call_format
+from tandem.chat.tool_calls import parse_reply
+from tandem.chat.tool_formats import FORMATS, Reading, served_reply, tool_call_format
 
 
 def read(name: str, text: str) -> Reading:

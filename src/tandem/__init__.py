@@ -20,9 +20,9 @@ _HOMES = {
     "AsyncGRPOTrainer": "tandem.trainer.trainer",
     "AsyncRolloutLoop": "tandem.rollout.loop",
     "HarnessAsyncGRPOTrainer": "tandem.trainer.harness",
-    "Rollout": "tandem.records",
-    "RolloutGroup": "tandem.records",
-    "TurnRecord": "tandem.records",
+    "Rollout": "tandem.contract.records",
+    "RolloutGroup": "tandem.contract.records",
+    "TurnRecord": "tandem.contract.records",
     "UsageError": "tandem.errors",
 }
 

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import yaml
 
-from tandem.algorithms import algorithm_of
+from tandem.contract.algorithms import algorithm_of
 from tandem.errors import UsageError, install_command, warnings_as_lines
-from tandem.prompts import CONTENT_FORMATS
+from tandem.chat.prompts import CONTENT_FORMATS
 from tandem.tasks import TINY_MODEL_PATH
-from tandem.tool_formats import FORMATS
+from tandem.chat.tool_formats import FORMATS
 
 
 def switch(p: argparse.ArgumentParser, name: str, help: str, default: bool = False) -> None:
@@ -239,8 +239,8 @@ def missing_folder(model: str) -> str | None:
 
 
 def run_serve(ns: argparse.Namespace) -> None:
-    from tandem.generation.server import VLLM_PROTOCOL_VERSION, ServeArgs, check_tool_flags, start_server
-    from tandem.generation.weight_transfer import parse_config
+    from tandem.serve.app import VLLM_PROTOCOL_VERSION, ServeArgs, check_tool_flags, start_server
+    from tandem.serve.weight_receiver import parse_config
     from tandem.httpapp import run_until_interrupted
 
     if ns.return_sampling_mask and ns.logprobs_mode != "processed_logprobs":
@@ -384,8 +384,8 @@ def longest_prompt(recipe, tools: list, rows) -> tuple[int | None, str]:
     and why not. The tokenizer is downloaded only when token_budget cannot size the server instead."""
     from transformers import AutoTokenizer
 
-    from tandem.prompts import render_chat
-    from tandem.tool_calls import tool_schema
+    from tandem.chat.prompts import render_chat
+    from tandem.chat.tool_calls import tool_schema
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_PATH if recipe.model == "tiny" else recipe.model,
@@ -619,7 +619,7 @@ def main(argv: list[str] | None = None) -> None:
 def vllm_flags_taken(ns: argparse.Namespace, rest: list[str], parser: argparse.ArgumentParser) -> argparse.Namespace:
     """`tandem serve`'s arguments past its own options: vLLM's flags whose promise it keeps are taken, one it does
     not implement ends the command with its reason in one line, anything else is argparse's unrecognized argument."""
-    from tandem.generation.vllm_flags import takes_value, verdict
+    from tandem.serve.vllm_flags import takes_value, verdict
 
     unknown, i = [], 0
     while i < len(rest):

@@ -23,10 +23,10 @@ from typing import Any
 import yaml
 
 from tandem import trl_names
-from tandem.algorithms import algorithm_of, refusals
+from tandem.contract.algorithms import algorithm_of, refusals
 from tandem.errors import UsageError
-from tandem.staleness import StalenessPolicy
-from tandem.tool_formats import FORMATS
+from tandem.contract.staleness import StalenessPolicy
+from tandem.chat.tool_formats import FORMATS
 
 RECIPES = Path(__file__).with_name("recipes")
 """The built-in recipes, by name: `tandem train demo` is recipes/demo.yaml."""
@@ -612,7 +612,7 @@ class AsyncGRPOConfig:
 
     @property
     def staleness_policy(self) -> StalenessPolicy:
-        """Every rule `max_staleness` decides (tandem/staleness.py)."""
+        """Every rule `max_staleness` decides (tandem/contract/staleness.py)."""
         return StalenessPolicy(self.max_staleness)
 
     @property

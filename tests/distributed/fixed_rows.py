@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
 from tandem.packing import pack
 from tandem.rewards import accuracy_reward
-from tandem.records import Sample
+from tandem.contract.records import Sample
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
-from tandem.distributed import full_tensor
+from tandem.model.distributed import full_tensor
 from tandem.runtime.sync_check import policy_logprobs
 
 

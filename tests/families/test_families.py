@@ -9,14 +9,14 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
-from tandem.generation.engine import Engine, EngineRequest
-from tandem.generation.sampling import SamplingParams
+from tandem.serve.engine import Engine, EngineRequest
+from tandem.serve.sampling import SamplingParams
 from tandem.packing import PADDED, TREE, pack
 from tandem.packing.logprobs import row_logprobs
 from tandem.trainer.model import load_model
 from tests.conftest import saved_with_tiny_tokenizer
 from tests.families.catalog import FAMILIES, BY_NAME, table
-from tests.generation.test_engine import random_prompt, run
+from tests.serve.test_engine import random_prompt, run
 from tests.packing.samples import sample
 from tests.trainer.test_trainer import config, logged, small_dataset, varied_reward
 

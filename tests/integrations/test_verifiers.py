@@ -15,7 +15,7 @@ from verifiers.v1.errors import OverlongPromptError, model_error
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer, UsageError
 from tandem.integrations.verifiers import ENVIRONMENT, TASK, check_config
 from tandem.integrations.verifiers_loop import Capture
-from tandem.records import TurnRecord
+from tandem.contract.records import TurnRecord
 from tandem.tasks import datasets
 from tandem.tasks.tools import calculator
 

@@ -2,7 +2,7 @@
 
 from hypothesis import strategies as st
 
-from tandem.records import Sample
+from tandem.contract.records import Sample
 
 
 def sample(ids, trained=None, group=0, advantage=1.0, behavior_log_probs=None, sampling_mask=None) -> Sample:

@@ -25,8 +25,8 @@ import torch
 from hypothesis import Phase, given, settings
 from transformers import AutoModelForCausalLM
 
-from tandem.exact_attention import MIN_ROWS
-from tandem.packing import attention, pack
+from tandem.kernels.exact_attention import MIN_ROWS
+from tandem.packing import pack, tree_attention
 from tandem.packing.logprobs import row_logprobs
 from tandem.tasks import TINY_MODEL_PATH
 
@@ -58,7 +58,7 @@ def reference_models():
 @pytest.fixture(scope="module")
 def packed_model():
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32).eval()
-    attention.prepare(model)
+    tree_attention.prepare(model)
     return model
 
 

@@ -4,8 +4,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3NextConfig
 
-from tandem import architecture, exact_attention
-from tandem.packing import PADDED, TREE, attention, pack
+from tandem.model import architecture
+from tandem.kernels import exact_attention
+from tandem.packing import PADDED, TREE, tree_attention as attention, pack
 from tandem.packing.logprobs import chunked_logprobs, default_chunk_size, plain_linear, row_logprobs
 from tandem.tasks import TINY_MODEL_PATH
 from tests.conftest import tiny_hybrid

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from tandem import AsyncGRPOConfig, AsyncRolloutLoop, TurnRecord
 from tandem.generation.client import ServerError, ServerGone
-from tandem.channels import Channels
+from tandem.contract.channels import Channels
 from tandem.rollout.scheduler import FAILED_IN_A_ROW
 from tandem.rollout.settings import RolloutSettings
 from tandem.rollout.worker import stop_message

@@ -7,12 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.staleness import StalenessPolicy
+from tandem.contract.staleness import StalenessPolicy
 from tandem.metrics.window import MetricWindow
 from tandem.rollout import pacing
 from tandem.rollout.pacing import ConcurrencyCap, Room, TokenAllowance
 from tandem.rollout.reconcile import reconcile
-from tandem.records import TurnRecord
+from tandem.contract.records import TurnRecord
 from tests.rollout.test_failures import by_reply, positions, run_loop
 
 

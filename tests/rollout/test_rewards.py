@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from tandem.rollout import rewards as scoring
+from tandem.rollout import scoring
 
 
 def length_reward(completion_ids, **kwargs):

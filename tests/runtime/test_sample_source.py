@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tandem.staleness import StalenessPolicy
+from tandem.contract.staleness import StalenessPolicy
 from tandem.metrics.window import MetricWindow
 from tandem.rollout.pacing import TokenAllowance
 from tandem.rollout.worker import WorkerLost
@@ -326,9 +326,9 @@ def test_a_samples_time_in_the_queue_ends_when_it_is_placed_in_a_row_not_when_it
     import time
 
     from tandem.config import AsyncGRPOConfig
-    from tandem.distributed import Ranks
+    from tandem.model.distributed import Ranks
     from tandem.packing.batching import TokenBudgetBatcher
-    from tandem.algorithms import GRPO
+    from tandem.contract.algorithms import GRPO
     from tandem.runtime.runtime import Runtime
 
     samples = group(0)

@@ -11,7 +11,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from tandem.generation.client import ControlClient, GenerationClient
-from tandem.packing import attention as tree_attention
+from tandem.packing import tree_attention
 from tandem.tasks import TINY_MODEL_PATH
 from tandem.runtime import sync_check
 from tandem.generation.server_facts import facts_of

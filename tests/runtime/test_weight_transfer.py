@@ -14,14 +14,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tandem.generation.client import ControlClient, EngineDead, GenerationClient, ServerError
-from tandem import onednn_linear
+from tandem.kernels import onednn_linear
 from tandem.generation.launcher import EmbeddedProxy
-from tandem.packing import attention as tree_attention
+from tandem.packing import tree_attention
 from tandem.tasks import TINY_MODEL_PATH
 from tandem.runtime import weight_transfer
 from tandem.runtime.weight_sync import nccl_plane
 from tandem.generation.client import ServerProblem
-from tandem.generation.weight_transfer import Receiver, pack_chunks
+from tandem.serve.weight_receiver import Receiver, pack_chunks
 from tandem.runtime.weight_transfer import GlooPlane, InThread, TransferFailed, TransferSync, VllmNcclPlane, control_call, first_failure
 from tests.conftest import ServeProcess, ServerThread, chat_prompt, probe_gap
 

@@ -10,7 +10,7 @@ from transformers.utils import get_json_schema
 from tandem.generation.client import GenerationClient
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
 from tandem.tasks.tools import calculator
-from tandem.tool_calls import parse_reply
+from tandem.chat.tool_calls import parse_reply
 from tests.conftest import chat_prompt
 from tests.trainer.test_agent_training import IncrementEnv  # TRL's example environment
 

@@ -11,7 +11,7 @@ from datasets import Dataset
 
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop
 from tandem.tasks import arithmetic
-from tandem.tool_calls import ToolCall
+from tandem.chat.tool_calls import ToolCall
 
 pytestmark = pytest.mark.slow
 

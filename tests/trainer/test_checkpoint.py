@@ -15,7 +15,7 @@ from tandem.rewards import accuracy_reward
 from tandem.tasks import TINY_MODEL_PATH, datasets
 from tandem.trainer import checkpoint
 from tandem.trainer.checkpoint import TrainerState
-from tandem.distributed import Ranks
+from tandem.model.distributed import Ranks
 from tandem.trainer.optimization import make_optimizer, make_scheduler
 from tandem.runtime.sample_source import ResumePoint
 

@@ -17,7 +17,7 @@ from tandem.cli import main
 from tandem.tasks import TINY_MODEL_PATH
 from tandem.trainer import checkpoint
 from tandem.trainer.checkpoint import TrainerState
-from tandem.distributed import Ranks
+from tandem.model.distributed import Ranks
 from tandem.trainer.export import export
 from tandem.trainer.optimization import make_optimizer, make_scheduler
 from tandem.runtime.sample_source import ResumePoint

@@ -12,7 +12,7 @@ from tandem.config import AsyncGRPOConfig
 from tandem.losses import flash_reinforce_loss
 from tandem.packing import pack
 from tandem.packing.logprobs import TokenLogprobs
-from tandem.records import Sample
+from tandem.contract.records import Sample
 from tandem.trainer.objectives import ClippedSurrogate, FlashReinforce, LossShare, ScoreCentering, make_objective
 
 F64 = torch.float64

@@ -21,7 +21,8 @@ import pytest
 from datasets import Dataset
 from transformers import TrainerCallback
 
-from tandem import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop, Rollout, exact_attention, onednn_linear
+from tandem import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop, Rollout
+from tandem.kernels import exact_attention, onednn_linear
 from tandem.generation.client import ServerProblem
 from tandem.generation.launcher import EmbeddedProxy, EmbeddedServer, core_share
 from tandem.rewards import accuracy_reward

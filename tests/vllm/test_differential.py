@@ -17,7 +17,7 @@ import pytest
 from tandem.generation.client import parse_prometheus
 from tandem.tasks import TINY_MODEL_PATH
 from tandem.tasks.tools import calculator
-from tandem.tool_calls import tool_schema
+from tandem.chat.tool_calls import tool_schema
 from tests.conftest import ServerThread
 
 LOGPROB_TOL = 1e-4
@@ -269,7 +269,7 @@ print(json.dumps({route: [f for f, info in model.model_fields.items() if type(No
 
 def test_the_field_table_names_every_field_of_the_installed_vllms_requests():
     """Every field vLLM declares has its line in tandem serve's table (acts, ignored as by vLLM, or refused)."""
-    from tandem.generation.fields import ROUTES
+    from tandem.serve.fields import ROUTES
     from tests.vllm.conftest import ENV_DIR
 
     done = subprocess.run([str(ENV_DIR / "bin" / "python"), "-c", VLLM_FIELDS], capture_output=True, text=True,
@@ -277,8 +277,8 @@ def test_the_field_table_names_every_field_of_the_installed_vllms_requests():
     assert done.returncode == 0, done.stderr[-2000:]
     declared, nullable = (json.loads(line) for line in done.stdout.strip().splitlines()[-2:])
     missing = {route: sorted(set(names) - set(ROUTES[route])) for route, names in declared.items()}
-    assert not any(missing.values()), f"vLLM's fields without a line in generation/fields.py: {missing}"
-    from tandem.generation import protocol
+    assert not any(missing.values()), f"vLLM's fields without a line in serve/fields.py: {missing}"
+    from tandem.serve import protocol
     models = {"/v1/completions": (protocol.CompletionRequest, {"prompt": [1]}),
               "/v1/chat/completions": (protocol.ChatCompletionRequest, {"messages": []}),
               "/inference/v1/generate": (protocol.GenerateRequest, {"token_ids": [1]})}
@@ -309,7 +309,7 @@ def test_every_flag_of_the_installed_vllm_serve_acts_or_has_its_reason():
     """A flag of `vllm serve` is one of tandem serve's own options, or vllm_flags.py takes or refuses it: none is
     left to argparse's "unrecognized arguments"."""
     from tandem.cli import build_parser
-    from tandem.generation.vllm_flags import verdict
+    from tandem.serve.vllm_flags import verdict
     from tests.vllm.conftest import ENV_DIR
 
     done = subprocess.run([str(ENV_DIR / "bin" / "python"), "-c", VLLM_FLAGS], capture_output=True, text=True,

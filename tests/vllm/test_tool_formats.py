@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from tandem import tool_formats
+from tandem.chat import tool_formats
 from tandem.tasks import TINY_MODEL_PATH
 from tests.vllm.conftest import ENV_DIR
 

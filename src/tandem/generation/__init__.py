@@ -1,1 +1,2 @@
-"""Generation: the vLLM-protocol client, and `tandem serve` (server, batching engine, sampling)."""
+"""The client side of generation: the vLLM-protocol clients (`client.py`), what a server says about itself at
+connect (`server_facts.py`), and `tandem serve` / `tandem proxy` started as subprocesses (`launcher.py`)."""

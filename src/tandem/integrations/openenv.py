@@ -22,7 +22,7 @@ from tandem.errors import UsageError
 from tandem.generation.client import ServerError, ServerGone
 from tandem.integrations import extras
 from tandem.integrations.episodes import EpisodeFailures, completion_of
-from tandem.records import Rollout, TurnRecord
+from tandem.contract.records import Rollout, TurnRecord
 from tandem.rollout.loop import AsyncRolloutLoop
 from tandem.rollout.tools import ToolResult
 

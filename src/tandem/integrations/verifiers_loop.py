@@ -13,7 +13,7 @@ from tandem.generation.client import ServerError, ServerGone
 from tandem.integrations.episodes import EpisodeFailures, completion_of
 from tandem.integrations.verifiers import ENVIRONMENT, TASK, library
 from tandem.integrations.verifiers_harness import TOOL_RESULTS, close_connections
-from tandem.records import Rollout, TurnRecord
+from tandem.contract.records import Rollout, TurnRecord
 from tandem.rollout.loop import AsyncRolloutLoop
 
 

@@ -11,7 +11,7 @@ In the padded layout (models a tree row would change) a row's tokens are its sam
 
 from tandem.metrics.window import MetricWindow
 from tandem.packing import TREE, PackedRow, TrieRow
-from tandem.records import Sample
+from tandem.contract.records import Sample
 
 
 class TokenBudgetBatcher:

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from tandem import onednn_linear
-from tandem.exact_attention import MIN_ROWS
-from tandem.packing.attention import tree_masks
+from tandem.kernels import onednn_linear
+from tandem.kernels.exact_attention import MIN_ROWS
+from tandem.packing.tree_attention import tree_masks
 from tandem.packing.trie import PADDED, TREE, PackedRow
 
 CHUNK_BYTES = 64 * 2**20

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.errors import UsageError
-from tandem.records import Sample
+from tandem.contract.records import Sample
 
 TREE, PADDED = "tree", "padded"
 LAYOUTS = (TREE, PADDED)

@@ -33,7 +33,7 @@ from aiohttp import web
 
 from tandem.generation.client import parse_metrics
 from tandem.httpapp import api_key_auth, error_body, error_response, start_app
-from tandem.prompts import render_chat
+from tandem.chat.prompts import render_chat
 from tandem.proxy.router import PrefixRouter
 
 ROUTED = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")

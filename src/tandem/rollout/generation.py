@@ -13,17 +13,17 @@ import random
 import time
 from dataclasses import dataclass
 
-from tandem.algorithms import algorithm_of
+from tandem.contract.algorithms import algorithm_of
 from tandem.generation.client import GenerationClient
-from tandem.prompts import render_chat
-from tandem.records import Rollout, RolloutGroup, TurnRecord
+from tandem.chat.prompts import render_chat
+from tandem.contract.records import Rollout, RolloutGroup, TurnRecord
 from tandem.rollout.environments import (ROUTE_COLUMN, EnvironmentPool, environment_tools, factories_of, reset_prompt,
                                          route)
 from tandem.rollout.pacing import ConcurrencyCap
 from tandem.rollout.reconcile import reconcile
 from tandem.rollout.settings import RolloutSettings
 from tandem.rollout.tools import Toolbox, ToolResult, ToolRunner
-from tandem.tool_calls import tool_schema
+from tandem.chat.tool_calls import tool_schema
 
 RENDER_CACHE_SIZE = 4096
 GROUP_VERSION: contextvars.ContextVar[int] = contextvars.ContextVar("group_version", default=0)

@@ -3,7 +3,7 @@ catalogue's rewards and groups metrics). `record(name, *values)` appends to the 
 
 import numpy as np
 
-from tandem.records import RolloutGroup
+from tandem.contract.records import RolloutGroup
 
 
 def record_group(record, group: RolloutGroup, columns: dict[str, np.ndarray], kept: bool, eos_token_ids: list[int],

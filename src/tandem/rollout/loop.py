@@ -13,15 +13,15 @@ scoring, evaluation, failures) is a `RolloutScheduler` (rollout/scheduler.py) th
 
 import numpy as np
 
-from tandem.channels import Channels
-from tandem.records import Rollout, RolloutGroup, TurnRecord
-from tandem.rollout import rewards as scoring
+from tandem.contract.channels import Channels
+from tandem.contract.records import Rollout, RolloutGroup, TurnRecord
+from tandem.rollout import scoring
 from tandem.rollout.generation import GROUP_SEED, ROW
 from tandem.rollout.scheduler import RolloutScheduler
 from tandem.rollout.settings import RolloutSettings
 from tandem.rollout.tools import Toolbox
-from tandem.tool_calls import ToolCall, parse_reply
-from tandem.tool_formats import tool_call_format
+from tandem.chat.tool_calls import ToolCall, parse_reply
+from tandem.chat.tool_formats import tool_call_format
 
 
 class AsyncRolloutLoop:

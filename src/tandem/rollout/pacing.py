@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tandem.staleness import StalenessPolicy
+from tandem.contract.staleness import StalenessPolicy
 
 METRICS_POLL_S = 5.0
 RAISE_BELOW_USAGE, LOWER_ABOVE_USAGE = 0.6, 0.8

@@ -5,7 +5,7 @@ exactly once; context tokens never are."""
 
 from dataclasses import dataclass
 
-from tandem.records import TrainingSequence, TurnRecord
+from tandem.contract.records import TrainingSequence, TurnRecord
 
 
 @dataclass

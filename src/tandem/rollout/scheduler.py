@@ -14,13 +14,13 @@ from collections import defaultdict, deque
 
 import numpy as np
 
-from tandem.algorithms import algorithm_of
-from tandem.channels import Channels
+from tandem.contract.algorithms import algorithm_of
+from tandem.contract.channels import Channels
 from tandem.generation.client import ControlClient, EngineDead, ServerError
 from tandem.generation.server_facts import read_facts
 from tandem.metrics.window import check_values
-from tandem.records import Rollout, RolloutGroup, Sample
-from tandem.rollout import rewards as scoring
+from tandem.contract.records import Rollout, RolloutGroup, Sample
+from tandem.rollout import scoring
 from tandem.rollout.generation import GROUP_VERSION, Generation
 from tandem.rollout.group_metrics import group_stds, record_group
 from tandem.rollout.pacing import METRICS_POLL_S, ConcurrencyCap, Room, TokenAllowance

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tandem.errors import UsageError
-from tandem.tool_calls import ToolCall, tool_schema
+from tandem.chat.tool_calls import ToolCall, tool_schema
 
 
 @dataclass

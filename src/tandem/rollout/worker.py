@@ -15,7 +15,7 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from tandem.channels import Channels
+from tandem.contract.channels import Channels
 from tandem.errors import COMMAND_VARIABLE, warnings_as_lines
 from tandem.generation.client import EngineDead, ServerGone, ServerProblem, engine_died, server_gone
 from tandem.rollout.settings import RolloutSettings

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from tandem.algorithms import algorithm_of
+from tandem.contract.algorithms import algorithm_of
 from tandem.config import AsyncGRPOConfig
-from tandem.distributed import Ranks
-from tandem.model_folder import save_model_folder
+from tandem.model.distributed import Ranks
+from tandem.model.model_folder import save_model_folder
 from tandem.runtime.weight_sync import lora_server_flags
 
 

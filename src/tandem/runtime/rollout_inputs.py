@@ -8,14 +8,14 @@ import warnings
 
 from tandem.errors import UsageError
 from tandem.generation.server_facts import ServerFacts
-from tandem.prompts import check_prefix_preserving, training_chat_template
+from tandem.chat.prompts import check_prefix_preserving, training_chat_template
 from tandem.rollout.environments import factories_of, validate_environments
 from tandem.rollout.loop import AsyncRolloutLoop
-from tandem.rollout.rewards import reward_name
+from tandem.rollout.scoring import reward_name
 from tandem.rollout.settings import RolloutSettings
 from tandem.rollout.tools import validate_tools
 from tandem.rollout.worker import WorkerSpec, check_picklable
-from tandem.tool_calls import tool_schema
+from tandem.chat.tool_calls import tool_schema
 
 
 def check_agents(tools: list, environment_factory, dataset, eval_dataset=None, harness=None) -> bool:

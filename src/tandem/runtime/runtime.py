@@ -17,25 +17,25 @@ from pathlib import Path
 
 import torch
 
-from tandem.algorithms import algorithm_of
+from tandem.contract.algorithms import algorithm_of
 from tandem.config import AsyncGRPOConfig
 from tandem.dataset_rows import first_rows
-from tandem.distributed import Ranks
+from tandem.model.distributed import Ranks
 from tandem.generation.client import EngineDead, ServerError, ServerProblem, engine_died, server_gone
 from tandem.generation.launcher import server_threads
 from tandem.generation.server_facts import ServerFacts, read_facts
 from tandem.metrics.window import MetricWindow
 from tandem.packing import PackedRow
 from tandem.packing.batching import TokenBudgetBatcher, record_micro_batch
-from tandem.prompts import render_prompt
-from tandem.records import Sample
+from tandem.chat.prompts import render_prompt
+from tandem.contract.records import Sample
 from tandem.rollout.worker import WorkerLost
 from tandem.runtime import embedded_server, server_checks, sync_check
 from tandem.runtime.rollout_inputs import num_positions, worker_spec
 from tandem.runtime.sample_source import POLL_S, ResumePoint, SampleSource, Stall
 from tandem.runtime.session import DYING_S, Session
 from tandem.runtime.weight_transfer import GlooPlane, InThread, TransferSync
-from tandem.runtime.weight_sync import ADAPTER_NAME, LoraSync, choose_sync, follower_sync, publish
+from tandem.runtime.weight_sync import ADAPTER_NAME, LoraSync, choose_sync, follower_sync, write_weights
 
 SERVER_RESTARTS = 3
 SERVER_RESTART_WINDOW_S = 600.0
@@ -402,7 +402,7 @@ class Runtime:
         self.server_restarts.append(time.monotonic())
         session.progress.say(f"the embedded tandem serve exited (code {session.server.process.poll()}); restarting it with "
                              f"the weights of step {self.step} (log: {session.server.log_path})")
-        folder = self.served_path if self.lora else str(publish(spec.model, spec.output_dir / ".weights", "current", self.ranks))
+        folder = self.served_path if self.lora else str(write_weights(spec.model, spec.output_dir / ".weights", "current", self.ranks))
         session.restart_server(folder)
         self._choose_sync_anew()
         if self.lora:

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tandem.metrics.window import MetricWindow
-from tandem.records import Sample
-from tandem.staleness import StalenessPolicy
+from tandem.contract.records import Sample
+from tandem.contract.staleness import StalenessPolicy
 
 POLL_S = 0.05
 STALL_SAY_S = 60.0

@@ -9,8 +9,8 @@ from tandem.dataset_rows import first_rows, is_iterable
 from tandem.errors import UsageError
 from tandem.generation.client import ServerProblem
 from tandem.generation.server_facts import ServerFacts
-from tandem.prompts import check_conversational, render_chat
-from tandem.tool_calls import tool_schema
+from tandem.chat.prompts import check_conversational, render_chat
+from tandem.chat.tool_calls import tool_schema
 
 PROMPTS_MEASURED = 1000
 """An IterableDataset's first rows whose prompts are checked against the server's context length (a streamed dataset

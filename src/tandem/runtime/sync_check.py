@@ -15,7 +15,7 @@ from tandem.generation.client import GenerationClient, ServerProblem
 from tandem.metrics.doctor import rounding_bound
 from tandem.packing import TREE, pack
 from tandem.packing.logprobs import row_logprobs
-from tandem.records import Sample
+from tandem.contract.records import Sample
 
 PROBE_TOKENS = 16
 PROBE_SEED = 1234

@@ -20,18 +20,18 @@ import torch
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 
-from tandem.distributed import Ranks
+from tandem.model.distributed import Ranks
 from tandem.generation.client import ControlClient, ServerProblem
 from tandem.generation.server_facts import ServerFacts
-from tandem.model_folder import quiet_progress, save_model_folder
+from tandem.model.model_folder import quiet_progress, save_model_folder
 from tandem.runtime.weight_transfer import GlooPlane, TransferSync, VllmNcclPlane
-from tandem.staleness import StalenessPolicy
+from tandem.contract.staleness import StalenessPolicy
 
 if TYPE_CHECKING:
     from tandem.runtime.session import Session  # `run` is anything with .run(coroutine): a Session, an asyncio.Runner
 
 
-def publish(model: torch.nn.Module, folder: Path, name: str, ranks: Ranks, state_dict: dict | None = None) -> Path:
+def write_weights(model: torch.nn.Module, folder: Path, name: str, ranks: Ranks, state_dict: dict | None = None) -> Path:
     """Save `model` (a whole model, or a PEFT adapter) as `folder/name`: to a temporary folder first, then renamed,
     so the server never reads half of it. `state_dict` replaces the model's own weights in the files (one rank)."""
     target, staging = folder / name, folder / f".{name}.tmp"
@@ -84,9 +84,9 @@ class ReloadSync:
         start = time.perf_counter()
         if isinstance(model, PeftModel):
             with torch.no_grad():
-                target = publish(model.get_base_model(), self.folder, f"v{version}", self.ranks, merged_state_dict(model))
+                target = write_weights(model.get_base_model(), self.folder, f"v{version}", self.ranks, merged_state_dict(model))
         else:
-            target = publish(model, self.folder, f"v{version}", self.ranks)
+            target = write_weights(model, self.folder, f"v{version}", self.ranks)
         if not self.ranks.main:
             return {}
         written = time.perf_counter()
@@ -141,7 +141,7 @@ class LoraSync:
         that names an unloaded version always started before the announcement (and is skipped as stale)."""
         start = time.perf_counter()
         name = self.name_for(version)
-        target = publish(model, self.folder, name, self.ranks)
+        target = write_weights(model, self.folder, name, self.ranks)
         if not self.ranks.main:
             return {}
         self.run.run(self.control.load_lora(name, str(target.resolve())))

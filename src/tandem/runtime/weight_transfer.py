@@ -9,7 +9,7 @@ checkpoint's names and layouts, `checkpoint_tensors`, tandem serve the model's o
 thread, since it returns only when the server has received them — while the plane sends the tensors;
 `/finish_weight_update`, resume. The plane carries the tensors:
 - `GlooPlane`, into `--weight-transfer-config '{"backend":"gloo"}'`: a torch.distributed gloo group. `tandem serve`
-  (generation/weight_transfer.py) takes the tensors packed in a few byte buffers, stages them and swaps them in between
+  (serve/weight_receiver.py) takes the tensors packed in a few byte buffers, stages them and swaps them in between
   two engine steps, so it generates while the weights arrive; `vllm serve` with tandem's plugin
   (integrations/vllm_plugin) takes one CPU tensor at a time and loads it in place, paused;
 - `VllmNcclPlane`, into `vllm serve --weight-transfer-config '{"backend":"nccl"}'`: vLLM's own trainer-side
@@ -31,10 +31,10 @@ from collections.abc import Callable, Iterator
 import torch
 from transformers.core_model_loading import revert_weight_conversion
 
-from tandem.distributed import Ranks, full_tensor
+from tandem.model.distributed import Ranks, full_tensor
 from tandem.errors import install_command
 from tandem.generation.client import ENGINE_WATCH_S, ControlClient, EngineDead, ServerProblem, engine_died
-from tandem.generation.weight_transfer import PACKED_BUFFER_BYTES, RENDEZVOUS_S, join_group
+from tandem.serve.weight_receiver import PACKED_BUFFER_BYTES, RENDEZVOUS_S, join_group
 
 Tensors = Iterator[tuple[str, torch.Tensor]]
 ENGINE_DEATH_CHECKS = 4

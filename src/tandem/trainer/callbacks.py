@@ -8,7 +8,7 @@ from transformers import TrainerControl
 from transformers.trainer_callback import CallbackHandler, ExportableState
 from transformers.utils import logging as hf_logging
 
-from tandem.distributed import Ranks, local_main
+from tandem.model.distributed import Ranks, local_main
 
 
 def due(strategy: str, every: int, step: int, epoch_ended: bool) -> bool:

@@ -36,10 +36,10 @@ import transformers
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-from tandem.distributed import Ranks
+from tandem.model.distributed import Ranks
 from tandem.errors import UsageError
-from tandem.model_folder import save_model_folder
-from tandem.records import Sample
+from tandem.model.model_folder import save_model_folder
+from tandem.contract.records import Sample
 from tandem.runtime.sample_source import ResumePoint
 from tandem.tasks import TINY_MODEL_PATH
 

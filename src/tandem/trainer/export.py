@@ -12,9 +12,9 @@ from pathlib import Path
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from tandem.distributed import Ranks
+from tandem.model.distributed import Ranks
 from tandem.errors import UsageError
-from tandem.model_folder import save_model_folder
+from tandem.model.model_folder import save_model_folder
 from tandem.tasks import TINY_MODEL_PATH
 from tandem.trainer import checkpoint
 

@@ -11,14 +11,15 @@ from peft.tuners.lora.layer import ParamWrapper
 from transformers import PreTrainedModel
 from transformers.debug_utils import DebugUnderflowOverflow
 
-from tandem import architecture, onednn_linear
+from tandem.model import architecture
+from tandem.kernels import onednn_linear
 from tandem.config import AsyncGRPOConfig
 from tandem.dataset_rows import columns_of, first_rows, is_iterable
 from tandem.errors import UsageError
 from tandem.packing import PADDED
-from tandem.packing import attention as tree_attention
+from tandem.packing import tree_attention
 from tandem.packing.logprobs import check_head
-from tandem.prompts import check_conversational
+from tandem.chat.prompts import check_conversational
 from tandem.tasks import TINY_MODEL_PATH
 
 IMAGE_PARTS = ("image", "image_url", "input_image")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.algorithms import algorithm_of
+from tandem.contract.algorithms import algorithm_of
 from tandem.config import AsyncGRPOConfig
 from tandem.errors import UsageError
 from tandem.losses.flash_reinforce import flash_reinforce_loss
@@ -169,7 +169,7 @@ class FlashReinforce(Objective):
 
 OBJECTIVES: dict[str, type[ClippedSurrogate] | type[FlashReinforce]] = {
     "clipped_surrogate": ClippedSurrogate, "score_centering": ScoreCentering, "flash_reinforce": FlashReinforce}
-"""Each objective by the name an algorithm gives it (tandem/algorithms.py)."""
+"""Each objective by the name an algorithm gives it (tandem/contract/algorithms.py)."""
 
 
 def make_objective(args: AsyncGRPOConfig, aux_loss_coef: float) -> Objective:

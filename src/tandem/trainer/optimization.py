@@ -6,7 +6,7 @@ import math
 import torch
 
 from tandem.config import AsyncGRPOConfig
-from tandem.distributed import full_tensor
+from tandem.model.distributed import full_tensor
 from tandem.errors import UsageError
 
 

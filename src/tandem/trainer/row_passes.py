@@ -7,7 +7,7 @@ from contextlib import nullcontext
 
 import torch
 
-from tandem.distributed import Ranks
+from tandem.model.distributed import Ranks
 from tandem.packing import PackedRow
 from tandem.packing.logprobs import TokenLogprobs, row_logprobs
 

@@ -11,7 +11,7 @@ import torch
 
 from tandem.metrics.window import MetricWindow
 from tandem.packing import PackedRow
-from tandem.staleness import staleness
+from tandem.contract.staleness import staleness
 
 
 @dataclass

@@ -19,19 +19,20 @@ import torch
 from transformers.trainer_utils import enable_full_determinism
 from transformers.utils import logging as hf_logging
 
-from tandem import distributed, integrations
+from tandem.model import distributed
+from tandem import integrations
 from tandem.config import AsyncGRPOConfig
 from tandem.dataset_rows import is_iterable
 from tandem.errors import UsageError
 from tandem.metrics.window import MetricWindow
-from tandem.model_folder import save_model_folder
+from tandem.model.model_folder import save_model_folder
 from tandem.packing import PackedRow
-from tandem.packing import attention as tree_attention
+from tandem.packing import tree_attention
 from tandem.runtime.rollout_inputs import (check_agents, check_reward_names, check_sendable, loop_class,
                                            rollout_template)
 from tandem.runtime.runtime import Runtime, RuntimeSpec
 from tandem.runtime.sample_source import ResumePoint
-from tandem.tool_formats import tool_call_format
+from tandem.chat.tool_formats import tool_call_format
 from tandem.trainer import OPENMP_POLICY_TOO_LATE, checkpoint, export
 from tandem.trainer.callbacks import Callbacks, callback_handler, with_transformers_names
 from tandem.trainer.checkpoint import TrainerState

@@ -1,6 +1,6 @@
 """Stand-in for vLLM's `nccl_common.trainer_init`: the same call, a gloo group instead of NCCL."""
 
-from tandem.generation.weight_transfer import join_group
+from tandem.serve.weight_receiver import join_group
 from vllm.distributed.weight_transfer.packed_tensor import CALLS
 
 

@@ -1,0 +1,571 @@
+"""Continuous batching for `tandem serve`: requests join and leave the running batch between steps.
+
+One engine thread owns the model. Each step it admits waiting requests into free KV slots
+(prefilling each prompt once, then copying its KV to the request's `n` sequences), decodes one
+token for every running sequence, and retires the finished ones. Everything that changes the
+model (weight reloads, adapter loads) runs on that thread between steps through `call()`, so a
+forward pass never sees half-loaded weights.
+
+With the prefix cache (prefix_cache.py) a prompt's cached leading blocks are copied into its row and
+only the rest is prefilled, as a window of the row like a decode step's: each row rounds as in a full
+forward, so exact decoding matches a teacher-forced forward with the cache wherever it does without it.
+A sequence's blocks are stored once prefilled and again when it retires.
+
+A model with layers that carry state across tokens (gated DeltaNet, Mamba) has no prefix cache and no slots: each
+sequence decodes on its own through transformers' cache (kv_cache.SequenceStates), or, in exact mode, forwards its
+whole sequence every step, as the trainer does. A vision-language model serves its language model, text only.
+"""
+
+import collections
+import concurrent.futures
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+
+from tandem.model import architecture
+from tandem.kernels import exact_attention, onednn_linear
+from tandem.errors import UsageError
+from tandem.serve import decode_attention
+from tandem.serve.emission import Emission
+from tandem.serve.kv_cache import SequenceStates, SlotKVCache, kv_shapes
+from tandem.serve.lora import AdapterSet
+from tandem.serve.model_runner import ModelRunner
+from tandem.serve.prefix_cache import PrefixCache
+from tandem.serve.sampling import SamplingParams
+
+ENGINE_STOPPED = "The generation engine has stopped: see the server log."
+MAX_PREFILL_TOKENS = 8192
+"""Prompt tokens prefilled in one step at most, so running sequences keep decoding while many arrive."""
+logger = logging.getLogger("tandem.serve")
+
+
+@dataclass
+class Sequence:
+    """One generated continuation: tokens, their log-probs, and why it ended."""
+
+    index: int
+    generator: torch.Generator
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float, int]]] = field(default_factory=list)
+    sampling_masks: list[list[int]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    checked: int = 0
+    """Tokens whose stop conditions the engine has checked without finishing: what a stream may show while the
+    sequence runs (its lists may already hold a newer token, and its last one arrives with `finish_reason`)."""
+    weight_versions: list[tuple[str, int]] = field(default_factory=list)
+    """(version, first token) of each run of `output` sampled under one weights' label: a swap between two steps
+    starts a new run, which ends where the next begins (the last at the output's end)."""
+
+
+@dataclass
+class EngineRequest:
+    """A prompt and `n` sequences to sample from it. `notify` is called (on the engine thread) after each step."""
+
+    prompt: list[int]
+    params: SamplingParams
+    n: int = 1
+    adapter: str | None = None
+    return_sampling_mask: bool = False
+    stop_check: Callable[[list[int]], str | None] | None = None
+    notify: Callable[[], None] = lambda: None
+    sequences: list[Sequence] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
+    aborted: bool = False
+    cache_salt: str | None = None
+    """Requests with different salts share no prefix-cache block (vLLM's isolation of tenants)."""
+    reads_prefix_cache: bool = True
+    """False: prefilled whole (`skip_reading_prefix_cache`; prompt log-probs need every position's logits)."""
+    cached_tokens: int = 0
+    """Prompt tokens whose KV the prefix cache held when the request was prefilled."""
+    created_cache_tokens: int = 0
+    """Prompt tokens whose KV this request's prefill added to the prefix cache."""
+    prefix_epoch: int = -1
+    """The prefix cache's epoch when this request's KV was computed: KV of replaced weights is never stored."""
+    error: str | None = None
+    """Why the request failed on its own (the engine keeps serving the others)."""
+    error_status: int = 500
+    """400 when the request itself asked for the impossible (its masks left no token to sample)."""
+
+    def __post_init__(self):
+        if not self.sequences:
+            self.sequences = [Sequence(i, _generator(self.params.seed, i)) for i in range(self.n)]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences)
+
+    @property
+    def cache_namespace(self) -> str:
+        """What seeds the prefix-cache hashes of this request's blocks: its adapter and salt."""
+        return repr((self.adapter, self.cache_salt))
+
+
+def _min_rows(model: torch.nn.Module, exact: bool) -> int:
+    """Rows every matmul of a decode step needs: exact decoding's MATMUL_ROWS on a CPU (16 where MKL's strict mode is
+    off), at least oneDNN's EXACT_ROWS where layers run on it; 1 otherwise (the probes are of CPU kernels). Warns when
+    MKL is there but the mode is not (set otherwise, or torch ran a matmul before tandem was imported)."""
+    if not exact or next(model.parameters()).device.type != "cpu":
+        return 1
+    if not exact_attention.ROWS_ROUND_ALIKE and torch.backends.mkl.is_available():
+        logger.warning("tandem serve: exact decoding without MKL's strict reproducible mode pads every matmul to %d "
+                       "rows, and layers 1024 or more wide may still round unlike the trainer's forward; start the "
+                       "process with MKL_CBWR=AUTO,STRICT (or import tandem before torch's first matmul)",
+                       exact_attention.MIN_ROWS)
+    if any(onednn_linear.routed(module) for module in model.modules()):
+        return max(exact_attention.MATMUL_ROWS, onednn_linear.EXACT_ROWS)
+    return exact_attention.MATMUL_ROWS
+
+
+def _generator(seed: int | None, child: int) -> torch.Generator:
+    """Child i of a seeded request uses seed + i (as vLLM does); unseeded ones draw from the OS."""
+    generator = torch.Generator()
+    generator.manual_seed((seed + child) if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+    return generator
+
+
+def kv_cache_for(model: torch.nn.Module, max_model_len: int) -> SlotKVCache:
+    """A KV cache shaped for the model's layers and heads, on its device and in its dtype."""
+    layers = kv_shapes(model).layers
+    shapes = set(layers.values())
+    if len(shapes) != 1:
+        raise UsageError(f"{type(model).__name__}: its layers store keys and values of differing shapes "
+                         f"({sorted(shapes)}), which tandem serve's one KV tensor cannot hold; generate with vllm serve")
+    if sorted(layers) != list(range(model.config.get_text_config().num_hidden_layers)):
+        raise UsageError(f"{type(model).__name__}: only layers {sorted(layers)} store keys and values (the others share "
+                         "them), which tandem serve's KV cache cannot follow; generate with vllm serve")
+    param = next(model.parameters())
+    return SlotKVCache(len(layers), *shapes.pop(), max_model_len, param.dtype, param.device)
+
+
+@dataclass
+class EngineStats:
+    """Load and cumulative counters. Prompt tokens actually prefilled = prompt_tokens_total - prefix_cache_hits_total."""
+
+    running: int
+    waiting: int
+    kv_used_tokens: int
+    kv_capacity_tokens: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    preemptions_total: int
+    finished_total: dict[str, int]
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
+    prefix_cache_tokens: int
+    """Tokens whose KV the prefix cache holds now."""
+
+
+def caches_for(model: torch.nn.Module, max_model_len: int, exact: bool, prefix_tokens: int | None):
+    """The slot KV cache, or each sequence's state for a model with recurrent layers; and the prefix cache of up to
+    `prefix_tokens` tokens (None: off, and always off with recurrent layers: no cached block holds their state)."""
+    scanning = architecture.scanning_layers(model)
+    if not scanning:
+        return kv_cache_for(model, max_model_len), PrefixCache(prefix_tokens) if prefix_tokens is not None else None
+    if prefix_tokens is not None:
+        logger.warning("tandem serve: %s carry state across tokens, which no cached block of keys and values holds: "
+                       "prefix caching is off, and each sequence decodes on its own, %s", ", ".join(scanning),
+                       "forwarded whole every step (exact mode)" if exact else "through transformers' own cache")
+    return SequenceStates(reforward=exact), None
+
+
+class Engine:
+    """Continuous batching over one model: requests are submitted from any thread, one engine thread runs the steps."""
+
+    def __init__(self, model: torch.nn.Module, *, max_model_len: int, eos_token_id: int | None,
+                 extra_stop_token_ids: list[int] = (), max_num_seqs: int = 256, logprobs_mode: str = "raw_logprobs",
+                 adapters: AdapterSet | None = None, exact: bool = False, step_delay_s: float = 0.0,
+                 prefix_caching: bool = True, prefix_cache_max_tokens: int | None = None):
+        self.emission = Emission(logprobs_mode, eos_token_id, frozenset(extra_stop_token_ids), max_model_len)
+        model = architecture.without_hub_kernels(model)
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.adapters = adapters
+        self.exact = exact
+        if next(model.parameters()).device.type == "cpu":  # large linear layers on oneDNN, as the trainer's forward
+            onednn_linear.install(model, exact=exact, reorder=True)
+        self.step_delay_s = step_delay_s
+        """Extra seconds per decode step: lets benchmarks stand in a slower (GPU-sized) server. The wait comes
+        between steps, so weight reloads do not sit behind it; a pause stops its clock (`set_paused`)."""
+        self._next_step_at = 0.0
+        self._delay_left = 0.0
+        self.device = next(model.parameters()).device
+        if not architecture.attention_extras(model):  # sinks, soft-capping: the model's own attention
+            if exact:
+                model.set_attn_implementation(exact_attention.NAME)
+            elif self.device.type == "cpu" and model.config._attn_implementation == "sdpa":
+                model.set_attn_implementation(decode_attention.NAME)
+        bound = max_num_seqs * max_model_len if prefix_cache_max_tokens is None else prefix_cache_max_tokens
+        self.cache, self.prefix_cache = caches_for(model, max_model_len, exact, bound if prefix_caching else None)
+        self.runner = ModelRunner(model, self.cache, max_model_len=max_model_len, min_rows=_min_rows(model, exact),
+                                  exact=exact, adapters=adapters)
+        """The forward passes (model_runner.py). It holds the model: weight loads copy into it, an adapter load may
+        replace it (peft wraps it), so `model` reads it there."""
+
+        self.waiting: collections.deque[EngineRequest] = collections.deque()
+        self.rows: list[tuple[EngineRequest, Sequence]] = []
+        self.prefilling: list[EngineRequest] = []
+        self.lengths: list[int] = []
+        self.paused = False
+        self.weight_version = "default"
+        """The served weights' label (`/finish_weight_update`'s weight_version), set on the engine thread between steps."""
+        self.counters = collections.Counter()
+        self.finished_total: collections.Counter = collections.Counter()
+        self._lock = threading.Condition()
+        """Guards what other threads touch: `waiting`, `paused`, the flags and the published stats. The running rows,
+        their lengths, the counters and the prefix cache are the engine thread's alone."""
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopping = False
+        self._abort_running = False
+        """Set by abort_all: the engine thread aborts its running rows at the next step boundary."""
+        self._stepping = False
+        """The engine thread is between taking work and publishing its stats (a request it admitted is in neither)."""
+        self._stats = self._snapshot()
+        """The engine thread's figures as of its last step, published for /metrics (read whole, never mid-step)."""
+        self._touched: dict[int, EngineRequest] = {}
+        """Requests a step changed, told (`notify`) once its figures are published: a client that has its answer
+        finds it counted in /metrics."""
+        self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
+
+    @model.setter
+    def model(self, model: torch.nn.Module) -> None:
+        """Set on the engine thread only (a `call`), as every change of the model is."""
+        self.runner.model = model
+
+    # ---- public, thread-safe -------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def submit(self, request: EngineRequest) -> None:
+        with self._lock:
+            self.waiting.append(request)
+            self._lock.notify_all()
+
+    def abort(self, request: EngineRequest) -> None:
+        """End the request's sequences with finish_reason 'abort' at the next step boundary."""
+        with self._lock:
+            request.aborted = True
+            self._lock.notify_all()
+
+    def abort_all(self) -> None:
+        """End every request submitted so far with finish_reason 'abort': the waiting ones now, the running ones at the
+        next step boundary (the engine thread owns the rows)."""
+        with self._lock:
+            for request in self.waiting:
+                request.aborted = True
+            self._abort_running = True
+            self._lock.notify_all()
+
+    def set_paused(self, paused: bool) -> None:
+        """A pause also stops the clock of a simulated slow step (`step_delay_s`): a paused GPU computes nothing, so
+        the rest of the wait comes after the resume."""
+        with self._lock:
+            now = time.monotonic()
+            if paused and not self.paused:
+                self._delay_left = max(0.0, self._next_step_at - now)
+            elif self.paused and not paused:
+                self._next_step_at = now + self._delay_left
+            self.paused = paused
+            self._lock.notify_all()
+
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run `fn` on the engine thread between two steps; returns a future of its result (failed if the engine died)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self.error is not None:
+                future.set_exception(RuntimeError(ENGINE_STOPPED))
+            else:
+                self._calls.put((fn, future))
+                self._lock.notify_all()
+        return future
+
+    def idle(self) -> bool:
+        with self._lock:
+            if self.error is not None:  # a dead engine runs nothing (its requests were failed)
+                return True
+            return not (self.waiting or self._abort_running or self._stepping or self._stats.running)
+
+    def stats(self) -> EngineStats:
+        """The engine thread's figures as of its last step, and the queue as it is now."""
+        with self._lock:
+            return replace(self._stats, waiting=sum(r.n for r in self.waiting))
+
+    def _snapshot(self) -> EngineStats:
+        """The figures only the engine thread changes (called on it, or before it starts)."""
+        cache = self.prefix_cache
+        return EngineStats(running=len(self.rows), waiting=0, kv_used_tokens=sum(self.lengths),
+                           kv_capacity_tokens=self.max_num_seqs * self.max_model_len,
+                           prompt_tokens_total=self.counters["prompt_tokens"],
+                           generation_tokens_total=self.counters["generation_tokens"], preemptions_total=0,
+                           finished_total=dict(self.finished_total),
+                           prefix_cache_queries_total=cache.queries if cache else 0,
+                           prefix_cache_hits_total=cache.hits if cache else 0,
+                           prefix_cache_tokens=cache.num_tokens if cache else 0)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop the prefix cache. Run it on the engine thread (through `call`) whenever the weights change."""
+        if self.prefix_cache:
+            self.prefix_cache.clear()
+
+    def weights_changed(self) -> None:
+        """The weights were changed in place: the prefix cache is dropped and copies made for oneDNN follow. On the
+        engine thread, between steps."""
+        self.reset_prefix_cache()
+        onednn_linear.forget(self.model)
+
+    # ---- engine thread -------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._stopping and self._calls.empty() and not self._has_work():
+                        self._lock.wait(timeout=0.5)
+                    if self._stopping:
+                        return
+                    rest = self._next_step_at - time.monotonic()
+                    if rest > 0 and self._calls.empty():  # a simulated slow step; control calls cut it short
+                        self._lock.wait(timeout=rest)
+                        continue
+                    self._stepping = True
+                with torch.inference_mode():  # no autograd bookkeeping: ~10% of a CPU decode step
+                    self._run_calls()
+                    self._retire_aborted()
+                    if not self.paused and time.monotonic() >= self._next_step_at:
+                        self._guarded_step()
+                    stats = self._snapshot()
+                with self._lock:
+                    self._stats, self._stepping = stats, False
+                self._notify_touched()
+        except BaseException as exc:  # the server reports a dead engine through /health
+            self.error = exc
+            self._notify_touched()
+            with self._lock:
+                for request in list(self.waiting) + self.prefilling + [r for r, _ in self.rows]:
+                    for seq in request.sequences:
+                        seq.finish_reason = seq.finish_reason or "error"
+                    request.notify()
+                while not self._calls.empty():
+                    self._calls.get()[1].set_exception(RuntimeError(ENGINE_STOPPED))
+            raise
+
+    def _touch(self, request: EngineRequest) -> None:
+        self._touched[id(request)] = request
+
+    def _notify_touched(self) -> None:
+        touched, self._touched = list(self._touched.values()), {}
+        for request in touched:
+            request.notify()
+
+    def _has_work(self) -> bool:
+        aborted = self._abort_running or any(r.aborted for r in self.waiting) or any(r.aborted for r, _ in self.rows)
+        return aborted or (not self.paused and bool(self.waiting or self.rows))
+
+    def _run_calls(self) -> None:
+        while not self._calls.empty():
+            fn, future = self._calls.get()
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def _guarded_step(self) -> None:
+        """One step. An exception inside it fails the requests it ran (each client gets a 500, the log the traceback)
+        and the engine goes on serving: their rows and the prefix cache are dropped, waiting requests keep their place."""
+        try:
+            self.step()
+        except Exception as exc:  # noqa: BLE001 - reported to the failed requests' callers and logged
+            logger.exception("tandem serve: a step failed; its requests are answered with an error, the engine goes on")
+            reason = f"The generation engine failed while serving this request ({type(exc).__name__}: {exc}); see the server log."
+            ran = {id(r): r for r in self.prefilling + [r for r, _ in self.rows]}
+            for request in ran.values():
+                request.error = request.error or reason
+                self._finish_request(request, "error")
+            self.rows, self.lengths, self.prefilling = [], [], []
+            self.reset_prefix_cache()
+
+    def step(self) -> None:
+        """Admit and prefill new requests, then decode one token for every running row."""
+        self.prefilling = self._admit()
+        if self.prefilling:
+            self._prefill(self.prefilling)
+        self.prefilling = []
+        if self.rows:
+            self._decode()
+
+    def _retire_aborted(self) -> None:
+        with self._lock:
+            if self._abort_running:
+                for request, _ in self.rows:
+                    request.aborted = True
+                self._abort_running = False
+            dropped = [r for r in self.waiting if r.aborted]
+            self.waiting = collections.deque(r for r in self.waiting if not r.aborted)
+        for request in dropped:
+            self._finish_request(request, "abort")
+        finished = {i for i, (request, _) in enumerate(self.rows) if request.aborted}
+        for i in finished:
+            self._finish_request(self.rows[i][0], "abort")
+        self._retire(finished)
+
+    def _finish_request(self, request: EngineRequest, reason: str) -> None:
+        for seq in request.sequences:
+            if seq.finish_reason is None:
+                seq.finish_reason = reason
+                self.finished_total[reason] += 1
+        self._touch(request)
+
+    def _admit(self) -> list[EngineRequest]:
+        """FIFO into free slots; a request whose adapter would exceed max_loras waits (deferred)."""
+        admitted, free, budget = [], self.max_num_seqs - len(self.rows), MAX_PREFILL_TOKENS
+        active_adapters = self._adapters_in_use()
+        with self._lock:
+            for request in list(self.waiting):
+                if request.n > free or (admitted and len(request.prompt) > budget):
+                    break
+                if self.adapters and request.adapter and not self.adapters.can_join(active_adapters, request.adapter):
+                    continue
+                self.waiting.remove(request)
+                admitted.append(request)
+                free -= request.n
+                budget -= len(request.prompt)
+                if request.adapter:
+                    active_adapters.add(request.adapter)
+        return [r for r in admitted if self._load_adapter(r, active_adapters)]
+
+    def _load_adapter(self, request: EngineRequest, in_use: set[str]) -> bool:
+        """Load the request's adapter before it runs; a failure (its files gone, say) fails that request alone."""
+        if not (self.adapters and request.adapter):
+            return True
+        try:
+            self.model = self.adapters.ensure_loaded(self.model, {request.adapter}, in_use)
+            return True
+        except Exception as exc:  # noqa: BLE001 - reported to the request's caller; the model is as it was
+            request.error = f"Loading lora {request.adapter} failed: {exc}"
+            self._finish_request(request, "error")
+            return False
+
+    def _adapters_in_use(self) -> set[str]:
+        """The adapters of the running rows: loading another must keep them."""
+        return {r.adapter for r, _ in self.rows if r.adapter}
+
+    def _prefill(self, requests: list[EngineRequest]) -> None:
+        # A request asking for prompt log-probs needs logits at every prompt position: prefill it alone.
+        alone = [r for r in requests if r.params.prompt_logprobs is not None]
+        shared = [r for r in requests if r.params.prompt_logprobs is None]
+        leaders, followers = self.prefix_cache.split_shared(shared) if self.prefix_cache else (shared, [])
+        for group in [g for g in (leaders, followers) if g] + [[r] for r in alone]:
+            self._prefill_group(group)
+
+    def _prefill_group(self, requests: list[EngineRequest]) -> None:
+        """Prefill each prompt once (batched) past its cached blocks; a request's other sequences get copies of its KV row."""
+        base, n = len(self.rows), len(requests)
+        lengths = [len(r.prompt) for r in requests]
+        self.cache.ensure_rows(base + sum(r.n for r in requests))
+        windows = [r.prompt[self._load_prefix(r, base + j):] for j, r in enumerate(requests)]
+        all_logits = requests[0].params.prompt_logprobs is not None
+        logits = self.runner.window_forward(windows, lengths, slice(base, base + n), [r.adapter for r in requests],
+                                            self._adapters_in_use(), all_logits)[:n]
+        if all_logits:
+            requests[0].prompt_logprobs = self.emission.prompt_logprobs(logits[0, -lengths[0]:], requests[0].prompt,
+                                                                        requests[0].params.prompt_logprobs)
+        self.counters["prompt_tokens"] += sum(lengths)
+        for j, request in enumerate(requests):
+            request.created_cache_tokens = self._store_prefix(base + j, request, request.prompt)
+
+        new_rows = [(request, request.sequences[0]) for request in requests]
+        new_lengths = list(lengths)
+        last_logits = [logits[j, -1] for j in range(n)]
+        for j, request in enumerate(requests):
+            start = base + len(new_rows)
+            self.cache.copy_row(base + j, range(start, start + len(request.sequences) - 1), lengths[j])
+            for seq in request.sequences[1:]:
+                new_rows.append((request, seq))
+                new_lengths.append(lengths[j])
+                last_logits.append(logits[j, -1])
+        self.rows += new_rows
+        self.lengths += new_lengths
+        self._emit(range(base, len(self.rows)), torch.stack(last_logits))
+
+    def _load_prefix(self, request: EngineRequest, row: int) -> int:
+        """Copy the prompt's cached leading blocks into its row; returns how many tokens they cover. A request
+        asking for prompt log-probs needs every prompt position's logits, so it reads nothing (as in vLLM)."""
+        if self.prefix_cache is None:
+            return 0
+        request.prefix_epoch = self.prefix_cache.epoch
+        if not request.reads_prefix_cache or request.params.prompt_logprobs is not None:
+            return 0
+        length, kv = self.prefix_cache.lookup(request.prompt, request.cache_namespace)
+        if length:
+            self.cache.write(row, kv)
+        request.cached_tokens = length
+        return length
+
+    def _store_prefix(self, row: int, request: EngineRequest, tokens: list[int]) -> int:
+        """Keep the whole blocks of `tokens`, whose KV fills the start of `row`, unless the weights changed since;
+        returns the tokens newly cached."""
+        if self.prefix_cache is None or request.prefix_epoch != self.prefix_cache.epoch:
+            return 0
+        return self.prefix_cache.store(tokens, request.cache_namespace,
+                                       lambda start, stop: self.cache.read(row, start, stop))
+
+    def _decode(self) -> None:
+        """One new token per running sequence."""
+        totals = [length + 1 for length in self.lengths]
+        windows = [[seq.output[-1]] for _, seq in self.rows]
+        logits = self.runner.window_forward(windows, totals, slice(0, len(self.rows)), [r.adapter for r, _ in self.rows],
+                                            self._adapters_in_use())
+        self.lengths = totals
+        self._emit(range(len(self.rows)), logits[: len(self.rows), -1])
+        self._next_step_at = time.monotonic() + self.step_delay_s
+
+    def _emit(self, rows: range, logits: torch.Tensor) -> None:
+        """Sample one token for each of `rows` from its logits (emission.py), count it, retire finished rows."""
+        rows = list(rows)
+        entries = [self.rows[i] for i in rows]
+        reasons = self.emission.emit(entries, [self.lengths[i] + 1 for i in rows], logits, self.weight_version)
+        self.finished_total.update(reason for reason in reasons if reason)
+        self.counters["generation_tokens"] += sum(reason != "error" for reason in reasons)
+        for request, _ in entries:
+            self._touch(request)
+        self._retire({i for i, reason in zip(rows, reasons) if reason})
+
+    def _retire(self, finished: set[int]) -> None:
+        """Store the finished rows' blocks in the prefix cache (their last sampled token has no KV), then free the rows."""
+        for i in finished:
+            request, seq = self.rows[i]
+            self._store_prefix(i, request, (request.prompt + seq.output)[: self.lengths[i]])
+        self._compact(finished)
+
+    def _compact(self, finished: set[int]) -> None:
+        """Drop finished rows, moving live rows from the tail into the holes so rows 0..n-1 stay live."""
+        if not finished:
+            return
+        keep = len(self.rows) - len(finished)
+        holes = sorted(i for i in finished if i < keep)
+        movers = [i for i in range(keep, len(self.rows)) if i not in finished]
+        for src, dst in zip(movers, holes):
+            self.cache.copy_row(src, range(dst, dst + 1), self.lengths[src])
+            self.rows[dst], self.lengths[dst] = self.rows[src], self.lengths[src]
+        del self.rows[keep:], self.lengths[keep:]
