@@ -27,9 +27,9 @@ def worker(cli) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
+    from tandem.contract.records import Sample
     from tandem.packing import pack
     from tandem.rewards import accuracy_reward
-    from tandem.contract.records import Sample
     from tandem.tasks import TINY_MODEL_PATH, arithmetic
 
     config = AutoConfig.from_pretrained(TINY_MODEL_PATH)
@@ -41,8 +41,13 @@ def worker(cli) -> None:
     if torch.cuda.is_available():
         model.to("cuda")
     args = AsyncGRPOConfig(output_dir=tempfile.mkdtemp(), score_centering=False, learning_rate=1e-5)
-    trainer = AsyncGRPOTrainer(model, accuracy_reward, args=args, train_dataset=Dataset.from_list(arithmetic.make_rows(4)),
-                               processing_class=AutoTokenizer.from_pretrained(TINY_MODEL_PATH))
+    trainer = AsyncGRPOTrainer(
+        model,
+        accuracy_reward,
+        args=args,
+        train_dataset=Dataset.from_list(arithmetic.make_rows(4)),
+        processing_class=AutoTokenizer.from_pretrained(TINY_MODEL_PATH),
+    )
     trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     trainer.model.train()
     world = trainer.ranks.world_size
@@ -55,10 +60,20 @@ def worker(cli) -> None:
             prompt = torch.randint(3, 500, (64,), generator=generator).tolist()
             for _ in range(8):
                 completion = torch.randint(3, 500, (64,), generator=generator).tolist()
-                samples.append(Sample(input_ids=prompt + completion, trained=[False] * 64 + [True] * 64,
-                                      behavior_log_probs=[-6.0] * 128, advantage=float(torch.randn(1, generator=generator)),
-                                      model_version=0, group_id=group, position=group, group_samples=8,
-                                      rollout_id=f"{group}-{len(samples)}", created_at=0.0))
+                samples.append(
+                    Sample(
+                        input_ids=prompt + completion,
+                        trained=[False] * 64 + [True] * 64,
+                        behavior_log_probs=[-6.0] * 128,
+                        advantage=float(torch.randn(1, generator=generator)),
+                        model_version=0,
+                        group_id=group,
+                        position=group,
+                        group_samples=8,
+                        rollout_id=f"{group}-{len(samples)}",
+                        created_at=0.0,
+                    )
+                )
             tokens, group = tokens + 64 + 8 * 64, group + 1
         return pack(samples)
 
@@ -75,14 +90,35 @@ def worker(cli) -> None:
     trainer.ranks.barrier()
     seconds = time.perf_counter() - start
     if trainer.ranks.main:
-        Path(cli.result).write_text(json.dumps({"world": world, "seconds": seconds, "trained": trained,
-                                                "params": sum(p.numel() for p in model.parameters())}))
+        Path(cli.result).write_text(
+            json.dumps(
+                {
+                    "world": world,
+                    "seconds": seconds,
+                    "trained": trained,
+                    "params": sum(p.numel() for p in model.parameters()),
+                }
+            )
+        )
 
 
 def timed(processes: int, cli, result: Path) -> dict:
     """One run of `processes` ranks under torchrun; its rank 0's result."""
-    flags = ["--layers", cli.layers, "--hidden", cli.hidden, "--row-tokens", cli.row_tokens, "--steps", cli.steps,
-             "--micro-batches", cli.micro_batches, "--worker", "--result", result]
+    flags = [
+        "--layers",
+        cli.layers,
+        "--hidden",
+        cli.hidden,
+        "--row-tokens",
+        cli.row_tokens,
+        "--steps",
+        cli.steps,
+        "--micro-batches",
+        cli.micro_batches,
+        "--worker",
+        "--result",
+        result,
+    ]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", __file__]
     subprocess.run([*command, *map(str, flags)], check=True)
     return json.loads(result.read_text())
@@ -104,11 +140,27 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         runs = [timed(n, cli, Path(tmp) / f"{n}.json") for n in (1, 2)]
     rates = [run["trained"] / run["seconds"] for run in runs]
-    print(f"\nmodel: {cli.layers} layers, hidden {cli.hidden}, {runs[0]['params'] / 1e6:.1f}M parameters (fp32); "
-          f"{cli.steps} steps of {cli.micro_batches} micro-batches, one {cli.row_tokens}-token row per rank each")
-    emit(markdown_table(["processes", "trained tokens per step", "seconds per step", "trained tokens/s", "vs 1 process"],
-                        "rrrrr", [[str(run["world"]), str(run["trained"] // cli.steps), f"{run['seconds'] / cli.steps:.2f}",
-                                   f"{rate:.0f}", f"{rate / rates[0]:.2f}x"] for run, rate in zip(runs, rates)]), cli.markdown)
+    print(
+        f"\nmodel: {cli.layers} layers, hidden {cli.hidden}, {runs[0]['params'] / 1e6:.1f}M parameters (fp32); "
+        f"{cli.steps} steps of {cli.micro_batches} micro-batches, one {cli.row_tokens}-token row per rank each"
+    )
+    emit(
+        markdown_table(
+            ["processes", "trained tokens per step", "seconds per step", "trained tokens/s", "vs 1 process"],
+            "rrrrr",
+            [
+                [
+                    str(run["world"]),
+                    str(run["trained"] // cli.steps),
+                    f"{run['seconds'] / cli.steps:.2f}",
+                    f"{rate:.0f}",
+                    f"{rate / rates[0]:.2f}x",
+                ]
+                for run, rate in zip(runs, rates)
+            ],
+        ),
+        cli.markdown,
+    )
 
 
 if __name__ == "__main__":

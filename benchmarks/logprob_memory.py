@@ -17,10 +17,9 @@ import subprocess
 import sys
 
 import torch
+from tables import add_markdown_flag, emit, markdown_table
 
 from tandem.packing.logprobs import chunked_logprobs, default_chunk_size
-
-from tables import add_markdown_flag, emit, markdown_table
 
 
 def full_logprobs(hidden, head, targets):
@@ -73,22 +72,61 @@ def main() -> None:
 
     results = {}
     for variant in ("full", "chunked"):
-        child = subprocess.run([sys.executable, __file__, "--variant", variant, "--tokens", str(args.tokens), "--vocab",
-                                str(args.vocab), "--hidden", str(args.hidden), "--chunk-size", str(args.chunk_size)],
-                               capture_output=True, text=True, check=True)
+        child = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--variant",
+                variant,
+                "--tokens",
+                str(args.tokens),
+                "--vocab",
+                str(args.vocab),
+                "--hidden",
+                str(args.hidden),
+                "--chunk-size",
+                str(args.chunk_size),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         results[variant] = json.loads(child.stdout.strip().splitlines()[-1])
     logits_bytes = args.tokens * args.vocab * 4
-    print(f"{args.tokens} trained tokens, vocab {args.vocab}, hidden {args.hidden}, chunks of {args.chunk_size}, "
-          f"device {results['full']['device']}; one fp32 logits matrix = {logits_bytes / 2**20:.0f} MiB")
+    print(
+        f"{args.tokens} trained tokens, vocab {args.vocab}, hidden {args.hidden}, chunks of {args.chunk_size}, "
+        f"device {results['full']['device']}; one fp32 logits matrix = {logits_bytes / 2**20:.0f} MiB"
+    )
     for variant, result in results.items():
         print(f"  {variant:>8}: step peak {result['step_peak_bytes'] / 2**20:8.0f} MiB")
     ratio = results["full"]["step_peak_bytes"] / max(results["chunked"]["step_peak_bytes"], 1)
     print(f"  chunked uses {ratio:.1f}x less memory than full-logit materialisation")
-    emit(markdown_table(["trained tokens", "vocabulary", "hidden size", "chunk", "full logits: step peak",
-                         "chunked: step peak", "full / chunked"], "rrrrrrr",
-                        [[str(args.tokens), str(args.vocab), str(args.hidden), str(args.chunk_size),
-                          f"{results['full']['step_peak_bytes'] / 2**20:.0f} MiB",
-                          f"{results['chunked']['step_peak_bytes'] / 2**20:.0f} MiB", f"{ratio:.1f}x"]]), args.markdown)
+    emit(
+        markdown_table(
+            [
+                "trained tokens",
+                "vocabulary",
+                "hidden size",
+                "chunk",
+                "full logits: step peak",
+                "chunked: step peak",
+                "full / chunked",
+            ],
+            "rrrrrrr",
+            [
+                [
+                    str(args.tokens),
+                    str(args.vocab),
+                    str(args.hidden),
+                    str(args.chunk_size),
+                    f"{results['full']['step_peak_bytes'] / 2**20:.0f} MiB",
+                    f"{results['chunked']['step_peak_bytes'] / 2**20:.0f} MiB",
+                    f"{ratio:.1f}x",
+                ]
+            ],
+        ),
+        args.markdown,
+    )
 
 
 if __name__ == "__main__":

@@ -17,34 +17,48 @@ import argparse
 import asyncio
 import time
 
+from tables import add_markdown_flag, emit, markdown_table
 from transformers import AutoTokenizer
 
+from tandem.contract.records import Sample, TurnRecord
 from tandem.generation.client import ControlClient, GenerationClient, parse_prometheus
 from tandem.generation.launcher import EmbeddedServer
-from tandem.rollout.reconcile import reconcile
-from tandem.contract.records import Sample, TurnRecord
-from tandem.tasks import TINY_MODEL_PATH, arithmetic
 from tandem.packing.batching import TokenBudgetBatcher
+from tandem.rollout.reconcile import reconcile
+from tandem.tasks import TINY_MODEL_PATH, arithmetic
 
-from tables import add_markdown_flag, emit, markdown_table
+CALCULATOR = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression such as 37 + 48.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    },
+}
 
-CALCULATOR = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression such as 37 + 48.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
 
-
-async def conversation(client: GenerationClient, tokenizer, row: dict, index: int, turns: int, max_tokens: int) -> list[TurnRecord]:
+async def conversation(
+    client: GenerationClient, tokenizer, row: dict, index: int, turns: int, max_tokens: int
+) -> list[TurnRecord]:
     """One conversation, turn by turn; each turn's record holds the whole prompt it sent."""
     messages, records = list(row["prompt"]), []
     for turn in range(turns):
-        prompt = list(tokenizer.apply_chat_template(messages, tools=[CALCULATOR], add_generation_prompt=True,
-                                                    tokenize=True, return_dict=False))
+        prompt = list(
+            tokenizer.apply_chat_template(
+                messages, tools=[CALCULATOR], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
         [c] = await client.complete(prompt, max_tokens=max_tokens, seed=1000 * index + turn)
-        records.append(TurnRecord(prompt_ids=prompt, output_ids=c.token_ids, output_log_probs=c.logprobs,
-                                  finish_reason=c.finish_reason))
+        records.append(
+            TurnRecord(
+                prompt_ids=prompt, output_ids=c.token_ids, output_log_probs=c.logprobs, finish_reason=c.finish_reason
+            )
+        )
         reply = c.token_ids[:-1] if c.finish_reason == "stop" else c.token_ids  # the stop token is the template's
-        messages += [{"role": "assistant", "content": tokenizer.decode(reply)},
-                     {"role": "tool", "content": row["solution"]}]
+        messages += [
+            {"role": "assistant", "content": tokenizer.decode(reply)},
+            {"role": "tool", "content": row["solution"]},
+        ]
     return records
 
 
@@ -54,13 +68,16 @@ async def counters(url: str) -> dict[str, float]:
     return {name: value for name, _, value in parse_prometheus(text)}
 
 
-async def run_workload(url: str, tokenizer, rows: list[dict], args) -> tuple[list[list[TurnRecord]], dict[str, float], float]:
+async def run_workload(
+    url: str, tokenizer, rows: list[dict], args
+) -> tuple[list[list[TurnRecord]], dict[str, float], float]:
     """All conversations at once; returns their turns, the server's counter deltas and the wall time."""
     async with GenerationClient(url) as client:
         await client.complete([1, 274, 205, 277], max_tokens=4, seed=0)  # warm-up
         before, start = await counters(url), time.perf_counter()
-        records = await asyncio.gather(*[conversation(client, tokenizer, row, i, args.turns, args.max_tokens)
-                                         for i, row in enumerate(rows)])
+        records = await asyncio.gather(
+            *[conversation(client, tokenizer, row, i, args.turns, args.max_tokens) for i, row in enumerate(rows)]
+        )
         seconds = time.perf_counter() - start
     after = await counters(url)
     return records, {name: after[name] - before.get(name, 0.0) for name in after}, seconds
@@ -71,9 +88,21 @@ def samples_of(conversations: list[list[TurnRecord]]) -> list[Sample]:
     samples = []
     for group, turns in enumerate(conversations):
         sequences, _ = reconcile(turns)
-        samples += [Sample(input_ids=s.input_ids, trained=s.trained, behavior_log_probs=s.behavior_log_probs, advantage=1.0, model_version=0,
-                           group_id=group, position=group, group_samples=len(sequences), rollout_id=str(group), created_at=0.0)
-                    for s in sequences]
+        samples += [
+            Sample(
+                input_ids=s.input_ids,
+                trained=s.trained,
+                behavior_log_probs=s.behavior_log_probs,
+                advantage=1.0,
+                model_version=0,
+                group_id=group,
+                position=group,
+                group_samples=len(sequences),
+                rollout_id=str(group),
+                created_at=0.0,
+            )
+            for s in sequences
+        ]
     return samples
 
 
@@ -99,8 +128,11 @@ def measure(cached: bool, tokenizer, rows: list[dict], args) -> dict[str, float]
         "rate": generated / seconds,
         "packing": packing_ratio(samples_of(conversations), args.token_budget),
     }
-    print(f"prefix cache {'on ' if cached else 'off'}: {result['prompt']:.0f} prompt tokens, {result['prefilled']:.0f} prefilled, "
-          f"{generated} generated in {seconds:.1f} s ({result['rate']:.0f} tok/s), packing ratio {result['packing']:.2f}", flush=True)
+    print(
+        f"prefix cache {'on ' if cached else 'off'}: {result['prompt']:.0f} prompt tokens, {result['prefilled']:.0f} prefilled, "
+        f"{generated} generated in {seconds:.1f} s ({result['rate']:.0f} tok/s), packing ratio {result['packing']:.2f}",
+        flush=True,
+    )
     return result
 
 
@@ -115,12 +147,42 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
     rows = arithmetic.make_rows(args.conversations, seed=0)
     on, off = (measure(cached, tokenizer, rows, args) for cached in (True, False))
-    emit(markdown_table(
-        ["prefix cache", "prompt tokens", "prefilled tokens", "generated (tok/s)", "packing ratio (tokens / unique)"], "lrrrr",
-        [["on (default)", f"{on['prompt']:.0f}", f"{on['prefilled']:.0f}", f"{on['rate']:.0f}", f"{on['packing']:.2f}"],
-         ["off (`--no-enable-prefix-caching`)", f"{off['prompt']:.0f}", f"{off['prefilled']:.0f}", f"{off['rate']:.0f}", f"{off['packing']:.2f}"],
-         ["gain with the cache", "", f"{off['prefilled'] / on['prefilled']:.2f}x fewer", f"{on['rate'] / off['rate']:.2f}x", ""]]),
-         args.markdown)
+    emit(
+        markdown_table(
+            [
+                "prefix cache",
+                "prompt tokens",
+                "prefilled tokens",
+                "generated (tok/s)",
+                "packing ratio (tokens / unique)",
+            ],
+            "lrrrr",
+            [
+                [
+                    "on (default)",
+                    f"{on['prompt']:.0f}",
+                    f"{on['prefilled']:.0f}",
+                    f"{on['rate']:.0f}",
+                    f"{on['packing']:.2f}",
+                ],
+                [
+                    "off (`--no-enable-prefix-caching`)",
+                    f"{off['prompt']:.0f}",
+                    f"{off['prefilled']:.0f}",
+                    f"{off['rate']:.0f}",
+                    f"{off['packing']:.2f}",
+                ],
+                [
+                    "gain with the cache",
+                    "",
+                    f"{off['prefilled'] / on['prefilled']:.2f}x fewer",
+                    f"{on['rate'] / off['rate']:.2f}x",
+                    "",
+                ],
+            ],
+        ),
+        args.markdown,
+    )
 
 
 if __name__ == "__main__":

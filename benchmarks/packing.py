@@ -17,16 +17,15 @@ import random
 import time
 
 import torch
+from tables import add_markdown_flag, emit, markdown_table
 from transformers import AutoModelForCausalLM
 
+from tandem.contract.records import Sample
 from tandem.kernels import onednn_linear
 from tandem.packing import tree_attention
-from tandem.packing.logprobs import chunked_logprobs, row_logprobs
-from tandem.contract.records import Sample
-from tandem.tasks import TINY_MODEL_PATH, scaled_tiny
 from tandem.packing.batching import TokenBudgetBatcher
-
-from tables import add_markdown_flag, emit, markdown_table
+from tandem.packing.logprobs import chunked_logprobs, row_logprobs
+from tandem.tasks import TINY_MODEL_PATH, scaled_tiny
 
 G = 8
 
@@ -39,9 +38,20 @@ def workload(prompt_len: int, groups: int, min_completion: int, max_completion: 
         for _ in range(G):
             completion = [rng.randrange(3, vocab) for _ in range(rng.randint(min_completion, max_completion))]
             ids = prompt + completion
-            samples.append(Sample(input_ids=ids, trained=[False] * prompt_len + [True] * len(completion), behavior_log_probs=[0.0] * len(ids),
-                                  advantage=1.0, model_version=0, group_id=group, position=group, group_samples=G,
-                                  rollout_id="", created_at=0.0))
+            samples.append(
+                Sample(
+                    input_ids=ids,
+                    trained=[False] * prompt_len + [True] * len(completion),
+                    behavior_log_probs=[0.0] * len(ids),
+                    advantage=1.0,
+                    model_version=0,
+                    group_id=group,
+                    position=group,
+                    group_samples=G,
+                    rollout_id="",
+                    created_at=0.0,
+                )
+            )
     return samples
 
 
@@ -102,13 +112,29 @@ def measure(models, kernels, prompt_len: int, args) -> list[list[str]]:
     padded = trained / timed(lambda: padded_step(padded_model, batches), args.repeats)
     table = []
     for kernel in kernels:
-        rates = [trained / timed(lambda rows=rows, kernel=kernel: tree_step(tree_model, rows, kernel), args.repeats)
-                 for rows in (tree, flat)]
+        rates = [
+            trained / timed(lambda rows=rows, kernel=kernel: tree_step(tree_model, rows, kernel), args.repeats)
+            for rows in (tree, flat)
+        ]
         speedup = rates[0] / rates[1]
-        print(f"{kernel:>6} {prompt_len:>6} {ratio:>6.2f} {f'{len(tree)}/{len(flat)}/{len(batches)}':>14} {rates[0]:>11.0f} "
-              f"{rates[1]:>9.0f} {padded:>9.0f} {speedup:>7.2f}x {rates[0] / padded:>8.2f}x {speedup / ratio:>16.2f}", flush=True)
-        table.append([kernel, str(prompt_len), f"{ratio:.2f}", f"{rates[0]:.0f}", f"{rates[1]:.0f}", f"{padded:.0f}",
-                      f"{speedup:.2f}x", f"{rates[0] / padded:.2f}x", f"{speedup / ratio:.2f}"])
+        print(
+            f"{kernel:>6} {prompt_len:>6} {ratio:>6.2f} {f'{len(tree)}/{len(flat)}/{len(batches)}':>14} {rates[0]:>11.0f} "
+            f"{rates[1]:>9.0f} {padded:>9.0f} {speedup:>7.2f}x {rates[0] / padded:>8.2f}x {speedup / ratio:>16.2f}",
+            flush=True,
+        )
+        table.append(
+            [
+                kernel,
+                str(prompt_len),
+                f"{ratio:.2f}",
+                f"{rates[0]:.0f}",
+                f"{rates[1]:.0f}",
+                f"{padded:.0f}",
+                f"{speedup:.2f}x",
+                f"{rates[0] / padded:.2f}x",
+                f"{speedup / ratio:.2f}",
+            ]
+        )
     return table
 
 
@@ -127,8 +153,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--completion", type=int, nargs=2, default=[16, 48], metavar=("MIN", "MAX"))
     parser.add_argument("--token-budget", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--kernels", choices=tree_attention.KERNELS, nargs="+",
-                        help="tree attention kernels to run (default: exact and sdpa on CPU, flex and sdpa on GPU)")
+    parser.add_argument(
+        "--kernels",
+        choices=tree_attention.KERNELS,
+        nargs="+",
+        help="tree attention kernels to run (default: exact and sdpa on CPU, flex and sdpa on GPU)",
+    )
     add_markdown_flag(parser)
     args = parser.parse_args(argv)
 
@@ -141,15 +171,38 @@ def main(argv: list[str] | None = None) -> None:
         for model in (tree_model, padded_model):
             onednn_linear.install(model, exact=True, reorder=False)
     kernels = args.kernels or [tree_attention.default_kernel(device), "sdpa"]
-    print(f"model {args.model}  device {device}  token_budget {args.token_budget}  "
-          f"{args.groups} groups x G={G}, completions {args.completion[0]}-{args.completion[1]} tokens")
+    print(
+        f"model {args.model}  device {device}  token_budget {args.token_budget}  "
+        f"{args.groups} groups x G={G}, completions {args.completion[0]}-{args.completion[1]} tokens"
+    )
     print("padded: stock transformers SDPA on [batch, longest] batches; tree and padding-free: the tree kernel named")
-    print(f"{'kernel':>6} {'prompt':>6} {'ratio':>6} {'rows t/pf/pad':>14} {'tree tok/s':>11} {'pad-free':>9} {'padded':>9} "
-          f"{'tree/pf':>8} {'tree/pad':>9} {'(tree/pf)/ratio':>16}")
-    rows = [row for prompt_len in args.prompt_lengths for row in measure((tree_model, padded_model), kernels, prompt_len, args)]
-    emit(markdown_table(["kernel", "prompt", "packing ratio", "tree (tok/s)", "padding-free (tok/s)", "padded (tok/s)",
-                         "tree / padding-free", "tree / padded", "(tree / padding-free) / ratio"], "lrrrrrrrr", rows),
-         args.markdown)
+    print(
+        f"{'kernel':>6} {'prompt':>6} {'ratio':>6} {'rows t/pf/pad':>14} {'tree tok/s':>11} {'pad-free':>9} {'padded':>9} "
+        f"{'tree/pf':>8} {'tree/pad':>9} {'(tree/pf)/ratio':>16}"
+    )
+    rows = [
+        row
+        for prompt_len in args.prompt_lengths
+        for row in measure((tree_model, padded_model), kernels, prompt_len, args)
+    ]
+    emit(
+        markdown_table(
+            [
+                "kernel",
+                "prompt",
+                "packing ratio",
+                "tree (tok/s)",
+                "padding-free (tok/s)",
+                "padded (tok/s)",
+                "tree / padding-free",
+                "tree / padded",
+                "(tree / padding-free) / ratio",
+            ],
+            "lrrrrrrrr",
+            rows,
+        ),
+        args.markdown,
+    )
 
 
 if __name__ == "__main__":

@@ -28,14 +28,13 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
+from tables import add_markdown_flag, emit, markdown_table
 from transformers import TrainerCallback
 
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
 from tandem.generation.launcher import EmbeddedServer
 from tandem.metrics import doctor
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
-
-from tables import add_markdown_flag, emit, markdown_table
 
 CONFIGS = [(0.05, 2), (0.02, 1), (0.05, 4), (0.15, 2)]
 """(step delay in seconds, max_staleness) of each row of the performance page's table."""
@@ -100,11 +99,29 @@ class OwnCores(TrainerCallback):
             self.moved = True
 
 
-def run(trainer_cls, steps: int, delay: float, args_staleness: int, folder: Path, pinned: bool, sync_steps: int = 1,
-        max_num_seqs: int = 256, take_turns: bool = False) -> dict:
-    extra = ["--logprobs-mode", "processed_logprobs", "--served-model-name", TINY_MODEL_PATH, "--step-delay-s", str(delay),
-             "--weight-transfer-config", '{"backend": "gloo"}',  # weights streamed, as to the trainer's own server
-             "--max-num-seqs", str(max_num_seqs)]
+def run(
+    trainer_cls,
+    steps: int,
+    delay: float,
+    args_staleness: int,
+    folder: Path,
+    pinned: bool,
+    sync_steps: int = 1,
+    max_num_seqs: int = 256,
+    take_turns: bool = False,
+) -> dict:
+    extra = [
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--served-model-name",
+        TINY_MODEL_PATH,
+        "--step-delay-s",
+        str(delay),
+        "--weight-transfer-config",
+        '{"backend": "gloo"}',  # weights streamed, as to the trainer's own server
+        "--max-num-seqs",
+        str(max_num_seqs),
+    ]
     # One CPU thread for the server: it stands in for a GPU, so its own compute should not take the trainer's cores.
     every_core = os.sched_getaffinity(0)
     with EmbeddedServer("tiny", extra_args=extra, env={"OMP_NUM_THREADS": "1"}) as server:
@@ -112,13 +129,26 @@ def run(trainer_cls, steps: int, delay: float, args_staleness: int, folder: Path
         if pinned:  # the server and the rollout worker on the last core, the trainer on the others
             pin(server.process.pid, {max(every_core)})
             callbacks.append(OwnCores(max(every_core)))
-        args = AsyncGRPOConfig(output_dir=str(folder), vllm_server_base_url=server.url, max_steps=steps, learning_rate=2e-4,
-                               num_generations=8, max_completion_length=8, token_budget=160, gradient_accumulation_steps=2,
-                               max_staleness=args_staleness, gradient_checkpointing=False, score_centering=False, save_strategy="no",
-                               weight_sync_steps=sync_steps)
+        args = AsyncGRPOConfig(
+            output_dir=str(folder),
+            vllm_server_base_url=server.url,
+            max_steps=steps,
+            learning_rate=2e-4,
+            num_generations=8,
+            max_completion_length=8,
+            token_budget=160,
+            gradient_accumulation_steps=2,
+            max_staleness=args_staleness,
+            gradient_checkpointing=False,
+            score_centering=False,
+            save_strategy="no",
+            weight_sync_steps=sync_steps,
+        )
         data = Dataset.from_list(arithmetic.make_rows(128, split="train", seed=1))
         try:
-            trainer_cls("tiny", arithmetic.correctness_reward, args=args, train_dataset=data, callbacks=callbacks).train()
+            trainer_cls(
+                "tiny", arithmetic.correctness_reward, args=args, train_dataset=data, callbacks=callbacks
+            ).train()
         finally:
             pin(os.getpid(), every_core)
     rows = [json.loads(line) for line in open(folder / "metrics.jsonl")]
@@ -136,31 +166,81 @@ def bottleneck(folder: Path) -> str:
     return finding.verdict
 
 
-def compare(steps: int, delay: float, staleness: int, train_delay: float, pinned: bool, sync_steps: int,
-            max_num_seqs: int, repeats: int, folder: Path) -> list[str]:
+def compare(
+    steps: int,
+    delay: float,
+    staleness: int,
+    train_delay: float,
+    pinned: bool,
+    sync_steps: int,
+    max_num_seqs: int,
+    repeats: int,
+    folder: Path,
+) -> list[str]:
     """`repeats` pairs of runs of one configuration, synchronous then asynchronous; returns its row of the performance page's table:
     the pair whose speed-up over the ideal is the median (a row moved by up to 0.2 of the ideal between single pairs),
     every figure of the row from that pair, and the doctor's word on its asynchronous run."""
     pairs = []
     for repeat in range(repeats):
-        sync = run(slowed(AsyncGRPOTrainer, train_delay), steps, delay, staleness, folder / f"sync-{repeat}", pinned,
-                   sync_steps, max_num_seqs, take_turns=True)
-        overlapped = run(slowed(AsyncGRPOTrainer, train_delay), steps, delay, staleness, folder / f"async-{repeat}",
-                         pinned, sync_steps, max_num_seqs)
+        sync = run(
+            slowed(AsyncGRPOTrainer, train_delay),
+            steps,
+            delay,
+            staleness,
+            folder / f"sync-{repeat}",
+            pinned,
+            sync_steps,
+            max_num_seqs,
+            take_turns=True,
+        )
+        overlapped = run(
+            slowed(AsyncGRPOTrainer, train_delay),
+            steps,
+            delay,
+            staleness,
+            folder / f"async-{repeat}",
+            pinned,
+            sync_steps,
+            max_num_seqs,
+        )
         train = sync["train"]
         generate = sync["wall"] - train
         ideal, speedup = ideal_speedup(generate, train), sync["wall"] / overlapped["wall"]
-        pairs.append({"generate": generate, "train": train, "sync": sync["wall"], "async": overlapped["wall"],
-                      "speedup": speedup, "ideal": ideal, "folder": folder / f"async-{repeat}"})
-        print(f"  pair {repeat + 1}: synchronous {sync['wall']:.1f}s ({train:.1f}s training), asynchronous "
-              f"{overlapped['wall']:.1f}s ({overlapped['wait']:.1f}s waiting for samples): {speedup / ideal:.2f} of the "
-              "ideal", flush=True)
+        pairs.append(
+            {
+                "generate": generate,
+                "train": train,
+                "sync": sync["wall"],
+                "async": overlapped["wall"],
+                "speedup": speedup,
+                "ideal": ideal,
+                "folder": folder / f"async-{repeat}",
+            }
+        )
+        print(
+            f"  pair {repeat + 1}: synchronous {sync['wall']:.1f}s ({train:.1f}s training), asynchronous "
+            f"{overlapped['wall']:.1f}s ({overlapped['wait']:.1f}s waiting for samples): {speedup / ideal:.2f} of the "
+            "ideal",
+            flush=True,
+        )
     pair = sorted(pairs, key=lambda p: p["speedup"] / p["ideal"])[len(pairs) // 2]
-    slower = ((f", trainer +{train_delay:g} s" if train_delay else "") + (f", sync every {sync_steps}" if sync_steps > 1 else "")
-              + (f", {max_num_seqs} seqs" if max_num_seqs != 256 else ""))
-    return [f"{delay:g} s, {staleness}{slower}", "pinned" if pinned else "shared", f"{pair['generate']:.1f}",
-            f"{pair['train']:.1f}", f"{pair['sync']:.1f}", f"{pair['async']:.1f}", f"{pair['speedup']:.2f}x",
-            f"{pair['ideal']:.2f}x", f"{pair['speedup'] / pair['ideal']:.2f}", bottleneck(pair["folder"])]
+    slower = (
+        (f", trainer +{train_delay:g} s" if train_delay else "")
+        + (f", sync every {sync_steps}" if sync_steps > 1 else "")
+        + (f", {max_num_seqs} seqs" if max_num_seqs != 256 else "")
+    )
+    return [
+        f"{delay:g} s, {staleness}{slower}",
+        "pinned" if pinned else "shared",
+        f"{pair['generate']:.1f}",
+        f"{pair['train']:.1f}",
+        f"{pair['sync']:.1f}",
+        f"{pair['async']:.1f}",
+        f"{pair['speedup']:.2f}x",
+        f"{pair['ideal']:.2f}x",
+        f"{pair['speedup'] / pair['ideal']:.2f}",
+        bottleneck(pair["folder"]),
+    ]
 
 
 def ideal_speedup(generate: float, train: float) -> float:
@@ -171,21 +251,42 @@ def ideal_speedup(generate: float, train: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--config", nargs=2, action="append", metavar=("STEP_DELAY_S", "MAX_STALENESS"),
-                        help="one row: the server's sleep after every decode step, and how far generation may run ahead "
-                             "(with slow rollouts it must cover their latency); repeatable. Default: the performance page's rows, "
-                             + ", ".join(f"{d} {s}" for d, s in CONFIGS))
-    parser.add_argument("--cores", choices=["shared", "pinned", "both"], default="both",
-                        help="shared: the three processes share every core; pinned: the trainer alone on its cores, the server "
-                             "and the rollout worker on another (separate devices); both (default): each row both ways")
-    parser.add_argument("--train-delay-s", type=float, default=0.0,
-                        help="sleep this long in every optimizer step, standing in for a slower trainer (default 0)")
+    parser.add_argument(
+        "--config",
+        nargs=2,
+        action="append",
+        metavar=("STEP_DELAY_S", "MAX_STALENESS"),
+        help="one row: the server's sleep after every decode step, and how far generation may run ahead "
+        "(with slow rollouts it must cover their latency); repeatable. Default: the performance page's rows, "
+        + ", ".join(f"{d} {s}" for d, s in CONFIGS),
+    )
+    parser.add_argument(
+        "--cores",
+        choices=["shared", "pinned", "both"],
+        default="both",
+        help="shared: the three processes share every core; pinned: the trainer alone on its cores, the server "
+        "and the rollout worker on another (separate devices); both (default): each row both ways",
+    )
+    parser.add_argument(
+        "--train-delay-s",
+        type=float,
+        default=0.0,
+        help="sleep this long in every optimizer step, standing in for a slower trainer (default 0)",
+    )
     parser.add_argument("--weight-sync-steps", type=int, default=1, help="steps between weight syncs (default 1)")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="pairs of runs of each row, an odd number; the table shows the pair of median ratio to the ideal "
-                             "(default 3)")
-    parser.add_argument("--max-num-seqs", type=int, default=256,
-                        help="the server's batch limit (default 256); a small one makes a server at capacity")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="pairs of runs of each row, an odd number; the table shows the pair of median ratio to the ideal "
+        "(default 3)",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=256,
+        help="the server's batch limit (default 256); a small one makes a server at capacity",
+    )
     add_markdown_flag(parser)
     args = parser.parse_args()
     if args.repeats < 1 or args.repeats % 2 == 0:
@@ -201,13 +302,43 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for i, (delay, staleness) in enumerate(configs):
             for pinned in modes:
-                print(f"step delay {delay} s, max_staleness {staleness}, {args.steps} steps, "
-                      f"{'pinned' if pinned else 'shared'} cores", flush=True)
-                rows.append(compare(args.steps, delay, staleness, args.train_delay_s, pinned, args.weight_sync_steps,
-                                    args.max_num_seqs, args.repeats, Path(tmp) / f"{i}-{pinned}"))
-    emit(markdown_table(["step delay, max_staleness", "cores", "G (s)", "T (s)", "synchronous (s)", "asynchronous (s)",
-                         "speed-up", "ideal (G+T)/max(G,T)", "speed-up / ideal", "doctor (asynchronous run)"],
-                        "rlrrrrrrrl", rows), args.markdown)
+                print(
+                    f"step delay {delay} s, max_staleness {staleness}, {args.steps} steps, "
+                    f"{'pinned' if pinned else 'shared'} cores",
+                    flush=True,
+                )
+                rows.append(
+                    compare(
+                        args.steps,
+                        delay,
+                        staleness,
+                        args.train_delay_s,
+                        pinned,
+                        args.weight_sync_steps,
+                        args.max_num_seqs,
+                        args.repeats,
+                        Path(tmp) / f"{i}-{pinned}",
+                    )
+                )
+    emit(
+        markdown_table(
+            [
+                "step delay, max_staleness",
+                "cores",
+                "G (s)",
+                "T (s)",
+                "synchronous (s)",
+                "asynchronous (s)",
+                "speed-up",
+                "ideal (G+T)/max(G,T)",
+                "speed-up / ideal",
+                "doctor (asynchronous run)",
+            ],
+            "rlrrrrrrrl",
+            rows,
+        ),
+        args.markdown,
+    )
 
 
 if __name__ == "__main__":

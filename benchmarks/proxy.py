@@ -21,11 +21,10 @@ import time
 import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from tables import add_markdown_flag, emit, markdown_table
 
 from tandem.proxy.app import ProxyArgs, start_proxy
 from tandem.proxy.router import PrefixRouter
-
-from tables import add_markdown_flag, emit, markdown_table
 
 G = 8
 
@@ -65,8 +64,12 @@ def workload(prompts: int, seed: int = 0) -> list[list[int]]:
 async def run(urls, requests, concurrency: int) -> None:
     semaphore = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession() as session:
+
         async def one(i, prompt):
-            async with semaphore, session.post(urls[i % len(urls)] + "/v1/completions", json={"model": "policy", "prompt": prompt}) as r:
+            async with (
+                semaphore,
+                session.post(urls[i % len(urls)] + "/v1/completions", json={"model": "policy", "prompt": prompt}) as r,
+            ):
                 await r.read()
 
         await asyncio.gather(*(one(i, p) for i, p in enumerate(requests)))
@@ -113,14 +116,38 @@ async def main(args) -> None:
     n = stats["routed"]
     prefill = sum(r.prefill_tokens for r in routed)
     baseline = sum(r.prefill_tokens for r in round_robin)
-    print(f"{args.prompts} prompts x G={G} = {n} requests, {args.concurrency} in flight, 2 replicas, {prompt_tokens} prompt tokens")
+    print(
+        f"{args.prompts} prompts x G={G} = {n} requests, {args.concurrency} in flight, 2 replicas, {prompt_tokens} prompt tokens"
+    )
     added = [1000 * (proxy - plain) for proxy, plain in zip(percentiles(proxied), percentiles(direct))]
-    emit(markdown_table(
-        ["affinity", "spilled", f"unmatched (new prompts: 1/G = {100 / G:.1f}%)", "prefill tokens, proxy",
-         "prefill tokens, round-robin", "proxy / round-robin", "added latency p50", "added latency p99"], "rrrrrrrr",
-        [[f"{100 * stats['affinity'] / n:.1f}%", f"{100 * stats['spilled'] / n:.1f}%", f"{100 * stats['unmatched'] / n:.1f}%",
-          str(prefill), str(baseline), f"{prefill / baseline:.2f}x", f"{added[0]:.2f} ms", f"{added[1]:.2f} ms"]]),
-        args.markdown)
+    emit(
+        markdown_table(
+            [
+                "affinity",
+                "spilled",
+                f"unmatched (new prompts: 1/G = {100 / G:.1f}%)",
+                "prefill tokens, proxy",
+                "prefill tokens, round-robin",
+                "proxy / round-robin",
+                "added latency p50",
+                "added latency p99",
+            ],
+            "rrrrrrrr",
+            [
+                [
+                    f"{100 * stats['affinity'] / n:.1f}%",
+                    f"{100 * stats['spilled'] / n:.1f}%",
+                    f"{100 * stats['unmatched'] / n:.1f}%",
+                    str(prefill),
+                    str(baseline),
+                    f"{prefill / baseline:.2f}x",
+                    f"{added[0]:.2f} ms",
+                    f"{added[1]:.2f} ms",
+                ]
+            ],
+        ),
+        args.markdown,
+    )
 
 
 def percentiles(seconds: list[float]) -> tuple[float, float]:

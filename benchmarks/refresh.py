@@ -57,8 +57,11 @@ def git(*args: str) -> str:
 def measured_at() -> str:
     """The line under each table: the commit, whether the tree differed from it, and today's date. The pages with
     tables are left out of the comparison: rewriting them changes nothing measured."""
-    dirty = " (uncommitted changes)" if git("status", "--porcelain", "--", ".", ":(exclude)README.md",
-                                            ":(exclude)docs/performance.md") else ""
+    dirty = (
+        " (uncommitted changes)"
+        if git("status", "--porcelain", "--", ".", ":(exclude)README.md", ":(exclude)docs/performance.md")
+        else ""
+    )
     return f"Measured at commit `{git('rev-parse', '--short', 'HEAD')}`{dirty} on {datetime.date.today().isoformat()}."
 
 
@@ -76,11 +79,17 @@ def run_benchmark(name: str, table_path: Path) -> bool:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="benchmarks: " + ", ".join(f"{name} ({duration})" for name, duration in BENCHMARKS.items()))
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="benchmarks: " + ", ".join(f"{name} ({duration})" for name, duration in BENCHMARKS.items()),
+    )
     parser.add_argument("names", nargs="*", metavar="NAME", help="benchmarks to re-run (default: all)")
-    parser.add_argument("--page", type=Path, default=PAGE, help="the page whose tables are rewritten (default "
-                                                                   "docs/performance.md; README.md's copies follow)")
+    parser.add_argument(
+        "--page",
+        type=Path,
+        default=PAGE,
+        help="the page whose tables are rewritten (default docs/performance.md; README.md's copies follow)",
+    )
     args = parser.parse_args()
     unknown = [name for name in args.names if name not in BENCHMARKS]
     if unknown:
@@ -108,8 +117,10 @@ def main() -> int:
                 continue
             for page in [args.page] + [page for page in copies if f"<!-- bench:{name} -->" in page.read_text()]:
                 page.write_text(replace_table(page.read_text(), name, table_path.read_text(), stamp))
-    print(f"== {args.page}: {len(args.names) - len(failed)} table(s) rewritten"
-          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    print(
+        f"== {args.page}: {len(args.names) - len(failed)} table(s) rewritten"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
     return 1 if failed else 0
 
 

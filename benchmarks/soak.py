@@ -28,14 +28,13 @@ from multiprocessing import resource_tracker
 from pathlib import Path
 
 import psutil
+from tables import add_markdown_flag, emit, markdown_table
 from transformers import TrainerCallback
 
 from tandem import AsyncGRPOTrainer
 from tandem.config import import_object, load_recipe
-from tandem.tasks import datasets
 from tandem.runtime.session import Session
-
-from tables import add_markdown_flag, emit, markdown_table
+from tandem.tasks import datasets
 
 RECIPE = Path(__file__).resolve().parent.parent / "examples" / "demo.yaml"
 
@@ -51,8 +50,11 @@ def resources() -> dict[str, Counter]:
             fds[os.readlink(f"/proc/self/fd/{fd}").split(":[")[0]] += 1
         except OSError:  # the descriptor listdir itself used
             pass
-    return {"processes": Counter(" ".join(c.cmdline()[:4]) for c in children),
-            "threads": Counter(t.name.split("-")[0] for t in threading.enumerate()), "fds": fds}
+    return {
+        "processes": Counter(" ".join(c.cmdline()[:4]) for c in children),
+        "threads": Counter(t.name.split("-")[0] for t in threading.enumerate()),
+        "fds": fds,
+    }
 
 
 def left_behind(before: dict[str, Counter], after: dict[str, Counter]) -> dict[str, Counter]:
@@ -84,8 +86,11 @@ class KillServer(TrainerCallback):
             self.rss_mb.append(psutil.Process().memory_info().rss / 2**20)
             self.fds.append(psutil.Process().num_fds())
             self.next_kill += self.every_s
-            print(f"soak: {(now - self.start) / 60:.1f} min, step {state.global_step}: killed the server (pid "
-                  f"{server.process.pid}), resident memory {self.rss_mb[-1]:.0f} MiB, {self.fds[-1]} open files", flush=True)
+            print(
+                f"soak: {(now - self.start) / 60:.1f} min, step {state.global_step}: killed the server (pid "
+                f"{server.process.pid}), resident memory {self.rss_mb[-1]:.0f} MiB, {self.fds[-1]} open files",
+                flush=True,
+            )
         return control
 
 
@@ -98,8 +103,12 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         recipe = load_recipe(str(RECIPE), ["--max_steps", "1000000", "--save_steps", "500", "--output_dir", tmp])
-        trainer = AsyncGRPOTrainer(recipe.model, [import_object(f) for f in recipe.reward_funcs], args=recipe.config,
-                                   train_dataset=datasets.load(recipe.dataset))
+        trainer = AsyncGRPOTrainer(
+            recipe.model,
+            [import_object(f) for f in recipe.reward_funcs],
+            args=recipe.config,
+            train_dataset=datasets.load(recipe.dataset),
+        )
         killer = KillServer(trainer, ns.minutes * 60, ns.kill_every * 60)
         trainer.add_callback(killer)
         Session.write_report = lambda session: None  # matplotlib keeps its fonts open for the interpreter's life
@@ -122,21 +131,54 @@ def main() -> None:
     warm = killer.rss_mb[0] if killer.rss_mb else end_rss
     leaked = left_behind(before, after)
     leaks = {name: sum(found.values()) for name, found in leaked.items()}
-    print(f"\nsoak: {elapsed / 60:.1f} min, {trainer.state.step} steps, server killed {len(killer.kills)} times "
-          f"(steps {killer.kills}), restarted {restarts:.0f} times")
+    print(
+        f"\nsoak: {elapsed / 60:.1f} min, {trainer.state.step} steps, server killed {len(killer.kills)} times "
+        f"(steps {killer.kills}), restarted {restarts:.0f} times"
+    )
     print(f"prompt positions: {len(counts)} finished, watermark {ledger.watermark}; {twice} twice, {missing} missing")
-    print(f"left behind: {leaks['processes']} processes, {leaks['threads']} threads, {leaks['fds']} file descriptors: "
-          f"{ {name: dict(found) for name, found in leaked.items() if found} }")
-    print(f"resident memory: {warm:.0f} MiB at the first kill, {end_rss:.0f} MiB at the end ({end_rss - warm:+.0f} MiB); "
-          f"open files at each kill: {killer.fds}")
-    rows = [[f"{elapsed / 60:.0f}", str(len(killer.kills)), f"{restarts:.0f}", str(trainer.state.step),
-             f"{len(counts)} of {max(ledger.watermark, len(counts))}", str(twice), str(missing),
-             f"{leaks['processes']} / {leaks['threads']} / {leaks['fds']}",
-             f"{killer.fds[0]} → {killer.fds[-1]}" if killer.fds else "-", f"{warm:.0f} → {end_rss:.0f}",
-             f"{sum(history[:20]) / max(1, len(history[:20])):.2f} → {sum(history[-20:]) / max(1, len(history[-20:])):.2f}"]]
-    emit(markdown_table(["minutes", "server kills", "restarts", "steps", "prompts finished", "twice", "missing",
-                         "left after train(): processes / threads / fds", "open fds (first → last kill)",
-                         "trainer RSS MiB (first kill → end)", "reward"], "rrrrrrrrrrr", rows), ns.markdown)
+    print(
+        f"left behind: {leaks['processes']} processes, {leaks['threads']} threads, {leaks['fds']} file descriptors: "
+        f"{ {name: dict(found) for name, found in leaked.items() if found} }"
+    )
+    print(
+        f"resident memory: {warm:.0f} MiB at the first kill, {end_rss:.0f} MiB at the end ({end_rss - warm:+.0f} MiB); "
+        f"open files at each kill: {killer.fds}"
+    )
+    rows = [
+        [
+            f"{elapsed / 60:.0f}",
+            str(len(killer.kills)),
+            f"{restarts:.0f}",
+            str(trainer.state.step),
+            f"{len(counts)} of {max(ledger.watermark, len(counts))}",
+            str(twice),
+            str(missing),
+            f"{leaks['processes']} / {leaks['threads']} / {leaks['fds']}",
+            f"{killer.fds[0]} → {killer.fds[-1]}" if killer.fds else "-",
+            f"{warm:.0f} → {end_rss:.0f}",
+            f"{sum(history[:20]) / max(1, len(history[:20])):.2f} → {sum(history[-20:]) / max(1, len(history[-20:])):.2f}",
+        ]
+    ]
+    emit(
+        markdown_table(
+            [
+                "minutes",
+                "server kills",
+                "restarts",
+                "steps",
+                "prompts finished",
+                "twice",
+                "missing",
+                "left after train(): processes / threads / fds",
+                "open fds (first → last kill)",
+                "trainer RSS MiB (first kill → end)",
+                "reward",
+            ],
+            "rrrrrrrrrrr",
+            rows,
+        ),
+        ns.markdown,
+    )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ from pathlib import Path
 
 
 def add_markdown_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--markdown", metavar="PATH", help="also write the performance page's table to PATH (used by refresh.py)")
+    parser.add_argument(
+        "--markdown", metavar="PATH", help="also write the performance page's table to PATH (used by refresh.py)"
+    )
 
 
 def markdown_table(header: list[str], align: str, rows: list[list[str]]) -> str:

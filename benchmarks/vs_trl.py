@@ -50,17 +50,37 @@ def trl_run(steps: int, seed: int) -> list[dict]:
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs:
-                self.rows.append({"s": time.perf_counter() - self.start, "reward": logs["reward"], "trained": 64,
-                                  "generated": 64})
+                self.rows.append(
+                    {"s": time.perf_counter() - self.start, "reward": logs["reward"], "trained": 64, "generated": 64}
+                )
 
-    args = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=32, gradient_accumulation_steps=2,
-                      num_generations=8, max_completion_length=8, learning_rate=2e-4, lr_scheduler_type="constant",
-                      beta=0.0, use_cpu=True, max_steps=steps, logging_steps=1, report_to=[], save_strategy="no",
-                      seed=seed, disable_tqdm=True, gradient_checkpointing=False)  # as the demo: off
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=32,
+        gradient_accumulation_steps=2,
+        num_generations=8,
+        max_completion_length=8,
+        learning_rate=2e-4,
+        lr_scheduler_type="constant",
+        beta=0.0,
+        use_cpu=True,
+        max_steps=steps,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=seed,
+        disable_tqdm=True,
+        gradient_checkpointing=False,
+    )  # as the demo: off
     clock = Clock()
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH), reward_funcs=accuracy_reward,
-                          args=args, train_dataset=datasets.load("arithmetic-small"),
-                          processing_class=AutoTokenizer.from_pretrained(TINY_MODEL_PATH), callbacks=[clock])
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH),
+        reward_funcs=accuracy_reward,
+        args=args,
+        train_dataset=datasets.load("arithmetic-small"),
+        processing_class=AutoTokenizer.from_pretrained(TINY_MODEL_PATH),
+        callbacks=[clock],
+    )
     trainer.train()
     return clock.rows
 
@@ -68,14 +88,38 @@ def trl_run(steps: int, seed: int) -> list[dict]:
 def tandem_run(steps: int, seed: int) -> list[dict]:
     """`tandem train examples/demo.yaml`; per step: seconds since its first step began, reward, trained, generated."""
     with tempfile.TemporaryDirectory() as out:
-        subprocess.run([sys.executable, "-m", "tandem", "train", "examples/demo.yaml", "--output_dir", out, "--max_steps",
-                        str(steps), "--seed", str(seed), "--disable_tqdm", "true"], cwd=ROOT, check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tandem",
+                "train",
+                "examples/demo.yaml",
+                "--output_dir",
+                out,
+                "--max_steps",
+                str(steps),
+                "--seed",
+                str(seed),
+                "--disable_tqdm",
+                "true",
+            ],
+            cwd=ROOT,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         logged = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     logged = [m for m in logged if "reward" in m and "batch/samples_per_step" in m]
     start = logged[0]["time"] - logged[0]["perf/step_s"]
-    return [{"s": m["time"] - start, "reward": m["reward"], "trained": m["batch/samples_per_step"],
-             "generated": m.get("rollout/completions_count", 0.0)} for m in logged]
+    return [
+        {
+            "s": m["time"] - start,
+            "reward": m["reward"],
+            "trained": m["batch/samples_per_step"],
+            "generated": m.get("rollout/completions_count", 0.0),
+        }
+        for m in logged
+    ]
 
 
 def summary(rows: list[dict]) -> dict:
@@ -84,11 +128,23 @@ def summary(rows: list[dict]) -> dict:
     rewards = [r["reward"] for r in rows]
     reached = {}
     for threshold in THRESHOLDS:
-        reached[threshold] = next((rows[i]["s"] for i in range(WINDOW - 1, len(rows))
-                                   if statistics.mean(rewards[i - WINDOW + 1:i + 1]) >= threshold), None)
-    return {"seconds": total, "step_s": total / len(rows), "trained_per_s": sum(r["trained"] for r in rows) / total,
-            "generated_per_s": sum(r["generated"] for r in rows) / total,
-            "first": statistics.mean(rewards[:WINDOW]), "last": statistics.mean(rewards[-WINDOW:]), "reached": reached}
+        reached[threshold] = next(
+            (
+                rows[i]["s"]
+                for i in range(WINDOW - 1, len(rows))
+                if statistics.mean(rewards[i - WINDOW + 1 : i + 1]) >= threshold
+            ),
+            None,
+        )
+    return {
+        "seconds": total,
+        "step_s": total / len(rows),
+        "trained_per_s": sum(r["trained"] for r in rows) / total,
+        "generated_per_s": sum(r["generated"] for r in rows) / total,
+        "first": statistics.mean(rewards[:WINDOW]),
+        "last": statistics.mean(rewards[-WINDOW:]),
+        "reached": reached,
+    }
 
 
 def median_of(runs: list[dict], key, threshold=None) -> float | None:
@@ -114,14 +170,20 @@ def main() -> None:
     results = {"tandem": [], "trl": []}
     for run in range(args.runs):
         for side in results:
-            child = subprocess.run([sys.executable, __file__, "--side", side, "--seed", str(run), "--steps",
-                                    str(args.steps)], capture_output=True, text=True)
+            child = subprocess.run(
+                [sys.executable, __file__, "--side", side, "--seed", str(run), "--steps", str(args.steps)],
+                capture_output=True,
+                text=True,
+            )
             if child.returncode != 0:
                 sys.exit(f"the {side} run failed:\n{child.stderr[-3000:]}")
             figures = summary(json.loads(child.stdout.strip().splitlines()[-1]))
             results[side].append(figures)
-            print(f"run {run + 1}/{args.runs} {side:>6}: {figures['seconds']:.0f} s, {figures['trained_per_s']:.0f} trained "
-                  f"samples/s, reward {figures['first']:.2f} -> {figures['last']:.2f}", flush=True)
+            print(
+                f"run {run + 1}/{args.runs} {side:>6}: {figures['seconds']:.0f} s, {figures['trained_per_s']:.0f} trained "
+                f"samples/s, reward {figures['first']:.2f} -> {figures['last']:.2f}",
+                flush=True,
+            )
 
     def cell(value, unit="", digits=0):
         return "not reached" if value is None else f"{value:.{digits}f}{unit}"
@@ -130,19 +192,40 @@ def main() -> None:
     for side, name in (("tandem", "tandem (examples/demo.yaml)"), ("trl", "TRL GRPOTrainer (sync)")):
         runs = results[side]
         generated = median_of(runs, "generated_per_s")
-        rows.append([name, cell(median_of(runs, "seconds"), " s"), cell(median_of(runs, "step_s"), " s", 2),
-                     cell(median_of(runs, "trained_per_s")), cell(generated), cell(generated / 8),
-                     f"{median_of(runs, 'first'):.2f} → {median_of(runs, 'last'):.2f}",
-                     " / ".join(cell(median_of(runs, "reached", t), " s") for t in THRESHOLDS)])
+        rows.append(
+            [
+                name,
+                cell(median_of(runs, "seconds"), " s"),
+                cell(median_of(runs, "step_s"), " s", 2),
+                cell(median_of(runs, "trained_per_s")),
+                cell(generated),
+                cell(generated / 8),
+                f"{median_of(runs, 'first'):.2f} → {median_of(runs, 'last'):.2f}",
+                " / ".join(cell(median_of(runs, "reached", t), " s") for t in THRESHOLDS),
+            ]
+        )
     ours, theirs = results["tandem"], results["trl"]
     speed = median_of(ours, "trained_per_s") / median_of(theirs, "trained_per_s")
     to_07 = [median_of(side, "reached", 0.7) for side in (ours, theirs)]
     ratio_07 = f"{to_07[0] / to_07[1]:.2f}x" if None not in to_07 else "n/a"
     rows.append(["tandem / TRL", "", "", f"{speed:.2f}x", "", "", "", f"time to 0.7: {ratio_07}"])
-    emit(markdown_table(["trainer", f"{args.steps} steps", "per step", "trained samples/s", "completions generated/s",
-                         "prompts/s", f"reward, first → last {WINDOW} steps",
-                         f"time to a {WINDOW}-step mean reward of " + " / ".join(map(str, THRESHOLDS))],
-                        "lrrrrrrr", rows), args.markdown)
+    emit(
+        markdown_table(
+            [
+                "trainer",
+                f"{args.steps} steps",
+                "per step",
+                "trained samples/s",
+                "completions generated/s",
+                "prompts/s",
+                f"reward, first → last {WINDOW} steps",
+                f"time to a {WINDOW}-step mean reward of " + " / ".join(map(str, THRESHOLDS)),
+            ],
+            "lrrrrrrr",
+            rows,
+        ),
+        args.markdown,
+    )
 
 
 if __name__ == "__main__":

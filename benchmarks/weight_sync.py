@@ -24,16 +24,15 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
+from tables import add_markdown_flag, emit, markdown_table
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from tandem.contract.staleness import StalenessPolicy
 from tandem.generation.client import ControlClient
 from tandem.generation.launcher import EmbeddedServer
-from tandem.tasks import TINY_MODEL_PATH
 from tandem.runtime.weight_sync import LoraSync, ReloadSync, lora_server_flags
 from tandem.runtime.weight_transfer import TransferSync
-
-from tables import add_markdown_flag, emit, markdown_table
+from tandem.tasks import TINY_MODEL_PATH
 
 
 def folder_bytes(path: Path) -> int:
@@ -118,43 +117,96 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         params = make_model(tmp / "model", cli.layers, cli.hidden)
-        print(f"model: {cli.layers} layers, hidden {cli.hidden}, {params / 1e6:.0f}M parameters (fp32); "
-              f"LoRA rank {cli.rank} on every linear layer", flush=True)
-        model = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp / "model", dtype=torch.float32),
-                               LoraConfig(r=cli.rank, lora_alpha=2 * cli.rank, lora_dropout=0.0,
-                                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-        flags = [*lora_server_flags(StalenessPolicy(max_staleness=1), rank=cli.rank), "--weight-transfer-config", json.dumps({"backend": "gloo"})]
-        with EmbeddedServer(str(tmp / "model"), log_path=tmp / "server.log", extra_args=flags) as server, asyncio.Runner() as run:
+        print(
+            f"model: {cli.layers} layers, hidden {cli.hidden}, {params / 1e6:.0f}M parameters (fp32); "
+            f"LoRA rank {cli.rank} on every linear layer",
+            flush=True,
+        )
+        model = get_peft_model(
+            AutoModelForCausalLM.from_pretrained(tmp / "model", dtype=torch.float32),
+            LoraConfig(
+                r=cli.rank,
+                lora_alpha=2 * cli.rank,
+                lora_dropout=0.0,
+                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            ),
+        )
+        flags = [
+            *lora_server_flags(StalenessPolicy(max_staleness=1), rank=cli.rank),
+            "--weight-transfer-config",
+            json.dumps({"backend": "gloo"}),
+        ]
+        with (
+            EmbeddedServer(str(tmp / "model"), log_path=tmp / "server.log", extra_args=flags) as server,
+            asyncio.Runner() as run,
+        ):
             control = ControlClient(server.url, timeout_s=600)
             plain = AutoModelForCausalLM.from_pretrained(tmp / "model", dtype=torch.float32)
             reload = ReloadSync(control, tmp / "full_run", run, served_name=str(tmp / "model"))
-            reload_s, reload_bytes, reload_peak = full_syncs(reload, plain, range(1, cli.syncs + 1),
-                                                             lambda v: folder_bytes(reload.folder / f"v{v}"))
+            reload_s, reload_bytes, reload_peak = full_syncs(
+                reload, plain, range(1, cli.syncs + 1), lambda v: folder_bytes(reload.folder / f"v{v}")
+            )
             transfer = TransferSync(control, run, str(tmp / "model"))
             transfer.connect()
             sent = sum(p.numel() * p.element_size() for p in plain.parameters())
-            transfer_s, transfer_bytes, transfer_peak = full_syncs(transfer, plain, range(1, cli.syncs + 1), lambda v: sent)
+            transfer_s, transfer_bytes, transfer_peak = full_syncs(
+                transfer, plain, range(1, cli.syncs + 1), lambda v: sent
+            )
             largest = max(p.numel() * p.element_size() for p in plain.parameters())
             adapter = LoraSync(control, tmp / "lora_run", run, keep=2)
             merged = ReloadSync(control, tmp / "merged_run", run, served_name=str(tmp / "model"))
-            lora_s, lora_bytes = timed_syncs(adapter, model, range(1, cli.syncs + 1),
-                                             lambda v: adapter.folder / adapter.name_for(v))
-            merged_s, merged_bytes = timed_syncs(merged, model, range(1, cli.syncs + 1), lambda v: merged.folder / f"v{v}")
+            lora_s, lora_bytes = timed_syncs(
+                adapter, model, range(1, cli.syncs + 1), lambda v: adapter.folder / adapter.name_for(v)
+            )
+            merged_s, merged_bytes = timed_syncs(
+                merged, model, range(1, cli.syncs + 1), lambda v: merged.folder / f"v{v}"
+            )
             run.run(control.close())
 
     print(f"{cli.syncs} syncs each, against a running tandem serve; largest tensor {largest / 2**20:.1f} MiB")
     mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
-    full = markdown_table(["full-weight sync", "seconds per sync", "moved per sync", "trainer's peak extra memory"], "lrrr", [
-        ["`reload`: publish to disk, pause, reload, reset cache, resume", f"{reload_s:.2f}", f"{mib(reload_bytes)} written",
-         mib(reload_peak)],
-        ["`transfer`: stream over gloo while generating, swap between engine steps, reset cache", f"{transfer_s:.2f}", f"{mib(transfer_bytes)} sent",
-         mib(transfer_peak)],
-        ["reload / transfer", f"{reload_s / transfer_s:.1f}x", "", ""]])
-    emit(full + "\n" + markdown_table(["sync", "seconds per sync", "written per sync"], "lrr", [
-        ["adapter only (`lora`: publish, load a new name, unload the oldest)", f"{lora_s:.2f}", f"{lora_bytes / 2**20:.1f} MiB"],
-        ["merged weights (`reload`: merge, publish, pause, reload, reset cache, resume)", f"{merged_s:.2f}",
-         f"{merged_bytes / 2**20:.1f} MiB"],
-        ["merged / adapter", f"{merged_s / lora_s:.1f}x", f"{merged_bytes / lora_bytes:.1f}x"]]), cli.markdown)
+    full = markdown_table(
+        ["full-weight sync", "seconds per sync", "moved per sync", "trainer's peak extra memory"],
+        "lrrr",
+        [
+            [
+                "`reload`: publish to disk, pause, reload, reset cache, resume",
+                f"{reload_s:.2f}",
+                f"{mib(reload_bytes)} written",
+                mib(reload_peak),
+            ],
+            [
+                "`transfer`: stream over gloo while generating, swap between engine steps, reset cache",
+                f"{transfer_s:.2f}",
+                f"{mib(transfer_bytes)} sent",
+                mib(transfer_peak),
+            ],
+            ["reload / transfer", f"{reload_s / transfer_s:.1f}x", "", ""],
+        ],
+    )
+    emit(
+        full
+        + "\n"
+        + markdown_table(
+            ["sync", "seconds per sync", "written per sync"],
+            "lrr",
+            [
+                [
+                    "adapter only (`lora`: publish, load a new name, unload the oldest)",
+                    f"{lora_s:.2f}",
+                    f"{lora_bytes / 2**20:.1f} MiB",
+                ],
+                [
+                    "merged weights (`reload`: merge, publish, pause, reload, reset cache, resume)",
+                    f"{merged_s:.2f}",
+                    f"{merged_bytes / 2**20:.1f} MiB",
+                ],
+                ["merged / adapter", f"{merged_s / lora_s:.1f}x", f"{merged_bytes / lora_bytes:.1f}x"],
+            ],
+        ),
+        cli.markdown,
+    )
+
 
 if __name__ == "__main__":
     main()

@@ -15,8 +15,12 @@ from datasets import Dataset
 
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
 
-PHRASINGS = ["Increment the counter by {n}.", "Increment the counter to {n}.", "Add {n} to the counter.",
-             "Bring the counter from 0 to {n}."]
+PHRASINGS = [
+    "Increment the counter by {n}.",
+    "Increment the counter to {n}.",
+    "Add {n} to the counter.",
+    "Bring the counter from 0 to {n}.",
+]
 
 
 class CounterEnv:
@@ -52,12 +56,24 @@ def counter_rows(n: int, seed: int = 0) -> list[dict]:
 
 
 if __name__ == "__main__":  # the rollout worker is a spawned process that re-imports this script
-    args = AsyncGRPOConfig(output_dir="runs/environment", max_steps=60, learning_rate=2e-4, num_generations=8,
-                           max_completion_length=32, max_tool_calling_iterations=1, token_budget=1024,
-                           gradient_checkpointing=False, max_staleness=2, save_steps=1000)
-    trainer = AsyncGRPOTrainer(model="tiny", args=args, train_dataset=Dataset.from_list(counter_rows(64)),
-                               environment_factory=CounterEnv)
+    args = AsyncGRPOConfig(
+        output_dir="runs/environment",
+        max_steps=60,
+        learning_rate=2e-4,
+        num_generations=8,
+        max_completion_length=32,
+        max_tool_calling_iterations=1,
+        token_budget=1024,
+        gradient_checkpointing=False,
+        max_staleness=2,
+        save_steps=1000,
+    )
+    trainer = AsyncGRPOTrainer(
+        model="tiny", args=args, train_dataset=Dataset.from_list(counter_rows(64)), environment_factory=CounterEnv
+    )
     output = trainer.train()
     head, tail = trainer.reward_history[:10], trainer.reward_history[-10:]
-    print(f"\ntrained {output.global_step} steps; mean reward, first {len(head)} steps: {sum(head) / len(head):.3f}   "
-          f"last {len(tail)} steps: {sum(tail) / len(tail):.3f}")
+    print(
+        f"\ntrained {output.global_step} steps; mean reward, first {len(head)} steps: {sum(head) / len(head):.3f}   "
+        f"last {len(tail)} steps: {sum(tail) / len(tail):.3f}"
+    )

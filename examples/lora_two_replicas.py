@@ -20,15 +20,22 @@ from peft import LoraConfig
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
 from tandem.generation.launcher import EmbeddedProxy, EmbeddedServer
 from tandem.rewards import accuracy_reward
-from tandem.tasks import TINY_MODEL_PATH, datasets
 from tandem.runtime.weight_sync import lora_server_flags
+from tandem.tasks import TINY_MODEL_PATH, datasets
 
 
 def replica_flags(max_staleness: int, rank: int) -> list[str]:
     """What the trainer needs from each replica: its model name, processed log-probs, and room for the
     max_staleness + 1 adapter versions in use plus the one being loaded."""
-    return ["--served-model-name", TINY_MODEL_PATH, "--logprobs-mode", "processed_logprobs", "--max-logprobs", "20",
-            *lora_server_flags(max_staleness, rank)]
+    return [
+        "--served-model-name",
+        TINY_MODEL_PATH,
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--max-logprobs",
+        "20",
+        *lora_server_flags(max_staleness, rank),
+    ]
 
 
 def main() -> None:
@@ -41,24 +48,49 @@ def main() -> None:
 
     output = Path(cli.output_dir)
     output.mkdir(parents=True, exist_ok=True)
-    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    lora = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
     args = AsyncGRPOConfig(
-        output_dir=str(output), max_steps=cli.steps, learning_rate=2e-3, gradient_accumulation_steps=2, num_generations=8,
-        max_completion_length=8, max_staleness=cli.max_staleness, token_budget=160, gradient_checkpointing=False,
-        save_steps=50, logging_steps=1, weight_sync_check_atol=1e-5,  # every sync: both replicas serve exactly the adapter
+        output_dir=str(output),
+        max_steps=cli.steps,
+        learning_rate=2e-3,
+        gradient_accumulation_steps=2,
+        num_generations=8,
+        max_completion_length=8,
+        max_staleness=cli.max_staleness,
+        token_budget=160,
+        gradient_checkpointing=False,
+        save_steps=50,
+        logging_steps=1,
+        weight_sync_check_atol=1e-5,  # every sync: both replicas serve exactly the adapter
     )
     dataset = datasets.load("arithmetic-small")  # the demo's 128 problems
 
     with ExitStack() as stack:
         print(f"starting {cli.replicas} tandem serve replicas and tandem proxy (logs in {output})", flush=True)
-        replicas = [stack.enter_context(EmbeddedServer(TINY_MODEL_PATH, log_path=output / f"replica{i}.log",
-                                                       extra_args=replica_flags(cli.max_staleness, lora.r)))
-                    for i in range(cli.replicas)]
-        proxy = stack.enter_context(EmbeddedProxy([r.url for r in replicas], log_path=output / "proxy.log",
-                                                  extra_args=["--tokenizer", TINY_MODEL_PATH]))
+        replicas = [
+            stack.enter_context(
+                EmbeddedServer(
+                    TINY_MODEL_PATH,
+                    log_path=output / f"replica{i}.log",
+                    extra_args=replica_flags(cli.max_staleness, lora.r),
+                )
+            )
+            for i in range(cli.replicas)
+        ]
+        proxy = stack.enter_context(
+            EmbeddedProxy(
+                [r.url for r in replicas], log_path=output / "proxy.log", extra_args=["--tokenizer", TINY_MODEL_PATH]
+            )
+        )
         args.vllm_server_base_url = proxy.url
-        result = AsyncGRPOTrainer(TINY_MODEL_PATH, accuracy_reward, args=args, train_dataset=dataset, peft_config=lora).train()
+        result = AsyncGRPOTrainer(
+            TINY_MODEL_PATH, accuracy_reward, args=args, train_dataset=dataset, peft_config=lora
+        ).train()
         with urllib.request.urlopen(proxy.url + "/proxy/stats") as response:
             stats = json.load(response)
     (output / "proxy_stats.json").write_text(json.dumps(stats, indent=1))
@@ -68,9 +100,13 @@ def main() -> None:
     head, tail = rewards[:20], rewards[-20:]
     router = stats["router"]
     print(f"\ntrained {result.global_step} steps; adapter checkpoints in {output}")
-    print(f"mean reward, first {len(head)} steps: {sum(head) / len(head):.3f}   last {len(tail)} steps: {sum(tail) / len(tail):.3f}")
-    print(f"proxy: {router['routed']} requests: affinity {router['affinity']}, spilled {router['spilled']}, unmatched "
-          f"{router['unmatched']}; per replica {[u['routed'] for u in stats['upstreams']]}")
+    print(
+        f"mean reward, first {len(head)} steps: {sum(head) / len(head):.3f}   last {len(tail)} steps: {sum(tail) / len(tail):.3f}"
+    )
+    print(
+        f"proxy: {router['routed']} requests: affinity {router['affinity']}, spilled {router['spilled']}, unmatched "
+        f"{router['unmatched']}; per replica {[u['routed'] for u in stats['upstreams']]}"
+    )
 
 
 if __name__ == "__main__":

@@ -101,16 +101,29 @@ class CounterSessions(ResourceSessionFactory):
 
 def config(**overrides) -> AsyncGRPOConfig:
     """The example's settings (examples/environment.py's, over 100 steps); the vllm tier's test shortens them."""
-    values = dict(output_dir="runs/openenv_counter", max_steps=100, learning_rate=2e-4, num_generations=8,
-                  max_completion_length=32, max_tool_calling_iterations=1, token_budget=1024,
-                  gradient_checkpointing=False, max_staleness=2, save_steps=1000, logging_steps=1)
+    values = dict(
+        output_dir="runs/openenv_counter",
+        max_steps=100,
+        learning_rate=2e-4,
+        num_generations=8,
+        max_completion_length=32,
+        max_tool_calling_iterations=1,
+        token_budget=1024,
+        gradient_checkpointing=False,
+        max_staleness=2,
+        save_steps=1000,
+        logging_steps=1,
+    )
     return AsyncGRPOConfig(**{**values, **overrides})
 
 
 if __name__ == "__main__":  # the rollout worker is a spawned process that re-imports this script
-    trainer = HarnessAsyncGRPOTrainer(model="tiny", harness_session_factory=CounterSessions(),
-                                      harness_adapter=MCPHarnessAdapter(), args=config())
+    trainer = HarnessAsyncGRPOTrainer(
+        model="tiny", harness_session_factory=CounterSessions(), harness_adapter=MCPHarnessAdapter(), args=config()
+    )
     output = trainer.train()
     head, tail = trainer.reward_history[:20], trainer.reward_history[-20:]
-    print(f"\ntrained {output.global_step} steps; mean reward, first {len(head)} steps: {sum(head) / len(head):.3f}   "
-          f"last {len(tail)} steps: {sum(tail) / len(tail):.3f}")
+    print(
+        f"\ntrained {output.global_step} steps; mean reward, first {len(head)} steps: {sum(head) / len(head):.3f}   "
+        f"last {len(tail)} steps: {sum(tail) / len(tail):.3f}"
+    )

@@ -21,7 +21,10 @@ async def ask(url: str, n: int) -> None:
     rows = arithmetic.make_rows(n, split="test", seed=0)
     async with ControlClient(url) as control, GenerationClient(url) as client:
         await control.wait_healthy(deadline_s=60)
-        prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False) for r in rows]
+        prompts = [
+            tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
+            for r in rows
+        ]
         start = time.perf_counter()
         results = await asyncio.gather(*[client.complete(list(p), max_tokens=8, seed=i) for i, p in enumerate(prompts)])
         elapsed = time.perf_counter() - start
@@ -34,8 +37,12 @@ async def ask(url: str, n: int) -> None:
         logprob = sum(completion.logprobs)
         print(f"{row['prompt'][0]['content']:<22} -> {text:<6} {'ok ' if ok else 'bad'}  log p = {logprob:7.3f}")
     tokens = sum(len(c.token_ids) for [c] in results)
-    print(f"\n{correct}/{n} correct at temperature 1.0; {tokens} tokens in {elapsed:.2f}s ({tokens / elapsed:.0f} tok/s, {n} concurrent requests)")
-    print(f"server: {metrics.kv_capacity_tokens} KV tokens, {metrics.running} running, {metrics.preemptions} preemptions")
+    print(
+        f"\n{correct}/{n} correct at temperature 1.0; {tokens} tokens in {elapsed:.2f}s ({tokens / elapsed:.0f} tok/s, {n} concurrent requests)"
+    )
+    print(
+        f"server: {metrics.kv_capacity_tokens} KV tokens, {metrics.running} running, {metrics.preemptions} preemptions"
+    )
 
 
 def main() -> None:

@@ -35,7 +35,9 @@ def main() -> None:
 
     print(f"rewards          {rewards.tolist()}")
     print(f"loss             {loss.item():+.6f}")
-    print(f"acceptance rate  {diagnostics['acceptance_rate'].item():.3f}  (sequence KL {[round(x, 5) for x in diagnostics['sequence_kl'].tolist()]})")
+    print(
+        f"acceptance rate  {diagnostics['acceptance_rate'].item():.3f}  (sequence KL {[round(x, 5) for x in diagnostics['sequence_kl'].tolist()]})"
+    )
     print(f"retained tokens  {diagnostics['retained_tokens'].tolist()} of {diagnostics['policy_tokens'].tolist()}")
     print(f"P(action 0)      {before:.4f} -> {after:.4f}")
 

@@ -16,16 +16,27 @@ from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
 
 def environment():
     """The verifiers environment: the taskset by its plugin id, one agent with tandem's harness, run locally."""
-    return vf.load_environment(vf.SingleAgentEnvConfig(
-        taskset={"id": "arithmetic_taskset"},
-        agent=vf.AgentConfig(harness={"id": "tandem_harness"}, runtime=vf.SubprocessConfig(),
-                             max_turns=3)))
+    return vf.load_environment(
+        vf.SingleAgentEnvConfig(
+            taskset={"id": "arithmetic_taskset"},
+            agent=vf.AgentConfig(harness={"id": "tandem_harness"}, runtime=vf.SubprocessConfig(), max_turns=3),
+        )
+    )
 
 
 def config(**overrides) -> AsyncGRPOConfig:
-    values = dict(output_dir="runs/verifiers_arithmetic", max_steps=100, learning_rate=2e-4, num_generations=8,
-                  max_completion_length=32, max_staleness=2, token_budget=1024, gradient_checkpointing=False,
-                  save_steps=1000, logging_steps=1)
+    values = dict(
+        output_dir="runs/verifiers_arithmetic",
+        max_steps=100,
+        learning_rate=2e-4,
+        num_generations=8,
+        max_completion_length=32,
+        max_staleness=2,
+        token_budget=1024,
+        gradient_checkpointing=False,
+        save_steps=1000,
+        logging_steps=1,
+    )
     return AsyncGRPOConfig(**{**values, **overrides})
 
 
@@ -33,5 +44,7 @@ if __name__ == "__main__":
     trainer = AsyncGRPOTrainer(model="tiny", args=config(), train_dataset=environment())
     output = trainer.train()
     head, tail = trainer.reward_history[:20], trainer.reward_history[-20:]
-    print(f"\ntrained {output.global_step} steps; mean reward, first {len(head)} steps: {sum(head) / len(head):.3f}   "
-          f"last {len(tail)} steps: {sum(tail) / len(tail):.3f}")
+    print(
+        f"\ntrained {output.global_step} steps; mean reward, first {len(head)} steps: {sum(head) / len(head):.3f}   "
+        f"last {len(tail)} steps: {sum(tail) / len(tail):.3f}"
+    )

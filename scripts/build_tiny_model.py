@@ -37,9 +37,9 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config,
 from transformers.utils import get_json_schema
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from tandem.chat.tool_calls import parse_reply
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
 from tandem.tasks.tools import calculator
-from tandem.chat.tool_calls import parse_reply
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -82,37 +82,195 @@ CHAT_TEMPLATE = """\
 # Synthetic tools: many verbs, nouns and parameter names, so the model learns to copy the listed tool's
 # name and parameters rather than memorise a few.
 VERBS = (
-    "increment", "decrement", "add", "subtract", "multiply", "move", "shift", "set", "step", "push", "scale",
-    "rotate", "jump", "advance", "raise", "lower", "boost", "reduce", "grow", "shrink", "bump", "skip", "roll",
-    "turn", "fill", "drain", "charge", "spend", "deposit", "withdraw", "store", "load", "send", "mark", "tick",
-    "press", "feed", "pay", "buy", "sell", "score", "rate", "track", "record", "update", "adjust", "nudge",
-    "extend", "trim", "repeat", "place", "drop", "lift", "slide", "zoom", "seek", "wait", "tune", "heat", "cool",
-    "count", "offset", "pick", "book", "order", "reserve", "print", "play",
+    "increment",
+    "decrement",
+    "add",
+    "subtract",
+    "multiply",
+    "move",
+    "shift",
+    "set",
+    "step",
+    "push",
+    "scale",
+    "rotate",
+    "jump",
+    "advance",
+    "raise",
+    "lower",
+    "boost",
+    "reduce",
+    "grow",
+    "shrink",
+    "bump",
+    "skip",
+    "roll",
+    "turn",
+    "fill",
+    "drain",
+    "charge",
+    "spend",
+    "deposit",
+    "withdraw",
+    "store",
+    "load",
+    "send",
+    "mark",
+    "tick",
+    "press",
+    "feed",
+    "pay",
+    "buy",
+    "sell",
+    "score",
+    "rate",
+    "track",
+    "record",
+    "update",
+    "adjust",
+    "nudge",
+    "extend",
+    "trim",
+    "repeat",
+    "place",
+    "drop",
+    "lift",
+    "slide",
+    "zoom",
+    "seek",
+    "wait",
+    "tune",
+    "heat",
+    "cool",
+    "count",
+    "offset",
+    "pick",
+    "book",
+    "order",
+    "reserve",
+    "print",
+    "play",
 )
 NOUNS = (
-    "counter", "value", "score", "total", "position", "level", "volume", "speed", "balance", "stack", "index",
-    "cursor", "timer", "clock", "page", "row", "column", "temperature", "budget", "points", "items", "health",
-    "energy", "coins", "size", "width", "height", "depth", "angle", "count", "queue", "buffer", "tally", "meter",
-    "gauge", "dial", "slider", "account", "inventory", "stock",
+    "counter",
+    "value",
+    "score",
+    "total",
+    "position",
+    "level",
+    "volume",
+    "speed",
+    "balance",
+    "stack",
+    "index",
+    "cursor",
+    "timer",
+    "clock",
+    "page",
+    "row",
+    "column",
+    "temperature",
+    "budget",
+    "points",
+    "items",
+    "health",
+    "energy",
+    "coins",
+    "size",
+    "width",
+    "height",
+    "depth",
+    "angle",
+    "count",
+    "queue",
+    "buffer",
+    "tally",
+    "meter",
+    "gauge",
+    "dial",
+    "slider",
+    "account",
+    "inventory",
+    "stock",
 )
 PARAMS = (
-    "step", "amount", "value", "n", "x", "y", "a", "b", "delta", "count", "k", "size", "offset", "level", "number",
-    "times", "units", "points", "index", "target", "by", "num", "qty", "distance", "degrees", "seconds", "first",
-    "second", "left", "right", "lhs", "rhs", "start", "end", "factor", "i", "j",
+    "step",
+    "amount",
+    "value",
+    "n",
+    "x",
+    "y",
+    "a",
+    "b",
+    "delta",
+    "count",
+    "k",
+    "size",
+    "offset",
+    "level",
+    "number",
+    "times",
+    "units",
+    "points",
+    "index",
+    "target",
+    "by",
+    "num",
+    "qty",
+    "distance",
+    "degrees",
+    "seconds",
+    "first",
+    "second",
+    "left",
+    "right",
+    "lhs",
+    "rhs",
+    "start",
+    "end",
+    "factor",
+    "i",
+    "j",
 )
 NAME_FORMS = ("{verb}", "{verb}", "{verb}_{noun}", "{verb}_by", "{verb}_to", "{verb}_{noun}_by")
-SUMMARIES = ("{Verb} the {noun}.", "{Verb} the internal {noun}.", "{Verb} the {noun} by some amount.",
-             "Change the {noun}.", "{Verb} a value.")
-PARAM_DOCS = ("Value to add to the {noun}.", "How much to {verb} the {noun} by.", "The amount.", "The new {noun}.",
-              "A whole number.", "Number of units.", "Operand.")
+SUMMARIES = (
+    "{Verb} the {noun}.",
+    "{Verb} the internal {noun}.",
+    "{Verb} the {noun} by some amount.",
+    "Change the {noun}.",
+    "{Verb} a value.",
+)
+PARAM_DOCS = (
+    "Value to add to the {noun}.",
+    "How much to {verb} the {noun} by.",
+    "The amount.",
+    "The new {noun}.",
+    "A whole number.",
+    "Number of units.",
+    "Operand.",
+)
 RETURNS = ("The updated {noun} value.", "The result.", "The new {noun}.")
 # User requests by number of integer arguments; {0}, {1} are the arguments in parameter order.
 REQUESTS = {
-    1: ("{Verb} the {noun} by {0}.", "{Verb} the {noun} to {0}.", "Please {verb} the {noun} by {0}.", "{Verb} by {0}.",
-        "{Verb} {0}.", "Can you {verb} the {noun} by {0}?", "Call {name} with {0}.", "Use {name} on {0}.",
-        "{Verb} the {noun}: {0}"),
-    2: ("{Verb} {0} and {1}.", "{Verb} the {noun} by {0} and {1}.", "Please {verb} {0} and {1}.",
-        "Call {name} with {0} and {1}.", "{Verb} {0} with {1}.", "Use {name} on {0} and {1}."),
+    1: (
+        "{Verb} the {noun} by {0}.",
+        "{Verb} the {noun} to {0}.",
+        "Please {verb} the {noun} by {0}.",
+        "{Verb} by {0}.",
+        "{Verb} {0}.",
+        "Can you {verb} the {noun} by {0}?",
+        "Call {name} with {0}.",
+        "Use {name} on {0}.",
+        "{Verb} the {noun}: {0}",
+    ),
+    2: (
+        "{Verb} {0} and {1}.",
+        "{Verb} the {noun} by {0} and {1}.",
+        "Please {verb} {0} and {1}.",
+        "Call {name} with {0} and {1}.",
+        "{Verb} {0} with {1}.",
+        "Use {name} on {0} and {1}.",
+    ),
 }
 CALCULATOR_CALL_RATE = 0.5
 """Share of calculator requests answered with a call: the model calls it on part of the problems, so RL can
@@ -134,6 +292,7 @@ class SyntheticTool:
 def integer_function(name: str, params: list[str], docstring: str):
     """A function of integer parameters with the name, signature and Google docstring that `get_json_schema`
     reads, built without exec (only its schema is ever used)."""
+
     def function(*args: int) -> int:
         return sum(args)
 
@@ -147,8 +306,14 @@ def integer_function(name: str, params: list[str], docstring: str):
     return function
 
 
-INCREMENT = get_json_schema(integer_function("increment", ["step"], "Increment the internal counter.\n\nArgs:\n"
-                                             "    step: Value to add to the counter.\n\nReturns:\n    The updated counter value."))
+INCREMENT = get_json_schema(
+    integer_function(
+        "increment",
+        ["step"],
+        "Increment the internal counter.\n\nArgs:\n"
+        "    step: Value to add to the counter.\n\nReturns:\n    The updated counter value.",
+    )
+)
 """The schema of the IncrementEnv example's tool (a bound method's schema leaves `self` out), measured as is."""
 
 
@@ -174,8 +339,11 @@ def assistant(content: str) -> dict:
 
 
 def tool_call(name: str, arguments: dict) -> dict:
-    return {"role": "assistant", "content": "",
-            "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]}
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}],
+    }
 
 
 def expression(problem) -> str:
@@ -192,8 +360,10 @@ def calculator_exchange(rng: random.Random, problem) -> list[dict]:
     result and that result as the answer; or the answer directly."""
     messages = [user(arithmetic.question(problem))]
     if rng.random() < CALCULATOR_CALL_RATE:
-        messages += [tool_call("calculator", {"expression": expression(problem)}),
-                     {"role": "tool", "content": calculator(expression(problem))}]
+        messages += [
+            tool_call("calculator", {"expression": expression(problem)}),
+            {"role": "tool", "content": calculator(expression(problem))},
+        ]
     return messages + [assistant(str(arithmetic.answer(problem)))]
 
 
@@ -229,8 +399,9 @@ def tool_chat(rng: random.Random, problems) -> tuple[list[dict], list[dict]]:
     messages = []
     for _ in range(turns):
         target = rng.choice(listed)
-        messages += (calculator_exchange(rng, rng.choice(problems)) if target is CALCULATOR
-                     else tool_exchange(rng, target))
+        messages += (
+            calculator_exchange(rng, rng.choice(problems)) if target is CALCULATOR else tool_exchange(rng, target)
+        )
     return messages, [t if t is CALCULATOR else t.schema for t in rng.sample(listed, len(listed))]
 
 
@@ -239,8 +410,17 @@ def drill_chat(rng: random.Random, problems) -> list[dict]:
     instead of the template's tools block: a fifth as long, so the copying a call needs (name, parameters,
     integers) is learned cheaply on short chats and then reused under the long block."""
     messages, schemas = tool_chat(rng, problems)
-    tools = [{"name": s["function"]["name"], "parameters": {"properties": {
-        name: {"type": p["type"]} for name, p in s["function"]["parameters"]["properties"].items()}}} for s in schemas]
+    tools = [
+        {
+            "name": s["function"]["name"],
+            "parameters": {
+                "properties": {
+                    name: {"type": p["type"]} for name, p in s["function"]["parameters"]["properties"].items()
+                }
+            },
+        }
+        for s in schemas
+    ]
     return [{"role": "system", "content": "\n".join(json.dumps(t) for t in tools)}] + messages
 
 
@@ -265,13 +445,18 @@ def build_tokenizer(rng: random.Random) -> PreTrainedTokenizerFast:
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=SPECIAL_TOKENS + TOOL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=512,
+        special_tokens=SPECIAL_TOKENS + TOOL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(training_texts(rng, 4000), trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"], model_max_length=1024,
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+        model_max_length=1024,
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
@@ -279,17 +464,28 @@ def build_tokenizer(rng: random.Random) -> PreTrainedTokenizerFast:
 
 def build_model(tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=192, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024,
-        tie_word_embeddings=True, rope_theta=10000.0,
-        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=192,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     return Qwen2ForCausalLM(config)
 
 
 def render(tokenizer, messages, tools=None, *, add_generation_prompt=False) -> list[int]:
-    return list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                              tokenize=True, return_dict=False))
+    return list(
+        tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+        )
+    )
 
 
 def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[bool]]:
@@ -306,8 +502,13 @@ def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
     return ids, generated
 
 
-def batches(tokenizer, chats: list[tuple[list[int], list[bool]]], prompt_weight: float, weight: float = 1.0,
-            max_tokens: int = 4096):
+def batches(
+    tokenizer,
+    chats: list[tuple[list[int], list[bool]]],
+    prompt_weight: float,
+    weight: float = 1.0,
+    max_tokens: int = 4096,
+):
     """(input_ids, per-token loss weights) in parts of at most `max_tokens` padded tokens, chats of similar
     length together so little is padding. The weights make the chats' loss `weight` times the mean over their
     assistant tokens plus `prompt_weight` times the mean over their other tokens; padding weighs nothing."""
@@ -327,7 +528,8 @@ def batches(tokenizer, chats: list[tuple[list[int], list[bool]]], prompt_weight:
         for row, (ids, generated) in enumerate(part):
             input_ids[row, : len(ids)] = torch.tensor(ids)
             weights[row, : len(ids)] = torch.tensor(
-                [weight / assistant_tokens if g else weight * prompt_weight / other_tokens for g in generated])
+                [weight / assistant_tokens if g else weight * prompt_weight / other_tokens for g in generated]
+            )
         out.append((input_ids, weights))
     return out
 
@@ -370,8 +572,15 @@ def sample(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> l
     input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     out = model.generate(
-        input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-        max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )
     model.train()
     texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=False)
@@ -394,8 +603,12 @@ def fraction(flags) -> float:
 
 def pass_rate(model, tokenizer, problems) -> float:
     """Fraction of problems, asked without tools, answered correctly."""
-    texts = sample(model, tokenizer, [render(tokenizer, [user(arithmetic.question(p))], add_generation_prompt=True)
-                                      for p in problems], 8)
+    texts = sample(
+        model,
+        tokenizer,
+        [render(tokenizer, [user(arithmetic.question(p))], add_generation_prompt=True) for p in problems],
+        8,
+    )
     return fraction(arithmetic.is_correct(t, str(arithmetic.answer(p))) for t, p in zip(texts, problems))
 
 
@@ -404,26 +617,44 @@ def calculator_rates(model, tokenizer, problems) -> tuple[float, float]:
     how often the answer after a correct call and the tool's response is right."""
     asks = [[user(arithmetic.question(p))] for p in problems]
     texts = sample(model, tokenizer, [render(tokenizer, m, [CALCULATOR], add_generation_prompt=True) for m in asks], 40)
-    calls = [the_call(t) == {"name": "calculator", "arguments": {"expression": expression(p)}}
-             for t, p in zip(texts, problems)]
-    used = [m + [tool_call("calculator", {"expression": expression(p)}), {"role": "tool", "content": calculator(expression(p))}]
-            for m, p in zip(asks, problems)]
-    answers = sample(model, tokenizer, [render(tokenizer, m, [CALCULATOR], add_generation_prompt=True) for m in used], 8)
-    return fraction(calls), fraction(arithmetic.is_correct(t, str(arithmetic.answer(p))) for t, p in zip(answers, problems))
+    calls = [
+        the_call(t) == {"name": "calculator", "arguments": {"expression": expression(p)}}
+        for t, p in zip(texts, problems)
+    ]
+    used = [
+        m
+        + [
+            tool_call("calculator", {"expression": expression(p)}),
+            {"role": "tool", "content": calculator(expression(p))},
+        ]
+        for m, p in zip(asks, problems)
+    ]
+    answers = sample(
+        model, tokenizer, [render(tokenizer, m, [CALCULATOR], add_generation_prompt=True) for m in used], 8
+    )
+    return fraction(calls), fraction(
+        arithmetic.is_correct(t, str(arithmetic.answer(p))) for t, p in zip(answers, problems)
+    )
 
 
 def call_rate(model, tokenizer, requests: list[tuple[str, list[dict], dict]]) -> float:
     """How often the first reply to (message, tools, expected call) is exactly the expected call."""
-    texts = sample(model, tokenizer, [render(tokenizer, [user(m)], tools, add_generation_prompt=True)
-                                      for m, tools, _ in requests], 48)
+    texts = sample(
+        model,
+        tokenizer,
+        [render(tokenizer, [user(m)], tools, add_generation_prompt=True) for m, tools, _ in requests],
+        48,
+    )
     return fraction(the_call(t) == call for t, (_, _, call) in zip(texts, requests))
 
 
 def measure(model, tokenizer, problems) -> dict[str, float]:
     """The rates phase 2 checks, sampled at temperature 1.0 on held-out problems."""
     calculator_call, calculator_answer = calculator_rates(model, tokenizer, problems[:100])
-    increment = [(f"Increment the counter by {n}.", [INCREMENT], {"name": "increment", "arguments": {"step": n}})
-                 for n in random.Random(3).choices(range(1, 10), k=100)]
+    increment = [
+        (f"Increment the counter by {n}.", [INCREMENT], {"name": "increment", "arguments": {"step": n}})
+        for n in random.Random(3).choices(range(1, 10), k=100)
+    ]
     return {
         "pass": pass_rate(model, tokenizer, problems),
         "calculator_call": calculator_call,
@@ -438,18 +669,27 @@ def train(model, tokenizer, *, lr: float, max_steps: int, step_chats, measure_ra
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     start, rates = time.time(), {}
     for step in range(1, max_steps + 1):
-        parts = [part for chats, prompt_weight, weight in step_chats(rates)
-                 for part in batches(tokenizer, chats, prompt_weight, weight)]
+        parts = [
+            part
+            for chats, prompt_weight, weight in step_chats(rates)
+            for part in batches(tokenizer, chats, prompt_weight, weight)
+        ]
         loss = train_step(model, optimizer, parts)
         if step % 50 == 0:
             rates = measure_rates()
-            print(f"{phase} step {step:5d}  loss {loss:.3f}  " + "  ".join(f"{k} {v:.2f}" for k, v in rates.items())
-                  + f"  ({time.time() - start:.0f}s)", flush=True)
+            print(
+                f"{phase} step {step:5d}  loss {loss:.3f}  "
+                + "  ".join(f"{k} {v:.2f}" for k, v in rates.items())
+                + f"  ({time.time() - start:.0f}s)",
+                flush=True,
+            )
             if all(low <= rates[k] <= high for k, (low, high) in bands.items()):
                 return rates
             if rates["pass"] > bands["pass"][1]:
-                raise SystemExit(f"{phase}: pass rate {rates['pass']:.3f} overshot {bands['pass'][1]} before the other "
-                                 f"rates reached their bands {bands}: lower the learning rate or the arithmetic share")
+                raise SystemExit(
+                    f"{phase}: pass rate {rates['pass']:.3f} overshot {bands['pass'][1]} before the other "
+                    f"rates reached their bands {bands}: lower the learning rate or the arithmetic share"
+                )
     raise SystemExit(f"{phase}: rates {rates} never all reached their bands {bands} in {max_steps} steps")
 
 
@@ -459,16 +699,30 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-pass", type=float, default=0.35)
     parser.add_argument("--max-pass", type=float, default=0.55)
-    parser.add_argument("--arithmetic-pass", type=float, default=0.05,
-                        help="phase 1 stops at this pass rate: the tool chats' direct answers raise it further")
-    parser.add_argument("--arithmetic-model", help="a folder holding phase 1's model: read when it exists, written "
-                        "when it does not (retrying phase 2 then skips phase 1)")
+    parser.add_argument(
+        "--arithmetic-pass",
+        type=float,
+        default=0.05,
+        help="phase 1 stops at this pass rate: the tool chats' direct answers raise it further",
+    )
+    parser.add_argument(
+        "--arithmetic-model",
+        help="a folder holding phase 1's model: read when it exists, written "
+        "when it does not (retrying phase 2 then skips phase 1)",
+    )
     parser.add_argument("--tool-lr", type=float, default=2e-3, help="learning rate of phase 2")
     parser.add_argument("--tool-batch", type=int, default=16, help="chats offering tools per phase-2 step")
     parser.add_argument("--drill-batch", type=int, default=32, help="drill chats per phase-2 step")
     parser.add_argument("--arithmetic-batch", type=int, default=128, help="arithmetic chats per phase-2 step")
-    parser.add_argument("--arithmetic-weight", type=float, default=0.1, help="their weight against a kind of tool chats once the pass rate is in its band (1 below it)")
-    parser.add_argument("--prompt-weight", type=float, default=0.3, help="weight of the tool chats' tokens the assistant does not write")
+    parser.add_argument(
+        "--arithmetic-weight",
+        type=float,
+        default=0.1,
+        help="their weight against a kind of tool chats once the pass rate is in its band (1 below it)",
+    )
+    parser.add_argument(
+        "--prompt-weight", type=float, default=0.3, help="weight of the tool chats' tokens the assistant does not write"
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(2)
@@ -488,22 +742,52 @@ def main() -> None:
     else:
         tokenizer = build_tokenizer(rng)
         model = build_model(tokenizer)
-        print(f"tokenizer: {len(tokenizer)} tokens; model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
-        train(model, tokenizer, lr=2e-3, max_steps=6000, phase="arithmetic", bands={"pass": (args.arithmetic_pass, args.max_pass)},
-              step_chats=lambda rates: [(arithmetic_chats(128), 0.0, 1.0)],
-              measure_rates=lambda: {"pass": pass_rate(model, tokenizer, eval_problems)})
+        print(
+            f"tokenizer: {len(tokenizer)} tokens; model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters"
+        )
+        train(
+            model,
+            tokenizer,
+            lr=2e-3,
+            max_steps=6000,
+            phase="arithmetic",
+            bands={"pass": (args.arithmetic_pass, args.max_pass)},
+            step_chats=lambda rates: [(arithmetic_chats(128), 0.0, 1.0)],
+            measure_rates=lambda: {"pass": pass_rate(model, tokenizer, eval_problems)},
+        )
         if cached:
             save(model, tokenizer, cached)
     rates = train(
-        model, tokenizer, lr=args.tool_lr, max_steps=3000, phase="tools",
-        bands={"pass": (args.min_pass, args.max_pass), "calculator_call": (0.2, 0.6), "calculator_answer": (0.8, 1.0),
-               "increment_call": (0.3, 0.95)},
+        model,
+        tokenizer,
+        lr=args.tool_lr,
+        max_steps=3000,
+        phase="tools",
+        bands={
+            "pass": (args.min_pass, args.max_pass),
+            "calculator_call": (0.2, 0.6),
+            "calculator_answer": (0.8, 1.0),
+            "increment_call": (0.3, 0.95),
+        },
         step_chats=lambda rates: [
-            ([encode_chat(tokenizer, *tool_chat(rng, train_set)) for _ in range(args.tool_batch)], args.prompt_weight, 1.0),
-            ([encode_chat(tokenizer, drill_chat(rng, train_set)) for _ in range(args.drill_batch)], args.prompt_weight, 1.0),
-            (arithmetic_chats(args.arithmetic_batch), 0.0,
-             1.0 if rates.get("pass", 0.0) < args.min_pass else args.arithmetic_weight)],
-        measure_rates=lambda: measure(model, tokenizer, eval_problems))
+            (
+                [encode_chat(tokenizer, *tool_chat(rng, train_set)) for _ in range(args.tool_batch)],
+                args.prompt_weight,
+                1.0,
+            ),
+            (
+                [encode_chat(tokenizer, drill_chat(rng, train_set)) for _ in range(args.drill_batch)],
+                args.prompt_weight,
+                1.0,
+            ),
+            (
+                arithmetic_chats(args.arithmetic_batch),
+                0.0,
+                1.0 if rates.get("pass", 0.0) < args.min_pass else args.arithmetic_weight,
+            ),
+        ],
+        measure_rates=lambda: measure(model, tokenizer, eval_problems),
+    )
     save(model, tokenizer, Path(args.out))
     print(f"saved to {args.out}: " + ", ".join(f"{k} {v:.3f}" for k, v in rates.items()))
 
@@ -513,7 +797,9 @@ def save(model, tokenizer, out: Path) -> None:
     model.config.dtype = torch.float32
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    GenerationConfig(eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id], pad_token_id=tokenizer.pad_token_id).save_pretrained(out)
+    GenerationConfig(
+        eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id], pad_token_id=tokenizer.pad_token_id
+    ).save_pretrained(out)
 
 
 if __name__ == "__main__":

@@ -21,12 +21,50 @@ CITATIONS = [
     (re.compile(r"(?<![a-z])design[ _]notes(?![a-z])", re.I), "a design document's notes"),
     (re.compile(r"(?<![\w./-])reference/\w"), "a reference/ folder"),
 ]
-FOREIGN = {"ARABIC", "ARMENIAN", "BENGALI", "CJK", "CYRILLIC", "DEVANAGARI", "ETHIOPIC", "GEORGIAN", "GUJARATI",
-           "GURMUKHI", "HALFWIDTH", "HANGUL", "HEBREW", "HIRAGANA", "KANNADA", "KATAKANA", "KATAKANA-HIRAGANA", "KHMER",
-           "LAO", "MALAYALAM", "MYANMAR", "SINHALA", "TAMIL", "TELUGU", "THAI", "TIBETAN"}
+FOREIGN = {
+    "ARABIC",
+    "ARMENIAN",
+    "BENGALI",
+    "CJK",
+    "CYRILLIC",
+    "DEVANAGARI",
+    "ETHIOPIC",
+    "GEORGIAN",
+    "GUJARATI",
+    "GURMUKHI",
+    "HALFWIDTH",
+    "HANGUL",
+    "HEBREW",
+    "HIRAGANA",
+    "KANNADA",
+    "KATAKANA",
+    "KATAKANA-HIRAGANA",
+    "KHMER",
+    "LAO",
+    "MALAYALAM",
+    "MYANMAR",
+    "SINHALA",
+    "TAMIL",
+    "TELUGU",
+    "THAI",
+    "TIBETAN",
+}
 """Writing systems of other languages, by the first word of their letters' Unicode names."""
-TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".sh", ".txt", ".cfg", ".json", ".jsonl", ".jinja", ".html",
-                 ""}
+TEXT_SUFFIXES = {
+    ".py",
+    ".md",
+    ".yaml",
+    ".yml",
+    ".toml",
+    ".sh",
+    ".txt",
+    ".cfg",
+    ".json",
+    ".jsonl",
+    ".jinja",
+    ".html",
+    "",
+}
 
 
 def script(char: str) -> str | None:
@@ -50,8 +88,11 @@ def findings(path: str, text: str) -> list[str]:
 
 def tracked_files() -> list[str]:
     listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return [p for p in listed.splitlines()
-            if Path(p).suffix in TEXT_SUFFIXES and (ROOT / p).is_file() and not (ROOT / p).is_symlink()]
+    return [
+        p
+        for p in listed.splitlines()
+        if Path(p).suffix in TEXT_SUFFIXES and (ROOT / p).is_file() and not (ROOT / p).is_symlink()
+    ]
 
 
 def main() -> int:

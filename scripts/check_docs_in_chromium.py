@@ -44,8 +44,11 @@ def check_page(binary: str, profile: str, url: str, page: str, least: int) -> li
     if not found:
         return [f"{page}: the probe did not run (the page did not finish loading)"]
     images = json.loads(html.unescape(found[1]))
-    problems = [f"{page}: image {alt or '(no alt)'} did not show ({nw}x{nh}, laid out {w}x{h})"
-                for alt, nw, nh, w, h in images if not (nw > 0 and nh > 0 and w > 50 and h > 30)]
+    problems = [
+        f"{page}: image {alt or '(no alt)'} did not show ({nw}x{nh}, laid out {w}x{h})"
+        for alt, nw, nh, w, h in images
+        if not (nw > 0 and nh > 0 and w > 50 and h > 30)
+    ]
     if len(images) < least:
         problems.append(f"{page}: {len(images)} images, expected at least {least}")
     if page.endswith("metrics.html") and dom.count("<tr") < 50:
@@ -79,8 +82,11 @@ def main() -> None:
             path.write_text(path.read_text().replace("</body>", PROBE + "</body>"))
         server, url = serve(site)
         try:
-            problems = [p for page, least in PAGES.items()
-                        for p in check_page(args.chromium, f"{tmp}/profile", url, page, least)]
+            problems = [
+                p
+                for page, least in PAGES.items()
+                for p in check_page(args.chromium, f"{tmp}/profile", url, page, least)
+            ]
             problems += check_search(args.chromium, f"{tmp}/profile", url)
         finally:
             server.shutdown()

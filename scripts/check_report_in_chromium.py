@@ -28,13 +28,23 @@ window.addEventListener("load", () => {
   document.body.appendChild(out);
 });
 </script>"""
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
-         "--disable-background-networking", "--disable-component-update", "--virtual-time-budget=10000"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-sync",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--virtual-time-budget=10000",
+]
 
 
 def chromium(binary: str, profile: str, *args: str) -> str:
-    done = subprocess.run([binary, *FLAGS, f"--user-data-dir={profile}", *args], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [binary, *FLAGS, f"--user-data-dir={profile}", *args], capture_output=True, text=True, timeout=120
+    )
     if done.returncode != 0:
         sys.exit(f"chromium failed ({done.returncode}): {done.stderr[-2000:]}")
     return done.stdout
@@ -56,13 +66,22 @@ def main() -> None:
         probed.write_text(page.read_text().replace("</html>", PROBE + "</html>"))
         dom = chromium(args.chromium, f"{tmp}/profile", "--dump-dom", probed.as_uri())
         if args.screenshot:
-            chromium(args.chromium, f"{tmp}/profile", f"--screenshot={args.screenshot.resolve()}",
-                     "--window-size=1100,800", page.resolve().as_uri())
+            chromium(
+                args.chromium,
+                f"{tmp}/profile",
+                f"--screenshot={args.screenshot.resolve()}",
+                "--window-size=1100,800",
+                page.resolve().as_uri(),
+            )
     found = re.search(r'<pre id="tandem-probe">(.*?)</pre>', dom, re.DOTALL)
     if not found:
         sys.exit("the page's probe did not run: Chromium did not finish loading the report")
     images = json.loads(html.unescape(found[1]))
-    broken = [alt for alt, natural_w, natural_h, w, h in images if not (natural_w > 0 and natural_h > 0 and w > 100 and h > 50)]
+    broken = [
+        alt
+        for alt, natural_w, natural_h, w, h in images
+        if not (natural_w > 0 and natural_h > 0 and w > 100 and h > 50)
+    ]
     for alt, natural_w, natural_h, w, h in images:
         print(f"  {alt}: {natural_w}x{natural_h} px, shown at {w}x{h}")
     if not images or broken:

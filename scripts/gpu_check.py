@@ -25,8 +25,9 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 sys.path.insert(0, str(SRC))  # tandem from this checkout, installed or not
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))  # and its servers'
 
-import tandem.trainer  # noqa: E402,F401 - before torch: its OpenMP threads wait passively (the server runs beside)
 import torch  # noqa: E402
+
+import tandem.trainer  # noqa: E402,F401 - before torch: its OpenMP threads wait passively (the server runs beside)
 
 NEEDS = {
     "tandem serve (bf16)": ["transformers", "aiohttp", "pydantic", "safetensors"],
@@ -46,8 +47,23 @@ def check_serve(device: str) -> bool:
 
     port = free_port("127.0.0.1")
     with tempfile.TemporaryFile() as log:
-        server = subprocess.Popen([sys.executable, "-m", "tandem", "serve", "tiny", "--port", str(port), "--device", device,
-                                   "--dtype", "bfloat16"], stdout=log, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tandem",
+                "serve",
+                "tiny",
+                "--port",
+                str(port),
+                "--device",
+                device,
+                "--dtype",
+                "bfloat16",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             url, end = f"http://127.0.0.1:{port}", time.monotonic() + 120
             while time.monotonic() < end:
@@ -56,16 +72,22 @@ def check_serve(device: str) -> bool:
                     break
                 except OSError:
                     time.sleep(0.5)
-            body = json.dumps({"prompt": [1, 40, 41, 42], "max_tokens": 64, "n": 16, "ignore_eos": True, "seed": 0,
-                               "logprobs": 0}).encode()
+            body = json.dumps(
+                {"prompt": [1, 40, 41, 42], "max_tokens": 64, "n": 16, "ignore_eos": True, "seed": 0, "logprobs": 0}
+            ).encode()
             start = time.perf_counter()
-            request = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+            request = urllib.request.Request(
+                url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+            )
             answer = json.loads(urllib.request.urlopen(request, timeout=120).read())
             seconds = time.perf_counter() - start
             tokens = answer["usage"]["completion_tokens"]
             dtype = json.loads(urllib.request.urlopen(url + "/server_info?config_format=json").read())["vllm_config"]
-            line("tandem serve (bf16)", f"ok: {tokens} tokens in {seconds:.2f}s ({tokens / seconds:.0f} tok/s), "
-                                        f"dtype {dtype['model_config']['dtype']} on {dtype['device_config']['device']}")
+            line(
+                "tandem serve (bf16)",
+                f"ok: {tokens} tokens in {seconds:.2f}s ({tokens / seconds:.0f} tok/s), "
+                f"dtype {dtype['model_config']['dtype']} on {dtype['device_config']['device']}",
+            )
             return True
         except Exception as exc:  # noqa: BLE001 - reported as the check's verdict
             log.seek(0)
@@ -80,9 +102,9 @@ def check_flex(device: str) -> bool:
     """A packed row of three samples (two sharing a prompt) through the flex kernel against each one alone."""
     from transformers import AutoModelForCausalLM
 
+    from tandem.contract.records import Sample
     from tandem.packing import pack, tree_attention
     from tandem.packing.logprobs import row_logprobs
-    from tandem.contract.records import Sample
     from tandem.tasks import TINY_MODEL_PATH
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -91,10 +113,24 @@ def check_flex(device: str) -> bool:
     prompt = torch.randint(3, 380, (40,), generator=generator).tolist()
     seqs = [prompt + torch.randint(3, 380, (n,), generator=generator).tolist() for n in (12, 20)]
     seqs.append(torch.randint(3, 380, (30,), generator=generator).tolist())
-    samples = [Sample(input_ids=s, trained=[False] * (len(s) - 10) + [True] * 10, behavior_log_probs=[0.0] * len(s), advantage=1.0,
-                      model_version=0, group_id=i, position=i, group_samples=1, rollout_id=str(i), created_at=0.0)
-               for i, s in enumerate(seqs)]
-    reference = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    samples = [
+        Sample(
+            input_ids=s,
+            trained=[False] * (len(s) - 10) + [True] * 10,
+            behavior_log_probs=[0.0] * len(s),
+            advantage=1.0,
+            model_version=0,
+            group_id=i,
+            position=i,
+            group_samples=1,
+            rollout_id=str(i),
+            created_at=0.0,
+        )
+        for i, s in enumerate(seqs)
+    ]
+    reference = (
+        AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    )
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=dtype).to(device).eval()
     tree_attention.prepare(model)
     with torch.no_grad():
@@ -105,8 +141,11 @@ def check_flex(device: str) -> bool:
             expected += [logits[j - 1, s.input_ids[j]].item() for j in range(1, len(s.input_ids)) if s.trained[j]]
     gap = (got - torch.tensor(expected)).abs().max().item()
     verdict = "ok" if gap <= tolerance else "FAIL"
-    line("flex kernel: packed = unpacked", f"{verdict}: max |log-prob gap| {gap:.2e} over {len(expected)} tokens "
-                                           f"({str(dtype).removeprefix('torch.')}, allowed {tolerance:g})")
+    line(
+        "flex kernel: packed = unpacked",
+        f"{verdict}: max |log-prob gap| {gap:.2e} over {len(expected)} tokens "
+        f"({str(dtype).removeprefix('torch.')}, allowed {tolerance:g})",
+    )
     return gap <= tolerance
 
 
@@ -119,21 +158,37 @@ def check_training(device: str) -> bool:
     from tandem.tasks import arithmetic
 
     with tempfile.TemporaryDirectory() as out:
-        args = AsyncGRPOConfig(output_dir=out, max_steps=10, max_staleness=0, learning_rate=2e-4, num_generations=8,
-                               max_completion_length=8, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                               use_cpu=device == "cpu")
-        trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=args,
-                                   train_dataset=Dataset.from_list(arithmetic.make_rows(128)))
+        args = AsyncGRPOConfig(
+            output_dir=out,
+            max_steps=10,
+            max_staleness=0,
+            learning_rate=2e-4,
+            num_generations=8,
+            max_completion_length=8,
+            logging_steps=1,
+            save_strategy="no",
+            disable_tqdm=True,
+            use_cpu=device == "cpu",
+        )
+        trainer = AsyncGRPOTrainer(
+            "tiny", accuracy_reward, args=args, train_dataset=Dataset.from_list(arithmetic.make_rows(128))
+        )
         trainer.train()
         rows = [json.loads(r) for r in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    ratios = [r["sampling/importance_sampling_ratio/mean"] for r in rows if "sampling/importance_sampling_ratio/mean" in r]
+    ratios = [
+        r["sampling/importance_sampling_ratio/mean"] for r in rows if "sampling/importance_sampling_ratio/mean" in r
+    ]
     mfu = [r["perf/fwd_bwd_mfu"] for r in rows if "perf/fwd_bwd_mfu" in r]
     worst = max(abs(r - 1) for r in ratios)
     tolerance = 1e-2 if device == "cuda" else 1e-4  # bf16 on both sides against fp32
     verdict = "ok" if len(ratios) == 10 and worst <= tolerance else "FAIL"
-    line("training at staleness 0", f"{verdict}: {len(ratios)} steps, |ratio - 1| <= {worst:.2e} (allowed {tolerance:g}), "
-                                    f"fwd_bwd MFU {sum(mfu) / len(mfu):.3f}" if mfu else
-         f"{verdict}: {len(ratios)} steps, |ratio - 1| <= {worst:.2e} (allowed {tolerance:g}), MFU not measured on {device}")
+    line(
+        "training at staleness 0",
+        f"{verdict}: {len(ratios)} steps, |ratio - 1| <= {worst:.2e} (allowed {tolerance:g}), "
+        f"fwd_bwd MFU {sum(mfu) / len(mfu):.3f}"
+        if mfu
+        else f"{verdict}: {len(ratios)} steps, |ratio - 1| <= {worst:.2e} (allowed {tolerance:g}), MFU not measured on {device}",
+    )
     return verdict == "ok"
 
 
@@ -145,8 +200,11 @@ def main() -> None:
         line("all checks", "skipped: torch sees no CUDA device (rehearse with --device cpu)")
         return
     results = []
-    for name, check in [("tandem serve (bf16)", check_serve), ("flex kernel: packed = unpacked", check_flex),
-                        ("training at staleness 0", check_training)]:
+    for name, check in [
+        ("tandem serve (bf16)", check_serve),
+        ("flex kernel: packed = unpacked", check_flex),
+        ("training at staleness 0", check_training),
+    ]:
         absent = [module for module in NEEDS[name] if importlib.util.find_spec(module) is None]
         if absent:
             line(name, f"skipped: {absent[0]} absent")
@@ -158,7 +216,10 @@ def main() -> None:
             results.append(False)
     try:
         import vllm  # noqa: F401
-        line("NCCL transfer into vllm serve", "not run: this script starts no vllm serve (tests/vllm runs the CPU build)")
+
+        line(
+            "NCCL transfer into vllm serve", "not run: this script starts no vllm serve (tests/vllm runs the CPU build)"
+        )
     except ImportError:
         line("NCCL transfer into vllm serve", "skipped: vllm absent")
     sys.exit(0 if all(results) else 1)

@@ -29,8 +29,9 @@ def train(recipe: str, folder: Path, name: str) -> Path:
     """Run `recipe` from `folder` into runs/NAME there (relative, as its report then names it)."""
     folder.mkdir(parents=True, exist_ok=True)
     recipe = recipe if recipe == "demo" else str(ROOT / recipe)
-    subprocess.run([sys.executable, "-m", "tandem", "train", recipe, "--output_dir", f"runs/{name}"], cwd=folder,
-                   check=True)
+    subprocess.run(
+        [sys.executable, "-m", "tandem", "train", recipe, "--output_dir", f"runs/{name}"], cwd=folder, check=True
+    )
     return folder / "runs" / name
 
 
@@ -42,7 +43,7 @@ def rewards(run_dir: Path) -> list[tuple[int, float]]:
 def reward_curve(run_dir: Path, title: str, path: Path) -> None:
     """Each step's mean reward and its 20-step running mean."""
     steps, values = zip(*rewards(run_dir))
-    window = [sum(values[max(0, i - 19):i + 1]) / len(values[max(0, i - 19):i + 1]) for i in range(len(values))]
+    window = [sum(values[max(0, i - 19) : i + 1]) / len(values[max(0, i - 19) : i + 1]) for i in range(len(values))]
     fig, ax = plt.subplots(figsize=(7, 3.2), dpi=120)
     ax.plot(steps, values, color="#9ab", linewidth=0.8, label="each step")
     ax.plot(steps, window, color="#136", linewidth=2, label="mean of the last 20 steps")
@@ -55,8 +56,11 @@ def reward_curve(run_dir: Path, title: str, path: Path) -> None:
 
 
 def box(ax, x, y, w, h, title, lines, color):
-    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02,rounding_size=0.03", facecolor=color,
-                                edgecolor="#234", linewidth=1.2))
+    ax.add_patch(
+        FancyBboxPatch(
+            (x, y), w, h, boxstyle="round,pad=0.02,rounding_size=0.03", facecolor=color, edgecolor="#234", linewidth=1.2
+        )
+    )
     ax.text(x + w / 2, y + h - 0.06, title, ha="center", va="top", fontsize=11, weight="bold")
     ax.text(x + w / 2, y + h - 0.2, "\n".join(lines), ha="center", va="top", fontsize=8.5, linespacing=1.4)
 
@@ -73,19 +77,59 @@ def architecture(path: Path) -> None:
     ax.set(xlim=(0, 3.6), ylim=(0.2, 1.45))
     ax.axis("off")
     top, height, width = 0.75, 0.62, 0.9
-    box(ax, 0.05, top, width, height, "trainer", ["rank 0, and more under torchrun", "packs samples into rows",
-                                                  "loss, backward, optimizer"], "#dfe9f5")
-    box(ax, 1.35, top, width, height, "rollout worker", ["a process of its own", "tools, environments, rewards",
-                                                         "paced by max_staleness"], "#e6f2e1")
-    box(ax, 2.65, top, width, height, "generation servers", ["tandem serve or vllm serve", "(tandem proxy in front",
-                                                             "of several replicas)"], "#f7ead7")
+    box(
+        ax,
+        0.05,
+        top,
+        width,
+        height,
+        "trainer",
+        ["rank 0, and more under torchrun", "packs samples into rows", "loss, backward, optimizer"],
+        "#dfe9f5",
+    )
+    box(
+        ax,
+        1.35,
+        top,
+        width,
+        height,
+        "rollout worker",
+        ["a process of its own", "tools, environments, rewards", "paced by max_staleness"],
+        "#e6f2e1",
+    )
+    box(
+        ax,
+        2.65,
+        top,
+        width,
+        height,
+        "generation servers",
+        ["tandem serve or vllm serve", "(tandem proxy in front", "of several replicas)"],
+        "#f7ead7",
+    )
     arrow(ax, (1.35, 1.06), (0.95, 1.06), "samples")
     arrow(ax, (2.25, 1.18), (2.65, 1.18), "prompts")
     arrow(ax, (2.65, 0.94), (2.25, 0.94), "completions,\nlog-probs", above=False)
-    ax.add_patch(FancyArrowPatch((0.5, top), (3.1, top), connectionstyle="arc3,rad=0.25", arrowstyle="-|>",
-                                 mutation_scale=14, linewidth=1.3, color="#a33"))
-    ax.text(1.8, 0.3, "new weights every weight_sync_steps: a gloo or NCCL stream, an adapter, or a folder to reload",
-            ha="center", va="top", fontsize=8.5, color="#a33")
+    ax.add_patch(
+        FancyArrowPatch(
+            (0.5, top),
+            (3.1, top),
+            connectionstyle="arc3,rad=0.25",
+            arrowstyle="-|>",
+            mutation_scale=14,
+            linewidth=1.3,
+            color="#a33",
+        )
+    )
+    ax.text(
+        1.8,
+        0.3,
+        "new weights every weight_sync_steps: a gloo or NCCL stream, an adapter, or a folder to reload",
+        ha="center",
+        va="top",
+        fontsize=8.5,
+        color="#a33",
+    )
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -103,8 +147,16 @@ def main() -> None:
         reward_curve(demo, "tandem train demo: the tiny model learns 2-digit arithmetic", IMAGES / "demo_reward.png")
         flash = args.flash_run or train("examples/flash_reinforce/cpu.yaml", Path(tmp), "flash_reinforce")
         reward_curve(flash, "FlashREINFORCE: examples/flash_reinforce/cpu.yaml", IMAGES / "flash_reinforce_reward.png")
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "check_report_in_chromium.py"), str(demo),
-                        "--screenshot", str(IMAGES / "report.png")], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "scripts" / "check_report_in_chromium.py"),
+                str(demo),
+                "--screenshot",
+                str(IMAGES / "report.png"),
+            ],
+            check=True,
+        )
     print(f"wrote {', '.join(sorted(p.name for p in IMAGES.glob('*.png')))} in {IMAGES}")
 
 

@@ -11,12 +11,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, Qwen2_5_VLConfig,
-                          Qwen3_5TextConfig)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    Qwen2_5_VLConfig,
+    Qwen3_5TextConfig,
+)
 
-from tandem.kernels import exact_attention
 from tandem.errors import COMMAND_VARIABLE
 from tandem.generation.launcher import EmbeddedServer
+from tandem.kernels import exact_attention
 from tandem.serve.app import SERVER_KEY, ServeArgs, start_server
 from tandem.tasks import TINY_MODEL_PATH, scaled_tiny
 
@@ -44,24 +49,54 @@ def tokenizer():
 def tiny_hybrid() -> torch.nn.Module:
     """A Qwen3.5-style hybrid over the tiny tokenizer's vocabulary: two gated DeltaNet layers, then full attention."""
     torch.manual_seed(0)
-    config = Qwen3_5TextConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                               num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_key_head_dim=8,
-                               linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
-                               layer_types=["linear_attention", "linear_attention", "full_attention"],
-                               max_position_embeddings=1024, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
-                               initializer_range=0.2)
+    config = Qwen3_5TextConfig(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention"],
+        max_position_embeddings=1024,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+    )
     return AutoModelForCausalLM.from_config(config).eval()
 
 
 def tiny_vlm() -> torch.nn.Module:
     """A Qwen2.5-VL-style vision-language model over the tiny tokenizer's vocabulary, with a one-block vision tower."""
     torch.manual_seed(0)
-    text = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, max_position_embeddings=1024, eos_token_id=2, pad_token_id=0,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, fullatt_block_indexes=[0])
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=500, video_token_id=501,
-                              vision_start_token_id=502, vision_end_token_id=503)
+    text = dict(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=1024,
+        eos_token_id=2,
+        pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    )
+    vision = dict(
+        depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, fullatt_block_indexes=[0]
+    )
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=500,
+        video_token_id=501,
+        vision_start_token_id=502,
+        vision_end_token_id=503,
+    )
     return AutoModelForImageTextToText.from_config(config).eval()
 
 
@@ -97,7 +132,9 @@ def vlm_path(tmp_path_factory) -> str:
 def tiny_model():
     """The shipped tiny model in fp32 with the trainer's exact attention, for teacher-forced reference forwards (never
     mutated)."""
-    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32, attn_implementation=exact_attention.NAME)
+    model = AutoModelForCausalLM.from_pretrained(
+        TINY_MODEL_PATH, dtype=torch.float32, attn_implementation=exact_attention.NAME
+    )
     return model.eval()
 
 
@@ -172,8 +209,15 @@ class ServeProcess(HttpCalls):
 @pytest.fixture(scope="session")
 def server():
     """Processed log-probs, scale-out and LoRA on: what the trainer runs against."""
-    s = ServerThread(logprobs_mode="processed_logprobs", enable_scale_out=True, enable_lora=True, max_loras=2,
-                     max_cpu_loras=3, max_num_seqs=64, max_logprobs=20)
+    s = ServerThread(
+        logprobs_mode="processed_logprobs",
+        enable_scale_out=True,
+        enable_lora=True,
+        max_loras=2,
+        max_cpu_loras=3,
+        max_num_seqs=64,
+        max_logprobs=20,
+    )
     yield s
     s.close()
 
@@ -198,11 +242,16 @@ def probe_gap(run: asyncio.Runner, client, served_name: str, model, prompt: list
     `model`'s own log-probs of it."""
     from tandem.runtime import sync_check
 
-    probe = sync_check.SyncProbe(prompt, "float32", SimpleNamespace(weight_sync_check_atol=math.inf, vllm_server_base_url=None))
+    probe = sync_check.SyncProbe(
+        prompt, "float32", SimpleNamespace(weight_sync_check_atol=math.inf, vllm_server_base_url=None)
+    )
     completion, served = run.run(probe.served_logprobs(client, served_name))
     return probe.judge(served_name, served, sync_check.policy_logprobs(model, prompt, completion, "exact"))
 
 
 def chat_prompt(tokenizer, question: str) -> list[int]:
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                              tokenize=True, return_dict=False))
+    return list(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )

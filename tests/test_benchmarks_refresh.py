@@ -39,8 +39,9 @@ outro
 
 def test_replace_table_rewrites_only_its_own_block():
     text = refresh.replace_table(README, "proxy", "| a |\n|---:|\n| 3 |\n", "Measured at commit `new` on 2030-01-01.")
-    assert text == README.replace("| 1 |\n\nMeasured at commit `old` on 2020-01-01.",
-                                  "| 3 |\n\nMeasured at commit `new` on 2030-01-01.", 1)
+    assert text == README.replace(
+        "| 1 |\n\nMeasured at commit `old` on 2020-01-01.", "| 3 |\n\nMeasured at commit `new` on 2030-01-01.", 1
+    )
 
 
 def test_replace_table_refuses_a_missing_or_repeated_block():

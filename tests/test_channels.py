@@ -11,6 +11,7 @@ from tandem.contract.channels import Doorbell
 
 def wait_for_a_wake_up(bell: Doorbell, listening, heard) -> None:
     """A worker's side: wait on the event loop until the bell wakes it (a ring, or its pipe closing), then say so."""
+
     async def main():
         rang = asyncio.Event()
         bell.listen(rang)
@@ -18,6 +19,7 @@ def wait_for_a_wake_up(bell: Doorbell, listening, heard) -> None:
         await asyncio.wait_for(rang.wait(), 30)
         bell.stop_listening()
         heard.set()
+
     asyncio.run(main())
 
 

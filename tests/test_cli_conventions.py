@@ -16,8 +16,9 @@ from tandem.tasks.datasets import BUILT_IN, FORMATS
 
 
 def tandem_command(*argv: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tandem", *argv], capture_output=True, text=True, timeout=300,
-                          **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "tandem", *argv], capture_output=True, text=True, timeout=300, **kwargs
+    )
 
 
 def test_version_names_the_release_and_the_distribution():
@@ -58,9 +59,11 @@ def test_a_warning_on_the_command_line_is_one_line_naming_the_command(tmp_path):
     recipe.write_text("model: tiny\nsave_strategy: no\n")  # YAML reads the bare word as false
     done = tandem_command("train", str(recipe), "--dry-run")
     assert done.returncode == 0, done.stderr
-    assert done.stderr.splitlines() == ["tandem train: warning: recipe: save_strategy: YAML reads the bare word as "
-                                        "False; "
-                                        "taken as 'no' (write save_strategy: \"no\" to say so)"], done.stderr
+    assert done.stderr.splitlines() == [
+        "tandem train: warning: recipe: save_strategy: YAML reads the bare word as "
+        "False; "
+        "taken as 'no' (write save_strategy: \"no\" to say so)"
+    ], done.stderr
 
 
 def test_the_python_api_keeps_its_warnings(tmp_path):
@@ -74,18 +77,24 @@ def test_the_python_api_keeps_its_warnings(tmp_path):
     assert [w.category for w in caught] == [UserWarning]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["doctor", "/nonexistent/run"], "tandem doctor: "),
-    (["report", "/nonexistent/run"], "tandem report: "),
-    (["export", "/nonexistent/run/checkpoint-1"], "tandem export: "),
-    (["train", "/nonexistent/recipe.yaml"], "tandem train: /nonexistent/recipe.yaml: no such recipe file"),
-    (["train", "dmeo"], "tandem train: dmeo: no such recipe file"),
-    (["train", "demo", "--model", "/nonexistent/model"], "tandem train: demo: /nonexistent/model: no such model"),
-    (["train", "demo", "--foo", "--max_steps", "3"], "tandem train: demo: --foo needs a value (it is followed by"),
-    (["serve", "tiny", "--return-sampling-mask"], "tandem serve: --return-sampling-mask needs --logprobs-mode"),
-    (["serve", "tiny", "--weight-transfer-config", "nccl"], "tandem serve: "),
-    (["proxy", "--upstream", "http://127.0.0.1:9", "--probe-interval-s", "0"], "tandem proxy: --probe-interval-s 0"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["doctor", "/nonexistent/run"], "tandem doctor: "),
+        (["report", "/nonexistent/run"], "tandem report: "),
+        (["export", "/nonexistent/run/checkpoint-1"], "tandem export: "),
+        (["train", "/nonexistent/recipe.yaml"], "tandem train: /nonexistent/recipe.yaml: no such recipe file"),
+        (["train", "dmeo"], "tandem train: dmeo: no such recipe file"),
+        (["train", "demo", "--model", "/nonexistent/model"], "tandem train: demo: /nonexistent/model: no such model"),
+        (["train", "demo", "--foo", "--max_steps", "3"], "tandem train: demo: --foo needs a value (it is followed by"),
+        (["serve", "tiny", "--return-sampling-mask"], "tandem serve: --return-sampling-mask needs --logprobs-mode"),
+        (["serve", "tiny", "--weight-transfer-config", "nccl"], "tandem serve: "),
+        (
+            ["proxy", "--upstream", "http://127.0.0.1:9", "--probe-interval-s", "0"],
+            "tandem proxy: --probe-interval-s 0",
+        ),
+    ],
+)
 def test_a_users_mistake_exits_2_on_every_command_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
         main(argv)

@@ -26,7 +26,7 @@ def blocks(language: str) -> list[tuple[str, str]]:
     for page in PAGES:
         text = page.read_text()
         for match in re.finditer(rf"^```{language}\n(.*?)^```", text, re.S | re.M):
-            found.append((f"{page.relative_to(ROOT)}:{text[:match.start()].count(chr(10)) + 1}", match[1]))
+            found.append((f"{page.relative_to(ROOT)}:{text[: match.start()].count(chr(10)) + 1}", match[1]))
     return found
 
 
@@ -42,7 +42,7 @@ def shown_train_commands() -> list[tuple[str, list[str]]]:
         for line in code.replace("\\\n", " ").splitlines():  # a command continued over lines is one line
             words = shlex.split(line.split("#")[0])
             for start in [i for i, word in enumerate(words[:-1]) if word == "tandem" and words[i + 1] == "train"]:
-                args = [word for word in words[start + 2:] if word not in ("&&", ";")]
+                args = [word for word in words[start + 2 :] if word not in ("&&", ";")]
                 recipe = args[1] if args[:1] == ["--config"] else args[0] if args else None
                 if recipe not in PLACEHOLDERS:
                     commands.append((where, ["train", *args]))
@@ -60,8 +60,9 @@ def test_a_python_block_of_the_docs_runs_as_written(where, code, tmp_path):
 
 @pytest.mark.parametrize("where, words", shown_train_commands(), ids=lambda value: value if ":" in str(value) else "")
 def test_a_train_command_the_docs_show_resolves_with_dry_run(where, words):
-    done = subprocess.run([sys.executable, "-m", "tandem", *words, "--dry-run"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "tandem", *words, "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, f"{where}: {' '.join(words)} --dry-run failed\n{done.stderr[-2000:]}"
 
 
@@ -77,8 +78,9 @@ def test_the_readmes_links_reach_files_of_the_repository():
 
 
 def test_the_generated_reference_pages_match_the_code():
-    done = subprocess.run([sys.executable, "scripts/generate_docs.py", "--check"], cwd=ROOT, capture_output=True,
-                          text=True)
+    done = subprocess.run(
+        [sys.executable, "scripts/generate_docs.py", "--check"], cwd=ROOT, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr
 
 

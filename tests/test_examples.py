@@ -32,7 +32,9 @@ def dry_run(capsys, *argv: str) -> str:
 def plan(out: str) -> dict[str, str]:
     """The dry run's FlashREINFORCE plan, {label: text} with continuation lines joined."""
     block = out.split("# FlashREINFORCE plan, from this recipe:\n")[1].split("\n# Generation server")[0]
-    return {label: " ".join(text.split()) for label, text in re.findall(r"^#   (\w+) +(.*(?:\n# {13}.*)*)", block, re.M)}
+    return {
+        label: " ".join(text.split()) for label, text in re.findall(r"^#   (\w+) +(.*(?:\n# {13}.*)*)", block, re.M)
+    }
 
 
 @pytest.fixture
@@ -64,11 +66,13 @@ def test_a_preset_dry_run_prints_its_plan_and_server(name, capsys, bare_machine)
     assert recipe.config.flash_batch_size == batch
     assert items["steps"] == f"{steps} (max_steps)" and items["episodes"] == f"{steps * batch} rollouts (steps x batch)"
     command = served_commands(out)["gpu"]
-    assert command.startswith(f"VLLM_SERVER_DEV_MODE=1 VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 vllm serve {model} "
-                              f"--served-model-name {model} "
-                              "--logprobs-mode processed_logprobs")
+    assert command.startswith(
+        f"VLLM_SERVER_DEV_MODE=1 VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 vllm serve {model} "
+        f"--served-model-name {model} "
+        "--logprobs-mode processed_logprobs"
+    )
     assert f"--max-model-len {recipe.config.token_budget}" in command, "sized by token_budget: the prompts are not here"
-    shown = out[out.index("# FlashREINFORCE plan"):]
+    shown = out[out.index("# FlashREINFORCE plan") :]
     assert max(map(len, shown.splitlines())) <= 80, "readable in an 80-column terminal"
 
 
@@ -80,7 +84,9 @@ def test_the_cpu_example_plans_its_batch_from_its_measured_prompts(capsys):
     items = plan(out)
     batch = 2 * (640 // trajectory)  # gradient_accumulation_steps x trajectories a token_budget row holds
     assert items["batch"].startswith(f">= {batch} prompts a step")
-    assert items["episodes"] == "256 rollouts (num_train_epochs 2 x 128 prompts)", "one rollout per prompt of arithmetic-small"
+    assert items["episodes"] == "256 rollouts (num_train_epochs 2 x 128 prompts)", (
+        "one rollout per prompt of arithmetic-small"
+    )
     assert items["steps"] == f"<= {math.ceil(256 / batch)} (episodes / batch)"
 
 
@@ -93,8 +99,14 @@ def test_a_dry_run_that_cannot_measure_the_prompts_asks_for_a_token_budget(capsy
     with pytest.raises(SystemExit) as stop:
         main(["train", f"{FOLDER}/alfworld.yaml", "--token_budget", "null", "--dry-run"])
     assert stop.value.code == 2
-    assert capsys.readouterr().err.strip().endswith("the prompts are not measured (the environment's reset() writes "
-                                                    "them). Set token_budget to the longest trajectory to train.")
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(
+            "the prompts are not measured (the environment's reset() writes "
+            "them). Set token_budget to the longest trajectory to train."
+        )
+    )
 
 
 def test_the_alfworld_environment_names_its_setup_where_alfworld_is_missing(monkeypatch):

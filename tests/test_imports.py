@@ -14,7 +14,9 @@ def run_fresh(code: str) -> tuple[str, set[str]]:
 
 def test_import_tandem_loads_no_torch_until_a_public_name_is_used():
     assert "torch" not in run_fresh("import tandem")[1]
-    trainer = run_fresh("from tandem import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop, Rollout, RolloutGroup, TurnRecord")[1]
+    trainer = run_fresh(
+        "from tandem import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop, Rollout, RolloutGroup, TurnRecord"
+    )[1]
     assert "torch" in trainer
     assert "matplotlib" not in trainer, "the report's plotting library loads only when a report is drawn"
 
@@ -25,7 +27,9 @@ def test_the_proxy_app_imports_neither_torch_nor_transformers():
 
 
 def test_tandem_serve_help_does_not_import_the_trainer():
-    printed, modules = run_fresh("from tandem.cli import main\ntry:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass")
+    printed, modules = run_fresh(
+        "from tandem.cli import main\ntry:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass"
+    )
     assert "usage: tandem serve" in printed
     assert not any(name.startswith("tandem.trainer") for name in modules)
 
@@ -33,16 +37,27 @@ def test_tandem_serve_help_does_not_import_the_trainer():
 def test_the_public_names_are_listed_and_importable():
     import tandem
 
-    names = {"AsyncGRPOConfig", "AsyncGRPOTrainer", "AsyncRolloutLoop", "Rollout", "RolloutGroup", "TurnRecord",
-             "HarnessAsyncGRPOTrainer"}
+    names = {
+        "AsyncGRPOConfig",
+        "AsyncGRPOTrainer",
+        "AsyncRolloutLoop",
+        "Rollout",
+        "RolloutGroup",
+        "TurnRecord",
+        "HarnessAsyncGRPOTrainer",
+    }
     assert names <= set(tandem.__all__) and names <= set(dir(tandem))
     assert all(getattr(tandem, name).__name__ == name for name in names)
 
 
 def test_the_trainer_asks_for_passive_openmp_waiting_before_torch_loads():
-    printed, _ = run_fresh("import os\nos.environ.pop('OMP_WAIT_POLICY', None)\nimport tandem.trainer\n"
-                           "print(os.environ['OMP_WAIT_POLICY'], tandem.trainer.OPENMP_POLICY_TOO_LATE)")
+    printed, _ = run_fresh(
+        "import os\nos.environ.pop('OMP_WAIT_POLICY', None)\nimport tandem.trainer\n"
+        "print(os.environ['OMP_WAIT_POLICY'], tandem.trainer.OPENMP_POLICY_TOO_LATE)"
+    )
     assert printed.split() == ["PASSIVE", "False"]
-    printed, _ = run_fresh("import os\nos.environ.pop('OMP_WAIT_POLICY', None)\nimport torch\nimport tandem.trainer\n"
-                           "print(tandem.trainer.OPENMP_POLICY_TOO_LATE)")
+    printed, _ = run_fresh(
+        "import os\nos.environ.pop('OMP_WAIT_POLICY', None)\nimport torch\nimport tandem.trainer\n"
+        "print(tandem.trainer.OPENMP_POLICY_TOO_LATE)"
+    )
     assert printed.split() == ["True"], "torch loaded first: train() must warn that the policy came too late"

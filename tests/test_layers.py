@@ -11,8 +11,14 @@ SOURCE = Path(tandem.__file__).parent
 GROUND = ("contract", "kernels", "chat", "model")
 """The ground floor's rooms, which every layer may use: what both processes share (records, channels, the algorithm,
 the staleness policy), the CPU kernels, chat rendering and tool calls, the model's folder and sharding."""
-NEUTRAL = {"tandem.__version__", "tandem.DISTRIBUTION", "tandem.config", "tandem.errors", "tandem.dataset_rows",
-           "tandem.httpapp"}
+NEUTRAL = {
+    "tandem.__version__",
+    "tandem.DISTRIBUTION",
+    "tandem.config",
+    "tandem.errors",
+    "tandem.dataset_rows",
+    "tandem.httpapp",
+}
 """Single modules any layer may use: the package itself (its version), plain settings, errors and small helpers."""
 
 ALLOWED = {
@@ -45,21 +51,28 @@ def tandem_imports(path: Path) -> set[str]:
 
 def crossing(folder: str, module: str) -> bool:
     """Whether importing `module` from a file of `folder` crosses a boundary the architecture does not allow."""
-    if module in NEUTRAL or any(module == f"tandem.{home}" or module.startswith(f"tandem.{home}.")
-                                for home in (folder, *GROUND)):
+    if module in NEUTRAL or any(
+        module == f"tandem.{home}" or module.startswith(f"tandem.{home}.") for home in (folder, *GROUND)
+    ):
         return False
     inner = module.removeprefix("tandem.")
     return not any(inner == allowed or inner.startswith(allowed + ".") for allowed in ALLOWED[folder])
 
 
 def test_every_folder_imports_only_what_its_layer_allows():
-    offences = [f"{path.relative_to(SOURCE)} imports {module}"
-                for folder in ALLOWED for path in sorted((SOURCE / folder).glob("*.py"))
-                for module in sorted(tandem_imports(path)) if crossing(folder, module)]
+    offences = [
+        f"{path.relative_to(SOURCE)} imports {module}"
+        for folder in ALLOWED
+        for path in sorted((SOURCE / folder).glob("*.py"))
+        for module in sorted(tandem_imports(path))
+        if crossing(folder, module)
+    ]
     assert not offences, "imports across the architecture's layers:\n" + "\n".join(offences)
 
 
 def test_the_check_sees_a_crossing_import():
     assert crossing("rollout", "tandem.trainer.trainer") and crossing("proxy", "tandem.serve.app")
     assert crossing("trainer", "tandem.rollout.worker") and crossing("runtime", "tandem.trainer.checkpoint")
-    assert not crossing("runtime", "tandem.rollout.worker") and not crossing("generation", "tandem.kernels.exact_attention")
+    assert not crossing("runtime", "tandem.rollout.worker") and not crossing(
+        "generation", "tandem.kernels.exact_attention"
+    )

@@ -53,8 +53,11 @@ def test_exact_decodings_few_rows_round_as_the_trainers_many(monkeypatch):
     x = torch.randn(1, 333, 2048)  # one packed row
     trained = trainer(x)
     with torch.inference_mode():
-        drifted = [rows for rows in [*range(onednn_linear.EXACT_ROWS, 17), 64]
-                   if not torch.equal(server(x[0, :rows].unsqueeze(1))[:, 0], trained[0, :rows])]
+        drifted = [
+            rows
+            for rows in [*range(onednn_linear.EXACT_ROWS, 17), 64]
+            if not torch.equal(server(x[0, :rows].unsqueeze(1))[:, 0], trained[0, :rows])
+        ]
     assert not drifted, f"the server's rows round unlike the trainer's at {drifted} rows"
 
 
@@ -92,7 +95,9 @@ def test_a_trainer_layer_computes_as_f_linear_when_compiled_autocast_or_moved(mo
     x = torch.randn(40, 512)  # 256 wide, one Sapphire Rapids machine summed alike on both
     with torch.no_grad():
         mkl = torch.nn.functional.linear(x, model[0].weight, model[0].bias)
-        assert not torch.equal(model(x), mkl), "oneDNN and MKL round apart on this input: the checks below can tell them"
+        assert not torch.equal(model(x), mkl), (
+            "oneDNN and MKL round apart on this input: the checks below can tell them"
+        )
         assert torch.equal(torch.compile(model, backend="eager")(x), mkl)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert model(x).dtype == torch.bfloat16
@@ -101,14 +106,18 @@ def test_a_trainer_layer_computes_as_f_linear_when_compiled_autocast_or_moved(mo
 
 def test_small_layers_and_unsupported_bfloat16_stay_on_mkl_and_exact_takes_float32_only(monkeypatch):
     small = torch.nn.Sequential(torch.nn.Linear(192, 512))
-    assert onednn_linear.install(small, exact=False, reorder=True) == 0, \
+    assert onednn_linear.install(small, exact=False, reorder=True) == 0, (
         "192 x 512 is under MIN_ELEMENTS: oneDNN's call costs more than it saves"
+    )
     monkeypatch.setattr(onednn_linear, "MIN_ELEMENTS", 0)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)  # a CPU with AVX-512
     bfloat16 = torch.nn.Linear(8, 8).to(torch.bfloat16)
-    assert onednn_linear.install(torch.nn.Sequential(bfloat16), exact=True, reorder=True) == 0, \
+    assert onednn_linear.install(torch.nn.Sequential(bfloat16), exact=True, reorder=True) == 0, (
         "exact decoding's rounding is probed in float32 only"
+    )
     assert onednn_linear.install(torch.nn.Sequential(bfloat16), exact=False, reorder=True) == 1
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)  # a CPU without AVX-512
-    assert onednn_linear.install(torch.nn.Sequential(torch.nn.Linear(8, 8).to(torch.bfloat16)), exact=False,
-                                 reorder=True) == 0
+    assert (
+        onednn_linear.install(torch.nn.Sequential(torch.nn.Linear(8, 8).to(torch.bfloat16)), exact=False, reorder=True)
+        == 0
+    )

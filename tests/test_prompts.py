@@ -66,7 +66,8 @@ reasoning of turns before the last question dropped, the empty `<think>` block o
 ONLY_THE_LAST_REPLY = (
     "{%- for m in messages %}{%- if m.role != 'assistant' or loop.last %}"
     "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 """A template of no known family that is not prefix-preserving: earlier replies vanish from the history."""
 
 
@@ -111,7 +112,7 @@ def conversations() -> list[list[dict]]:
         if "reasoning_content" in m:
             m["content"] = f"<think>\n{m.pop('reasoning_content')}\n</think>\n\n{m['content']}"
     probes = [probe_conversation(False), probe_conversation(True), with_think_text]
-    cuts = [probe[:k + 1] for probe in probes for k, m in enumerate(probe) if m["role"] == "assistant"]
+    cuts = [probe[: k + 1] for probe in probes for k, m in enumerate(probe) if m["role"] == "assistant"]
     call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1 + 2"}}}
     question = {"role": "user", "content": "1 + 2?"}
     return cuts + [
@@ -133,12 +134,13 @@ def test_qwen3s_training_template_renders_the_last_reply_and_the_prompt_as_qwen3
     _, template = training_chat_template(qwen3)
 
     def render(messages, chat_template=None, **options):
-        return qwen3.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=chat_template,
-                                         **options, **kwargs)
+        return qwen3.apply_chat_template(
+            messages, tools=tools, tokenize=False, chat_template=chat_template, **options, **kwargs
+        )
 
     for messages in conversations():
         assert last_reply(render(messages, template)) == last_reply(render(messages)), messages
-        first_question = messages[:next(k for k, m in enumerate(messages) if m["role"] == "user") + 1]
+        first_question = messages[: next(k for k, m in enumerate(messages) if m["role"] == "user") + 1]
         prompt = render(first_question, add_generation_prompt=True)
         assert render(first_question, template, add_generation_prompt=True) == prompt, first_question
 
@@ -155,14 +157,16 @@ def test_a_template_that_refuses_the_probe_says_so(tokenizer):
     refusing = copy.deepcopy(tokenizer)
     refusing.chat_template = "{{ raise_exception('tool messages are not supported') }}"
     assert check_prefix_preserving(refusing, [PROBE_TOOL], None) == (
-        "the chat template cannot render a tool-calling probe conversation: tool messages are not supported")
+        "the chat template cannot render a tool-calling probe conversation: tool messages are not supported"
+    )
 
 
 DEEPSEEK_V3 = (Path(__file__).parent / "fixtures" / "deepseek_v3_chat_template.jinja").read_text()
 """DeepSeek-V3's chat template in the variant whose generation prompt opens a `<think>` block (tests/fixtures)."""
 DEEPSEEK_V3_PLAIN = DEEPSEEK_V3.replace("'<｜Assistant｜><think>\\n'", "'<｜Assistant｜>'").replace(
     "{{'<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}",
-    "{{'\\n<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}")
+    "{{'\\n<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}",
+)
 """The variant without `<think>` in the generation prompt, later tool outputs after a newline."""
 
 
@@ -176,16 +180,18 @@ def test_deepseek_v3s_training_template_is_prefix_preserving_and_renders_a_quest
     assert check_prefix_preserving(deepseek_v3, [PROBE_TOOL], None, chat_template=template) is None
     question = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
     for add_generation_prompt in (True, False):
-        assert deepseek_v3.apply_chat_template(question, chat_template=template, tokenize=False,
-                                               add_generation_prompt=add_generation_prompt) == \
-               deepseek_v3.apply_chat_template(question, tokenize=False, add_generation_prompt=add_generation_prompt)
+        assert deepseek_v3.apply_chat_template(
+            question, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt
+        ) == deepseek_v3.apply_chat_template(question, tokenize=False, add_generation_prompt=add_generation_prompt)
     conversation = probe_conversation(with_reasoning=False)[:4]  # the original renders string arguments only
     conversation[1]["tool_calls"][0]["function"]["arguments"] = '{"expression": "2 + 3"}'
     conversation.insert(3, {"role": "tool", "content": "and again 5"})  # two tool outputs in a row
     ours = deepseek_v3.apply_chat_template(conversation, chat_template=template, tokenize=False)
     theirs = deepseek_v3.apply_chat_template(conversation, tokenize=False)
     if source == DEEPSEEK_V3:  # the prompt's <think> kept in the reply, which DeepSeek-V3's own drops
-        theirs = theirs.replace("<｜Assistant｜><｜tool▁calls▁begin｜>", "<｜Assistant｜><think>\n<｜tool▁calls▁begin｜>")
+        theirs = theirs.replace(
+            "<｜Assistant｜><｜tool▁calls▁begin｜>", "<｜Assistant｜><think>\n<｜tool▁calls▁begin｜>"
+        )
     assert ours == theirs, "a reply that calls a tool, two outputs, an answer: DeepSeek-V3's format"
     deepseek_v3.chat_template = template
     assert training_chat_template(deepseek_v3) is None, "the training template needs no patch"

@@ -8,15 +8,18 @@ from tandem.contract.staleness import StalenessPolicy, staleness
 #   max     allowance  a step frees room      a sync's end   syncs may  adapter versions  adapter
 # staleness (steps)    (no sync / sync runs)  frees room     overlap    kept loaded       slots
 TABLE = [
-    (0,      1,         (False, False),        False,         False,     1,                2),
-    (1,      1,         (True, False),         True,          False,     2,                3),
-    (2,      2,         (True, True),          True,          True,      3,                4),
-    (4,      4,         (True, True),          True,          True,      5,                6),
+    (0, 1, (False, False), False, False, 1, 2),
+    (1, 1, (True, False), True, False, 2, 3),
+    (2, 2, (True, True), True, True, 3, 4),
+    (4, 4, (True, True), True, True, 5, 6),
 ]
 
 
-@pytest.mark.parametrize("max_staleness, steps, step_frees, sync_frees, overlap, kept, slots", TABLE,
-                         ids=[f"max_staleness={row[0]}" for row in TABLE])
+@pytest.mark.parametrize(
+    "max_staleness, steps, step_frees, sync_frees, overlap, kept, slots",
+    TABLE,
+    ids=[f"max_staleness={row[0]}" for row in TABLE],
+)
 def test_what_each_max_staleness_decides(max_staleness, steps, step_frees, sync_frees, overlap, kept, slots):
     policy = AsyncGRPOConfig(max_staleness=max_staleness).staleness_policy
     assert policy == StalenessPolicy(max_staleness)

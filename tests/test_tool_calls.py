@@ -19,12 +19,16 @@ def calls_of(reply) -> list[tuple]:
 
 # --- Hermes / Qwen blocks ----------------------------------------------------------------------------------------
 
+
 def test_one_clean_call_becomes_an_assistant_message_with_tool_calls():
     reply = parse_reply(CALL_1_PLUS_2)
     assert calls_of(reply) == [("calculator", {"expression": "1 + 2"}, None)]
     assert reply.tool_calls[0].raw == CALL_1_PLUS_2
-    assert reply.message() == {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1 + 2"}}}]}
+    assert reply.message() == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1 + 2"}}}],
+    }
 
 
 def test_parallel_calls_keep_their_order():
@@ -64,13 +68,16 @@ def test_invalid_json_is_a_malformed_call_that_stays_in_the_content():
     assert "tool_calls" not in reply.message(), "a malformed call is not sent to the conversation as a call"
 
 
-@pytest.mark.parametrize("body, complaint", [
-    ('{"arguments": {"expression": "1 + 2"}}', '"name"'),
-    ('{"name": "", "arguments": {}}', '"name"'),
-    ('{"name": "calculator", "arguments": ["1 + 2"]}', '"arguments" is a JSON list'),
-    ('{"name": "calculator", "arguments": "1 + 2"}', '"arguments" is a string but not valid JSON'),
-    ('["calculator", "1 + 2"]', "not an object"),
-])
+@pytest.mark.parametrize(
+    "body, complaint",
+    [
+        ('{"arguments": {"expression": "1 + 2"}}', '"name"'),
+        ('{"name": "", "arguments": {}}', '"name"'),
+        ('{"name": "calculator", "arguments": ["1 + 2"]}', '"arguments" is a JSON list'),
+        ('{"name": "calculator", "arguments": "1 + 2"}', '"arguments" is a string but not valid JSON'),
+        ('["calculator", "1 + 2"]', "not an object"),
+    ],
+)
 def test_a_call_of_the_wrong_shape_is_malformed_and_says_why(body, complaint):
     text = f"<tool_call>{body}</tool_call>"
     reply = parse_reply(text)
@@ -112,9 +119,17 @@ def test_a_parsed_reply_renders_back_into_the_text_the_model_wrote(tokenizer):
     """The tiny template writes calls as the model learned them; parsing what it writes and rendering the parsed
     message again gives back the same text, so a tool loop's history shows the model its own words."""
     question = [{"role": "user", "content": "What are 1 + 2 and 3 * 4?"}]
-    sent = {"role": "assistant", "content": "Both at once.", "tool_calls": [
-        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1 + 2"}}},
-        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "3 * 4", "exact": True}}}]}
+    sent = {
+        "role": "assistant",
+        "content": "Both at once.",
+        "tool_calls": [
+            {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1 + 2"}}},
+            {
+                "type": "function",
+                "function": {"name": "calculator", "arguments": {"expression": "3 * 4", "exact": True}},
+            },
+        ],
+    }
     prompt = tokenizer.apply_chat_template(question, tools=[PROBE_TOOL], add_generation_prompt=True, tokenize=False)
     rendered = tokenizer.apply_chat_template(question + [sent], tools=[PROBE_TOOL], tokenize=False)
     written = rendered.removeprefix(prompt)
@@ -132,8 +147,12 @@ MISTRAL_STYLE = {
     "defaults": {"role": "assistant"},
     "start_anchor": "[/INST]",
     "fields": {
-        "tool_calls": {"open": "[TOOL_CALLS]", "content": "json", "transform_each": True,
-                       "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{arguments}"}}},
+        "tool_calls": {
+            "open": "[TOOL_CALLS]",
+            "content": "json",
+            "transform_each": True,
+            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{arguments}"}},
+        },
         "content": {"content": "text"},
     },
 }
@@ -149,22 +168,33 @@ def mistral_tokenizer(tokenizer):
 
 
 def test_a_response_template_reads_other_families(mistral_tokenizer):
-    text = ('Both at once.[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "1 + 2"}}, '
-            '{"name": "calculator", "arguments": {"expression": "3 * 4"}}]<|im_end|>')
+    text = (
+        'Both at once.[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "1 + 2"}}, '
+        '{"name": "calculator", "arguments": {"expression": "3 * 4"}}]<|im_end|>'
+    )
     reply = parse_reply(text, mistral_tokenizer)
-    assert calls_of(reply) == [("calculator", {"expression": "1 + 2"}, None),
-                               ("calculator", {"expression": "3 * 4"}, None)]
+    assert calls_of(reply) == [
+        ("calculator", {"expression": "1 + 2"}, None),
+        ("calculator", {"expression": "3 * 4"}, None),
+    ]
     assert reply.content == "Both at once."
     no_calls = parse_reply("The answer is 3.", mistral_tokenizer)
     assert no_calls.message() == {"role": "assistant", "content": "The answer is 3."}
 
 
-@pytest.mark.parametrize("calls, complaint", [
-    ('[{"name": "calculator", "arguments": {"expression": "1 + 2"}',
-     "does not parse with the tokenizer's response_template"),
-    ('[{"name": "calculator", "arguments": {}}, {"name": "calculator", "arguments": [1]}]',
-     "tool call 2 of the reply is malformed"),
-])
+@pytest.mark.parametrize(
+    "calls, complaint",
+    [
+        (
+            '[{"name": "calculator", "arguments": {"expression": "1 + 2"}',
+            "does not parse with the tokenizer's response_template",
+        ),
+        (
+            '[{"name": "calculator", "arguments": {}}, {"name": "calculator", "arguments": [1]}]',
+            "tool call 2 of the reply is malformed",
+        ),
+    ],
+)
 def test_a_reply_the_response_template_cannot_read_is_kept_whole(mistral_tokenizer, calls, complaint):
     text = f"Trying.[TOOL_CALLS]{calls}"
     reply = parse_reply(text, mistral_tokenizer)
@@ -179,6 +209,7 @@ def test_hermes_blocks_are_read_even_when_the_tokenizer_has_a_response_template(
 
 
 # --- Tool schemas ------------------------------------------------------------------------------------------------
+
 
 def calculator(expression: str, exact: bool = False) -> str:
     """Evaluate an arithmetic expression.
@@ -249,7 +280,7 @@ def test_a_tool_call_whose_type_is_not_function_is_answered_with_an_error_not_ru
     mistral_tokenizer.response_template = as_written
     text = 'Run it.[TOOL_CALLS][{"type": "code_interpreter", "function": {"name": "calculator", "arguments": {}}}]'
     [call] = parse_reply(text, mistral_tokenizer).tool_calls
-    assert "only \"function\" tools can be called" in call.error and "'code_interpreter'" in call.error
+    assert 'only "function" tools can be called' in call.error and "'code_interpreter'" in call.error
     assert call.name == "calculator", "the error names the tool the model asked for"
     function = 'Run it.[TOOL_CALLS][{"type": "function", "function": {"name": "calculator", "arguments": {"x": 1}}}]'
     assert calls_of(parse_reply(function, mistral_tokenizer)) == [("calculator", {"x": 1}, None)]

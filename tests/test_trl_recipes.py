@@ -60,8 +60,8 @@ def test_every_trl_grpo_key_is_a_tandem_field_or_is_read_or_refused_by_the_trl_t
     if importlib.util.find_spec("trl"):  # with the bench extra installed, the list above is TRL's own
         import dataclasses
 
-        from trl import GRPOConfig, ModelConfig
         from transformers import TrainingArguments
+        from trl import GRPOConfig, ModelConfig
 
         own = {f.name for f in dataclasses.fields(GRPOConfig)} - {f.name for f in dataclasses.fields(TrainingArguments)}
         assert own | {f.name for f in dataclasses.fields(ModelConfig)} <= set(TRL_FIELDS) | {"learning_rate"}
@@ -92,15 +92,18 @@ def test_a_trl_recipe_runs_with_one_note_per_trl_key(tmp_path, capsys):
     assert recipe_read.lora["target_modules"] == ["q_proj", "v_proj"] and recipe_read.config.learning_rate == 1e-5
 
 
-@pytest.mark.parametrize("line, reason", [
-    ("beta: 0.04", r"beta=0.04 \(a TRL field\) cannot act in tandem: tandem's objective has no KL penalty"),
-    ("use_vllm: false", r"use_vllm=False \(a TRL field\) cannot act in tandem: generation runs on a server"),
-    ("vllm_mode: colocate", "vllm_mode='colocate' .* there is no engine colocated in the trainer's process"),
-    ("vllm_gpu_memory_utilization: 0.9", "start vllm serve with --gpu-memory-utilization"),
-    ("scale_rewards: batch", r"advantages are \(reward - group mean\) / group std, always"),
-    ("shuffle_dataset: false", "write train_sampling_strategy: sequential"),
-    ("lora_r: 8", "lora_r: TRL's LoRA keys act only with use_peft: true"),
-])
+@pytest.mark.parametrize(
+    "line, reason",
+    [
+        ("beta: 0.04", r"beta=0.04 \(a TRL field\) cannot act in tandem: tandem's objective has no KL penalty"),
+        ("use_vllm: false", r"use_vllm=False \(a TRL field\) cannot act in tandem: generation runs on a server"),
+        ("vllm_mode: colocate", "vllm_mode='colocate' .* there is no engine colocated in the trainer's process"),
+        ("vllm_gpu_memory_utilization: 0.9", "start vllm serve with --gpu-memory-utilization"),
+        ("scale_rewards: batch", r"advantages are \(reward - group mean\) / group std, always"),
+        ("shuffle_dataset: false", "write train_sampling_strategy: sequential"),
+        ("lora_r: 8", "lora_r: TRL's LoRA keys act only with use_peft: true"),
+    ],
+)
 def test_a_trl_field_that_cannot_act_is_refused_in_one_line_saying_why(line, reason, tmp_path, capsys):
     recipe = tmp_path / "grpo.yaml"
     recipe.write_text(f"model: tiny\n{line}\n")
@@ -140,9 +143,20 @@ def test_trl_server_host_and_port_name_the_server_to_generate_from(capsys, tmp_p
     with pytest.raises(ValueError, match="vllm_server_port=70000: must be a port number"):
         AsyncGRPOConfig(vllm_server_port=70000)
     with pytest.raises(SystemExit) as stop:  # the run generates from there, where nothing answers
-        main(["train", "demo", "--vllm_server_host", "127.0.0.1", "--vllm_server_port", "9",
-              "--vllm_server_timeout", "2",
-              "--output_dir", str(tmp_path / "run")])
+        main(
+            [
+                "train",
+                "demo",
+                "--vllm_server_host",
+                "127.0.0.1",
+                "--vllm_server_port",
+                "9",
+                "--vllm_server_timeout",
+                "2",
+                "--output_dir",
+                str(tmp_path / "run"),
+            ]
+        )
     assert stop.value.code == 2 and "http://127.0.0.1:9/health did not answer" in capsys.readouterr().err
 
 
@@ -165,8 +179,10 @@ def test_a_flag_replaces_the_recipes_value_whichever_name_either_uses(tmp_path):
 
 def test_what_trl_writes_out_at_its_defaults_is_read(tmp_path):
     recipe = tmp_path / "grpo.yaml"
-    recipe.write_text("model: tiny\nuse_peft: false\nuse_bias_correction_kl: false\n"
-                      "vllm_server_base_url: http://10.0.0.6:8000\nvllm_server_host: 0.0.0.0\nvllm_server_port: 8000\n")
+    recipe.write_text(
+        "model: tiny\nuse_peft: false\nuse_bias_correction_kl: false\n"
+        "vllm_server_base_url: http://10.0.0.6:8000\nvllm_server_host: 0.0.0.0\nvllm_server_port: 8000\n"
+    )
     read = load_recipe(str(recipe))
     assert read.lora is None and read.config.vllm_server_base_url == "http://10.0.0.6:8000"
     assert "use_peft: false, read as training the whole model (tandem's default)" in read.notes

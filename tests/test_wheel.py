@@ -27,7 +27,7 @@ def run(*argv, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
 def test_the_wheel_installed_elsewhere_runs_the_demo(tmp_path):
     # as a release is built: an sdist, then the wheel from the sdist (no stale build/ folder of this checkout in it)
     run(sys.executable, "-m", "build", "--no-isolation", "--outdir", tmp_path / "dist", ROOT, cwd=tmp_path)
-    wheel, = (tmp_path / "dist").glob("tandem_rl-*.whl")
+    (wheel,) = (tmp_path / "dist").glob("tandem_rl-*.whl")
     # The environment sees this one's packages (torch and the rest: nothing downloaded), not this checkout's tandem.
     run(sys.executable, "-m", "venv", "--system-site-packages", tmp_path / "venv", cwd=tmp_path)
     python, command = tmp_path / "venv" / "bin" / "python", tmp_path / "venv" / "bin" / "tandem"

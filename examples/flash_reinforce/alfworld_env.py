@@ -18,10 +18,13 @@ from pathlib import Path
 
 import yaml
 
-SETUP = ("pip install alfworld; export ALFWORLD_DATA=DIR and run alfworld-download (the game files); export "
-         "ALFWORLD_CONFIG=PATH of ALFWorld's configs/base_config.yaml (github.com/alfworld/alfworld)")
-INSTRUCTIONS = ("You are in a household. Carry out the task below with the act tool, one command per call, "
-                "until it is done.\n\n")
+SETUP = (
+    "pip install alfworld; export ALFWORLD_DATA=DIR and run alfworld-download (the game files); export "
+    "ALFWORLD_CONFIG=PATH of ALFWorld's configs/base_config.yaml (github.com/alfworld/alfworld)"
+)
+INSTRUCTIONS = (
+    "You are in a household. Carry out the task below with the act tool, one command per call, until it is done.\n\n"
+)
 
 
 @functools.cache

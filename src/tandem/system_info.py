@@ -25,8 +25,9 @@ def torch_line() -> str:
 
     if torch.cuda.is_available():
         names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
-        return (f"{torch.__version__} (CUDA {torch.version.cuda}; {torch.cuda.device_count()} GPU(s): "
-                f"{', '.join(names)})")
+        return (
+            f"{torch.__version__} (CUDA {torch.version.cuda}; {torch.cuda.device_count()} GPU(s): {', '.join(names)})"
+        )
     build = f"CUDA {torch.version.cuda} build, no GPU seen" if torch.version.cuda else "CPU build"
     return f"{torch.__version__} ({build})"
 
@@ -43,12 +44,14 @@ def cpu_line() -> str:
 
 def report() -> str:
     """One `- name: value` line per fact, in the order a reader looks for them."""
-    lines = [("tandem", f"{tandem.__version__} ({tandem.DISTRIBUTION})"),
-             ("Python", f"{platform.python_version()} ({platform.python_implementation()})"),
-             ("platform", platform.platform()),
-             ("torch", torch_line()),
-             *[(name, version(name) or "not installed") for name in LIBRARIES],
-             *([(name, version(name)) for name in VLLM if version(name)] or [("vllm", "not installed here")]),
-             ("CPU", cpu_line()),
-             ("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "unset"))]
+    lines = [
+        ("tandem", f"{tandem.__version__} ({tandem.DISTRIBUTION})"),
+        ("Python", f"{platform.python_version()} ({platform.python_implementation()})"),
+        ("platform", platform.platform()),
+        ("torch", torch_line()),
+        *[(name, version(name) or "not installed") for name in LIBRARIES],
+        *([(name, version(name)) for name in VLLM if version(name)] or [("vllm", "not installed here")]),
+        ("CPU", cpu_line()),
+        ("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "unset")),
+    ]
     return "\n".join(f"- {name}: {value}" for name, value in lines)

@@ -26,9 +26,15 @@ RENAMED = {
 """TRL's name -> tandem's key for the same thing."""
 
 LORA = {
-    "lora_r": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout", "lora_target_modules": "target_modules",
-    "lora_target_parameters": "target_parameters", "lora_modules_to_save": "modules_to_save",
-    "lora_task_type": "task_type", "use_rslora": "use_rslora", "use_dora": "use_dora",
+    "lora_r": "r",
+    "lora_alpha": "lora_alpha",
+    "lora_dropout": "lora_dropout",
+    "lora_target_modules": "target_modules",
+    "lora_target_parameters": "target_parameters",
+    "lora_modules_to_save": "modules_to_save",
+    "lora_task_type": "task_type",
+    "use_rslora": "use_rslora",
+    "use_dora": "use_dora",
 }
 """TRL's `ModelConfig` LoRA keys -> the `peft.LoraConfig` field they set in tandem's `lora` mapping."""
 LORA_DEFAULTS = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "task_type": "CAUSAL_LM"}
@@ -37,8 +43,9 @@ LORA_DEFAULTS = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "task_type": "
 SERVER = "generation runs on a server: the embedded tandem serve, or the one at vllm_server_base_url"
 NO_REFERENCE = "tandem's objective has no KL penalty to a reference model, so none is loaded"
 NO_ENTROPY = "tandem's objective has no entropy bonus"
-NO_QUANTIZED = ("tandem trains the weights in dtype (float32, bfloat16 or float16); quantized training is not "
-                "implemented")
+NO_QUANTIZED = (
+    "tandem trains the weights in dtype (float32, bfloat16 or float16); quantized training is not implemented"
+)
 SERVE_FLAG = "a setting of the generation server: start vllm serve with {flag} and give its URL as vllm_server_base_url"
 
 NO_USE: dict[str, tuple[tuple, str]] = {
@@ -48,18 +55,25 @@ NO_USE: dict[str, tuple[tuple, str]] = {
     "vllm_model_impl": (("vllm",), SERVE_FLAG.format(flag="--model-impl")),
     "vllm_gpu_memory_utilization": ((0.3,), SERVE_FLAG.format(flag="--gpu-memory-utilization")),
     "vllm_tensor_parallel_size": ((1,), SERVE_FLAG.format(flag="--tensor-parallel-size")),
-    "vllm_max_model_length": ((None,), SERVE_FLAG.format(flag="--max-model-len") + "; the embedded server is sized "
-                                                                                   "from the longest prompt"),
+    "vllm_max_model_length": (
+        (None,),
+        SERVE_FLAG.format(flag="--max-model-len") + "; the embedded server is sized from the longest prompt",
+    ),
     "vllm_enable_sleep_mode": ((False,), "the server is a process of its own: it never shares the trainer's memory"),
-    "vllm_group_port": ((51216,), "the weight-transfer group takes a free port itself (weight_transfer_address "
-                                  "says where servers reach the trainer)"),
+    "vllm_group_port": (
+        (51216,),
+        "the weight-transfer group takes a free port itself (weight_transfer_address "
+        "says where servers reach the trainer)",
+    ),
     "vllm_structured_outputs_regex": ((None,), "guided decoding is not implemented"),
     "use_transformers_paged": ((False,), SERVER),
     "use_transformers_continuous_batching": ((False,), SERVER),
     "transformers_continuous_batching_config": ((None,), SERVER),
     "cache_implementation": ((None,), SERVER),
-    "generation_kwargs": ((None,), "the sampling settings are fields of their own (temperature, top_p, top_k, min_p, "
-                                   "repetition_penalty)"),
+    "generation_kwargs": (
+        (None,),
+        "the sampling settings are fields of their own (temperature, top_p, top_k, min_p, repetition_penalty)",
+    ),
     "generation_batch_size": ((None,), "generation never stops: max_concurrent_rollouts and max_staleness pace it"),
     "steps_per_generation": ((None,), "generation never stops: max_concurrent_rollouts and max_staleness pace it"),
     "ds3_gather_for_generation": ((True,), "tandem does not use DeepSpeed; weights reach the server at every sync"),
@@ -70,34 +84,58 @@ NO_USE: dict[str, tuple[tuple, str]] = {
     "ref_model_mixup_alpha": ((0.6,), NO_REFERENCE),
     "ref_model_sync_steps": ((512,), NO_REFERENCE),
     "use_bias_correction_kl": ((True, False), NO_REFERENCE),
-    "loss_type": (("dapo",), "tandem's loss is the mean over the trained tokens of each micro-batch, all ranks "
-                             "together, averaged over gradient_accumulation_steps (TRL's 'dapo')"),
+    "loss_type": (
+        ("dapo",),
+        "tandem's loss is the mean over the trained tokens of each micro-batch, all ranks "
+        "together, averaged over gradient_accumulation_steps (TRL's 'dapo')",
+    ),
     "scale_rewards": (("group", True), "advantages are (reward - group mean) / group std, always (TRL's 'group')"),
-    "multi_objective_aggregation": (("sum_then_normalize",), "reward functions are summed, then normalized within "
-                                                             "the group"),
+    "multi_objective_aggregation": (
+        ("sum_then_normalize",),
+        "reward functions are summed, then normalized within the group",
+    ),
     "reward_weights": ((None,), "reward functions are summed with weight 1: scale a function's scores inside it"),
     "num_iterations": ((1,), "each batch is trained once; the next one is already on the rollout queue"),
-    "importance_sampling_level": (("token",), "importance ratios are per token (algorithm: flash_reinforce trusts "
-                                              "whole sequences)"),
-    "vllm_importance_sampling_correction": ((True,), "the loss always weights tokens by the sampler's log-probs, "
-                                                     "masking those outside [vllm_importance_sampling_clip_min, _max]"),
-    "vllm_importance_sampling_mode": (("token_mask",), "tokens whose ratio leaves [vllm_importance_sampling_clip_min, "
-                                                       "_max] are masked one by one (TRL's 'token_mask')"),
+    "importance_sampling_level": (
+        ("token",),
+        "importance ratios are per token (algorithm: flash_reinforce trusts whole sequences)",
+    ),
+    "vllm_importance_sampling_correction": (
+        (True,),
+        "the loss always weights tokens by the sampler's log-probs, "
+        "masking those outside [vllm_importance_sampling_clip_min, _max]",
+    ),
+    "vllm_importance_sampling_mode": (
+        ("token_mask",),
+        "tokens whose ratio leaves [vllm_importance_sampling_clip_min, "
+        "_max] are masked one by one (TRL's 'token_mask')",
+    ),
     "vllm_importance_sampling_cap": ((None,), "the ratio's bounds are vllm_importance_sampling_clip_min and _max"),
-    "off_policy_mask_threshold": ((None,), "off-policy tokens are masked by vllm_importance_sampling_clip_min / _max; "
-                                           "max_staleness bounds how old a sample may be"),
-    "delta": ((None,), "the ratio is clipped by epsilon / epsilon_high and masked outside "
-                       "[vllm_importance_sampling_clip_min, _max]; a further upper clip is not implemented"),
+    "off_policy_mask_threshold": (
+        (None,),
+        "off-policy tokens are masked by vllm_importance_sampling_clip_min / _max; "
+        "max_staleness bounds how old a sample may be",
+    ),
+    "delta": (
+        (None,),
+        "the ratio is clipped by epsilon / epsilon_high and masked outside "
+        "[vllm_importance_sampling_clip_min, _max]; a further upper clip is not implemented",
+    ),
     "sapo_temperature_neg": ((1.05,), "read only by TRL's loss_type 'sapo', which tandem does not have"),
     "sapo_temperature_pos": ((1.0,), "read only by TRL's loss_type 'sapo', which tandem does not have"),
     "vespo_k_pos": ((2.0,), "read only by TRL's loss_type 'vespo', which tandem does not have"),
     "vespo_lambda_pos": ((3.0,), "read only by TRL's loss_type 'vespo', which tandem does not have"),
     "vespo_k_neg": ((3.0,), "read only by TRL's loss_type 'vespo', which tandem does not have"),
     "vespo_lambda_neg": ((2.0,), "read only by TRL's loss_type 'vespo', which tandem does not have"),
-    "mask_truncated_completions": ((False,), "a completion cut at max_completion_length trains with its reward; "
-                                             "masking it is not implemented"),
-    "top_entropy_quantile": ((1.0,), "GRPO trains every completion token (FlashREINFORCE keeps a failed trajectory's "
-                                     "highest-entropy tokens: flash_negative_token_fraction)"),
+    "mask_truncated_completions": (
+        (False,),
+        "a completion cut at max_completion_length trains with its reward; masking it is not implemented",
+    ),
+    "top_entropy_quantile": (
+        (1.0,),
+        "GRPO trains every completion token (FlashREINFORCE keeps a failed trajectory's "
+        "highest-entropy tokens: flash_negative_token_fraction)",
+    ),
     "entropy_coef": ((0.0,), NO_ENTROPY),
     "use_adaptive_entropy": ((False,), NO_ENTROPY),
     "entropy_coef_min": ((0.0,), NO_ENTROPY),
@@ -106,19 +144,29 @@ NO_USE: dict[str, tuple[tuple, str]] = {
     "entropy_target": ((0.2,), NO_ENTROPY),
     # the model and the data
     "model_revision": ((None, "main"), "download the revision (hf download --revision) and give its folder as model"),
-    "attn_implementation": ((None,), "tandem sets the attention itself: packed rows need its tree mask "
-                                     "(tree_attention_kernel picks the kernel)"),
-    "cast_lm_head_to_fp32": ((False,), "the log-prob head computes in chunks in the weights' dtype; an fp32 head is "
-                                       "not implemented (train in dtype float32)"),
-    "disable_dropout": ((False,), "set the model's dropout rates to 0 with model_init_kwargs (tandem warns when the "
-                                  "model's config drops units)"),
+    "attn_implementation": (
+        (None,),
+        "tandem sets the attention itself: packed rows need its tree mask (tree_attention_kernel picks the kernel)",
+    ),
+    "cast_lm_head_to_fp32": (
+        (False,),
+        "the log-prob head computes in chunks in the weights' dtype; an fp32 head is "
+        "not implemented (train in dtype float32)",
+    ),
+    "disable_dropout": (
+        (False,),
+        "set the model's dropout rates to 0 with model_init_kwargs (tandem warns when the model's config drops units)",
+    ),
     "load_in_8bit": ((False,), NO_QUANTIZED),
     "load_in_4bit": ((False,), NO_QUANTIZED),
     "bnb_4bit_quant_type": (("nf4",), NO_QUANTIZED),
     "use_bnb_nested_quant": ((False,), NO_QUANTIZED),
     "bnb_4bit_quant_storage": ((None,), NO_QUANTIZED),
-    "shuffle_dataset": ((True,), "the prompts are drawn in a new order each epoch (write train_sampling_strategy: "
-                                 "sequential to keep the dataset's order)"),
+    "shuffle_dataset": (
+        (True,),
+        "the prompts are drawn in a new order each epoch (write train_sampling_strategy: "
+        "sequential to keep the dataset's order)",
+    ),
     "pad_to_multiple_of": (("auto", None), "samples are packed into rows of token_budget tokens, never padded"),
     "ignore_bias_buffers": ((False,), "tandem trains across processes with FSDP2, not DDP"),
     "reward_model_name_or_path": ((None,), "a reward model is not loaded: call one from a reward function"),
@@ -143,9 +191,9 @@ def from_trl(raw: dict) -> tuple[dict, list[str]]:
     for trl, ours in RENAMED.items():
         if trl in raw:
             if ours in raw:
-                raise UsageError(f"the recipe has both {trl!r} (TRL's name) and {ours!r}, two names for the same "
-                                 "thing: "
-                                 "keep one")
+                raise UsageError(
+                    f"the recipe has both {trl!r} (TRL's name) and {ours!r}, two names for the same thing: keep one"
+                )
             raw[ours] = raw.pop(trl)
             notes.append(f"{trl}: read as {ours} (tandem's name)")
     if test_split_given and "eval_dataset" not in raw and "dataset" in raw and raw.get("eval_strategy", "no") != "no":
@@ -194,8 +242,10 @@ def _gather_lora(raw: dict) -> list[str]:
     if not use_peft and not given:
         return ["use_peft: false, read as training the whole model (tandem's default)"]
     if not use_peft:
-        raise UsageError(f"{', '.join(given)}: TRL's LoRA keys act only with use_peft: true. Write use_peft: true to "
-                         "train an adapter, or leave them out to train the whole model.")
+        raise UsageError(
+            f"{', '.join(given)}: TRL's LoRA keys act only with use_peft: true. Write use_peft: true to "
+            "train an adapter, or leave them out to train the whole model."
+        )
     if "lora" in raw:
         raise UsageError("the recipe has both TRL's use_peft/lora_* keys and tandem's lora mapping: keep one")
     raw["lora"] = {**LORA_DEFAULTS, **{LORA[key]: value for key, value in given.items() if value is not None}}

@@ -44,9 +44,19 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=24)
     ns, rest = parser.parse_known_args()
     out = Path(ns.out)
-    values = dict(output_dir=str(out / "run"), num_generations=4, max_completion_length=6, token_budget=256,
-                  learning_rate=1e-4, gradient_checkpointing=False, save_strategy="no", logging_steps=1, max_steps=4,
-                  vllm_server_timeout=120, rollout_worker_timeout=60)
+    values = dict(
+        output_dir=str(out / "run"),
+        num_generations=4,
+        max_completion_length=6,
+        token_budget=256,
+        learning_rate=1e-4,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        logging_steps=1,
+        max_steps=4,
+        vllm_server_timeout=120,
+        rollout_worker_timeout=60,
+    )
     args = AsyncGRPOConfig(**(values | parse_overrides(rest)))
     data = Dataset.from_list(arithmetic.make_rows(ns.prompts, split="train", seed=3))
     CrashingTrainer.crash_after, CrashingTrainer.record = ns.crash_after, out / f"finished-{ns.tag}.json"

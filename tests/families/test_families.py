@@ -9,15 +9,15 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
-from tandem.serve.engine import Engine, EngineRequest
-from tandem.serve.sampling import SamplingParams
 from tandem.packing import PADDED, TREE, pack
 from tandem.packing.logprobs import row_logprobs
+from tandem.serve.engine import Engine, EngineRequest
+from tandem.serve.sampling import SamplingParams
 from tandem.trainer.model import load_model
 from tests.conftest import saved_with_tiny_tokenizer
-from tests.families.catalog import FAMILIES, BY_NAME, table
-from tests.serve.test_engine import random_prompt, run
+from tests.families.catalog import BY_NAME, FAMILIES, table
 from tests.packing.samples import sample
+from tests.serve.test_engine import random_prompt, run
 from tests.trainer.test_trainer import config, logged, small_dataset, varied_reward
 
 pytestmark = pytest.mark.families
@@ -28,10 +28,14 @@ TEMPERATURE = 0.8
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, str]:
     """Each family's model saved with the tiny tokenizer, built on first use."""
+
     class Folders(dict):
         def __missing__(self, name):
-            self[name] = saved_with_tiny_tokenizer(BY_NAME[name].build(), tmp_path_factory.mktemp(name.replace(" ", "_")))
+            self[name] = saved_with_tiny_tokenizer(
+                BY_NAME[name].build(), tmp_path_factory.mktemp(name.replace(" ", "_"))
+            )
             return self[name]
+
     return Folders()
 
 
@@ -48,8 +52,10 @@ def plain_model(folder: str, name: str):
 
 def groups(rng: random.Random) -> list[list]:
     """Two groups of completions, prompts longer than the sliding windows: (prompt, [completions])."""
-    return [(random_prompt(rng, 30), [random_prompt(rng, n) for n in (6, 9, 4)]),
-            (random_prompt(rng, 17), [random_prompt(rng, n) for n in (8, 3)])]
+    return [
+        (random_prompt(rng, 30), [random_prompt(rng, n) for n in (6, 9, 4)]),
+        (random_prompt(rng, 17), [random_prompt(rng, n) for n in (8, 3)]),
+    ]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -65,8 +71,11 @@ def test_packed_logprobs_equal_each_samples_own_forward(folders, name):
             samples.append(sample(ids, [False] * len(prompt) + [True] * len(completion), group=group))
             with torch.no_grad():
                 logits = reference(input_ids=torch.tensor([ids + [0] * max(0, 16 - len(ids))])).logits[0].float()
-            expected.append((logits[len(prompt) - 1:len(ids) - 1] / TEMPERATURE).log_softmax(-1)
-                            .gather(1, torch.tensor(completion)[:, None])[:, 0])
+            expected.append(
+                (logits[len(prompt) - 1 : len(ids) - 1] / TEMPERATURE)
+                .log_softmax(-1)
+                .gather(1, torch.tensor(completion)[:, None])[:, 0]
+            )
     with torch.no_grad():
         got = row_logprobs(model, pack(samples, layout), "exact", TEMPERATURE).log_probs
     gap = (got - torch.cat(expected)).abs().max().item()
@@ -77,20 +86,29 @@ def test_packed_logprobs_equal_each_samples_own_forward(folders, name):
 def test_exact_decoding_samples_the_log_probs_the_trainer_computes(folders, name):
     folder, family = folders[name], BY_NAME[name]
     model, layout = trainer_model(folder)
-    engine = Engine(plain_model(folder, name), eos_token_id=2, max_model_len=256, logprobs_mode="processed_logprobs",
-                    exact=True)
+    engine = Engine(
+        plain_model(folder, name), eos_token_id=2, max_model_len=256, logprobs_mode="processed_logprobs", exact=True
+    )
     engine.start()
     rng = random.Random(1)
-    requests = [EngineRequest(prompt=random_prompt(rng, length), n=n, params=SamplingParams(temperature=TEMPERATURE,
-                max_tokens=10, seed=i)) for i, (length, n) in enumerate([(30, 3), (5, 1), (17, 2)])]
+    requests = [
+        EngineRequest(
+            prompt=random_prompt(rng, length),
+            n=n,
+            params=SamplingParams(temperature=TEMPERATURE, max_tokens=10, seed=i),
+        )
+        for i, (length, n) in enumerate([(30, 3), (5, 1), (17, 2)])
+    ]
     try:
         run(engine, requests, timeout=120)
     finally:
         engine.stop()
     gaps = []
     for group, request in enumerate(requests):
-        samples = [sample(request.prompt + s.output, [False] * len(request.prompt) + [True] * len(s.output), group=group)
-                   for s in request.sequences]
+        samples = [
+            sample(request.prompt + s.output, [False] * len(request.prompt) + [True] * len(s.output), group=group)
+            for s in request.sequences
+        ]
         with torch.no_grad():
             scored = row_logprobs(model, pack(samples, layout), "exact", TEMPERATURE).log_probs
         served = torch.tensor([lp for s in request.sequences for lp in s.logprobs])
@@ -100,8 +118,15 @@ def test_exact_decoding_samples_the_log_probs_the_trainer_computes(folders, name
 
 def train(tmp_path, folder: str, peft_config=None, **overrides) -> list[dict]:
     """Two steps at staleness 0 through the embedded server; the metrics of each."""
-    args = config(tmp_path, max_staleness=0, max_steps=2, num_generations=3, learning_rate=1e-3,
-                  temperature=TEMPERATURE, **overrides)
+    args = config(
+        tmp_path,
+        max_staleness=0,
+        max_steps=2,
+        num_generations=3,
+        learning_rate=1e-3,
+        temperature=TEMPERATURE,
+        **overrides,
+    )
     AsyncGRPOTrainer(folder, varied_reward, args=args, train_dataset=small_dataset(8), peft_config=peft_config).train()
     rows = [r for r in logged(tmp_path) if "sampling/importance_sampling_ratio/mean" in r]
     assert len(rows) == 2 and all(r["sample/staleness_max"] == 0 for r in rows)
@@ -139,8 +164,11 @@ def test_the_models_page_is_generated_from_the_matrix():
 def test_bf16_autocast_trains_with_every_tree_kernel(folders, name):
     """`bf16: true` on CPU: the tree row's forward and backward under bf16 autocast, each kernel close to fp32."""
     model, layout = trainer_model(folders[name], bf16=True)
-    samples = [sample(prompt + c, [False] * len(prompt) + [True] * len(c), group=g)
-               for g, (prompt, completions) in enumerate(groups(random.Random(2))) for c in completions]
+    samples = [
+        sample(prompt + c, [False] * len(prompt) + [True] * len(c), group=g)
+        for g, (prompt, completions) in enumerate(groups(random.Random(2)))
+        for c in completions
+    ]
     with torch.no_grad():
         full = row_logprobs(model, pack(samples, layout), "exact", TEMPERATURE).log_probs
     for kernel in ("exact", "sdpa") if layout == TREE else ("exact",):  # a padded row runs the model's own attention

@@ -7,8 +7,16 @@ import time
 import pytest
 from aiohttp import web
 
-from tandem.generation.client import (ENGINE_DEAD, ControlClient, EngineDead, GenerationClient, ServerError, ServerGone,
-                                      ServerProblem, parse_metrics)
+from tandem.generation.client import (
+    ENGINE_DEAD,
+    ControlClient,
+    EngineDead,
+    GenerationClient,
+    ServerError,
+    ServerGone,
+    ServerProblem,
+    parse_metrics,
+)
 from tests.conftest import chat_prompt
 
 
@@ -17,12 +25,17 @@ async def test_complete_returns_token_ids_and_sampler_logprobs(server, tokenizer
         [completion] = await client.complete(chat_prompt(tokenizer, "What is 4 + 4?"), max_tokens=8, seed=1, logprobs=2)
     assert len(completion.token_ids) == len(completion.logprobs) == len(completion.top_logprobs)
     assert completion.finish_reason in ("stop", "length")
-    assert all(entry[token] == lp for entry, token, lp in zip(completion.top_logprobs, completion.token_ids, completion.logprobs))
+    assert all(
+        entry[token] == lp
+        for entry, token, lp in zip(completion.top_logprobs, completion.token_ids, completion.logprobs)
+    )
 
 
 async def test_generate_returns_sampling_masks(mask_server):
     async with GenerationClient(mask_server.url) as client:
-        completions = await client.generate([1, 274, 205], sampling_params={"max_tokens": 4, "top_k": 5, "logprobs": 0, "n": 2, "seed": 3})
+        completions = await client.generate(
+            [1, 274, 205], sampling_params={"max_tokens": 4, "top_k": 5, "logprobs": 0, "n": 2, "seed": 3}
+        )
     assert len(completions) == 2
     for c in completions:
         assert len(c.sampling_mask) == len(c.token_ids) == len(c.logprobs)
@@ -73,8 +86,20 @@ async def test_503_is_retried_with_backoff_until_it_succeeds():
     async def handler(request):
         calls.append(time.monotonic())
         if len(calls) < 3:
-            return web.json_response({"error": {"message": "Generation is paused.", "type": "ServiceUnavailableError", "param": None, "code": 503}}, status=503)
-        return web.json_response({"choices": [{"token_ids": [7], "logprobs": {"token_logprobs": [-0.5]}, "finish_reason": "length"}]})
+            return web.json_response(
+                {
+                    "error": {
+                        "message": "Generation is paused.",
+                        "type": "ServiceUnavailableError",
+                        "param": None,
+                        "code": 503,
+                    }
+                },
+                status=503,
+            )
+        return web.json_response(
+            {"choices": [{"token_ids": [7], "logprobs": {"token_logprobs": [-0.5]}, "finish_reason": "length"}]}
+        )
 
     runner, url = await fake_server(handler)
     try:
@@ -107,7 +132,9 @@ async def test_a_server_that_comes_back_within_retry_for_s_is_waited_for():
     url = f"http://127.0.0.1:{port}"
 
     async def handler(request):
-        return web.json_response({"choices": [{"token_ids": [7], "logprobs": {"token_logprobs": [-0.5]}, "finish_reason": "length"}]})
+        return web.json_response(
+            {"choices": [{"token_ids": [7], "logprobs": {"token_logprobs": [-0.5]}, "finish_reason": "length"}]}
+        )
 
     async def come_back_after(seconds):
         await asyncio.sleep(seconds)
@@ -137,8 +164,9 @@ async def test_vllms_dead_engine_is_told_from_other_server_errors_and_a_missing_
     async def handler(request):
         if request.path == "/v1/completions":
             message = f"{ENGINE_DEAD}. See stack trace (above) for the root cause."
-            return web.json_response({"error": {"message": message, "type": "InternalServerError", "param": None,
-                                                "code": 500}}, status=500)
+            return web.json_response(
+                {"error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}}, status=500
+            )
         if request.path == "/version":
             return web.json_response({"version": "0.32.0"})
         return web.json_response({"detail": "Not Found"}, status=404)
@@ -169,7 +197,9 @@ async def test_a_weight_update_the_dead_engine_never_answers_ends_when_health_sa
     try:
         async with ControlClient(url) as control:
             start = time.monotonic()
-            with pytest.raises(EngineDead, match="/health answered 503: a call waiting on the engine will not be answered"):
+            with pytest.raises(
+                EngineDead, match="/health answered 503: a call waiting on the engine will not be answered"
+            ):
                 await control.update_weights(["w"], ["float32"], [[1]])
             assert time.monotonic() - start < 5, "found out at the first look at /health, not after the call's timeout"
     finally:

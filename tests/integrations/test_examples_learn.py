@@ -19,11 +19,14 @@ def rise(run: Path) -> tuple[float, float]:
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("command, run", [
-    ([sys.executable, str(EXAMPLES / "openenv_counter.py")], "runs/openenv_counter"),
-    ([sys.executable, str(EXAMPLES / "verifiers_arithmetic.py")], "runs/verifiers_arithmetic"),
-    ([sys.executable, "-m", "tandem", "train", str(EXAMPLES / "reasoning_gym.yaml")], "runs/reasoning_gym"),
-])
+@pytest.mark.parametrize(
+    "command, run",
+    [
+        ([sys.executable, str(EXAMPLES / "openenv_counter.py")], "runs/openenv_counter"),
+        ([sys.executable, str(EXAMPLES / "verifiers_arithmetic.py")], "runs/verifiers_arithmetic"),
+        ([sys.executable, "-m", "tandem", "train", str(EXAMPLES / "reasoning_gym.yaml")], "runs/reasoning_gym"),
+    ],
+)
 def test_the_example_learns(command, run, tmp_path):
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -91,8 +91,9 @@ class CalculatorSessions(ResourceSessionFactory):
     def create(self, task, seed=None, episode_id=None):
         self.made += 1
         long = bool(self.long_every and self.made % self.long_every == 0)
-        return CalculatorSession(seed, "word " * 1200 if long else "",
-                                 broken=bool(self.broken_every and self.made % self.broken_every == 0))
+        return CalculatorSession(
+            seed, "word " * 1200 if long else "", broken=bool(self.broken_every and self.made % self.broken_every == 0)
+        )
 
 
 def logged(tmp_path) -> list[dict]:
@@ -101,12 +102,22 @@ def logged(tmp_path) -> list[dict]:
 
 @pytest.mark.slow
 def test_an_openenv_environment_trains_through_its_harness_with_the_samplers_own_tokens(tmp_path):
-    args = AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=2, num_generations=4, max_completion_length=32,
-                           max_tool_calling_iterations=1, max_staleness=0, learning_rate=1e-4,
-                           gradient_checkpointing=False, save_strategy="no", logging_steps=1)
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        num_generations=4,
+        max_completion_length=32,
+        max_tool_calling_iterations=1,
+        max_staleness=0,
+        learning_rate=1e-4,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        logging_steps=1,
+    )
     sessions = functools.partial(CalculatorSessions, broken_every=5, long_every=7)  # a callable that makes the factory
-    trainer = HarnessAsyncGRPOTrainer("tiny", harness_session_factory=sessions,
-                                      harness_adapter=MCPHarnessAdapter(), args=args)
+    trainer = HarnessAsyncGRPOTrainer(
+        "tiny", harness_session_factory=sessions, harness_adapter=MCPHarnessAdapter(), args=args
+    )
     assert trainer.train().global_step == 2
     rows = logged(tmp_path)
     assert all("rewards/harness_reward/mean" in r for r in rows if "reward" in r), "the environment's reward, by name"
@@ -143,7 +154,10 @@ def test_a_tool_call_the_session_raises_on_is_an_error_message_to_the_model_and_
     assert [tool.name for tool in session.list_tools()] == ["calculator"]
     told = [session.call_tool(name, {"expression": "1 + 2"}) for name in ("calculator", "calculater")]
     assert all(result.error and result.data.startswith("error: ") for result in told)
-    assert [(call.name, call.status) for call in episode.tool_calls] == [("calculator", "error"), ("calculater", "unknown")]
+    assert [(call.name, call.status) for call in episode.tool_calls] == [
+        ("calculator", "error"),
+        ("calculater", "unknown"),
+    ]
 
 
 def test_a_factory_or_a_callable_that_makes_one_serves_the_sessions():
@@ -163,4 +177,6 @@ def test_a_loop_owning_session_is_refused_with_the_fix():
 def test_without_openenv_installed_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "openenv.core.harness", None)  # as if openenv were not installed
     with pytest.raises(UsageError, match=r"pip install 'tandem-rl\[openenv\]'"):
-        HarnessAsyncGRPOTrainer("tiny", harness_session_factory=CalculatorSessions(), harness_adapter=MCPHarnessAdapter())
+        HarnessAsyncGRPOTrainer(
+            "tiny", harness_session_factory=CalculatorSessions(), harness_adapter=MCPHarnessAdapter()
+        )

@@ -13,9 +13,9 @@ import verifiers.v1 as vf
 from verifiers.v1.errors import OverlongPromptError, model_error
 
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer, UsageError
+from tandem.contract.records import TurnRecord
 from tandem.integrations.verifiers import ENVIRONMENT, TASK, check_config
 from tandem.integrations.verifiers_loop import Capture
-from tandem.contract.records import TurnRecord
 from tandem.tasks import datasets
 from tandem.tasks.tools import calculator
 
@@ -30,8 +30,9 @@ def tasksets(monkeypatch):
 
 
 def agent(**overrides) -> vf.AgentConfig:
-    return vf.AgentConfig(**{"harness": {"id": "tandem_harness"}, "runtime": vf.SubprocessConfig(), "max_turns": 3,
-                             **overrides})
+    return vf.AgentConfig(
+        **{"harness": {"id": "tandem_harness"}, "runtime": vf.SubprocessConfig(), "max_turns": 3, **overrides}
+    )
 
 
 def environment(taskset: str):
@@ -40,9 +41,17 @@ def environment(taskset: str):
 
 @pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
 def test_a_verifiers_environment_trains_through_the_worker_with_the_samplers_own_tokens(tmp_path):
-    args = AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=2, num_generations=4, max_completion_length=32,
-                           max_staleness=0, learning_rate=1e-4, gradient_checkpointing=False, save_strategy="no",
-                           logging_steps=1)
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        num_generations=4,
+        max_completion_length=32,
+        max_staleness=0,
+        learning_rate=1e-4,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        logging_steps=1,
+    )
     trainer = AsyncGRPOTrainer("tiny", args=args, train_dataset=environment("flaky_arithmetic"))
     assert trainer.train().global_step == 2
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
@@ -69,10 +78,13 @@ def test_a_misspelt_taskset_is_one_line_naming_it():
         datasets.load("verifiers:arithmetic_tasket")
 
 
-@pytest.mark.parametrize("overrides, refused", [
-    ({"runtime": vf.PrimeConfig()}, "PrimeConfig runtime"),  # verifiers' default: a remote sandbox
-    ({"harness": {"id": "claude_code"}}, "needs a container"),
-])
+@pytest.mark.parametrize(
+    "overrides, refused",
+    [
+        ({"runtime": vf.PrimeConfig()}, "PrimeConfig runtime"),  # verifiers' default: a remote sandbox
+        ({"harness": {"id": "claude_code"}}, "needs a container"),
+    ],
+)
 def test_what_cannot_run_here_is_refused_by_name(overrides, refused):
     with pytest.raises(NotImplementedError, match=refused):
         check_config(vf.SingleAgentEnvConfig(taskset={"id": "arithmetic_taskset"}, agent=agent(**overrides)))
@@ -80,19 +92,29 @@ def test_what_cannot_run_here_is_refused_by_name(overrides, refused):
 
 def test_a_plain_eval_dataset_beside_a_verifiers_environment_is_refused():
     with pytest.raises(UsageError, match="as train_dataset and as eval_dataset alike"):
-        AsyncGRPOTrainer("tiny", train_dataset=environment("arithmetic_taskset"), args=AsyncGRPOConfig(max_steps=1),
-                         eval_dataset=datasets.load("arithmetic-test"))
+        AsyncGRPOTrainer(
+            "tiny",
+            train_dataset=environment("arithmetic_taskset"),
+            args=AsyncGRPOConfig(max_steps=1),
+            eval_dataset=datasets.load("arithmetic-test"),
+        )
 
 
 def test_tools_beside_a_verifiers_environment_are_refused():
     with pytest.raises(UsageError, match="give the tools to the environment"):
-        AsyncGRPOTrainer("tiny", train_dataset=environment("arithmetic_taskset"), tools=[calculator],
-                         args=AsyncGRPOConfig(max_steps=1))
+        AsyncGRPOTrainer(
+            "tiny",
+            train_dataset=environment("arithmetic_taskset"),
+            tools=[calculator],
+            args=AsyncGRPOConfig(max_steps=1),
+        )
 
 
 async def test_the_capture_answers_as_verifiers_client_reads_and_refuses_a_prompt_past_the_context():
     async def sample(prompt_ids):
-        return TurnRecord(prompt_ids=prompt_ids, output_ids=[7, 2], output_log_probs=[-0.5, -0.25], finish_reason="stop")
+        return TurnRecord(
+            prompt_ids=prompt_ids, output_ids=[7, 2], output_log_probs=[-0.5, -0.25], finish_reason="stop"
+        )
 
     capture = Capture(sample, max_model_len=8)
     await capture.start()
@@ -110,9 +132,13 @@ async def test_the_capture_answers_as_verifiers_client_reads_and_refuses_a_promp
         await capture.stop()
     choice = body["choices"][0]
     assert (choice["token_ids"], body["prompt_token_ids"]) == ([7, 2], [1, 2, 3])
-    assert choice["logprobs"]["content"] == [{"token": "token_id:7", "logprob": -0.5}, {"token": "token_id:2", "logprob": -0.25}]
-    assert too_long[0] == 400 and isinstance(model_error(too_long[1]), OverlongPromptError), \
+    assert choice["logprobs"]["content"] == [
+        {"token": "token_id:7", "logprob": -0.5},
+        {"token": "token_id:2", "logprob": -0.25},
+    ]
+    assert too_long[0] == 400 and isinstance(model_error(too_long[1]), OverlongPromptError), (
         "verifiers reads the refusal as a context-length stop, ending the episode cleanly"
+    )
     assert unknown_status == 404
     assert [len(t.prompt_ids) for t in capture.close(name).turns] == [3], "the rollout keeps the turn it sampled"
 

@@ -36,7 +36,9 @@ def test_clipped_surrogate_gradient_is_masked_and_clipped_ratio_times_advantage(
 def test_clip_ratio_counts_every_token_outside_the_trust_region_whatever_its_advantage_sign():
     ratios = torch.tensor([1.1, 0.5, 5.0, 0.4, 1.5, 0.7], dtype=F64)
     for sign in (1.0, -1.0):  # the clip is active for one sign only; clip_ratio/* counts both
-        _, stats = clipped_surrogate(ratios.log(), torch.zeros(6, dtype=F64), torch.full((6,), sign, dtype=F64), **BOUNDS)
+        _, stats = clipped_surrogate(
+            ratios.log(), torch.zeros(6, dtype=F64), torch.full((6,), sign, dtype=F64), **BOUNDS
+        )
         assert stats.above.tolist() == [False, False, True, False, True, False], "above 1 + epsilon_high = 1.28"
         assert stats.below.tolist() == [False, True, False, True, False, True], "below 1 - epsilon = 0.8"
 
@@ -51,8 +53,14 @@ def test_score_centering_gradient_matches_the_formula_through_a_softmax():
     sampled = torch.tensor([1, 3])
     top = sampler.topk(3, dim=-1).indices
     advantages = torch.tensor([1.5, -0.5], dtype=F64)
-    losses, stats, mass = score_centered(policy.gather(1, sampled[:, None])[:, 0], sampler.gather(1, sampled[:, None])[:, 0],
-                                         advantages, policy.gather(1, top), sampler.gather(1, top), **BOUNDS)
+    losses, stats, mass = score_centered(
+        policy.gather(1, sampled[:, None])[:, 0],
+        sampler.gather(1, sampled[:, None])[:, 0],
+        advantages,
+        policy.gather(1, top),
+        sampler.gather(1, top),
+        **BOUNDS,
+    )
     losses.sum().backward()
 
     def score(i, v):  # ∇_θ log π(v) at position i: (e_v - π) / T on row i
@@ -82,7 +90,7 @@ def test_score_centering_masks_and_padding():
     losses, stats, mass = score_centered(logprobs, old, torch.ones(1, dtype=F64), top, top_sampler, **BOUNDS)
     losses.sum().backward()
     assert stats.in_bounds.tolist() == [True]
-    assert logprobs.grad.tolist() == pytest.approx([-0.5], abs=1e-12)        # -A · m · r
+    assert logprobs.grad.tolist() == pytest.approx([-0.5], abs=1e-12)  # -A · m · r
     assert top.grad.tolist()[0] == pytest.approx([0.5, 0.0, 0.0], abs=1e-12)  # +A · m_v · π(v)
     assert mass.tolist() == pytest.approx([1.1])
 
@@ -99,10 +107,17 @@ def test_score_centering_removes_the_pull_toward_the_sampler():
     every = torch.arange(vocab).expand(draws, vocab)  # top-K = the whole vocabulary: the inner expectation is exact
     for centered in (True, False):
         # One gradient per draw: the Jacobian of the per-token losses with respect to the logits.
-        grads = torch.autograd.functional.jacobian(lambda t, centered=centered: _losses(t, tokens, every, sampler, centered), theta, vectorize=True, strategy="forward-mode")
+        grads = torch.autograd.functional.jacobian(
+            lambda t, centered=centered: _losses(t, tokens, every, sampler, centered),
+            theta,
+            vectorize=True,
+            strategy="forward-mode",
+        )
         mean, stderr = grads.mean(0), grads.std(0) / math.sqrt(draws)
         if centered:
-            assert (mean.abs() < 5 * stderr + 1e-12).all(), f"centered update is biased: {mean.tolist()} ± {stderr.tolist()}"
+            assert (mean.abs() < 5 * stderr + 1e-12).all(), (
+                f"centered update is biased: {mean.tolist()} ± {stderr.tolist()}"
+            )
         else:
             assert (mean.abs() > 10 * stderr).any(), f"the uncentered update should be biased: {mean.tolist()}"
 
@@ -112,8 +127,15 @@ def _losses(theta, chunk, every, sampler, centered):
     ones = torch.ones(chunk.numel(), dtype=F64)
     if centered:
         return score_centered(policy[chunk], sampler[chunk], ones, policy[every], sampler[every], **BOUNDS)[0]
-    return clipped_surrogate(policy[chunk], sampler[chunk], ones, epsilon_low=1e9, epsilon_high=1e9,
-                             clip_min=BOUNDS["clip_min"], clip_max=BOUNDS["clip_max"])[0]
+    return clipped_surrogate(
+        policy[chunk],
+        sampler[chunk],
+        ones,
+        epsilon_low=1e9,
+        epsilon_high=1e9,
+        clip_min=BOUNDS["clip_min"],
+        clip_max=BOUNDS["clip_max"],
+    )[0]
 
 
 # ---- FlashREINFORCE ------------------------------------------------------------------------------
@@ -170,29 +192,45 @@ def test_entropy_filtering_keeps_the_highest_entropy_tokens_of_failed_rows():
     current, behavior, rewards, mask = batch([5, 5], [0.0, 1.0])
     entropies = torch.tensor([[0.1, 0.9, 0.5, 0.9, 0.2], [0.3, 0.3, 0.3, 0.3, 0.3]], dtype=F64)
     failures = torch.tensor([True, False])
-    loss, diag = flash_reinforce_loss(current, behavior, rewards, mask, delta=float("inf"), negative_token_fraction=0.5,
-                                      entropies=entropies, failures=failures)
+    loss, diag = flash_reinforce_loss(
+        current,
+        behavior,
+        rewards,
+        mask,
+        delta=float("inf"),
+        negative_token_fraction=0.5,
+        entropies=entropies,
+        failures=failures,
+    )
     loss.backward()
     assert diag["retained_tokens"].tolist() == [3, 5]  # ceil(0.5 · 5) = 3 in the failed row
     assert (current.grad[0] != 0).tolist() == [False, True, True, True, False]  # 0.9, 0.9 (earlier first), 0.5
     assert diag["policy_tokens"].tolist() == [5, 5]
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda a: a.update(log_probs=torch.zeros(0, 0)), "non-empty"),
-    (lambda a: a.update(rewards=torch.zeros(3)), "rewards must have shape"),
-    (lambda a: a.update(action_mask=torch.ones(2, 3)), "must be bool"),
-    (lambda a: a.update(action_mask=torch.tensor([[True, True, True], [False, False, False]])), "no policy token"),
-    (lambda a: a.update(log_probs=torch.tensor([[-0.1, float("nan"), -0.2], [-0.1, -0.1, -0.1]])), "NaN"),
-    (lambda a: a.update(behavior_log_probs=torch.tensor([[-0.1, 0.3, -0.2], [-0.1, -0.1, -0.1]])), "positive"),
-    (lambda a: a.update(delta=-1.0), "delta=-1.0"),
-    (lambda a: a.update(negative_token_fraction=1.5), "negative_token_fraction=1.5"),
-    (lambda a: a.update(negative_token_fraction=0.5), "pass entropies"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: a.update(log_probs=torch.zeros(0, 0)), "non-empty"),
+        (lambda a: a.update(rewards=torch.zeros(3)), "rewards must have shape"),
+        (lambda a: a.update(action_mask=torch.ones(2, 3)), "must be bool"),
+        (lambda a: a.update(action_mask=torch.tensor([[True, True, True], [False, False, False]])), "no policy token"),
+        (lambda a: a.update(log_probs=torch.tensor([[-0.1, float("nan"), -0.2], [-0.1, -0.1, -0.1]])), "NaN"),
+        (lambda a: a.update(behavior_log_probs=torch.tensor([[-0.1, 0.3, -0.2], [-0.1, -0.1, -0.1]])), "positive"),
+        (lambda a: a.update(delta=-1.0), "delta=-1.0"),
+        (lambda a: a.update(negative_token_fraction=1.5), "negative_token_fraction=1.5"),
+        (lambda a: a.update(negative_token_fraction=0.5), "pass entropies"),
+    ],
+)
 def test_invalid_inputs_are_named(change, message):
-    arguments = {"log_probs": torch.full((2, 3), -0.5), "behavior_log_probs": torch.full((2, 3), -0.5),
-                 "rewards": torch.tensor([1.0, 0.0]), "action_mask": torch.ones(2, 3, dtype=torch.bool), "delta": 3e-3,
-                 "negative_token_fraction": 1.0}
+    arguments = {
+        "log_probs": torch.full((2, 3), -0.5),
+        "behavior_log_probs": torch.full((2, 3), -0.5),
+        "rewards": torch.tensor([1.0, 0.0]),
+        "action_mask": torch.ones(2, 3, dtype=torch.bool),
+        "delta": 3e-3,
+        "negative_token_fraction": 1.0,
+    }
     change(arguments)
     with pytest.raises(ValueError, match=message):
         flash_reinforce_loss(**arguments)

@@ -39,7 +39,9 @@ def test_every_name_a_short_run_logs_is_in_the_catalogue(tmp_path):
     names = {name for line in logged(tmp_path) for name in line} - LINE_FIELDS
     assert {"reward", "loss", "perf/step_s", "eval/reward", "memory/host_rss_max_gib"} <= names, sorted(names)
     missing = sorted(name for name in names if find(name) is None)
-    assert not missing, f"metrics.jsonl has names the catalogue lacks (add them to tandem/metrics/catalogue.py): {missing}"
+    assert not missing, (
+        f"metrics.jsonl has names the catalogue lacks (add them to tandem/metrics/catalogue.py): {missing}"
+    )
 
 
 def written(name: str, text: str) -> bool:
@@ -58,23 +60,34 @@ def test_every_entry_is_a_name_the_code_logs():
     source = "\n".join(path.read_text() for path in sorted(SOURCE.rglob("*.py")) if path.name != "catalogue.py")
     group_metrics = (SOURCE / "rollout" / "group_metrics.py").read_text()
     assert re.search(r"""f["']eval/\{\w+\}["']""", source), "evaluations record group metrics under eval/"
-    unlogged = [metric.name for metric in METRICS if not (
-        written(metric.name, source)
-        or metric.name.startswith("eval/") and written(metric.name.removeprefix("eval/"), group_metrics))]
+    unlogged = [
+        metric.name
+        for metric in METRICS
+        if not (
+            written(metric.name, source)
+            or metric.name.startswith("eval/")
+            and written(metric.name.removeprefix("eval/"), group_metrics)
+        )
+    ]
     assert not unlogged, f"catalogue entries no code in src/tandem logs (renamed or removed?): {unlogged}"
 
 
 def may_match_alike(a: str, b: str) -> bool:
     """Whether one logged name could match both catalogue names: as many segments, each equal or a placeholder."""
     first, second = a.split("/"), b.split("/")
-    return len(first) == len(second) and all(x == y or PLACEHOLDER.fullmatch(x) or PLACEHOLDER.fullmatch(y)
-                                             for x, y in zip(first, second))
+    return len(first) == len(second) and all(
+        x == y or PLACEHOLDER.fullmatch(x) or PLACEHOLDER.fullmatch(y) for x, y in zip(first, second)
+    )
 
 
 def test_no_two_entries_match_one_name_and_each_says_what_it_measures():
-    overlapping = [(a.name, b.name) for i, a in enumerate(METRICS) for b in METRICS[i + 1:] if may_match_alike(a.name, b.name)]
+    overlapping = [
+        (a.name, b.name) for i, a in enumerate(METRICS) for b in METRICS[i + 1 :] if may_match_alike(a.name, b.name)
+    ]
     assert not overlapping, f"entries that match the same names: {overlapping}"
-    partial = [m.name for m in METRICS if any("{" in part and not PLACEHOLDER.fullmatch(part) for part in m.name.split("/"))]
+    partial = [
+        m.name for m in METRICS if any("{" in part and not PLACEHOLDER.fullmatch(part) for part in m.name.split("/"))
+    ]
     assert not partial, f"a placeholder must be a whole segment: {partial}"
     unexplained = [m.name for m in METRICS if not m.meaning.strip()]
     assert not unexplained, f"entries without a meaning: {unexplained}"

@@ -7,13 +7,32 @@ import pytest
 from tandem.cli import main
 from tandem.metrics.doctor import diagnose, read_run
 
-CONFIG = {"max_staleness": 4, "max_concurrent_rollouts": 64, "num_generations": 8, "weight_sync_steps": 1,
-          "vllm_importance_sampling_clip_min": 0.5, "vllm_importance_sampling_clip_max": 5.0}
-BALANCED = {"perf/step_s": 1.0, "perf/rollout_wait_s": 0.05, "rollout/backpressure_s": 0.05, "rollout/queue_size": 40,
-            "batch/samples_per_step": 32, "rollout/concurrency": 20, "rollout/concurrency_cap": 64,
-            "rollout/vllm_kv_cache_usage_frac": 0.3, "reward": 0.4, "frac_reward_zero_std": 0.2, "reward_dropped": 0.3,
-            "completions/duplicate_frac": 0.05, "completions/clipped_ratio": 0.02, "entropy": 0.8,
-            "sampling/importance_sampling_ratio/mean": 1.0, "perf/weight_sync_s": 0.05}
+CONFIG = {
+    "max_staleness": 4,
+    "max_concurrent_rollouts": 64,
+    "num_generations": 8,
+    "weight_sync_steps": 1,
+    "vllm_importance_sampling_clip_min": 0.5,
+    "vllm_importance_sampling_clip_max": 5.0,
+}
+BALANCED = {
+    "perf/step_s": 1.0,
+    "perf/rollout_wait_s": 0.05,
+    "rollout/backpressure_s": 0.05,
+    "rollout/queue_size": 40,
+    "batch/samples_per_step": 32,
+    "rollout/concurrency": 20,
+    "rollout/concurrency_cap": 64,
+    "rollout/vllm_kv_cache_usage_frac": 0.3,
+    "reward": 0.4,
+    "frac_reward_zero_std": 0.2,
+    "reward_dropped": 0.3,
+    "completions/duplicate_frac": 0.05,
+    "completions/clipped_ratio": 0.02,
+    "entropy": 0.8,
+    "sampling/importance_sampling_ratio/mean": 1.0,
+    "perf/weight_sync_s": 0.05,
+}
 
 
 def run(*phases: dict, windows: int = 15) -> list[dict]:
@@ -26,43 +45,83 @@ def verdicts(rows, area: str, label: str = "whole run", config: dict | None = No
     return [f.verdict for f in diagnose(rows, CONFIG | (config or {}))[label] if f.area == area]
 
 
-@pytest.mark.parametrize("changes, verdict", [
-    ({}, "balanced"),
-    ({"rollout/queue_size": 0, "perf/rollout_wait_s": 0.6}, "generation-bound"),
-    ({"rollout/queue_size": 150, "rollout/backpressure_s": 0.5}, "trainer-bound"),
-    ({"perf/rollout_wait_s": 0.5, "rollout/backpressure_s": 0.5}, "staleness bound too tight"),
-    ({"perf/rollout_wait_s": 0.6, "rollout/concurrency": 64, "rollout/vllm_kv_cache_usage_frac": 0.2}, "concurrency cap bound"),
-    ({"perf/rollout_wait_s": 0.6, "rollout/concurrency_cap": 30, "rollout/vllm_kv_cache_usage_frac": 0.9}, "server saturated"),
-    ({"perf/rollout_wait_s": 0.6, "rollout/concurrency_cap": 30}, "generation-bound"),  # a cap still climbing, KV free
-    # tandem holds generation back before a group starts: a full token allowance is the held-back side's evidence
-    ({"perf/rollout_wait_s": 0.5, "rollout/allowance_used_max": 0.99}, "staleness bound too tight"),
-    ({"perf/rollout_wait_s": 0.1, "rollout/allowance_used_max": 0.99}, "trainer-bound"),  # short stalls, queue full
-    ({"perf/rollout_wait_s": 0.1, "rollout/allowance_used_max": 0.6}, "balanced"),
-    ({"perf/rollout_wait_s": 0.6, "rollout/vllm_running_requests": 40, "rollout/vllm_queued_requests": 20}, "server saturated"),
-    ({"perf/rollout_wait_s": 0.6, "rollout/vllm_running_requests": 40, "rollout/vllm_queued_requests": 4}, "generation-bound"),
-])
+@pytest.mark.parametrize(
+    "changes, verdict",
+    [
+        ({}, "balanced"),
+        ({"rollout/queue_size": 0, "perf/rollout_wait_s": 0.6}, "generation-bound"),
+        ({"rollout/queue_size": 150, "rollout/backpressure_s": 0.5}, "trainer-bound"),
+        ({"perf/rollout_wait_s": 0.5, "rollout/backpressure_s": 0.5}, "staleness bound too tight"),
+        (
+            {"perf/rollout_wait_s": 0.6, "rollout/concurrency": 64, "rollout/vllm_kv_cache_usage_frac": 0.2},
+            "concurrency cap bound",
+        ),
+        (
+            {"perf/rollout_wait_s": 0.6, "rollout/concurrency_cap": 30, "rollout/vllm_kv_cache_usage_frac": 0.9},
+            "server saturated",
+        ),
+        (
+            {"perf/rollout_wait_s": 0.6, "rollout/concurrency_cap": 30},
+            "generation-bound",
+        ),  # a cap still climbing, KV free
+        # tandem holds generation back before a group starts: a full token allowance is the held-back side's evidence
+        ({"perf/rollout_wait_s": 0.5, "rollout/allowance_used_max": 0.99}, "staleness bound too tight"),
+        ({"perf/rollout_wait_s": 0.1, "rollout/allowance_used_max": 0.99}, "trainer-bound"),  # short stalls, queue full
+        ({"perf/rollout_wait_s": 0.1, "rollout/allowance_used_max": 0.6}, "balanced"),
+        (
+            {"perf/rollout_wait_s": 0.6, "rollout/vllm_running_requests": 40, "rollout/vllm_queued_requests": 20},
+            "server saturated",
+        ),
+        (
+            {"perf/rollout_wait_s": 0.6, "rollout/vllm_running_requests": 40, "rollout/vllm_queued_requests": 4},
+            "generation-bound",
+        ),
+    ],
+)
 def test_the_bottleneck_is_named_from_queue_waits_and_caps(changes, verdict):
     assert verdicts(run(changes), "bottleneck") == [verdict]
 
 
 def test_one_poll_that_caught_a_burst_of_waiting_requests_is_no_saturated_server():
     starved = {"perf/rollout_wait_s": 0.6, "rollout/vllm_running_requests": 80}
-    burst = run({**starved, "rollout/vllm_queued_requests": 0}, {**starved, "rollout/vllm_queued_requests": 48}, windows=3)
-    assert verdicts(burst, "bottleneck") == ["generation-bound"], "waiting in half the polls: requests between two steps"
-    backlog = run({**starved, "rollout/vllm_queued_requests": 0}, {**starved, "rollout/vllm_queued_requests": 48}, windows=3)
+    burst = run(
+        {**starved, "rollout/vllm_queued_requests": 0}, {**starved, "rollout/vllm_queued_requests": 48}, windows=3
+    )
+    assert verdicts(burst, "bottleneck") == ["generation-bound"], (
+        "waiting in half the polls: requests between two steps"
+    )
+    backlog = run(
+        {**starved, "rollout/vllm_queued_requests": 0}, {**starved, "rollout/vllm_queued_requests": 48}, windows=3
+    )
     backlog[0]["rollout/vllm_queued_requests"] = 48
     assert verdicts(backlog, "bottleneck") == ["server saturated"], "waiting in most polls: the server is at capacity"
-    assert verdicts(run({**starved, "rollout/vllm_queued_requests": 48}, windows=1), "bottleneck") == ["generation-bound"], \
-        "a single poll says nothing either way"
+    assert verdicts(run({**starved, "rollout/vllm_queued_requests": 48}, windows=1), "bottleneck") == [
+        "generation-bound"
+    ], "a single poll says nothing either way"
 
 
-@pytest.mark.parametrize("phases, verdict, critical", [
-    (({}, {}), "healthy", False),
-    (({"reward": 0.6}, {"reward": 0.95, "frac_reward_zero_std": 0.8, "reward_dropped": 0.97}), "saturated at the top", False),
-    (({"reward": 0.02}, {"reward": 0.02, "frac_reward_zero_std": 0.95, "reward_dropped": 0.0}), "stuck at the bottom", False),
-    (({"reward": 0.6}, {"reward": 0.3, "frac_reward_zero_std": 0.4}), "regression", True),
-    (({"reward": 0.5, "entropy": 0.8}, {"reward": 0.45, "entropy": 0.1, "completions/duplicate_frac": 0.8}), "collapse", True),
-])
+@pytest.mark.parametrize(
+    "phases, verdict, critical",
+    [
+        (({}, {}), "healthy", False),
+        (
+            ({"reward": 0.6}, {"reward": 0.95, "frac_reward_zero_std": 0.8, "reward_dropped": 0.97}),
+            "saturated at the top",
+            False,
+        ),
+        (
+            ({"reward": 0.02}, {"reward": 0.02, "frac_reward_zero_std": 0.95, "reward_dropped": 0.0}),
+            "stuck at the bottom",
+            False,
+        ),
+        (({"reward": 0.6}, {"reward": 0.3, "frac_reward_zero_std": 0.4}), "regression", True),
+        (
+            ({"reward": 0.5, "entropy": 0.8}, {"reward": 0.45, "entropy": 0.1, "completions/duplicate_frac": 0.8}),
+            "collapse",
+            True,
+        ),
+    ],
+)
 def test_learning_health_reads_zero_std_groups_dropped_reward_duplicates_and_entropy(phases, verdict, critical):
     findings = [f for f in diagnose(run(*phases), CONFIG)["whole run"] if f.area == "learning"]
     assert [(f.verdict, f.critical) for f in findings] == [(verdict, critical)]
@@ -75,8 +134,16 @@ def test_a_stuck_run_with_truncated_completions_is_told_to_raise_the_length():
 
 
 def test_a_converged_run_with_identical_correct_answers_is_saturated_not_collapsed():
-    rows = run({"reward": 0.5, "entropy": 0.4}, {"reward": 0.92, "entropy": 0.08, "completions/duplicate_frac": 0.85,
-                                                 "frac_reward_zero_std": 0.85, "reward_dropped": 0.93})
+    rows = run(
+        {"reward": 0.5, "entropy": 0.4},
+        {
+            "reward": 0.92,
+            "entropy": 0.08,
+            "completions/duplicate_frac": 0.85,
+            "frac_reward_zero_std": 0.85,
+            "reward_dropped": 0.93,
+        },
+    )
     assert verdicts(rows, "learning") == ["saturated at the top"]
 
 
@@ -86,8 +153,9 @@ def test_sync_health_and_the_critical_ones():
     assert verdicts(run({"sampling/importance_sampling_ratio/mean": 6.0}), "sync") == ["importance ratio out of bounds"]
     assert verdicts(run({"sample/dropped_stale_count": 40}), "sync") == ["most samples dropped stale"]
     assert verdicts(run({"perf/weight_sync_s": 0.6}), "sync") == ["syncs take a large share of each step"]
-    assert verdicts(run({"perf/weight_sync_s": 0.6, "perf/weight_sync_wait_s": 0.01}), "sync") == ["healthy"], \
+    assert verdicts(run({"perf/weight_sync_s": 0.6, "perf/weight_sync_wait_s": 0.01}), "sync") == ["healthy"], (
         "a sync beside the next step costs the step only what the trainer waited for it"
+    )
     quiet_end = run({}) + [{"step": 99, "reward": 0.4, "frac_reward_zero_std": 1.0}] * 5
     assert "no trainable sample" in verdicts(quiet_end, "run", "last window")
 
@@ -97,11 +165,15 @@ def test_a_log_prob_gap_beyond_rounding_at_staleness_zero_is_critical():
     fp32 = {"compute_dtype": "float32"}
     assert verdicts(run(drifted), "sync", config=fp32) == ["off-policy at staleness 0"]
     assert verdicts(run(drifted | {"sampling/sampling_logp_difference/mean": 7e-6}), "sync", config=fp32) == ["healthy"]
-    assert verdicts(run(drifted | {"sample/staleness_max": 2}), "sync", config=fp32) == ["healthy"], \
+    assert verdicts(run(drifted | {"sample/staleness_max": 2}), "sync", config=fp32) == ["healthy"], (
         "stale samples differ by their staleness, not by a wrong server"
-    assert verdicts(run(drifted), "sync", config={"compute_dtype": "bfloat16"}) == ["healthy"], "bf16 rounding reaches 0.06"
-    assert verdicts(run(drifted), "sync", config=fp32 | {"server_dtype": "bfloat16"}) == ["healthy"], \
+    )
+    assert verdicts(run(drifted), "sync", config={"compute_dtype": "bfloat16"}) == ["healthy"], (
+        "bf16 rounding reaches 0.06"
+    )
+    assert verdicts(run(drifted), "sync", config=fp32 | {"server_dtype": "bfloat16"}) == ["healthy"], (
         "the coarser of the trainer's and the server's dtype"
+    )
 
 
 def test_tandem_doctor_prints_the_findings_and_exits_1_on_a_critical_one(tmp_path, capsys):
@@ -116,7 +188,9 @@ def test_tandem_doctor_prints_the_findings_and_exits_1_on_a_critical_one(tmp_pat
     assert stop.value.code == 1 and "CRITICAL learning: regression" in capsys.readouterr().out
     with pytest.raises(SystemExit) as stop:  # a wrong path is the user's mistake, 2, not a finding
         main(["doctor", str(tmp_path / "elsewhere")])
-    assert stop.value.code == 2 and "has no metrics.jsonl: give the output_dir of a tandem run" in capsys.readouterr().err
+    assert (
+        stop.value.code == 2 and "has no metrics.jsonl: give the output_dir of a tandem run" in capsys.readouterr().err
+    )
 
 
 def test_a_broken_line_is_named_and_an_evaluations_line_joins_its_step(tmp_path, capsys):

@@ -19,53 +19,94 @@ RECIPE = {  # the same recipe in every run unless a run says otherwise
     "gradient_checkpointing": True,  # line 287: AsyncGRPOConfig's default
 }
 
-RUN_1 = ("r1-dp2", RECIPE, {
-    "perf/step_s": 22.9, "perf/fwd_bwd_s": 21.9,  # line 230-231 (p50), line 269
-    "perf/rollout_wait_s": 0.02,  # line 232
-    "rollout/queue_size": 476,  # line 233: 476 of 512
-    "rollout/backpressure_s": 15.0,  # line 269: "15 s per group blocked on backpressure"
-    "batch/microbatches_per_step": 64, "batch/samples_per_row": 1.0,  # line 271
-    "perf/fwd_bwd_mfu": 0.039,  # line 234
-    "batch/samples_per_step": 128,  # line 324
-    "perf/weight_sync_s": 8.5,  # line 326
-    "sample/staleness_mean": 1.5,  # line 327
-    "sampling/importance_sampling_ratio/mean": 1.0,  # line 240: between 0.9993 and 1.0004 throughout
-}, (0.145, 0.438))  # line 242, line 328: reward, first 20 steps -> last 20 steps
+RUN_1 = (
+    "r1-dp2",
+    RECIPE,
+    {
+        "perf/step_s": 22.9,
+        "perf/fwd_bwd_s": 21.9,  # line 230-231 (p50), line 269
+        "perf/rollout_wait_s": 0.02,  # line 232
+        "rollout/queue_size": 476,  # line 233: 476 of 512
+        "rollout/backpressure_s": 15.0,  # line 269: "15 s per group blocked on backpressure"
+        "batch/microbatches_per_step": 64,
+        "batch/samples_per_row": 1.0,  # line 271
+        "perf/fwd_bwd_mfu": 0.039,  # line 234
+        "batch/samples_per_step": 128,  # line 324
+        "perf/weight_sync_s": 8.5,  # line 326
+        "sample/staleness_mean": 1.5,  # line 327
+        "sampling/importance_sampling_ratio/mean": 1.0,  # line 240: between 0.9993 and 1.0004 throughout
+    },
+    (0.145, 0.438),
+)  # line 242, line 328: reward, first 20 steps -> last 20 steps
 
-RUN_2 = ("r1-dp2-tb16k", {**RECIPE, "token_budget": 16384, "gradient_accumulation_steps": 6}, {  # line 275
-    "batch/samples_per_row": 12.7, "batch/microbatches_per_step": 6,  # line 279
-    "perf/step_s": 5.9,  # line 277: "the step time went from 23 s to 5.9 s"
-    "perf/fwd_bwd_s": 5.6, "perf/fwd_s": 1.34,  # line 279, line 285
-    "batch/samples_per_step": 150,  # line 279: "about 150 samples per step"
-    "rollout/queue_size": 420, "perf/rollout_wait_s": 0.02,  # line 289: queue ~420, rollout wait 0.02 s before nockpt
-}, None)
+RUN_2 = (
+    "r1-dp2-tb16k",
+    {**RECIPE, "token_budget": 16384, "gradient_accumulation_steps": 6},
+    {  # line 275
+        "batch/samples_per_row": 12.7,
+        "batch/microbatches_per_step": 6,  # line 279
+        "perf/step_s": 5.9,  # line 277: "the step time went from 23 s to 5.9 s"
+        "perf/fwd_bwd_s": 5.6,
+        "perf/fwd_s": 1.34,  # line 279, line 285
+        "batch/samples_per_step": 150,  # line 279: "about 150 samples per step"
+        "rollout/queue_size": 420,
+        "perf/rollout_wait_s": 0.02,  # line 289: queue ~420, rollout wait 0.02 s before nockpt
+    },
+    None,
+)
 
-RUN_3 = ("r1-dp2-tb16k-nockpt", {**RUN_2[1], "gradient_checkpointing": False}, {  # line 291
-    "perf/fwd_bwd_s": 4.6, "perf/fwd_s": 4.6 / 3.5,  # line 291; line 293: backward still 2.5x the forward
-    "rollout/queue_size": 71, "perf/rollout_wait_s": 0.6,  # line 291
-    "perf/weight_sync_s": 7.6,  # line 293: 7.6 s every 4 steps ...
-    "perf/step_s": 7.6 / 4 / 0.25,  # ... is 25% of the wall clock (line 293): a step of 7.6 s
-    "batch/samples_per_step": 150, "batch/samples_per_row": 12.7, "batch/microbatches_per_step": 6,  # as run 2
-    "rollout/concurrency": 128,  # line 299: "in both runs rollout/inflight is 128" -- runs 3 and 4
-}, None)
+RUN_3 = (
+    "r1-dp2-tb16k-nockpt",
+    {**RUN_2[1], "gradient_checkpointing": False},
+    {  # line 291
+        "perf/fwd_bwd_s": 4.6,
+        "perf/fwd_s": 4.6 / 3.5,  # line 291; line 293: backward still 2.5x the forward
+        "rollout/queue_size": 71,
+        "perf/rollout_wait_s": 0.6,  # line 291
+        "perf/weight_sync_s": 7.6,  # line 293: 7.6 s every 4 steps ...
+        "perf/step_s": 7.6 / 4 / 0.25,  # ... is 25% of the wall clock (line 293): a step of 7.6 s
+        "batch/samples_per_step": 150,
+        "batch/samples_per_row": 12.7,
+        "batch/microbatches_per_step": 6,  # as run 2
+        "rollout/concurrency": 128,  # line 299: "in both runs rollout/inflight is 128" -- runs 3 and 4
+    },
+    None,
+)
 
-RUN_4 = ("r1-dp3-tb16k-nockpt", RUN_3[1], {  # line 297: a third replica, nothing else in the trainer's recipe
-    **RUN_3[2],  # line 299: "generation and forward+backward unchanged" -- generation and forward+backward as in run 3
-    "perf/weight_sync_s": 5.8,  # line 301
-    "perf/step_s": 7.6 - (7.6 - 5.8) / 4,  # run 3's step less the sync time saved per step
-}, None)
+RUN_4 = (
+    "r1-dp3-tb16k-nockpt",
+    RUN_3[1],
+    {  # line 297: a third replica, nothing else in the trainer's recipe
+        **RUN_3[
+            2
+        ],  # line 299: "generation and forward+backward unchanged" -- generation and forward+backward as in run 3
+        "perf/weight_sync_s": 5.8,  # line 301
+        "perf/step_s": 7.6 - (7.6 - 5.8) / 4,  # run 3's step less the sync time saved per step
+    },
+    None,
+)
 
-RUN_5 = ("r1-dp3-inflight384", {**RUN_4[1], "max_concurrent_rollouts": 384}, {  # line 309
-    "rollout/queue_size": 690, "rollout/backpressure_s": 5.0, "perf/rollout_wait_s": 0.03,  # line 313
-    "perf/fwd_bwd_s": 4.6, "perf/step_s": 4.8,  # line 313, line 321-322
-    "perf/fwd_bwd_mfu": 0.235,  # line 323
-    "batch/samples_per_step": 168,  # line 324
-    "perf/weight_sync_s": 6.2,  # line 326
-    "sample/staleness_mean": 2.0,  # line 315, line 327
-    "rollout/concurrency": 384,  # line 313: 384 requests in flight
-    "sampling/importance_sampling_ratio/mean": 1.0,  # line 315: "the ratio is still very close to 1.000"
-    "batch/samples_per_row": 12.7, "batch/microbatches_per_step": 6, "perf/fwd_s": 4.6 / 3.5,  # as runs 3-4
-}, (0.145, 0.416))  # line 328
+RUN_5 = (
+    "r1-dp3-inflight384",
+    {**RUN_4[1], "max_concurrent_rollouts": 384},
+    {  # line 309
+        "rollout/queue_size": 690,
+        "rollout/backpressure_s": 5.0,
+        "perf/rollout_wait_s": 0.03,  # line 313
+        "perf/fwd_bwd_s": 4.6,
+        "perf/step_s": 4.8,  # line 313, line 321-322
+        "perf/fwd_bwd_mfu": 0.235,  # line 323
+        "batch/samples_per_step": 168,  # line 324
+        "perf/weight_sync_s": 6.2,  # line 326
+        "sample/staleness_mean": 2.0,  # line 315, line 327
+        "rollout/concurrency": 384,  # line 313: 384 requests in flight
+        "sampling/importance_sampling_ratio/mean": 1.0,  # line 315: "the ratio is still very close to 1.000"
+        "batch/samples_per_row": 12.7,
+        "batch/microbatches_per_step": 6,
+        "perf/fwd_s": 4.6 / 3.5,  # as runs 3-4
+    },
+    (0.145, 0.416),
+)  # line 328
 
 
 def logged(metrics: dict, reward: tuple[float, float] | None, steps: int = 100) -> list[dict]:

@@ -25,13 +25,29 @@ def test_in_a_terminal_a_live_dashboard_shows_its_metric_pairs_and_no_plain_line
     out = io.StringIO()
     console = RunConsole(None, console=Console(file=out, width=120, force_terminal=True))
     for step, reward in enumerate([0.1, 0.3, 0.25], start=1):
-        console.update(step, {"reward": reward, "perf/step_s": 0.5, "perf/fwd_bwd_s": 0.3, "perf/fwd_s": 0.1,
-                              "rollout/queue_size": 40, "rollout/backpressure_s": 0.02})
+        console.update(
+            step,
+            {
+                "reward": reward,
+                "perf/step_s": 0.5,
+                "perf/fwd_bwd_s": 0.3,
+                "perf/fwd_s": 0.1,
+                "rollout/queue_size": 40,
+                "rollout/backpressure_s": 0.02,
+            },
+        )
     console.live.refresh()
     console.close()
     shown = out.getvalue()
-    for label in ("reward", "step / forward+backward", "rollout wait", "queue / samples per step",
-                  "backpressure / score block", "step split", "in flight / cap"):
+    for label in (
+        "reward",
+        "step / forward+backward",
+        "rollout wait",
+        "queue / samples per step",
+        "backpressure / score block",
+        "step split",
+        "in flight / cap",
+    ):
         assert label in shown, f"the dashboard lacks {label!r}"
     assert "0.250  ▁█▇" in shown, "the reward's sparkline runs from its lowest to its highest value"
     assert "reward 0.250  step" not in shown, "no plain line in a terminal"
@@ -56,7 +72,10 @@ def test_a_changed_finding_is_one_doctor_line_once_it_held_a_few_windows():
     for step in range(1, 81):
         console.update(step, trainer_bound if step <= 40 else generation_bound)
     warnings = [line for line in out.getvalue().splitlines() if line.startswith("doctor:")]
-    assert [w.split(" (")[0] for w in warnings] == ["doctor: bottleneck: trainer-bound", "doctor: bottleneck: generation-bound"]
+    assert [w.split(" (")[0] for w in warnings] == [
+        "doctor: bottleneck: trainer-bound",
+        "doctor: bottleneck: generation-bound",
+    ]
     assert "raise max_concurrent_rollouts" in warnings[1], "the warning carries the knob"
 
 

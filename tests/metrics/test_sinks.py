@@ -29,7 +29,9 @@ def tensorboard_text(folder, tag: str) -> str:
     return events.Tensors(f"{tag}/text_summary")[-1].tensor_proto.string_val[0].decode()
 
 
-def test_report_to_all_sends_every_metric_and_the_completions_table_to_tensorboard_wandb_and_trackio(tmp_path, monkeypatch):
+def test_report_to_all_sends_every_metric_and_the_completions_table_to_tensorboard_wandb_and_trackio(
+    tmp_path, monkeypatch
+):
     from trackio.sqlite_storage import SQLiteStorage
 
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -47,15 +49,24 @@ def test_report_to_all_sends_every_metric_and_the_completions_table_to_tensorboa
     finally:
         for sink in sinks:
             sink.close()
-    assert tensorboard_scalars(tmp_path / "runs") == {"reward": [(1, 0.25), (2, 0.5)], "perf/step_s": [(1, 1.5), (2, 1.5)]}
+    assert tensorboard_scalars(tmp_path / "runs") == {
+        "reward": [(1, 0.25), (2, 0.5)],
+        "perf/step_s": [(1, 1.5), (2, 1.5)],
+    }
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb")), "wandb wrote its offline run in output_dir"
     assert json.loads((tmp_path / "completions.jsonl").read_text()) == {
-        "step": 2, "prompt": "What is 1 + 1?", "completion": "2 | two", "reward": 1.0}
+        "step": 2,
+        "prompt": "What is 1 + 1?",
+        "completion": "2 | two",
+        "reward": 1.0,
+    }
     assert "| 2 | What is 1 + 1? | 2 \\| two | 1.0 |" in tensorboard_text(tmp_path / "runs", "completions")
     try:
         logs = SQLiteStorage.get_logs(project, "first")
-        assert [(row["step"], row["reward"], row["perf/step_s"]) for row in logs if "reward" in row] == \
-               [(1, 0.25, 1.5), (2, 0.5, 1.5)]
+        assert [(row["step"], row["reward"], row["perf/step_s"]) for row in logs if "reward" in row] == [
+            (1, 0.25, 1.5),
+            (2, 0.5, 1.5),
+        ]
         assert [row["step"] for row in logs if "completions" in row] == [2], "the completions table"
     finally:
         SQLiteStorage.get_project_db_path(project).unlink(missing_ok=True)
@@ -64,11 +75,20 @@ def test_report_to_all_sends_every_metric_and_the_completions_table_to_tensorboa
 
 def test_a_hosted_trackio_run_goes_to_its_space_and_bucket_and_is_frozen_when_it_ends(tmp_path, monkeypatch):
     calls = []
-    fake = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw)), log=lambda *a, **kw: None,
-                                 finish=lambda: calls.append(("finish", {})), freeze=lambda **kw: calls.append(("freeze", kw)))
+    fake = types.SimpleNamespace(
+        init=lambda **kw: calls.append(("init", kw)),
+        log=lambda *a, **kw: None,
+        finish=lambda: calls.append(("finish", {})),
+        freeze=lambda **kw: calls.append(("freeze", kw)),
+    )
     monkeypatch.setitem(sys.modules, "trackio", fake)
-    config = AsyncGRPOConfig(project="p", run_name="r", trackio_space_id="me/dash", trackio_bucket_id="me/bucket",
-                             trackio_static_space_id="me/static").to_dict()
+    config = AsyncGRPOConfig(
+        project="p",
+        run_name="r",
+        trackio_space_id="me/dash",
+        trackio_bucket_id="me/bucket",
+        trackio_static_space_id="me/static",
+    ).to_dict()
     (sink,) = make_sinks("trackio", tmp_path, config)[1:]
     sink.close()
     (_, init), finish, (_, freeze) = calls
@@ -82,7 +102,9 @@ def test_a_hosted_trackio_run_goes_to_its_space_and_bucket_and_is_frozen_when_it
 
 
 def test_report_to_all_takes_only_the_integrations_that_are_installed(tmp_path, monkeypatch):
-    monkeypatch.setattr("tandem.metrics.sinks.INTEGRATIONS", {"tensorboard": "tensorboard", "wandb": "no_such_module_here"})
+    monkeypatch.setattr(
+        "tandem.metrics.sinks.INTEGRATIONS", {"tensorboard": "tensorboard", "wandb": "no_such_module_here"}
+    )
     sinks = make_sinks("all", tmp_path, AsyncGRPOConfig().to_dict())
     try:
         assert [type(s).__name__ for s in sinks] == ["JsonlSink", "TensorboardSink"]

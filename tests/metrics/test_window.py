@@ -32,9 +32,18 @@ def test_every_name_whose_rule_is_stated_here_is_in_the_metrics_catalogue():
 
 def test_the_catalogue_is_whole():
     names = catalogue()
-    for expected in ("reward", "num_tokens", "completions/min_terminated_length", "rewards/accuracy_reward/group_std",
-                     "tools/search/call_count", "sampling/importance_sampling_ratio/mean", "sampling/sampling_logp_difference/max",
-                     "batch/dropped_oversize_count", "perf/weight_sync_barrier_s", "rollout/generated_tokens_per_s"):
+    for expected in (
+        "reward",
+        "num_tokens",
+        "completions/min_terminated_length",
+        "rewards/accuracy_reward/group_std",
+        "tools/search/call_count",
+        "sampling/importance_sampling_ratio/mean",
+        "sampling/sampling_logp_difference/max",
+        "batch/dropped_oversize_count",
+        "perf/weight_sync_barrier_s",
+        "rollout/generated_tokens_per_s",
+    ):
         assert expected in names
     assert len(names) > 100 and set(names.values()) == {SUM, MAX, MIN, RATE, MEAN}
 
@@ -44,13 +53,22 @@ def test_every_catalogue_name_has_its_documented_rule():
     assert not wrong, f"name: (rule, documented rule): {wrong}"
 
 
-@pytest.mark.parametrize("name, rule", [
-    ("completions/mean_terminated_length", MEAN), ("completions/min_terminated_length", MIN),
-    ("completions/max_length", MAX), ("tools/search/call_count", SUM), ("sample/staleness_max", MAX),
-    ("clip_ratio/low_min", MIN), ("sampling/importance_sampling_ratio/max", MAX),
-    ("sampling/importance_sampling_ratio/mean", MEAN), ("batch/trained_tokens_per_step", MEAN),
-    ("perf/wall_clock_trained_tokens_per_s", RATE), ("rewards/count_max_min/mean", MEAN),
-])
+@pytest.mark.parametrize(
+    "name, rule",
+    [
+        ("completions/mean_terminated_length", MEAN),
+        ("completions/min_terminated_length", MIN),
+        ("completions/max_length", MAX),
+        ("tools/search/call_count", SUM),
+        ("sample/staleness_max", MAX),
+        ("clip_ratio/low_min", MIN),
+        ("sampling/importance_sampling_ratio/max", MAX),
+        ("sampling/importance_sampling_ratio/mean", MEAN),
+        ("batch/trained_tokens_per_step", MEAN),
+        ("perf/wall_clock_trained_tokens_per_s", RATE),
+        ("rewards/count_max_min/mean", MEAN),
+    ],
+)
 def test_the_rule_reads_exact_words_of_the_last_part(name, rule):
     assert rule_for(name) == rule
 

@@ -15,8 +15,8 @@ def rollout(group, *completion, prompt=PROMPT):
 
 def test_shared_prompt_tokens_count_once_against_the_budget():
     batcher = TokenBudgetBatcher(token_budget=11)
-    assert batcher.offer(rollout(0, 10, 11))      # 8 unique tokens
-    assert batcher.offer(rollout(0, 20, 21))      # shares 5 of its 8 tokens: 11 unique, 16 raw
+    assert batcher.offer(rollout(0, 10, 11))  # 8 unique tokens
+    assert batcher.offer(rollout(0, 20, 21))  # shares 5 of its 8 tokens: 11 unique, 16 raw
     assert not batcher.offer(rollout(0, 30, 31))  # 3 more would make 14
     (row,) = batcher.close()
     assert (row.num_tokens, row.raw_tokens) == (11, 16)
@@ -25,10 +25,10 @@ def test_shared_prompt_tokens_count_once_against_the_budget():
 
 def test_in_the_padded_layout_the_budget_counts_every_sample_padded_to_the_longest():
     batcher = TokenBudgetBatcher(token_budget=24, layout=PADDED)
-    assert batcher.offer(rollout(0, 10, 11))          # 8 tokens
-    assert batcher.offer(rollout(0, 20))              # 7 tokens, padded to 8: nothing shared, 16 in all
+    assert batcher.offer(rollout(0, 10, 11))  # 8 tokens
+    assert batcher.offer(rollout(0, 20))  # 7 tokens, padded to 8: nothing shared, 16 in all
     assert not batcher.offer(rollout(0, 30, 31, 32))  # 9 tokens would widen all three to 27
-    assert batcher.offer(rollout(0, 40, 41))          # 24
+    assert batcher.offer(rollout(0, 40, 41))  # 24
     (row,) = batcher.close()
     assert (row.num_tokens, row.raw_tokens, row.layout) == (24, 23, PADDED)
 
@@ -54,16 +54,16 @@ def test_a_group_joins_the_row_that_holds_its_prompt():
 
 def test_a_full_home_row_sends_the_sample_to_an_empty_row():
     batcher = TokenBudgetBatcher(token_budget=8, num_rows=2)
-    assert batcher.offer(rollout(0, 10, 11))   # row 0 full (8 tokens)
-    assert batcher.offer(rollout(0, 20, 21))   # row 1 is empty: it goes there
+    assert batcher.offer(rollout(0, 10, 11))  # row 0 full (8 tokens)
+    assert batcher.offer(rollout(0, 20, 21))  # row 1 is empty: it goes there
     assert [len(r.samples) for r in batcher.close()] == [1, 1]
 
 
 def test_a_full_home_row_closes_the_micro_batch_rather_than_overload_another():
     batcher = TokenBudgetBatcher(token_budget=13, num_rows=2)
-    assert batcher.offer(rollout(0, 10, 11))            # row 0: group 0, load 1+...+8 = 36
-    assert batcher.offer(rollout(1, 7))                  # row 1 (least loaded): group 1, 7 tokens, load 28
-    assert batcher.offer(rollout(0, 20, 21))             # row 0 again, sharing the prompt: 11 tokens, load 57
+    assert batcher.offer(rollout(0, 10, 11))  # row 0: group 0, load 1+...+8 = 36
+    assert batcher.offer(rollout(1, 7))  # row 1 (least loaded): group 1, 7 tokens, load 28
+    assert batcher.offer(rollout(0, 20, 21))  # row 0 again, sharing the prompt: 11 tokens, load 57
     # Group 0's row is full. Row 1 has room (7 + 6 new tokens) but its load would reach 28 + 51 = 79 > 57.
     assert not batcher.offer(rollout(0, 30, 31, 32, 33, 34))
     assert [len(r.samples) for r in batcher.close()] == [2, 1]

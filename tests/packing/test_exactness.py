@@ -51,8 +51,12 @@ REFERENCE_ATTENTION = {"exact": "eager", "sdpa": "sdpa", "flex": "sdpa"}
 
 @pytest.fixture(scope="module")
 def reference_models():
-    return {name: AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32, attn_implementation=name).eval()
-            for name in ("eager", "sdpa")}
+    return {
+        name: AutoModelForCausalLM.from_pretrained(
+            TINY_MODEL_PATH, dtype=torch.float32, attn_implementation=name
+        ).eval()
+        for name in ("eager", "sdpa")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +100,17 @@ def check_exact(reference_models, packed_model, samples, kernel, backward=True):
     got, grads = packed(packed_model, samples, weights, kernel, backward)
     allowed = torch.clamp(expected.abs() * LOGPROB_RELATIVE[kernel], min=LOGPROB_TOLERANCE[kernel])
     worst = int(((got - expected).abs() / allowed).argmax())
-    assert (got - expected).abs()[worst] <= allowed[worst], \
+    assert (got - expected).abs()[worst] <= allowed[worst], (
         f"{kernel}: log-prob {worst} is {got[worst]:.7f}, unpacked {expected[worst]:.7f}"
+    )
     if grads is not None:
         scale = max(1.0, max(g.abs().max().item() for g in expected_grads.values()))
-        name, diff = max(((n, (g - expected_grads[n]).abs().max().item()) for n, g in grads.items()), key=lambda x: x[1])
-        assert diff / scale <= GRADIENT_TOLERANCE[kernel], \
+        name, diff = max(
+            ((n, (g - expected_grads[n]).abs().max().item()) for n, g in grads.items()), key=lambda x: x[1]
+        )
+        assert diff / scale <= GRADIENT_TOLERANCE[kernel], (
             f"{kernel}: gradient of {name} differs by {diff:.2e}, {diff / scale:.2e} of the largest entry"
+        )
 
 
 @pytest.mark.parametrize("kernel", ["exact", "sdpa"])
@@ -131,4 +139,5 @@ def test_long_shared_prompts_match_unpacked(reference_models, packed_model):
 
 def sample_of(prompt, completion, group):
     from .samples import sample
+
     return sample(prompt + completion, [False] * len(prompt) + [True] * len(completion), group=group)

@@ -4,9 +4,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3NextConfig
 
-from tandem.model import architecture
 from tandem.kernels import exact_attention
-from tandem.packing import PADDED, TREE, tree_attention as attention, pack
+from tandem.model import architecture
+from tandem.packing import PADDED, TREE, pack
+from tandem.packing import tree_attention as attention
 from tandem.packing.logprobs import chunked_logprobs, default_chunk_size, plain_linear, row_logprobs
 from tandem.tasks import TINY_MODEL_PATH
 from tests.conftest import tiny_hybrid
@@ -65,14 +66,23 @@ def test_every_option_gives_autograds_values_and_gradients(head_kind):
     logits = torch.tanh(head(hidden) / 30.0) * 30.0 / 0.7
     mask = torch.full_like(logits, float("-inf")).scatter(1, torch.where(kept >= 0, kept, kept[:, :1]), 0.0)
     every = (logits + mask).log_softmax(-1)
-    ((every.gather(1, targets[:, None])[:, 0] * weight_target).sum() + (every.gather(1, extra) * weight_extra).sum()).backward()
-    expected = every.gather(1, targets[:, None])[:, 0], hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()
+    (
+        (every.gather(1, targets[:, None])[:, 0] * weight_target).sum() + (every.gather(1, extra) * weight_extra).sum()
+    ).backward()
+    expected = (
+        every.gather(1, targets[:, None])[:, 0],
+        hidden.grad.clone(),
+        head.weight.grad.clone(),
+        head.bias.grad.clone(),
+    )
     hidden.grad = head.weight.grad = head.bias.grad = None
 
     got = chunked_logprobs(hidden, head, targets, 0.7, kept, softcap=30.0, chunk_size=7, extra_ids=extra)
     ((got.log_probs * weight_target).sum() + (got.extra * weight_extra).sum()).backward()
     torch.testing.assert_close(got.log_probs, expected[0], atol=1e-5, rtol=0)
-    for name, grad, want in zip(["hidden", "weight", "bias"], [hidden.grad, head.weight.grad, head.bias.grad], expected[1:]):
+    for name, grad, want in zip(
+        ["hidden", "weight", "bias"], [hidden.grad, head.weight.grad, head.bias.grad], expected[1:]
+    ):
         torch.testing.assert_close(grad, want, atol=1e-5, rtol=1e-4, msg=lambda m: f"d loss / d {name}: {m}")
 
 
@@ -105,8 +115,15 @@ def test_kept_sets_that_include_token_zero_survive_padding():
 
 
 def tiny_config(**overrides) -> Qwen2Config:
-    values = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128)
+    values = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     return Qwen2Config(**(values | overrides))
 
 
@@ -120,8 +137,10 @@ def test_the_exact_kernel_scores_each_branch_of_a_tree_bit_for_bit_as_the_branch
     attention.prepare(model)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 384, (230,), generator=generator).tolist()  # rows of 262 keys: MKL blocks 200+
-    branches = [sample(prompt + torch.randint(3, 384, (8,), generator=generator).tolist(), [False] * 230 + [True] * 8)
-                for _ in range(4)]
+    branches = [
+        sample(prompt + torch.randint(3, 384, (8,), generator=generator).tolist(), [False] * 230 + [True] * 8)
+        for _ in range(4)
+    ]
     with torch.no_grad():
         tree = row_logprobs(model, pack(branches), "exact").log_probs.view(4, 8)
         alone = [row_logprobs(model, pack([branch]), "exact").log_probs for branch in branches]
@@ -167,11 +186,22 @@ def test_modules_that_scan_across_tokens_get_padded_rows():
 def test_attention_sinks_and_soft_capped_scores_get_padded_rows():
     sinks = AutoModelForCausalLM.from_config(tiny_config())
     sinks.model.layers[0].self_attn.sinks = torch.nn.Parameter(torch.zeros(4))
-    capped = AutoModelForCausalLM.from_config(Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                                            num_hidden_layers=2, num_attention_heads=4,
-                                                            num_key_value_heads=2, head_dim=8))
+    capped = AutoModelForCausalLM.from_config(
+        Gemma2Config(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+        )
+    )
     assert [attention.prepare(m) for m in (sinks, capped)] == [PADDED, PADDED]
-    assert "sinks" in attention.padded_reasons(sinks)[0] and "attn_logit_softcapping" in attention.padded_reasons(capped)[0]
+    assert (
+        "sinks" in attention.padded_reasons(sinks)[0]
+        and "attn_logit_softcapping" in attention.padded_reasons(capped)[0]
+    )
     assert capped.config._attn_implementation == "eager", "gemma2 keeps the attention that soft-caps its scores"
 
 
@@ -186,8 +216,11 @@ def test_padded_rows_of_a_hybrid_give_each_samples_own_forward_and_gradients():
     each sample exactly what its own unpacked forward gives, shared prompt and all, and the same gradients."""
     model = tiny_hybrid()  # not prepared: the model's own layers and attention
     prompt = list(range(3, 40))
-    samples = [sample(prompt + [50, 51, 52], [0] * 37 + [1, 1, 1]), sample(prompt + [60], [0] * 37 + [1], group=1),
-               sample([7, 8, 9], [0, 1, 1], group=2)]
+    samples = [
+        sample(prompt + [50, 51, 52], [0] * 37 + [1, 1, 1]),
+        sample(prompt + [60], [0] * 37 + [1], group=1),
+        sample([7, 8, 9], [0, 1, 1], group=2),
+    ]
     row = pack(samples, layout=PADDED)
     assert row.num_tokens == 3 * 40 and row.packing_ratio == 81 / 120, "padded to the longest sample, nothing shared"
     expected = []
@@ -214,10 +247,21 @@ def test_an_unknown_kernel_names_the_choices():
 def test_moe_rows_return_the_router_load_balancing_loss_of_their_real_tokens():
     from transformers import Qwen2MoeConfig
 
-    config = Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                            shared_expert_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, output_router_logits=True,
-                            router_aux_loss_coef=0.01, max_position_embeddings=64)
+    config = Qwen2MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=0.01,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     ids = list(range(3, 23))  # 20 tokens: no filler rows
@@ -232,12 +276,27 @@ def test_moe_rows_return_the_router_load_balancing_loss_of_their_real_tokens():
 def tiny_qwen3_next() -> torch.nn.Module:
     """A Qwen3-Next-style hybrid (Gated DeltaNet with fused projections, then attention; experts in every MLP)."""
     torch.manual_seed(0)
-    config = Qwen3NextConfig(vocab_size=512, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                             shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
-                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                             linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-                             linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"],
-                             eos_token_id=2, pad_token_id=0, initializer_range=0.2)
+    config = Qwen3NextConfig(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        layer_types=["linear_attention", "full_attention"],
+        eos_token_id=2,
+        pad_token_id=0,
+        initializer_range=0.2,
+    )
     return AutoModelForCausalLM.from_config(config).eval()
 
 
@@ -250,7 +309,10 @@ def test_gated_deltanet_hybrids_are_tree_packed_each_branch_from_its_parents_sta
     assert attention.prepare(model) == TREE and attention.padded_reasons(model) == []
     prompt = list(range(3, 73))  # past the kernel's first 64-token chunk
     samples = [sample(prompt + [100 + i, 101 + i, 102, 103 + i] * (i + 1), group=0) for i in range(3)]
-    samples += [sample(prompt[:20] + [9, 9, 9], group=0), sample([7, 8, 9, 10, 11], group=1)]  # a mid-prompt branch, a root
+    samples += [
+        sample(prompt[:20] + [9, 9, 9], group=0),
+        sample([7, 8, 9, 10, 11], group=1),
+    ]  # a mid-prompt branch, a root
     row = pack(samples)
     assert row.layout == TREE and row.packing_ratio > 2
     expected = []
@@ -292,13 +354,19 @@ def test_the_values_matmul_of_8_columns_at_a_time_is_the_plain_one_at_any_head_d
         torch.testing.assert_close(grads, torch.autograd.grad(expected.sum(), (weights, value)), atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("config, expected", [
-    (LlamaConfig(), ("full_attention", None)),
-    (MistralConfig(sliding_window=12), ("sliding_attention", 12)),
-    (Qwen2Config(layer_types=["full_attention"] * 2, num_hidden_layers=2), ("full_attention", None)),
-    (Gemma2Config(sliding_window=12, num_hidden_layers=2), {"sliding_attention": ("sliding_attention", 12),
-                                                            "full_attention": ("full_attention", None)}),
-], ids=["no layer types", "a window without layer types", "one layer type", "layer types that differ"])
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        (LlamaConfig(), ("full_attention", None)),
+        (MistralConfig(sliding_window=12), ("sliding_attention", 12)),
+        (Qwen2Config(layer_types=["full_attention"] * 2, num_hidden_layers=2), ("full_attention", None)),
+        (
+            Gemma2Config(sliding_window=12, num_hidden_layers=2),
+            {"sliding_attention": ("sliding_attention", 12), "full_attention": ("full_attention", None)},
+        ),
+    ],
+    ids=["no layer types", "a window without layer types", "one layer type", "layer types that differ"],
+)
 def test_the_mask_goes_in_alone_unless_the_layer_types_differ(config, expected):
     """Only models whose layers attend differently read a dict of masks by layer type; one mask suits all the others
     (Llama's forward takes nothing else), windowed by `sliding_window` where a config sets one without layer types."""
@@ -312,8 +380,8 @@ def test_granite_logits_scaling_is_applied_before_the_temperature_forward_and_ba
     got = chunked_logprobs(hidden, head, targets, 0.7, logits_scaling=8.0, chunk_size=7)
     expected = (head(hidden) / 8.0 / 0.7).log_softmax(-1).gather(1, targets[:, None])[:, 0]
     torch.testing.assert_close(got.log_probs, expected)
-    grad, = torch.autograd.grad(got.log_probs.sum(), hidden)
-    expected_grad, = torch.autograd.grad(expected.sum(), hidden)
+    (grad,) = torch.autograd.grad(got.log_probs.sum(), hidden)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), hidden)
     torch.testing.assert_close(grad, expected_grad)
 
 

@@ -8,8 +8,8 @@ import aiohttp
 import pytest
 import torch
 from aiohttp import web
-from transformers import AutoModelForCausalLM
 from aiohttp.test_utils import TestServer
+from transformers import AutoModelForCausalLM
 
 from tandem.generation.client import ControlClient, parse_metrics
 from tandem.proxy.app import ProxyArgs, start_proxy
@@ -19,8 +19,9 @@ TEMPLATE = list(range(1000, 1016))
 
 
 class FakeReplica:
-    def __init__(self, index: int, lag: int = 0, fail_load: bool = False, port: int | None = None,
-                 api_key: str | None = None):
+    def __init__(
+        self, index: int, lag: int = 0, fail_load: bool = False, port: int | None = None, api_key: str | None = None
+    ):
         self.index, self.lag, self.fail_load, self.api_key = index, lag, fail_load, api_key
         self.calls: dict[str, int] = {}
         self.loaded: set[str] = set()
@@ -44,13 +45,20 @@ class FakeReplica:
         if path == "/v1/completions":
             await asyncio.sleep(0.01)
             n = body.get("n", 1)
-            return web.json_response({"id": f"cmpl-{self.index}", "choices": [{"index": j, "text": f"r{self.index}"} for j in range(n)],
-                                      "usage": {"prompt_tokens": 10, "completion_tokens": 2 * n, "total_tokens": 10 + 2 * n}})
+            return web.json_response(
+                {
+                    "id": f"cmpl-{self.index}",
+                    "choices": [{"index": j, "text": f"r{self.index}"} for j in range(n)],
+                    "usage": {"prompt_tokens": 10, "completion_tokens": 2 * n, "total_tokens": 10 + 2 * n},
+                }
+            )
         if path == "/v1/load_lora_adapter":
             if self.calls[path] <= self.lag:
                 return web.json_response({"error": {"message": "No adapter found for <path>"}}, status=404)
             if self.fail_load:
-                return web.json_response({"error": {"message": "LoRA rank 64 is greater than max_lora_rank 32"}}, status=400)
+                return web.json_response(
+                    {"error": {"message": "LoRA rank 64 is greater than max_lora_rank 32"}}, status=400
+                )
             self.loaded.add(body["lora_name"])
             return web.Response(text="Success: LoRA adapter loaded")
         if path == "/v1/unload_lora_adapter":
@@ -61,17 +69,25 @@ class FakeReplica:
         if path == "/get_world_size":
             return web.json_response({"world_size": 1})
         if path == "/metrics":
-            return web.Response(text=f"vllm:num_requests_running{{engine=\"0\"}} {3 + self.index}\n"
-                                     f"vllm:kv_cache_usage_perc{{engine=\"0\"}} {0.5 - 0.25 * self.index}\n"
-                                     f"vllm:cache_config_info{{engine=\"0\",kv_cache_size_tokens=\"1000\"}} 1.0\n")
+            return web.Response(
+                text=f'vllm:num_requests_running{{engine="0"}} {3 + self.index}\n'
+                f'vllm:kv_cache_usage_perc{{engine="0"}} {0.5 - 0.25 * self.index}\n'
+                f'vllm:cache_config_info{{engine="0",kv_cache_size_tokens="1000"}} 1.0\n'
+            )
         return web.json_response({"path": path, "from": self.index})
 
 
 async def started(replicas, **kwargs):
     for replica in replicas:
         await replica.server.start_server()
-    args = ProxyArgs(upstreams=[str(r.server.make_url("")) for r in replicas], port=0, lora_retry_s=0.05,
-                     lora_load_timeout_s=5, connect_timeout_s=2, **kwargs)
+    args = ProxyArgs(
+        upstreams=[str(r.server.make_url("")) for r in replicas],
+        port=0,
+        lora_retry_s=0.05,
+        lora_load_timeout_s=5,
+        connect_timeout_s=2,
+        **kwargs,
+    )
     runner, port = await start_proxy(args)
     return runner, f"http://127.0.0.1:{port}"
 
@@ -88,7 +104,9 @@ async def test_routing_sticks_spreads_and_forgets_on_a_cache_reset():
         prompt = TEMPLATE + list(range(64))
         homes = {(await post(s, url + "/v1/completions", {"model": "p", "prompt": prompt}))[1] for _ in range(6)}
         assert len(homes) == 1
-        spread = [(await post(s, url + "/v1/completions", {"model": "p", "prompt": TEMPLATE + [i] * 64}))[1] for i in range(8)]
+        spread = [
+            (await post(s, url + "/v1/completions", {"model": "p", "prompt": TEMPLATE + [i] * 64}))[1] for i in range(8)
+        ]
         assert sorted(spread) == ["0"] * 4 + ["1"] * 4
         async with s.get(url + "/proxy/stats") as r:
             stats = await r.json()
@@ -110,11 +128,15 @@ async def test_chat_messages_route_by_their_rendered_token_ids_with_a_tokenizer(
     replicas = [FakeReplica(0), FakeReplica(1)]
     runner, url = await started(replicas, tokenizer=TINY_MODEL_PATH)
     async with aiohttp.ClientSession() as s:
-        conversations = [[{"role": "user", "content": f"Question {i}: " + "what is seven times six? " * 4}] for i in range(2)]
+        conversations = [
+            [{"role": "user", "content": f"Question {i}: " + "what is seven times six? " * 4}] for i in range(2)
+        ]
         homes = [(await post(s, url + "/v1/chat/completions", {"model": "m", "messages": c}))[1] for c in conversations]
         assert sorted(homes) == ["0", "1"], "distinct conversations spread"
         for home, conversation in zip(homes, conversations):  # the same prompt sent as token ids finds its blocks
-            ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=False)
+            ids = tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
             assert (await post(s, url + "/v1/completions", {"model": "m", "prompt": ids}))[1] == home
         async with s.get(url + "/proxy/stats") as r:
             assert (await r.json())["router"]["affinity"] == 2
@@ -144,7 +166,9 @@ async def test_adapter_loads_retry_a_lagging_replica_and_roll_back_a_failing_one
     lagging, steady = FakeReplica(0, lag=3), FakeReplica(1)
     runner, url = await started([lagging, steady])
     async with aiohttp.ClientSession() as s:
-        status, _, _ = await post(s, url + "/v1/load_lora_adapter", {"lora_name": "tandem-policy-v1", "lora_path": "/x"})
+        status, _, _ = await post(
+            s, url + "/v1/load_lora_adapter", {"lora_name": "tandem-policy-v1", "lora_path": "/x"}
+        )
         assert status == 200 and lagging.loaded == steady.loaded == {"tandem-policy-v1"}
         assert lagging.calls["/v1/load_lora_adapter"] == 4 and steady.calls["/v1/load_lora_adapter"] == 1
     await runner.cleanup()
@@ -152,13 +176,17 @@ async def test_adapter_loads_retry_a_lagging_replica_and_roll_back_a_failing_one
     good, bad = FakeReplica(0), FakeReplica(1, fail_load=True)
     runner, url = await started([good, bad])
     async with aiohttp.ClientSession() as s:
-        status, _, text = await post(s, url + "/v1/load_lora_adapter", {"lora_name": "tandem-policy-v2", "lora_path": "/x"})
+        status, _, text = await post(
+            s, url + "/v1/load_lora_adapter", {"lora_name": "tandem-policy-v2", "lora_path": "/x"}
+        )
         assert status == 400 and "rolled back" in text and "max_lora_rank" in text
         assert good.loaded == set() and good.calls["/v1/unload_lora_adapter"] == 1
         status, _, _ = await post(s, url + "/v1/unload_lora_adapter", {"lora_name": "never-loaded"})
         assert status == 200
         # Whole-model syncs from files reach every replica (transfers: tests/runtime/test_weight_transfer.py).
-        status, _, _ = await post(s, url + "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/w"}})
+        status, _, _ = await post(
+            s, url + "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/w"}}
+        )
         assert status == 200 and good.calls["/collective_rpc"] == bad.calls["/collective_rpc"] == 1
     await runner.cleanup()
     for r in (lagging, steady, good, bad):
@@ -173,8 +201,12 @@ async def test_health_metrics_and_a_dead_replica():
             text = await r.text()
         metrics = parse_metrics(text)  # what the trainer's concurrency cap reads: sums, and the fullest replica
         assert metrics.running == 3 + 4 and metrics.kv_capacity_tokens == 2000 and metrics.kv_cache_usage == 0.5
-        for line in ('tandem_proxy:replica_kv_cache_usage_perc{replica="1"} 0.25', "tandem_proxy:num_requests_running 7",
-                     "tandem_proxy:kv_cache_size_tokens 2000", "tandem_proxy:kv_cache_usage_perc 0.5"):
+        for line in (
+            'tandem_proxy:replica_kv_cache_usage_perc{replica="1"} 0.25',
+            "tandem_proxy:num_requests_running 7",
+            "tandem_proxy:kv_cache_size_tokens 2000",
+            "tandem_proxy:kv_cache_usage_perc 0.5",
+        ):
             assert line in text.splitlines(), f"{line!r} missing from the proxy's /metrics"
         async with s.get(url + "/health") as r:
             assert r.status == 200
@@ -210,7 +242,9 @@ async def test_a_replica_that_refuses_connections_loses_its_blocks_at_once():
         async with s.get(url + "/proxy/stats") as r:
             stats = await r.json()
         assert [u["state"] for u in stats["upstreams"]] == ["up", "down"]
-        assert stats["router"]["tracked_blocks"] == 10, "replica 1's blocks are forgotten; replica 0 holds both prompts now"
+        assert stats["router"]["tracked_blocks"] == 10, (
+            "replica 1's blocks are forgotten; replica 0 holds both prompts now"
+        )
     await runner.cleanup()
     await replicas[0].server.close()
 
@@ -235,17 +269,31 @@ async def test_two_real_tandem_serve_replicas_behind_the_proxy(tmp_path):
             await control.resume()
             assert (await control.max_model_len()) == replicas[0].server.max_model_len
             # A whole-model reload through the proxy reaches both replicas.
-            before = replicas[1].post("/v1/completions", {"prompt": prompt, "max_tokens": 4, "seed": 1, "logprobs": 0})[1]
+            before = replicas[1].post("/v1/completions", {"prompt": prompt, "max_tokens": 4, "seed": 1, "logprobs": 0})[
+                1
+            ]
             changed = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32)
             with torch.no_grad():
                 changed.model.norm.weight.mul_(1.5)
             changed.save_pretrained(tmp_path / "v1")
             await control.reload_weights(str(tmp_path / "v1"))
-            after = [r.post("/v1/completions", {"prompt": prompt, "max_tokens": 4, "seed": 1, "logprobs": 0})[1] for r in replicas]
+            after = [
+                r.post("/v1/completions", {"prompt": prompt, "max_tokens": 4, "seed": 1, "logprobs": 0})[1]
+                for r in replicas
+            ]
             assert after[0]["choices"] == after[1]["choices"] != before["choices"]
             # A batch split over the replicas answers as one server answers it (same seeds, same samples, in order).
-            body = {"prompt": [list(range(3, 40)), list(range(50, 90))], "max_tokens": 3, "n": 2, "seed": 7, "logprobs": 0}
-            through, direct = await client.post_json("/v1/completions", body), replicas[1].post("/v1/completions", body)[1]
+            body = {
+                "prompt": [list(range(3, 40)), list(range(50, 90))],
+                "max_tokens": 3,
+                "n": 2,
+                "seed": 7,
+                "logprobs": 0,
+            }
+            through, direct = (
+                await client.post_json("/v1/completions", body),
+                replicas[1].post("/v1/completions", body)[1],
+            )
             assert through["choices"] == direct["choices"] and through["usage"] == direct["usage"]
     finally:
         await runner.cleanup()
@@ -295,12 +343,15 @@ async def test_a_replica_that_comes_back_is_given_the_adapters_loaded_meanwhile_
     replicas = [FakeReplica(0), FakeReplica(1)]
     runner, url = await started(replicas, probe_interval_s=0.05)
     async with aiohttp.ClientSession() as s:
-        assert (await post(s, url + "/v1/load_lora_adapter", {"lora_name": "v1", "lora_path": "/adapters/v1"}))[0] == 200
+        assert (await post(s, url + "/v1/load_lora_adapter", {"lora_name": "v1", "lora_path": "/adapters/v1"}))[
+            0
+        ] == 200
         port = replicas[1].server.port
         await replicas[1].server.close()
         assert (await post(s, url + "/v1/completions", {"prompt": [5] * 40}))[:2] == (200, "0")  # found down
-        assert (await post(s, url + "/v1/load_lora_adapter", {"lora_name": "v2", "lora_path": "/adapters/v2"}))[0] == 200, \
-            "an adapter load succeeds on the replicas up"
+        assert (await post(s, url + "/v1/load_lora_adapter", {"lora_name": "v2", "lora_path": "/adapters/v2"}))[
+            0
+        ] == 200, "an adapter load succeeds on the replicas up"
         assert (await post(s, url + "/v1/unload_lora_adapter", {"lora_name": "v1"}))[0] == 200
         back = FakeReplica(1, port=port)
         await back.server.start_server()
@@ -326,14 +377,19 @@ async def test_a_transfer_group_is_formed_again_without_a_replica_that_went_down
             assert r.status == 502
         status, _, text = await post(s, url + "/start_weight_update", {})
         assert status == 409 and "Initialise the transfer again" in text, "the trainer is told to form the group anew"
-        assert (await post(s, url + "/init_weight_transfer_engine", init | {"init_info": init["init_info"] | {"world_size": 2}}))[0] == 200
+        assert (
+            await post(
+                s, url + "/init_weight_transfer_engine", init | {"init_info": init["init_info"] | {"world_size": 2}}
+            )
+        )[0] == 200
         assert [(await post(s, url + path, body))[0] for path, body in transfer] == [200, 200, 200]
 
         back = FakeReplica(1, port=port)
         await back.server.start_server()
         await until(s, url, ["up", "behind"])
-        assert {(await post(s, url + "/v1/completions", {"prompt": [i] * 40}))[1] for i in range(6)} == {"0"}, \
+        assert {(await post(s, url + "/v1/completions", {"prompt": [i] * 40}))[1] for i in range(6)} == {"0"}, (
             "no traffic before it has the current weights"
+        )
         assert (await post(s, url + "/start_weight_update", {}))[0] == 409
         assert (await post(s, url + "/init_weight_transfer_engine", init))[0] == 200
         assert [(await post(s, url + path, body))[0] for path, body in transfer] == [200, 200, 200]
@@ -356,8 +412,11 @@ async def test_the_dtype_warning_covers_tandem_serve_and_the_servers_behind_tand
             async with ControlClient(url) as control:
                 await control.wait_healthy(30)
                 facts = await read_facts(control)
-            with pytest.warns(UserWarning, match=f"the server at {url} decodes in bfloat16 and the trainer holds its "
-                                                 "weights in float32.*--dtype float32"):
+            with pytest.warns(
+                UserWarning,
+                match=f"the server at {url} decodes in bfloat16 and the trainer holds its "
+                "weights in float32.*--dtype float32",
+            ):
                 check(facts, url, "float32")
     finally:
         await runner.cleanup()

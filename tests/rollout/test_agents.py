@@ -80,7 +80,7 @@ class Counter:
 def call(name: str, **arguments) -> str:
     import json
 
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 class ScriptedLoop(AsyncRolloutLoop):
@@ -97,9 +97,16 @@ class ScriptedLoop(AsyncRolloutLoop):
 def make_loop(replies, tools=(), environment_factory=None, **config):
     config = {"train_sampling_strategy": "sequential", **config}  # row i is prompt position i
     settings = RolloutSettings(
-        config=AsyncGRPOConfig(num_generations=2, max_completion_length=32, **config), model_name="tiny",
-        tokenizer_path=TINY_MODEL_PATH, dataset=None, reward_funcs=[], eos_token_ids=[TOKENIZER.eos_token_id],
-        base_url="http://127.0.0.1:9", tools=list(tools), environment_factory=environment_factory)
+        config=AsyncGRPOConfig(num_generations=2, max_completion_length=32, **config),
+        model_name="tiny",
+        tokenizer_path=TINY_MODEL_PATH,
+        dataset=None,
+        reward_funcs=[],
+        eos_token_ids=[TOKENIZER.eos_token_id],
+        base_url="http://127.0.0.1:9",
+        tools=list(tools),
+        environment_factory=environment_factory,
+    )
     loop = ScriptedLoop(settings, processing_class=TOKENIZER, channels=SimpleNamespace())
     loop.replies = list(replies)
     return loop
@@ -120,7 +127,9 @@ def test_tools_run_in_order_and_their_results_feed_the_next_turn():
     assert len(rollout.turns) == 2
     assert b"<tool_response>\n42\n</tool_response>" in TOKENIZER.decode(rollout.turns[1].prompt_ids).encode()
     assert loop._scheduler.records["tools/parallel_calls_mean"] == [2]
-    assert loop._scheduler.records["tools/multiply/call_count"] == [1] and loop._scheduler.records["tools/call_frequency"] == [2]
+    assert loop._scheduler.records["tools/multiply/call_count"] == [1] and loop._scheduler.records[
+        "tools/call_frequency"
+    ] == [2]
 
 
 def test_a_clean_chain_of_turns_is_one_sample_training_only_the_generated_tokens():
@@ -132,13 +141,16 @@ def test_a_clean_chain_of_turns_is_one_sample_training_only_the_generated_tokens
     assert sum(sample.trained) == generated == len(rollout.completion_ids), "tool output is context, never trained"
 
 
-@pytest.mark.parametrize("reply, status", [
-    (call("explode", x=1), "RuntimeError: the tool broke"),
-    (call("nonexistent", x=1), "unknown tool 'nonexistent'"),
-    ("<tool_call>\n{not json}\n</tool_call>", "malformed tool call"),
-    (call("multiply", a=1), "bad arguments for 'multiply'"),
-    (call("sleepy", x=1), "did not answer within 0.2s"),
-])
+@pytest.mark.parametrize(
+    "reply, status",
+    [
+        (call("explode", x=1), "RuntimeError: the tool broke"),
+        (call("nonexistent", x=1), "unknown tool 'nonexistent'"),
+        ("<tool_call>\n{not json}\n</tool_call>", "malformed tool call"),
+        (call("multiply", a=1), "bad arguments for 'multiply'"),
+        (call("sleepy", x=1), "did not answer within 0.2s"),
+    ],
+)
 def test_each_tool_failure_is_an_error_message_to_the_model_and_a_counted_failure(reply, status):
     loop = make_loop([reply, "done"], tools=[multiply, explode, sleepy], tool_call_timeout=0.2)
     started = time.monotonic()
@@ -166,7 +178,9 @@ def test_tool_call_parser_reads_replies_in_the_models_own_format():
     loop = make_loop(["[multiply(a=6, b=7)]", "42"], tools=[multiply], tool_call_parser="pythonic")
     rollout = run(loop)
     assert [m["role"] for m in rollout.completion] == ["assistant", "tool", "assistant"]
-    assert rollout.completion[0]["tool_calls"] == [{"type": "function", "function": {"name": "multiply", "arguments": {"a": 6, "b": 7}}}]
+    assert rollout.completion[0]["tool_calls"] == [
+        {"type": "function", "function": {"name": "multiply", "arguments": {"a": 6, "b": 7}}}
+    ]
     assert rollout.completion[1]["content"] == "42" and rollout.tool_call_count == 1
 
     hermes_block = make_loop([call("multiply", a=6, b=7)], tools=[multiply], tool_call_parser="pythonic")
@@ -198,8 +212,14 @@ def test_without_tools_a_reply_is_plain_text_and_nothing_is_run():
 
 def test_an_environment_is_reset_from_its_row_exposes_its_methods_and_scores_itself():
     loop = make_loop([call("increment", step=3), "done"], environment_factory=Counter)
-    episode = asyncio.run(loop._scheduler.generation.one_rollout({"prompt": [{"role": "user", "content": "Count."}], "target": 3}, group_id=0))
-    assert episode.prompt == [{"role": "user", "content": "Count. Reach 3."}], "reset's text joins the last user message"
+    episode = asyncio.run(
+        loop._scheduler.generation.one_rollout(
+            {"prompt": [{"role": "user", "content": "Count."}], "target": 3}, group_id=0
+        )
+    )
+    assert episode.prompt == [{"role": "user", "content": "Count. Reach 3."}], (
+        "reset's text joins the last user message"
+    )
     assert episode.rollout.completion[1]["content"] == "3"
     assert episode.env_reward == (Counter, 1.0)
     assert loop._scheduler.records["env/reset_s"] and loop._scheduler.records["env/reward_s"]
@@ -268,12 +288,15 @@ class NoReset:
         return x
 
 
-@pytest.mark.parametrize("tools, message", [
-    ([lambda x: x], "a lambda cannot be a tool"),
-    ([nested_tool_factory()], "a nested function"),
-    ([no_hints], "no_hints"),
-    ([multiply, multiply], "two tools are named 'multiply'"),
-])
+@pytest.mark.parametrize(
+    "tools, message",
+    [
+        ([lambda x: x], "a lambda cannot be a tool"),
+        ([nested_tool_factory()], "a nested function"),
+        ([no_hints], "no_hints"),
+        ([multiply, multiply], "two tools are named 'multiply'"),
+    ],
+)
 def test_bad_tools_fail_before_any_work_naming_the_fix(tools, message):
     with pytest.raises((TypeError, ValueError), match=message):
         validate_tools(tools)
@@ -294,7 +317,9 @@ def test_bad_environments_fail_before_any_work_naming_the_fix():
 def test_an_eval_row_naming_an_unknown_environment_fails_when_the_trainer_is_built():
     train = [{"prompt": "x", "environment": "count"}]
     with pytest.raises(ValueError, match=r"eval_dataset's 'environment' column names \['game'\]"):
-        validate_environments({"count": Counter}, [], {"train_dataset": train, "eval_dataset": [{"environment": "game"}]})
+        validate_environments(
+            {"count": Counter}, [], {"train_dataset": train, "eval_dataset": [{"environment": "game"}]}
+        )
     with pytest.raises(ValueError, match="the eval_dataset has columns"):
         validate_environments({"count": Counter}, [], {"train_dataset": train, "eval_dataset": [{"prompt": "x"}]})
 

@@ -11,13 +11,13 @@ from datasets import Dataset
 from transformers import AutoTokenizer
 
 from tandem import AsyncGRPOConfig, AsyncRolloutLoop, TurnRecord
-from tandem.generation.client import ServerError, ServerGone
 from tandem.contract.channels import Channels
+from tandem.generation.client import ServerError, ServerGone
 from tandem.rollout.scheduler import FAILED_IN_A_ROW
 from tandem.rollout.settings import RolloutSettings
 from tandem.rollout.worker import stop_message
-from tandem.tasks import TINY_MODEL_PATH
 from tandem.runtime.weight_transfer import free_port
+from tandem.tasks import TINY_MODEL_PATH
 
 TOKENIZER = AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
 
@@ -45,17 +45,35 @@ class ScriptedLoop(AsyncRolloutLoop):
         return TurnRecord(prompt_ids=list(prompt_ids), output_ids=ids, output_log_probs=[-0.5] * len(ids))
 
 
-def run_loop(reward, prompts: int = 6, failing_requests=None, slow_until_synced=None, loop_cls=ScriptedLoop,
-             settings: dict | None = None, timeout_s: float | None = None, **config) -> tuple[list, dict]:
+def run_loop(
+    reward,
+    prompts: int = 6,
+    failing_requests=None,
+    slow_until_synced=None,
+    loop_cls=ScriptedLoop,
+    settings: dict | None = None,
+    timeout_s: float | None = None,
+    **config,
+) -> tuple[list, dict]:
     """Run the loop over `prompts` prompts until it says "end" (or `timeout_s` passes); returns its messages and its
     metrics merged. `settings` overrides RolloutSettings fields (another dataset, a resumed run's start)."""
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"prompt {i}"}]} for i in range(prompts)])
-    settings = RolloutSettings(**{
-        "config": AsyncGRPOConfig(num_generations=2, max_completion_length=8,
-                                  **{"train_sampling_strategy": "sequential", **config}), "model_name": "tiny",
-        "tokenizer_path": TINY_MODEL_PATH, "dataset": dataset, "reward_funcs": [reward],
-        "eos_token_ids": [TOKENIZER.eos_token_id], "base_url": "http://127.0.0.1:9", "num_positions": prompts,
-        "full_step_tokens": 10_000, **(settings or {})})
+    settings = RolloutSettings(
+        **{
+            "config": AsyncGRPOConfig(
+                num_generations=2, max_completion_length=8, **{"train_sampling_strategy": "sequential", **config}
+            ),
+            "model_name": "tiny",
+            "tokenizer_path": TINY_MODEL_PATH,
+            "dataset": dataset,
+            "reward_funcs": [reward],
+            "eos_token_ids": [TOKENIZER.eos_token_id],
+            "base_url": "http://127.0.0.1:9",
+            "num_positions": prompts,
+            "full_step_tokens": 10_000,
+            **(settings or {}),
+        }
+    )
     channels = Channels.create(mp.get_context("spawn"))
     loop = loop_cls(settings, processing_class=TOKENIZER, channels=channels)
     loop.failing_requests = dict(failing_requests or {})
@@ -88,8 +106,12 @@ def run_loop(reward, prompts: int = 6, failing_requests=None, slow_until_synced=
 
 
 def positions(messages, kind):
-    return sorted(p.position if kind == "samples" else p for k, payload in messages if k == kind
-                  for p in (payload if kind == "samples" else [payload]))
+    return sorted(
+        p.position if kind == "samples" else p
+        for k, payload in messages
+        if k == kind
+        for p in (payload if kind == "samples" else [payload])
+    )
 
 
 def by_reply(completions, **kwargs):
@@ -125,8 +147,10 @@ def test_a_reward_function_that_fails_twice_on_a_group_drops_that_group_only(cap
     messages, metrics = run_loop(fails_on_prompt_3)
     assert sorted(set(positions(messages, "samples"))) == [0, 1, 2, 4, 5]
     assert positions(messages, "skip") == [3] and sum(metrics["rollout/failed_count"]) == 1
-    assert ("dropped the group of prompt position 3: reward function 'fails_on_prompt_3' failed (it failed on the group, "
-            "and again when called once more: ValueError: cannot parse the answer of prompt 3)") in capsys.readouterr().err
+    assert (
+        "dropped the group of prompt position 3: reward function 'fails_on_prompt_3' failed (it failed on the group, "
+        "and again when called once more: ValueError: cannot parse the answer of prompt 3)"
+    ) in capsys.readouterr().err
 
 
 def always_fails(completions, **kwargs):
@@ -134,8 +158,11 @@ def always_fails(completions, **kwargs):
 
 
 def test_a_reward_function_that_keeps_failing_stops_the_run_naming_it_with_its_traceback():
-    with pytest.raises(RuntimeError, match=f"(?s){FAILED_IN_A_ROW} groups in a row were dropped because reward function "
-                                           "'always_fails' failed.*Traceback.*in always_fails.*KeyError: 'score'"):
+    with pytest.raises(
+        RuntimeError,
+        match=f"(?s){FAILED_IN_A_ROW} groups in a row were dropped because reward function "
+        "'always_fails' failed.*Traceback.*in always_fails.*KeyError: 'score'",
+    ):
         run_loop(always_fails, prompts=10)
 
 
@@ -145,14 +172,18 @@ def slow_reward(completions, **kwargs):
 
 
 def test_a_reward_function_past_reward_timeout_counts_as_a_failure():
-    with pytest.raises(RuntimeError, match="reward function 'slow_reward' failed.*no answer within reward_timeout=0.05s"):
+    with pytest.raises(
+        RuntimeError, match="reward function 'slow_reward' failed.*no answer within reward_timeout=0.05s"
+    ):
         run_loop(slow_reward, prompts=10, reward_timeout=0.05)
 
 
 def test_a_request_the_server_fails_regenerates_its_group_once_then_drops_it():
     messages, metrics = run_loop(by_reply, failing_requests={"prompt 1": 1, "prompt 4": 100})
     assert sorted(set(positions(messages, "samples"))) == [0, 1, 2, 3, 5], "prompt 1 failed once: generated again"
-    assert positions(messages, "skip") == [4] and sum(metrics["rollout/failed_count"]) == 1, "prompt 4 failed every time: dropped after its second try"
+    assert positions(messages, "skip") == [4] and sum(metrics["rollout/failed_count"]) == 1, (
+        "prompt 4 failed every time: dropped after its second try"
+    )
 
 
 def test_a_group_that_can_only_arrive_stale_is_cancelled_and_generated_again_under_the_new_policy():
@@ -189,10 +220,17 @@ def test_a_server_that_stops_answering_is_said_then_after_vllm_server_timeout_en
     monkeypatch.setattr("tandem.rollout.scheduler.OUTAGE_SAY_S", 0.5)
     url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "prompt"}]}])
-    settings = RolloutSettings(config=AsyncGRPOConfig(num_generations=2, max_completion_length=8, vllm_server_timeout=3),
-                               model_name="tiny", tokenizer_path=TINY_MODEL_PATH, dataset=dataset, reward_funcs=[by_reply],
-                               eos_token_ids=[TOKENIZER.eos_token_id], base_url=url, num_positions=1,
-                               full_step_tokens=10_000)
+    settings = RolloutSettings(
+        config=AsyncGRPOConfig(num_generations=2, max_completion_length=8, vllm_server_timeout=3),
+        model_name="tiny",
+        tokenizer_path=TINY_MODEL_PATH,
+        dataset=dataset,
+        reward_funcs=[by_reply],
+        eos_token_ids=[TOKENIZER.eos_token_id],
+        base_url=url,
+        num_positions=1,
+        full_step_tokens=10_000,
+    )
     channels = Channels.create(mp.get_context("spawn"))
     loop = AsyncRolloutLoop(settings, processing_class=TOKENIZER, channels=channels)
     loop._scheduler.control.max_retries = 0  # /metrics: give up at once
@@ -209,6 +247,8 @@ def test_a_server_that_stops_answering_is_said_then_after_vllm_server_timeout_en
 
 
 def test_a_server_without_metrics_is_said_and_the_loop_runs_at_max_concurrent_rollouts():
-    with pytest.warns(UserWarning, match=r"/metrics did not answer .*max_concurrent_rollouts=3, not paced by its KV cache"):
+    with pytest.warns(
+        UserWarning, match=r"/metrics did not answer .*max_concurrent_rollouts=3, not paced by its KV cache"
+    ):
         messages, _ = run_loop(by_reply, max_concurrent_rollouts=3)
     assert sorted(set(positions(messages, "samples"))) == list(range(6)), "every group generated all the same"

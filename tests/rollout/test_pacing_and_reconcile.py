@@ -7,12 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tandem.contract.records import TurnRecord
 from tandem.contract.staleness import StalenessPolicy
 from tandem.metrics.window import MetricWindow
 from tandem.rollout import pacing
 from tandem.rollout.pacing import ConcurrencyCap, Room, TokenAllowance
 from tandem.rollout.reconcile import reconcile
-from tandem.contract.records import TurnRecord
 from tests.rollout.test_failures import by_reply, positions, run_loop
 
 
@@ -35,8 +35,9 @@ def test_room_keeps_the_books_of_reservations_and_queued_tokens():
         consumed = SimpleNamespace(value=0.0)  # what the trainer publishes across the process boundary
         channels = SimpleNamespace(tokens_per_step=SimpleNamespace(value=1000.0), consumed_tokens=consumed)
         room = Room(TokenAllowance(StalenessPolicy(1), full_step_tokens=1000), 0.0, channels)
-        assert await room.wait(600, check=lambda: None) == (pytest.approx(0, abs=0.1), None), \
+        assert await room.wait(600, check=lambda: None) == (pytest.approx(0, abs=0.1), None), (
             "the first group starts at once; the allowance binds only once a group finished"
+        )
         room.group_ended(600)
         room.group_scored(500)
         assert (room.in_flight_tokens, room.queued_tokens()) == (0, 500)
@@ -52,6 +53,7 @@ def test_room_keeps_the_books_of_reservations_and_queued_tokens():
 
         def failed():
             raise RuntimeError("a group failed")
+
         with pytest.raises(RuntimeError, match="a group failed"):
             await room.wait(10_000, check=failed)
 
@@ -67,10 +69,15 @@ def test_one_group_at_a_time_until_the_first_finishes():
 
 def test_allowance_blocks_when_queued_plus_in_flight_would_exceed_it():
     allowance = TokenAllowance(StalenessPolicy(1), full_step_tokens=1000)
-    assert allowance.may_start(queued=500, in_flight=300, reservation=200, tokens_per_step=1000, groups_in_flight=1, groups_finished=3)
-    assert not allowance.may_start(queued=500, in_flight=300, reservation=201, tokens_per_step=1000, groups_in_flight=1, groups_finished=3)
-    assert allowance.may_start(queued=0, in_flight=0, reservation=5000, tokens_per_step=1000, groups_in_flight=0, groups_finished=3), \
-        "an idle pipeline always starts a group, even one larger than the allowance"
+    assert allowance.may_start(
+        queued=500, in_flight=300, reservation=200, tokens_per_step=1000, groups_in_flight=1, groups_finished=3
+    )
+    assert not allowance.may_start(
+        queued=500, in_flight=300, reservation=201, tokens_per_step=1000, groups_in_flight=1, groups_finished=3
+    )
+    assert allowance.may_start(
+        queued=0, in_flight=0, reservation=5000, tokens_per_step=1000, groups_in_flight=0, groups_finished=3
+    ), "an idle pipeline always starts a group, even one larger than the allowance"
 
 
 def test_concurrency_cap_starts_at_what_fits_and_follows_kv_usage():
@@ -93,8 +100,13 @@ def test_window_reduces_by_name():
     window.add("clip_ratio/low_min", 0.3, 0.1)
     window.add("rollout/generated_tokens_per_s", (100, 1.0), (300, 3.0))
     window.add("reward", 0.0, 1.0, 1.0, 0.0)
-    assert window.flush() == {"sample/dropped_stale_count": 5.0, "sample/staleness_max": 4.0, "clip_ratio/low_min": 0.1,
-                              "rollout/generated_tokens_per_s": 100.0, "reward": 0.5}
+    assert window.flush() == {
+        "sample/dropped_stale_count": 5.0,
+        "sample/staleness_max": 4.0,
+        "clip_ratio/low_min": 0.1,
+        "rollout/generated_tokens_per_s": 100.0,
+        "reward": 0.5,
+    }
     assert window.flush() == {}
 
 
@@ -124,8 +136,9 @@ def test_a_template_that_strips_earlier_reasoning_forks_at_the_reasoning_and_tra
     second = TurnRecord(prompt_ids=[1, 2, 4, 5, 6], output_ids=[7, 9, 3], output_log_probs=[-0.2] * 3)
     seqs, stats = reconcile([first, second])
     assert [s.input_ids for s in seqs] == [[1, 2, 7, 8, 9, 4], [1, 2, 4, 5, 6, 7, 9, 3]]
-    assert [s.trained for s in seqs] == [[False, False, True, True, True, True],
-                                         [False] * 5 + [True] * 3], "the re-rendered answer is context in the fork"
+    assert [s.trained for s in seqs] == [[False, False, True, True, True, True], [False] * 5 + [True] * 3], (
+        "the re-rendered answer is context in the fork"
+    )
     assert (stats.forks, stats.drift_tokens) == (1, [4]), "the whole held reply was re-rendered"
 
 

@@ -62,28 +62,47 @@ def msgs(*texts):
 
 def test_example_1_longer_completions():
     prompts = [[{"role": "user", "content": "The sky is"}], [{"role": "user", "content": "The sun is"}]]
-    _, total = score([length_reward], 2, prompts=prompts, completions=msgs(" blue.", " in the sky."),
-                     completion_ids=[[6303, 13], [304, 279, 12884, 13]])
+    _, total = score(
+        [length_reward],
+        2,
+        prompts=prompts,
+        completions=msgs(" blue.", " in the sky."),
+        completion_ids=[[6303, 13], [304, 279, 12884, 13]],
+    )
     assert total.tolist() == [2.0, 4.0]
 
 
 def test_example_2_format():
-    completions = msgs("<think>The sum of 1 and 2 is 3, which we multiply by 4 to get 12.</think><answer>(1 + 2) * 4 = 12</answer>",
-                       "The sum of 3 and 1 is 4, which we multiply by 2 to get 8. So (3 + 1) * 2 = 8.")
+    completions = msgs(
+        "<think>The sum of 1 and 2 is 3, which we multiply by 4 to get 12.</think><answer>(1 + 2) * 4 = 12</answer>",
+        "The sum of 3 and 1 is 4, which we multiply by 2 to get 8. So (3 + 1) * 2 = 8.",
+    )
     _, total = score([format_reward_func], 2, prompts=[[], []], completions=completions, completion_ids=[[], []])
     assert total.tolist() == [1.0, 0.0]
 
 
 def test_example_3_reference_column():
-    _, total = score([boxed_reward], 2, prompts=[[], []], completions=msgs(r"The solution is \boxed{2}.", r"The solution is \boxed{6}."),
-                     completion_ids=[[], []], ground_truth=["2", "5"])
+    _, total = score(
+        [boxed_reward],
+        2,
+        prompts=[[], []],
+        completions=msgs(r"The solution is \boxed{2}.", r"The solution is \boxed{6}."),
+        completion_ids=[[], []],
+        ground_truth=["2", "5"],
+    )
     assert total.tolist() == [1.0, 0.0]
 
 
 def test_example_4_multi_task_none_is_ignored():
     completions = msgs("4", "def add(a, b): return a + b", "12", "return a * b")
-    columns, total = score([math_reward_func, coding_reward_func], 4, prompts=[[]] * 4, completions=completions,
-                           completion_ids=[[]] * 4, task=["math", "code", "math", "code"])
+    columns, total = score(
+        [math_reward_func, coding_reward_func],
+        4,
+        prompts=[[]] * 4,
+        completions=completions,
+        completion_ids=[[]] * 4,
+        task=["math", "code", "math", "code"],
+    )
     assert math.isnan(columns["math_reward_func"][1]) and math.isnan(columns["coding_reward_func"][0])
     assert total.tolist() == [1.0, 1.0, -1.0, -1.0], "each row takes the reward of the function that scored it"
 
@@ -125,4 +144,6 @@ def test_accuracy_reward_checks_the_final_answer_and_remembers_what_it_checked()
     assert accuracy_reward(completions, solution=["42"] * 4) == [1.0, 1.0, 0.0, 1.0]
     assert accuracy_reward(["42"], solution=["no number here"]) == [None], "a solution that does not parse: unscored"
     assert verdict.cache_info().hits == 1, "the repeated (solution, completion) pair is checked once"
-    assert accuracy_reward(completions, solution=["41"] * 4) == [0.0, 0.0, 1.0, 0.0], "another solution, another verdict"
+    assert accuracy_reward(completions, solution=["41"] * 4) == [0.0, 0.0, 1.0, 0.0], (
+        "another solution, another verdict"
+    )

@@ -10,8 +10,8 @@ from tandem.contract.staleness import StalenessPolicy
 from tandem.metrics.window import MetricWindow
 from tandem.rollout.pacing import TokenAllowance
 from tandem.rollout.worker import WorkerLost
-from tandem.trainer import checkpoint
 from tandem.runtime.sample_source import ResumePoint, SampleSource, StalledError
+from tandem.trainer import checkpoint
 from tests.packing.samples import sample
 
 
@@ -27,9 +27,14 @@ class ListInbox:
 
 def counters():
     rings = []
-    return SimpleNamespace(consumed_tokens=SimpleNamespace(value=0.0), tokens_per_step=SimpleNamespace(value=0.0),
-                           watermark=SimpleNamespace(value=0), retry=SimpleNamespace(put=print),
-                           evaluate=SimpleNamespace(put=print), room=SimpleNamespace(ring=lambda: rings.append(1), rings=rings))
+    return SimpleNamespace(
+        consumed_tokens=SimpleNamespace(value=0.0),
+        tokens_per_step=SimpleNamespace(value=0.0),
+        watermark=SimpleNamespace(value=0),
+        retry=SimpleNamespace(put=print),
+        evaluate=SimpleNamespace(put=print),
+        room=SimpleNamespace(ring=lambda: rings.append(1), rings=rings),
+    )
 
 
 def group(position, size=2, version=0, tokens=5):
@@ -41,9 +46,16 @@ def group(position, size=2, version=0, tokens=5):
 
 
 def source_of(*messages, start=0, max_staleness=1, token_budget=100, end=None, stall_timeout=None, resume=None):
-    source = SampleSource(ListInbox(*messages), counters(), MetricWindow(), resume=resume or ResumePoint(start),
-                          staleness=StalenessPolicy(max_staleness), token_budget=token_budget, end_position=end,
-                          stall_timeout=stall_timeout)
+    source = SampleSource(
+        ListInbox(*messages),
+        counters(),
+        MetricWindow(),
+        resume=resume or ResumePoint(start),
+        staleness=StalenessPolicy(max_staleness),
+        token_budget=token_budget,
+        end_position=end,
+        stall_timeout=stall_timeout,
+    )
     source.regenerated = []
     source.counters.retry.put = source.regenerated.append
     return source
@@ -236,8 +248,9 @@ def test_the_worker_may_start_a_group_again_once_the_trainer_takes_what_was_queu
 
     def may_start():
         queued = produced - source.counters.consumed_tokens.value
-        return allowance.may_start(queued, in_flight=0, reservation=reservation, tokens_per_step=0,
-                                   groups_in_flight=0, groups_finished=1)
+        return allowance.may_start(
+            queued, in_flight=0, reservation=reservation, tokens_per_step=0, groups_in_flight=0, groups_finished=1
+        )
 
     assert not may_start(), "queued tokens fill the allowance"
     next_sample(source, 0)
@@ -255,7 +268,9 @@ def test_a_trainer_that_must_wait_for_the_worker_frees_the_room_it_took_at_once(
     source.take() if next_sample(source, 0) else None
     assert source.counters.consumed_tokens.value == 0
     assert next_sample(source, 0) is None
-    assert source.counters.consumed_tokens.value == 10, "before waiting, so a half-filled row cannot deadlock the allowance"
+    assert source.counters.consumed_tokens.value == 10, (
+        "before waiting, so a half-filled row cannot deadlock the allowance"
+    )
 
 
 def test_a_unit_is_the_run_of_samples_sharing_a_key_a_group_or_a_rollout():
@@ -279,8 +294,9 @@ def test_fifty_groups_dropped_in_a_row_are_said_once_with_their_rewards_then_a_s
     assert source.peek(model_version=0).position == 50
     assert len(said) == 1, said
     assert "50 groups dropped without reward variance" in said[0] and "rewards seen: 0 x200" in said[0]
-    assert [stall.groups_dropped for stall in stalls if stall] == [50], \
+    assert [stall.groups_dropped for stall in stalls if stall] == [50], (
         "the wait returns the stall when it is said: the runtime logs the worker's metrics then"
+    )
     assert source.stall.groups_dropped == 0, "a trainable sample ends the stall"
 
 
@@ -297,12 +313,16 @@ def test_a_saturated_run_that_drops_fifty_groups_before_each_sample_is_told_once
 
 
 def test_a_wait_past_stall_timeout_stops_with_the_reasons():
-    source = source_of(("skip", 0), ("metrics", {"reward_dropped": [1.0, 1.0], "rollout/vllm_retry_count": [3]}),
-                       stall_timeout=10)
+    source = source_of(
+        ("skip", 0), ("metrics", {"reward_dropped": [1.0, 1.0], "rollout/vllm_retry_count": [3]}), stall_timeout=10
+    )
     source.drain()
     source.stall.waited = 11  # the trainer waited 11 s since the last trainable sample
-    with pytest.raises(StalledError, match=r"no trainable sample for 11s of waiting: 1 groups dropped .*rewards seen: 1 x2; 0 failed\), "
-                                           r"0 samples dropped stale, 0 too long for token_budget, 3 requests retried"):
+    with pytest.raises(
+        StalledError,
+        match=r"no trainable sample for 11s of waiting: 1 groups dropped .*rewards seen: 1 x2; 0 failed\), "
+        r"0 samples dropped stale, 0 too long for token_budget, 3 requests retried",
+    ):
         next_sample(source, 0)
 
 
@@ -326,9 +346,9 @@ def test_a_samples_time_in_the_queue_ends_when_it_is_placed_in_a_row_not_when_it
     import time
 
     from tandem.config import AsyncGRPOConfig
+    from tandem.contract.algorithms import GRPO
     from tandem.model.distributed import Ranks
     from tandem.packing.batching import TokenBudgetBatcher
-    from tandem.contract.algorithms import GRPO
     from tandem.runtime.runtime import Runtime
 
     samples = group(0)

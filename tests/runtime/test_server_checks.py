@@ -11,27 +11,41 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from tandem.config import AsyncGRPOConfig
-from tandem.tasks import TINY_MODEL_PATH
-from tandem.runtime.weight_sync import LoraSync, ReloadSync, choose_sync
-
-from tandem.generation.client import ServerProblem
 from tandem.errors import UsageError
+from tandem.generation.client import ServerProblem
 from tandem.generation.server_facts import ServerFacts, facts_of, release
 from tandem.runtime.server_checks import NEWEST_VERIFIED_VLLM, OLDEST_VLLM, check, check_prompt_lengths, served_name
+from tandem.runtime.weight_sync import LoraSync, ReloadSync, choose_sync
+from tandem.tasks import TINY_MODEL_PATH
 
 URL = "http://127.0.0.1:8000"
 
 
-def vllm(version="0.32.0", device="cpu", dtype="torch.float32", chunked=True, batched=131072, env=None, lora=None,
-         transfer="gloo") -> ServerFacts:
+def vllm(
+    version="0.32.0",
+    device="cpu",
+    dtype="torch.float32",
+    chunked=True,
+    batched=131072,
+    env=None,
+    lora=None,
+    transfer="gloo",
+) -> ServerFacts:
     """The facts of a vLLM, from its routes' answers shaped as vLLM 0.32.0 gives them."""
-    config = {"model_config": {"dtype": dtype, "max_model_len": 1024}, "device_config": {"device": device},
-              "scheduler_config": {"max_num_seqs": 128, "max_num_batched_tokens": batched, "enable_chunked_prefill": chunked},
-              "lora_config": lora, "parallel_config": {},
-              "weight_transfer_config": {"backend": transfer} if transfer else None}
+    config = {
+        "model_config": {"dtype": dtype, "max_model_len": 1024},
+        "device_config": {"device": device},
+        "scheduler_config": {"max_num_seqs": 128, "max_num_batched_tokens": batched, "enable_chunked_prefill": chunked},
+        "lora_config": lora,
+        "parallel_config": {},
+        "weight_transfer_config": {"backend": transfer} if transfer else None,
+    }
     environment = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": True} if env is None else env
-    return facts_of({"version": version}, {"vllm_config": config, "vllm_env": environment},
-                    [{"id": TINY_MODEL_PATH, "max_model_len": 1024}])
+    return facts_of(
+        {"version": version},
+        {"vllm_config": config, "vllm_env": environment},
+        [{"id": TINY_MODEL_PATH, "max_model_len": 1024}],
+    )
 
 
 def warned(facts: ServerFacts, trainer_dtype="float32") -> list[str]:
@@ -64,7 +78,9 @@ def sync_for(facts: ServerFacts, tmp_path, lora: bool):
     if lora:
         model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj"]))
     with asyncio.Runner() as run:
-        return choose_sync(Control(), run, facts, TINY_MODEL_PATH, model, AsyncGRPOConfig(output_dir=str(tmp_path)), lora)
+        return choose_sync(
+            Control(), run, facts, TINY_MODEL_PATH, model, AsyncGRPOConfig(output_dir=str(tmp_path)), lora
+        )
 
 
 def test_lora_needs_runtime_adapter_loading_and_says_how(tmp_path):
@@ -72,8 +88,9 @@ def test_lora_needs_runtime_adapter_loading_and_says_how(tmp_path):
     assert isinstance(sync_for(vllm(lora=slots), tmp_path, lora=True), LoraSync)
     with pytest.raises(ServerProblem, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"):
         sync_for(vllm(lora=slots, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": False}), tmp_path, lora=True)
-    assert isinstance(sync_for(vllm(lora=slots, env={}), tmp_path, lora=True), LoraSync), \
+    assert isinstance(sync_for(vllm(lora=slots, env={}), tmp_path, lora=True), LoraSync), (
         "a vLLM that lists no variables: not refused"
+    )
     with pytest.raises(ServerProblem, match="max_loras=3 adapters of rank <= 8; this run needs 6"):
         sync_for(vllm(lora={"max_loras": 3, "max_lora_rank": 8}), tmp_path, lora=True)
 
@@ -81,18 +98,26 @@ def test_lora_needs_runtime_adapter_loading_and_says_how(tmp_path):
 def test_a_tied_model_is_refused_a_folder_reload_into_vllms_cpu_build_lora_fallback_included(tmp_path):
     with pytest.raises(ServerProblem, match="does not refresh a tied LM head"):
         sync_for(vllm(transfer=None), tmp_path, lora=False)
-    with pytest.warns(UserWarning, match="syncing the merged model"), \
-            pytest.raises(ServerProblem, match="does not refresh a tied LM head"):
+    with (
+        pytest.warns(UserWarning, match="syncing the merged model"),
+        pytest.raises(ServerProblem, match="does not refresh a tied LM head"),
+    ):
         sync_for(vllm(transfer=None), tmp_path, lora=True)  # no LoRA on the server: the merged model would be reloaded
-    assert isinstance(sync_for(vllm(transfer=None, device="cuda"), tmp_path, lora=False), ReloadSync), \
+    assert isinstance(sync_for(vllm(transfer=None, device="cuda"), tmp_path, lora=False), ReloadSync), (
         "vLLM's GPU build reads the tied weight itself"
+    )
 
 
 def test_a_dtype_other_than_the_trainers_is_warned_about_on_any_server():
     [message] = warned(vllm(dtype="torch.bfloat16"))
-    assert "decodes in bfloat16 and the trainer holds its weights in float32" in message and "--dtype float32" in message
-    tandem_serve = facts_of({"version": "0.33.0", "tandem_version": "1"},
-                            {"vllm_config": {"model_config": {"dtype": "torch.bfloat16"}}}, [{"id": "m", "max_model_len": 64}])
+    assert (
+        "decodes in bfloat16 and the trainer holds its weights in float32" in message and "--dtype float32" in message
+    )
+    tandem_serve = facts_of(
+        {"version": "0.33.0", "tandem_version": "1"},
+        {"vllm_config": {"model_config": {"dtype": "torch.bfloat16"}}},
+        [{"id": "m", "max_model_len": 64}],
+    )
     assert len(warned(tandem_serve)) == 1
 
 
@@ -111,8 +136,12 @@ def test_the_served_name_is_the_users_when_served_else_the_first_with_a_warning(
 
 def test_a_prompt_that_leaves_no_room_to_generate_is_refused_by_row():
     from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
-    rows = [{"prompt": [{"role": "user", "content": "2 + 2?"}]}, {"prompt": [{"role": "user", "content": "1 + 1 = " * 40}]}]
+    rows = [
+        {"prompt": [{"role": "user", "content": "2 + 2?"}]},
+        {"prompt": [{"role": "user", "content": "1 + 1 = " * 40}]},
+    ]
     check_prompt_lengths(rows[:1], tokenizer, [], None, max_model_len=64)
     with pytest.raises(UsageError, match="train_dataset row 1: the prompt renders to .* max_model_len is 64"):
         check_prompt_lengths(rows, tokenizer, [], None, max_model_len=64)
@@ -120,6 +149,7 @@ def test_a_prompt_that_leaves_no_room_to_generate_is_refused_by_row():
 
 def test_a_plain_text_prompt_past_the_first_rows_is_refused_by_row_before_the_first_step():
     from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
     rows = [{"prompt": [{"role": "user", "content": "2 + 2?"}]}] * 11 + [{"prompt": "What is 3 + 4?"}]
     with pytest.raises(UsageError, match="train_dataset row 11: 'prompt' must be conversational.*got str 'What is"):

@@ -11,12 +11,11 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from tandem.generation.client import ControlClient, GenerationClient
-from tandem.packing import tree_attention
-from tandem.tasks import TINY_MODEL_PATH
-from tandem.runtime import sync_check
 from tandem.generation.server_facts import facts_of
-from tandem.runtime.weight_sync import adapter_sync_obstacle
-from tandem.runtime.weight_sync import LoraSync, merged_state_dict
+from tandem.packing import tree_attention
+from tandem.runtime import sync_check
+from tandem.runtime.weight_sync import LoraSync, adapter_sync_obstacle, merged_state_dict
+from tandem.tasks import TINY_MODEL_PATH
 from tests.conftest import chat_prompt, probe_gap
 
 ATOL = 1e-5
@@ -27,8 +26,13 @@ def lora_model(seed: int, **config) -> torch.nn.Module:
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32)
     tree_attention.prepare(base)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0,
-                      **{"init_lora_weights": False, **config})
+    lora = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj", "up_proj"],
+        lora_dropout=0.0,
+        **{"init_lora_weights": False, **config},
+    )
     return get_peft_model(base, lora)
 
 
@@ -41,7 +45,9 @@ def perturb(model: torch.nn.Module, seed: int) -> None:
                 p.add_(0.05 * torch.randn_like(p))
 
 
-def test_after_each_adapter_sync_the_server_matches_the_trainer_and_stale_or_base_adapters_fail(server, tokenizer, tmp_path):
+def test_after_each_adapter_sync_the_server_matches_the_trainer_and_stale_or_base_adapters_fail(
+    server, tokenizer, tmp_path
+):
     prompt = chat_prompt(tokenizer, "What is 12 + 30?")
     model = lora_model(seed=1)
     with asyncio.Runner() as run:
@@ -97,25 +103,33 @@ def test_merged_weights_are_the_base_model_plus_the_adapter_under_the_base_names
     assert not torch.equal(untouched, merged["model.layers.0.self_attn.q_proj.weight"]), "the adapter was added"
 
 
-@pytest.mark.parametrize("config, lora, parallel, expected", [
-    ({}, None, {}, "started without LoRA support. Restart it with --enable-lora"),
-    ({}, {"max_loras": 4}, {"data_parallel_size": 2}, "data_parallel_size=2"),
-    ({"use_dora": True}, {"max_loras": 4}, {}, "DoRA"),
-    ({"modules_to_save": ["embed_tokens"]}, {"max_loras": 4}, {}, "modules_to_save"),
-    ({"bias": "lora_only"}, {"max_loras": 4}, {}, "bias='lora_only'"),
-    ({"target_modules": ["q_proj", "embed_tokens"]}, {"max_loras": 4}, {}, "embed_tokens"),
-    ({}, {"max_loras": 4}, {"data_parallel_size": 1}, None),
-])
+@pytest.mark.parametrize(
+    "config, lora, parallel, expected",
+    [
+        ({}, None, {}, "started without LoRA support. Restart it with --enable-lora"),
+        ({}, {"max_loras": 4}, {"data_parallel_size": 2}, "data_parallel_size=2"),
+        ({"use_dora": True}, {"max_loras": 4}, {}, "DoRA"),
+        ({"modules_to_save": ["embed_tokens"]}, {"max_loras": 4}, {}, "modules_to_save"),
+        ({"bias": "lora_only"}, {"max_loras": 4}, {}, "bias='lora_only'"),
+        ({"target_modules": ["q_proj", "embed_tokens"]}, {"max_loras": 4}, {}, "embed_tokens"),
+        ({}, {"max_loras": 4}, {"data_parallel_size": 1}, None),
+    ],
+)
 def test_adapters_the_server_cannot_serve_fall_back_to_merged_sync_with_the_reason(config, lora, parallel, expected):
     peft_config = {"default": LoraConfig(r=4, **{"target_modules": ["q_proj"], **config})}
-    facts = facts_of({"version": "0.32.0"}, {"vllm_config": {"lora_config": lora, "parallel_config": parallel}},
-                     [{"id": "tiny", "max_model_len": 64}])
+    facts = facts_of(
+        {"version": "0.32.0"},
+        {"vllm_config": {"lora_config": lora, "parallel_config": parallel}},
+        [{"id": "tiny", "max_model_len": 64}],
+    )
     why = adapter_sync_obstacle(peft_config, facts, flags="--enable-lora --max-loras 3")
     assert why == expected if expected is None else expected in why
 
 
 def probe(atol=None, url=None, dtype="float32") -> sync_check.SyncProbe:
-    return sync_check.SyncProbe([1, 2, 3], dtype, SimpleNamespace(weight_sync_check_atol=atol, vllm_server_base_url=url))
+    return sync_check.SyncProbe(
+        [1, 2, 3], dtype, SimpleNamespace(weight_sync_check_atol=atol, vllm_server_base_url=url)
+    )
 
 
 def test_the_sync_probe_checks_what_the_settings_and_the_server_call_for():
@@ -123,8 +137,11 @@ def test_the_sync_probe_checks_what_the_settings_and_the_server_call_for():
     assert probe(atol=1e-5).due(99)
 
     external = probe(url="http://gpu-box:8000")
-    assert [external.due(push) for push in (1, sync_check.FORCED_PROBES, sync_check.FORCED_PROBES + 1)] == [True, True, False], \
-        "an external server's syncs are probed until one is judged, FORCED_PROBES at most"
+    assert [external.due(push) for push in (1, sync_check.FORCED_PROBES, sync_check.FORCED_PROBES + 1)] == [
+        True,
+        True,
+        False,
+    ], "an external server's syncs are probed until one is judged, FORCED_PROBES at most"
     external.settled = True
     assert not external.due(2), "a sync seen to move the server ends the forced probes"
     external.restart()

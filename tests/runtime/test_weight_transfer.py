@@ -13,16 +13,23 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tandem.generation.client import ControlClient, EngineDead, GenerationClient, ServerError
-from tandem.kernels import onednn_linear
+from tandem.generation.client import ControlClient, EngineDead, GenerationClient, ServerError, ServerProblem
 from tandem.generation.launcher import EmbeddedProxy
+from tandem.kernels import onednn_linear
 from tandem.packing import tree_attention
-from tandem.tasks import TINY_MODEL_PATH
 from tandem.runtime import weight_transfer
 from tandem.runtime.weight_sync import nccl_plane
-from tandem.generation.client import ServerProblem
+from tandem.runtime.weight_transfer import (
+    GlooPlane,
+    InThread,
+    TransferFailed,
+    TransferSync,
+    VllmNcclPlane,
+    control_call,
+    first_failure,
+)
 from tandem.serve.weight_receiver import Receiver, pack_chunks
-from tandem.runtime.weight_transfer import GlooPlane, InThread, TransferFailed, TransferSync, VllmNcclPlane, control_call, first_failure
+from tandem.tasks import TINY_MODEL_PATH
 from tests.conftest import ServeProcess, ServerThread, chat_prompt, probe_gap
 
 ATOL = 1e-5
@@ -62,7 +69,9 @@ def test_each_transfer_is_served_exactly_and_a_failed_one_leaves_the_previous_we
         for version in (1, 2):
             model = trained_model(seed=version)
             assert sync.push(model, version)["perf/weight_sync_pause_s"] < 0.01
-            assert not pauses, "tandem serve swaps the staged weights between engine steps: it generates during a transfer"
+            assert not pauses, (
+                "tandem serve swaps the staged weights between engine steps: it generates during a transfer"
+            )
             assert gaps(run, [server.url], model, prompt)[0] <= ATOL, f"version {version} is not what the server serves"
         assert run.run(control.get_json("/weight_info")) == {"weight_version": "2"}
 
@@ -76,7 +85,9 @@ def test_each_transfer_is_served_exactly_and_a_failed_one_leaves_the_previous_we
             return tensor
 
         monkeypatch.setattr(weight_transfer, "full_tensor", dies_midway)
-        with pytest.raises(TransferFailed, match="version 3 failed: simulated loss.*keeps serving the previous weights"):
+        with pytest.raises(
+            TransferFailed, match="version 3 failed: simulated loss.*keeps serving the previous weights"
+        ):
             sync.push(trained_model(seed=3), 3)
         assert gaps(run, [server.url], model, prompt)[0] <= ATOL, "a failed transfer must leave version 2 served"
         assert not run.run(control.is_paused()), "generation goes on after a failed transfer"
@@ -96,7 +107,9 @@ def test_a_transfer_reaches_the_weights_fast_decoding_reordered_for_onednn(token
         model = trained_model(seed=2)
         sync.push(model, 2)
         gap = gaps(run, [server.url], model, prompt)[0]
-        assert gap <= 1e-4, f"fast decoding serves {gap:.2e} away from the weights transferred"  # SDPA, oneDNN: not bitwise
+        assert gap <= 1e-4, (
+            f"fast decoding serves {gap:.2e} away from the weights transferred"
+        )  # SDPA, oneDNN: not bitwise
         run.run(control.close())
     server.close()
 
@@ -178,6 +191,7 @@ def vllm_stand_in(monkeypatch):
     """vLLM's trainer-side helpers replaced by tests/runtime/vllm_stand_in (gloo, unpacked), recording their calls."""
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "vllm_stand_in"))
     from vllm.distributed.weight_transfer import packed_tensor
+
     yield packed_tensor
     for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
         del sys.modules[name]  # later tests see vLLM as not installed again
@@ -197,14 +211,20 @@ def test_the_nccl_plane_drives_vllms_rendezvous_and_packed_broadcast(tokenizer, 
         assert gaps(run, [server.url], model, prompt)[0] <= ATOL, "the weights vLLM's broadcast carried are served"
         producer = vllm_stand_in.CALLS[1][1]
         assert producer["names"] == [name for name, _ in model.named_parameters()], "sent in the announced order"
-        assert plane.init_fields == {"packed": True, "packed_buffer_size_bytes": producer["buffer_size_bytes"],
-                                     "packed_num_buffers": producer["num_buffers"]}, "the packing told the server is used"
+        assert plane.init_fields == {
+            "packed": True,
+            "packed_buffer_size_bytes": producer["buffer_size_bytes"],
+            "packed_num_buffers": producer["num_buffers"],
+        }, "the packing told the server is used"
 
         vllm_stand_in.HANG.set()  # a peer that never takes part: NCCL would wait forever
         # vLLM loads in place, so a failed transfer may have left part of it loaded: the run stops, it does not sync again
         # Both ends wait 5 s: whichever gives up first is the error (the broadcast, or the server's receive)
-        with pytest.raises(ServerProblem, match="version 2 failed: .*(NCCL broadcast .* did not complete within 5s|Timed "
-                                                "out waiting 5000ms).*restart"):
+        with pytest.raises(
+            ServerProblem,
+            match="version 2 failed: .*(NCCL broadcast .* did not complete within 5s|Timed "
+            "out waiting 5000ms).*restart",
+        ):
             sync.push(trained_model(seed=5), 2)
         vllm_stand_in.HANG.clear()
         assert gaps(run, [server.url], model, prompt)[0] <= ATOL, "a failed transfer must leave version 1 served"
@@ -225,23 +245,37 @@ def test_the_first_error_of_two_calls_that_wait_on_each_other_ends_the_wait():
     assert time.monotonic() - start < 5
 
 
-
 def test_packed_buffers_carry_every_dtype_and_shape_exactly_across_several_buffers(monkeypatch):
-    assert pack_chunks([60, 14, 40, 160, 4, 32], buffer_bytes=100) == [range(0, 3), range(3, 4), range(4, 6)], \
+    assert pack_chunks([60, 14, 40, 160, 4, 32], buffer_bytes=100) == [range(0, 3), range(3, 4), range(4, 6)], (
         "as vLLM packs: a buffer takes tensors until it exceeds its size, the tensor that crosses it included"
-    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.bfloat16), "c": torch.randn(10),
-               "big": torch.randn(40), "scalar": torch.tensor(2.5), "d": torch.ones(2, 2, dtype=torch.int64)}
+    )
+    tensors = {
+        "a": torch.randn(3, 5),
+        "b": torch.arange(7, dtype=torch.bfloat16),
+        "c": torch.randn(10),
+        "big": torch.randn(40),
+        "scalar": torch.tensor(2.5),
+        "d": torch.ones(2, 2, dtype=torch.int64),
+    }
     port = weight_transfer.free_port("127.0.0.1")
     plane, receiver = GlooPlane(buffer_bytes=100), Receiver(timeout_s=20)
-    joining = InThread(lambda: receiver.init({"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
-                                              "world_size": 2} | plane.init_fields))
+    joining = InThread(
+        lambda: receiver.init(
+            {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2} | plane.init_fields
+        )
+    )
     plane.open("127.0.0.1", port, 2, 20)
     joining.result(20)
     buffers = []
-    monkeypatch.setattr(plane, "_broadcast", lambda tensor, real=plane._broadcast: buffers.append(tensor) or real(tensor))
+    monkeypatch.setattr(
+        plane, "_broadcast", lambda tensor, real=plane._broadcast: buffers.append(tensor) or real(tensor)
+    )
     receiver.start()
-    update = {"names": list(tensors), "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
-              "shapes": [list(t.shape) for t in tensors.values()]}
+    update = {
+        "names": list(tensors),
+        "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
+        "shapes": [list(t.shape) for t in tensors.values()],
+    }
     receiving = InThread(lambda: receiver.receive(update, tensors))
     plane.send(iter(tensors.items()), 20)
     receiving.result(20)
@@ -262,7 +296,11 @@ def test_vllm_gets_each_weight_under_the_checkpoints_name_and_layout(tmp_path):
     folder = saved_with_tiny_tokenizer(BY_NAME["Qwen3-MoE"].build(), tmp_path / "moe")
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert "model.layers.0.mlp.experts.gate_up_proj" in dict(model.named_parameters()), "the model holds fused experts"
-    sent = dict(pair for name, p in model.named_parameters() for pair in weight_transfer.checkpoint_tensors(model, name, p.detach()))
+    sent = dict(
+        pair
+        for name, p in model.named_parameters()
+        for pair in weight_transfer.checkpoint_tensors(model, name, p.detach())
+    )
     saved = load_file(f"{folder}/model.safetensors")
     assert sorted(sent) == sorted(saved), f"names differ: {sorted(set(sent) ^ set(saved))[:4]}"
     assert all(torch.equal(sent[name], saved[name]) for name in saved)
@@ -273,10 +311,15 @@ def test_weight_versions_label_each_token_with_the_weights_that_sampled_it(token
     serve = ServeProcess("--weight-transfer-config", GLOO, "--step-delay-s", "0.05", "--enable-scale-out")
     prompt = chat_prompt(tokenizer, "Count to fifty.")
     sampling = {"max_tokens": 60, "ignore_eos": True, "temperature": 1.0, "seed": 1}
-    bodies = {"/v1/completions": {"prompt": prompt, "return_weight_versions": True, **sampling},
-              "/v1/chat/completions": {"messages": [{"role": "user", "content": "Count."}], "return_weight_versions": True,
-                                       **sampling},
-              "/inference/v1/generate": {"token_ids": prompt, "sampling_params": sampling}}
+    bodies = {
+        "/v1/completions": {"prompt": prompt, "return_weight_versions": True, **sampling},
+        "/v1/chat/completions": {
+            "messages": [{"role": "user", "content": "Count."}],
+            "return_weight_versions": True,
+            **sampling,
+        },
+        "/inference/v1/generate": {"token_ids": prompt, "sampling_params": sampling},
+    }
     try:
         with asyncio.Runner() as run, concurrent.futures.ThreadPoolExecutor(3) as pool:
             control = ControlClient(serve.url)

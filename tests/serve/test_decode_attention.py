@@ -9,6 +9,7 @@ from tandem.serve.decode_attention import MAX_QUERY_ROWS, decode_attention
 
 class Layer(torch.nn.Module):
     """What the attention functions read off a model's attention layer."""
+
     num_key_value_groups = 3
     is_causal = True
 
@@ -17,7 +18,10 @@ def inputs(q_len: int, value_dim: int = 16):
     """A decode window of `q_len` queries for 5 sequences, 12 query heads over 4 key-value heads, keys read as views of
     a larger cache (as SlotKVCache hands them out), each sequence with its own number of keys attended."""
     generator = torch.Generator().manual_seed(q_len)
-    keys, values = torch.randn(2, 8, 4, 96, 16, generator=generator), torch.randn(2, 8, 4, 96, value_dim, generator=generator)
+    keys, values = (
+        torch.randn(2, 8, 4, 96, 16, generator=generator),
+        torch.randn(2, 8, 4, 96, value_dim, generator=generator),
+    )
     key, value = keys[0, :5, :, :70], values[1, :5, :, :70]
     query = torch.randn(5, 12, q_len, 16, generator=generator)
     lengths = torch.tensor([70, 41, 12, 66, 3 + q_len])

@@ -5,12 +5,12 @@ import time
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from tandem.kernels import exact_attention
 from tandem.serve.engine import Engine, EngineRequest
 from tandem.serve.sampling import SamplingParams
 from tandem.tasks import TINY_MODEL_PATH
-from transformers import AutoModelForCausalLM
 
 TOLERANCE = 0.0 if exact_attention.ROWS_ROUND_ALIKE else 1e-5
 """Bit for bit where MKL's strict mode makes every row of a matmul round alike."""
@@ -25,7 +25,9 @@ SETTINGS = {
 
 
 def make_engine(attention: str = "eager", **kwargs) -> Engine:
-    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32, attn_implementation=attention).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        TINY_MODEL_PATH, dtype=torch.float32, attn_implementation=attention
+    ).eval()
     kwargs.setdefault("logprobs_mode", "processed_logprobs")
     kwargs.setdefault("exact", attention == "eager")
     kwargs.setdefault("max_model_len", 256)
@@ -95,11 +97,17 @@ def teacher_forced(model, prompt: list[int], output: list[int], params: Sampling
 def test_logprobs_equal_a_teacher_forced_forward_alone_and_in_a_busy_batch(engine, tiny_model, name):
     rng = random.Random(hash(name) % 1000)
     params = SETTINGS[name]
-    alone = EngineRequest(prompt=random_prompt(rng, 11), params=SamplingParams(**{**params.__dict__, "max_tokens": 24, "seed": 5, "logprobs": 3}))
+    alone = EngineRequest(
+        prompt=random_prompt(rng, 11),
+        params=SamplingParams(**{**params.__dict__, "max_tokens": 24, "seed": 5, "logprobs": 3}),
+    )
     run(engine, [alone])
     busy = [
-        EngineRequest(prompt=random_prompt(rng, rng.randrange(2, 40)), n=rng.choice([1, 3]),
-                      params=SamplingParams(**{**params.__dict__, "max_tokens": rng.randrange(4, 30), "seed": i, "logprobs": 3}))
+        EngineRequest(
+            prompt=random_prompt(rng, rng.randrange(2, 40)),
+            n=rng.choice([1, 3]),
+            params=SamplingParams(**{**params.__dict__, "max_tokens": rng.randrange(4, 30), "seed": i, "logprobs": 3}),
+        )
         for i in range(12)
     ]
     run(engine, busy)
@@ -108,11 +116,15 @@ def test_logprobs_equal_a_teacher_forced_forward_alone_and_in_a_busy_batch(engin
             expected = teacher_forced(tiny_model, request.prompt, seq.output, request.params)
             got = torch.tensor(seq.logprobs)
             picked = expected[torch.arange(len(seq.output)), torch.tensor(seq.output)]
-            assert torch.allclose(got, picked, atol=TOLERANCE, rtol=0), f"{name}: sampled-token log-probs drift by {(got - picked).abs().max():.2e}"
+            assert torch.allclose(got, picked, atol=TOLERANCE, rtol=0), (
+                f"{name}: sampled-token log-probs drift by {(got - picked).abs().max():.2e}"
+            )
             for position, entries in enumerate(seq.top_logprobs):
                 for token, value, rank in entries:
                     reference = float(expected[position, token])
-                    assert value == reference or abs(value - reference) <= TOLERANCE, f"{name}: top-N entry for token {token} differs"
+                    assert value == reference or abs(value - reference) <= TOLERANCE, (
+                        f"{name}: top-N entry for token {token} differs"
+                    )
                     assert rank == int((expected[position] > expected[position, token]).sum()) + 1
 
 
@@ -128,8 +140,12 @@ def test_rows_of_a_wide_matmul_round_alike_from_a_few_rows_on_under_the_mode_imp
     weight, inputs = torch.randn(192, 2048) * 0.02, torch.randn(1024, 2048)
     long = torch.nn.functional.linear(inputs, weight)
     counts = [*range(exact_attention.MATMUL_ROWS, exact_attention.MIN_ROWS + 1), 64]
-    drifted = [rows for rows in counts if not torch.equal(torch.nn.functional.linear(inputs[:rows], weight), long[:rows])]
-    assert not drifted, f"rows round unlike a 1024-row matmul at {drifted} rows (MATMUL_ROWS {exact_attention.MATMUL_ROWS})"
+    drifted = [
+        rows for rows in counts if not torch.equal(torch.nn.functional.linear(inputs[:rows], weight), long[:rows])
+    ]
+    assert not drifted, (
+        f"rows round unlike a 1024-row matmul at {drifted} rows (MATMUL_ROWS {exact_attention.MATMUL_ROWS})"
+    )
 
 
 def test_the_same_seed_gives_the_same_tokens_alone_and_in_a_busy_batch(engine):
@@ -138,7 +154,10 @@ def test_the_same_seed_gives_the_same_tokens_alone_and_in_a_busy_batch(engine):
     params = SamplingParams(temperature=1.0, max_tokens=32, seed=1234)
     first, second = EngineRequest(prompt=prompt, params=params), EngineRequest(prompt=prompt, params=params)
     run(engine, [first])
-    noise = [EngineRequest(prompt=random_prompt(rng, rng.randrange(2, 60)), params=SamplingParams(max_tokens=40)) for _ in range(20)]
+    noise = [
+        EngineRequest(prompt=random_prompt(rng, rng.randrange(2, 60)), params=SamplingParams(max_tokens=40))
+        for _ in range(20)
+    ]
     run(engine, noise[:10] + [second] + noise[10:])
     assert first.sequences[0].output == second.sequences[0].output
 
@@ -188,7 +207,9 @@ def test_stop_conditions_and_reasons(engine):
     assert by_id.sequences[0].output == [first_token]
     assert (by_id.sequences[0].finish_reason, by_id.sequences[0].stop_reason) == ("stop", first_token)
 
-    min_tokens = EngineRequest(prompt=[1, 5, 6], params=SamplingParams(max_tokens=6, min_tokens=6, stop_token_ids=[first_token], **base))
+    min_tokens = EngineRequest(
+        prompt=[1, 5, 6], params=SamplingParams(max_tokens=6, min_tokens=6, stop_token_ids=[first_token], **base)
+    )
     run(engine, [min_tokens])
     assert first_token not in min_tokens.sequences[0].output[:5]
 
@@ -213,7 +234,9 @@ def test_the_kv_cache_holds_the_positions_its_sequences_reach_not_max_model_len(
         run(engine, [alone])
         assert engine.cache.kv.shape[4] == 64, "43 positions: the first growth, 64"
         requests = [EngineRequest(prompt=[1, 5, 6], params=SamplingParams(max_tokens=100, ignore_eos=True, seed=3))]
-        requests += [EngineRequest(prompt=list(range(3, 3 + 20 * i)), params=SamplingParams(max_tokens=10)) for i in range(1, 6)]
+        requests += [
+            EngineRequest(prompt=list(range(3, 3 + 20 * i)), params=SamplingParams(max_tokens=10)) for i in range(1, 6)
+        ]
         run(engine, requests)
         assert engine.cache.kv.shape[4] == 128, "110 positions reached (a 100-token prompt): 64 doubled once"
         assert requests[0].sequences[0].output[:40] == alone.sequences[0].output, "the growth kept every row's keys"
@@ -240,7 +263,9 @@ def test_abort_frees_the_slot_and_the_others_continue(engine):
 def test_requests_beyond_max_num_seqs_wait_for_a_free_slot():
     engine = make_engine(max_num_seqs=4)
     try:
-        requests = [EngineRequest(prompt=[1, 7, i + 3], params=SamplingParams(max_tokens=8, ignore_eos=True)) for i in range(10)]
+        requests = [
+            EngineRequest(prompt=[1, 7, i + 3], params=SamplingParams(max_tokens=8, ignore_eos=True)) for i in range(10)
+        ]
         run(engine, requests)
         assert all(len(r.sequences[0].output) == 8 for r in requests)
         assert engine.stats().kv_capacity_tokens == 4 * 256
@@ -273,23 +298,35 @@ def test_a_pause_stops_the_clock_of_a_simulated_slow_step():
 def test_a_stream_sees_only_checked_tokens_until_the_sequence_finishes(engine):
     """`checked` counts the tokens whose stop conditions were tested without ending the sequence: the token that
     completes a stop arrives only with `finish_reason`, so a stream never shows a stop string."""
-    request = EngineRequest(prompt=[5, 6, 7], params=SamplingParams(max_tokens=40, seed=1, ignore_eos=True),
-                            stop_check=lambda out: "x" if len(out) == 6 else None)
+    request = EngineRequest(
+        prompt=[5, 6, 7],
+        params=SamplingParams(max_tokens=40, seed=1, ignore_eos=True),
+        stop_check=lambda out: "x" if len(out) == 6 else None,
+    )
     seen = []
-    request.notify = lambda: seen.append((request.sequences[0].checked, len(request.sequences[0].output), request.finished))
+    request.notify = lambda: seen.append(
+        (request.sequences[0].checked, len(request.sequences[0].output), request.finished)
+    )
     run(engine, [request])
     running = [(checked, length) for checked, length, done in seen if not done]
     assert running and all(checked == length for checked, length in running)
     assert seen[-1] == (5, 6, True), "the stopping token is never counted as checked"
 
 
-@pytest.mark.parametrize("layers, message", [
-    ({0: (2, 32, 32), 1: (2, 32, 32), 2: (1, 64, 64), 3: (2, 32, 32)},
-     r"its layers store keys and values of differing shapes \(\[\(1, 64, 64\), \(2, 32, 32\)\]\)"),
-    ({0: (2, 32, 32), 1: (2, 32, 32)}, r"only layers \[0, 1\] store keys and values \(the others share them\)"),
-], ids=["differing shapes", "shared across layers"])
-def test_a_model_whose_layers_store_keys_and_values_unlike_each_other_is_refused_at_load_in_one_line(monkeypatch, layers,
-                                                                                                      message):
+@pytest.mark.parametrize(
+    "layers, message",
+    [
+        (
+            {0: (2, 32, 32), 1: (2, 32, 32), 2: (1, 64, 64), 3: (2, 32, 32)},
+            r"its layers store keys and values of differing shapes \(\[\(1, 64, 64\), \(2, 32, 32\)\]\)",
+        ),
+        ({0: (2, 32, 32), 1: (2, 32, 32)}, r"only layers \[0, 1\] store keys and values \(the others share them\)"),
+    ],
+    ids=["differing shapes", "shared across layers"],
+)
+def test_a_model_whose_layers_store_keys_and_values_unlike_each_other_is_refused_at_load_in_one_line(
+    monkeypatch, layers, message
+):
     """One KV tensor holds every layer alike; a model it cannot hold (layers of differing key-value heads or widths, or
     later layers reading an earlier layer's keys) is refused before serving, saying what to use instead."""
     from tandem.errors import UsageError

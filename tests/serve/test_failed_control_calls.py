@@ -22,7 +22,9 @@ PROMPT = [1, 5, 6, 7, 8]
 def serve(tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
     make_adapter(root / "good", seed=1)
-    s = ServeProcess("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--logprobs-mode", "processed_logprobs")
+    s = ServeProcess(
+        "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--logprobs-mode", "processed_logprobs"
+    )
     assert s.post("/v1/load_lora_adapter", {"lora_name": "good", "lora_path": str(root / "good")})[0] == 200
     s.root = root
     yield s
@@ -31,7 +33,9 @@ def serve(tmp_path_factory):
 
 def served(serve, model=None) -> list[float]:
     """A seeded completion's log-probs: what the weights behind `model` compute."""
-    body = {"prompt": PROMPT, "max_tokens": 4, "logprobs": 0, "seed": 3, "temperature": 1.0} | ({"model": model} if model else {})
+    body = {"prompt": PROMPT, "max_tokens": 4, "logprobs": 0, "seed": 3, "temperature": 1.0} | (
+        {"model": model} if model else {}
+    )
     status, answer = serve.post("/v1/completions", body)
     assert status == 200, f"after the failed call, a request to {model or 'the base model'} got {status}: {answer}"
     return answer["choices"][0]["logprobs"]["token_logprobs"]
@@ -49,12 +53,14 @@ def edit_config(**changes):
     def edit(folder):
         config = json.loads((folder / "adapter_config.json").read_text())
         (folder / "adapter_config.json").write_text(json.dumps(config | changes))
+
     return edit
 
 
 def reshaped_tensor(folder):
     path = folder / "adapter_model.safetensors"
     from safetensors.torch import load_file
+
     tensors = load_file(str(path))
     key = next(k for k in tensors if "lora_A" in k)
     tensors[key] = torch.zeros(4, 3)
@@ -72,7 +78,11 @@ def unknown_layer(folder):
 
 
 REFUSALS = {
-    "modules_to_save lm_head": (edit_config(modules_to_save=["lm_head"]), 500, "Unsupported modules_to_save: ['lm_head']"),
+    "modules_to_save lm_head": (
+        edit_config(modules_to_save=["lm_head"]),
+        500,
+        "Unsupported modules_to_save: ['lm_head']",
+    ),
     "rank above --max-lora-rank": (edit_config(r=16), 500, "LoRA rank 16 is greater than max_lora_rank 8."),
     "DoRA": (edit_config(use_dora=True), 500, "vLLM does not yet support DoRA."),
     "a tensor of the wrong shape": (reshaped_tensor, 500, "has shape (4, 3)"),
@@ -113,7 +123,9 @@ def test_a_reload_refused_by_its_second_file_copies_none_of_the_first(serve, tmp
     state = {k: (v + 0.5).contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(state, str(tmp_path / "a.safetensors"))  # fits the model: read first
     save_file({"model.norm.weight": torch.zeros(3)}, str(tmp_path / "b.safetensors"))  # the wrong shape
-    status, answer = serve.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}})
+    status, answer = serve.post(
+        "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}}
+    )
     assert status == 400 and "'model.norm.weight' has shape (3,)" in answer["error"]["message"], answer
     assert served(serve) == base, "the refused checkpoint's first file was copied in"
 

@@ -6,10 +6,13 @@ import pytest
 from tandem.serve import fields, protocol
 
 MODELS = {
-    "/v1/completions": protocol.CompletionRequest, "/v1/chat/completions": protocol.ChatCompletionRequest,
+    "/v1/completions": protocol.CompletionRequest,
+    "/v1/chat/completions": protocol.ChatCompletionRequest,
     "/inference/v1/generate": protocol.GenerateRequest,
-    "/inference/v1/generate sampling_params": protocol.GenerateSampling, "/tokenize": protocol.TokenizeRequest,
-    "/detokenize": protocol.DetokenizeRequest, "/v1/load_lora_adapter": protocol.LoadLoRARequest,
+    "/inference/v1/generate sampling_params": protocol.GenerateSampling,
+    "/tokenize": protocol.TokenizeRequest,
+    "/detokenize": protocol.DetokenizeRequest,
+    "/v1/load_lora_adapter": protocol.LoadLoRARequest,
     "/v1/unload_lora_adapter": protocol.UnloadLoRARequest,
 }
 
@@ -17,7 +20,9 @@ MODELS = {
 @pytest.mark.parametrize("route", list(MODELS))
 def test_each_route_table_covers_its_model(route):
     table, declared = fields.ROUTES[route], MODELS[route].model_fields
-    assert not set(declared) - set(table), f"{route}: fields read but not in fields.py's table: {set(declared) - set(table)}"
+    assert not set(declared) - set(table), (
+        f"{route}: fields read but not in fields.py's table: {set(declared) - set(table)}"
+    )
     acting = {name for name, rule in table.items() if rule.status == fields.ACTS}
     assert not acting - set(declared), f"{route}: said to act but never read: {acting - set(declared)}"
     for name, rule in table.items():

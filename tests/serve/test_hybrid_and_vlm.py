@@ -19,8 +19,14 @@ def sampled(model: torch.nn.Module, exact: bool) -> tuple[Engine, list[EngineReq
     rng = random.Random(0)
     engine = Engine(model, eos_token_id=2, max_model_len=256, logprobs_mode="processed_logprobs", exact=exact)
     engine.start()
-    requests = [EngineRequest(prompt=random_prompt(rng, length), n=n, params=SamplingParams(temperature=0.9, max_tokens=12, seed=i, logprobs=2))
-                for i, (length, n) in enumerate([(5, 3), (30, 1), (70, 2), (12, 1)])]
+    requests = [
+        EngineRequest(
+            prompt=random_prompt(rng, length),
+            n=n,
+            params=SamplingParams(temperature=0.9, max_tokens=12, seed=i, logprobs=2),
+        )
+        for i, (length, n) in enumerate([(5, 3), (30, 1), (70, 2), (12, 1)])
+    ]
     try:
         run(engine, requests)
     finally:
@@ -60,9 +66,19 @@ def test_a_hybrid_decodes_fast_through_transformers_own_cache():
 def test_exact_decoding_keeps_the_attention_of_a_model_that_soft_caps_its_scores():
     """tandem_exact computes plain softmax(QK^T)V: a Gemma 2 keeps its own eager attention, soft-capping included."""
     torch.manual_seed(0)
-    config = Gemma2Config(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                          num_key_value_heads=1, head_dim=16, sliding_window=8, attn_logit_softcapping=0.5,
-                          query_pre_attn_scalar=1, initializer_range=0.2)
+    config = Gemma2Config(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=8,
+        attn_logit_softcapping=0.5,
+        query_pre_attn_scalar=1,
+        initializer_range=0.2,
+    )
     model = AutoModelForCausalLM.from_config(config).eval()
     _, requests = sampled(model, exact=True)
     assert model.config._attn_implementation == "eager"

@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from tandem.kernels import onednn_linear
 from tandem.tasks import TINY_MODEL_PATH
-from tests.serve.test_streaming import sse_events
 from tests.conftest import ServerThread, chat_prompt
+from tests.serve.test_streaming import sse_events
 
 ATOL = 1e-5
 
@@ -20,7 +20,9 @@ ATOL = 1e-5
 def make_adapter(path, seed: int, rank: int = 4) -> None:
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
+    config = LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False
+    )
     model = get_peft_model(base, config)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -71,10 +73,13 @@ def test_adapters_load_serve_mixed_batches_and_match_peft(server, adapters, toke
     references = {None: base}
     for name in ("alpha", "beta"):
         references[name] = PeftModel.from_pretrained(
-            AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32), str(adapters[name])).eval()
+            AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32), str(adapters[name])
+        ).eval()
     for (name, _), (tokens, logprobs) in zip(jobs, results):
         expected = teacher_logprobs(references[name], prompt, tokens)
-        assert torch.allclose(logprobs, expected, atol=ATOL), f"adapter {name}: log-probs drift by {(logprobs - expected).abs().max():.2e}"
+        assert torch.allclose(logprobs, expected, atol=ATOL), (
+            f"adapter {name}: log-probs drift by {(logprobs - expected).abs().max():.2e}"
+        )
     other = teacher_logprobs(references["beta"], prompt, results[4][0])
     assert not torch.allclose(results[4][1], other, atol=1e-3), "alpha's log-probs must differ from beta's"
 
@@ -91,8 +96,9 @@ def test_fast_decoding_serves_adapters_over_base_layers_on_onednn(adapters, toke
         assert onednn_linear.routed(wrapped.base_layer) and wrapped.base_layer.onednn_weight is not None
     finally:
         fast.close()
-    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32),
-                                          str(adapters["alpha"])).eval()
+    reference = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32), str(adapters["alpha"])
+    ).eval()
     expected = teacher_logprobs(reference, prompt, tokens)
     assert torch.allclose(logprobs, expected, atol=1e-4), f"log-probs drift by {(logprobs - expected).abs().max():.2e}"
 
@@ -111,27 +117,38 @@ def test_unload_removes_the_name_and_eviction_reloads_from_disk(server, adapters
     assert status == 404
 
 
-def test_a_name_reloaded_after_its_unload_serves_the_new_weights_and_a_vanished_adapter_fails_alone(adapters, tokenizer, tmp_path):
+def test_a_name_reloaded_after_its_unload_serves_the_new_weights_and_a_vanished_adapter_fails_alone(
+    adapters, tokenizer, tmp_path
+):
     """The trainer's resume reuses adapter names; a single loaded adapter replaced by itself must keep the
     engine alive, and an evicted adapter whose files are gone fails only its own request."""
     solo = ServerThread(logprobs_mode="processed_logprobs", enable_lora=True, max_loras=1)
     try:
         prompt = chat_prompt(tokenizer, "What is 3 + 4?")
         for source in ("alpha", "beta"):
-            assert solo.post("/v1/load_lora_adapter", {"lora_name": "policy", "lora_path": str(adapters[source])})[0] == 200
+            assert (
+                solo.post("/v1/load_lora_adapter", {"lora_name": "policy", "lora_path": str(adapters[source])})[0]
+                == 200
+            )
             tokens, logprobs = complete(solo, prompt, "policy", seed=4)
-            peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32),
-                                             str(adapters[source])).eval()
+            peft = PeftModel.from_pretrained(
+                AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32), str(adapters[source])
+            ).eval()
             assert torch.allclose(logprobs, teacher_logprobs(peft, prompt, tokens), atol=ATOL), f"served {source}?"
             assert solo.post("/v1/unload_lora_adapter", {"lora_name": "policy"})[0] == 200
 
         make_adapter(tmp_path / "gone", seed=7)
-        for name, path in (("gone", tmp_path / "gone"), ("other", adapters["gamma"])):  # max_cpu_loras 1: "gone" is evicted
+        for name, path in (
+            ("gone", tmp_path / "gone"),
+            ("other", adapters["gamma"]),
+        ):  # max_cpu_loras 1: "gone" is evicted
             assert solo.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})[0] == 200
         shutil.rmtree(tmp_path / "gone")  # an evicted adapter is read again from its files on its next use
         status, body = solo.post("/v1/completions", {"prompt": prompt, "model": "gone", "max_tokens": 4})
         assert status == 500 and "Loading lora gone failed" in body["error"]["message"]
-        events = sse_events(solo.port, "/v1/completions", {"prompt": prompt, "model": "gone", "max_tokens": 4, "stream": True})
+        events = sse_events(
+            solo.port, "/v1/completions", {"prompt": prompt, "model": "gone", "max_tokens": 4, "stream": True}
+        )
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 500, "streamed, the failure is an error event"
         assert "Loading lora gone failed" in events[-2]["error"]["message"]
         assert solo.post("/v1/completions", {"prompt": prompt, "max_tokens": 4})[0] == 200, "the engine kept serving"
@@ -157,7 +174,9 @@ def test_reload_weights_swaps_the_model_between_steps(tmp_path, tokenizer, mode,
             p.add_(torch.randn_like(p) * 0.02)
     weights = tmp_path / "v1"
     weights.mkdir()
-    state = {k: v.contiguous() for k, v in changed.state_dict().items() if k != "lm_head.weight"}  # tied to the embedding
+    state = {
+        k: v.contiguous() for k, v in changed.state_dict().items() if k != "lm_head.weight"
+    }  # tied to the embedding
     save_file(state, str(weights / "model.safetensors"))
 
     s = ServerThread(logprobs_mode="processed_logprobs", decode_mode=mode)
@@ -165,13 +184,18 @@ def test_reload_weights_swaps_the_model_between_steps(tmp_path, tokenizer, mode,
         prompt = chat_prompt(tokenizer, "What is 8 + 8?")
         complete(s, prompt, seed=4)  # served before the reload (fast mode: the weights reordered for oneDNN)
         assert s.request("POST", "/pause?mode=keep")[0] == 200
-        status, _ = s.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(weights), "is_checkpoint_format": True}})
+        status, _ = s.post(
+            "/collective_rpc",
+            {"method": "reload_weights", "kwargs": {"weights_path": str(weights), "is_checkpoint_format": True}},
+        )
         assert status == 200
         assert s.post("/reset_prefix_cache")[0] == 200 and s.request("POST", "/resume")[0] == 200
         tokens, logprobs = complete(s, prompt, seed=4)
         expected = teacher_logprobs(changed, prompt, tokens)
         atol = ATOL if mode == "exact" else 1e-4  # fast: SDPA and oneDNN round apart from the forward
-        assert torch.allclose(logprobs, expected, atol=atol), f"served log-probs are not the new weights' ({(logprobs - expected).abs().max():.2e})"
+        assert torch.allclose(logprobs, expected, atol=atol), (
+            f"served log-probs are not the new weights' ({(logprobs - expected).abs().max():.2e})"
+        )
 
         bad = tmp_path / "bad"
         bad.mkdir()

@@ -22,16 +22,18 @@ def test_every_response_is_counted_before_it_reaches_the_client():
             if i % 2:
                 status, answer = serve.post("/v1/completions", {"prompt": [1, 5, 6, 7], **sampling})
             else:
-                status, answer = serve.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                                     **sampling})
+                status, answer = serve.post(
+                    "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **sampling}
+                )
             assert status == 200, answer
             after = totals(serve)
             assert after["vllm:num_requests_running"] == 0, f"response {i} is still counted running"
             assert after["vllm:request_success_total"] == before["vllm:request_success_total"] + 1, f"response {i}"
             generated = answer["usage"]["completion_tokens"]
-            assert after["vllm:generation_tokens_total"] == before["vllm:generation_tokens_total"] + generated, \
-                f"response {i}: {generated} tokens returned, the counter moved by " \
+            assert after["vllm:generation_tokens_total"] == before["vllm:generation_tokens_total"] + generated, (
+                f"response {i}: {generated} tokens returned, the counter moved by "
                 f"{after['vllm:generation_tokens_total'] - before['vllm:generation_tokens_total']}"
+            )
             before = after
     finally:
         serve.close()

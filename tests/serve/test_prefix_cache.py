@@ -37,8 +37,15 @@ def counter(server, name: str) -> float:
 
 
 def complete(server, prompt: list[int], seed: int) -> dict:
-    body = {"prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 1.0, "seed": seed, "ignore_eos": True,
-            "logprobs": 0, "return_token_ids": True}
+    body = {
+        "prompt": prompt,
+        "max_tokens": OUTPUT_TOKENS,
+        "temperature": 1.0,
+        "seed": seed,
+        "ignore_eos": True,
+        "logprobs": 0,
+        "return_token_ids": True,
+    }
     status, answer = server.post("/v1/completions", body)
     assert status == 200, answer
     return answer["choices"][0]
@@ -47,8 +54,11 @@ def complete(server, prompt: list[int], seed: int) -> dict:
 def two_turns(server, tokenizer, question: str) -> tuple[list[int], dict, float]:
     """Turn 2's prompt is turn 1's prompt + its output + a tool response. Returns that prompt, turn 2's choice
     and the tokens turn 2 found cached."""
-    first = list(tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                               tokenize=True, return_dict=False))
+    first = list(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
     output = complete(server, first, seed=1)["token_ids"]
     complete(server, list(range(3, 90)), seed=0)  # another conversation takes the cache row turn 1 left
     second = first + output + tokenizer.encode(TOOL_RESPONSE, add_special_tokens=False)
@@ -57,9 +67,13 @@ def two_turns(server, tokenizer, question: str) -> tuple[list[int], dict, float]
     return second, choice, counter(server, "vllm:prefix_cache_hits_total") - hits
 
 
-def test_a_second_turn_prefills_only_its_new_tokens_and_its_logprobs_equal_a_full_forward_bit_for_bit(server, tiny_model, tokenizer):
+def test_a_second_turn_prefills_only_its_new_tokens_and_its_logprobs_equal_a_full_forward_bit_for_bit(
+    server, tiny_model, tokenizer
+):
     prompt, choice, hits = two_turns(server, tokenizer, "What is 17 + 25? Use the calculator.")
-    first_turn_with_kv = len(prompt) - len(tokenizer.encode(TOOL_RESPONSE, add_special_tokens=False)) - 1  # the last output token has none
+    first_turn_with_kv = (
+        len(prompt) - len(tokenizer.encode(TOOL_RESPONSE, add_special_tokens=False)) - 1
+    )  # the last output token has none
     assert hits == first_turn_with_kv // 16 * 16, "turn 2 should find every whole block of turn 1 cached"
     expected = teacher_forced(tiny_model, prompt, choice["token_ids"], SamplingParams(temperature=1.0))
     picked = expected[torch.arange(OUTPUT_TOKENS), torch.tensor(choice["token_ids"])]
@@ -91,7 +105,10 @@ def test_prompt_logprobs_requests_read_nothing_from_the_cache(server):
 def test_a_reset_a_weight_reload_and_adapter_loads_and_unloads_each_drop_the_cache(tmp_path, tiny_model):
     weights = tmp_path / "weights"
     weights.mkdir()
-    save_file({k: v.contiguous() for k, v in tiny_model.state_dict().items() if k != "lm_head.weight"}, str(weights / "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in tiny_model.state_dict().items() if k != "lm_head.weight"},
+        str(weights / "model.safetensors"),
+    )
     make_adapter(tmp_path / "adapter", seed=0)
     s = ServerThread(enable_lora=True)
     try:
@@ -134,7 +151,9 @@ def assert_logprobs_equal_a_full_forward(model, request: EngineRequest) -> None:
         expected = teacher_forced(model, request.prompt, seq.output, request.params)
         picked = expected[torch.arange(len(seq.output)), torch.tensor(seq.output)]
         served = torch.tensor(seq.logprobs)
-        assert torch.equal(served, picked), f"prompt of {len(request.prompt)} tokens drifts by {(served - picked).abs().max():.2e}"
+        assert torch.equal(served, picked), (
+            f"prompt of {len(request.prompt)} tokens drifts by {(served - picked).abs().max():.2e}"
+        )
 
 
 def test_cached_tails_and_whole_prompts_prefilled_together_match_a_full_forward(tiny_model):
@@ -146,8 +165,10 @@ def test_cached_tails_and_whole_prompts_prefilled_together_match_a_full_forward(
         head = random_prompt(rng, 60)
         run(engine, [EngineRequest(prompt=head, params=SamplingParams(max_tokens=4, seed=0))])
         hits = engine.stats().prefix_cache_hits_total
-        requests = [EngineRequest(prompt=p, params=SamplingParams(temperature=1.0, max_tokens=12, seed=i)) for i, p in
-                    enumerate([random_prompt(rng, 100), head + random_prompt(rng, 5), random_prompt(rng, 7)])]
+        requests = [
+            EngineRequest(prompt=p, params=SamplingParams(temperature=1.0, max_tokens=12, seed=i))
+            for i, p in enumerate([random_prompt(rng, 100), head + random_prompt(rng, 5), random_prompt(rng, 7)])
+        ]
         run_in_one_step(engine, requests)
         assert engine.stats().prefix_cache_hits_total - hits == 48
         for request in requests:
@@ -164,10 +185,14 @@ def test_requests_of_one_step_that_share_a_prefix_compute_it_once(tiny_model):
         rng = random.Random(5)
         shared = random_prompt(rng, 40)
         prompts = [shared + random_prompt(rng, 3) for _ in range(3)] + [random_prompt(rng, 40)]
-        requests = [EngineRequest(prompt=p, params=SamplingParams(temperature=1.0, max_tokens=8, seed=i), n=2)
-                    for i, p in enumerate(prompts)]
+        requests = [
+            EngineRequest(prompt=p, params=SamplingParams(temperature=1.0, max_tokens=8, seed=i), n=2)
+            for i, p in enumerate(prompts)
+        ]
         run_in_one_step(engine, requests)
-        assert engine.stats().prefix_cache_hits_total == 2 * 32, "the second and third request reuse the first's two blocks"
+        assert engine.stats().prefix_cache_hits_total == 2 * 32, (
+            "the second and third request reuse the first's two blocks"
+        )
         for request in requests:
             assert_logprobs_equal_a_full_forward(tiny_model, request)
     finally:
@@ -191,7 +216,9 @@ def test_a_sequence_running_across_a_reset_stores_nothing():
 
 def fake_row(tokens: list[int]):
     """A cache row whose KV at each position is that position's token id, shaped as SlotKVCache.read returns it."""
-    return lambda start, stop: torch.tensor(tokens[start:stop], dtype=torch.float32).view(1, 1, 1, -1, 1).expand(2, 1, 1, -1, 1)
+    return lambda start, stop: (
+        torch.tensor(tokens[start:stop], dtype=torch.float32).view(1, 1, 1, -1, 1).expand(2, 1, 1, -1, 1)
+    )
 
 
 def test_lookups_match_whole_blocks_leave_the_last_token_and_keep_adapters_apart():

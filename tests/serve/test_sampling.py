@@ -32,13 +32,16 @@ def reference_kept(logits: list[float], p: SamplingParams) -> set[int]:
     return alive
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.7),
-    SamplingParams(top_k=5),
-    SamplingParams(top_p=0.8),
-    SamplingParams(min_p=0.05),
-    SamplingParams(temperature=1.3, top_k=20, top_p=0.9, min_p=0.01),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7),
+        SamplingParams(top_k=5),
+        SamplingParams(top_p=0.8),
+        SamplingParams(min_p=0.05),
+        SamplingParams(temperature=1.3, top_k=20, top_p=0.9, min_p=0.01),
+    ],
+)
 def test_processed_support_matches_the_rules(params):
     torch.manual_seed(0)
     logits = torch.randn(8, 64) * 3
@@ -76,7 +79,9 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
 
 def test_presence_and_frequency_penalties_count_output_tokens_only():
     logits = torch.zeros(4)
-    out = apply_penalties(logits, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), prompt=[3], output=[1, 1, 2])
+    out = apply_penalties(
+        logits, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), prompt=[3], output=[1, 1, 2]
+    )
     assert out.tolist() == [0.0, -1.0, -0.75, 0.0]
 
 
@@ -91,7 +96,9 @@ def test_same_generator_seed_gives_the_same_samples():
 def test_samples_follow_the_processed_distribution_and_never_take_a_removed_token():
     """Each row draws with its own generator; over many draws the frequencies match the probabilities (a 5-sigma
     band per token) and tokens the filters removed (-inf) are never drawn, wherever they sit in the vocabulary."""
-    logits = torch.tensor([[2.0, float("-inf"), 0.5, 1.0, float("-inf")], [float("-inf"), 0.0, 0.0, 3.0, float("-inf")]])
+    logits = torch.tensor(
+        [[2.0, float("-inf"), 0.5, 1.0, float("-inf")], [float("-inf"), 0.0, 0.0, 3.0, float("-inf")]]
+    )
     draws = 20000
     rows = logits.repeat(draws // 2, 1)
     tokens = sample(rows, [SamplingParams()] * draws, [torch.Generator().manual_seed(i) for i in range(draws)])
@@ -101,4 +108,6 @@ def test_samples_follow_the_processed_distribution_and_never_take_a_removed_toke
         n = draws // 2
         assert (counts[probs == 0] == 0).all(), f"row {r} drew a removed token: {counts.tolist()}"
         band = 5 * (n * probs * (1 - probs)).sqrt()
-        assert ((counts - n * probs).abs() <= band + 1e-9).all(), f"row {r}: counts {counts.tolist()}, expected {(n * probs).tolist()}"
+        assert ((counts - n * probs).abs() <= band + 1e-9).all(), (
+            f"row {r}: counts {counts.tolist()}, expected {(n * probs).tolist()}"
+        )

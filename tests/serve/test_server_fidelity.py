@@ -6,24 +6,37 @@ import random
 import pytest
 import torch
 
-from tandem.serve.sampling import SamplingParams
-from tests.conftest import chat_prompt
-from tests.serve.test_engine import make_engine, run, teacher_forced
 from tandem.kernels import onednn_linear
 from tandem.serve import decode_attention
 from tandem.serve.engine import EngineRequest
+from tandem.serve.sampling import SamplingParams
+from tests.conftest import chat_prompt
+from tests.serve.test_engine import make_engine, run, teacher_forced
 
 
 def test_completion_logprobs_and_top_entries_match_inside_a_busy_batch(server, tiny_model, tokenizer):
     prompts = [chat_prompt(tokenizer, f"What is {a} + {b}?") for a, b in [(3, 4), (55, 21), (90, 9), (12, 70)] * 4]
-    bodies = [{"prompt": p, "max_tokens": 10, "temperature": 0.8, "top_p": 0.95, "logprobs": 5, "seed": i,
-               "return_token_ids": True, "return_tokens_as_token_ids": True} for i, p in enumerate(prompts)]
+    bodies = [
+        {
+            "prompt": p,
+            "max_tokens": 10,
+            "temperature": 0.8,
+            "top_p": 0.95,
+            "logprobs": 5,
+            "seed": i,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
+        for i, p in enumerate(prompts)
+    ]
     with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
         answers = list(pool.map(lambda b: server.post("/v1/completions", b), bodies))
     for body, (status, answer) in zip(bodies, answers):
         assert status == 200
         choice = answer["choices"][0]
-        expected = teacher_forced(tiny_model, body["prompt"], choice["token_ids"], SamplingParams(temperature=0.8, top_p=0.95))
+        expected = teacher_forced(
+            tiny_model, body["prompt"], choice["token_ids"], SamplingParams(temperature=0.8, top_p=0.95)
+        )
         for position, (token, entries) in enumerate(zip(choice["token_ids"], choice["logprobs"]["top_logprobs"])):
             for key, value in entries.items():
                 reference = max(float(expected[position, int(key.removeprefix("token_id:"))]), -9999.0)
@@ -32,8 +45,21 @@ def test_completion_logprobs_and_top_entries_match_inside_a_busy_batch(server, t
 
 def test_generate_sampling_masks_match_the_kept_support(mask_server, tiny_model, tokenizer):
     prompt = chat_prompt(tokenizer, "What is 40 + 2?")
-    status, answer = mask_server.post("/inference/v1/generate", {"token_ids": prompt, "sampling_params": {
-        "max_tokens": 8, "temperature": 1.0, "top_k": 6, "top_p": 0.9, "logprobs": 0, "seed": 5, "ignore_eos": True}})
+    status, answer = mask_server.post(
+        "/inference/v1/generate",
+        {
+            "token_ids": prompt,
+            "sampling_params": {
+                "max_tokens": 8,
+                "temperature": 1.0,
+                "top_k": 6,
+                "top_p": 0.9,
+                "logprobs": 0,
+                "seed": 5,
+                "ignore_eos": True,
+            },
+        },
+    )
     assert status == 200
     choice = answer["choices"][0]
     expected = teacher_forced(tiny_model, prompt, choice["token_ids"], SamplingParams(top_k=6, top_p=0.9))
@@ -43,10 +69,19 @@ def test_generate_sampling_masks_match_the_kept_support(mask_server, tiny_model,
 
 
 def test_same_seed_same_tokens_alone_and_inside_a_busy_batch(server, tokenizer):
-    body = {"prompt": chat_prompt(tokenizer, "What is 17 + 25?"), "max_tokens": 12, "seed": 77, "return_token_ids": True, "ignore_eos": True}
+    body = {
+        "prompt": chat_prompt(tokenizer, "What is 17 + 25?"),
+        "max_tokens": 12,
+        "seed": 77,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
     alone = server.post("/v1/completions", body)[1]["choices"][0]["token_ids"]
     rng = random.Random(0)
-    noise = [{"prompt": [rng.randrange(3, 384) for _ in range(rng.randrange(5, 60))], "max_tokens": rng.randrange(5, 40)} for _ in range(24)]
+    noise = [
+        {"prompt": [rng.randrange(3, 384) for _ in range(rng.randrange(5, 60))], "max_tokens": rng.randrange(5, 40)}
+        for _ in range(24)
+    ]
     with concurrent.futures.ThreadPoolExecutor(25) as pool:
         futures = [pool.submit(server.post, "/v1/completions", b) for b in noise[:12] + [body] + noise[12:]]
         busy = futures[12].result()[1]["choices"][0]["token_ids"]
@@ -56,8 +91,16 @@ def test_same_seed_same_tokens_alone_and_inside_a_busy_batch(server, tokenizer):
 def fast_drift(requests: list[EngineRequest], reference) -> float:
     """The largest gap between served log-probs and `reference`'s teacher-forced ones."""
     return max(
-        float((torch.tensor(r.sequences[0].logprobs) - teacher_forced(reference, r.prompt, r.sequences[0].output, r.params)[
-            torch.arange(len(r.sequences[0].output)), torch.tensor(r.sequences[0].output)]).abs().max())
+        float(
+            (
+                torch.tensor(r.sequences[0].logprobs)
+                - teacher_forced(reference, r.prompt, r.sequences[0].output, r.params)[
+                    torch.arange(len(r.sequences[0].output)), torch.tensor(r.sequences[0].output)
+                ]
+            )
+            .abs()
+            .max()
+        )
         for r in requests
     )
 
@@ -78,7 +121,12 @@ def test_fast_mode_stays_within_fp32_noise_of_the_forward(monkeypatch):
     assert engine.model.config._attn_implementation == decode_attention.NAME, "a CPU model decodes with tandem_decode"
     try:
         rng = random.Random(3)
-        requests = [EngineRequest(prompt=[rng.randrange(3, 384) for _ in range(20)], params=SamplingParams(max_tokens=16, seed=i)) for i in range(8)]
+        requests = [
+            EngineRequest(
+                prompt=[rng.randrange(3, 384) for _ in range(20)], params=SamplingParams(max_tokens=16, seed=i)
+            )
+            for i in range(8)
+        ]
         run(engine, requests)
     finally:
         engine.stop()
@@ -86,7 +134,9 @@ def test_fast_mode_stays_within_fp32_noise_of_the_forward(monkeypatch):
     assert worst < 1e-4, f"fast mode drifts {worst:.2e} from the forward"
 
 
-@pytest.mark.skipif(not onednn_linear.usable(torch.float32), reason="oneDNN's matmul needs an x86 CPU and a torch with it")
+@pytest.mark.skipif(
+    not onednn_linear.usable(torch.float32), reason="oneDNN's matmul needs an x86 CPU and a torch with it"
+)
 def test_fast_mode_serves_weights_changed_in_place(monkeypatch):
     """A weight update (a sync, reload_weights) copies into the served parameters; the copies fast mode reorders for
     oneDNN must follow them (Engine.weights_changed)."""
@@ -101,7 +151,12 @@ def test_fast_mode_serves_weights_changed_in_place(monkeypatch):
                     parameter.mul_(1.25)
         engine.call(engine.weights_changed).result(60)
         rng = random.Random(4)
-        requests = [EngineRequest(prompt=[rng.randrange(3, 384) for _ in range(20)], params=SamplingParams(max_tokens=8, seed=i)) for i in range(4)]
+        requests = [
+            EngineRequest(
+                prompt=[rng.randrange(3, 384) for _ in range(20)], params=SamplingParams(max_tokens=8, seed=i)
+            )
+            for i in range(4)
+        ]
         run(engine, requests)
     finally:
         engine.stop()
@@ -115,15 +170,27 @@ def test_echo_scores_random_prompts_as_a_teacher_forced_forward_then_the_generat
     rng = random.Random(0)
     vocab = tiny_model.config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(2, 40))] for _ in range(5)]
-    status, answer = server.post("/v1/completions", {"prompt": prompts, "echo": True, "logprobs": 2, "max_tokens": 3,
-                                                     "temperature": 1.0, "seed": 3, "return_token_ids": True})
+    status, answer = server.post(
+        "/v1/completions",
+        {
+            "prompt": prompts,
+            "echo": True,
+            "logprobs": 2,
+            "max_tokens": 3,
+            "temperature": 1.0,
+            "seed": 3,
+            "return_token_ids": True,
+        },
+    )
     assert status == 200
     for prompt, choice in zip(prompts, answer["choices"]):
         tokens = prompt + choice["token_ids"]
         scores = choice["logprobs"]["token_logprobs"]
         assert len(scores) == len(tokens) and scores[0] is None and choice["logprobs"]["top_logprobs"][0] is None
         with torch.no_grad():
-            forward = tiny_model(torch.tensor([tokens + [0] * max(0, 16 - len(tokens))])).logits[0].float().log_softmax(-1)
+            forward = (
+                tiny_model(torch.tensor([tokens + [0] * max(0, 16 - len(tokens))])).logits[0].float().log_softmax(-1)
+            )
         expected = forward[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])]
         gap = (torch.tensor(scores[1:]) - expected).abs().max().item()
         assert gap < 1e-5, f"a {len(prompt)}-token prompt: echoed log-probs differ from the forward by {gap}"

@@ -10,8 +10,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 POST_ENDPOINTS = [
-    "/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/tokenize", "/detokenize",
-    "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/collective_rpc",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/inference/v1/generate",
+    "/tokenize",
+    "/detokenize",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/collective_rpc",
 ]
 
 json_values = st.recursive(
@@ -19,11 +25,35 @@ json_values = st.recursive(
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4),
     max_leaves=12,
 )
-field_names = st.sampled_from([
-    "prompt", "messages", "token_ids", "tokens", "sampling_params", "max_tokens", "n", "temperature", "top_p", "top_k",
-    "min_p", "logprobs", "prompt_logprobs", "seed", "stop", "stop_token_ids", "model", "lora_name", "lora_path",
-    "method", "kwargs", "top_logprobs", "stream", "repetition_penalty", "max_completion_tokens",
-])
+field_names = st.sampled_from(
+    [
+        "prompt",
+        "messages",
+        "token_ids",
+        "tokens",
+        "sampling_params",
+        "max_tokens",
+        "n",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "logprobs",
+        "prompt_logprobs",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "model",
+        "lora_name",
+        "lora_path",
+        "method",
+        "kwargs",
+        "top_logprobs",
+        "stream",
+        "repetition_penalty",
+        "max_completion_tokens",
+    ]
+)
 bodies = st.dictionaries(field_names, json_values, max_size=6) | json_values
 
 
@@ -33,7 +63,9 @@ def test_malformed_json_bodies_never_meet_a_server_bug(server, endpoint, body):
     status, answer = server.post(endpoint, body)
     assert status < 500, f"server bug: {endpoint} answered {status} to {json.dumps(body)[:200]}: {answer}"
     if status != 200:  # a body can be valid by chance; it must then have been served
-        assert set(answer["error"]) == {"message", "type", "param", "code"} and answer["error"]["code"] == status, answer
+        assert set(answer["error"]) == {"message", "type", "param", "code"} and answer["error"]["code"] == status, (
+            answer
+        )
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -45,11 +45,21 @@ def test_streamed_completions_join_into_the_non_streamed_answer(server, proxy, v
     # the proxy splits a non-streamed batch into one request per prompt (prefilled apart, log-probs ~1e-7 away from
     # a batch's), and routes a streamed one whole: through it, one prompt
     prompt = [PROMPT, "Count: 1, 2,"] if via == "server" else PROMPT
-    args = dict(model=TINY_MODEL_PATH, prompt=prompt, max_tokens=12, n=2, seed=5, logprobs=2,
-                temperature=0.9, stop=[" 7"], extra_body={"return_token_ids": True})
+    args = dict(
+        model=TINY_MODEL_PATH,
+        prompt=prompt,
+        max_tokens=12,
+        n=2,
+        seed=5,
+        logprobs=2,
+        temperature=0.9,
+        stop=[" 7"],
+        extra_body={"return_token_ids": True},
+    )
     whole = client.completions.create(**args)
-    joined = {c.index: {"text": "", "ids": [], "lps": [], "tops": [], "offsets": [], "finish": None}
-              for c in whole.choices}
+    joined = {
+        c.index: {"text": "", "ids": [], "lps": [], "tops": [], "offsets": [], "finish": None} for c in whole.choices
+    }
     for chunk in client.completions.create(**args, stream=True, stream_options={"include_usage": True}):
         if not chunk.choices:
             usage = chunk.usage
@@ -75,8 +85,15 @@ def test_streamed_completions_join_into_the_non_streamed_answer(server, proxy, v
 @pytest.mark.parametrize("via", ["server", "proxy"])
 def test_streamed_chat_joins_into_the_non_streamed_message(server, proxy, via):
     client = sdk(server.url if via == "server" else proxy.url)
-    args = dict(model=TINY_MODEL_PATH, messages=MESSAGES, max_tokens=16, seed=9, logprobs=True, top_logprobs=3,
-                extra_body={"return_token_ids": True})
+    args = dict(
+        model=TINY_MODEL_PATH,
+        messages=MESSAGES,
+        max_tokens=16,
+        seed=9,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"return_token_ids": True},
+    )
     whole = client.chat.completions.create(**args).choices[0]
     chunks = list(client.chat.completions.create(**args, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
@@ -88,8 +105,16 @@ def test_streamed_chat_joins_into_the_non_streamed_message(server, proxy, via):
 
 
 def test_sse_framing_usage_echo_and_held_back_stop_strings(server):
-    body = {"prompt": "Count: 1, 2,", "max_tokens": 8, "seed": 1, "echo": True, "logprobs": 0, "stop": [", 5"],
-            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body = {
+        "prompt": "Count: 1, 2,",
+        "max_tokens": 8,
+        "seed": 1,
+        "echo": True,
+        "logprobs": 0,
+        "stop": [", 5"],
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     events = sse_events(server.port, "/v1/completions", body)
     assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and "usage" in events[-2]
     chunks = events[:-2]
@@ -100,7 +125,9 @@ def test_sse_framing_usage_echo_and_held_back_stop_strings(server):
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
     assert ", 5" not in "".join(c["choices"][0]["text"] for c in chunks), "a stop string is never streamed"
     status, error = server.post("/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True})
-    assert status == 400 and error["error"]["message"].startswith("`prompt_logprobs` are not available when `stream=True`.")
+    assert status == 400 and error["error"]["message"].startswith(
+        "`prompt_logprobs` are not available when `stream=True`."
+    )
 
 
 @pytest.mark.parametrize("via", ["server", "proxy"])
@@ -109,9 +136,12 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot_at_once(server, proxy, v
     engine = server.server.engine
     port = server.port if via == "server" else int(proxy.url.rsplit(":", 1)[1])
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True,
-                                                               "stream": True}),
-                 headers={"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        body=json.dumps({"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}),
+        headers={"Content-Type": "application/json"},
+    )
     response = conn.getresponse()
     assert response.readline().startswith(b"data: ")
     deadline = time.monotonic() + 5
@@ -141,8 +171,17 @@ def test_the_chunks_are_one_per_token_however_late_the_server_reads_the_engine()
     def streamed(read_after: list[int]) -> list[dict]:
         request = EngineRequest(prompt=[1, 2, 3], params=SamplingParams(temperature=0.0))
         req = ChatCompletionRequest(messages=MESSAGES, stream=True)
-        stream = ChatStream(req, [request], "chatcmpl-1", "m", "fp", TokenText(tokenizer), [], StreamOptions(),
-                            reply=ChatReply.of(req, "assistant", TokenText(tokenizer), None))
+        stream = ChatStream(
+            req,
+            [request],
+            "chatcmpl-1",
+            "m",
+            "fp",
+            TokenText(tokenizer),
+            [],
+            StreamOptions(),
+            reply=ChatReply.of(req, "assistant", TokenText(tokenizer), None),
+        )
         seq, chunks = request.sequences[0], stream.chunks()
         for step, token in enumerate(answer, 1):  # the engine appends a token, then checks it (or ends the sequence)
             seq.output.append(token), seq.logprobs.append(-0.1), seq.top_logprobs.append([])

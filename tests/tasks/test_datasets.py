@@ -26,8 +26,14 @@ def test_an_iterable_is_read_in_order_again_each_epoch_and_keeps_only_unfinished
     stream = PromptStream(IterableDataset.from_generator(rows_of, gen_kwargs={"n": 3}))
     got = [stream.at(p) for p in range(7)]
     assert [(p.epoch, p.index, p.row["solution"], p.epoch_start) for p in got] == [
-        (0, 0, "0", True), (0, 1, "1", False), (0, 2, "2", False),
-        (1, 0, "0", True), (1, 1, "1", False), (1, 2, "2", False), (2, 0, "0", True)]
+        (0, 0, "0", True),
+        (0, 1, "1", False),
+        (0, 2, "2", False),
+        (1, 0, "0", True),
+        (1, 1, "1", False),
+        (1, 2, "2", False),
+        (2, 0, "0", True),
+    ]
     assert stream.at(1).row["solution"] == "1", "a position generated again reads its row once more"
     stream.forget_below(5)
     assert sorted(stream.kept) == [5, 6]
@@ -89,7 +95,9 @@ def hub_cache(folder: Path) -> Path:
     for config, rows in (("easy", ROWS), ("hard", ROWS[:2])):
         data = folder / f"{config}.jsonl"
         data.write_text("\n".join(json.dumps(r) for r in rows))
-        builder = Json(cache_dir=str(folder / "build"), config_name=config, data_files={"train": str(data), "test": str(data)})
+        builder = Json(
+            cache_dir=str(folder / "build"), config_name=config, data_files={"train": str(data), "test": str(data)}
+        )
         builder.download_and_prepare()
         target = cache / "tandem-test___arith" / config / "0.0.0" / "0123456789abcdef"
         target.mkdir(parents=True)
@@ -101,24 +109,35 @@ def hub_cache(folder: Path) -> Path:
 def test_a_hub_dataset_named_in_a_recipe_loads_offline_from_the_cache(tmp_path):
     env = {**os.environ, "HF_DATASETS_CACHE": str(hub_cache(tmp_path)), "HF_HUB_OFFLINE": "1"}
     recipe = tmp_path / "hub.yaml"
-    recipe.write_text("model: tiny\ndataset_name: tandem-test/arith\ndataset_config: hard\ndataset_split: test\n"
-                      "reward_funcs: tandem.rewards.accuracy_reward\n")
-    code = ("from tandem.config import load_recipe; from tandem.tasks import datasets; "
-            f"r = load_recipe({str(recipe)!r}); d = datasets.load(r.dataset, r.dataset_config, r.dataset_split); "
-            "print(len(d), d[1]['solution']); "
-            "s = datasets.load(r.dataset, 'easy', 'train', streaming=True); print(type(s).__name__, sum(1 for _ in s))")
+    recipe.write_text(
+        "model: tiny\ndataset_name: tandem-test/arith\ndataset_config: hard\ndataset_split: test\n"
+        "reward_funcs: tandem.rewards.accuracy_reward\n"
+    )
+    code = (
+        "from tandem.config import load_recipe; from tandem.tasks import datasets; "
+        f"r = load_recipe({str(recipe)!r}); d = datasets.load(r.dataset, r.dataset_config, r.dataset_split); "
+        "print(len(d), d[1]['solution']); "
+        "s = datasets.load(r.dataset, 'easy', 'train', streaming=True); print(type(s).__name__, sum(1 for _ in s))"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["2", "2", "IterableDataset", "5"]
 
-    missing = subprocess.run([sys.executable, "-c", "from tandem.tasks import datasets; datasets.load('tandem-test/absent')"],
-                             env=env, capture_output=True, text=True, timeout=120)
+    missing = subprocess.run(
+        [sys.executable, "-c", "from tandem.tasks import datasets; datasets.load('tandem-test/absent')"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "could not be loaded" in missing.stderr and "HF_HUB_OFFLINE" in missing.stderr
 
 
 def test_a_recipe_names_its_dataset_once(tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("model: tiny\ndataset: arithmetic\ndataset_name: arithmetic\nreward_funcs: tandem.rewards.accuracy_reward\n")
+    recipe.write_text(
+        "model: tiny\ndataset: arithmetic\ndataset_name: arithmetic\nreward_funcs: tandem.rewards.accuracy_reward\n"
+    )
     with pytest.raises(ValueError, match=r"both 'dataset_name' \(TRL's name\) and 'dataset'"):
         load_recipe(str(recipe))
 
@@ -127,9 +146,12 @@ def test_a_resumed_worker_generates_a_stream_from_the_examples_its_checkpoint_ha
     from tests.rollout.test_failures import by_reply, positions, run_loop
 
     stream = IterableDataset.from_generator(
-        lambda: ({"prompt": [{"role": "user", "content": f"prompt {i}"}]} for i in range(4)))
-    messages, _ = run_loop(by_reply, settings={"dataset": stream, "num_positions": 10, "dataset_start_index": 5,
-                                               "received": frozenset({6})})
+        lambda: ({"prompt": [{"role": "user", "content": f"prompt {i}"}]} for i in range(4))
+    )
+    messages, _ = run_loop(
+        by_reply,
+        settings={"dataset": stream, "num_positions": 10, "dataset_start_index": 5, "received": frozenset({6})},
+    )
     generated = positions(messages, "samples")
     assert sorted(set(generated)) == [5, 7, 8, 9], "from the watermark on, leaving out what the trainer holds"
 

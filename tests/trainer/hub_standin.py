@@ -53,21 +53,29 @@ class HubStandIn:
 
     async def create_branch(self, request: web.Request) -> web.Response:
         self._auth(request)
-        self.branches.add((f"{request.match_info['namespace']}/{request.match_info['name']}", request.match_info["branch"]))
+        self.branches.add(
+            (f"{request.match_info['namespace']}/{request.match_info['name']}", request.match_info["branch"])
+        )
         return web.json_response({})
 
     async def preupload(self, request: web.Request) -> web.Response:
         body = await request.json()  # every file uploaded inline ("regular"): no LFS server needed
-        return web.json_response({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
-                                            for f in body["files"]]})
+        return web.json_response(
+            {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in body["files"]]}
+        )
 
     async def commit(self, request: web.Request) -> web.Response:
         self._auth(request)
         if self.fail_commits:
             self.fail_commits -= 1
-            return web.json_response({"error": "stand-in: refused for now"}, status=403)  # huggingface_hub retries 5xx itself
+            return web.json_response(
+                {"error": "stand-in: refused for now"}, status=403
+            )  # huggingface_hub retries 5xx itself
         await asyncio.sleep(self.commit_delay_s)
-        repo, revision = f"{request.match_info['namespace']}/{request.match_info['name']}", request.match_info["revision"]
+        repo, revision = (
+            f"{request.match_info['namespace']}/{request.match_info['name']}",
+            request.match_info["revision"],
+        )
         message = ""
         for line in (await request.read()).decode().splitlines():
             item = json.loads(line)

@@ -10,17 +10,26 @@ import pytest
 from datasets import Dataset
 
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop
-from tandem.tasks import arithmetic
 from tandem.chat.tool_calls import ToolCall
+from tandem.tasks import arithmetic
 
 pytestmark = pytest.mark.slow
 
 
 def args(tmp_path, **overrides) -> AsyncGRPOConfig:
     """The examples' AsyncGRPOConfig, sized for two CPU cores."""
-    values = dict(output_dir=str(tmp_path / "run"), max_steps=3, num_generations=4, max_completion_length=32,
-                  learning_rate=1e-4, gradient_checkpointing=False, save_strategy="no", vllm_server_timeout=120,
-                  rollout_worker_timeout=60, max_tool_calling_iterations=2)
+    values = dict(
+        output_dir=str(tmp_path / "run"),
+        max_steps=3,
+        num_generations=4,
+        max_completion_length=32,
+        learning_rate=1e-4,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        vllm_server_timeout=120,
+        rollout_worker_timeout=60,
+        max_tool_calling_iterations=2,
+    )
     values.update(overrides)
     return AsyncGRPOConfig(**values)
 
@@ -61,8 +70,13 @@ async def async_add(a: int, b: int) -> int:
 @pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
 def test_a_tool_example_trains(tmp_path):
     data = Dataset.from_list(arithmetic.make_rows(16, split="train", seed=5))
-    trainer = AsyncGRPOTrainer(model="tiny", reward_funcs=[arithmetic.correctness_reward, reward_func], args=args(tmp_path),
-                               train_dataset=data, tools=[multiply, async_add])
+    trainer = AsyncGRPOTrainer(
+        model="tiny",
+        reward_funcs=[arithmetic.correctness_reward, reward_func],
+        args=args(tmp_path),
+        train_dataset=data,
+        tools=[multiply, async_add],
+    )
     assert trainer.train().global_step == 3
     rows = logged(tmp_path)
     assert all("tools/call_frequency" in r and "tools/loop_exhausted_frac" in r for r in rows if "reward" in r)
@@ -129,12 +143,15 @@ class DatasetIncrementEnv:
 
 @pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
 def test_a_dataset_driven_environment_trains(tmp_path):
-    dataset = Dataset.from_dict({
-        "prompt": [[{"role": "user", "content": f"Increment the counter to {i}."}] for i in range(1, 7)],
-        "target": list(range(1, 7)),
-    })
-    trainer = AsyncGRPOTrainer(model="tiny", args=args(tmp_path, max_steps=2), train_dataset=dataset,
-                               environment_factory=DatasetIncrementEnv)
+    dataset = Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"Increment the counter to {i}."}] for i in range(1, 7)],
+            "target": list(range(1, 7)),
+        }
+    )
+    trainer = AsyncGRPOTrainer(
+        model="tiny", args=args(tmp_path, max_steps=2), train_dataset=dataset, environment_factory=DatasetIncrementEnv
+    )
     assert trainer.train().global_step == 2
 
 
@@ -145,8 +162,9 @@ def format_reward(completions, **kwargs) -> list[float]:  # trainer-owned: score
 
 @pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
 def test_env_owned_and_trainer_owned_rewards_add_up(tmp_path):
-    trainer = AsyncGRPOTrainer(model="tiny", args=args(tmp_path, max_steps=2), reward_funcs=format_reward,
-                               environment_factory=IncrementEnv)
+    trainer = AsyncGRPOTrainer(
+        model="tiny", args=args(tmp_path, max_steps=2), reward_funcs=format_reward, environment_factory=IncrementEnv
+    )
     assert trainer.train().global_step == 2
     rows = [r for r in logged(tmp_path) if "reward" in r]
     assert rows and all("rewards/format_reward/mean" in r and "rewards/IncrementEnv/mean" in r for r in rows)
@@ -194,8 +212,13 @@ def reward_func(completions, **kwargs) -> list[float]:
 @pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
 def test_multi_environment_routing_trains(tmp_path):
     dataset = Dataset.from_dict({"environment": ["coding", "game"] * 500})
-    trainer = AsyncGRPOTrainer(model="tiny", args=args(tmp_path, max_steps=2), train_dataset=dataset,
-                               reward_funcs=reward_func, environment_factory={"coding": CodingEnv, "game": GameEnv})
+    trainer = AsyncGRPOTrainer(
+        model="tiny",
+        args=args(tmp_path, max_steps=2),
+        train_dataset=dataset,
+        reward_funcs=reward_func,
+        environment_factory={"coding": CodingEnv, "game": GameEnv},
+    )
     assert trainer.train().global_step == 2
 
 
@@ -203,12 +226,19 @@ def test_multi_environment_routing_trains(tmp_path):
 def test_agent_mistakes_fail_at_construction_naming_the_fix(tmp_path):
     data = Dataset.from_list(arithmetic.make_rows(4, split="train", seed=5))
     with pytest.raises(TypeError, match="a lambda cannot be a tool"):
-        AsyncGRPOTrainer("tiny", arithmetic.correctness_reward, args=args(tmp_path), train_dataset=data, tools=[lambda x: x])
+        AsyncGRPOTrainer(
+            "tiny", arithmetic.correctness_reward, args=args(tmp_path), train_dataset=data, tools=[lambda x: x]
+        )
     with pytest.raises(ValueError, match="set max_steps"):
         AsyncGRPOTrainer("tiny", args=args(tmp_path, max_steps=-1), environment_factory=IncrementEnv)
     with pytest.raises(ValueError, match="names \\['chess'\\]"):
-        AsyncGRPOTrainer("tiny", reward_func, args=args(tmp_path), train_dataset=Dataset.from_dict({"environment": ["chess"]}),
-                         environment_factory={"coding": CodingEnv})
+        AsyncGRPOTrainer(
+            "tiny",
+            reward_func,
+            args=args(tmp_path),
+            train_dataset=Dataset.from_dict({"environment": ["chess"]}),
+            environment_factory={"coding": CodingEnv},
+        )
     with pytest.raises(ValueError, match="no environment defines get_reward"):
         AsyncGRPOTrainer("tiny", args=args(tmp_path), environment_factory=CodingEnv)
 
@@ -216,8 +246,13 @@ def test_agent_mistakes_fail_at_construction_naming_the_fix(tmp_path):
         pass
 
     with pytest.raises(TypeError, match="not picklable"):
-        AsyncGRPOTrainer("tiny", reward_func, args=args(tmp_path), train_dataset=Dataset.from_dict({"environment": ["x"]}),
-                         environment_factory={"x": LocalEnv})
+        AsyncGRPOTrainer(
+            "tiny",
+            reward_func,
+            args=args(tmp_path),
+            train_dataset=Dataset.from_dict({"environment": ["x"]}),
+            environment_factory={"x": LocalEnv},
+        )
 
 
 # ---- exactness over several turns -------------------------------------------------------------------------------
@@ -245,13 +280,23 @@ def test_at_staleness_zero_several_tool_turns_keep_the_importance_ratio_at_one(t
     """Every trained token is the sampler's own id with its own log-prob, turn after turn (the server's prefix cache
     on), so the trainer's forward reproduces the sampler: the importance ratio stays 1."""
     data = Dataset.from_list(arithmetic.make_rows(16, split="train", seed=5))
-    trainer = AlwaysCallsTrainer("tiny", random_reward, args=args(tmp_path, max_staleness=0, max_completion_length=6),
-                                 train_dataset=data, tools=[multiply])
+    trainer = AlwaysCallsTrainer(
+        "tiny",
+        random_reward,
+        args=args(tmp_path, max_staleness=0, max_completion_length=6),
+        train_dataset=data,
+        tools=[multiply],
+    )
     trainer.train()
     rows = [r for r in logged(tmp_path) if "sampling/importance_sampling_ratio/mean" in r]
     assert rows
     for r in rows:
         assert r["sample/staleness_max"] == 0
-        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4, r["sampling/importance_sampling_ratio/mean"]
-    assert all(r["rollout/turns_mean"] == 3 and r["tools/loop_exhausted_frac"] == 1.0
-               for r in logged(tmp_path) if "rollout/turns_mean" in r), "two tool turns, then the cap"
+        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4, r[
+            "sampling/importance_sampling_ratio/mean"
+        ]
+    assert all(
+        r["rollout/turns_mean"] == 3 and r["tools/loop_exhausted_frac"] == 1.0
+        for r in logged(tmp_path)
+        if "rollout/turns_mean" in r
+    ), "two tool turns, then the cap"

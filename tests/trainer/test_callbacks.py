@@ -57,20 +57,39 @@ class StopAfterLog(TrainerCallback):
 def test_callbacks_see_every_event_ask_for_logs_and_saves_and_stop_the_run(tmp_path):
     recorder = Recorder()
     args = config(tmp_path, max_steps=10, logging_steps=2, save_strategy="steps", save_steps=4)
-    trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=small_dataset(),
-                               callbacks=[recorder, StopAfterLog])
+    trainer = AsyncGRPOTrainer(
+        "tiny", accuracy_reward, args=args, train_dataset=small_dataset(), callbacks=[recorder, StopAfterLog]
+    )
     output = trainer.train()
 
     assert output.global_step == trainer.state.global_step == 4, "a stop asked in on_log ends the run at that step"
     step = ["pre_optimizer", "optimizer"]  # as transformers: the optimizer's events come before the step is counted
-    assert recorder.events == ["init_end", "train_begin", "step_begin 0", *step, "step_end 1", "step_begin 1", *step,
-                               "step_end 2", "step_begin 2", *step, "step_end 3", "save 3", "step_begin 3", *step,
-                               "step_end 4", "save 4", "train_end"], \
-        "step 3 saved on request, step 4 on schedule and not again at the end"
+    assert recorder.events == [
+        "init_end",
+        "train_begin",
+        "step_begin 0",
+        *step,
+        "step_end 1",
+        "step_begin 1",
+        *step,
+        "step_end 2",
+        "step_begin 2",
+        *step,
+        "step_end 3",
+        "save 3",
+        "step_begin 3",
+        *step,
+        "step_end 4",
+        "save 4",
+        "train_end",
+    ], "step 3 saved on request, step 4 on schedule and not again at the end"
     written = logged(tmp_path)
-    as_written = [json.dumps({k: v for k, v in entry.items() if k not in ("step", "time")}, sort_keys=True) for entry in written]
-    assert as_written == [json.dumps(logs, sort_keys=True) for logs in recorder.logs], \
+    as_written = [
+        json.dumps({k: v for k, v in entry.items() if k not in ("step", "time")}, sort_keys=True) for entry in written
+    ]
+    assert as_written == [json.dumps(logs, sort_keys=True) for logs in recorder.logs], (
         "on_log sees every window written to metrics.jsonl (the sink adds step and time)"
+    )
     assert [entry["step"] for entry in trainer.state.log_history] == [entry["step"] for entry in written] == [2, 3, 4]
     saved = json.loads((tmp_path / "run" / "checkpoint-3" / "trainer_state.json").read_text())
     assert [entry["step"] for entry in saved["log_history"]] == [2, 3], "the checkpoint keeps the log history"

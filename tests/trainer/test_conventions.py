@@ -32,7 +32,9 @@ class Watcher(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.levels.add(hf_logging.get_verbosity())
-        self.addresses.add(self.trainer.runtime.sync_strategy.address)  # where the server joined the weight-transfer group
+        self.addresses.add(
+            self.trainer.runtime.sync_strategy.address
+        )  # where the server joined the weight-transfer group
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         self.evaluations.append((state.global_step, metrics))
@@ -40,18 +42,43 @@ class Watcher(TrainerCallback):
 
 def test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask(tmp_path, capsys):
     held_out = Dataset.from_list(arithmetic.make_rows(4, split="test", seed=5))
-    args = config(tmp_path, max_steps=4, max_staleness=0, learning_rate=1e-3, logging_steps=3, logging_first_step=True,
-                  eval_strategy="steps", eval_steps=2, eval_delay=3, eval_on_start=True, weight_sync_steps=2, report_to="tensorboard", log_level="error",
-                  optim="sgd", optim_args="momentum=0.9", lr_scheduler_type="cosine_with_min_lr",
-                  lr_scheduler_kwargs={"min_lr_rate": 0.5}, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                  gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False},
-                  save_strategy="steps", save_steps=1, save_total_limit=2,
-                  temperature=0.8, tree_attention_kernel="sdpa", embedded_server_host="localhost",
-                  weight_transfer_address="localhost", log_completions=True, num_completions_to_print=2)
+    args = config(
+        tmp_path,
+        max_steps=4,
+        max_staleness=0,
+        learning_rate=1e-3,
+        logging_steps=3,
+        logging_first_step=True,
+        eval_strategy="steps",
+        eval_steps=2,
+        eval_delay=3,
+        eval_on_start=True,
+        weight_sync_steps=2,
+        report_to="tensorboard",
+        log_level="error",
+        optim="sgd",
+        optim_args="momentum=0.9",
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": 0.5},
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False},
+        save_strategy="steps",
+        save_steps=1,
+        save_total_limit=2,
+        temperature=0.8,
+        tree_attention_kernel="sdpa",
+        embedded_server_host="localhost",
+        weight_transfer_address="localhost",
+        log_completions=True,
+        num_completions_to_print=2,
+    )
     watcher = Watcher()
     stream = IterableDataset.from_generator(arithmetic_stream, gen_kwargs={"n": 3})  # no length: read in order, again
-    trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=stream, eval_dataset=held_out,
-                               callbacks=[watcher])
+    trainer = AsyncGRPOTrainer(
+        "tiny", accuracy_reward, args=args, train_dataset=stream, eval_dataset=held_out, callbacks=[watcher]
+    )
     watcher.trainer = trainer
     verbosity = hf_logging.get_verbosity()
     try:
@@ -63,7 +90,11 @@ def test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask(tmp_p
     evals = [r for r in rows if "eval/reward" in r]
     assert [r["step"] for r in evals] == [0, 4], "on start, then every eval_steps from eval_delay on"
     for row in evals:  # right after a sync, on the version the server serves (a sync every 2 steps)
-        assert row["eval/model_version"] == row["step"] // 2 and row["eval/num_prompts"] == 4 and row["eval/failed_count"] == 0
+        assert (
+            row["eval/model_version"] == row["step"] // 2
+            and row["eval/num_prompts"] == 4
+            and row["eval/failed_count"] == 0
+        )
         assert 0 <= row["eval/reward"] <= 1 and row["eval/completions/mean_length"] > 0
     assert [step for step, _ in watcher.evaluations] == [0, 4]
     assert all(isinstance(p, int) for p in trainer.runtime.source.ledger.finished), "eval prompts are never trained"

@@ -20,9 +20,13 @@ def test_the_flops_of_a_packed_row_count_shared_tokens_once():
 
 def test_peaks_are_known_for_common_gpus_and_absent_on_cpu(monkeypatch):
     assert peak_flops(torch.device("cpu"), bf16=True) is None, "MFU is not logged on CPU"
-    for name, bf16, fp32 in [("NVIDIA H100 80GB HBM3", 989e12, 495e12), ("NVIDIA H100 PCIe", 756e12, 378e12),
-                             ("NVIDIA A100-SXM4-80GB", 312e12, 156e12), ("NVIDIA A10G", 70e12, 35e12),
-                             ("NVIDIA L40S", 362e12, 183e12)]:
+    for name, bf16, fp32 in [
+        ("NVIDIA H100 80GB HBM3", 989e12, 495e12),
+        ("NVIDIA H100 PCIe", 756e12, 378e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12, 156e12),
+        ("NVIDIA A10G", 70e12, 35e12),
+        ("NVIDIA L40S", 362e12, 183e12),
+    ]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
         assert (peak_flops(torch.device("cuda"), True), peak_flops(torch.device("cuda"), False)) == (bf16, fp32), name
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Some Future GPU")

@@ -13,8 +13,8 @@ from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
 from tandem.generation.client import ControlClient
 from tandem.packing import TREE, pack
 from tandem.packing.logprobs import row_logprobs
-from tandem.trainer.model import check_dataset, load_model
 from tandem.runtime.weight_transfer import GlooPlane, TransferSync
+from tandem.trainer.model import check_dataset, load_model
 from tests.conftest import ServerThread, saved_with_tiny_tokenizer
 from tests.packing.samples import sample
 from tests.trainer.test_trainer import config, logged, small_dataset, varied_reward
@@ -57,28 +57,66 @@ def test_a_vision_language_checkpoint_trains_its_language_model_and_syncs_only_t
 
 def test_a_qwen3_5_vision_language_hybrid_trains_its_language_model_on_tree_rows(tmp_path):
     """Qwen3.5 ships as a VLM whose language model is a gated DeltaNet hybrid: both rules apply."""
-    text = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-                linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"], eos_token_id=2,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3], "partial_rotary_factor": 0.25})
-    config = Qwen3_5Config(text_config=text, vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
-                                                                out_hidden_size=32), image_token_id=500)
+    text = dict(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        layer_types=["linear_attention", "full_attention"],
+        eos_token_id=2,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e4,
+            "mrope_section": [2, 3, 3],
+            "partial_rotary_factor": 0.25,
+        },
+    )
+    config = Qwen3_5Config(
+        text_config=text,
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32),
+        image_token_id=500,
+    )
     folder = saved_with_tiny_tokenizer(AutoModelForImageTextToText.from_config(config), tmp_path / "qwen3_5")
     _, model, layout = load_model(folder, AsyncGRPOConfig(output_dir="unused"))
     assert layout == TREE and not any(p.requires_grad for p in model.model.visual.parameters())
     ids = list(range(3, 30))
-    plain = model(input_ids=torch.tensor([ids])).logits[0, :-1].log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    plain = (
+        model(input_ids=torch.tensor([ids]))
+        .logits[0, :-1]
+        .log_softmax(-1)
+        .gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    )
     tree = row_logprobs(model, pack([sample(ids), sample(ids[:20] + [9, 9], group=0)]), "exact").log_probs
-    torch.testing.assert_close(tree[:len(ids) - 1], plain.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(tree[: len(ids) - 1], plain.detach(), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dataset, message", [
-    ([{"prompt": [{"role": "user", "content": "hi"}], "images": ["a.png"]}],
-     r"an 'images' column: tandem trains vision-language models on text only.*dataset.remove_columns\('images'\)"),
-    ([{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is shown?"}]}]}],
-     "row 0: a 'user' message has an image content part: tandem trains vision-language models on text only.*"
-     "Keep its text parts only"),
-])
+@pytest.mark.parametrize(
+    "dataset, message",
+    [
+        (
+            [{"prompt": [{"role": "user", "content": "hi"}], "images": ["a.png"]}],
+            r"an 'images' column: tandem trains vision-language models on text only.*dataset.remove_columns\('images'\)",
+        ),
+        (
+            [
+                {
+                    "prompt": [
+                        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is shown?"}]}
+                    ]
+                }
+            ],
+            "row 0: a 'user' message has an image content part: tandem trains vision-language models on text only.*"
+            "Keep its text parts only",
+        ),
+    ],
+)
 def test_image_inputs_are_refused_with_the_fix(dataset, message):
     with pytest.raises(ValueError, match=message):
         check_dataset(Dataset.from_list(dataset))
@@ -91,7 +129,9 @@ def train_exactly_on_policy(tmp_path, model_path: str) -> list[dict]:
     rows = [r for r in logged(tmp_path) if "sampling/importance_sampling_ratio/mean" in r]
     assert len(rows) == 3
     for r in rows:
-        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4, r["sampling/importance_sampling_ratio/mean"]
+        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4, r[
+            "sampling/importance_sampling_ratio/mean"
+        ]
         assert r["sample/staleness_max"] == 0
     return rows
 

@@ -9,34 +9,58 @@ import pytest
 import torch
 
 from tandem.config import AsyncGRPOConfig
+from tandem.contract.records import Sample
 from tandem.losses import flash_reinforce_loss
 from tandem.packing import pack
 from tandem.packing.logprobs import TokenLogprobs
-from tandem.contract.records import Sample
 from tandem.trainer.objectives import ClippedSurrogate, FlashReinforce, LossShare, ScoreCentering, make_objective
 
 F64 = torch.float64
 BOUNDS = {"epsilon_low": 0.2, "epsilon_high": 0.28, "clip_min": 0.5, "clip_max": 5.0}
-TOKEN_STATS = {"sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
-               "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
-               "sampling/importance_sampling_ratio/max", "sampling/masked_mean", "entropy", "clip_ratio/low_mean",
-               "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max"}
+TOKEN_STATS = {
+    "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max",
+    "sampling/importance_sampling_ratio/min",
+    "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/max",
+    "sampling/masked_mean",
+    "entropy",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "clip_ratio/low_min",
+    "clip_ratio/high_max",
+}
 FLASH_STEP = {"flash/acceptance_rate", "flash/sequence_kl_mean", "flash/sequence_kl_max", "flash/retained_tokens_frac"}
 
 
 def turn(rollout, ids, trained, *, advantage=1.0, reward=0.0, behavior_log_probs=None, top=None) -> Sample:
     """A sample of rollout `rollout` (one turn of it, for a multi-turn rollout)."""
-    return Sample(input_ids=list(ids), trained=[bool(t) for t in trained], behavior_log_probs=behavior_log_probs or [-0.5] * len(ids),
-                  advantage=advantage, model_version=0, group_id=0, position=0, group_samples=1, rollout_id=rollout,
-                  created_at=0.0, sampler_logprobs=top or [], reward=reward)
+    return Sample(
+        input_ids=list(ids),
+        trained=[bool(t) for t in trained],
+        behavior_log_probs=behavior_log_probs or [-0.5] * len(ids),
+        advantage=advantage,
+        model_version=0,
+        group_id=0,
+        position=0,
+        group_samples=1,
+        rollout_id=rollout,
+        created_at=0.0,
+        sampler_logprobs=top or [],
+        reward=reward,
+    )
 
 
 def scored(logprobs, entropy=None, extra=None, aux_loss=None) -> TokenLogprobs:
     """What the trainer's forward returns: log-probs (and the top-K's, and the router loss) with gradients."""
     logprobs = torch.tensor(logprobs, dtype=F64, requires_grad=True)
-    return TokenLogprobs(logprobs, torch.full_like(logprobs, 0.3) if entropy is None else torch.tensor(entropy, dtype=F64),
-                         None if extra is None else torch.tensor(extra, dtype=F64, requires_grad=True),
-                         None if aux_loss is None else torch.tensor(aux_loss, dtype=F64, requires_grad=True))
+    return TokenLogprobs(
+        logprobs,
+        torch.full_like(logprobs, 0.3) if entropy is None else torch.tensor(entropy, dtype=F64),
+        None if extra is None else torch.tensor(extra, dtype=F64, requires_grad=True),
+        None if aux_loss is None else torch.tensor(aux_loss, dtype=F64, requires_grad=True),
+    )
 
 
 def no_scoring():
@@ -46,11 +70,21 @@ def no_scoring():
 # ---- the clipped surrogate and score centering ------------------------------------------------------
 def two_sample_row():
     """Sample 0 trains 3 tokens (A = 1), sample 1 trains 2 (A = -1); sampler log-probs -0.5, -1, -0.25, -2, -0.5."""
-    return pack([turn("a", [1, 2, 3, 4], [0, 1, 1, 1], advantage=1.0, behavior_log_probs=[0.0, -0.5, -1.0, -0.25]),
-                 turn("b", [5, 6, 7], [0, 1, 1], advantage=-1.0, behavior_log_probs=[0.0, -2.0, -0.5])])
+    return pack(
+        [
+            turn("a", [1, 2, 3, 4], [0, 1, 1, 1], advantage=1.0, behavior_log_probs=[0.0, -0.5, -1.0, -0.25]),
+            turn("b", [5, 6, 7], [0, 1, 1], advantage=-1.0, behavior_log_probs=[0.0, -2.0, -0.5]),
+        ]
+    )
 
 
-RATIOS = [1.1, 0.4, 1.5, 0.7, 0.9]  # in bounds; masked (< C_min); above 1+ε_high with A > 0; below 1-ε_low with A < 0; inside
+RATIOS = [
+    1.1,
+    0.4,
+    1.5,
+    0.7,
+    0.9,
+]  # in bounds; masked (< C_min); above 1+ε_high with A > 0; below 1-ε_low with A < 0; inside
 
 
 def test_clipped_surrogate_is_the_masked_clipped_ratio_over_trained_tokens_and_rows():
@@ -71,14 +105,18 @@ def test_clipped_surrogate_is_the_masked_clipped_ratio_over_trained_tokens_and_r
     assert metrics["sampling/masked_mean"] == [0.0, 1.0, 0.0, 0.0, 0.0]
     assert metrics["clip_ratio/high_mean"] == [0.0, 0.0, 1.0, 0.0, 0.0]
     assert metrics["clip_ratio/low_mean"] == [0.0, 1.0, 0.0, 1.0, 0.0], "a masked token is outside the region too"
-    assert metrics["clip_ratio/low_min"] == [pytest.approx(1 / 3)] and metrics["clip_ratio/high_max"] == [pytest.approx(1 / 3)]
+    assert metrics["clip_ratio/low_min"] == [pytest.approx(1 / 3)] and metrics["clip_ratio/high_max"] == [
+        pytest.approx(1 / 3)
+    ]
     assert metrics["sampling/importance_sampling_ratio/max"] == [pytest.approx(1.5)]
     assert metrics["sampling/sampling_logp_difference/mean"] == pytest.approx([abs(math.log(r)) for r in RATIOS])
 
 
 def test_score_centering_subtracts_the_top_k_expectation():
     tops = [None, {1: -0.5, 9: -1.5}, {1: -1.0, 9: -0.7}, {1: -0.25, 9: -9999.0}]  # vLLM's floor: no mass
-    row = pack([turn("a", [1, 2, 3, 4], [0, 1, 1, 1], advantage=2.0, behavior_log_probs=[0.0, -0.5, -1.0, -0.25], top=tops)])
+    row = pack(
+        [turn("a", [1, 2, 3, 4], [0, 1, 1, 1], advantage=2.0, behavior_log_probs=[0.0, -0.5, -1.0, -0.25], top=tops)]
+    )
     top_sampler = row.sampler_logprobs.double()
     # policy log-probs of the top-K: ratios 1.2 (in), 6.0 (out of [C_min, C_max]); 0.9, 0.6; 1.0, whatever
     top_policy = top_sampler + torch.tensor([[1.2, 6.0], [0.9, 0.6], [1.0, 1.0]], dtype=F64).log()
@@ -93,8 +131,9 @@ def test_score_centering_subtracts_the_top_k_expectation():
     assert torch.allclose(forward.log_probs.grad, -2.0 * ratio / 3, atol=1e-12)
     assert torch.allclose(forward.extra.grad, 2.0 * kept_top / 3, atol=1e-12)
     assert set(result.metrics) == TOKEN_STATS | {"sampling/sampler_mass"}
-    assert result.metrics["sampling/sampler_mass"] == pytest.approx([math.exp(-0.5) + math.exp(-1.5),
-                                                                     math.exp(-1.0) + math.exp(-0.7), math.exp(-0.25)])
+    assert result.metrics["sampling/sampler_mass"] == pytest.approx(
+        [math.exp(-0.5) + math.exp(-1.5), math.exp(-1.0) + math.exp(-0.7), math.exp(-0.25)]
+    )
 
 
 def test_score_centering_without_the_samplers_top_logprobs_names_the_fix():
@@ -113,10 +152,13 @@ def test_the_router_loss_is_added_scaled_per_row_and_recorded_unscaled(objective
     assert result.loss.item() == pytest.approx(0.1 * 2.5 / 4, abs=1e-12)  # A = 0: the router loss alone
     assert forward.aux_loss.grad.item() == pytest.approx(0.1 / 4)
     assert result.metrics["aux_loss"] == [2.5]
-    without = objective(BOUNDS, aux_loss_coef=0.1).row_loss(row, scored([-0.5, -1.0], extra=[[-0.5], [-1.0]]), LossShare(tokens=2 * 4, rows=4))
+    without = objective(BOUNDS, aux_loss_coef=0.1).row_loss(
+        row, scored([-0.5, -1.0], extra=[[-0.5], [-1.0]]), LossShare(tokens=2 * 4, rows=4)
+    )
     assert "aux_loss" not in without.metrics and without.loss.item() == 0.0
-    off = objective(BOUNDS, aux_loss_coef=0.0).row_loss(row, scored([-0.5, -1.0], extra=[[-0.5], [-1.0]], aux_loss=2.5),
-                                                        LossShare(tokens=2 * 4, rows=4))
+    off = objective(BOUNDS, aux_loss_coef=0.0).row_loss(
+        row, scored([-0.5, -1.0], extra=[[-0.5], [-1.0]], aux_loss=2.5), LossShare(tokens=2 * 4, rows=4)
+    )
     assert "aux_loss" not in off.metrics, "router_aux_loss_coef 0: the router loss trains nothing and is not logged"
 
 
@@ -126,13 +168,16 @@ def test_per_token_objectives_need_nothing_before_the_rows(objective):
 
 
 def test_make_objective_follows_the_config(tmp_path):
-    grpo = make_objective(AsyncGRPOConfig(output_dir=str(tmp_path), score_centering=False, epsilon=0.1,
-                                          epsilon_high=0.3), aux_loss_coef=0.01)
+    grpo = make_objective(
+        AsyncGRPOConfig(output_dir=str(tmp_path), score_centering=False, epsilon=0.1, epsilon_high=0.3),
+        aux_loss_coef=0.01,
+    )
     assert type(grpo) is ClippedSurrogate and grpo.aux_loss_coef == 0.01
     assert grpo.bounds == {"epsilon_low": 0.1, "epsilon_high": 0.3, "clip_min": 0.5, "clip_max": 5.0}
     assert type(make_objective(AsyncGRPOConfig(output_dir=str(tmp_path)), 0.0)) is ScoreCentering
-    flash = make_objective(AsyncGRPOConfig(output_dir=str(tmp_path), algorithm="flash_reinforce", num_generations=1,
-                                           flash_delta=0.01), 0.0)
+    flash = make_objective(
+        AsyncGRPOConfig(output_dir=str(tmp_path), algorithm="flash_reinforce", num_generations=1, flash_delta=0.01), 0.0
+    )
     assert type(flash) is FlashReinforce and flash.delta == 0.01
 
 
@@ -141,16 +186,23 @@ def test_flash_reinforce_treats_a_multi_turn_rollout_as_one_trajectory_across_ro
     """Rollout "m" has two turns in two rows (3 + 2 trained tokens), "s" one turn of 1 token. With every
     trajectory admitted, c_t = -(A_i·ρ_t / T_i) / B with A_i = R_i - mean R, T_i the trajectory's tokens."""
     first = turn("m", [1, 2, 3, 4], [0, 1, 1, 1], reward=1.0, behavior_log_probs=[0.0, -0.5, -1.0, -0.25])
-    second = turn("m", [1, 2, 3, 4, 7, 8, 9], [0, 0, 0, 0, 0, 1, 1], reward=1.0, behavior_log_probs=[0.0] * 5 + [-0.5, -2.0])
+    second = turn(
+        "m", [1, 2, 3, 4, 7, 8, 9], [0, 0, 0, 0, 0, 1, 1], reward=1.0, behavior_log_probs=[0.0] * 5 + [-0.5, -2.0]
+    )
     rows = [pack([first]), pack([second, turn("s", [5, 6], [0, 1], reward=0.0, behavior_log_probs=[0.0, -0.75])])]
     ratios = {id(rows[0]): [1.1, 0.9, 1.0], id(rows[1]): [1.2, 0.8, 1.05]}
-    forwards = {id(r): scored((r.behavior_log_probs.double() + torch.tensor(ratios[id(r)], dtype=F64).log()).tolist()) for r in rows}
+    forwards = {
+        id(r): scored((r.behavior_log_probs.double() + torch.tensor(ratios[id(r)], dtype=F64).log()).tolist())
+        for r in rows
+    }
     objective = FlashReinforce(delta=float("inf"), negative_token_fraction=1.0)
     records = objective.begin_step(rows, lambda: [forwards[id(row)] for row in rows])
     assert set(records) == FLASH_STEP and records["flash/acceptance_rate"] == [1.0]
     assert len(records["flash/sequence_kl_mean"]) == 2  # two trajectories, not three samples
-    expected = {id(rows[0]): [-0.5 * r / 5 / 2 for r in ratios[id(rows[0])]],
-                id(rows[1]): [-0.5 * r / 5 / 2 for r in ratios[id(rows[1])][:2]] + [0.5 * 1.05 / 1 / 2]}
+    expected = {
+        id(rows[0]): [-0.5 * r / 5 / 2 for r in ratios[id(rows[0])]],
+        id(rows[1]): [-0.5 * r / 5 / 2 for r in ratios[id(rows[1])][:2]] + [0.5 * 1.05 / 1 / 2],
+    }
     for row in rows:
         forward = forwards[id(row)]
         result = objective.row_loss(row, forward, LossShare.of(rows, 1))
@@ -172,8 +224,12 @@ def test_flash_reinforce_adds_the_router_loss_as_grpo_does():
     result.loss.backward()
     assert forward.aux_loss.grad.item() == pytest.approx(0.1 / 4), "the router loss is missing from FlashREINFORCE's"
     assert result.metrics["aux_loss"] == [2.5]
-    assert make_objective(AsyncGRPOConfig(output_dir="unused", algorithm="flash_reinforce", num_generations=1),
-                          aux_loss_coef=0.01).aux_loss_coef == 0.01
+    assert (
+        make_objective(
+            AsyncGRPOConfig(output_dir="unused", algorithm="flash_reinforce", num_generations=1), aux_loss_coef=0.01
+        ).aux_loss_coef
+        == 0.01
+    )
 
 
 def test_a_row_not_seen_by_begin_step_is_refused():
@@ -195,7 +251,9 @@ def random_step(seed: int) -> list:
             trained = [False] * prompt + [rng.random() < 0.8 for _ in range(len(conversation) - prompt)]
             trained[-1] = True
             logprobs = [-rng.uniform(0.05, 3.0) for _ in conversation]
-            rows[rng.randrange(3)].append(turn(f"r{rollout}", conversation, trained, reward=reward, behavior_log_probs=logprobs))
+            rows[rng.randrange(3)].append(
+                turn(f"r{rollout}", conversation, trained, reward=reward, behavior_log_probs=logprobs)
+            )
     return [pack(samples) for samples in rows if samples]
 
 
@@ -219,8 +277,16 @@ def reference_coefficients(rows, forwards, delta, fraction):
         entropies[i, j], mask[i, j] = forwards[r].entropy[t].item(), True
         places.append((i, j))
     current.requires_grad_(True)
-    flash_reinforce_loss(current, behavior.clamp(max=0.0), rewards, mask, delta=delta, negative_token_fraction=fraction,
-                         entropies=entropies, failures=rewards <= 0)[0].backward()
+    flash_reinforce_loss(
+        current,
+        behavior.clamp(max=0.0),
+        rewards,
+        mask,
+        delta=delta,
+        negative_token_fraction=fraction,
+        entropies=entropies,
+        failures=rewards <= 0,
+    )[0].backward()
     coefficients = [torch.zeros(row.num_trained) for row in rows]
     for (i, j), (_, r, t) in zip(places, terms):
         coefficients[r][t] = current.grad[i, j]
@@ -231,8 +297,13 @@ def reference_coefficients(rows, forwards, delta, fraction):
 def test_flash_reinforce_coefficients_equal_the_token_by_token_rearrangement(seed):
     rows = random_step(seed)
     generator = torch.Generator().manual_seed(seed)
-    forwards = [TokenLogprobs((row.behavior_log_probs + 0.3 * torch.randn(row.num_trained, generator=generator)).clamp(max=0.0),
-                              torch.rand(row.num_trained, generator=generator)) for row in rows]
+    forwards = [
+        TokenLogprobs(
+            (row.behavior_log_probs + 0.3 * torch.randn(row.num_trained, generator=generator)).clamp(max=0.0),
+            torch.rand(row.num_trained, generator=generator),
+        )
+        for row in rows
+    ]
     delta, fraction = 0.02, 0.5  # some trajectories rejected; failed ones keep their highest-entropy half
     objective = FlashReinforce(delta, fraction)
     records = objective.begin_step(rows, lambda: forwards)

@@ -24,8 +24,14 @@ pytestmark = pytest.mark.slow
 TOKEN = "hf_standin_secret_token_0123456789"
 PROMPTS = Dataset.from_list(arithmetic.make_rows(8, split="train", seed=3))
 HELD_OUT = Dataset.from_list(arithmetic.make_rows(2, split="test", seed=5))
-BEST_IS_THE_FIRST = dict(eval_strategy="steps", eval_steps=1, metric_for_best_model="model_version",
-                         greater_is_better=False, learning_rate=1e-2, max_staleness=0)
+BEST_IS_THE_FIRST = dict(
+    eval_strategy="steps",
+    eval_steps=1,
+    metric_for_best_model="model_version",
+    greater_is_better=False,
+    learning_rate=1e-2,
+    max_staleness=0,
+)
 """Every step evaluates its freshly synced policy; ranked by the policy version with the smaller the better, the
 first evaluation is the best one for the rest of the run: a best checkpoint known in advance."""
 
@@ -35,8 +41,14 @@ def weights(model) -> dict[str, torch.Tensor]:
 
 
 def test_save_strategy_best_and_save_only_model_keep_the_best_model_and_load_best_model_at_end_loads_it(tmp_path):
-    args = config(tmp_path, max_steps=3, save_strategy="best", save_only_model=True, load_best_model_at_end=True,
-                  **BEST_IS_THE_FIRST)
+    args = config(
+        tmp_path,
+        max_steps=3,
+        save_strategy="best",
+        save_only_model=True,
+        load_best_model_at_end=True,
+        **BEST_IS_THE_FIRST,
+    )
     trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=PROMPTS, eval_dataset=HELD_OUT)
     trainer.train()
     run = tmp_path / "run"
@@ -50,27 +62,43 @@ def test_save_strategy_best_and_save_only_model_keep_the_best_model_and_load_bes
     assert json.loads((best / "trainer_state.json").read_text())["best_global_step"] == 1
     with pytest.raises(UsageError, match="save_only_model=True: it holds the model, not the optimizer"):
         AsyncGRPOTrainer("tiny", accuracy_reward, args=config(tmp_path, max_steps=4), train_dataset=PROMPTS).train(
-            resume_from_checkpoint=str(best))
+            resume_from_checkpoint=str(best)
+        )
 
 
 @pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
 def test_push_to_hub_uploads_in_the_background_retries_never_writes_the_token_and_callbacks_resume_their_state(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     hub = HubStandIn()
     hub.fail_commits = 1  # the first upload fails: a warning, and the next try succeeds while training goes on
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
     monkeypatch.setattr("tandem.trainer.hub.RETRY_S", 0.2)
     stopper = EarlyStoppingCallback(early_stopping_patience=5)
-    args = config(tmp_path, max_steps=2, save_strategy="steps", save_steps=1, save_total_limit=1,
-                  load_best_model_at_end=True, push_to_hub=True, hub_model_id="me/tiny-grpo", hub_token=TOKEN,
-                  hub_private_repo=True, hub_revision="dev", hub_strategy="checkpoint", **BEST_IS_THE_FIRST)
-    trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=PROMPTS, eval_dataset=HELD_OUT,
-                               callbacks=[stopper])
+    args = config(
+        tmp_path,
+        max_steps=2,
+        save_strategy="steps",
+        save_steps=1,
+        save_total_limit=1,
+        load_best_model_at_end=True,
+        push_to_hub=True,
+        hub_model_id="me/tiny-grpo",
+        hub_token=TOKEN,
+        hub_private_repo=True,
+        hub_revision="dev",
+        hub_strategy="checkpoint",
+        **BEST_IS_THE_FIRST,
+    )
+    trainer = AsyncGRPOTrainer(
+        "tiny", accuracy_reward, args=args, train_dataset=PROMPTS, eval_dataset=HELD_OUT, callbacks=[stopper]
+    )
     with pytest.warns(UserWarning, match="push_to_hub: uploading checkpoint-1 to me/tiny-grpo/ failed .*tried again"):
         trainer.train()
     run = tmp_path / "run"
-    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"], \
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"], (
         "save_total_limit=1 keeps the newest and the best"
+    )
     assert stopper.early_stopping_patience_counter == 1, "EarlyStoppingCallback reads eval/* as transformers' eval_*"
 
     assert hub.repos["me/tiny-grpo"]["visibility"] == "private" and ("me/tiny-grpo", "dev") in hub.branches
@@ -80,12 +108,19 @@ def test_push_to_hub_uploads_in_the_background_retries_never_writes_the_token_an
     assert {"last-checkpoint/trainer_state.json", "last-checkpoint/scheduler.pt"} <= uploaded
     step_2 = json.loads(hub.files[("me/tiny-grpo", "dev", "last-checkpoint/trainer_state.json")])
     assert step_2["step"] == 2, "the latest checkpoint replaces the one whose upload failed"
-    assert [message for *_, message in hub.commits] [-2:] == ["Training in progress, step 2"] * 2
+    assert [message for *_, message in hub.commits][-2:] == ["Training in progress, step 2"] * 2
 
-    resumed = AsyncGRPOTrainer("tiny", accuracy_reward, train_dataset=PROMPTS, eval_dataset=HELD_OUT,
-                               args=config(tmp_path, **{**vars(args), "max_steps": 3, "output_dir": str(run),
-                                                        "restore_callback_states_from_checkpoint": True}),
-                               callbacks=[EarlyStoppingCallback(early_stopping_patience=5)])
+    resumed = AsyncGRPOTrainer(
+        "tiny",
+        accuracy_reward,
+        train_dataset=PROMPTS,
+        eval_dataset=HELD_OUT,
+        args=config(
+            tmp_path,
+            **{**vars(args), "max_steps": 3, "output_dir": str(run), "restore_callback_states_from_checkpoint": True},
+        ),
+        callbacks=[EarlyStoppingCallback(early_stopping_patience=5)],
+    )
     resumed.train(resume_from_checkpoint=True)
     restored = next(c for c in resumed.callback_handler.callbacks if isinstance(c, EarlyStoppingCallback))
     assert restored.early_stopping_patience_counter == 2, "restored at 1 from checkpoint-2, then step 3 did not improve"
@@ -116,7 +151,9 @@ def test_the_best_metric_is_named_as_transformers_users_name_it_and_a_missing_on
         record_if_best(state, {"eval/reward": 0.5}, "accuracy", greater_is_better=True)
 
 
-def test_hub_always_push_queues_a_checkpoint_while_an_upload_runs_and_hub_strategy_picks_the_folders(tmp_path, monkeypatch):
+def test_hub_always_push_queues_a_checkpoint_while_an_upload_runs_and_hub_strategy_picks_the_folders(
+    tmp_path, monkeypatch
+):
     from tandem.trainer.hub import HubUploader
 
     hub = HubStandIn()
@@ -129,10 +166,19 @@ def test_hub_always_push_queues_a_checkpoint_while_an_upload_runs_and_hub_strate
         (folder / "model.safetensors").write_bytes(b"weights %d" % step)
         (folder / "distributed" / "shard").write_bytes(b"state")
         folders.append(folder)
-    for always_push, expected in ((False, {"model.safetensors", "checkpoint-1/model.safetensors",
-                                           "checkpoint-1/distributed/shard"}),
-                                  (True, {"model.safetensors", "checkpoint-1/model.safetensors", "checkpoint-2/model.safetensors",
-                                          "checkpoint-1/distributed/shard", "checkpoint-2/distributed/shard"})):
+    for always_push, expected in (
+        (False, {"model.safetensors", "checkpoint-1/model.safetensors", "checkpoint-1/distributed/shard"}),
+        (
+            True,
+            {
+                "model.safetensors",
+                "checkpoint-1/model.safetensors",
+                "checkpoint-2/model.safetensors",
+                "checkpoint-1/distributed/shard",
+                "checkpoint-2/distributed/shard",
+            },
+        ),
+    ):
         repo = f"me/always-{always_push}"
         uploader = HubUploader(repo, TOKEN, private=None, revision=None, always_push=always_push)
         uploader.checkpoint_saved(folders[0], 1, "all_checkpoints")
@@ -170,5 +216,8 @@ def test_a_checkpoint_rotated_out_before_its_upload_is_uploaded_as_the_newest_on
         (second / "model.safetensors").write_bytes(b"weights 2")
         uploader.wait()
     assert hub.files[("me/rotated", "main", "model.safetensors")] == b"weights 2"
-    assert any("checkpoint-1 was removed (save_total_limit) before it was uploaded; uploading checkpoint-2 instead"
-               in str(w.message) for w in caught)
+    assert any(
+        "checkpoint-1 was removed (save_total_limit) before it was uploaded; uploading checkpoint-2 instead"
+        in str(w.message)
+        for w in caught
+    )

@@ -15,16 +15,15 @@ from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
-import torch
-
 import pytest
+import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop, Rollout
-from tandem.kernels import exact_attention, onednn_linear
 from tandem.generation.client import ServerProblem
 from tandem.generation.launcher import EmbeddedProxy, EmbeddedServer, core_share
+from tandem.kernels import exact_attention, onednn_linear
 from tandem.rewards import accuracy_reward
 from tandem.rollout.worker import WorkerError, WorkerLost
 from tandem.runtime.sample_source import StalledError
@@ -41,9 +40,19 @@ def small_dataset(n=24, seed=3) -> Dataset:
 
 
 def config(tmp_path, **overrides) -> AsyncGRPOConfig:
-    values = dict(output_dir=str(tmp_path / "run"), num_generations=4, max_completion_length=6, token_budget=256,
-                  learning_rate=1e-4, gradient_checkpointing=False, save_strategy="no",
-                  logging_steps=1, max_steps=4, vllm_server_timeout=120, rollout_worker_timeout=60)
+    values = dict(
+        output_dir=str(tmp_path / "run"),
+        num_generations=4,
+        max_completion_length=6,
+        token_budget=256,
+        learning_rate=1e-4,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        logging_steps=1,
+        max_steps=4,
+        vllm_server_timeout=120,
+        rollout_worker_timeout=60,
+    )
     values.update(overrides)
     return AsyncGRPOConfig(**values)
 
@@ -62,14 +71,20 @@ def test_at_staleness_zero_the_importance_ratio_is_one(tmp_path):
     allowed = 0.0 if exact_attention.ROWS_ROUND_ALIKE else 1e-4
     for r in rows:
         assert r["sample/staleness_max"] == 0
-        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) <= allowed, r["sampling/importance_sampling_ratio/mean"]
-        assert r["sampling/sampling_logp_difference/max"] <= allowed, "the trainer's log-probs differ from the sampler's"
+        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) <= allowed, r[
+            "sampling/importance_sampling_ratio/mean"
+        ]
+        assert r["sampling/sampling_logp_difference/max"] <= allowed, (
+            "the trainer's log-probs differ from the sampler's"
+        )
         # Tree packing: the group's rollouts share their prompt, so fewer tokens are forwarded than sampled.
         assert r["batch/packing_ratio"] > 1.5
         assert 0.3 < r["sampling/sampler_mass"] <= 1.0 + 1e-6, "score centering (the default) logs the top-K mass"
         assert set(BATCH_METRICS) <= set(r), f"missing: {set(BATCH_METRICS) - set(r)}"
         assert "perf/weight_sync_barrier_s" not in r, "one process has no ranks to wait for"
-        assert (r["batch/row_imbalance"], r["batch/pad_frac"]) == (1.0, 0.0), "one row a micro-batch: balanced, unpadded"
+        assert (r["batch/row_imbalance"], r["batch/pad_frac"]) == (1.0, 0.0), (
+            "one row a micro-batch: balanced, unpadded"
+        )
         assert r["perf/fwd_s"] < r["perf/fwd_bwd_s"], "the step's forward passes are part of its forward + backward"
     assert rows[-1]["num_tokens"] == sum(r["batch/forwarded_tokens_per_step"] for r in rows)
 
@@ -83,12 +98,15 @@ def test_at_staleness_zero_the_ratio_is_one_with_layers_on_onednn(tmp_path, wide
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"], lora_dropout=0.0)
     args = config(tmp_path, max_staleness=0, max_steps=3, learning_rate=1e-3)
-    trainer = AsyncGRPOTrainer(wide_path, varied_reward, args=args, train_dataset=small_dataset(),
-                               peft_config=lora if adapter else None)
+    trainer = AsyncGRPOTrainer(
+        wide_path, varied_reward, args=args, train_dataset=small_dataset(), peft_config=lora if adapter else None
+    )
     model = trainer.model.get_base_model() if adapter else trainer.model
     attention = model.model.layers[0].self_attn
     assert onednn_linear.routed(model.lm_head) and not onednn_linear.routed(attention.k_proj)
-    assert onednn_linear.routed(attention.q_proj.base_layer if adapter else attention.q_proj), "PEFT wraps a routed layer"
+    assert onednn_linear.routed(attention.q_proj.base_layer if adapter else attention.q_proj), (
+        "PEFT wraps a routed layer"
+    )
     trainer.train()
     rows = [r for r in logged(tmp_path) if "sampling/importance_sampling_ratio/mean" in r]
     assert len(rows) == 3 and all(r["sample/staleness_max"] == 0 for r in rows)
@@ -97,9 +115,14 @@ def test_at_staleness_zero_the_ratio_is_one_with_layers_on_onednn(tmp_path, wide
 
 def test_a_sync_runs_beside_the_next_step_and_ends_before_its_optimizer_changes_the_weights(tmp_path, monkeypatch):
     overlapped, real_push, real_start = [], TransferSync.push, TransferSync.push_in_thread
-    monkeypatch.setattr(TransferSync, "push_in_thread", lambda self, model, version, announce:
-                        overlapped.append(version) or real_start(self, model, version, announce))
-    monkeypatch.setattr(TransferSync, "push", lambda *args, **kw: time.sleep(0.5) or real_push(*args, **kw))  # outlasts a step
+    monkeypatch.setattr(
+        TransferSync,
+        "push_in_thread",
+        lambda self, model, version, announce: overlapped.append(version) or real_start(self, model, version, announce),
+    )
+    monkeypatch.setattr(
+        TransferSync, "push", lambda *args, **kw: time.sleep(0.5) or real_push(*args, **kw)
+    )  # outlasts a step
 
     class Checked(AsyncGRPOTrainer):
         def optimizer_step(self):
@@ -113,10 +136,20 @@ def test_a_sync_runs_beside_the_next_step_and_ends_before_its_optimizer_changes_
 
 
 BATCH_METRICS = [
-    "num_tokens", "batch/packing_ratio", "batch/samples_per_row", "batch/row_tokens_mean", "batch/row_tokens_max",
-    "batch/row_fill_frac", "batch/masked_token_frac",
-    "batch/forwarded_tokens_per_step", "batch/trained_tokens_per_step", "batch/samples_per_step", "batch/groups_per_step",
-    "batch/microbatches_per_step", "perf/fwd_bwd_forwarded_tokens_per_s", "perf/wall_clock_trained_tokens_per_s",
+    "num_tokens",
+    "batch/packing_ratio",
+    "batch/samples_per_row",
+    "batch/row_tokens_mean",
+    "batch/row_tokens_max",
+    "batch/row_fill_frac",
+    "batch/masked_token_frac",
+    "batch/forwarded_tokens_per_step",
+    "batch/trained_tokens_per_step",
+    "batch/samples_per_step",
+    "batch/groups_per_step",
+    "batch/microbatches_per_step",
+    "perf/fwd_bwd_forwarded_tokens_per_s",
+    "perf/wall_clock_trained_tokens_per_s",
 ]
 
 
@@ -143,8 +176,9 @@ def test_staleness_is_bounded_stale_samples_are_dropped_and_the_allowance_holds(
     SlowLoopTrainer("tiny", accuracy_reward, args=args, train_dataset=small_dataset(48)).train()
     rows = logged(tmp_path)
     assert all(r["sample/staleness_max"] == 0 for r in rows if "loss" in r)
-    assert sum(r["sample/dropped_stale_count"] for r in rows if "sample/dropped_stale_count" in r) > 0, \
+    assert sum(r["sample/dropped_stale_count"] for r in rows if "sample/dropped_stale_count" in r) > 0, (
         "groups that straddle a sync must be dropped"
+    )
     used = [r["rollout/allowance_used_max"] for r in rows if "rollout/allowance_used_max" in r]
     assert used and max(used) <= 1.0 + 1e-9, f"queued + in-flight tokens exceeded the allowance: {max(used)}"
 
@@ -165,16 +199,21 @@ class RecordingTrainer(AsyncGRPOTrainer):
     """Keeps the rollout id of every sample it trains."""
 
     def training_step(self, micro_batches):
-        self.trained_rollouts = getattr(self, "trained_rollouts", []) + [s.rollout_id for rows in micro_batches
-                                                                         for row in rows for s in row.samples]
+        self.trained_rollouts = getattr(self, "trained_rollouts", []) + [
+            s.rollout_id for rows in micro_batches for row in rows for s in row.samples
+        ]
         return super().training_step(micro_batches)
 
 
 def test_a_second_train_call_checks_its_syncs_against_its_own_server(tmp_path):
     """Each train() starts its own embedded server; the sync probe's client went with the first one's session (it
     used to be kept, and the second run's first probe waited on a server long gone, then failed)."""
-    trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=config(tmp_path, max_steps=2, weight_sync_check_atol=1e-5),
-                               train_dataset=small_dataset())
+    trainer = AsyncGRPOTrainer(
+        "tiny",
+        accuracy_reward,
+        args=config(tmp_path, max_steps=2, weight_sync_check_atol=1e-5),
+        train_dataset=small_dataset(),
+    )
     trainer.train()
     trainer.args.max_steps = 4
     trainer.train()
@@ -191,15 +230,17 @@ def test_stopped_and_resumed_at_three_random_points_a_run_finishes_every_prompt_
     args = config(tmp_path, max_steps=-1, num_train_epochs=1, max_staleness=1, token_budget=100)
     finished, trained = [], []
     for index, stop in enumerate(stops + [None]):
-        trainer = RecordingTrainer("tiny", accuracy_reward, args=args, train_dataset=data,
-                                   callbacks=[StopAt(stop)] if stop else None)
+        trainer = RecordingTrainer(
+            "tiny", accuracy_reward, args=args, train_dataset=data, callbacks=[StopAt(stop)] if stop else None
+        )
         trainer.train(resume_from_checkpoint=index > 0)
         assert stop is None or trainer.state.step == stop, f"stops {stops} (seed {seed}): the epoch ended before {stop}"
         finished += trainer.runtime.source.ledger.finished
         trained += getattr(trainer, "trained_rollouts", [])
-    assert Counter(finished) == Counter(range(48)), \
-        f"stops {stops} (seed {seed}): positions finished twice {sorted(p for p, n in Counter(finished).items() if n > 1)}, " \
+    assert Counter(finished) == Counter(range(48)), (
+        f"stops {stops} (seed {seed}): positions finished twice {sorted(p for p, n in Counter(finished).items() if n > 1)}, "
         f"never {sorted(set(range(48)) - set(finished))}"
+    )
     assert max(Counter(trained).values()) == 1, f"stops {stops} (seed {seed}): a saved sample was trained twice"
 
 
@@ -226,8 +267,12 @@ def test_a_killed_worker_is_restarted_once_where_it_left_off_and_the_epoch_is_tr
     trainer.train()
     assert trainer.runtime.session.worker.process.pid != trainer.killed
     assert sum(r.get("rollout/worker_restart_count", 0) for r in logged(tmp_path)) == 1
-    assert Counter(trainer.runtime.source.ledger.finished) == Counter(range(24)), "every prompt finished once across the restart"
-    assert "exited with code -9 without reporting an error. Restarted it from prompt position" in capsys.readouterr().err
+    assert Counter(trainer.runtime.source.ledger.finished) == Counter(range(24)), (
+        "every prompt finished once across the restart"
+    )
+    assert (
+        "exited with code -9 without reporting an error. Restarted it from prompt position" in capsys.readouterr().err
+    )
 
 
 class KillWorkerTwice(AsyncGRPOTrainer):
@@ -241,7 +286,9 @@ class KillWorkerTwice(AsyncGRPOTrainer):
 
 
 def test_a_worker_lost_a_second_time_stops_the_run(tmp_path):
-    trainer = KillWorkerTwice("tiny", accuracy_reward, args=config(tmp_path, max_steps=8), train_dataset=small_dataset(64))
+    trainer = KillWorkerTwice(
+        "tiny", accuracy_reward, args=config(tmp_path, max_steps=8), train_dataset=small_dataset(64)
+    )
     trainer.killed = []
     with pytest.raises(WorkerLost, match="code -9"):
         trainer.train()
@@ -256,8 +303,11 @@ def never_varies(completions, **kwargs):
 def test_a_reward_that_never_varies_is_said_and_stops_the_run_instead_of_a_silent_wait(tmp_path, capsys):
     args = config(tmp_path, stall_timeout=8, max_steps=2)  # counted from the worker's first message
     trainer = AsyncGRPOTrainer("tiny", never_varies, args=args, train_dataset=small_dataset(200))
-    with pytest.raises(StalledError, match=r"no trainable sample for \ds of waiting: \d+ groups dropped without reward variance, "
-                                           r"filtered out or failed \(rewards seen: 0 x\d+; 0 failed\).*stall_timeout=8s"):
+    with pytest.raises(
+        StalledError,
+        match=r"no trainable sample for \ds of waiting: \d+ groups dropped without reward variance, "
+        r"filtered out or failed \(rewards seen: 0 x\d+; 0 failed\).*stall_timeout=8s",
+    ):
         trainer.train()
     said = capsys.readouterr().err
     assert "tandem: no trainable sample for" in said, "50 dropped groups are said before the stop"
@@ -267,10 +317,29 @@ def test_a_reward_that_never_varies_is_said_and_stops_the_run_instead_of_a_silen
 
 def test_sigterm_with_enable_jit_checkpoint_saves_the_step_it_ends_and_exits_as_terminated(tmp_path):
     run = tmp_path / "run"
-    process = subprocess.Popen([sys.executable, "-m", "tandem", "train", "examples/demo.yaml", "--max_steps", "300",
-                                "--save_steps", "1000", "--enable_jit_checkpoint", "true", "--output_dir", str(run),
-                                "--save_only_model", "true"],  # the preemption's checkpoint still holds what resuming needs
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tandem",
+            "train",
+            "examples/demo.yaml",
+            "--max_steps",
+            "300",
+            "--save_steps",
+            "1000",
+            "--enable_jit_checkpoint",
+            "true",
+            "--output_dir",
+            str(run),
+            "--save_only_model",
+            "true",
+        ],  # the preemption's checkpoint still holds what resuming needs
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 180
     while not ((run / "metrics.jsonl").is_file() and len((run / "metrics.jsonl").read_text().splitlines()) >= 3):
         assert process.poll() is None and time.monotonic() < deadline, "the run did not reach step 3"
@@ -286,10 +355,19 @@ def test_sigterm_with_enable_jit_checkpoint_saves_the_step_it_ends_and_exits_as_
 
 def test_errors_before_any_training_work(tmp_path):
     with pytest.raises(ValueError, match="no 'prompt' column"):
-        AsyncGRPOTrainer("tiny", accuracy_reward, args=config(tmp_path), train_dataset=Dataset.from_list([{"question": "hi"}]))
+        AsyncGRPOTrainer(
+            "tiny", accuracy_reward, args=config(tmp_path), train_dataset=Dataset.from_list([{"question": "hi"}])
+        )
     with pytest.raises(ValueError, match="must be conversational"):
-        AsyncGRPOTrainer("tiny", accuracy_reward, args=config(tmp_path), train_dataset=Dataset.from_list([{"prompt": "What is 1 + 1?"}]))
-    trainer = AsyncGRPOTrainer("tiny", lambda completions, **kw: [1.0] * len(completions), args=config(tmp_path), train_dataset=small_dataset())
+        AsyncGRPOTrainer(
+            "tiny",
+            accuracy_reward,
+            args=config(tmp_path),
+            train_dataset=Dataset.from_list([{"prompt": "What is 1 + 1?"}]),
+        )
+    trainer = AsyncGRPOTrainer(
+        "tiny", lambda completions, **kw: [1.0] * len(completions), args=config(tmp_path), train_dataset=small_dataset()
+    )
     with pytest.raises(TypeError, match="not picklable.*module-level function"):
         trainer.train()
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
@@ -319,10 +397,14 @@ def test_a_server_that_stops_serving_the_synced_weights_stops_the_run_with_the_n
     monkeypatch.setattr(sync_check.SyncProbe, "served_logprobs", drifting)
     external = ServerThread(logprobs_mode="processed_logprobs", max_logprobs=20)
     try:
-        args = config(tmp_path, vllm_server_base_url=external.url, max_staleness=0, max_steps=6,
-                      weight_sync_check_atol=1e-4)
+        args = config(
+            tmp_path, vllm_server_base_url=external.url, max_staleness=0, max_steps=6, weight_sync_check_atol=1e-4
+        )
         trainer = AsyncGRPOTrainer(TINY_MODEL_PATH, accuracy_reward, args=args, train_dataset=small_dataset())
-        with pytest.raises(ServerProblem, match=r"differ from the trainer's by up to 0.0167 over \d+ tokens \(allowed: 0.0001, weight_sync_check_atol\)"):
+        with pytest.raises(
+            ServerProblem,
+            match=r"differ from the trainer's by up to 0.0167 over \d+ tokens \(allowed: 0.0001, weight_sync_check_atol\)",
+        ):
             trainer.train()
     finally:
         external.close()
@@ -330,8 +412,9 @@ def test_a_server_that_stops_serving_the_synced_weights_stops_the_run_with_the_n
 
 
 @pytest.mark.parametrize("sync_reaches_the_server", [True, False])
-def test_against_a_bf16_server_the_probe_passes_rounding_and_stops_a_sync_that_never_arrived(tmp_path, monkeypatch,
-                                                                                              sync_reaches_the_server):
+def test_against_a_bf16_server_the_probe_passes_rounding_and_stops_a_sync_that_never_arrived(
+    tmp_path, monkeypatch, sync_reaches_the_server
+):
     """A bf16 server rounds the probe's log-probs 0.06 RMS from an fp32 trainer's (0.3 at a token), beyond any fixed
     bound a missed sync could be told by; the probe asks instead which version the server's log-probs sit nearer."""
     if not sync_reaches_the_server:
@@ -386,7 +469,9 @@ class HangingTrainer(AsyncGRPOTrainer):
 
 @pytest.mark.report
 def test_a_crashed_worker_stops_training_with_its_traceback_and_no_restart(tmp_path):
-    with pytest.raises(WorkerError, match="(?s)boom from the rollout loop.*Traceback|Traceback.*boom from the rollout loop"):
+    with pytest.raises(
+        WorkerError, match="(?s)boom from the rollout loop.*Traceback|Traceback.*boom from the rollout loop"
+    ):
         CrashingTrainer("tiny", accuracy_reward, args=config(tmp_path), train_dataset=small_dataset()).train()
     assert "reward" in (tmp_path / "run" / "report.html").read_text(), "a crashed run still writes its report"
 
@@ -394,7 +479,9 @@ def test_a_crashed_worker_stops_training_with_its_traceback_and_no_restart(tmp_p
 def test_a_hung_worker_is_detected_by_its_heartbeat(tmp_path):
     start = time.monotonic()
     with pytest.raises(WorkerError, match="no heartbeat"):
-        HangingTrainer("tiny", accuracy_reward, args=config(tmp_path, rollout_worker_timeout=3), train_dataset=small_dataset()).train()
+        HangingTrainer(
+            "tiny", accuracy_reward, args=config(tmp_path, rollout_worker_timeout=3), train_dataset=small_dataset()
+        ).train()
     assert time.monotonic() - start < 25
 
 
@@ -415,8 +502,9 @@ class RecordThreads(TrainerCallback):
 def threads_in_one_step(tmp_path) -> list[tuple[int, str | None]]:
     """(the trainer's threads, the server's OMP_NUM_THREADS) at the one step of a one-step run."""
     record = RecordThreads()
-    trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=config(tmp_path, max_steps=1), train_dataset=small_dataset(),
-                               callbacks=[record])
+    trainer = AsyncGRPOTrainer(
+        "tiny", accuracy_reward, args=config(tmp_path, max_steps=1), train_dataset=small_dataset(), callbacks=[record]
+    )
     record.trainer = trainer
     trainer.train()
     return record.seen
@@ -426,14 +514,18 @@ def test_a_cpu_trainer_and_its_embedded_server_split_the_cores_and_the_threads_c
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     before = torch.get_num_threads()
     share = core_share()
-    assert threads_in_one_step(tmp_path) == [(share, str(share))], "the trainer and the server compute with half the cores each"
+    assert threads_in_one_step(tmp_path) == [(share, str(share))], (
+        "the trainer and the server compute with half the cores each"
+    )
     assert torch.get_num_threads() == before, "the process's own thread count is back once train() returns"
 
 
 def test_omp_num_threads_set_by_the_user_decides_the_threads_of_both(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # read by the server as it starts; this process's torch keeps its count
     before = torch.get_num_threads()
-    assert threads_in_one_step(tmp_path) == [(before, "3")], "with OMP_NUM_THREADS set, tandem leaves both thread counts alone"
+    assert threads_in_one_step(tmp_path) == [(before, "3")], (
+        "with OMP_NUM_THREADS set, tandem leaves both thread counts alone"
+    )
 
 
 def test_a_killed_embedded_server_is_restarted_with_the_current_weights_and_the_run_goes_on(tmp_path, capsys):
@@ -448,8 +540,12 @@ def test_a_killed_embedded_server_is_restarted_with_the_current_weights_and_the_
     assert record.seen[-1][1] == str(core_share()), "the restarted server keeps its share of the cores"
     assert sum(r.get("rollout/server_restart_count", 0) for r in rows) == 1
     ratios = [r["sampling/importance_sampling_ratio/mean"] for r in rows if r["step"] >= 3 and "stalled_s" not in r]
-    assert all(abs(ratio - 1.0) < 1e-4 for ratio in ratios), f"the restarted server samples from the trained weights: {ratios}"
-    assert "the embedded tandem serve exited (code -9); restarting it with the weights of step" in capsys.readouterr().err
+    assert all(abs(ratio - 1.0) < 1e-4 for ratio in ratios), (
+        f"the restarted server samples from the trained weights: {ratios}"
+    )
+    assert (
+        "the embedded tandem serve exited (code -9); restarting it with the weights of step" in capsys.readouterr().err
+    )
 
 
 @pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
@@ -461,9 +557,22 @@ def test_an_embedded_server_that_keeps_dying_stops_the_run_with_its_log(tmp_path
 
 def external_server(port: int, log_path) -> EmbeddedServer:
     """`tandem serve` as a user starts it beside the trainer, receiving weights over gloo."""
-    return EmbeddedServer(TINY_MODEL_PATH, log_path=log_path, extra_args=[
-        "--port", str(port), "--served-model-name", TINY_MODEL_PATH, "--logprobs-mode", "processed_logprobs",
-        "--weight-transfer-config", '{"backend": "gloo"}', "--weight-transfer-timeout-s", "20"])
+    return EmbeddedServer(
+        TINY_MODEL_PATH,
+        log_path=log_path,
+        extra_args=[
+            "--port",
+            str(port),
+            "--served-model-name",
+            TINY_MODEL_PATH,
+            "--logprobs-mode",
+            "processed_logprobs",
+            "--weight-transfer-config",
+            '{"backend": "gloo"}',
+            "--weight-transfer-timeout-s",
+            "20",
+        ],
+    )
 
 
 class BounceExternalServer(AsyncGRPOTrainer):
@@ -483,8 +592,14 @@ def test_an_external_server_that_goes_away_and_comes_back_within_vllm_server_tim
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     first = external_server(port, tmp_path / "server.log")
-    args = config(tmp_path, vllm_server_base_url=f"http://127.0.0.1:{port}", max_steps=-1, num_train_epochs=1,
-                  token_budget=100, max_staleness=1)  # the worker cannot finish the epoch before the outage
+    args = config(
+        tmp_path,
+        vllm_server_base_url=f"http://127.0.0.1:{port}",
+        max_steps=-1,
+        num_train_epochs=1,
+        token_budget=100,
+        max_staleness=1,
+    )  # the worker cannot finish the epoch before the outage
     trainer = BounceExternalServer("tiny", accuracy_reward, args=args, train_dataset=small_dataset(24))
     trainer.server = first
     try:
@@ -496,7 +611,9 @@ def test_an_external_server_that_goes_away_and_comes_back_within_vllm_server_tim
     rows = logged(tmp_path)
     assert len(trainer.back) == 1, "the server was started again"
     assert sum(r.get("rollout/vllm_retry_count", 0) for r in rows) > 0, "requests waited for it with backoff"
-    assert sum(r.get("rollout/server_reconnect_count", 0) for r in rows) == 1, "the next sync joined its new transfer group"
+    assert sum(r.get("rollout/server_reconnect_count", 0) for r in rows) == 1, (
+        "the next sync joined its new transfer group"
+    )
     assert Counter(trainer.runtime.source.ledger.finished) == Counter(range(24)), "no group lost"
 
 
@@ -547,8 +664,12 @@ class KillReplicaAfterStepTwo(TrainerCallback):
             victim = self.replicas[1]
             os.kill(victim.process.pid, signal.SIGKILL)
             port = victim.url.rsplit(":", 1)[1]
-            self.timer = threading.Timer(3, lambda: self.back.append(EmbeddedServer(
-                TINY_MODEL_PATH, log_path=victim.log_path, extra_args=[*self.flags, "--port", port])))
+            self.timer = threading.Timer(
+                3,
+                lambda: self.back.append(
+                    EmbeddedServer(TINY_MODEL_PATH, log_path=victim.log_path, extra_args=[*self.flags, "--port", port])
+                ),
+            )
             self.timer.start()
 
 
@@ -557,13 +678,33 @@ def test_a_replica_killed_behind_the_proxy_is_left_out_then_brought_to_the_curre
     """Trainer -> tandem proxy -> two tandem serve replicas receiving weights over gloo. Replica 1 dies after step 2:
     the next sync is refused (409) and the trainer forms the transfer group with replica 0 alone; replica 1 comes back
     behind, the next sync forms the group with both, and it serves again. Every sync is checked and staleness is 0."""
-    flags = ["--served-model-name", TINY_MODEL_PATH, "--logprobs-mode", "processed_logprobs", "--max-logprobs", "20",
-             "--weight-transfer-config", '{"backend": "gloo"}', "--weight-transfer-timeout-s", "30"]
-    replicas = [EmbeddedServer(TINY_MODEL_PATH, log_path=tmp_path / f"replica{i}.log", extra_args=flags) for i in range(2)]
-    proxy = EmbeddedProxy([r.url for r in replicas], log_path=tmp_path / "proxy.log", extra_args=["--tokenizer", TINY_MODEL_PATH])
+    flags = [
+        "--served-model-name",
+        TINY_MODEL_PATH,
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--max-logprobs",
+        "20",
+        "--weight-transfer-config",
+        '{"backend": "gloo"}',
+        "--weight-transfer-timeout-s",
+        "30",
+    ]
+    replicas = [
+        EmbeddedServer(TINY_MODEL_PATH, log_path=tmp_path / f"replica{i}.log", extra_args=flags) for i in range(2)
+    ]
+    proxy = EmbeddedProxy(
+        [r.url for r in replicas], log_path=tmp_path / "proxy.log", extra_args=["--tokenizer", TINY_MODEL_PATH]
+    )
     kill = KillReplicaAfterStepTwo(replicas, flags, proxy.url)
-    args = config(tmp_path, vllm_server_base_url=proxy.url, max_steps=100, max_staleness=0, token_budget=100,
-                  weight_sync_check_atol=1e-5)
+    args = config(
+        tmp_path,
+        vllm_server_base_url=proxy.url,
+        max_steps=100,
+        max_staleness=0,
+        token_budget=100,
+        weight_sync_check_atol=1e-5,
+    )
     try:
         AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=small_dataset(96), callbacks=[kill]).train()
         with urllib.request.urlopen(proxy.url + "/proxy/stats") as response:
@@ -575,9 +716,13 @@ def test_a_replica_killed_behind_the_proxy_is_left_out_then_brought_to_the_curre
             process.stop()
     rows = [r for r in logged(tmp_path) if "loss" in r]
     assert kill.both_up_at is not None and len(rows) < 100, "replica 1 served again before the run's end"
-    assert sum(r.get("rollout/server_reconnect_count", 0) for r in rows) == 2, "the group formed without it, then with it"
+    assert sum(r.get("rollout/server_reconnect_count", 0) for r in rows) == 2, (
+        "the group formed without it, then with it"
+    )
     assert [u["state"] for u in stats["upstreams"]] == ["up", "up"], stats
-    assert all(abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4 for r in rows), "exactly on-policy throughout"
+    assert all(abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4 for r in rows), (
+        "exactly on-policy throughout"
+    )
     assert all(r["weight_sync/served_logprob_gap"] <= 1e-5 for r in rows if "weight_sync/served_logprob_gap" in r)
 
 
@@ -609,7 +754,9 @@ class CurriculumTrainer(AsyncGRPOTrainer):
 @pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
 def test_a_curriculum_loop_runs(tmp_path):
     values = {k: v for k, v in vars(config(tmp_path, max_steps=3)).items()}
-    trainer = CurriculumTrainer("tiny", accuracy_reward, args=CurriculumConfig(**values, pass_rate_cap=0.5), train_dataset=small_dataset())
+    trainer = CurriculumTrainer(
+        "tiny", accuracy_reward, args=CurriculumConfig(**values, pass_rate_cap=0.5), train_dataset=small_dataset()
+    )
     assert trainer.train().global_step == 3
 
 
@@ -624,8 +771,16 @@ def test_samples_longer_than_the_token_budget_are_dropped_with_a_warning(tmp_pat
 
 
 def test_flash_reinforce_trains_exactly_b_single_rollouts_a_step_with_the_batch_baseline(tmp_path):
-    args = config(tmp_path, algorithm="flash_reinforce", num_generations=1, max_staleness=0, max_steps=3, flash_delta=3e-3,
-                  flash_batch_size=7, token_budget=64)
+    args = config(
+        tmp_path,
+        algorithm="flash_reinforce",
+        num_generations=1,
+        max_staleness=0,
+        max_steps=3,
+        flash_delta=3e-3,
+        flash_batch_size=7,
+        token_budget=64,
+    )
     trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=small_dataset(48))
     trainer.train()
     rows = logged(tmp_path)
@@ -643,7 +798,9 @@ def test_top_k_top_p_ratios_are_exact_with_sampling_masks_and_biased_without(tmp
     truncated = {"top_k": 10, "top_p": 0.7, "max_staleness": 0, "max_steps": 2, "temperature": 1.0}
     AsyncGRPOTrainer("tiny", accuracy_reward, args=config(tmp_path, **truncated), train_dataset=small_dataset()).train()
     for r in logged(tmp_path):
-        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4, r["sampling/importance_sampling_ratio/mean"]
+        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4, r[
+            "sampling/importance_sampling_ratio/mean"
+        ]
 
     # A server without --return-sampling-mask: the worker warns and the ratio is the kept mass, visibly below 1.
     plain = ServerThread(logprobs_mode="processed_logprobs", served_model_name=[TINY_MODEL_PATH])
@@ -661,21 +818,38 @@ def test_lora_training_syncs_versioned_adapters_and_samples_from_them(tmp_path):
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     # weight_sync_check_atol: after every sync the served log-probs under the new name must match the trainer's.
-    args = config(tmp_path, max_staleness=0, max_steps=4, learning_rate=1e-3, save_strategy="steps", save_steps=4,
-                  weight_sync_check_atol=1e-5)
+    args = config(
+        tmp_path,
+        max_staleness=0,
+        max_steps=4,
+        learning_rate=1e-3,
+        save_strategy="steps",
+        save_steps=4,
+        weight_sync_check_atol=1e-5,
+    )
     trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=small_dataset(), peft_config=lora)
     trainer.train()
     for r in logged(tmp_path):  # at staleness 0 every rollout sampled from exactly the adapter being trained
-        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4, r["sampling/importance_sampling_ratio/mean"]
+        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4, r[
+            "sampling/importance_sampling_ratio/mean"
+        ]
         assert r["weight_sync/served_logprob_gap"] <= 1e-5
     kept = sorted(p.name for p in (tmp_path / "run" / ".vllm_lora").iterdir())
-    assert kept == ["tandem-policy-v3", "tandem-policy-v4"], \
+    assert kept == ["tandem-policy-v3", "tandem-policy-v4"], (
         "max_staleness + 1 versions stay loaded; a folder goes one sync after its unload; older ones are deleted"
+    )
     assert (tmp_path / "run" / "checkpoint-4" / "adapter_model.safetensors").exists(), "checkpoints keep the adapter"
 
     # Resuming loads the adapter and serves it under the run's current version: still exactly on policy.
-    args = config(tmp_path, max_staleness=0, max_steps=6, learning_rate=1e-3, save_strategy="steps", save_steps=4,
-                  resume_from_checkpoint=True)  # the config's field, as a recipe sets it
+    args = config(
+        tmp_path,
+        max_staleness=0,
+        max_steps=6,
+        learning_rate=1e-3,
+        save_strategy="steps",
+        save_steps=4,
+        resume_from_checkpoint=True,
+    )  # the config's field, as a recipe sets it
     resumed = AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=small_dataset(), peft_config=lora)
     out = resumed.train()
     assert out.global_step == 6 and abs(out.metrics["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4
@@ -693,18 +867,31 @@ def test_an_all_linear_adapter_trains_on_policy(tmp_path):
     assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     trainer.train()
     for r in logged(tmp_path):
-        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4 and r["weight_sync/served_logprob_gap"] <= 1e-5
+        assert (
+            abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4
+            and r["weight_sync/served_logprob_gap"] <= 1e-5
+        )
 
 
 def test_lora_against_a_server_without_adapters_syncs_merged_weights_with_a_warning(tmp_path):
     from peft import LoraConfig
 
-    plain = ServerThread(logprobs_mode="processed_logprobs", max_logprobs=20)  # no --enable-lora; its own: reloads mutate it
+    plain = ServerThread(
+        logprobs_mode="processed_logprobs", max_logprobs=20
+    )  # no --enable-lora; its own: reloads mutate it
     try:
         lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-        args = config(tmp_path, max_staleness=0, max_steps=3, learning_rate=1e-3, vllm_server_base_url=plain.url,
-                      weight_sync_check_atol=1e-3)
-        trainer = AsyncGRPOTrainer(TINY_MODEL_PATH, accuracy_reward, args=args, train_dataset=small_dataset(), peft_config=lora)
+        args = config(
+            tmp_path,
+            max_staleness=0,
+            max_steps=3,
+            learning_rate=1e-3,
+            vllm_server_base_url=plain.url,
+            weight_sync_check_atol=1e-3,
+        )
+        trainer = AsyncGRPOTrainer(
+            TINY_MODEL_PATH, accuracy_reward, args=args, train_dataset=small_dataset(), peft_config=lora
+        )
         with pytest.warns(UserWarning, match="syncing the merged model .* started without LoRA support"):
             trainer.train()
     finally:
@@ -720,8 +907,13 @@ def test_an_adapter_on_lm_head_is_refused(tmp_path):
     from peft import LoraConfig
 
     with pytest.raises(ValueError, match="targets lm_head"):
-        AsyncGRPOTrainer("tiny", accuracy_reward, args=config(tmp_path), train_dataset=small_dataset(),
-                         peft_config=LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+        AsyncGRPOTrainer(
+            "tiny",
+            accuracy_reward,
+            args=config(tmp_path),
+            train_dataset=small_dataset(),
+            peft_config=LoraConfig(r=4, target_modules=["q_proj", "lm_head"]),
+        )
 
 
 def test_an_adapter_on_an_moes_fused_expert_weights_is_refused_naming_what_to_target(tmp_path):
@@ -729,11 +921,19 @@ def test_an_adapter_on_an_moes_fused_expert_weights_is_refused_naming_what_to_ta
 
     from tests.families.catalog import BY_NAME
 
-    with pytest.raises(NotImplementedError, match=r"LoRA on an MoE's parameter-wrapped weights, its experts or router "
-                                                  r"\(mlp.experts, mlp.gate\).*"
-                                                  r"target_modules=\['q_proj', 'k_proj', 'v_proj', 'o_proj'\]"):
-        AsyncGRPOTrainer(BY_NAME["Qwen3-MoE"].build(), accuracy_reward, args=config(tmp_path), train_dataset=small_dataset(),
-                         peft_config=LoraConfig(r=4, target_modules="all-linear"))
+    with pytest.raises(
+        NotImplementedError,
+        match=r"LoRA on an MoE's parameter-wrapped weights, its experts or router "
+        r"\(mlp.experts, mlp.gate\).*"
+        r"target_modules=\['q_proj', 'k_proj', 'v_proj', 'o_proj'\]",
+    ):
+        AsyncGRPOTrainer(
+            BY_NAME["Qwen3-MoE"].build(),
+            accuracy_reward,
+            args=config(tmp_path),
+            train_dataset=small_dataset(),
+            peft_config=LoraConfig(r=4, target_modules="all-linear"),
+        )
 
 
 def test_a_model_that_drops_units_in_training_is_warned_of_with_the_settings_that_turn_it_off():
@@ -741,24 +941,43 @@ def test_a_model_that_drops_units_in_training_is_warned_of_with_the_settings_tha
 
     from tandem.trainer.model import warn_dropout
 
-    with pytest.warns(UserWarning, match=r"drops units in training \(attn_pdrop=0.1, embd_pdrop=0.1, resid_pdrop=0.1\)"
-                                         r".*model_init_kwargs: \{attn_pdrop: 0.0, embd_pdrop: 0.0, resid_pdrop: 0.0\}"):
+    with pytest.warns(
+        UserWarning,
+        match=r"drops units in training \(attn_pdrop=0.1, embd_pdrop=0.1, resid_pdrop=0.1\)"
+        r".*model_init_kwargs: \{attn_pdrop: 0.0, embd_pdrop: 0.0, resid_pdrop: 0.0\}",
+    ):
         warn_dropout(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)))  # GPT-2's defaults
     with pytest.warns(UserWarning, match=r"attention_dropout=0.05"):  # a functional dropout: no nn.Dropout module
-        warn_dropout(LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
-                                                  num_attention_heads=2, vocab_size=64, attention_dropout=0.05)))
+        warn_dropout(
+            LlamaForCausalLM(
+                LlamaConfig(
+                    num_hidden_layers=1,
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_attention_heads=2,
+                    vocab_size=64,
+                    attention_dropout=0.05,
+                )
+            )
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        warn_dropout(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, attn_pdrop=0.0,
-                                                embd_pdrop=0.0, resid_pdrop=0.0)))  # its summary head's rate is unused
+        warn_dropout(
+            GPT2LMHeadModel(
+                GPT2Config(
+                    n_layer=1, n_embd=32, n_head=2, vocab_size=64, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0
+                )
+            )
+        )  # its summary head's rate is unused
 
 
 def test_a_reward_model_is_refused_at_construction_not_in_the_worker(tmp_path):
     from transformers import AutoModelForCausalLM
 
     for reward in (AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH), "org/reward-model"):
-        with pytest.raises(ValueError, match="reward models are not supported .as in TRL's AsyncGRPOTrainer.; "
-                                             "pass a function"):
+        with pytest.raises(
+            ValueError, match="reward models are not supported .as in TRL's AsyncGRPOTrainer.; pass a function"
+        ):
             AsyncGRPOTrainer("tiny", [accuracy_reward, reward], args=config(tmp_path), train_dataset=small_dataset())
 
 
@@ -771,7 +990,9 @@ def test_two_reward_functions_of_one_name_are_refused_at_construction(tmp_path):
 
 
 def test_train_takes_transformers_trial_and_ignore_keys_for_eval_as_trl_spells_them(tmp_path):
-    trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=config(tmp_path, max_steps=1), train_dataset=small_dataset())
+    trainer = AsyncGRPOTrainer(
+        "tiny", accuracy_reward, args=config(tmp_path, max_steps=1), train_dataset=small_dataset()
+    )
     with pytest.raises(NotImplementedError, match="hyperparameter search is not supported"):
         trainer.train(trial={"learning_rate": 1e-4})
     with pytest.warns(UserWarning, match="ignore_keys_for_eval=.... has no effect"):
@@ -783,12 +1004,27 @@ def test_the_two_replica_lora_example_trains_through_the_proxy_exactly_on_policy
     """examples/lora_two_replicas.py, shortened: at staleness 0 every rollout, whichever replica served it, sampled
     from exactly the adapter being trained, and every sync reached both replicas."""
     out = tmp_path / "run"
-    subprocess.run([sys.executable, "examples/lora_two_replicas.py", "--steps", "5", "--max-staleness", "0",
-                    "--output-dir", str(out)], check=True, timeout=300, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "examples/lora_two_replicas.py",
+            "--steps",
+            "5",
+            "--max-staleness",
+            "0",
+            "--output-dir",
+            str(out),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     rows = logged(tmp_path)
     assert len(rows) == 5
     for r in rows:
-        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4, r["sampling/importance_sampling_ratio/mean"]
+        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4, r[
+            "sampling/importance_sampling_ratio/mean"
+        ]
         assert r["weight_sync/served_logprob_gap"] <= 1e-5
     stats = json.loads((out / "proxy_stats.json").read_text())
     assert all(u["routed"] > 0 for u in stats["upstreams"]), f"both replicas generate: {stats}"
@@ -805,7 +1041,8 @@ def test_a_script_without_a_main_guard_is_told_how_to_fix_it(tmp_path):
         "from tandem.tasks import arithmetic\n"
         f"args = AsyncGRPOConfig(output_dir={str(tmp_path / 'run')!r}, max_steps=1, num_generations=2, save_strategy='no')\n"
         "AsyncGRPOTrainer('tiny', accuracy_reward, args=args,\n"
-        "                 train_dataset=Dataset.from_list(arithmetic.make_rows(4, split='train', seed=0))).train()\n")
+        "                 train_dataset=Dataset.from_list(arithmetic.make_rows(4, split='train', seed=0))).train()\n"
+    )
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and 'if __name__ == "__main__":' in run.stderr.splitlines()[-1], run.stderr[-2000:]
 
@@ -826,8 +1063,11 @@ class ForkingLoop(AsyncRolloutLoop):
             turns.append(turn)
             messages += [{"role": "assistant", "content": ""}, {"role": "user", "content": "Again?"}]
         reply = self.tokenizer.decode(turns[0].output_ids, skip_special_tokens=True)
-        return Rollout(completion=[{"role": "assistant", "content": reply}],
-                       completion_ids=[t for turn in turns for t in turn.output_ids], turns=turns)
+        return Rollout(
+            completion=[{"role": "assistant", "content": reply}],
+            completion_ids=[t for turn in turns for t in turn.output_ids],
+            turns=turns,
+        )
 
 
 class ForkingTrainer(AsyncGRPOTrainer):
@@ -843,12 +1083,21 @@ def test_forking_rollouts_train_every_prompt_of_both_epochs_without_stale_drops(
     more steps over the same two epochs."""
     data, runs = small_dataset(8), {}
     for name, trainer_cls in (("fork", ForkingTrainer), ("single", AsyncGRPOTrainer)):
-        args = config(tmp_path / name, max_steps=-1, num_train_epochs=2, num_generations=3, max_staleness=1,
-                      token_budget=160, max_completion_length=4)
+        args = config(
+            tmp_path / name,
+            max_steps=-1,
+            num_train_epochs=2,
+            num_generations=3,
+            max_staleness=1,
+            token_budget=160,
+            max_completion_length=4,
+        )
         trainer = trainer_cls("tiny", varied_reward, args=args, train_dataset=data)
         runs[name] = (trainer, trainer.train().global_step, logged(tmp_path / name))
     for name, (trainer, steps, rows) in runs.items():
-        assert sorted(trainer.runtime.source.ledger.finished) == list(range(16)), f"{name}: every prompt group of both epochs"
+        assert sorted(trainer.runtime.source.ledger.finished) == list(range(16)), (
+            f"{name}: every prompt group of both epochs"
+        )
         assert not any(r.get("sample/dropped_stale_count") for r in rows), f"{name}: no group generated too far ahead"
         assert rows[-1]["epoch"] == 2.0
     forks = [r["rollout/samples_per_rollout"] for r in runs["fork"][2] if "rollout/samples_per_rollout" in r]
@@ -860,14 +1109,23 @@ class ForkingFlashTrainer(ForkingTrainer):
     """Records which rollouts each optimizer step trained."""
 
     def training_step(self, micro_batches):
-        self.steps_rollouts = getattr(self, "steps_rollouts", []) + [{s.rollout_id for mb in micro_batches for row in mb for s in row.samples}]
+        self.steps_rollouts = getattr(self, "steps_rollouts", []) + [
+            {s.rollout_id for mb in micro_batches for row in mb for s in row.samples}
+        ]
         return super().training_step(micro_batches)
 
 
 @pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
 def test_flash_reinforce_trains_all_samples_of_a_multi_turn_rollout_in_one_step(tmp_path):
-    args = config(tmp_path, algorithm="flash_reinforce", num_generations=1, max_staleness=1, max_steps=8,
-                  token_budget=90, max_completion_length=4)
+    args = config(
+        tmp_path,
+        algorithm="flash_reinforce",
+        num_generations=1,
+        max_staleness=1,
+        max_steps=8,
+        token_budget=90,
+        max_completion_length=4,
+    )
     trainer = ForkingFlashTrainer("tiny", arithmetic.correctness_reward, args=args, train_dataset=small_dataset(48))
     trainer.train()
     seen = [rollout for step in trainer.steps_rollouts for rollout in step]

@@ -37,7 +37,12 @@ class VllmServer:
 
     def __init__(self, log: Path, *flags: str, command: list[str] | None = None, env: dict | None = None):
         self.log, self.port, self.process = log, free_port("127.0.0.1"), None
-        self.command = [*(command or [str(REPO / "scripts" / "vllm_serve.sh"), "tiny"]), *flags, "--port", str(self.port)]
+        self.command = [
+            *(command or [str(REPO / "scripts" / "vllm_serve.sh"), "tiny"]),
+            *flags,
+            "--port",
+            str(self.port),
+        ]
         self.env = os.environ | (env or {})
 
     @property
@@ -46,8 +51,9 @@ class VllmServer:
 
     def launch(self) -> "VllmServer":
         with open(self.log, "ab") as out:
-            self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                            start_new_session=True)
+            self.process = subprocess.Popen(
+                self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
         return self
 
     def wait(self) -> "VllmServer":
@@ -94,8 +100,21 @@ def require_environment() -> None:
     pytest.skip(message)
 
 
-FLAGS = ("--enable-lora", "--max-loras", "4", "--max-cpu-loras", "4", "--max-lora-rank", "8", "--max-logprobs", "20",
-         "--enable-scale-out", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+FLAGS = (
+    "--enable-lora",
+    "--max-loras",
+    "4",
+    "--max-cpu-loras",
+    "4",
+    "--max-lora-rank",
+    "8",
+    "--max-logprobs",
+    "20",
+    "--enable-scale-out",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+)
 """No --return-sampling-mask: vLLM 0.32 builds sampling masks in its Model Runner V2 only, which needs Triton (GPUs)."""
 
 
@@ -136,14 +155,24 @@ def assert_on_policy(records: list[dict], steps: int, probed: bool = True) -> No
     assert len(steps_logged) == steps, f"{len(steps_logged)} of {steps} steps logged their log-prob gap"
     for r in steps_logged:
         step = r["step"]
-        assert r["sampling/sampling_logp_difference/max"] <= TOKEN_GAP, (step, r["sampling/sampling_logp_difference/max"])
-        assert r["sampling/sampling_logp_difference/mean"] <= MEAN_GAP, (step, r["sampling/sampling_logp_difference/mean"])
-        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1) <= MEAN_GAP, (step, r["sampling/importance_sampling_ratio/mean"])
+        assert r["sampling/sampling_logp_difference/max"] <= TOKEN_GAP, (
+            step,
+            r["sampling/sampling_logp_difference/max"],
+        )
+        assert r["sampling/sampling_logp_difference/mean"] <= MEAN_GAP, (
+            step,
+            r["sampling/sampling_logp_difference/mean"],
+        )
+        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1) <= MEAN_GAP, (
+            step,
+            r["sampling/importance_sampling_ratio/mean"],
+        )
         if probed:
             assert r["weight_sync/served_logprob_gap"] <= TOKEN_GAP, (step, r["weight_sync/served_logprob_gap"])
 
 
 def run_tandem(*args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
     """`tandem ...` as a user runs it, from the repository (examples' paths resolve), its output captured."""
-    return subprocess.run([sys.executable, "-m", "tandem", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout_s)
+    return subprocess.run(
+        [sys.executable, "-m", "tandem", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout_s
+    )

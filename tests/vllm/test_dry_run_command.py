@@ -40,9 +40,22 @@ def dry_run_server(tmp_path_factory):
 
 
 def test_the_demo_trains_against_the_vllm_its_dry_run_starts(tmp_path, dry_run_server):
-    done = run_tandem("train", "examples/demo.yaml", "--vllm_server_base_url", dry_run_server.url, "--max_steps", "20",
-                      "--max_staleness", "0", "--output_dir", str(tmp_path / "run"), "--save_strategy", "no",
-                      "--disable_tqdm", "true")
+    done = run_tandem(
+        "train",
+        "examples/demo.yaml",
+        "--vllm_server_base_url",
+        dry_run_server.url,
+        "--max_steps",
+        "20",
+        "--max_staleness",
+        "0",
+        "--output_dir",
+        str(tmp_path / "run"),
+        "--save_strategy",
+        "no",
+        "--disable_tqdm",
+        "true",
+    )
     assert done.returncode == 0, f"{done.stderr[-3000:]}\nserver:\n{dry_run_server.tail()}"
     assert "UserWarning" not in done.stderr, f"the command tandem printed is the one it wants:\n{done.stderr[-2000:]}"
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -51,9 +64,25 @@ def test_the_demo_trains_against_the_vllm_its_dry_run_starts(tmp_path, dry_run_s
 
 def test_when_the_engine_of_that_server_dies_the_run_stops_at_once_in_one_line(tmp_path, dry_run_server):
     run = tmp_path / "killed"
-    training = subprocess.Popen([sys.executable, "-m", "tandem", "train", "examples/demo.yaml", "--vllm_server_base_url",
-                                 dry_run_server.url, "--output_dir", str(run), "--disable_tqdm", "true"],
-                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    training = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tandem",
+            "train",
+            "examples/demo.yaml",
+            "--vllm_server_base_url",
+            dry_run_server.url,
+            "--output_dir",
+            str(run),
+            "--disable_tqdm",
+            "true",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 180
         while not (run / "metrics.jsonl").exists() or len((run / "metrics.jsonl").read_text().splitlines()) < 3:

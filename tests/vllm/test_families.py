@@ -23,8 +23,11 @@ def family_server(tmp_path_factory, name: str, flags=FLAGS):
     """A vLLM server of the matrix's random `name`, saved with the tiny tokenizer: (its folder, the server)."""
     require_environment()
     folder = saved_with_tiny_tokenizer(BY_NAME[name].build(), tmp_path_factory.mktemp(name.replace(" ", "_")))
-    server = VllmServer(tmp_path_factory.mktemp("vllm") / "server.log", *flags,
-                        command=[str(REPO / "scripts" / "vllm_serve.sh"), folder]).launch()
+    server = VllmServer(
+        tmp_path_factory.mktemp("vllm") / "server.log",
+        *flags,
+        command=[str(REPO / "scripts" / "vllm_serve.sh"), folder],
+    ).launch()
     try:
         yield folder, server.wait()
     finally:
@@ -39,14 +42,24 @@ def llama_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def moe_server(tmp_path_factory):
     """Without LoRA: vLLM's CPU build runs an MoE's adapters through Triton, which it lacks (its engine dies)."""
-    yield from family_server(tmp_path_factory, "Qwen3-MoE", flags=FLAGS[FLAGS.index("--max-logprobs"):])
+    yield from family_server(tmp_path_factory, "Qwen3-MoE", flags=FLAGS[FLAGS.index("--max-logprobs") :])
 
 
 def test_a_lora_adapter_syncs_on_policy_into_vllm(tmp_path, llama_server):
     """First on its server: the adapter sits on the checkpoint's base weights, which the full-weight run then changes."""
     folder, server = llama_server
-    records = train(tmp_path, server, "examples/demo.yaml", STEPS, "--model", folder, "--reward_funcs", REWARD,
-                    "--lora", "{r: 4, lora_alpha: 8, lora_dropout: 0.0, target_modules: all-linear}")
+    records = train(
+        tmp_path,
+        server,
+        "examples/demo.yaml",
+        STEPS,
+        "--model",
+        folder,
+        "--reward_funcs",
+        REWARD,
+        "--lora",
+        "{r: 4, lora_alpha: 8, lora_dropout: 0.0, target_modules: all-linear}",
+    )
     assert_on_policy(records, STEPS)
 
 

@@ -59,18 +59,18 @@ REPLIES = {
         '[TOOL_CALLS][{"name": "f"}, {"arguments": {"a": 1}}, {"other": 1}, 7]',
         '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {oops',
         '[TOOL_CALLS] [{"oops": 1}]',
-        '[TOOL_CALLS]not json at all',
+        "[TOOL_CALLS]not json at all",
         '[TOOL_CALLS][TOOL_CALLS][{"name": "f", "arguments": {}}][TOOL_CALLS]after',
         "The answer is 42.",
     ],
     "deepseek_v3": [
-        f'{CALLS_BEGIN}{DEEPSEEK_CALL.format(name="add", arguments=json.dumps({"a": 12, "b": 30}))}{CALLS_END}',
-        f'Let me see.{CALLS_BEGIN}{DEEPSEEK_CALL.format(name="f", arguments="{}")}\n'
-        f'{DEEPSEEK_CALL.format(name="g", arguments=json.dumps({"y": "é"}, ensure_ascii=False))}{CALLS_END}',
-        f'{CALLS_BEGIN}{DEEPSEEK_CALL.format(name="f", arguments="not json")}{CALLS_END}',
-        f'{CALLS_BEGIN}{DEEPSEEK_CALL.format(name="f", arguments="{{")}'.replace("function", "code") + CALLS_END,
-        f'{CALLS_BEGIN}{DEEPSEEK_CALL.format(name="f", arguments=chr(10).join(["{", "}"]))}{CALLS_END}',
-        f'{CALLS_BEGIN}garbage',
+        f"{CALLS_BEGIN}{DEEPSEEK_CALL.format(name='add', arguments=json.dumps({'a': 12, 'b': 30}))}{CALLS_END}",
+        f"Let me see.{CALLS_BEGIN}{DEEPSEEK_CALL.format(name='f', arguments='{}')}\n"
+        f"{DEEPSEEK_CALL.format(name='g', arguments=json.dumps({'y': 'é'}, ensure_ascii=False))}{CALLS_END}",
+        f"{CALLS_BEGIN}{DEEPSEEK_CALL.format(name='f', arguments='not json')}{CALLS_END}",
+        f"{CALLS_BEGIN}{DEEPSEEK_CALL.format(name='f', arguments='{{')}".replace("function", "code") + CALLS_END,
+        f"{CALLS_BEGIN}{DEEPSEEK_CALL.format(name='f', arguments=chr(10).join(['{', '}']))}{CALLS_END}",
+        f"{CALLS_BEGIN}garbage",
         "<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{}\n```<｜tool▁call▁end｜>",
         "The answer is 42.",
     ],
@@ -80,24 +80,24 @@ REPLIES = {
         '<|tool_call|>[{"name": "f"}, {"arguments": {"a": 1}}]',
         '<|tool_call|>[{"arguments": {"a": 1}}]',
         '<tool_call>{"name": "f", "arguments": {}}',
-        '<tool_call>not json',
+        "<tool_call>not json",
         'Intro <|tool_call|>[{"arguments": {}}] tail',
         'a<|tool_call|>[{"name": "f", "arguments": {"a": 1}}]<|tool_call|>[{"name": "g", "arguments": {}}]',
         '<|tool_call|>[{"name": "f", "arguments": "{\\"a\\": 1}"}, {"name": "g", "parameters": {"a": 1}}]',
-        '<|tool_call|>[]',
+        "<|tool_call|>[]",
         '<|tool_call|>[{"name": " f ", "arguments": [1]}, {"name": "", "arguments": {}}, {"name": "g", "arguments": null}]',
         '<|tool_call|>[ {"name": "f", "arguments": {"a":1}} ,\n {"name": "f", "arguments": {"a" :  1}} ] tail',
         "The answer is 42.",
     ],
     "pythonic": [
-        '[add(a=12, b=30)]',
+        "[add(a=12, b=30)]",
         '[f(x="é", flag=true, none=None, items=(1, 2), nested={"k": [-1, +2.5]}), g()]',
-        '[f(a=1)]\nfoo',
-        '[f(a=1)] more text',
-        ' [f(a=1)]',
-        '[f(1)]',
-        '[f(a=b)]',
-        '[f(a=1), 3]',
+        "[f(a=1)]\nfoo",
+        "[f(a=1)] more text",
+        " [f(a=1)]",
+        "[f(1)]",
+        "[f(a=b)]",
+        "[f(a=1), 3]",
         "[" + "f(a=1, b=2), " * 20 + "f(a=",
         "[f(a=" + "-" * 5000 + "1)]",
         "The answer is 42.",
@@ -119,11 +119,17 @@ def test_each_format_reads_replies_as_vllms_parser_of_that_name(name, vllm_pytho
     tokenizer.add_tokens(TOKENS[name], special_tokens=True)
     tokenizer.save_pretrained(tmp_path)
     fmt = tool_formats.tool_call_format(name, tokenizer)  # tandem checks the tokenizer as vLLM does
-    done = subprocess.run([vllm_python, str(Path(__file__).with_name("vllm_tool_parsers.py")), str(tmp_path), name],
-                          input=json.dumps(REPLIES[name]), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [vllm_python, str(Path(__file__).with_name("vllm_tool_parsers.py")), str(tmp_path), name],
+        input=json.dumps(REPLIES[name]),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     theirs = json.loads(done.stdout.strip().splitlines()[-1])
     for reply, vllm in zip(REPLIES[name], theirs):
         ours = fmt.read(reply)
-        assert {"called": ours.called, "content": ours.content, "calls": [list(call) for call in ours.calls]} == vllm, \
+        assert {"called": ours.called, "content": ours.content, "calls": [list(call) for call in ours.calls]} == vllm, (
             f"{name} reads {reply!r} otherwise than vLLM"
+        )

@@ -11,9 +11,25 @@ from tests.vllm.conftest import TOKEN_GAP, assert_on_policy, run_tandem
 
 def train(tmp_path, server, recipe: str, steps: int, *overrides: str) -> list[dict]:
     out = tmp_path / "run"
-    done = run_tandem("train", recipe, "--vllm_server_base_url", server.url, "--max_staleness", "0", "--max_steps",
-                      str(steps), "--output_dir", str(out), "--weight_sync_check_atol", str(TOKEN_GAP), "--save_strategy",
-                      "no", "--disable_tqdm", "true", *overrides)
+    done = run_tandem(
+        "train",
+        recipe,
+        "--vllm_server_base_url",
+        server.url,
+        "--max_staleness",
+        "0",
+        "--max_steps",
+        str(steps),
+        "--output_dir",
+        str(out),
+        "--weight_sync_check_atol",
+        str(TOKEN_GAP),
+        "--save_strategy",
+        "no",
+        "--disable_tqdm",
+        "true",
+        *overrides,
+    )
     assert done.returncode == 0, f"tandem train {recipe} failed:\n{done.stderr[-3000:]}\nserver:\n{server.tail()}"
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -30,5 +46,6 @@ def test_full_weights_stream_on_policy_into_vllm(tmp_path, vllm_server):
 def test_multi_turn_tool_rollouts_train_on_policy_against_vllm(tmp_path, vllm_server):
     records = train(tmp_path, vllm_server, "examples/tools.yaml", 12)
     assert_on_policy(records, 12)
-    assert any(r["tools/calculator/call_count"] > 0 and r["rollout/turns_mean"] > 1 for r in records), \
+    assert any(r["tools/calculator/call_count"] > 0 and r["rollout/turns_mean"] > 1 for r in records), (
         "the model called its tool, over several turns"
+    )

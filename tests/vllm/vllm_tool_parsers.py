@@ -16,6 +16,11 @@ request = ChatCompletionRequest(messages=[], tools=[{"type": "function", "functi
 readings = []
 for reply in json.load(sys.stdin):
     info = parser.extract_tool_calls(reply, request)
-    readings.append({"called": info.tools_called, "content": info.content,
-                     "calls": [[call.function.name, call.function.arguments] for call in info.tool_calls]})
+    readings.append(
+        {
+            "called": info.tools_called,
+            "content": info.content,
+            "calls": [[call.function.name, call.function.arguments] for call in info.tool_calls],
+        }
+    )
 print(json.dumps(readings))

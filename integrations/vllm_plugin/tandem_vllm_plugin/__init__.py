@@ -10,6 +10,8 @@ def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     try:
-        WeightTransferEngineFactory.register_engine("gloo", "tandem_vllm_plugin.gloo_engine", "GlooWeightTransferEngine")
+        WeightTransferEngineFactory.register_engine(
+            "gloo", "tandem_vllm_plugin.gloo_engine", "GlooWeightTransferEngine"
+        )
     except ValueError:  # registered already: vLLM calls every plugin once per process, tests may call it again
         pass

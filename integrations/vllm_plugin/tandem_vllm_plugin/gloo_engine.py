@@ -42,8 +42,10 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
 
     def __post_init__(self):
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
-            raise ValueError(f"update_info: names, dtype_names and shapes must have equal lengths, got "
-                             f"{len(self.names)}, {len(self.dtype_names)} and {len(self.shapes)}")
+            raise ValueError(
+                f"update_info: names, dtype_names and shapes must have equal lengths, got "
+                f"{len(self.names)}, {len(self.dtype_names)} and {len(self.shapes)}"
+            )
 
 
 def tied_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -91,8 +93,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         config = self.parallel_config
         rank = init_info.rank_offset + config.data_parallel_index * config.world_size + config.rank
         rendezvous = timedelta(seconds=min(TIMEOUT_S, 120))
-        store = dist.TCPStore(init_info.master_address, init_info.master_port, init_info.world_size, is_master=False,
-                              timeout=rendezvous, wait_for_workers=False)
+        store = dist.TCPStore(
+            init_info.master_address,
+            init_info.master_port,
+            init_info.world_size,
+            is_master=False,
+            timeout=rendezvous,
+            wait_for_workers=False,
+        )
         group = dist.ProcessGroupGloo(store, rank, init_info.world_size, rendezvous)
         group.set_timeout(timedelta(seconds=TIMEOUT_S))
         self.group = group

@@ -18,17 +18,30 @@ TEMPLATE_ERRORS = (jinja2.TemplateError, ValueError, TypeError, KeyError)
 def check_conversational(prompt, where: str) -> None:
     """A dataset row's prompt is a non-empty list of {'role', 'content'} messages; anything else is the user's mistake,
     named with `where` (the dataset and the row)."""
-    if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m
-                                                         for m in prompt)):
-        raise UsageError(f"{where}: 'prompt' must be conversational, a list of {{'role': ..., 'content': ...}} messages; "
-                         f"got {type(prompt).__name__} {str(prompt)[:80]!r}. Wrap plain text as "
-                         "[{'role': 'user', 'content': text}].")
+    if not (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
+    ):
+        raise UsageError(
+            f"{where}: 'prompt' must be conversational, a list of {{'role': ..., 'content': ...}} messages; "
+            f"got {type(prompt).__name__} {str(prompt)[:80]!r}. Wrap plain text as "
+            "[{'role': 'user', 'content': text}]."
+        )
 
 
-def render_chat(tokenizer, messages: list[dict], *, tools: list | None = None, add_generation_prompt: bool = True,
-                continue_final_message: bool = False, chat_template: str | None = None,
-                chat_template_kwargs: dict | None = None, content_format: str = "auto",
-                add_special_tokens: bool = False) -> list[int]:
+def render_chat(
+    tokenizer,
+    messages: list[dict],
+    *,
+    tools: list | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict | None = None,
+    content_format: str = "auto",
+    add_special_tokens: bool = False,
+) -> list[int]:
     """`messages` through the chat template as vLLM's chat endpoint renders them: with the tools and template
     options, without a generation prompt when the last message is continued, with each message's content in the
     form the template reads (`content_format`, as vLLM's `--chat-template-content-format`), and the rendered text
@@ -36,10 +49,15 @@ def render_chat(tokenizer, messages: list[dict], *, tools: list | None = None, a
     template = chat_template or tokenizer.get_chat_template(chat_template, tools)
     form = template_content_format(template) if content_format == "auto" else content_format
     rendered = tokenizer.apply_chat_template(
-        [with_content_as(message, form) for message in messages], tools=tools,
+        [with_content_as(message, form) for message in messages],
+        tools=tools,
         add_generation_prompt=add_generation_prompt and not continue_final_message,
-        continue_final_message=continue_final_message, chat_template=chat_template, tokenize=not add_special_tokens,
-        return_dict=False, **(chat_template_kwargs or {}))
+        continue_final_message=continue_final_message,
+        chat_template=chat_template,
+        tokenize=not add_special_tokens,
+        return_dict=False,
+        **(chat_template_kwargs or {}),
+    )
     return tokenizer(rendered, add_special_tokens=True)["input_ids"] if add_special_tokens else list(rendered)
 
 
@@ -49,16 +67,22 @@ CONTENT_FORMATS = ("auto", "string", "openai")
 
 @functools.lru_cache(maxsize=32)
 def template_content_format(template: str) -> str:
-    """"openai" when the template loops over a message's content (its parts), else "string": vLLM's detection, read
+    """ "openai" when the template loops over a message's content (its parts), else "string": vLLM's detection, read
     from the template's syntax tree. A template that does not parse is rendered with strings."""
     try:
         tree = jinja2.Environment().parse(template)
     except jinja2.TemplateSyntaxError:
         return "string"
-    messages = {"messages"} | {node.target.name for node in tree.find_all(jinja2.nodes.For)
-                               if _reads(node.iter, {"messages"}) and isinstance(node.target, jinja2.nodes.Name)}
-    contents = {node.target.name for node in tree.find_all(jinja2.nodes.Assign)
-                if isinstance(node.target, jinja2.nodes.Name) and _content_of(node.node, messages)}
+    messages = {"messages"} | {
+        node.target.name
+        for node in tree.find_all(jinja2.nodes.For)
+        if _reads(node.iter, {"messages"}) and isinstance(node.target, jinja2.nodes.Name)
+    }
+    contents = {
+        node.target.name
+        for node in tree.find_all(jinja2.nodes.Assign)
+        if isinstance(node.target, jinja2.nodes.Name) and _content_of(node.node, messages)
+    }
     for loop in tree.find_all(jinja2.nodes.For):
         if _content_of(loop.iter, messages) or _reads(loop.iter, contents):
             return "openai"
@@ -95,8 +119,9 @@ def with_content_as(message: dict, form: str) -> dict:
         text = part.get("text") if isinstance(part, dict) and part.get("type", "text") == "text" else part
         if not isinstance(text, str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ValueError(f"a content part of type {kind!r}: tandem renders text parts only "
-                             '([{"type": "text", "text": ...}])')
+            raise ValueError(
+                f'a content part of type {kind!r}: tandem renders text parts only ([{{"type": "text", "text": ...}}])'
+            )
         texts.append(text)
     if form == "openai":
         return {**message, "content": [{"type": "text", "text": text} for text in texts]}
@@ -113,10 +138,18 @@ def render_prompt(tokenizer, messages: list[dict], chat_template_kwargs: dict | 
 # sequence only when each turn's prompt is a token prefix of the next one: a template that re-renders earlier
 # turns differently (Qwen3 drops their reasoning) forks the rollout into one training sequence per turn.
 
-PROBE_TOOL = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string", "description": "The expression"}},
-                   "required": ["expression"]}}}
+PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "The expression"}},
+            "required": ["expression"],
+        },
+    },
+}
 """The tool of the probe conversation, for callers with no tools of their own."""
 
 
@@ -141,17 +174,25 @@ def probe_conversation(with_reasoning: bool) -> list[dict]:
     return messages
 
 
-def check_prefix_preserving(tokenizer, tools: list[dict], chat_template_kwargs: dict | None, *,
-                            chat_template: str | None = None) -> str | None:
+def check_prefix_preserving(
+    tokenizer, tools: list[dict], chat_template_kwargs: dict | None, *, chat_template: str | None = None
+) -> str | None:
     """None when the chat template is prefix-preserving on a probe conversation, else a one-line reason.
 
     Each assistant turn's prompt (the conversation before it, with the generation prompt) must be a token prefix
     of the whole conversation rendered at once. The probe's replies carry reasoning unless the generation prompt
     already closes the reasoning block (Qwen3 with `enable_thinking=False`), since then the model writes none.
     """
+
     def render(messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        return render_chat(tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                           chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
+        return render_chat(
+            tokenizer,
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+        )
 
     try:
         first_prompt = tokenizer.decode(render(probe_conversation(False)[:1], True))
@@ -159,9 +200,11 @@ def check_prefix_preserving(tokenizer, tools: list[dict], chat_template_kwargs: 
         whole = render(messages, False)
         for turn, k in enumerate((k for k, m in enumerate(messages) if m["role"] == "assistant"), start=1):
             prompt = render(messages[:k], True)
-            if whole[:len(prompt)] != prompt:
-                return (f"the prompt of reply {turn} in a probe conversation (question, tool call, tool result, "
-                        f"answer, question, answer) {prefix_mismatch(tokenizer, prompt, whole)}")
+            if whole[: len(prompt)] != prompt:
+                return (
+                    f"the prompt of reply {turn} in a probe conversation (question, tool call, tool result, "
+                    f"answer, question, answer) {prefix_mismatch(tokenizer, prompt, whole)}"
+                )
     except TEMPLATE_ERRORS as e:
         return f"the chat template cannot render a tool-calling probe conversation: {' '.join(str(e).split())}"
     return None
@@ -170,8 +213,10 @@ def check_prefix_preserving(tokenizer, tools: list[dict], chat_template_kwargs: 
 def prefix_mismatch(tokenizer, prompt: list[int], whole: list[int]) -> str:
     """Where `prompt` stops being a prefix of `whole`, as text on one line."""
     at = next((i for i, (a, b) in enumerate(zip(prompt, whole)) if a != b), len(whole))
-    return (f"is not a token prefix of the whole conversation: from token {at} the prompt has "
-            f"{tokenizer.decode(prompt[at:])[:40]!r} where the conversation has {tokenizer.decode(whole[at:])[:40]!r}")
+    return (
+        f"is not a token prefix of the whole conversation: from token {at} the prompt has "
+        f"{tokenizer.decode(prompt[at:])[:40]!r} where the conversation has {tokenizer.decode(whole[at:])[:40]!r}"
+    )
 
 
 QWEN3_MARKERS = ("<|im_start|>", "<tool_call>", "reasoning_content", "</think>", "last_query_index", "enable_thinking")
@@ -282,20 +327,23 @@ the tool-call list and the tool outputs only once per conversation, prefixes a r
 `<｜Assistant｜>` although its prompt ended without one, and cannot render object arguments."""
 
 
-
 def deepseek_v3_training_template(source: str) -> str:
     """The training template in the variant of `source`: DeepSeek-V3 checkpoints differ in whether the generation
     prompt opens a `<think>` block and whether tool outputs after the first are separated by a newline."""
     thinks = "'<｜Assistant｜><think>\\n'" in source
     separated = "'\\n<｜tool▁output▁begin｜>'" in source
-    return (DEEPSEEK_V3_TRAINING_TEMPLATE
-            .replace("{%- set reply_start = '<｜Assistant｜><think>\\n' %}",
-                     "{%- set reply_start = '<｜Assistant｜>" + ("<think>\\n" if thinks else "") + "' %}")
-            .replace("{%- set output_separator = '' %}", "{%- set output_separator = '" + ("\\n" if separated else "") + "' %}"))
+    return DEEPSEEK_V3_TRAINING_TEMPLATE.replace(
+        "{%- set reply_start = '<｜Assistant｜><think>\\n' %}",
+        "{%- set reply_start = '<｜Assistant｜>" + ("<think>\\n" if thinks else "") + "' %}",
+    ).replace(
+        "{%- set output_separator = '' %}", "{%- set output_separator = '" + ("\\n" if separated else "") + "' %}"
+    )
 
 
-TRAINING_TEMPLATES = {"qwen3": (QWEN3_MARKERS, lambda source: QWEN3_TRAINING_TEMPLATE),
-                      "deepseek_v3": (DEEPSEEK_V3_MARKERS, deepseek_v3_training_template)}
+TRAINING_TEMPLATES = {
+    "qwen3": (QWEN3_MARKERS, lambda source: QWEN3_TRAINING_TEMPLATE),
+    "deepseek_v3": (DEEPSEEK_V3_MARKERS, deepseek_v3_training_template),
+}
 
 
 def training_chat_template(tokenizer) -> tuple[str, str] | None:
@@ -306,7 +354,9 @@ def training_chat_template(tokenizer) -> tuple[str, str] | None:
     source = tokenizer.chat_template
     if not isinstance(source, str) or "<function=" in source:  # Qwen3.5 / Qwen3-Coder: XML tool calls, not Qwen3's
         return None
-    family = next((name for name, (markers, _) in TRAINING_TEMPLATES.items() if all(m in source for m in markers)), None)
+    family = next(
+        (name for name, (markers, _) in TRAINING_TEMPLATES.items() if all(m in source for m in markers)), None
+    )
     if family is None or check_prefix_preserving(tokenizer, [PROBE_TOOL], None) is None:
         return None
     return family, TRAINING_TEMPLATES[family][1](source)

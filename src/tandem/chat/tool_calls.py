@@ -21,15 +21,16 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from tandem.errors import UsageError
 from tandem.chat.tool_formats import HERMES_OPEN, ToolCallFormat
+from tandem.errors import UsageError
 
 TOOLS_DOCS = "https://huggingface.co/docs/transformers/en/chat_extras#passing-tools"
 
 HERMES_CLOSE = "</tool_call>"
 
-HERMES_BLOCK = re.compile(r"<tool_call>(?P<body>(?:(?!<tool_call>).)*?)(?P<close></tool_call>|(?=<tool_call>)|\Z)",
-                          re.DOTALL)
+HERMES_BLOCK = re.compile(
+    r"<tool_call>(?P<body>(?:(?!<tool_call>).)*?)(?P<close></tool_call>|(?=<tool_call>)|\Z)", re.DOTALL
+)
 """One Hermes block: its body ends at `</tool_call>`, or (unclosed) at the next `<tool_call>` or the end of the
 text, where a truncated generation stops."""
 
@@ -77,7 +78,9 @@ class ParsedReply:
         return message
 
 
-def parse_reply(text: str, tokenizer=None, *, prefix: str = "", tool_format: ToolCallFormat | None = None) -> ParsedReply:
+def parse_reply(
+    text: str, tokenizer=None, *, prefix: str = "", tool_format: ToolCallFormat | None = None
+) -> ParsedReply:
     """Read the tool calls in `text`, a decoded reply.
 
     A trailing end marker is dropped when it is `tokenizer.eos_token`. With a `tool_format` other than hermes the reply
@@ -115,7 +118,9 @@ def read_in_format(text: str, tool_format: ToolCallFormat) -> ParsedReply:
         opened = next((marker for marker in tool_format.markers if marker in text), None)
         if opened is None:
             return ParsedReply(content=text.strip())
-        return unparsed(text, f"the reply opens a call with {opened} but does not read as {tool_format.name} tool calls")
+        return unparsed(
+            text, f"the reply opens a call with {opened} but does not read as {tool_format.name} tool calls"
+        )
     entries = [{"name": name, "arguments": arguments} for name, arguments in reading.calls]
     calls = [call_from_object(entry, json.dumps(entry)) for entry in entries]
     return ParsedReply(content=(reading.content or "").strip(), tool_calls=calls)
@@ -128,7 +133,7 @@ def parse_hermes(text: str) -> ParsedReply:
         call = hermes_call(block)
         calls.append(call)
         if call.error is None:
-            pieces.append(text[start:block.start()])
+            pieces.append(text[start : block.start()])
             start = block.end()
     pieces.append(text[start:])
     return ParsedReply(content="".join(pieces).strip(), tool_calls=calls)
@@ -188,7 +193,9 @@ def parsed_call(entry) -> ToolCall:
     if isinstance(entry, dict) and entry.get("type", "function") != "function":
         function = entry.get("function") if isinstance(entry.get("function"), dict) else entry
         name = function.get("name") if isinstance(function.get("name"), str) else ""  # what the model asked for
-        return ToolCall(name, {}, error=f'a call of type {entry["type"]!r}: only "function" tools can be called', raw=raw)
+        return ToolCall(
+            name, {}, error=f'a call of type {entry["type"]!r}: only "function" tools can be called', raw=raw
+        )
     return call_from_object(entry.get("function", entry) if isinstance(entry, dict) else entry, raw)
 
 
@@ -208,5 +215,7 @@ def tool_schema(func) -> dict:
         return get_json_schema(func)
     except (TypeHintParsingException, DocstringParsingException, TypeError, ValueError) as e:
         name = getattr(func, "__name__", repr(func))
-        raise UsageError(f"tool {name!r} cannot be described to the model ({e}): add type hints and a "
-                         f"Google-style docstring with an Args: section — see {TOOLS_DOCS}") from e
+        raise UsageError(
+            f"tool {name!r} cannot be described to the model ({e}): add type hints and a "
+            f"Google-style docstring with an Args: section — see {TOOLS_DOCS}"
+        ) from e

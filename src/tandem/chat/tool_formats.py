@@ -142,8 +142,10 @@ def read_mistral(text: str) -> Reading:
 
 # ---- deepseek_v3 ----------------------------------------------------------------------------------------
 DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
-DEEPSEEK_CALL = re.compile(r"<｜tool▁call▁begin｜>(?P<type>.*)<｜tool▁sep｜>(?P<name>.*)\n```json\n(?P<arguments>.*)\n```"
-                           r"<｜tool▁call▁end｜>")
+DEEPSEEK_CALL = re.compile(
+    r"<｜tool▁call▁begin｜>(?P<type>.*)<｜tool▁sep｜>(?P<name>.*)\n```json\n(?P<arguments>.*)\n```"
+    r"<｜tool▁call▁end｜>"
+)
 """One call: its type ("function"), then its name, then its arguments on one line inside a ```json fence."""
 
 
@@ -155,7 +157,9 @@ def read_deepseek_v3(text: str) -> Reading:
     matches = DEEPSEEK_CALL.findall(text)
     if any(kind != "function" for kind, _, _ in matches):
         return plain(text)
-    return called(text[: text.find(DEEPSEEK_CALLS_BEGIN)] or None, [(name, arguments) for _, name, arguments in matches])
+    return called(
+        text[: text.find(DEEPSEEK_CALLS_BEGIN)] or None, [(name, arguments) for _, name, arguments in matches]
+    )
 
 
 # ---- granite --------------------------------------------------------------------------------------------
@@ -171,19 +175,22 @@ def read_granite(text: str) -> Reading:
     first, marker = next_marker(text)
     if marker is None:
         return plain(text)
-    pieces, calls, rest = [text[:first]], [], text[first + len(marker):]
+    pieces, calls, rest = [text[:first]], [], text[first + len(marker) :]
     while True:
         rest = rest.lstrip()
         elements = list_elements(rest)
         if elements is not None:
             entries, rest = elements
-            calls += [(entry["name"].strip(), written_arguments(entry, written)) for entry, written in entries
-                      if isinstance(entry, dict) and isinstance(entry.get("name"), str) and entry["name"].strip()]
+            calls += [
+                (entry["name"].strip(), written_arguments(entry, written))
+                for entry, written in entries
+                if isinstance(entry, dict) and isinstance(entry.get("name"), str) and entry["name"].strip()
+            ]
         at, marker = next_marker(rest)
         if marker is None:
             break
         pieces.append(rest[:at])
-        rest = rest[at + len(marker):]
+        rest = rest[at + len(marker) :]
     if calls:
         return called(text[:first].strip() or None, calls)
     return Reading("".join(pieces + [rest]) or None, [], False)
@@ -234,14 +241,16 @@ def written_arguments(entry: dict, written: str) -> str:
         except UNREADABLE:
             continue
         if value == entry["arguments"]:
-            return written[m.end():end]
+            return written[m.end() : end]
     return as_json(entry["arguments"])
 
 
 # ---- pythonic -------------------------------------------------------------------------------------------
 PYTHONIC_LIST = regex.compile(
     r"\[([a-zA-Z]+\w*\(([a-zA-Z]+\w*=.*,\s*)*([a-zA-Z]+\w*=.*\s)?\),\s*)*"
-    r"([a-zA-Z]+\w*\(([a-zA-Z]+\w*=.*,\s*)*([a-zA-Z]+\w*=.*\s*)?\)\s*)+\]", regex.DOTALL)
+    r"([a-zA-Z]+\w*\(([a-zA-Z]+\w*=.*,\s*)*([a-zA-Z]+\w*=.*\s*)?\)\s*)+\]",
+    regex.DOTALL,
+)
 """The shape vLLM requires from the reply's first character: a Python list of calls with keyword arguments."""
 PYTHONIC_TIMEOUT_S = 1.0
 """How long that match may take, as vLLM bounds it (VLLM_TOOL_PARSE_REGEX_TIMEOUT_SECONDS): it can backtrack
@@ -263,8 +272,10 @@ def read_pythonic(text: str) -> Reading:
         node = getattr(ast.parse(text).body[0], "value", None)
         if not isinstance(node, ast.List) or not all(isinstance(call, ast.Call) for call in node.elts):
             return plain(text)
-        return called(None, [(dotted_name(call.func), as_json({k.arg: literal(k.value) for k in call.keywords}))
-                             for call in node.elts])
+        return called(
+            None,
+            [(dotted_name(call.func), as_json({k.arg: literal(k.value) for k in call.keywords})) for call in node.elts],
+        )
     except (SyntaxError, IndexError, *UNREADABLE):
         return plain(text)
 
@@ -314,14 +325,19 @@ class ToolCallFormat:
     what of the text is content)."""
 
 
-FORMATS = {f.name: f for f in (
-    ToolCallFormat("hermes", read_hermes, (HERMES_OPEN,), keeps_special_tokens=True, streams_until=HERMES_OPEN),
-    ToolCallFormat("llama3_json", read_llama3_json, (PYTHON_TAG,), vocab=(PYTHON_TAG,)),
-    ToolCallFormat("mistral", read_mistral, (MISTRAL_CALLS,), vocab=(MISTRAL_CALLS,), keeps_special_tokens=True),
-    ToolCallFormat("deepseek_v3", read_deepseek_v3, (DEEPSEEK_CALLS_BEGIN,), vocab=(DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END)),
-    ToolCallFormat("granite", read_granite, GRANITE_MARKERS, keeps_special_tokens=True),
-    ToolCallFormat("pythonic", read_pythonic, ()),
-)}
+FORMATS = {
+    f.name: f
+    for f in (
+        ToolCallFormat("hermes", read_hermes, (HERMES_OPEN,), keeps_special_tokens=True, streams_until=HERMES_OPEN),
+        ToolCallFormat("llama3_json", read_llama3_json, (PYTHON_TAG,), vocab=(PYTHON_TAG,)),
+        ToolCallFormat("mistral", read_mistral, (MISTRAL_CALLS,), vocab=(MISTRAL_CALLS,), keeps_special_tokens=True),
+        ToolCallFormat(
+            "deepseek_v3", read_deepseek_v3, (DEEPSEEK_CALLS_BEGIN,), vocab=(DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END)
+        ),
+        ToolCallFormat("granite", read_granite, GRANITE_MARKERS, keeps_special_tokens=True),
+        ToolCallFormat("pythonic", read_pythonic, ()),
+    )
+}
 
 
 def served_reply(fmt: ToolCallFormat, text: str) -> tuple[str | None, list[tuple[str, str]]]:
@@ -337,16 +353,22 @@ def tool_call_format(name: str, tokenizer=None) -> ToolCallFormat:
     """The format called `name`, checked against `tokenizer` (when given) as vLLM checks it at start; a UsageError in
     one line naming the supported formats or the missing token."""
     if name not in FORMATS:
-        raise UsageError(f"tool-call parser {name!r} is not one tandem has: {', '.join(FORMATS)} (vLLM's names for them)")
+        raise UsageError(
+            f"tool-call parser {name!r} is not one tandem has: {', '.join(FORMATS)} (vLLM's names for them)"
+        )
     fmt = FORMATS[name]
     vocab = tokenizer.get_vocab() if tokenizer is not None else None
     if vocab is not None:
         missing = [token for token in fmt.vocab if token not in vocab]
         if missing:
-            raise UsageError(f"tool-call parser {name!r} reads calls opened by {' and '.join(missing)}, which this "
-                             "tokenizer has no token for: pick the parser of the model's own format")
+            raise UsageError(
+                f"tool-call parser {name!r} reads calls opened by {' and '.join(missing)}, which this "
+                "tokenizer has no token for: pick the parser of the model's own format"
+            )
         if name == "mistral" and MISTRAL_ARGS in vocab:
-            raise NotImplementedError("tool-call parser 'mistral' with a tokenizer that has [ARGS] (Mistral's v11 "
-                                      "format, `[TOOL_CALLS]name[ARGS]{...}`) is not implemented in tandem: serve the "
-                                      "model with vllm serve --tool-call-parser mistral")
+            raise NotImplementedError(
+                "tool-call parser 'mistral' with a tokenizer that has [ARGS] (Mistral's v11 "
+                "format, `[TOOL_CALLS]name[ARGS]{...}`) is not implemented in tandem: serve the "
+                "model with vllm serve --tool-call-parser mistral"
+            )
     return fmt

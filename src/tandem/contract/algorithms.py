@@ -70,20 +70,41 @@ class GRPO(Algorithm):
     across two, its second part would train a policy version later, past the staleness bound it was admitted under)."""
 
     name, title = "grpo", "GRPO"
-    reads = frozenset({"epsilon", "epsilon_high", "score_centering", "num_sampler_logprobs",
-                       "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max"})
+    reads = frozenset(
+        {
+            "epsilon",
+            "epsilon_high",
+            "score_centering",
+            "num_sampler_logprobs",
+            "vllm_importance_sampling_clip_min",
+            "vllm_importance_sampling_clip_max",
+        }
+    )
     drops_oversize_unit = False
 
     def checks(self, config):
         return [
-            ("num_generations", config.num_generations >= 2, "GRPO needs at least 2 generations per prompt to compare them"),
+            (
+                "num_generations",
+                config.num_generations >= 2,
+                "GRPO needs at least 2 generations per prompt to compare them",
+            ),
             ("epsilon", config.epsilon >= 0, "must be >= 0"),
-            ("num_sampler_logprobs", config.num_sampler_logprobs >= 1 or not config.score_centering,
-             "score centering averages over at least 1 of the sampler's tokens: must be at least 1"),
-            ("vllm_importance_sampling_clip_min", 0 <= config.vllm_importance_sampling_clip_min <= 1,
-             "must be in [0, 1] (a ratio of 1 must never be masked)"),
-            ("vllm_importance_sampling_clip_max", config.vllm_importance_sampling_clip_max >= 1,
-             "must be >= 1 (a ratio of 1 must never be masked)"),
+            (
+                "num_sampler_logprobs",
+                config.num_sampler_logprobs >= 1 or not config.score_centering,
+                "score centering averages over at least 1 of the sampler's tokens: must be at least 1",
+            ),
+            (
+                "vllm_importance_sampling_clip_min",
+                0 <= config.vllm_importance_sampling_clip_min <= 1,
+                "must be in [0, 1] (a ratio of 1 must never be masked)",
+            ),
+            (
+                "vllm_importance_sampling_clip_max",
+                config.vllm_importance_sampling_clip_max >= 1,
+                "must be >= 1 (a ratio of 1 must never be masked)",
+            ),
         ]
 
     def unit_key(self, sample):
@@ -113,14 +134,23 @@ class FlashREINFORCE(Algorithm):
 
     def checks(self, config):
         return [
-            ("num_generations", config.num_generations == 1,
-             "FlashREINFORCE samples one rollout per prompt: set num_generations=1"),
+            (
+                "num_generations",
+                config.num_generations == 1,
+                "FlashREINFORCE samples one rollout per prompt: set num_generations=1",
+            ),
             ("flash_delta", config.flash_delta >= 0, "the trust-region threshold must be >= 0 (inf admits everything)"),
             ("flash_negative_token_fraction", 0 <= config.flash_negative_token_fraction <= 1, "must be in [0, 1]"),
-            ("flash_batch_size", config.flash_batch_size is None or config.flash_batch_size >= 1,
-             "must be at least 1, or None"),
-            ("gradient_accumulation_steps", config.flash_batch_size is None or config.gradient_accumulation_steps == 1,
-             "is not read when flash_batch_size sets the step's trajectories: leave it at 1"),
+            (
+                "flash_batch_size",
+                config.flash_batch_size is None or config.flash_batch_size >= 1,
+                "must be at least 1, or None",
+            ),
+            (
+                "gradient_accumulation_steps",
+                config.flash_batch_size is None or config.gradient_accumulation_steps == 1,
+                "is not read when flash_batch_size sets the step's trajectories: leave it at 1",
+            ),
         ]
 
     def unit_key(self, sample):
@@ -150,20 +180,36 @@ class FlashREINFORCE(Algorithm):
             steps = f"<= {math.ceil(total / batch)} (episodes / batch)"
             episodes = f"{total} rollouts (num_train_epochs {config.num_train_epochs:g} x {num_prompts} prompts)"
         else:
-            steps, episodes = "until the data ends", f"num_train_epochs {config.num_train_epochs:g} x the dataset's prompts"
-        per_row_why = (f"token_budget {budget} // {max_model_len}, the longest trajectory" if budget >= max_model_len
-                       else f"token_budget {budget} < {max_model_len}: longer trajectories are dropped, "
-                            "batch/dropped_oversize_count")
+            steps, episodes = (
+                "until the data ends",
+                f"num_train_epochs {config.num_train_epochs:g} x the dataset's prompts",
+            )
+        per_row_why = (
+            f"token_budget {budget} // {max_model_len}, the longest trajectory"
+            if budget >= max_model_len
+            else f"token_budget {budget} < {max_model_len}: longer trajectories are dropped, "
+            "batch/dropped_oversize_count"
+        )
         return [
-            ("delta", f"{config.flash_delta:g} (flash_delta): a trajectory trains only if its tokens' mean Bernoulli "
-                      "KL, sampler to policy, is at most this"),
-            ("q", f"{config.flash_negative_token_fraction:g} (flash_negative_token_fraction): a failed trajectory "
-                  "(reward 0 or less) keeps this share of its tokens, highest entropy first"),
-            ("batch", f"{batch} prompts a step, one rollout each (flash_batch_size), in as many rows of token_budget "
-                      f"{budget} as they need" if exact else
-                      f">= {batch} prompts a step, one rollout each: {config.gradient_accumulation_steps} micro-batches "
-                      f"(gradient_accumulation_steps) x {per_row} a row ({per_row_why}); x ranks under torchrun; more "
-                      "when rollouts are shorter"),
+            (
+                "delta",
+                f"{config.flash_delta:g} (flash_delta): a trajectory trains only if its tokens' mean Bernoulli "
+                "KL, sampler to policy, is at most this",
+            ),
+            (
+                "q",
+                f"{config.flash_negative_token_fraction:g} (flash_negative_token_fraction): a failed trajectory "
+                "(reward 0 or less) keeps this share of its tokens, highest entropy first",
+            ),
+            (
+                "batch",
+                f"{batch} prompts a step, one rollout each (flash_batch_size), in as many rows of token_budget "
+                f"{budget} as they need"
+                if exact
+                else f">= {batch} prompts a step, one rollout each: {config.gradient_accumulation_steps} micro-batches "
+                f"(gradient_accumulation_steps) x {per_row} a row ({per_row_why}); x ranks under torchrun; more "
+                "when rollouts are shorter",
+            ),
             ("steps", steps),
             ("episodes", episodes),
         ]
@@ -182,6 +228,10 @@ def algorithm_of(config: "AsyncGRPOConfig") -> Algorithm:
 def refusals(config: "AsyncGRPOConfig", defaults: dict[str, object]) -> list[tuple[str, str]]:
     """(field, why) for each field set away from its default (`defaults`) that only another algorithm reads."""
     chosen = algorithm_of(config)
-    return [(field, f"is read by {other.name} only, and algorithm={chosen.name!r}: leave it at {defaults[field]!r}")
-            for other in ALGORITHMS.values() if other is not chosen
-            for field in sorted(other.reads - chosen.reads) if getattr(config, field) != defaults[field]]
+    return [
+        (field, f"is read by {other.name} only, and algorithm={chosen.name!r}: leave it at {defaults[field]!r}")
+        for other in ALGORITHMS.values()
+        if other is not chosen
+        for field in sorted(other.reads - chosen.reads)
+        if getattr(config, field) != defaults[field]
+    ]

@@ -40,10 +40,12 @@ class Doorbell:
 
     def listen(self, heard: asyncio.Event) -> None:
         """Set `heard` on every ring, from the running event loop (until `stop_listening`)."""
+
         def drain():
             if not os.read(self.reader.fileno(), 4096):  # end of file: the trainer's process is gone
                 self.stop_listening()
             heard.set()
+
         asyncio.get_running_loop().add_reader(self.reader.fileno(), drain)
 
     def stop_listening(self) -> None:
@@ -75,6 +77,16 @@ class Channels:
 
     @classmethod
     def create(cls, context) -> "Channels":
-        return cls(out=context.Queue(), retry=context.Queue(), evaluate=context.Queue(), model_version=context.Value("q", 0), tokens_per_step=context.Value("d", 0.0),
-                   consumed_tokens=context.Value("d", 0.0), watermark=context.Value("q", 0), heartbeat=context.Value("d", 0.0), stop=context.Event(),
-                   running=context.Event(), room=Doorbell(context))
+        return cls(
+            out=context.Queue(),
+            retry=context.Queue(),
+            evaluate=context.Queue(),
+            model_version=context.Value("q", 0),
+            tokens_per_step=context.Value("d", 0.0),
+            consumed_tokens=context.Value("d", 0.0),
+            watermark=context.Value("q", 0),
+            heartbeat=context.Value("d", 0.0),
+            stop=context.Event(),
+            running=context.Event(),
+            room=Doorbell(context),
+        )

@@ -39,8 +39,10 @@ class EngineDead(ServerError):
 
 def engine_died(error: EngineDead) -> str:
     """What to tell the user when vLLM's engine died (its log has the cause)."""
-    return (f"the generation server's engine died ({error}; the server's log says why). It will not generate again: "
-            "restart the server and resume with resume_from_checkpoint.")
+    return (
+        f"the generation server's engine died ({error}; the server's log says why). It will not generate again: "
+        "restart the server and resume with resume_from_checkpoint."
+    )
 
 
 class ServerProblem(RuntimeError):
@@ -54,8 +56,10 @@ class ServerGone(ConnectionError):
 
 def server_gone(error: Exception, timeout_s: float) -> str:
     """What to tell the user when the server stayed away past vllm_server_timeout (`error`: how it went away)."""
-    return (f"the generation server stopped answering ({error}) and did not come back within vllm_server_timeout="
-            f"{timeout_s:g}s; its log says why it stopped. Restart it and resume with resume_from_checkpoint.")
+    return (
+        f"the generation server stopped answering ({error}) and did not come back within vllm_server_timeout="
+        f"{timeout_s:g}s; its log says why it stopped. Restart it and resume with resume_from_checkpoint."
+    )
 
 
 @dataclass
@@ -82,9 +86,18 @@ class ServerMetrics:
 
 
 class _Http:
-    def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 600.0,
-                 max_retries: int = 5, retry_for_s: float = 0.0, backoff_s: float = 0.5, max_backoff_s: float = 8.0,
-                 connections: int = 0):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        max_retries: int = 5,
+        retry_for_s: float = 0.0,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 8.0,
+        connections: int = 0,
+    ):
         self.base_url, self.api_key = base_url.rstrip("/"), api_key
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -117,8 +130,16 @@ class _Http:
             self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout, headers=self.headers)
         return self._session
 
-    async def request(self, method: str, path: str, *, body: dict | None = None, params: dict | None = None,
-                      retry: bool = True, timeout_s: float | None = None) -> tuple[int, str]:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: dict | None = None,
+        params: dict | None = None,
+        retry: bool = True,
+        timeout_s: float | None = None,
+    ) -> tuple[int, str]:
         """Send one request (retrying transient failures); returns (status, text) of a 2xx, raises ServerError otherwise."""
         url = f"{self.base_url}{path}"
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None
@@ -138,8 +159,10 @@ class _Http:
                 if self.down_since is None:
                     self.down_since, self.down_reason = time.monotonic(), repr(exc)
                 if not may_retry:
-                    raise ServerGone(f"{url} could not be reached after {attempt + 1} attempt(s) in "
-                                     f"{time.monotonic() - start:.0f}s: {exc!r}") from exc
+                    raise ServerGone(
+                        f"{url} could not be reached after {attempt + 1} attempt(s) in "
+                        f"{time.monotonic() - start:.0f}s: {exc!r}"
+                    ) from exc
             attempt += 1
             self.retries += 1
             delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
@@ -165,16 +188,40 @@ def _error_message(text: str) -> str:
 class GenerationClient(_Http):
     """Token-in, token-out generation with sampler log-probs."""
 
-    async def complete(self, prompt_ids: list[int], *, max_tokens: int, model: str | None = None, n: int = 1,
-                       temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-                       repetition_penalty: float = 1.0, seed: int | None = None, logprobs: int = 0,
-                       stop_token_ids: list[int] | None = None, **extra) -> list[Completion]:
+    async def complete(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        model: str | None = None,
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
+        logprobs: int = 0,
+        stop_token_ids: list[int] | None = None,
+        **extra,
+    ) -> list[Completion]:
         """`/v1/completions` with a token-id prompt. Every sampling field is sent, so server defaults never apply."""
         body = {
-            "prompt": list(prompt_ids), "max_tokens": max_tokens, "n": n, "temperature": temperature, "top_p": top_p,
-            "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty, "seed": seed,
-            "logprobs": logprobs, "return_token_ids": True, "return_tokens_as_token_ids": True,
-            "stop_token_ids": stop_token_ids or [], "skip_special_tokens": False, **extra,
+            "prompt": list(prompt_ids),
+            "max_tokens": max_tokens,
+            "n": n,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "min_p": min_p,
+            "repetition_penalty": repetition_penalty,
+            "seed": seed,
+            "logprobs": logprobs,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "stop_token_ids": stop_token_ids or [],
+            "skip_special_tokens": False,
+            **extra,
         }
         if model is not None:
             body["model"] = model
@@ -184,26 +231,44 @@ class GenerationClient(_Http):
     async def score(self, token_ids: list[int], *, model: str | None = None) -> list[float]:
         """The log-prob the server gives each token of `token_ids` after the ones before it (`prompt_logprobs`: a
         teacher-forced forward, nothing sampled that counts); the first token has none, so one fewer than given."""
-        body = {"prompt": list(token_ids), "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0,
-                "return_token_ids": True, "skip_special_tokens": False}
+        body = {
+            "prompt": list(token_ids),
+            "max_tokens": 1,
+            "temperature": 1.0,
+            "prompt_logprobs": 0,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
         if model is not None:
             body["model"] = model
         positions = (await self.post_json("/v1/completions", body))["choices"][0]["prompt_logprobs"][1:]
         return [entries[str(token)]["logprob"] for token, entries in zip(token_ids[1:], positions)]
 
-    async def generate(self, prompt_ids: list[int], *, sampling_params: dict, model: str | None = None) -> list[Completion]:
+    async def generate(
+        self, prompt_ids: list[int], *, sampling_params: dict, model: str | None = None
+    ) -> list[Completion]:
         """`/inference/v1/generate` (needs `--enable-scale-out`); returns sampling masks when the server sends them."""
-        body = {"token_ids": list(prompt_ids), "sampling_params": sampling_params, "model": model, "return_token_ids": True}
+        body = {
+            "token_ids": list(prompt_ids),
+            "sampling_params": sampling_params,
+            "model": model,
+            "return_token_ids": True,
+        }
         data = await self.post_json("/inference/v1/generate", body)
         completions = []
         for choice in data["choices"]:
             content = (choice.get("logprobs") or {}).get("content") or []
-            completions.append(Completion(
-                token_ids=choice["token_ids"], logprobs=[e["logprob"] for e in content],
-                finish_reason=choice.get("finish_reason"), stop_reason=choice.get("stop_reason"),
-                top_logprobs=[{t["token_id"]: t["logprob"] for t in e.get("top_logprobs") or []} for e in content] or None,
-                sampling_mask=choice.get("sampling_mask"),
-            ))
+            completions.append(
+                Completion(
+                    token_ids=choice["token_ids"],
+                    logprobs=[e["logprob"] for e in content],
+                    finish_reason=choice.get("finish_reason"),
+                    stop_reason=choice.get("stop_reason"),
+                    top_logprobs=[{t["token_id"]: t["logprob"] for t in e.get("top_logprobs") or []} for e in content]
+                    or None,
+                    sampling_mask=choice.get("sampling_mask"),
+                )
+            )
         return completions
 
 
@@ -213,8 +278,11 @@ def _completion_choice(choice: dict, logprobs: int) -> Completion:
     if logprobs and lp.get("top_logprobs") is not None:
         top = [{int(k.removeprefix("token_id:")): v for k, v in entry.items()} for entry in lp["top_logprobs"]]
     return Completion(
-        token_ids=choice["token_ids"], logprobs=lp.get("token_logprobs") or [], finish_reason=choice.get("finish_reason"),
-        stop_reason=choice.get("stop_reason"), top_logprobs=top,
+        token_ids=choice["token_ids"],
+        logprobs=lp.get("token_logprobs") or [],
+        finish_reason=choice.get("finish_reason"),
+        stop_reason=choice.get("stop_reason"),
+        top_logprobs=top,
     )
 
 
@@ -236,8 +304,10 @@ class ControlClient(_Http):
                 if isinstance(exc, ServerError) and "proxy:" in str(exc) and await self._proxy_serving():
                     return
             await asyncio.sleep(interval_s)
-        raise TimeoutError(f"{self.base_url}/health did not answer 200 within {deadline_s:.0f}s (last: {last}). "
-                           "Is the generation server running and is the URL right?")
+        raise TimeoutError(
+            f"{self.base_url}/health did not answer 200 within {deadline_s:.0f}s (last: {last}). "
+            "Is the generation server running and is the URL right?"
+        )
 
     async def _proxy_serving(self) -> bool:
         """tandem proxy's own view: at least one replica up."""
@@ -317,8 +387,9 @@ class ControlClient(_Http):
         await self.engine_request("POST", "/finish_weight_update", body={"weight_version": weight_version}, retry=False)
 
     async def load_lora(self, name: str, path: str) -> None:
-        await self.engine_request("POST", "/v1/load_lora_adapter",
-                                  body={"lora_name": name, "lora_path": path, "load_inplace": False})
+        await self.engine_request(
+            "POST", "/v1/load_lora_adapter", body={"lora_name": name, "lora_path": path, "load_inplace": False}
+        )
 
     async def unload_lora(self, name: str) -> None:
         await self.engine_request("POST", "/v1/unload_lora_adapter", body={"lora_name": name})
@@ -366,7 +437,9 @@ def parse_metrics(text: str) -> ServerMetrics:
             sums[name] = sums.get(name, 0.0) + value
     total_capacity = sum(capacity.values()) or None
     return ServerMetrics(
-        kv_cache_usage=max(usage, default=0.0), running=int(sums.get("vllm:num_requests_running", 0)),
-        waiting=int(sums.get("vllm:num_requests_waiting", 0)), preemptions=int(sums.get("vllm:num_preemptions_total", 0)),
+        kv_cache_usage=max(usage, default=0.0),
+        running=int(sums.get("vllm:num_requests_running", 0)),
+        waiting=int(sums.get("vllm:num_requests_waiting", 0)),
+        preemptions=int(sums.get("vllm:num_preemptions_total", 0)),
         kv_capacity_tokens=int(total_capacity) if total_capacity else None,
     )

@@ -35,8 +35,16 @@ class ServerProcess:
     A thread reads its output from the start, so the start deadline holds even for a server that hangs silently.
     """
 
-    def __init__(self, command: list[str], ready: re.Pattern, *, log_path: Path | None = None,
-                 startup_timeout_s: float = 300, env: dict[str, str] | None = None, shares_cores: bool = True):
+    def __init__(
+        self,
+        command: list[str],
+        ready: re.Pattern,
+        *,
+        log_path: Path | None = None,
+        startup_timeout_s: float = 300,
+        env: dict[str, str] | None = None,
+        shares_cores: bool = True,
+    ):
         self.ready, self.log_path = ready, Path(log_path) if log_path else None
         self.lines: list[str] = []
         self.url: str | None = None
@@ -48,7 +56,9 @@ class ServerProcess:
             env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         else:
             env.pop("OMP_WAIT_POLICY", None)
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env
+        )
         self.reader = threading.Thread(target=self._read_output, daemon=True)
         self.reader.start()
         self._wait_ready(shlex.join(command), startup_timeout_s)
@@ -73,8 +83,11 @@ class ServerProcess:
         timed_out = not settled
         self.stop()
         log = f"log: {self.log_path}" if self.log_path else "no log_path given"
-        reason = (f"did not report its address within startup_timeout_s={timeout_s:g}s" if timed_out
-                  else f"exited with code {self.process.poll()} before reporting its address")
+        reason = (
+            f"did not report its address within startup_timeout_s={timeout_s:g}s"
+            if timed_out
+            else f"exited with code {self.process.poll()} before reporting its address"
+        )
         raise RuntimeError(f"`{what}` {reason} ({log}); its last output:\n{self.tail()}")
 
     def _keep(self, line: str) -> None:
@@ -119,18 +132,41 @@ class ServerProcess:
 class EmbeddedServer(ServerProcess):
     """`tandem serve MODEL ...`; `url` is set once it listens."""
 
-    def __init__(self, model: str, *, log_path: Path | None = None, startup_timeout_s: float = 300, extra_args: list[str] = (),
-                 env: dict[str, str] | None = None, shares_cores: bool = True):
-        super().__init__([sys.executable, "-m", "tandem.cli", "serve", model, "--port", "0", *extra_args],
-                         re.compile(r"tandem serve: .* on (http://\S+) "), log_path=log_path,
-                         startup_timeout_s=startup_timeout_s, env=env, shares_cores=shares_cores)
+    def __init__(
+        self,
+        model: str,
+        *,
+        log_path: Path | None = None,
+        startup_timeout_s: float = 300,
+        extra_args: list[str] = (),
+        env: dict[str, str] | None = None,
+        shares_cores: bool = True,
+    ):
+        super().__init__(
+            [sys.executable, "-m", "tandem.cli", "serve", model, "--port", "0", *extra_args],
+            re.compile(r"tandem serve: .* on (http://\S+) "),
+            log_path=log_path,
+            startup_timeout_s=startup_timeout_s,
+            env=env,
+            shares_cores=shares_cores,
+        )
 
 
 class EmbeddedProxy(ServerProcess):
     """`tandem proxy --upstream URL ...` in front of `upstreams`."""
 
-    def __init__(self, upstreams: list[str], *, log_path: Path | None = None, startup_timeout_s: float = 120,
-                 extra_args: list[str] = ()):
+    def __init__(
+        self,
+        upstreams: list[str],
+        *,
+        log_path: Path | None = None,
+        startup_timeout_s: float = 120,
+        extra_args: list[str] = (),
+    ):
         flags = [arg for url in upstreams for arg in ("--upstream", url)]
-        super().__init__([sys.executable, "-m", "tandem.cli", "proxy", *flags, "--port", "0", *extra_args],
-                         re.compile(r"tandem proxy: (http://\S+) "), log_path=log_path, startup_timeout_s=startup_timeout_s)
+        super().__init__(
+            [sys.executable, "-m", "tandem.cli", "proxy", *flags, "--port", "0", *extra_args],
+            re.compile(r"tandem proxy: (http://\S+) "),
+            log_path=log_path,
+            startup_timeout_s=startup_timeout_s,
+        )

@@ -97,8 +97,10 @@ async def read_facts(control) -> ServerFacts:
     except ServerError as exc:
         if exc.status != 404:
             raise
-        raise ServerProblem(f"{exc}: tandem drives the server through vLLM's development routes (/server_info, /pause, "
-                            "the weight updates). Start vllm serve with VLLM_SERVER_DEV_MODE=1 in its environment.") from None
+        raise ServerProblem(
+            f"{exc}: tandem drives the server through vLLM's development routes (/server_info, /pause, "
+            "the weight updates). Start vllm serve with VLLM_SERVER_DEV_MODE=1 in its environment."
+        ) from None
     return facts_of(version, info, models)
 
 
@@ -124,8 +126,9 @@ def facts_of(version: dict, info: dict, models: list[dict]) -> ServerFacts:
         data_parallel_size=int(_section(config, "parallel_config").get("data_parallel_size", 1) or 1),
         returns_sampling_masks=bool(model.get("return_sampling_mask")),
         max_num_seqs=int(scheduler.get("max_num_seqs") or 0),
-        chunked_prefill_tokens=(int(scheduler.get("max_num_batched_tokens") or 0)
-                                if scheduler.get("enable_chunked_prefill") else None),
+        chunked_prefill_tokens=(
+            int(scheduler.get("max_num_batched_tokens") or 0) if scheduler.get("enable_chunked_prefill") else None
+        ),
     )
 
 

@@ -12,6 +12,8 @@ def adapt(train_dataset, eval_dataset, reward_funcs, harness=None):
     `harness`, HarnessAsyncGRPOTrainer's)."""
     train_dataset, eval_dataset, reward_funcs, played = verifiers.adapt(train_dataset, eval_dataset, reward_funcs)
     if played is not None and harness is not None:
-        raise UsageError(f"{type(harness).__name__} plays the rollouts: train_dataset cannot be a verifiers environment "
-                         "too (pass its rows of prompts, or train the environment with AsyncGRPOTrainer)")
+        raise UsageError(
+            f"{type(harness).__name__} plays the rollouts: train_dataset cannot be a verifiers environment "
+            "too (pass its rows of prompts, or train the environment with AsyncGRPOTrainer)"
+        )
     return *reasoning_gym.adapt(train_dataset, eval_dataset, reward_funcs), played or harness

@@ -18,18 +18,20 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from tandem.contract.records import Rollout, TurnRecord
 from tandem.errors import UsageError
 from tandem.generation.client import ServerError, ServerGone
 from tandem.integrations import extras
 from tandem.integrations.episodes import EpisodeFailures, completion_of
-from tandem.contract.records import Rollout, TurnRecord
 from tandem.rollout.loop import AsyncRolloutLoop
 from tandem.rollout.tools import ToolResult
 
 
 def library():
     """openenv's harness module."""
-    return extras.library("openenv.core.harness", "HarnessAsyncGRPOTrainer needs OpenEnv (the openenv package)", "openenv")
+    return extras.library(
+        "openenv.core.harness", "HarnessAsyncGRPOTrainer needs OpenEnv (the openenv package)", "openenv"
+    )
 
 
 @dataclass
@@ -50,15 +52,21 @@ def check_harness(session_factory, adapter) -> None:
     """The harness's pieces, checked when the trainer is built: a factory (or what makes one), a white-box adapter."""
     harness = library()
     if adapter is None:
-        raise NotImplementedError("loop-owning OpenEnv sessions (no harness_adapter: an agent that runs its own loop "
-                                  "behind a capture proxy) are not supported: tandem samples every model call itself. "
-                                  "Pass harness_adapter=MCPHarnessAdapter() or another white-box HarnessAdapter.")
+        raise NotImplementedError(
+            "loop-owning OpenEnv sessions (no harness_adapter: an agent that runs its own loop "
+            "behind a capture proxy) are not supported: tandem samples every model call itself. "
+            "Pass harness_adapter=MCPHarnessAdapter() or another white-box HarnessAdapter."
+        )
     if not isinstance(adapter, harness.HarnessAdapter):
-        raise UsageError(f"harness_adapter is {type(adapter).__name__}, not an openenv HarnessAdapter "
-                         "(e.g. openenv.core.harness.MCPHarnessAdapter())")
+        raise UsageError(
+            f"harness_adapter is {type(adapter).__name__}, not an openenv HarnessAdapter "
+            "(e.g. openenv.core.harness.MCPHarnessAdapter())"
+        )
     if not callable(getattr(session_factory, "create", None)) and not callable(session_factory):
-        raise UsageError(f"harness_session_factory is {type(session_factory).__name__}: pass a ResourceSessionFactory, "
-                         "or a picklable callable (a factory class) that returns one")
+        raise UsageError(
+            f"harness_session_factory is {type(session_factory).__name__}: pass a ResourceSessionFactory, "
+            "or a picklable callable (a factory class) that returns one"
+        )
 
 
 def sessions_of(session_factory):
@@ -112,8 +120,9 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         adapter's run with tandem sampling each turn, the environment's reward. The server's errors are the
         scheduler's to answer (a group generated again); the environment's are counted."""
         episode = Episode()
-        play = self._scheduler.generation.runner.run_in_pool(self._play, episode, prompt, self.group_seed(),
-                                                             contextvars.copy_context(), asyncio.get_running_loop())
+        play = self._scheduler.generation.runner.run_in_pool(
+            self._play, episode, prompt, self.group_seed(), contextvars.copy_context(), asyncio.get_running_loop()
+        )
         try:
             await play
         except asyncio.CancelledError:
@@ -128,10 +137,14 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
             return Rollout(completion=[], completion_ids=[], turns=[])
         self.failures.succeeded()
         self._record(episode)
-        return Rollout(completion=[normal_message(m) for m in completion_of(episode.transcript)], turns=episode.turns,
-                       completion_ids=[t for turn in episode.turns for t in turn.output_ids],
-                       tool_call_count=len(episode.tool_calls),
-                       tool_failure_count=sum(call.failed for call in episode.tool_calls), reward=episode.reward)
+        return Rollout(
+            completion=[normal_message(m) for m in completion_of(episode.transcript)],
+            turns=episode.turns,
+            completion_ids=[t for turn in episode.turns for t in turn.output_ids],
+            tool_call_count=len(episode.tool_calls),
+            tool_failure_count=sum(call.failed for call in episode.tool_calls),
+            reward=episode.reward,
+        )
 
     def _play(self, episode: Episode, prompt: list[dict], seed: int, context: contextvars.Context, loop) -> None:
         """The episode, on a tool thread (the adapter and the session are synchronous); `context` is the rollout's
@@ -144,7 +157,9 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
             def model_step(messages, tools, sampling):
                 if episode.cancelled.is_set():
                     raise asyncio.CancelledError("the rollout was cancelled")
-                episode.sampling = context.run(asyncio.run_coroutine_threadsafe, self._sample(episode, messages, tools), loop)
+                episode.sampling = context.run(
+                    asyncio.run_coroutine_threadsafe, self._sample(episode, messages, tools), loop
+                )
                 return episode.sampling.result()
 
             try:
@@ -163,8 +178,13 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         response (its well-formed tool calls; a malformed one is a failed call); the turn is kept for the rollout."""
         from openenv.core.llm_client import LLMResponse, ToolCall
 
-        schemas = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                     "parameters": t.input_schema}} for t in tools]
+        schemas = [
+            {
+                "type": "function",
+                "function": {"name": t.name, "description": t.description, "parameters": t.input_schema},
+            }
+            for t in tools
+        ]
         prompt_ids = self.render(messages, schemas or None)
         episode.transcript = list(messages)
         if not self._scheduler.generation.room_after(prompt_ids):
@@ -174,11 +194,20 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         message, calls = self.reply(turn.output_ids, parse=bool(tools))
         episode.transcript.append(message)
         episode.tool_calls += [ToolResult(call.name, "", "malformed") for call in calls if call.error is not None]
-        response = LLMResponse(content=message.get("content") or "", tool_calls=[
-            ToolCall(id=f"call_{len(episode.turns)}_{i}", name=c.name, args=c.arguments)
-            for i, c in enumerate(calls) if c.error is None])
-        return library().ModelStepResult(response=response, prompt_ids=prompt_ids, completion_ids=list(turn.output_ids),
-                                         logprobs=list(turn.output_log_probs))
+        response = LLMResponse(
+            content=message.get("content") or "",
+            tool_calls=[
+                ToolCall(id=f"call_{len(episode.turns)}_{i}", name=c.name, args=c.arguments)
+                for i, c in enumerate(calls)
+                if c.error is None
+            ],
+        )
+        return library().ModelStepResult(
+            response=response,
+            prompt_ids=prompt_ids,
+            completion_ids=list(turn.output_ids),
+            logprobs=list(turn.output_log_probs),
+        )
 
     def _record(self, episode: Episode) -> None:
         generation = self._scheduler.generation
@@ -230,12 +259,19 @@ def environment_reward(verdict, results: list) -> float:
     for value in (from_tools, verified):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise TypeError(f"the environment's reward is {type(value).__name__} {value!r}, not a number")
-    if from_tools is not None and verified is not None and not math.isclose(from_tools, verified, rel_tol=1e-9, abs_tol=1e-6):
-        raise ValueError(f"verify() gave env_reward {verified}, but the last tool result carried {from_tools}: "
-                         "verify must forward the environment's reward")
+    if (
+        from_tools is not None
+        and verified is not None
+        and not math.isclose(from_tools, verified, rel_tol=1e-9, abs_tol=1e-6)
+    ):
+        raise ValueError(
+            f"verify() gave env_reward {verified}, but the last tool result carried {from_tools}: "
+            "verify must forward the environment's reward"
+        )
     if from_tools is None and verified is None:
-        raise ValueError("the episode produced no environment reward (verify().env_reward, or a tool result's "
-                         "metadata['reward'])")
+        raise ValueError(
+            "the episode produced no environment reward (verify().env_reward, or a tool result's metadata['reward'])"
+        )
     return float(verified if from_tools is None else from_tools)
 
 
@@ -251,8 +287,10 @@ def normal_message(message: dict) -> dict:
     calls = message.get("tool_calls")
     if not calls:
         return dict(message)
-    return {**message, "tool_calls": [{**c, "function": {**c["function"], "arguments": arguments(c["function"])}}
-                                      for c in calls]}
+    return {
+        **message,
+        "tool_calls": [{**c, "function": {**c["function"], "arguments": arguments(c["function"])}} for c in calls],
+    }
 
 
 def arguments(function: dict):

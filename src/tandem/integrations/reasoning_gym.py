@@ -12,8 +12,8 @@ import base64
 import pickle
 import re
 
-from tandem.integrations import extras
 from tandem.errors import UsageError
+from tandem.integrations import extras
 
 PREFIX = "reasoning-gym:"
 TASK, ENTRY = "reasoning_gym_task", "reasoning_gym_entry"
@@ -35,7 +35,9 @@ def load(name: str, options: dict | None = None):
     try:
         procedural = library().create_dataset(task, **(options or {}))
     except (ValueError, KeyError, TypeError, AssertionError) as exc:
-        raise UsageError(f"dataset {name!r} with dataset_options {options or {}}: reasoning-gym refused it: {exc}") from None
+        raise UsageError(
+            f"dataset {name!r} with dataset_options {options or {}}: reasoning-gym refused it: {exc}"
+        ) from None
     return rows_of(procedural)
 
 
@@ -43,9 +45,16 @@ def rows_of(procedural):
     """A reasoning-gym dataset's entries as tandem rows: the question as a user message, the task and the entry."""
     from datasets import Dataset
 
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": entry["question"]}],
-                               TASK: entry["metadata"]["source_dataset"],
-                               ENTRY: base64.b64encode(pickle.dumps(entry)).decode()} for entry in procedural])
+    return Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": entry["question"]}],
+                TASK: entry["metadata"]["source_dataset"],
+                ENTRY: base64.b64encode(pickle.dumps(entry)).decode(),
+            }
+            for entry in procedural
+        ]
+    )
 
 
 def rewards_for(rows) -> list:
@@ -67,8 +76,9 @@ class TaskScore:
             if task != self.task:
                 scores.append(None)
                 continue
-            scores.append(float(score(answer=extract_answer(text_of(completion)),
-                                      entry=pickle.loads(base64.b64decode(entry)))))
+            scores.append(
+                float(score(answer=extract_answer(text_of(completion)), entry=pickle.loads(base64.b64decode(entry))))
+            )
         return scores
 
 
@@ -95,7 +105,6 @@ def extract_answer(text: str) -> str | None:
     return answer.strip().rstrip(".").strip() if answer is not None else None
 
 
-
 def adapt(train_dataset, eval_dataset, reward_funcs):
     """The trainer's inputs with reasoning-gym datasets as rows and, when no reward function is given, their tasks'
     scorers (those of the eval rows too)."""
@@ -103,5 +112,7 @@ def adapt(train_dataset, eval_dataset, reward_funcs):
     evaluate = rows_of(eval_dataset) if is_procedural(eval_dataset) else eval_dataset
     if not reward_funcs:
         tasks = [rows for rows in (train, evaluate) if rows is not None and TASK in (rows.column_names or [])]
-        reward_funcs = list({score.task: score for rows in tasks for score in rewards_for(rows)}.values()) or reward_funcs
+        reward_funcs = (
+            list({score.task: score for rows in tasks for score in rewards_for(rows)}.values()) or reward_funcs
+        )
     return train, evaluate, reward_funcs

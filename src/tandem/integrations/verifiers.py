@@ -21,8 +21,8 @@ import pickle
 import sys
 from dataclasses import dataclass
 
-from tandem.integrations import extras
 from tandem.errors import UsageError
+from tandem.integrations import extras
 
 PREFIX = "verifiers:"
 ENVIRONMENT, TASK = "verifiers_environment", "verifiers_task"
@@ -64,8 +64,9 @@ def load(name: str, options: dict | None = None):
     try:
         config = vf.SingleAgentEnvConfig(taskset={"id": name.removeprefix(PREFIX)}, **options)
     except (ValueError, ModuleNotFoundError, TypeError) as exc:
-        raise UsageError(f"dataset {name!r} with dataset_options {options}: verifiers refused it: "
-                         f"{str(exc).splitlines()[0]}") from None
+        raise UsageError(
+            f"dataset {name!r} with dataset_options {options}: verifiers refused it: {str(exc).splitlines()[0]}"
+        ) from None
     return rows_of(config)
 
 
@@ -77,12 +78,16 @@ def adapt(train_dataset, eval_dataset, reward_funcs):
     if not keys:
         return train, evaluate, reward_funcs, None
     if ENVIRONMENT not in columns_of(train) or (evaluate is not None and ENVIRONMENT not in columns_of(evaluate)):
-        raise UsageError("a verifiers environment plays every rollout of the run: pass one (its tasks, or another "
-                         "environment's) as train_dataset and as eval_dataset alike, not beside a plain dataset")
+        raise UsageError(
+            "a verifiers environment plays every rollout of the run: pass one (its tasks, or another "
+            "environment's) as train_dataset and as eval_dataset alike, not beside a plain dataset"
+        )
     unknown = sorted(keys - set(CONFIGS))
     if unknown:
-        raise UsageError("these rows name a verifiers environment this process never loaded (rows saved and read "
-                         "back?): pass the environment itself, or its recipe's dataset: verifiers:<taskset id>")
+        raise UsageError(
+            "these rows name a verifiers environment this process never loaded (rows saved and read "
+            "back?): pass the environment itself, or its recipe's dataset: verifiers:<taskset id>"
+        )
     return train, evaluate, reward_funcs, VerifiersHarness({key: CONFIGS[key] for key in keys})
 
 
@@ -105,8 +110,10 @@ def rows_of(environment):
     check_config(config)
     env = vf.load_environment(config) if isinstance(environment, vf.EnvConfig) else environment
     if getattr(env.taskset, "INFINITE", False):
-        raise NotImplementedError(f"the taskset {config.taskset.id!r} is endless (INFINITE): tandem trains on tasksets "
-                                  "whose tasks can be listed")
+        raise NotImplementedError(
+            f"the taskset {config.taskset.id!r} is endless (INFINITE): tandem trains on tasksets "
+            "whose tasks can be listed"
+        )
     key = hashlib.sha256(pickle.dumps(config)).hexdigest()[:16]
     CONFIGS[key] = config
     rows = [{"prompt": prompt_of(task.data), ENVIRONMENT: key, TASK: number} for number, task in enumerate(env.taskset)]
@@ -121,26 +128,38 @@ def prompt_of(data) -> list[dict]:
     messages = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
     if isinstance(prompt, str):
         return messages + [{"role": "user", "content": prompt}]
-    return messages + [{"role": m.role, "content": m.content if isinstance(m.content, str) else str(m.content)}
-                       for m in prompt]
+    return messages + [
+        {"role": m.role, "content": m.content if isinstance(m.content, str) else str(m.content)} for m in prompt
+    ]
 
 
 def check_config(config) -> None:
     """What tandem cannot run, refused when the trainer is built, each naming the fix where there is one."""
     vf = library()
-    agents = {name: getattr(config, name) for name in type(config).model_fields
-              if isinstance(getattr(config, name), vf.AgentConfig)}
+    agents = {
+        name: getattr(config, name)
+        for name in type(config).model_fields
+        if isinstance(getattr(config, name), vf.AgentConfig)
+    }
     if len(agents) != 1:
-        raise NotImplementedError(f"the verifiers environment {config.taskset.id!r} has {len(agents)} agents "
-                                  f"({', '.join(agents)}): tandem trains environments of one agent")
+        raise NotImplementedError(
+            f"the verifiers environment {config.taskset.id!r} has {len(agents)} agents "
+            f"({', '.join(agents)}): tandem trains environments of one agent"
+        )
     [(name, agent)] = agents.items()
     if not isinstance(agent.runtime, vf.SubprocessConfig):
-        raise NotImplementedError(f"the agent {name!r} runs in a {type(agent.runtime).__name__} runtime; tandem runs "
-                                  "episodes in its rollout worker: set runtime=vf.SubprocessConfig() in its AgentConfig")
+        raise NotImplementedError(
+            f"the agent {name!r} runs in a {type(agent.runtime).__name__} runtime; tandem runs "
+            "episodes in its rollout worker: set runtime=vf.SubprocessConfig() in its AgentConfig"
+        )
     harness = vf.load_harness(agent.harness or vf.default_agent_harness(config.taskset.id))
     if harness.NEEDS_CONTAINER:
-        raise NotImplementedError(f"the harness {harness.config.id!r} needs a container; use one that runs locally, "
-                                  "e.g. harness={'id': 'tandem_harness'}")
+        raise NotImplementedError(
+            f"the harness {harness.config.id!r} needs a container; use one that runs locally, "
+            "e.g. harness={'id': 'tandem_harness'}"
+        )
     if config.taskset.task.judges:
-        raise NotImplementedError("LLM judges (taskset.task.judges) call a model over the network; score with "
-                                  "@vf.reward functions, or a reward function of the trainer")
+        raise NotImplementedError(
+            "LLM judges (taskset.task.judges) call a model over the network; score with "
+            "@vf.reward functions, or a reward function of the trainer"
+        )

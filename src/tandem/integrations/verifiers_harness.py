@@ -43,15 +43,25 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
     async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data):
         system, prompt = self.resolve_prompt(data)
         messages = ([{"role": "system", "content": system}] if system else []) + (
-            [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [m.model_dump(exclude_none=True) for m in prompt or []])
+            [{"role": "user", "content": prompt}]
+            if isinstance(prompt, str)
+            else [m.model_dump(exclude_none=True) for m in prompt or []]
+        )
         connections = self.connections()
         client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0, http_client=connections.model)
         async with AsyncExitStack() as stack:
             tools = await McpTools.open(stack, mcp_urls, connections.tools, set(self.config.disabled_tools or []))
             for _ in range(self.config.max_rounds):
                 try:
-                    reply = (await client.chat.completions.create(model=ctx.model, messages=messages,
-                                                                  tools=tools.tools or None)).choices[0].message
+                    reply = (
+                        (
+                            await client.chat.completions.create(
+                                model=ctx.model, messages=messages, tools=tools.tools or None
+                            )
+                        )
+                        .choices[0]
+                        .message
+                    )
                 except APIStatusError:
                     if trace.stop_condition is None:  # refused for a stop condition (max_turns, context length): done
                         raise
@@ -109,15 +119,22 @@ class McpTools:
                     continue
                 routes[name] = (session, tool.name)
                 schema = getattr(tool, "input_schema", None) or getattr(tool, "inputSchema", None)  # mcp 2 / mcp 1
-                tools.append({"type": "function", "function": {"name": name, "description": tool.description or "",
-                                                                "parameters": schema}})
+                tools.append(
+                    {
+                        "type": "function",
+                        "function": {"name": name, "description": tool.description or "", "parameters": schema},
+                    }
+                )
         return cls(tools, routes)
 
     async def call(self, name: str, arguments: str) -> str:
         """One call's tool message; every failure is an error message to the model and a counted failure."""
         start, status = time.monotonic(), "ok"
         if name not in self.routes:
-            content, status = f"error: unknown tool {name!r}; the tools are: {', '.join(sorted(self.routes)) or 'none'}", "unknown"
+            content, status = (
+                f"error: unknown tool {name!r}; the tools are: {', '.join(sorted(self.routes)) or 'none'}",
+                "unknown",
+            )
         else:
             try:
                 session, tool = self.routes[name]
@@ -147,9 +164,8 @@ def mcp_http_client(timeout_s: float):
 @asynccontextmanager
 async def mcp_session(url: str, http):
     """One MCP streamable-HTTP session over `http`: mcp 2.x's Client, or mcp 1.x's ClientSession."""
-    from mcp.client.streamable_http import streamable_http_client
-
     import mcp
+    from mcp.client.streamable_http import streamable_http_client
 
     transport = streamable_http_client(url, http_client=http)
     async with AsyncExitStack() as stack:

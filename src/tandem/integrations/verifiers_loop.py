@@ -9,11 +9,11 @@ import sys
 import uuid
 from dataclasses import dataclass, field
 
+from tandem.contract.records import Rollout, TurnRecord
 from tandem.generation.client import ServerError, ServerGone
 from tandem.integrations.episodes import EpisodeFailures, completion_of
 from tandem.integrations.verifiers import ENVIRONMENT, TASK, library
 from tandem.integrations.verifiers_harness import TOOL_RESULTS, close_connections
-from tandem.contract.records import Rollout, TurnRecord
 from tandem.rollout.loop import AsyncRolloutLoop
 
 
@@ -74,8 +74,13 @@ class Capture:
             return error(web, 404, "NotFoundError", f"no rollout named {body.get('model')!r}", "model")
         prompt_ids = list(body["token_ids"])
         if self.max_model_len is not None and len(prompt_ids) >= self.max_model_len:
-            return error(web, 400, "BadRequestError", f"This model's maximum context length is {self.max_model_len} "
-                         f"tokens. However, your request has {len(prompt_ids)} input tokens.")
+            return error(
+                web,
+                400,
+                "BadRequestError",
+                f"This model's maximum context length is {self.max_model_len} "
+                f"tokens. However, your request has {len(prompt_ids)} input tokens.",
+            )
         try:
             turn = await asyncio.create_task(self.sample(prompt_ids), context=rollout.context)
         except (ServerError, ServerGone) as exc:
@@ -84,21 +89,40 @@ class Capture:
         rollout.turns.append(turn)
         rollout.error = None  # a retry that got through
         content = [{"token": f"token_id:{t}", "logprob": p} for t, p in zip(turn.output_ids, turn.output_log_probs)]
-        return web.json_response({
-            "request_id": f"generate-{uuid.uuid4().hex}", "prompt_token_ids": prompt_ids,
-            "choices": [{"index": 0, "token_ids": list(turn.output_ids), "finish_reason": turn.finish_reason or "stop",
-                         "logprobs": {"content": content}, "sampling_mask": turn.output_sampling_mask}]})
+        return web.json_response(
+            {
+                "request_id": f"generate-{uuid.uuid4().hex}",
+                "prompt_token_ids": prompt_ids,
+                "choices": [
+                    {
+                        "index": 0,
+                        "token_ids": list(turn.output_ids),
+                        "finish_reason": turn.finish_reason or "stop",
+                        "logprobs": {"content": content},
+                        "sampling_mask": turn.output_sampling_mask,
+                    }
+                ],
+            }
+        )
 
     async def _models(self, request):
         from aiohttp import web
 
-        return web.json_response({"object": "list", "data": [{"id": name, "object": "model", "max_model_len": self.max_model_len}
-                                                             for name in self.rollouts]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {"id": name, "object": "model", "max_model_len": self.max_model_len} for name in self.rollouts
+                ],
+            }
+        )
 
 
 def error(web, status: int, kind: str, message: str, param: str | None = None):
     """vLLM's error body."""
-    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": status}}, status=status)
+    return web.json_response(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}, status=status
+    )
 
 
 class VerifiersRolloutLoop(AsyncRolloutLoop):
@@ -111,8 +135,12 @@ class VerifiersRolloutLoop(AsyncRolloutLoop):
         vf = library()
         # verifiers starts each tool server as `python -m <its module>`: the worker's import path makes a taskset
         # beside the training script importable there too, as it is here
-        os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(
-            [path for path in sys.path if path] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            dict.fromkeys(
+                [path for path in sys.path if path]
+                + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+            )
+        )
         self.stack = contextlib.AsyncExitStack()
         self.stack.push_async_callback(close_connections)
         self.envs = {key: vf.load_environment(config) for key, config in self.settings.harness.configs.items()}
@@ -122,8 +150,9 @@ class VerifiersRolloutLoop(AsyncRolloutLoop):
         self.capture = Capture(self.generate_one_turn, self.settings.max_model_len)
         await self.capture.start()
         self.stack.push_async_callback(self.capture.stop)
-        self.client = vf.TrainClientConfig(base_url=self.capture.url, renderer_model_name=self.settings.tokenizer_path,
-                                           renderer=self._renderer())
+        self.client = vf.TrainClientConfig(
+            base_url=self.capture.url, renderer_model_name=self.settings.tokenizer_path, renderer=self._renderer()
+        )
         self.failures = EpisodeFailures("verifiers", self.record)
 
     async def close(self) -> None:
@@ -144,8 +173,13 @@ class VerifiersRolloutLoop(AsyncRolloutLoop):
         results: list = []
         TOOL_RESULTS.set(results)
         name = self.capture.open()
-        context = vf.ModelContext(model=name, client=self.client, sampling=vf.SamplingConfig(
-            temperature=self.config.temperature, max_tokens=self.config.max_completion_length))
+        context = vf.ModelContext(
+            model=name,
+            client=self.client,
+            sampling=vf.SamplingConfig(
+                temperature=self.config.temperature, max_tokens=self.config.max_completion_length
+            ),
+        )
         try:
             episode = await env.run_episode(task, context)
         finally:
@@ -159,10 +193,14 @@ class VerifiersRolloutLoop(AsyncRolloutLoop):
             return Rollout(completion=[], completion_ids=[], turns=[])
         self.failures.succeeded()
         self._record(traces[0], results)
-        return Rollout(completion=completion_of([m.model_dump(exclude_none=True) for m in traces[0].messages]),
-                       completion_ids=[t for turn in captured.turns for t in turn.output_ids], turns=captured.turns,
-                       tool_call_count=len(results), tool_failure_count=sum(r.failed for r in results),
-                       reward=float(traces[0].reward) if traces[0].rewards else None)
+        return Rollout(
+            completion=completion_of([m.model_dump(exclude_none=True) for m in traces[0].messages]),
+            completion_ids=[t for turn in captured.turns for t in turn.output_ids],
+            turns=captured.turns,
+            tool_call_count=len(results),
+            tool_failure_count=sum(r.failed for r in results),
+            reward=float(traces[0].reward) if traces[0].rewards else None,
+        )
 
     def _record(self, trace, results: list) -> None:
         """The episode's metrics under the catalogue's names: its setup as env/reset_s, its scoring as env/reward_s,

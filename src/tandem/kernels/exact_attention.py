@@ -62,11 +62,15 @@ def _fewest_rows_rounding_alike() -> int:
         cases.append(lambda rows, x=randn(64, width), w=randn(32, width): torch.nn.functional.linear(x[:rows], w))
     queries, keys = randn(2, 2, 64, 64), randn(2, 2, 24, 64)
     weights, values = randn(2, 2, 64, 250).abs(), randn(2, 2, 250, 8)
-    cases += [lambda rows: torch.matmul(queries[:, :, :rows], keys.transpose(2, 3)),
-              lambda rows: torch.matmul(weights[:, :, :rows], weights.new_ones(250, 2)),  # ExactSoftmax's denominator
-              lambda rows: torch.matmul(weights[:, :, :rows], values)]  # WeightedValues' 8 columns
+    cases += [
+        lambda rows: torch.matmul(queries[:, :, :rows], keys.transpose(2, 3)),
+        lambda rows: torch.matmul(weights[:, :, :rows], weights.new_ones(250, 2)),  # ExactSoftmax's denominator
+        lambda rows: torch.matmul(weights[:, :, :rows], values),
+    ]  # WeightedValues' 8 columns
     longs = [case(64) for case in cases]
-    return fewest_rows(lambda rows: all(torch.equal(case(rows), long[..., :rows, :]) for case, long in zip(cases, longs)))
+    return fewest_rows(
+        lambda rows: all(torch.equal(case(rows), long[..., :rows, :]) for case, long in zip(cases, longs))
+    )
 
 
 def fewest_rows(alike: Callable[[int], bool]) -> int:
@@ -96,9 +100,13 @@ def _fewest_keys_summing_alike(rows: int) -> int:
     sums, weighted = torch.matmul(weights, ones), torch.matmul(weights, values)
 
     def alike(keys: int) -> bool:
-        return all(torch.equal(torch.matmul(weights[:, :, :r, :k], ones[:k]), sums[:, :, :r])
-                   and torch.equal(torch.matmul(weights[:, :, :r, :k], values[:, :, :k]), weighted[:, :, :r])
-                   for r in range(rows, MIN_ROWS + 1) for k in range(keys, keys + 64))
+        return all(
+            torch.equal(torch.matmul(weights[:, :, :r, :k], ones[:k]), sums[:, :, :r])
+            and torch.equal(torch.matmul(weights[:, :, :r, :k], values[:, :, :k]), weighted[:, :, :r])
+            for r in range(rows, MIN_ROWS + 1)
+            for k in range(keys, keys + 64)
+        )
+
     return next((keys for keys in range(MIN_ROWS, 8 * MIN_ROWS + 1, MIN_ROWS) if alike(keys)), 8 * MIN_ROWS)
 
 
@@ -143,18 +151,25 @@ class WeightedValues(torch.autograd.Function):
     def forward(ctx, weights: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(weights, value)
         device = weights.device.type  # under autocast the matmuls ran in its dtype: the backward's run in it too
-        ctx.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else \
-            torch.promote_types(weights.dtype, value.dtype)
+        ctx.dtype = (
+            torch.get_autocast_dtype(device)
+            if torch.is_autocast_enabled(device)
+            else torch.promote_types(weights.dtype, value.dtype)
+        )
         dim = value.shape[-1]
         if dim % 8:  # zero columns up to a multiple of 8: a narrower last matmul could take another kernel (1: a gemv)
             value = torch.nn.functional.pad(value, (0, 8 - dim % 8))
-        return torch.cat([torch.matmul(weights, value[..., start : start + 8]) for start in range(0, dim, 8)], dim=-1)[..., :dim]
+        return torch.cat([torch.matmul(weights, value[..., start : start + 8]) for start in range(0, dim, 8)], dim=-1)[
+            ..., :dim
+        ]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weights, value = ctx.saved_tensors
         grad, w, v = (t.to(ctx.dtype) for t in (grad, weights, value))  # as the forward computed (bf16 under autocast)
-        return torch.matmul(grad, v.transpose(-1, -2)).to(weights.dtype), torch.matmul(w.transpose(-1, -2), grad).to(value.dtype)
+        return torch.matmul(grad, v.transpose(-1, -2)).to(weights.dtype), torch.matmul(w.transpose(-1, -2), grad).to(
+            value.dtype
+        )
 
 
 class ExactSoftmax(torch.autograd.Function):

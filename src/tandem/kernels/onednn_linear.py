@@ -60,8 +60,10 @@ def _fewest_rows_rounding_alike() -> int | None:
         torch.set_num_threads(1)
         references.append(_matmul(x, weight, None))
         torch.set_num_threads(threads)
-        cases += [(x, weight, references[-1]), (x, torch.ops.mkldnn._reorder_linear_weight(weight, REORDERED_FOR_ROWS),
-                                                references[-1])]
+        cases += [
+            (x, weight, references[-1]),
+            (x, torch.ops.mkldnn._reorder_linear_weight(weight, REORDERED_FOR_ROWS), references[-1]),
+        ]
 
     def alike(rows: int) -> bool:
         return all(torch.equal(_matmul(x[:rows], weight, None), reference[:rows]) for x, weight, reference in cases)
@@ -114,8 +116,13 @@ def projection(layer: torch.nn.Linear) -> Callable:
     torch.compile, which lowers oneDNN's call for frozen weights only (a compiled decoder rounds apart from exact
     decoding anyway: model.py warns); and once the layer left the CPU or float32."""
     weight = layer.weight
-    if (not routed(layer) or weight.device.type != "cpu" or weight.dtype != torch.float32
-            or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()):
+    if (
+        not routed(layer)
+        or weight.device.type != "cpu"
+        or weight.dtype != torch.float32
+        or torch.is_autocast_enabled("cpu")
+        or torch.compiler.is_compiling()
+    ):
         return torch.nn.functional.linear
     return _Linear.apply
 

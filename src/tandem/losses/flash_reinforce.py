@@ -21,10 +21,17 @@ import torch
 PROB_CLAMP = 1e-6
 
 
-def flash_reinforce_loss(log_probs: torch.Tensor, behavior_log_probs: torch.Tensor, rewards: torch.Tensor,
-                         action_mask: torch.Tensor, *, delta: float = 3e-3, negative_token_fraction: float = 1.0,
-                         entropies: torch.Tensor | None = None,
-                         failures: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def flash_reinforce_loss(
+    log_probs: torch.Tensor,
+    behavior_log_probs: torch.Tensor,
+    rewards: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    delta: float = 3e-3,
+    negative_token_fraction: float = 1.0,
+    entropies: torch.Tensor | None = None,
+    failures: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss (its gradient is the FlashREINFORCE update) and detached diagnostics.
 
     log_probs [B, T] (with autograd), behavior_log_probs [B, T], rewards [B], action_mask [B, T] bool (True on
@@ -50,12 +57,20 @@ def flash_reinforce_loss(log_probs: torch.Tensor, behavior_log_probs: torch.Tens
         active = kept & admitted[:, None]
         ratio = torch.where(active, (current.detach() - behavior).exp(), torch.ones_like(current))
         if not torch.isfinite(ratio).all():
-            raise FloatingPointError("flash_reinforce_loss: the policy/behaviour ratio overflowed on an active token; "
-                                     "the two log-probs are too far apart (check that behavior_log_probs are the sampler's)")
+            raise FloatingPointError(
+                "flash_reinforce_loss: the policy/behaviour ratio overflowed on an active token; "
+                "the two log-probs are too far apart (check that behavior_log_probs are the sampler's)"
+            )
         weights = torch.where(active, ratio * advantages[:, None], torch.zeros_like(current))
     loss = -((weights * current).sum(-1) / lengths).mean()
-    diagnostics = {"advantages": advantages, "sequence_kl": sequence_kl, "admitted": admitted,
-                   "acceptance_rate": admitted.to(dtype).mean(), "policy_tokens": lengths, "retained_tokens": active.sum(-1)}
+    diagnostics = {
+        "advantages": advantages,
+        "sequence_kl": sequence_kl,
+        "admitted": admitted,
+        "acceptance_rate": admitted.to(dtype).mean(),
+        "policy_tokens": lengths,
+        "retained_tokens": active.sum(-1),
+    }
     return loss, diagnostics
 
 
@@ -108,8 +123,14 @@ def _validate(log_probs, behavior_log_probs, rewards, action_mask, delta, fracti
             fail(f"{name} has positive values on policy tokens (max {values.max().item():.3g}): log-probs are <= 0")
     if fraction < 1.0:
         if entropies is None or failures is None:
-            fail("negative_token_fraction < 1 filters failed trajectories by entropy: pass entropies [B, T] and failures [B]")
+            fail(
+                "negative_token_fraction < 1 filters failed trajectories by entropy: pass entropies [B, T] and failures [B]"
+            )
         if failures.dtype != torch.bool:
-            fail(f"failures must be an explicit bool label per row, got {failures.dtype} (not the sign of the advantage)")
+            fail(
+                f"failures must be an explicit bool label per row, got {failures.dtype} (not the sign of the advantage)"
+            )
         if entropies.shape != shape or failures.shape != (shape[0],):
-            fail(f"entropies must be {tuple(shape)} and failures ({shape[0]},), got {tuple(entropies.shape)} and {tuple(failures.shape)}")
+            fail(
+                f"entropies must be {tuple(shape)} and failures ({shape[0]},), got {tuple(entropies.shape)} and {tuple(failures.shape)}"
+            )

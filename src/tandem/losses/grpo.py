@@ -12,11 +12,25 @@ import torch
 from tandem.losses.ratio import TokenStats, importance_ratio
 
 
-def clipped_surrogate(log_probs: torch.Tensor, behavior_log_probs: torch.Tensor, advantages: torch.Tensor, *,
-                      epsilon_low: float, epsilon_high: float, clip_min: float, clip_max: float) -> tuple[torch.Tensor, TokenStats]:
+def clipped_surrogate(
+    log_probs: torch.Tensor,
+    behavior_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    epsilon_low: float,
+    epsilon_high: float,
+    clip_min: float,
+    clip_max: float,
+) -> tuple[torch.Tensor, TokenStats]:
     """Per-token losses (to be summed and normalised) and detached per-token statistics."""
-    ratio, stats = importance_ratio(log_probs, behavior_log_probs, epsilon_low=epsilon_low,
-                                    epsilon_high=epsilon_high, clip_min=clip_min, clip_max=clip_max)
+    ratio, stats = importance_ratio(
+        log_probs,
+        behavior_log_probs,
+        epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high,
+        clip_min=clip_min,
+        clip_max=clip_max,
+    )
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * advantages
     return -torch.minimum(unclipped, clipped) * stats.in_bounds, stats

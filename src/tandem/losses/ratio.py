@@ -20,18 +20,28 @@ UNBOUNDED = {"epsilon_low": math.inf, "epsilon_high": math.inf, "clip_min": -mat
 
 @dataclass
 class TokenStats:
-    ratio: torch.Tensor          # before masking, detached
-    in_bounds: torch.Tensor      # the MIS mask
-    below: torch.Tensor          # r < 1 - ε_low
-    above: torch.Tensor          # r > 1 + ε_high
+    ratio: torch.Tensor  # before masking, detached
+    in_bounds: torch.Tensor  # the MIS mask
+    below: torch.Tensor  # r < 1 - ε_low
+    above: torch.Tensor  # r > 1 + ε_high
 
 
-def importance_ratio(log_probs: torch.Tensor, behavior_log_probs: torch.Tensor, *,
-                     epsilon_low: float, epsilon_high: float, clip_min: float,
-                     clip_max: float) -> tuple[torch.Tensor, TokenStats]:
+def importance_ratio(
+    log_probs: torch.Tensor,
+    behavior_log_probs: torch.Tensor,
+    *,
+    epsilon_low: float,
+    epsilon_high: float,
+    clip_min: float,
+    clip_max: float,
+) -> tuple[torch.Tensor, TokenStats]:
     """The per-token ratio (differentiable through `log_probs`) and its detached statistics."""
     ratio = torch.exp(log_probs - behavior_log_probs)
     detached = ratio.detach()
-    stats = TokenStats(ratio=detached, in_bounds=(detached >= clip_min) & (detached <= clip_max),
-                       below=detached < 1 - epsilon_low, above=detached > 1 + epsilon_high)
+    stats = TokenStats(
+        ratio=detached,
+        in_bounds=(detached >= clip_min) & (detached <= clip_max),
+        below=detached < 1 - epsilon_low,
+        above=detached > 1 + epsilon_high,
+    )
     return ratio, stats

@@ -19,17 +19,32 @@ SAMPLER_FLOOR = -9999.0
 """vLLM reports log-probs of impossible tokens (outside a top-k / top-p set) as -9999.0: they have no mass."""
 
 
-def score_centered(log_probs: torch.Tensor, behavior_log_probs: torch.Tensor, advantages: torch.Tensor,
-                   top_log_probs: torch.Tensor, sampler_logprobs: torch.Tensor, *, epsilon_low: float,
-                   epsilon_high: float, clip_min: float, clip_max: float) -> tuple[torch.Tensor, TokenStats, torch.Tensor]:
+def score_centered(
+    log_probs: torch.Tensor,
+    behavior_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    top_log_probs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    *,
+    epsilon_low: float,
+    epsilon_high: float,
+    clip_min: float,
+    clip_max: float,
+) -> tuple[torch.Tensor, TokenStats, torch.Tensor]:
     """Per-token losses, detached statistics and the sampler mass of each position's top-K.
 
     log_probs / behavior_log_probs / advantages: [N] for the sampled tokens (policy, sampler, advantage);
     top_log_probs / sampler_logprobs: [N, K] policy and sampler log-probs of the sampler's top-K tokens,
     with -inf (or vLLM's -9999.0 floor) in the sampler's entries where a position has fewer than K.
     """
-    ratio, stats = importance_ratio(log_probs, behavior_log_probs, epsilon_low=epsilon_low,
-                                    epsilon_high=epsilon_high, clip_min=clip_min, clip_max=clip_max)
+    ratio, stats = importance_ratio(
+        log_probs,
+        behavior_log_probs,
+        epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high,
+        clip_min=clip_min,
+        clip_max=clip_max,
+    )
     present = sampler_logprobs > SAMPLER_FLOOR
     top_probs = torch.exp(top_log_probs.masked_fill(~present, float("-inf")))
     top_ratio = (top_probs.detach() / torch.exp(sampler_logprobs)).masked_fill(~present, 0.0)

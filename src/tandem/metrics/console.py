@@ -76,8 +76,13 @@ class FindingWatch:
 class RunConsole:
     """The run's console: the live dashboard in a terminal, plain lines elsewhere, and the doctor's warnings."""
 
-    def __init__(self, total_steps: int | None, config: dict | None = None, console: Console | None = None,
-                 dashboard: bool = True):
+    def __init__(
+        self,
+        total_steps: int | None,
+        config: dict | None = None,
+        console: Console | None = None,
+        dashboard: bool = True,
+    ):
         self.console = console or Console(stderr=True)
         self.total_steps, self.started, self.first_step = total_steps, time.monotonic(), None
         self.step, self.metrics, self.latest, self.rewards = 0, {}, {}, deque(maxlen=SPARK_WIDTH)
@@ -103,8 +108,12 @@ class RunConsole:
         try:
             changed = self.watch.update(step, metrics)
         except Exception as exc:  # noqa: BLE001 - the console's doctor must never stop training
-            self.console.print(f"doctor: stopped reading this run's windows ({exc!r}); run `tandem doctor` on its folder",
-                               soft_wrap=True, highlight=False, markup=False)
+            self.console.print(
+                f"doctor: stopped reading this run's windows ({exc!r}); run `tandem doctor` on its folder",
+                soft_wrap=True,
+                highlight=False,
+                markup=False,
+            )
             self.watch = None
             return
         for finding in changed:
@@ -124,9 +133,12 @@ class RunConsole:
     def headline(self) -> list[str]:
         """Reward, step time, queue and staleness, the parts of the plain line."""
         parts = []
-        for label, name, fmt, unit in (("reward", "reward", ".3f", ""), ("step", "perf/step_s", ".2f", "s"),
-                                       ("queue", "rollout/queue_size", ".0f", ""),
-                                       ("stale", "sample/staleness_mean", ".1f", "")):
+        for label, name, fmt, unit in (
+            ("reward", "reward", ".3f", ""),
+            ("step", "perf/step_s", ".2f", "s"),
+            ("queue", "rollout/queue_size", ".0f", ""),
+            ("stale", "sample/staleness_mean", ".1f", ""),
+        ):
             if name in self.metrics:
                 parts.append(f"{label} {self.metrics[name]:{fmt}}{unit}")
         return parts
@@ -147,30 +159,46 @@ class RunConsole:
         """The live view: progress, reward and its sparkline, the four metric pairs, the step split, sync health."""
         elapsed, eta = self.timing()
         top = Table.grid(padding=(0, 2))
-        top.add_row(Text(self.step_label(), style="bold"),
-                    ProgressBar(total=self.total_steps or None, completed=self.step, width=30),
-                    f"elapsed {elapsed}" + (f"  eta {eta}" if eta else ""))
+        top.add_row(
+            Text(self.step_label(), style="bold"),
+            ProgressBar(total=self.total_steps or None, completed=self.step, width=30),
+            f"elapsed {elapsed}" + (f"  eta {eta}" if eta else ""),
+        )
         if not self.latest:
             return Group(top, Text("waiting for the first samples", style="dim"))
         grid = Table.grid(padding=(0, 2))
         grid.add_column(style="cyan", no_wrap=True)
         grid.add_column()
         grid.add_row("reward", f"{self.number('reward', '.3f')}  {sparkline(list(self.rewards))}")
-        grid.add_row("step / forward+backward", f"{self.number('perf/step_s', unit='s')} / "
-                                                f"{self.number('perf/fwd_bwd_s', unit='s')}")
+        grid.add_row(
+            "step / forward+backward",
+            f"{self.number('perf/step_s', unit='s')} / {self.number('perf/fwd_bwd_s', unit='s')}",
+        )
         grid.add_row("rollout wait", self.number("perf/rollout_wait_s", unit="s"))
-        grid.add_row("queue / samples per step", f"{self.number('rollout/queue_size', '.0f')} / "
-                                                 f"{self.number('batch/samples_per_step', '.0f')}")
-        grid.add_row("backpressure / score block", f"{self.number('rollout/backpressure_s', unit='s')} / "
-                                                   f"{self.number('rollout/score_block_s', unit='s')}")
-        grid.add_row("step split", f"forward {self.number('perf/fwd_s')}  backward {backward_s(self.latest):.2f}  optimizer "
-                                   f"{self.number('perf/optimizer_s')}  sync {self.number('perf/weight_sync_s')}  "
-                                   f"wait {self.number('perf/rollout_wait_s')} (s)")
-        grid.add_row("staleness / ratio", f"{self.number('sample/staleness_mean', '.1f')} (max "
-                                          f"{self.number('sample/staleness_max', '.0f')}) / "
-                                          f"{self.number('sampling/importance_sampling_ratio/mean', '.3f')}")
-        grid.add_row("in flight / cap", f"{self.number('rollout/concurrency', '.0f')} / "
-                                        f"{self.number('rollout/concurrency_cap', '.0f')}")
+        grid.add_row(
+            "queue / samples per step",
+            f"{self.number('rollout/queue_size', '.0f')} / {self.number('batch/samples_per_step', '.0f')}",
+        )
+        grid.add_row(
+            "backpressure / score block",
+            f"{self.number('rollout/backpressure_s', unit='s')} / {self.number('rollout/score_block_s', unit='s')}",
+        )
+        grid.add_row(
+            "step split",
+            f"forward {self.number('perf/fwd_s')}  backward {backward_s(self.latest):.2f}  optimizer "
+            f"{self.number('perf/optimizer_s')}  sync {self.number('perf/weight_sync_s')}  "
+            f"wait {self.number('perf/rollout_wait_s')} (s)",
+        )
+        grid.add_row(
+            "staleness / ratio",
+            f"{self.number('sample/staleness_mean', '.1f')} (max "
+            f"{self.number('sample/staleness_max', '.0f')}) / "
+            f"{self.number('sampling/importance_sampling_ratio/mean', '.3f')}",
+        )
+        grid.add_row(
+            "in flight / cap",
+            f"{self.number('rollout/concurrency', '.0f')} / {self.number('rollout/concurrency_cap', '.0f')}",
+        )
         return Group(top, grid)
 
     def say(self, text: str) -> None:

@@ -79,8 +79,11 @@ def held_backlog(rows: list[dict]) -> bool:
     between two of its steps (BACKLOG_SHARE of those running). One poll that caught the groups a step's room had just
     released is no evidence: a pipeline_overlap run whose allowance was full read "server saturated" from polls of 0
     and 48 waiting beside 80-88 running, of 256 it may run."""
-    polls = [(r["rollout/vllm_queued_requests"], r.get("rollout/vllm_running_requests") or 0.0) for r in rows
-             if isinstance(r.get("rollout/vllm_queued_requests"), (int, float))]
+    polls = [
+        (r["rollout/vllm_queued_requests"], r.get("rollout/vllm_running_requests") or 0.0)
+        for r in rows
+        if isinstance(r.get("rollout/vllm_queued_requests"), (int, float))
+    ]
     held = [queued >= max(1.0, BACKLOG_SHARE * running) for queued, running in polls]
     return len(held) >= 2 and sum(held) > len(held) / 2
 
@@ -103,30 +106,56 @@ def bottleneck(rows: list[dict], config: dict) -> Finding:
     # wait is high on its own
     starved = wait_high or (queue < per_step and wait >= LOW_SHARE * step and back < LOW_SHARE * step)
     ahead = back_high or (queue >= per_step and (wait < LOW_SHARE * step or (held and not wait_high)))
-    evidence = (f"step {step:.2f}s, rollout wait {wait:.2f}s, backpressure {back:.2f}s, queue {queue:.0f} samples "
-                f"= {queue / per_step:.1f} steps" + (f", allowance used {allowance:.2f}" if allowance is not None else ""))
+    evidence = (
+        f"step {step:.2f}s, rollout wait {wait:.2f}s, backpressure {back:.2f}s, queue {queue:.0f} samples "
+        f"= {queue / per_step:.1f} steps" + (f", allowance used {allowance:.2f}" if allowance is not None else "")
+    )
     concurrency, cap = mean(rows, "rollout/concurrency"), mean(rows, "rollout/concurrency_cap")
     limit, kv = config.get("max_concurrent_rollouts", 512), mean(rows, "rollout/vllm_kv_cache_usage_frac")
     if wait_high and (back_high or held):
-        return Finding("bottleneck", "staleness bound too tight", evidence,
-                       f"raise max_staleness (now {config.get('max_staleness', 4)})")
+        return Finding(
+            "bottleneck",
+            "staleness bound too tight",
+            evidence,
+            f"raise max_staleness (now {config.get('max_staleness', 4)})",
+        )
     if starved and backlog:
-        return Finding("bottleneck", "server saturated", f"{evidence}; the server runs {running:.0f} requests with "
-                       f"{queued:.0f} more waiting", "add generation capacity (replicas behind tandem proxy, a faster "
-                       "server), or a larger --max-num-seqs if its KV cache has room")
+        return Finding(
+            "bottleneck",
+            "server saturated",
+            f"{evidence}; the server runs {running:.0f} requests with {queued:.0f} more waiting",
+            "add generation capacity (replicas behind tandem proxy, a faster "
+            "server), or a larger --max-num-seqs if its KV cache has room",
+        )
     if starved and cap is not None and cap < 0.9 * limit and kv is not None and kv >= 0.8:
-        return Finding("bottleneck", "server saturated", f"{evidence}; concurrency cap {cap:.0f} < {limit}, KV usage "
-                       f"{kv:.2f}", "add generation capacity (replicas behind tandem proxy, a faster server)")
+        return Finding(
+            "bottleneck",
+            "server saturated",
+            f"{evidence}; concurrency cap {cap:.0f} < {limit}, KV usage {kv:.2f}",
+            "add generation capacity (replicas behind tandem proxy, a faster server)",
+        )
     if starved and concurrency is not None and concurrency >= 0.9 * limit and (kv is None or kv < 0.5):
-        return Finding("bottleneck", "concurrency cap bound", f"{evidence}; {concurrency:.0f} in flight of "
-                       f"max_concurrent_rollouts={limit}, KV usage {nan_if_none(kv):.2f}",
-                       "raise max_concurrent_rollouts")
+        return Finding(
+            "bottleneck",
+            "concurrency cap bound",
+            f"{evidence}; {concurrency:.0f} in flight of "
+            f"max_concurrent_rollouts={limit}, KV usage {nan_if_none(kv):.2f}",
+            "raise max_concurrent_rollouts",
+        )
     if starved:
-        return Finding("bottleneck", "generation-bound", evidence,
-                       "more generation: raise max_concurrent_rollouts or add replicas (or train on more tokens per step)")
+        return Finding(
+            "bottleneck",
+            "generation-bound",
+            evidence,
+            "more generation: raise max_concurrent_rollouts or add replicas (or train on more tokens per step)",
+        )
     if ahead:
-        return Finding("bottleneck", "trainer-bound", evidence,
-                       "a faster trainer (see the trainer finding; more ranks) or less generation")
+        return Finding(
+            "bottleneck",
+            "trainer-bound",
+            evidence,
+            "a faster trainer (see the trainer finding; more ranks) or less generation",
+        )
     return Finding("bottleneck", "balanced", evidence)
 
 
@@ -140,12 +169,20 @@ def trainer_step(rows: list[dict], config: dict) -> Finding | None:
     per_row, micro = mean(rows, "batch/samples_per_row"), mean(rows, "batch/microbatches_per_step")
     evidence = f"forward+backward {fwd_bwd:.2f}s of step {step:.2f}s ({fwd_bwd / step:.0%})"
     if per_row is not None and micro is not None and per_row < 1.5 and micro >= 8 and not config.get("token_budget"):
-        return Finding("trainer", "one sample per micro-batch", f"{evidence}; {micro:.0f} micro-batches of {per_row:.1f} "
-                       "samples per row", "pack samples into rows: set token_budget (and fewer gradient_accumulation_steps)")
+        return Finding(
+            "trainer",
+            "one sample per micro-batch",
+            f"{evidence}; {micro:.0f} micro-batches of {per_row:.1f} samples per row",
+            "pack samples into rows: set token_budget (and fewer gradient_accumulation_steps)",
+        )
     backward = fwd_bwd - fwd if fwd else 0.0
     if fwd and backward >= RECOMPUTE_RATIO * fwd and config.get("gradient_checkpointing", True):
-        return Finding("trainer", "backward recomputes the forward", f"{evidence}; forward {fwd:.2f}s, backward "
-                       f"{backward / fwd:.1f}x the forward", "gradient_checkpointing=False if the activations fit")
+        return Finding(
+            "trainer",
+            "backward recomputes the forward",
+            f"{evidence}; forward {fwd:.2f}s, backward {backward / fwd:.1f}x the forward",
+            "gradient_checkpointing=False if the activations fit",
+        )
     if fwd_bwd >= 0.8 * step:
         return Finding("trainer", "compute-bound", evidence, "more ranks, or fewer tokens per step")
     return Finding("trainer", "healthy", evidence)
@@ -156,25 +193,40 @@ def learning(first: list[dict], last: list[dict], config: dict) -> Finding:
     (collapse), then the level of zero-std groups and where the dropped groups' reward sits (rewards in [0, 1])."""
     zero, dropped = mean(last, "frac_reward_zero_std"), mean(last, "reward_dropped")
     reward_then, reward_now = mean(first, "reward"), mean(last, "reward")
-    duplicates, clipped = mean(last, "completions/duplicate_frac") or 0.0, mean(last, "completions/clipped_ratio") or 0.0
+    duplicates, clipped = (
+        mean(last, "completions/duplicate_frac") or 0.0,
+        mean(last, "completions/clipped_ratio") or 0.0,
+    )
     entropy_then, entropy_now = mean(first, "entropy"), mean(last, "entropy")
     if reward_now is None:
         return Finding("learning", "no rewarded groups logged", "metrics.jsonl has no reward yet")
     if reward_then is None:  # an earlier window without a scored group: no trend to read
         reward_then = reward_now
     group = config.get("num_generations", 8)
-    evidence = (f"reward {reward_then:.3f} -> {reward_now:.3f}, zero-std groups {nan_if_none(zero):.2f}, reward of dropped groups "
-                f"{nan_if_none(dropped):.2f}, duplicates {duplicates:.2f}, "
-                f"truncated {clipped:.2f}")
+    evidence = (
+        f"reward {reward_then:.3f} -> {reward_now:.3f}, zero-std groups {nan_if_none(zero):.2f}, reward of dropped groups "
+        f"{nan_if_none(dropped):.2f}, duplicates {duplicates:.2f}, "
+        f"truncated {clipped:.2f}"
+    )
     trend = min(len(first), len(last)) >= MIN_TREND_WINDOWS  # fewer windows are too noisy to call a fall
     fell = trend and reward_now < reward_then - max(0.1, 0.2 * abs(reward_then))
     entropy_fell = trend and entropy_then and entropy_now is not None and entropy_now < 0.5 * entropy_then
     if group >= 2 and duplicates >= 0.5 * (group - 1) / group and entropy_fell and reward_now <= reward_then:
-        return Finding("learning", "collapse", f"{evidence}, entropy {entropy_then:.3f} -> {entropy_now:.3f}",
-                       "lower learning_rate, restart from an earlier checkpoint", critical=True)
+        return Finding(
+            "learning",
+            "collapse",
+            f"{evidence}, entropy {entropy_then:.3f} -> {entropy_now:.3f}",
+            "lower learning_rate, restart from an earlier checkpoint",
+            critical=True,
+        )
     if fell:
-        return Finding("learning", "regression", evidence,
-                       "lower learning_rate; check completions/duplicate_frac and entropy for collapse", critical=True)
+        return Finding(
+            "learning",
+            "regression",
+            evidence,
+            "lower learning_rate; check completions/duplicate_frac and entropy for collapse",
+            critical=True,
+        )
     zero = zero if zero is not None else 0.0  # not logged: no group known to be uniform
     if zero >= 0.5 and dropped is not None and dropped >= 0.5:
         return Finding("learning", "saturated at the top", evidence, "stop, or train on harder prompts")
@@ -200,42 +252,78 @@ def rounding_bound(dtypes: list[str | None]) -> tuple[float, str]:
 def off_policy(rows: list[dict], config: dict) -> Finding | None:
     """A step trained on fresh samples only (staleness 0) whose sampler and trainer log-probs differ beyond rounding."""
     bound, dtype = rounding_bound([config.get("compute_dtype"), config.get("server_dtype")])
-    gaps = [r["sampling/sampling_logp_difference/mean"] for r in rows
-            if r.get("sample/staleness_max") == 0 and r.get("sampling/sampling_logp_difference/mean") is not None]
+    gaps = [
+        r["sampling/sampling_logp_difference/mean"]
+        for r in rows
+        if r.get("sample/staleness_max") == 0 and r.get("sampling/sampling_logp_difference/mean") is not None
+    ]
     if not gaps or max(gaps) <= bound:
         return None
-    return Finding("sync", "off-policy at staleness 0", f"trained tokens' log-probs differ by {max(gaps):.3g} on average "
-                   f"between server and trainer on fresh samples; {dtype} rounding stays under {bound:g}",
-                   "the server samples from other weights: check its --dtype and --logprobs-mode processed_logprobs, and "
-                   "how weights reach it (set weight_sync_check_atol to probe every sync)", critical=True)
+    return Finding(
+        "sync",
+        "off-policy at staleness 0",
+        f"trained tokens' log-probs differ by {max(gaps):.3g} on average "
+        f"between server and trainer on fresh samples; {dtype} rounding stays under {bound:g}",
+        "the server samples from other weights: check its --dtype and --logprobs-mode processed_logprobs, and "
+        "how weights reach it (set weight_sync_check_atol to probe every sync)",
+        critical=True,
+    )
 
 
 def sync(rows: list[dict], config: dict) -> list[Finding]:
     """Whether the sampler and the trainer stay close: the importance ratio, the log-prob gap at staleness 0, samples
     dropped stale, the syncs' cost."""
     findings = [finding for finding in [off_policy(rows, config)] if finding is not None]
-    low, high = config.get("vllm_importance_sampling_clip_min", 0.5), config.get("vllm_importance_sampling_clip_max", 5.0)
+    low, high = (
+        config.get("vllm_importance_sampling_clip_min", 0.5),
+        config.get("vllm_importance_sampling_clip_max", 5.0),
+    )
     ratio = mean(rows, "sampling/importance_sampling_ratio/mean")
     if ratio is not None and not low <= ratio <= high:
-        findings.append(Finding("sync", "importance ratio out of bounds", f"mean ratio {ratio:.3f} outside [{low}, {high}]",
-                                "lower max_staleness; check the server's --logprobs-mode processed_logprobs", critical=True))
+        findings.append(
+            Finding(
+                "sync",
+                "importance ratio out of bounds",
+                f"mean ratio {ratio:.3f} outside [{low}, {high}]",
+                "lower max_staleness; check the server's --logprobs-mode processed_logprobs",
+                critical=True,
+            )
+        )
     elif ratio is not None and abs(ratio - 1) > 0.05:
-        findings.append(Finding("sync", "importance ratio drifts", f"mean ratio {ratio:.3f}",
-                                "lower max_staleness or sync more often (weight_sync_steps)"))
+        findings.append(
+            Finding(
+                "sync",
+                "importance ratio drifts",
+                f"mean ratio {ratio:.3f}",
+                "lower max_staleness or sync more often (weight_sync_steps)",
+            )
+        )
     stale = sum(r.get("sample/dropped_stale_count", 0) or 0 for r in rows)
     trained = sum((r.get("batch/samples_per_step", 0) or 0) * steps for r, steps in zip(rows, steps_covered(rows)))
     if stale and stale >= trained:
-        findings.append(Finding("sync", "most samples dropped stale", f"{stale:.0f} dropped, ~{trained:.0f} trained",
-                                f"raise max_staleness (now {config.get('max_staleness', 4)})", critical=True))
+        findings.append(
+            Finding(
+                "sync",
+                "most samples dropped stale",
+                f"{stale:.0f} dropped, ~{trained:.0f} trained",
+                f"raise max_staleness (now {config.get('max_staleness', 4)})",
+                critical=True,
+            )
+        )
     elif stale:
         findings.append(Finding("sync", "some samples dropped stale", f"{stale:.0f} dropped, ~{trained:.0f} trained"))
     waited, step = mean(rows, "perf/weight_sync_wait_s"), mean(rows, "perf/step_s")  # a sync beside a step costs less
     sync_s = waited if waited is not None else mean(rows, "perf/weight_sync_s")  # runs logged before the wait was
     if sync_s and step and sync_s / config.get("weight_sync_steps", 1) >= SYNC_SHARE * step:
-        findings.append(Finding("sync", "syncs take a large share of each step", f"sync {sync_s:.2f}s waited per "
-                                f"{config.get('weight_sync_steps', 1)} step(s) of {step:.2f}s",
-                                "raise weight_sync_steps (or, when the server reloads weights from a folder, give it "
-                                "--weight-transfer-config to stream them)"))
+        findings.append(
+            Finding(
+                "sync",
+                "syncs take a large share of each step",
+                f"sync {sync_s:.2f}s waited per {config.get('weight_sync_steps', 1)} step(s) of {step:.2f}s",
+                "raise weight_sync_steps (or, when the server reloads weights from a folder, give it "
+                "--weight-transfer-config to stream them)",
+            )
+        )
     return findings or [Finding("sync", "healthy", f"mean ratio {nan_if_none(ratio):.3f}, no stale drops")]
 
 
@@ -245,16 +333,33 @@ def diagnose(rows: list[dict], config: dict) -> dict[str, list[Finding]]:
     if not rows:
         return {"run": [Finding("run", "nothing logged", "metrics.jsonl is empty", critical=True)]}
     size = max(1, round(LAST_WINDOW * len(rows)))
-    first, before, last = rows[:size], rows[-2 * size:-size] or rows[:size], rows[-size:]
-    result = {"last window": [bottleneck(last, config), trainer_step(last, config), learning(before, last, config),
-                              *sync(last, config)],
-              "whole run": [bottleneck(rows, config), trainer_step(rows, config), learning(first, last, config),
-                            *sync(rows, config)]}
+    first, before, last = rows[:size], rows[-2 * size : -size] or rows[:size], rows[-size:]
+    result = {
+        "last window": [
+            bottleneck(last, config),
+            trainer_step(last, config),
+            learning(before, last, config),
+            *sync(last, config),
+        ],
+        "whole run": [
+            bottleneck(rows, config),
+            trainer_step(rows, config),
+            learning(first, last, config),
+            *sync(rows, config),
+        ],
+    }
     result = {label: [f for f in findings if f is not None] for label, findings in result.items()}
     if len(last) >= 2 and not any(r.get("batch/samples_per_step") for r in last):
-        result["last window"].append(Finding("run", "no trainable sample", f"the last {size} logged windows trained "
-                                             "nothing", "see why groups were dropped: frac_reward_zero_std, "
-                                             "sample/dropped_stale_count, batch/dropped_oversize_count", critical=True))
+        result["last window"].append(
+            Finding(
+                "run",
+                "no trainable sample",
+                f"the last {size} logged windows trained nothing",
+                "see why groups were dropped: frac_reward_zero_std, "
+                "sample/dropped_stale_count, batch/dropped_oversize_count",
+                critical=True,
+            )
+        )
     return result
 
 

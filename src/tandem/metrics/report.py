@@ -33,17 +33,36 @@ class Panel:
 
 PANELS = [
     Panel("reward", f"Reward and its moving average over {MOVING_AVERAGE} windows", ylabel="reward"),
-    Panel("importance_ratio", "Importance ratio trainer/sampler and masked fraction",
-          ["sampling/importance_sampling_ratio/mean", "sampling/importance_sampling_ratio/min",
-           "sampling/importance_sampling_ratio/max"], "ratio"),
+    Panel(
+        "importance_ratio",
+        "Importance ratio trainer/sampler and masked fraction",
+        [
+            "sampling/importance_sampling_ratio/mean",
+            "sampling/importance_sampling_ratio/min",
+            "sampling/importance_sampling_ratio/max",
+        ],
+        "ratio",
+    ),
     Panel("step_time", "Step time split", ylabel="seconds per step"),
     Panel("queue", "Rollout queue", ["rollout/queue_size", "rollout/score_queue_size"], "samples"),
-    Panel("backpressure", "Backpressure against rollout wait",
-          ["rollout/backpressure_s", "rollout/score_block_s", "perf/rollout_wait_s"], "seconds"),
-    Panel("staleness", "Staleness of trained samples", ["sample/staleness_mean", "sample/staleness_max"],
-          "policy versions"),
-    Panel("concurrency", "Rollouts in flight against the concurrency cap",
-          ["rollout/concurrency", "rollout/concurrency_cap"], "rollouts"),
+    Panel(
+        "backpressure",
+        "Backpressure against rollout wait",
+        ["rollout/backpressure_s", "rollout/score_block_s", "perf/rollout_wait_s"],
+        "seconds",
+    ),
+    Panel(
+        "staleness",
+        "Staleness of trained samples",
+        ["sample/staleness_mean", "sample/staleness_max"],
+        "policy versions",
+    ),
+    Panel(
+        "concurrency",
+        "Rollouts in flight against the concurrency cap",
+        ["rollout/concurrency", "rollout/concurrency_cap"],
+        "rollouts",
+    ),
     Panel("kv_cache", "Generation server KV-cache usage", ["rollout/vllm_kv_cache_usage_frac"], "fraction"),
     Panel("packing", "Packing", ["batch/packing_ratio", "batch/samples_per_row", "batch/row_fill_frac"], "ratio"),
     Panel("throughput", "Generated tokens per second", ["rollout/generated_tokens_per_s"], "tokens/s"),
@@ -51,8 +70,13 @@ PANELS = [
     Panel("environment", "Environment", ylabel="seconds"),
 ]
 
-STEP_PARTS = [("forward", "perf/fwd_s"), ("backward", None), ("optimizer", "perf/optimizer_s"),
-              ("weight sync", "perf/weight_sync_s"), ("waiting for rollouts", "perf/rollout_wait_s")]
+STEP_PARTS = [
+    ("forward", "perf/fwd_s"),
+    ("backward", None),
+    ("optimizer", "perf/optimizer_s"),
+    ("weight sync", "perf/weight_sync_s"),
+    ("waiting for rollouts", "perf/rollout_wait_s"),
+]
 """The step time's parts, stacked; backward is perf/fwd_bwd_s less perf/fwd_s."""
 
 
@@ -184,8 +208,10 @@ def summary(rows: list[dict]) -> str:
     reward = ""
     if rewards:
         first, last = rewards[:MOVING_AVERAGE], rewards[-MOVING_AVERAGE:]
-        reward = (f", reward {sum(first) / len(first):.3f} → {sum(last) / len(last):.3f} (first / last "
-                  f"{MOVING_AVERAGE} windows)")
+        reward = (
+            f", reward {sum(first) / len(first):.3f} → {sum(last) / len(last):.3f} (first / last "
+            f"{MOVING_AVERAGE} windows)"
+        )
     return f"{len(rows)} logged windows, step {steps}{took}{reward}"
 
 
@@ -196,9 +222,12 @@ pre{background:#f6f6f6;padding:1em;overflow-x:auto} .muted{color:#777}"""
 
 def page(run_dir: Path, rows: list[dict], config: dict, findings: dict, images: list, missing: list[str]) -> str:
     """The self-contained HTML page."""
-    out = [f"<!doctype html><html lang=en><meta charset=utf-8><title>tandem report: {html.escape(run_dir.name)}</title>",
-           f"<style>{STYLE}</style><h1>tandem report: {html.escape(str(run_dir))}</h1>",
-           f"<p>{html.escape(summary(rows))}. Written {time.strftime('%Y-%m-%d %H:%M:%S')}.</p>", "<h2>Doctor</h2>"]
+    out = [
+        f"<!doctype html><html lang=en><meta charset=utf-8><title>tandem report: {html.escape(run_dir.name)}</title>",
+        f"<style>{STYLE}</style><h1>tandem report: {html.escape(str(run_dir))}</h1>",
+        f"<p>{html.escape(summary(rows))}. Written {time.strftime('%Y-%m-%d %H:%M:%S')}.</p>",
+        "<h2>Doctor</h2>",
+    ]
     for label, found in findings.items():
         out.append(f"<h3>{html.escape(label)}</h3><ul>")
         out += [f"<li class={'critical' if f.critical else 'finding'}>{html.escape(f.line())}</li>" for f in found]

@@ -17,8 +17,10 @@ COLUMNS = ["step", "prompt", "completion", "reward"]
 
 def completion_rows(step: int, examples: list) -> list[list]:
     """(prompt, completion, reward) examples as table rows; a chat prompt shows its last message."""
-    return [[step, prompt[-1]["content"] if isinstance(prompt, list) else str(prompt), completion, float(reward)]
-            for prompt, completion, reward in examples]
+    return [
+        [step, prompt[-1]["content"] if isinstance(prompt, list) else str(prompt), completion, float(reward)]
+        for prompt, completion, reward in examples
+    ]
 
 
 class JsonlSink:
@@ -54,7 +56,9 @@ class TensorboardSink:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
-            raise ImportError("report_to='tensorboard' needs the tensorboard package: " + install_command("tensorboard")) from exc
+            raise ImportError(
+                "report_to='tensorboard' needs the tensorboard package: " + install_command("tensorboard")
+            ) from exc
         self.writer = SummaryWriter(str(folder))
 
     def log(self, step: int, metrics: dict) -> None:
@@ -79,8 +83,9 @@ class WandbSink:
             import wandb
         except ImportError as exc:
             raise ImportError("report_to='wandb' needs the wandb package: " + install_command("wandb")) from exc
-        self.run = wandb.init(mode="offline", dir=str(folder), project=config["project"], name=config["run_name"],
-                              config=config)
+        self.run = wandb.init(
+            mode="offline", dir=str(folder), project=config["project"], name=config["run_name"], config=config
+        )
 
     def log(self, step: int, metrics: dict) -> None:
         self.run.log(metrics, step=step)
@@ -105,8 +110,14 @@ class TrackioSink:
         except ImportError as exc:
             raise ImportError("report_to='trackio' needs the trackio package: " + install_command("trackio")) from exc
         self.trackio, self.config = trackio, config
-        trackio.init(project=config["project"], name=config["run_name"], space_id=config["trackio_space_id"],
-                     bucket_id=config["trackio_bucket_id"], config=config, resume="allow")
+        trackio.init(
+            project=config["project"],
+            name=config["run_name"],
+            space_id=config["trackio_space_id"],
+            bucket_id=config["trackio_bucket_id"],
+            config=config,
+            resume="allow",
+        )
 
     def log(self, step: int, metrics: dict) -> None:
         self.trackio.log(metrics, step=step)

@@ -52,8 +52,10 @@ def check_values(name: str, values) -> None:
     (the rollout loop checks its records when they are made, so that the error points at the code that made them)."""
     rate = rule_for(name) == RATE
     if name != EXAMPLES and any(isinstance(v, tuple) != rate for v in values):
-        raise ValueError(f"metric {name!r}: rates (names ending in _per_s) are recorded as (amount, seconds) "
-                         f"pairs and other metrics as numbers; got {values[:3]!r}")
+        raise ValueError(
+            f"metric {name!r}: rates (names ending in _per_s) are recorded as (amount, seconds) "
+            f"pairs and other metrics as numbers; got {values[:3]!r}"
+        )
 
 
 class MetricWindow:

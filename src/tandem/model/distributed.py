@@ -94,13 +94,17 @@ def shard(model: torch.nn.Module, ranks: Ranks, fsdp_config: dict | None, bf16: 
 
     device = next(model.parameters()).device
     mesh = init_device_mesh(device.type, (ranks.world_size,))
-    precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    precision = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
     options = {"mesh": mesh, "mp_policy": precision}
     layer_classes = set(getattr(_base(model), "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
     if not layers:
-        raise NotImplementedError(f"{type(_base(model)).__name__} names no decoder layer class (_no_split_modules), so "
-                                  "tandem cannot shard it layer by layer with FSDP2")
+        raise NotImplementedError(
+            f"{type(_base(model)).__name__} names no decoder layer class (_no_split_modules), so "
+            "tandem cannot shard it layer by layer with FSDP2"
+        )
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard_after_forward(fsdp_config), **options)
     fully_shard(model, **options)  # the root keeps its weights (embeddings, head) gathered until the backward

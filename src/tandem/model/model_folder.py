@@ -46,8 +46,13 @@ def save_model_folder(model, folder: Path, ranks: Ranks) -> None:
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(folder)
     weights = dict(model.named_parameters())  # tied weights once, under their first name (as save_pretrained does)
-    weights |= {name: b for name, b in model.named_buffers() if name.rsplit(".", 1)[-1] not in _non_persistent(model, name)}
-    dcp.save(weights, storage_writer=dcp.HuggingFaceStorageWriter(str(folder), save_distributed=True, enable_consolidation=True))
+    weights |= {
+        name: b for name, b in model.named_buffers() if name.rsplit(".", 1)[-1] not in _non_persistent(model, name)
+    }
+    dcp.save(
+        weights,
+        storage_writer=dcp.HuggingFaceStorageWriter(str(folder), save_distributed=True, enable_consolidation=True),
+    )
     ranks.barrier()
     if ranks.main:
         shutil.rmtree(folder / "sharded", ignore_errors=True)  # the writer's per-rank files, joined above

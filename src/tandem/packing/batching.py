@@ -9,14 +9,20 @@ a sample of a new group goes to the least-loaded row it fits. When nothing fits,
 In the padded layout (models a tree row would change) a row's tokens are its samples padded to the longest.
 """
 
+from tandem.contract.records import Sample
 from tandem.metrics.window import MetricWindow
 from tandem.packing import TREE, PackedRow, TrieRow
-from tandem.contract.records import Sample
 
 
 class TokenBudgetBatcher:
-    def __init__(self, token_budget: int, num_rows: int = 1, share_prefixes: bool = True, layout: str = TREE,
-                 max_samples: int | None = None):
+    def __init__(
+        self,
+        token_budget: int,
+        num_rows: int = 1,
+        share_prefixes: bool = True,
+        layout: str = TREE,
+        max_samples: int | None = None,
+    ):
         if token_budget < 1:
             raise ValueError(f"token_budget={token_budget}: a row must hold at least one token")
         self.token_budget, self.max_samples = token_budget, max_samples
@@ -35,14 +41,20 @@ class TokenBudgetBatcher:
     def offer(self, sample: Sample) -> bool:
         """Place `sample` in a row and return True, or return False: it fits nowhere, close the micro-batch first."""
         costs = [row.cost(sample) for row in self.rows]
-        fitting = [i for i, (row, cost) in enumerate(zip(self.rows, costs))
-                   if row.num_tokens + cost.new_tokens <= self.token_budget and row.num_terms + cost.new_terms <= self.token_budget
-                   and (self.max_samples is None or len(row.samples) < self.max_samples)]
+        fitting = [
+            i
+            for i, (row, cost) in enumerate(zip(self.rows, costs))
+            if row.num_tokens + cost.new_tokens <= self.token_budget
+            and row.num_terms + cost.new_terms <= self.token_budget
+            and (self.max_samples is None or len(row.samples) < self.max_samples)
+        ]
         home = [i for i, row in enumerate(self.rows) if sample.group_id in row.groups]
         candidates = [i for i in home if i in fitting]
         if home and not candidates:  # its group's row is full: move only where it does not slow the micro-batch
             heaviest = max(row.load for row in self.rows)
-            candidates = [i for i in fitting if not self.rows[i].samples or self.rows[i].load + costs[i].new_load <= heaviest]
+            candidates = [
+                i for i in fitting if not self.rows[i].samples or self.rows[i].load + costs[i].new_load <= heaviest
+            ]
         elif not home:
             candidates = fitting
         if not candidates:

@@ -50,16 +50,23 @@ def tree_scan(position_ids: list[int]) -> TreeScan:
 def supported(layer: torch.nn.Module) -> bool:
     """A Gated DeltaNet layer whose forward `tree_forward` reproduces (Qwen3.5's or Qwen3-Next's projections)."""
     module = sys.modules[type(layer).__module__]
-    return (type(layer).__name__.endswith(LAYER_SUFFIX) and hasattr(module, "torch_chunk_gated_delta_rule")
-            and hasattr(module, "causal_conv1d_fn") and (hasattr(layer, "in_proj_qkv") or hasattr(layer, "in_proj_qkvz")))
+    return (
+        type(layer).__name__.endswith(LAYER_SUFFIX)
+        and hasattr(module, "torch_chunk_gated_delta_rule")
+        and hasattr(module, "causal_conv1d_fn")
+        and (hasattr(layer, "in_proj_qkv") or hasattr(layer, "in_proj_qkvz"))
+    )
 
 
 def tree_packs(model: torch.nn.Module, scanning: list[str]) -> bool:
     """Whether the model's only layers that read across tokens outside attention (`scanning`, as architecture.py names
     them) are Gated DeltaNet layers this module runs on tree rows."""
     layers = [m for m in model.modules() if type(m).__name__.endswith(LAYER_SUFFIX)]
-    return bool(layers) and all(supported(m) for m in layers) and \
-        set(scanning) <= {"linear_attention"} | {type(m).__name__ for m in layers}
+    return (
+        bool(layers)
+        and all(supported(m) for m in layers)
+        and set(scanning) <= {"linear_attention"} | {type(m).__name__ for m in layers}
+    )
 
 
 def install(model: torch.nn.Module) -> None:
@@ -74,6 +81,7 @@ def _tree_aware(layer, own_forward):
         if isinstance(attention_mask, TreeScan):
             return tree_forward(layer, hidden_states, attention_mask)
         return own_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+
     return forward
 
 
@@ -88,14 +96,21 @@ def tree_forward(layer, hidden_states: torch.Tensor, scan: TreeScan) -> torch.Te
     for start, stop, parent in scan.segments:
         context = _path(scan.parents, parent, window)
         index = torch.tensor(context + list(range(start, stop)), device=mixed.device)
-        conv = kernels.causal_conv1d_fn(mixed[:, index].transpose(1, 2), weight, layer.conv1d.bias,
-                                        activation=layer.activation)[:, :, len(context):].transpose(1, 2)
+        conv = kernels.causal_conv1d_fn(
+            mixed[:, index].transpose(1, 2), weight, layer.conv1d.bias, activation=layer.activation
+        )[:, :, len(context) :].transpose(1, 2)
         query, key, value = torch.split(conv, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
         shape = (1, stop - start, -1)
         out, states[stop - 1] = kernels.torch_chunk_gated_delta_rule(
-            query.reshape(*shape, layer.head_k_dim), key.reshape(*shape, layer.head_k_dim),
-            value.reshape(*shape, layer.head_v_dim), g=g[:, start:stop], beta=beta[:, start:stop],
-            initial_state=states.get(parent), output_final_state=True, use_qk_l2norm_in_kernel=True)
+            query.reshape(*shape, layer.head_k_dim),
+            key.reshape(*shape, layer.head_k_dim),
+            value.reshape(*shape, layer.head_v_dim),
+            g=g[:, start:stop],
+            beta=beta[:, start:stop],
+            initial_state=states.get(parent),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
         outputs.append(out)
     core = torch.cat(outputs, dim=1)
     length = hidden_states.shape[1]
@@ -117,8 +132,9 @@ def _projections(layer, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]
     makes them: Qwen3.5 projects each apart, Qwen3-Next projects qkvz and ba together and reorders them."""
     length = hidden_states.shape[1]
     if hasattr(layer, "in_proj_qkvz"):
-        query, key, value, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(hidden_states),
-                                                                        layer.in_proj_ba(hidden_states))
+        query, key, value, z, b, a = layer.fix_query_key_value_ordering(
+            layer.in_proj_qkvz(hidden_states), layer.in_proj_ba(hidden_states)
+        )
         mixed = torch.cat([x.reshape(1, length, -1) for x in (query, key, value)], dim=-1)
         return mixed, z, b, a
     z = layer.in_proj_z(hidden_states).reshape(1, length, -1, layer.head_v_dim)

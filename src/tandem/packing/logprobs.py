@@ -34,15 +34,22 @@ def default_chunk_size(vocab_size: int) -> int:
 @dataclass
 class TokenLogprobs:
     log_probs: torch.Tensor  # [N] log π_θ(target), differentiable
-    entropy: torch.Tensor   # [N] entropy of the (renormalised) distribution, detached
+    entropy: torch.Tensor  # [N] entropy of the (renormalised) distribution, detached
     extra: torch.Tensor | None = None  # [N, K] log-probs of `extra_ids` (the sampler's top-K), differentiable
     aux_loss: torch.Tensor | None = None  # MoE router load-balancing loss of the row (unscaled), differentiable
 
 
-def chunked_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float = 1.0,
-                     sampling_mask: torch.Tensor | None = None, softcap: float | None = None,
-                     chunk_size: int | None = None, extra_ids: torch.Tensor | None = None,
-                     logits_scaling: float | None = None) -> TokenLogprobs:
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    sampling_mask: torch.Tensor | None = None,
+    softcap: float | None = None,
+    chunk_size: int | None = None,
+    extra_ids: torch.Tensor | None = None,
+    logits_scaling: float | None = None,
+) -> TokenLogprobs:
     """log softmax(head(hidden) / temperature)[target] for each of the N rows of `hidden` ([N, H]), and at
     `extra_ids` ([N, K]) when given. The model's own logits come first: divided by `logits_scaling` (Granite), then
     soft-capped (`softcap`, Gemma 2), in the order its forward computes them."""
@@ -54,14 +61,33 @@ def chunked_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch
     if plain_linear(head):
         extra = extra_ids if extra_ids is not None else targets.new_zeros(len(targets), 0)
         project = onednn_linear.projection(head)  # what head(x) computes
-        logprobs, entropy, scored = LinearHeadLogprobs.apply(hidden, head.weight, head.bias, targets, extra, sampling_mask,
-                                                             temperature, softcap, chunk_size, project, logits_scaling)
+        logprobs, entropy, scored = LinearHeadLogprobs.apply(
+            hidden,
+            head.weight,
+            head.bias,
+            targets,
+            extra,
+            sampling_mask,
+            temperature,
+            softcap,
+            chunk_size,
+            project,
+            logits_scaling,
+        )
         return TokenLogprobs(logprobs, entropy, scored if extra_ids is not None else None)
     parts = []  # any other head (a LoRA-wrapped one): autograd, each chunk checkpointed
     for start in range(0, hidden.shape[0], chunk_size):
         part = slice(start, start + chunk_size)
-        args = (head, hidden[part], targets[part], temperature, sampling_mask[part] if sampling_mask is not None else None,
-                softcap, extra_ids[part] if extra_ids is not None else None, logits_scaling)
+        args = (
+            head,
+            hidden[part],
+            targets[part],
+            temperature,
+            sampling_mask[part] if sampling_mask is not None else None,
+            softcap,
+            extra_ids[part] if extra_ids is not None else None,
+            logits_scaling,
+        )
         parts.append(checkpoint(_chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk(*args))
     logprobs, entropy, extra = zip(*parts)
     return TokenLogprobs(torch.cat(logprobs), torch.cat(entropy), torch.cat(extra) if extra_ids is not None else None)
@@ -70,8 +96,11 @@ def chunked_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch
 def plain_linear(head: torch.nn.Module) -> bool:
     """Whether `head(x)` is `F.linear(x, head.weight, head.bias)` (FSDP2's dynamic subclass included): no other forward,
     no hooks (a head sharded on its own gathers its weight in one)."""
-    return isinstance(head, torch.nn.Linear) and type(head).forward is torch.nn.Linear.forward \
+    return (
+        isinstance(head, torch.nn.Linear)
+        and type(head).forward is torch.nn.Linear.forward
         and not (head._forward_hooks or head._forward_pre_hooks)
+    )
 
 
 class LinearHeadLogprobs(torch.autograd.Function):
@@ -81,13 +110,26 @@ class LinearHeadLogprobs(torch.autograd.Function):
     second [vocab, hidden] gradient per chunk: 855 MiB against about 300 at 8192 tokens x 32k vocabulary (benchmarks)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, extra_ids, kept, temperature, softcap, chunk_size, project, scaling):
+    def forward(
+        ctx, hidden, weight, bias, targets, extra_ids, kept, temperature, softcap, chunk_size, project, scaling
+    ):
         def head(x):
             return project(x, weight, bias)
 
         with torch.no_grad():  # the forward of the autograd path, value for value (the staleness-0 ratio is exactly 1)
-            parts = [_chunk(head, hidden[part], targets[part], temperature, kept[part] if kept is not None else None,
-                            softcap, extra_ids[part], scaling) for part in _chunks(hidden.shape[0], chunk_size)]
+            parts = [
+                _chunk(
+                    head,
+                    hidden[part],
+                    targets[part],
+                    temperature,
+                    kept[part] if kept is not None else None,
+                    softcap,
+                    extra_ids[part],
+                    scaling,
+                )
+                for part in _chunks(hidden.shape[0], chunk_size)
+            ]
         ctx.save_for_backward(hidden, weight, bias, targets, extra_ids, kept)
         ctx.settings = temperature, softcap, chunk_size, project, scaling
         logprobs, entropy, extra = (torch.cat(values) for values in zip(*parts))
@@ -103,9 +145,18 @@ class LinearHeadLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight) if wants_weight else None
         grad_bias = torch.zeros_like(bias) if wants_bias else None
         for part in _chunks(hidden.shape[0], chunk_size):
-            grad = _logits_grad(project(hidden[part], weight, bias), weight.dtype, targets[part], grad_logprobs[part],
-                                extra_ids[part], grad_extra[part], kept[part] if kept is not None else None, temperature,
-                                softcap, scaling)
+            grad = _logits_grad(
+                project(hidden[part], weight, bias),
+                weight.dtype,
+                targets[part],
+                grad_logprobs[part],
+                extra_ids[part],
+                grad_extra[part],
+                kept[part] if kept is not None else None,
+                temperature,
+                softcap,
+                scaling,
+            )
             if wants_hidden:
                 torch.mm(grad, weight, out=grad_hidden[part])
             if wants_weight:
@@ -174,8 +225,9 @@ def _chunk(head, hidden, targets, temperature, kept, softcap, extra_ids, scaling
     return chosen, entropy, extra
 
 
-def row_logprobs(model: torch.nn.Module, row: PackedRow, kernel: str, temperature: float = 1.0,
-                 chunk_size: int | None = None) -> TokenLogprobs:
+def row_logprobs(
+    model: torch.nn.Module, row: PackedRow, kernel: str, temperature: float = 1.0, chunk_size: int | None = None
+) -> TokenLogprobs:
     """Forward a row through `model` and score its loss terms: a tree row as one sequence under the tree mask
     (attention set to `tandem_tree`), a padded row as a batch of plain causal sequences (the model's own attention)."""
     device = next(model.parameters()).device
@@ -186,13 +238,28 @@ def row_logprobs(model: torch.nn.Module, row: PackedRow, kernel: str, temperatur
     input_ids = torch.nn.functional.pad(row.input_ids.view(len(lengths), width), (0, wide - width))
     moe = _balancing_loss_func(model) is not None
     router = {"output_router_logits": False} if moe else {}  # the model's own aux loss cannot read a tree or padding
-    out = decoder_output(model, {"output_router_logits": True} if moe else {}, input_ids=input_ids.to(device),
-                         use_cache=False, **inputs, **router)
+    out = decoder_output(
+        model,
+        {"output_router_logits": True} if moe else {},
+        input_ids=input_ids.to(device),
+        use_cache=False,
+        **inputs,
+        **router,
+    )
     hidden = out.last_hidden_state[:, :width].flatten(0, 1)[row.predict_index.to(device)]
     kept = row.sampling_mask.to(device) if row.sampling_mask is not None else None
     top = row.sampler_ids.to(device) if row.sampler_ids is not None else None
-    scored = chunked_logprobs(hidden, model.get_output_embeddings(), row.targets.to(device), temperature, kept,
-                              _softcap(model), chunk_size, extra_ids=top, logits_scaling=_logits_scaling(model))
+    scored = chunked_logprobs(
+        hidden,
+        model.get_output_embeddings(),
+        row.targets.to(device),
+        temperature,
+        kept,
+        _softcap(model),
+        chunk_size,
+        extra_ids=top,
+        logits_scaling=_logits_scaling(model),
+    )
     if moe:
         real = torch.arange(wide)[None] < lengths[:, None]
         scored.aux_loss = _load_balancing_loss(model, out.router_logits, real.long().to(device))
@@ -218,8 +285,12 @@ def decoder_output(model: torch.nn.Module, decoder_kwargs: dict, **inputs):
     embeddings and the head, which the chunked head then reads (the root keeps them gathered until its backward)."""
     captured = []
     decoder = model.get_decoder()
-    hooks = [decoder.register_forward_pre_hook(lambda module, args, kwargs: (args, kwargs | decoder_kwargs), with_kwargs=True),
-             decoder.register_forward_hook(lambda module, args, output: captured.append(output))]
+    hooks = [
+        decoder.register_forward_pre_hook(
+            lambda module, args, kwargs: (args, kwargs | decoder_kwargs), with_kwargs=True
+        ),
+        decoder.register_forward_hook(lambda module, args, output: captured.append(output)),
+    ]
     try:
         model(**inputs, logits_to_keep=1)
     finally:
@@ -259,8 +330,10 @@ def check_head(model: torch.nn.Module) -> None:
         if softcap := _softcap(model):
             logits = torch.tanh(logits / softcap) * softcap
     if not torch.allclose(logits, expected, atol=1e-3, rtol=1e-3):
-        raise NotImplementedError(f"{type(model).__name__} computes its logits other than as lm_head(hidden states) "
-                                  "(e.g. a logit scale); tandem's chunked log-prob head would not reproduce them.")
+        raise NotImplementedError(
+            f"{type(model).__name__} computes its logits other than as lm_head(hidden states) "
+            "(e.g. a logit scale); tandem's chunked log-prob head would not reproduce them."
+        )
 
 
 def _logits_scaling(model) -> float | None:

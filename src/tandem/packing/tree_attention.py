@@ -18,8 +18,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from tandem.model import architecture
 from tandem.kernels.exact_attention import additive_mask, exact_attention
+from tandem.model import architecture
 from tandem.packing import linear_attention
 from tandem.packing.trie import PADDED, TREE
 
@@ -37,9 +37,14 @@ def padded_reasons(model: torch.nn.Module) -> list[str]:
     """Why a tree row would change `model`'s outputs (none: tree packing reproduces its own forward; Gated DeltaNet
     layers continue their parent's state on tree rows, linear_attention.py)."""
     layers = architecture.scanning_layers(model)
-    scanning = [] if linear_attention.tree_packs(model, layers) else \
-        [f"{name} reads across tokens outside attention" for name in layers]
-    return scanning + [f"{extra}, which the tree kernels do not compute" for extra in architecture.attention_extras(model)]
+    scanning = (
+        []
+        if linear_attention.tree_packs(model, layers)
+        else [f"{name} reads across tokens outside attention" for name in layers]
+    )
+    return scanning + [
+        f"{extra}, which the tree kernels do not compute" for extra in architecture.attention_extras(model)
+    ]
 
 
 def prepare(model: torch.nn.Module) -> str:
@@ -59,16 +64,23 @@ def tree_masks(end: torch.Tensor, position_ids: torch.Tensor, model: torch.nn.Mo
     if kernel not in KERNELS:
         raise ValueError(f"tree attention kernel {kernel!r} is not one of {KERNELS}")
     dtype = next(model.parameters()).dtype
-    return architecture.layer_masks(model.config, lambda layer_type, window: (
-        linear_attention.tree_scan(position_ids.tolist()) if layer_type == LINEAR else
-        _mask(end, position_ids, window, kernel, dtype)))
+    return architecture.layer_masks(
+        model.config,
+        lambda layer_type, window: (
+            linear_attention.tree_scan(position_ids.tolist())
+            if layer_type == LINEAR
+            else _mask(end, position_ids, window, kernel, dtype)
+        ),
+    )
 
 
 def _mask(end, position_ids, window, kernel, dtype):
     if kernel == "flex":
+
         def mask_mod(batch, head, q, k):
             visible = (k <= q) & (q <= end[k])
             return visible & (position_ids[q] - position_ids[k] < window) if window else visible
+
         size = end.numel()
         return create_block_mask(mask_mod, None, None, size, size, device=end.device)
     index = torch.arange(end.numel(), device=end.device)
@@ -99,7 +111,9 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
             raise NotImplementedError("attention dropout is not supported by the flex tree kernel; use kernel 'sdpa'")
         return _flex(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
     if attention_mask is None or attention_mask.dtype == torch.bool:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     return exact_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.errors import UsageError
 from tandem.contract.records import Sample
+from tandem.errors import UsageError
 
 TREE, PADDED = "tree", "padded"
 LAYOUTS = (TREE, PADDED)
@@ -47,14 +47,14 @@ class Insertion:
 class PackedRow:
     """One row ready to forward: the packed tokens and one entry per loss term."""
 
-    input_ids: torch.Tensor       # [T]
-    position_ids: torch.Tensor    # [T] depth in the trie
-    end: torch.Tensor             # [T] last packed index of each token's segment subtree
-    predict_index: torch.Tensor   # [N] packed index whose output predicts term n
-    targets: torch.Tensor         # [N]
+    input_ids: torch.Tensor  # [T]
+    position_ids: torch.Tensor  # [T] depth in the trie
+    end: torch.Tensor  # [T] last packed index of each token's segment subtree
+    predict_index: torch.Tensor  # [N] packed index whose output predicts term n
+    targets: torch.Tensor  # [N]
     behavior_log_probs: torch.Tensor  # [N] the sampler's log-probs of the targets
-    advantages: torch.Tensor      # [N]
-    term_sample: torch.Tensor     # [N] which sample of the row term n belongs to
+    advantages: torch.Tensor  # [N]
+    term_sample: torch.Tensor  # [N] which sample of the row term n belongs to
     sampling_mask: torch.Tensor | None  # [N, K] the sampler's kept token ids per term (-1 pads), when it truncated
     sampler_ids: torch.Tensor | None  # [N, K] the sampler's most likely tokens at each term's position (0 pads)
     sampler_logprobs: torch.Tensor | None  # [N, K] their sampler log-probs (-inf pads)
@@ -117,10 +117,15 @@ class TrieRow:
 
     def _padded_cost(self, sample: Sample) -> Insertion:
         """A padded row forwards every sample at the longest one's width: what `sample` adds, padding included."""
-        width = max(sample.num_tokens, self.num_tokens // len(self.samples) if self.samples else 0)  # tokens = samples x width
+        width = max(
+            sample.num_tokens, self.num_tokens // len(self.samples) if self.samples else 0
+        )  # tokens = samples x width
         count = len(self.samples) + 1
-        return Insertion(new_tokens=count * width - self.num_tokens, new_terms=sum(sample.trained[1:]),
-                         new_load=count * width * (width + 1) // 2 - self.load)
+        return Insertion(
+            new_tokens=count * width - self.num_tokens,
+            new_terms=sum(sample.trained[1:]),
+            new_load=count * width * (width + 1) // 2 - self.load,
+        )
 
     def add(self, sample: Sample) -> None:
         cost = self.cost(sample)
@@ -155,12 +160,20 @@ class TrieRow:
                     kept.append(sample.sampling_mask[j] if sample.sampling_mask else None)
                     top.append(sample.sampler_logprobs[j] if sample.sampler_logprobs else None)
         return PackedRow(
-            input_ids=torch.tensor(ids, dtype=torch.long), position_ids=torch.tensor(positions, dtype=torch.long),
-            end=torch.tensor(ends, dtype=torch.long), predict_index=torch.tensor(predict, dtype=torch.long),
-            targets=torch.tensor(targets, dtype=torch.long), behavior_log_probs=torch.tensor(behavior, dtype=torch.float32),
-            advantages=torch.tensor(adv, dtype=torch.float32), term_sample=torch.tensor(owner, dtype=torch.long),
-            sampling_mask=_pad_kept(kept), **_pad_top(top), samples=list(self.samples), raw_tokens=sum(s.num_tokens for s in self.samples),
-            load=self.load, layout=self.layout,
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            position_ids=torch.tensor(positions, dtype=torch.long),
+            end=torch.tensor(ends, dtype=torch.long),
+            predict_index=torch.tensor(predict, dtype=torch.long),
+            targets=torch.tensor(targets, dtype=torch.long),
+            behavior_log_probs=torch.tensor(behavior, dtype=torch.float32),
+            advantages=torch.tensor(adv, dtype=torch.float32),
+            term_sample=torch.tensor(owner, dtype=torch.long),
+            sampling_mask=_pad_kept(kept),
+            **_pad_top(top),
+            samples=list(self.samples),
+            raw_tokens=sum(s.num_tokens for s in self.samples),
+            load=self.load,
+            layout=self.layout,
         )
 
     def _lay_out_padded(self) -> tuple[list[int], list[int], list[int]]:
@@ -205,8 +218,10 @@ def _pad_kept(kept: list[list[int] | None]) -> torch.Tensor | None:
     if not any(given):
         return None
     if not all(given):
-        raise UsageError(f"{given.count(False)} of {len(kept)} trained tokens have no sampling mask while the others do: "
-                         "renormalising only some of them would bias the ratio. Every sampled token needs its kept set.")
+        raise UsageError(
+            f"{given.count(False)} of {len(kept)} trained tokens have no sampling mask while the others do: "
+            "renormalising only some of them would bias the ratio. Every sampled token needs its kept set."
+        )
     width = max(len(k) for k in kept)
     return torch.tensor([k + [-1] * (width - len(k)) for k in kept], dtype=torch.long)
 
@@ -216,12 +231,17 @@ def _pad_top(top: list[dict[int, float] | None]) -> dict:
     if not any(t is not None for t in top):
         return {"sampler_ids": None, "sampler_logprobs": None}
     if not all(t is not None for t in top):
-        raise UsageError("some trained tokens have the sampler's top log-probs and others do not: score centering needs "
-                         "them at every sampled position (request logprobs=num_sampler_logprobs in every turn)")
+        raise UsageError(
+            "some trained tokens have the sampler's top log-probs and others do not: score centering needs "
+            "them at every sampled position (request logprobs=num_sampler_logprobs in every turn)"
+        )
     width = max(len(t) for t in top)
     ids = [list(t) + [0] * (width - len(t)) for t in top]
     logprobs = [list(t.values()) + [float("-inf")] * (width - len(t)) for t in top]
-    return {"sampler_ids": torch.tensor(ids, dtype=torch.long), "sampler_logprobs": torch.tensor(logprobs, dtype=torch.float32)}
+    return {
+        "sampler_ids": torch.tensor(ids, dtype=torch.long),
+        "sampler_logprobs": torch.tensor(logprobs, dtype=torch.float32),
+    }
 
 
 _CLOSE = object()

@@ -31,16 +31,28 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from tandem.chat.prompts import render_chat
 from tandem.generation.client import parse_metrics
 from tandem.httpapp import api_key_auth, error_body, error_response, start_app
-from tandem.chat.prompts import render_chat
 from tandem.proxy.router import PrefixRouter
 
 ROUTED = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
 BROADCAST = ("/pause", "/resume", "/reset_prefix_cache", "/v1/unload_lora_adapter", "/collective_rpc")
 WEIGHT_TRANSFER = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update")
-HOP_BY_HOP = {"host", "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
-              "transfer-encoding", "upgrade", "content-length", "content-encoding", "authorization"}
+HOP_BY_HOP = {
+    "host",
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailers",
+    "transfer-encoding",
+    "upgrade",
+    "content-length",
+    "content-encoding",
+    "authorization",
+}
 
 
 @dataclass
@@ -88,13 +100,21 @@ class Upstream:
 def failed_on(what: str, failed: list[tuple[Upstream, int, bytes]], total: int, note: str = "") -> str:
     """The one message for a call that failed on some replicas: how many, what, and the first failure's answer."""
     upstream, status, data = failed[0]
-    return (f"proxy: {len(failed)}/{total} servers failed {what}{note}. First: {upstream.url} -> {status} "
-            f"{data[:300].decode(errors='replace')}")
+    return (
+        f"proxy: {len(failed)}/{total} servers failed {what}{note}. First: {upstream.url} -> {status} "
+        f"{data[:300].decode(errors='replace')}"
+    )
 
 
 def error(status: int, message: str) -> web.Response:
-    kind = {400: "BadRequestError", 401: "Unauthorized", 501: "NotImplementedError", 502: "BadGateway",
-            503: "ServiceUnavailableError", 504: "GatewayTimeout"}.get(status, "ProxyError")
+    kind = {
+        400: "BadRequestError",
+        401: "Unauthorized",
+        501: "NotImplementedError",
+        502: "BadGateway",
+        503: "ServiceUnavailableError",
+        504: "GatewayTimeout",
+    }.get(status, "ProxyError")
     return error_response(status, message, kind)
 
 
@@ -113,7 +133,11 @@ def prompt_of(path: str, body: dict, tokenizer=None) -> list[int] | bytes:
         return prompt
     if isinstance(prompt, str):
         return prompt.encode()
-    if isinstance(prompt, list) and tokenizer is not None and (ids := rendered_chat(tokenizer, prompt, body)) is not None:
+    if (
+        isinstance(prompt, list)
+        and tokenizer is not None
+        and (ids := rendered_chat(tokenizer, prompt, body)) is not None
+    ):
         return ids
     if isinstance(prompt, list):  # chat messages: their text in order, so a conversation's turns share blocks
         return "".join(f"<{m.get('role')}>{m.get('content')}" for m in prompt if isinstance(m, dict)).encode()
@@ -124,10 +148,15 @@ def rendered_chat(tokenizer, messages: list, body: dict) -> list[int] | None:
     """The token ids a replica renders a chat request to (its tools and template options included);
     None when the template refuses it, which is the replica's to reject, with its own error."""
     try:
-        return render_chat(tokenizer, messages, tools=body.get("tools"),
-                           add_generation_prompt=body.get("add_generation_prompt", True),
-                           continue_final_message=body.get("continue_final_message", False),
-                           chat_template=body.get("chat_template"), chat_template_kwargs=body.get("chat_template_kwargs"))
+        return render_chat(
+            tokenizer,
+            messages,
+            tools=body.get("tools"),
+            add_generation_prompt=body.get("add_generation_prompt", True),
+            continue_final_message=body.get("continue_final_message", False),
+            chat_template=body.get("chat_template"),
+            chat_template_kwargs=body.get("chat_template_kwargs"),
+        )
     except Exception:  # noqa: BLE001 - routing only: whatever the template refuses, the replica answers for
         return None
 
@@ -145,9 +174,14 @@ def split_batch(path: str, body: dict) -> list[dict] | None:
 def merge_completions(answers: list[dict], n: int) -> dict:
     """The per-prompt answers as the one answer vLLM gives a batch: choice i·n + j is prompt i's j-th, usage summed."""
     merged = dict(answers[0])
-    merged["choices"] = [{**choice, "index": i * n + choice.get("index", 0)} for i, a in enumerate(answers) for choice in a["choices"]]
+    merged["choices"] = [
+        {**choice, "index": i * n + choice.get("index", 0)} for i, a in enumerate(answers) for choice in a["choices"]
+    ]
     usage = [a.get("usage") or {} for a in answers]
-    merged["usage"] = {**usage[0], **{k: sum(u.get(k) or 0 for u in usage) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+    merged["usage"] = {
+        **usage[0],
+        **{k: sum(u.get(k) or 0 for u in usage) for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+    }
     return merged
 
 
@@ -210,8 +244,12 @@ class Proxy:
         await self.session.close()
 
     def _stats(self) -> dict:
-        return {"upstreams": [{"url": u.url, "state": u.state, "inflight": u.inflight, "routed": u.routed} for u in self.upstreams],
-                "router": self.router.stats()}
+        return {
+            "upstreams": [
+                {"url": u.url, "state": u.state, "inflight": u.inflight, "routed": u.routed} for u in self.upstreams
+            ],
+            "router": self.router.stats(),
+        }
 
     async def _print_stats(self) -> None:
         """The `[proxy] stats` line, every `stats_interval_s`: per-replica load and the router's counts."""
@@ -234,8 +272,11 @@ class Proxy:
         if (isinstance(exc, aiohttp.ClientConnectorError) or upstream.failures >= 3) and upstream.state != State.DOWN:
             upstream.state = State.DOWN
             self.router.forget(self.upstreams.index(upstream))
-            print(f"[proxy] {upstream.url} is down ({type(exc).__name__}): its requests go to the other replicas; left "
-                  "out of weight syncs and adapter loads until it answers again", flush=True)
+            print(
+                f"[proxy] {upstream.url} is down ({type(exc).__name__}): its requests go to the other replicas; left "
+                "out of weight syncs and adapter loads until it answers again",
+                flush=True,
+            )
         return message
 
     def _members(self) -> list[Upstream]:
@@ -259,25 +300,41 @@ class Proxy:
         for path, body in calls + [("/reset_prefix_cache", None)]:
             status, _, data = await self._send(upstream, "POST", path, body, {"Content-Type": "application/json"})
             if status != 200:
-                print(f"[proxy] {upstream.url} answers again but {path} failed ({status} {data[:200]!r}): still down",
-                      flush=True)
+                print(
+                    f"[proxy] {upstream.url} answers again but {path} failed ({status} {data[:200]!r}): still down",
+                    flush=True,
+                )
                 return
         upstream.failures = 0
         upstream.state = State.BEHIND if self.group is not None else State.UP
-        print(f"[proxy] {upstream.url} is back" + (": it gets traffic once the trainer's next weight transfer reaches it"
-                                                   if upstream.state == State.BEHIND else ", with the current weights"), flush=True)
+        print(
+            f"[proxy] {upstream.url} is back"
+            + (
+                ": it gets traffic once the trainer's next weight transfer reaches it"
+                if upstream.state == State.BEHIND
+                else ", with the current weights"
+            ),
+            flush=True,
+        )
 
-    async def _send(self, upstream: Upstream, method: str, path_qs: str, body: bytes | None, headers) -> tuple[int, dict, bytes]:
+    async def _send(
+        self, upstream: Upstream, method: str, path_qs: str, body: bytes | None, headers
+    ) -> tuple[int, dict, bytes]:
         """One upstream call, fully buffered; a transport failure is a 502 naming the replica."""
         try:
-            async with self.session.request(method, upstream.url + path_qs, data=body, headers=self._outgoing(headers),
-                                            allow_redirects=False) as r:
+            async with self.session.request(
+                method, upstream.url + path_qs, data=body, headers=self._outgoing(headers), allow_redirects=False
+            ) as r:
                 data = await r.read()
                 upstream.failures = 0
                 return r.status, end_to_end(r.headers), data
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             message = self._failed(upstream, exc)
-            return 502, {"Content-Type": "application/json"}, json.dumps(error_body(502, message, "BadGateway")).encode()
+            return (
+                502,
+                {"Content-Type": "application/json"},
+                json.dumps(error_body(502, message, "BadGateway")).encode(),
+            )
 
     async def routed(self, request: web.Request) -> web.Response:
         raw = await request.read()
@@ -320,7 +377,9 @@ class Proxy:
                 status, headers, data = await self._send(upstream, "POST", request.path_qs, raw, request.headers)
             finally:
                 upstream.inflight -= 1
-            if not (status == 502 and upstream.state == State.DOWN and any(u.state == State.UP for u in self.upstreams)):
+            if not (
+                status == 502 and upstream.state == State.DOWN and any(u.state == State.UP for u in self.upstreams)
+            ):
                 return status, headers, data, self.upstreams.index(upstream)
 
     async def _route_stream(self, request: web.Request, body: dict, raw: bytes) -> web.StreamResponse:
@@ -332,14 +391,17 @@ class Proxy:
         upstream.inflight += 1
         try:
             try:
-                answer = await self.session.post(upstream.url + request.path_qs, data=raw,
-                                                 headers=self._outgoing(request.headers))
+                answer = await self.session.post(
+                    upstream.url + request.path_qs, data=raw, headers=self._outgoing(request.headers)
+                )
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 return error(502, self._failed(upstream, exc))
             async with answer:
                 upstream.failures = 0
-                response = web.StreamResponse(status=answer.status, headers={
-                    **end_to_end(answer.headers), "X-Proxy-Upstream": str(self.upstreams.index(upstream))})
+                response = web.StreamResponse(
+                    status=answer.status,
+                    headers={**end_to_end(answer.headers), "X-Proxy-Upstream": str(self.upstreams.index(upstream))},
+                )
                 await response.prepare(request)
                 try:
                     async for data in answer.content.iter_any():
@@ -354,10 +416,16 @@ class Proxy:
         finally:
             upstream.inflight -= 1
 
-    async def _all(self, request: web.Request, raw: bytes | None = None, upstreams=None) -> list[tuple[int, dict, bytes]]:
+    async def _all(
+        self, request: web.Request, raw: bytes | None = None, upstreams=None
+    ) -> list[tuple[int, dict, bytes]]:
         raw = await request.read() if raw is None else raw
-        return await asyncio.gather(*(self._send(u, request.method, request.path_qs, raw or None, request.headers)
-                                      for u in (self.upstreams if upstreams is None else upstreams)))
+        return await asyncio.gather(
+            *(
+                self._send(u, request.method, request.path_qs, raw or None, request.headers)
+                for u in (self.upstreams if upstreams is None else upstreams)
+            )
+        )
 
     async def broadcast(self, request: web.Request) -> web.Response:
         members, raw = self._members(), await request.read()
@@ -368,8 +436,11 @@ class Proxy:
             for upstream, (status, _, _) in zip(members, results):
                 if status == 200:
                     self.router.forget(self.upstreams.index(upstream))
-        failed = [(u, status, data) for u, (status, _, data) in zip(members, results)
-                  if status != 200 and u.state != State.DOWN]  # one found down: left out
+        failed = [
+            (u, status, data)
+            for u, (status, _, data) in zip(members, results)
+            if status != 200 and u.state != State.DOWN
+        ]  # one found down: left out
         if request.path == "/v1/unload_lora_adapter":  # vLLM: unloading a name that is not loaded is fine
             failed = [(u, status, data) for u, status, data in failed if status not in (400, 404)]
         if failed:
@@ -394,10 +465,16 @@ class Proxy:
     async def world_size(self, request: web.Request) -> web.Response:
         """The replicas' workers together: the trainer sizes its transfer group from this."""
         sizes = await self._world_sizes(request)
-        return web.json_response({"world_size": sum(sizes)}) if sizes else error(502, "proxy: a replica did not tell its world size")
+        return (
+            web.json_response({"world_size": sum(sizes)})
+            if sizes
+            else error(502, "proxy: a replica did not tell its world size")
+        )
 
     async def _world_sizes(self, request: web.Request) -> list[int] | None:
-        results = await asyncio.gather(*(self._send(u, "GET", "/get_world_size", None, request.headers) for u in self._members()))
+        results = await asyncio.gather(
+            *(self._send(u, "GET", "/get_world_size", None, request.headers) for u in self._members())
+        )
         if any(status != 200 for status, _, _ in results):
             return None
         try:
@@ -421,24 +498,35 @@ class Proxy:
         if request.path == "/start_weight_update":
             self.transfer_failed = False
             if self.group is not None and joined != self.group:
-                return error(409, f"proxy: the replicas up ({sorted(joined)}) are not those of the weight-transfer group "
-                                  f"({sorted(self.group)}): one went down or came back. Initialise the transfer again "
-                                  "(/init_weight_transfer_engine) to form the group anew.")
+                return error(
+                    409,
+                    f"proxy: the replicas up ({sorted(joined)}) are not those of the weight-transfer group "
+                    f"({sorted(self.group)}): one went down or came back. Initialise the transfer again "
+                    "(/init_weight_transfer_engine) to form the group anew.",
+                )
         bodies = await self._transfer_bodies(request, body, members)
         if isinstance(bodies, web.Response):
             return bodies
         if request.path == "/finish_weight_update" and self.transfer_failed:
             bodies = [b | {"discard": True} for b in bodies]
-        results = await asyncio.gather(*(self._send(u, "POST", request.path_qs, json.dumps(b).encode(),
-                                                    {"Content-Type": "application/json"})
-                                         for u, b in zip(members, bodies)))
+        results = await asyncio.gather(
+            *(
+                self._send(u, "POST", request.path_qs, json.dumps(b).encode(), {"Content-Type": "application/json"})
+                for u, b in zip(members, bodies)
+            )
+        )
         failed = [(u, status, data) for u, (status, _, data) in zip(members, results) if status != 200]
         if failed and request.path == "/update_weights":
             self.transfer_failed = True
         if failed and request.path == "/start_weight_update":  # the replicas that started close their update unused
             discard = json.dumps({"discard": True}).encode()
-            await asyncio.gather(*(self._send(u, "POST", "/finish_weight_update", discard, {"Content-Type": "application/json"})
-                                   for u, r in zip(members, results) if r[0] == 200))
+            await asyncio.gather(
+                *(
+                    self._send(u, "POST", "/finish_weight_update", discard, {"Content-Type": "application/json"})
+                    for u, r in zip(members, results)
+                    if r[0] == 200
+                )
+            )
         if not failed and request.path == "/init_weight_transfer_engine":
             self.group = joined
         if not failed and request.path == "/finish_weight_update" and not self.transfer_failed:
@@ -449,7 +537,9 @@ class Proxy:
         status, headers, data = results[0]
         return web.Response(status=200, body=data, headers=headers)
 
-    async def _transfer_bodies(self, request: web.Request, body: dict, members: list[Upstream]) -> list[dict] | web.Response:
+    async def _transfer_bodies(
+        self, request: web.Request, body: dict, members: list[Upstream]
+    ) -> list[dict] | web.Response:
         """Each member's body of a weight-transfer call."""
         if not members:
             return error(502, f"proxy: every replica is down; {request.path} reached none")
@@ -469,7 +559,7 @@ class Proxy:
         if len(info) != sum(sizes):
             return error(400, f"proxy: update_info has {len(info)} entries; the replicas have {sum(sizes)} workers")
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        return [body | {"update_info": info[start:start + size]} for start, size in zip(starts, sizes)]
+        return [body | {"update_info": info[start : start + size]} for start, size in zip(starts, sizes)]
 
     async def load_lora(self, request: web.Request) -> web.Response:
         raw = await request.read()
@@ -491,23 +581,38 @@ class Proxy:
         if not members:
             return error(502, f"proxy: every replica is down; {name} was loaded on none")
         results = await asyncio.gather(*(load_one(u) for u in members))
-        failed = [(u, status, data) for u, (status, data, _) in zip(members, results)
-                  if status != 200 and u.state != State.DOWN]  # one found down: left out
+        failed = [
+            (u, status, data)
+            for u, (status, data, _) in zip(members, results)
+            if status != 200 and u.state != State.DOWN
+        ]  # one found down: left out
         if not failed and any(status == 200 for status, _, _ in results):
             self._remember(request.path, raw)
-            return web.Response(status=200, body=next(data for status, data, _ in results if status == 200),
-                                content_type="application/json")
+            return web.Response(
+                status=200,
+                body=next(data for status, data, _ in results if status == 200),
+                content_type="application/json",
+            )
         if not failed:
             return error(502, f"proxy: every replica went down while loading {name}; it is loaded on none")
         unload = json.dumps({"lora_name": name}).encode()
-        rollbacks = await asyncio.gather(*(self._send(u, "POST", "/v1/unload_lora_adapter", unload, {"Content-Type": "application/json"})
-                                           for u, r in zip(members, results) if r[0] == 200))
+        rollbacks = await asyncio.gather(
+            *(
+                self._send(u, "POST", "/v1/unload_lora_adapter", unload, {"Content-Type": "application/json"})
+                for u, r in zip(members, results)
+                if r[0] == 200
+            )
+        )
         _, status, data = failed[0]
         attempts = results[members.index(failed[0][0])][2]
         not_rolled_back = sum(1 for s, _, _ in rollbacks if s != 200)
-        note = (f" after {attempts} attempt(s); rolled back on the others"
-                f"{f' ({not_rolled_back} rollback unloads failed)' if not_rolled_back else ''}")
-        return error(504 if b"No adapter found" in data else status, failed_on(f"to load {name}", failed, len(results), note))
+        note = (
+            f" after {attempts} attempt(s); rolled back on the others"
+            f"{f' ({not_rolled_back} rollback unloads failed)' if not_rolled_back else ''}"
+        )
+        return error(
+            504 if b"No adapter found" in data else status, failed_on(f"to load {name}", failed, len(results), note)
+        )
 
     async def health(self, request: web.Request) -> web.Response:
         """200 only when every replica is healthy, else 503 (or the first unhealthy one's 5xx) naming them.
@@ -520,8 +625,11 @@ class Proxy:
             return web.Response(status=200)
         serving = len(self.upstreams) - len(bad)
         status = next((code for _, code in bad if isinstance(code, int) and code >= 500), 503)
-        return web.Response(status=status, text=f"proxy: {len(bad)}/{len(self.upstreams)} servers unhealthy, serving on "
-                                                f"{serving}; first: {bad[0][0]} -> {bad[0][1]}")
+        return web.Response(
+            status=status,
+            text=f"proxy: {len(bad)}/{len(self.upstreams)} servers unhealthy, serving on "
+            f"{serving}; first: {bad[0][0]} -> {bad[0][1]}",
+        )
 
     async def metrics(self, request: web.Request) -> web.Response:
         results = await self._all(request, b"")
@@ -551,7 +659,9 @@ class Proxy:
         """Reads any replica can answer for all (models, server_info, tokenize, ...): the first one that answers."""
         raw = await request.read()
         for upstream in self.upstreams:
-            status, headers, data = await self._send(upstream, request.method, request.path_qs, raw or None, request.headers)
+            status, headers, data = await self._send(
+                upstream, request.method, request.path_qs, raw or None, request.headers
+            )
             if status != 502:
                 return web.Response(status=status, body=data, headers=headers)
         return web.Response(status=502, body=data, headers=headers)
@@ -559,7 +669,11 @@ class Proxy:
 
 def _load_lines(loads: dict[int, dict[str, float]]) -> list[str]:
     """Each replica's load, labelled with it, then the totals: load and capacity summed, the fullest replica's KV usage."""
-    lines = [f'tandem_proxy:replica_{name}{{replica="{index}"}} {value:g}' for index, load in loads.items() for name, value in load.items()]
+    lines = [
+        f'tandem_proxy:replica_{name}{{replica="{index}"}} {value:g}'
+        for index, load in loads.items()
+        for name, value in load.items()
+    ]
     for name in next(iter(loads.values()), {}):
         column = [load[name] for load in loads.values()]
         lines.append(f"tandem_proxy:{name} {max(column) if name == 'kv_cache_usage_perc' else sum(column):g}")
@@ -569,8 +683,13 @@ def _load_lines(loads: dict[int, dict[str, float]]) -> list[str]:
 def _load(text: str) -> dict[str, float]:
     """One replica's load from its /metrics: its engines summed, KV usage as its fullest engine's."""
     m = parse_metrics(text)
-    return {"num_requests_running": m.running, "num_requests_waiting": m.waiting, "num_preemptions": m.preemptions,
-            "kv_cache_usage_perc": m.kv_cache_usage, "kv_cache_size_tokens": m.kv_capacity_tokens or 0}
+    return {
+        "num_requests_running": m.running,
+        "num_requests_waiting": m.waiting,
+        "num_preemptions": m.preemptions,
+        "kv_cache_usage_perc": m.kv_cache_usage,
+        "kv_cache_size_tokens": m.kv_capacity_tokens or 0,
+    }
 
 
 async def start_proxy(args: ProxyArgs) -> tuple[web.AppRunner, int]:

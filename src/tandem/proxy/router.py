@@ -58,7 +58,7 @@ class PrefixRouter:
         size = self.block_size if not isinstance(prompt, bytes) else 4 * self.block_size
         hashes, previous = [], _hash(model.encode())
         for start in range(0, len(prompt) - size + 1, size):
-            chunk = prompt[start:start + size]
+            chunk = prompt[start : start + size]
             data = chunk if isinstance(chunk, bytes) else ",".join(map(str, chunk)).encode()
             previous = _hash(previous + data)
             hashes.append(previous)

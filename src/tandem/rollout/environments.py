@@ -34,8 +34,11 @@ def route(row: dict, factories: dict[str | None, Callable]) -> str | None:
 def environment_tools(env) -> list[Callable]:
     """The instance's public methods other than reset and get_reward, bound: its rollout's tools."""
     cls = type(env)
-    return [getattr(env, name) for name in sorted(vars_of(cls))
-            if not name.startswith("_") and name not in RESERVED and inspect.isfunction(inspect.getattr_static(cls, name))]
+    return [
+        getattr(env, name)
+        for name in sorted(vars_of(cls))
+        if not name.startswith("_") and name not in RESERVED and inspect.isfunction(inspect.getattr_static(cls, name))
+    ]
 
 
 def vars_of(cls: type) -> set[str]:
@@ -50,8 +53,10 @@ def reset_prompt(prompt: list[dict] | None, text: str | None) -> list[dict]:
         raise TypeError(f"reset() returned {type(text).__name__}; it must return a string (the task) or None")
     if not prompt:
         if text is None:
-            raise ValueError("the dataset row has no 'prompt' and the environment's reset() returned None: reset() must "
-                             "return the task as a string when there is no prompt column")
+            raise ValueError(
+                "the dataset row has no 'prompt' and the environment's reset() returned None: reset() must "
+                "return the task as a string when there is no prompt column"
+            )
         return [{"role": "user", "content": text}]
     if text is None:
         return list(prompt)
@@ -90,8 +95,10 @@ def validate_environments(environment_factory, tools: list[Callable], datasets: 
             raise TypeError(f"{label} is {type(factory).__name__}, not a class or callable that makes an environment")
         env = unbuilt(factory)
         if not callable(getattr(env, "reset", None)):
-            raise TypeError(f"{label}: {type(env).__name__} has no reset() method. An environment needs "
-                            "reset(self, **kwargs) -> str | None, called at the start of each rollout")
+            raise TypeError(
+                f"{label}: {type(env).__name__} has no reset() method. An environment needs "
+                "reset(self, **kwargs) -> str | None, called at the start of each rollout"
+            )
         validate_tools(list(tools) + environment_tools(env), owner=f"{label} ({type(env).__name__}) and tools")
         classes.append(type(env))
     if None not in factories:
@@ -117,10 +124,14 @@ def check_routes(factories: dict[str | None, Callable], dataset, dataset_name: s
         return
     columns = columns_of(dataset)
     if dataset is None or ROUTE_COLUMN not in columns:
-        raise UsageError(f"environment_factory is a dict ({', '.join(map(repr, factories))}), so each dataset row must "
-                         f"name its environment in an {ROUTE_COLUMN!r} column; the {dataset_name} has "
-                         f"{'none' if dataset is None else 'columns ' + str(columns)}")
+        raise UsageError(
+            f"environment_factory is a dict ({', '.join(map(repr, factories))}), so each dataset row must "
+            f"name its environment in an {ROUTE_COLUMN!r} column; the {dataset_name} has "
+            f"{'none' if dataset is None else 'columns ' + str(columns)}"
+        )
     unknown = sorted({row[ROUTE_COLUMN] for row in dataset} - set(factories))
     if unknown:
-        raise UsageError(f"{dataset_name}'s {ROUTE_COLUMN!r} column names {unknown}, which environment_factory does not "
-                         f"have (it has {sorted(factories)}): add a factory for each, or fix the rows")
+        raise UsageError(
+            f"{dataset_name}'s {ROUTE_COLUMN!r} column names {unknown}, which environment_factory does not "
+            f"have (it has {sorted(factories)}): add a factory for each, or fix the rows"
+        )

@@ -13,17 +13,23 @@ import random
 import time
 from dataclasses import dataclass
 
-from tandem.contract.algorithms import algorithm_of
-from tandem.generation.client import GenerationClient
 from tandem.chat.prompts import render_chat
+from tandem.chat.tool_calls import tool_schema
+from tandem.contract.algorithms import algorithm_of
 from tandem.contract.records import Rollout, RolloutGroup, TurnRecord
-from tandem.rollout.environments import (ROUTE_COLUMN, EnvironmentPool, environment_tools, factories_of, reset_prompt,
-                                         route)
+from tandem.generation.client import GenerationClient
+from tandem.rollout.environments import (
+    ROUTE_COLUMN,
+    EnvironmentPool,
+    environment_tools,
+    factories_of,
+    reset_prompt,
+    route,
+)
 from tandem.rollout.pacing import ConcurrencyCap
 from tandem.rollout.reconcile import reconcile
 from tandem.rollout.settings import RolloutSettings
 from tandem.rollout.tools import Toolbox, ToolResult, ToolRunner
-from tandem.chat.tool_calls import tool_schema
 
 RENDER_CACHE_SIZE = 4096
 GROUP_VERSION: contextvars.ContextVar[int] = contextvars.ContextVar("group_version", default=0)
@@ -66,8 +72,12 @@ class Generation:
         self.runner = ToolRunner(config.max_concurrent_rollouts, config.tool_call_timeout)
         self.schemas: dict[object, dict] = {}
         self.rendered: dict[str, list[int]] = {}
-        self.client = GenerationClient(settings.base_url, api_key=settings.api_key, timeout_s=config.vllm_server_timeout,
-                                       retry_for_s=config.vllm_server_timeout)
+        self.client = GenerationClient(
+            settings.base_url,
+            api_key=settings.api_key,
+            timeout_s=config.vllm_server_timeout,
+            retry_for_s=config.vllm_server_timeout,
+        )
         """Requests wait up to vllm_server_timeout for a server that went away (restarting) to answer again."""
         self.cap = ConcurrencyCap(config.max_concurrent_rollouts)
         """Rollouts allowed in flight; driven by the server's KV-cache usage once /metrics answers (the scheduler's)."""
@@ -88,21 +98,50 @@ class Generation:
         if self.max_model_len is not None:
             max_tokens = max(1, min(max_tokens, self.max_model_len - len(prompt_ids)))
         if self.sampling_masks:
-            completions = await self.client.generate(prompt_ids, model=self._served_model(), sampling_params={
-                "max_tokens": max_tokens, "n": n, "temperature": c.temperature, "top_p": c.top_p,
-                "top_k": c.top_k, "min_p": c.min_p or 0.0, "repetition_penalty": c.repetition_penalty,
-                "seed": SEEDS.get().getrandbits(62), "logprobs": self.top_logprobs, "stop_token_ids": self.eos_token_ids,
-                "skip_special_tokens": False})
+            completions = await self.client.generate(
+                prompt_ids,
+                model=self._served_model(),
+                sampling_params={
+                    "max_tokens": max_tokens,
+                    "n": n,
+                    "temperature": c.temperature,
+                    "top_p": c.top_p,
+                    "top_k": c.top_k,
+                    "min_p": c.min_p or 0.0,
+                    "repetition_penalty": c.repetition_penalty,
+                    "seed": SEEDS.get().getrandbits(62),
+                    "logprobs": self.top_logprobs,
+                    "stop_token_ids": self.eos_token_ids,
+                    "skip_special_tokens": False,
+                },
+            )
         else:
             completions = await self.client.complete(
-                prompt_ids, model=self._served_model(), max_tokens=max_tokens, n=n, temperature=c.temperature,
-                top_p=c.top_p, top_k=c.top_k, min_p=c.min_p or 0.0, repetition_penalty=c.repetition_penalty,
-                seed=SEEDS.get().getrandbits(62), logprobs=self.top_logprobs, stop_token_ids=self.eos_token_ids,
+                prompt_ids,
+                model=self._served_model(),
+                max_tokens=max_tokens,
+                n=n,
+                temperature=c.temperature,
+                top_p=c.top_p,
+                top_k=c.top_k,
+                min_p=c.min_p or 0.0,
+                repetition_penalty=c.repetition_penalty,
+                seed=SEEDS.get().getrandbits(62),
+                logprobs=self.top_logprobs,
+                stop_token_ids=self.eos_token_ids,
             )
         self.generated_tokens += sum(len(x.token_ids) for x in completions)
-        return [TurnRecord(prompt_ids=list(prompt_ids), output_ids=x.token_ids, output_log_probs=x.logprobs,
-                           output_sampler_logprobs=top_entries(x.top_logprobs, self.top_logprobs),
-                           output_sampling_mask=x.sampling_mask, finish_reason=x.finish_reason) for x in completions]
+        return [
+            TurnRecord(
+                prompt_ids=list(prompt_ids),
+                output_ids=x.token_ids,
+                output_log_probs=x.logprobs,
+                output_sampler_logprobs=top_entries(x.top_logprobs, self.top_logprobs),
+                output_sampling_mask=x.sampling_mask,
+                finish_reason=x.finish_reason,
+            )
+            for x in completions
+        ]
 
     def _served_model(self) -> str:
         return self.adapter_name.format(version=GROUP_VERSION.get()) if self.adapter_name else self.model_name
@@ -114,8 +153,9 @@ class Generation:
         if key not in self.rendered:
             if len(self.rendered) > RENDER_CACHE_SIZE:
                 self.rendered.clear()
-            self.rendered[key] = render_chat(self.tokenizer, messages, tools=tools or None,
-                                             chat_template_kwargs=self.config.chat_template_kwargs)
+            self.rendered[key] = render_chat(
+                self.tokenizer, messages, tools=tools or None, chat_template_kwargs=self.config.chat_template_kwargs
+            )
         return self.rendered[key]
 
     def toolbox(self, tools: list) -> Toolbox:
@@ -124,7 +164,9 @@ class Generation:
             key = getattr(tool, "__func__", tool)
             if key not in self.schemas:
                 self.schemas[key] = tool_schema(tool)
-        return Toolbox({tool.__name__: tool for tool in tools}, [self.schemas[getattr(t, "__func__", t)] for t in tools])
+        return Toolbox(
+            {tool.__name__: tool for tool in tools}, [self.schemas[getattr(t, "__func__", t)] for t in tools]
+        )
 
     def room_after(self, prompt_ids: list[int]) -> bool:
         """Whether a prompt leaves room to generate in the server's context."""
@@ -160,8 +202,10 @@ class Generation:
     async def _rollouts(self, row: dict, position: int | str, group_id: int) -> list[Episode]:
         """The group's rollouts, concurrently; when one fails the others are cancelled (their slots and environments
         go back at once)."""
-        tasks = [asyncio.ensure_future(self.one_rollout(row, group_id, self._seeds(position, index)))
-                 for index in range(self.config.num_generations)]
+        tasks = [
+            asyncio.ensure_future(self.one_rollout(row, group_id, self._seeds(position, index)))
+            for index in range(self.config.num_generations)
+        ]
         try:
             return await asyncio.gather(*tasks)
         except BaseException:
@@ -178,8 +222,17 @@ class Generation:
             turns = await self.sample(self.render(prompt), n=g)
         finally:
             await self._release(g, time.monotonic() - start)
-        return [Episode(prompt, Rollout(completion=[self.loop.reply(t.output_ids, parse=False)[0]], completion_ids=list(t.output_ids),
-                                        turns=[t])) for t in turns]
+        return [
+            Episode(
+                prompt,
+                Rollout(
+                    completion=[self.loop.reply(t.output_ids, parse=False)[0]],
+                    completion_ids=list(t.output_ids),
+                    turns=[t],
+                ),
+            )
+            for t in turns
+        ]
 
     async def one_rollout(self, row: dict, group_id: int, seeds: random.Random | None = None) -> Episode:
         """One rollout of the row's prompt (its requests seeded from `seeds`); with environments, on an instance reset
@@ -190,12 +243,14 @@ class Generation:
             prompt = row.get("prompt") or []
             return Episode(prompt, await self._generate(prompt, self.tools, group_id))
         name = route(row, self.factories)
-        env = self.environments.take(name) or await self._environment_call(f"environment_factory {name or ''}".strip(),
-                                                                           self.factories[name])
+        env = self.environments.take(name) or await self._environment_call(
+            f"environment_factory {name or ''}".strip(), self.factories[name]
+        )
         try:
             start = time.monotonic()
-            text = await self._environment_call(f"{type(env).__name__}.reset()", env.reset,
-                                                **{k: v for k, v in row.items() if k != ROUTE_COLUMN})
+            text = await self._environment_call(
+                f"{type(env).__name__}.reset()", env.reset, **{k: v for k, v in row.items() if k != ROUTE_COLUMN}
+            )
             self.record("env/reset_s", time.monotonic() - start)
             prompt = reset_prompt(row.get("prompt"), text)
             rollout = await self._generate(prompt, self.tools + environment_tools(env), group_id)
@@ -228,11 +283,15 @@ class Generation:
         try:
             return await asyncio.wait_for(call, self.config.tool_call_timeout)
         except asyncio.TimeoutError:
-            raise TimeoutError(f"{label} did not return within tool_call_timeout={self.config.tool_call_timeout:g}s") from None
+            raise TimeoutError(
+                f"{label} did not return within tool_call_timeout={self.config.tool_call_timeout:g}s"
+            ) from None
 
     async def _acquire(self, slots: int) -> None:
         async with self.slot:
-            await self.slot.wait_for(lambda: self.rollouts_in_flight == 0 or self.rollouts_in_flight + slots <= self.cap.value)
+            await self.slot.wait_for(
+                lambda: self.rollouts_in_flight == 0 or self.rollouts_in_flight + slots <= self.cap.value
+            )
             self.rollouts_in_flight += slots
 
     async def _release(self, slots: int, duration_s: float) -> None:
@@ -259,17 +318,26 @@ class Generation:
                 self.record("rollout/drift_tokens_max", *stats.drift_tokens)
         return sequences
 
-    def group(self, row: dict, row_index: int, group_id: int, version: int, episodes: list[Episode],
-               sequences: list[list]) -> RolloutGroup:
+    def group(
+        self, row: dict, row_index: int, group_id: int, version: int, episodes: list[Episode], sequences: list[list]
+    ) -> RolloutGroup:
         g = len(episodes)
         extra = {k: [v] * g for k, v in row.items() if k not in ("prompt", ROUTE_COLUMN)}
         rollouts = [e.rollout for e in episodes]
         return RolloutGroup(
-            prompts=[e.prompt for e in episodes], reward_kwargs=extra, completions=[r.completion for r in rollouts],
-            completions_ids=[r.completion_ids for r in rollouts], completions_sequences=sequences,
-            tool_call_counts=[r.tool_call_count for r in rollouts], tool_failure_counts=[r.tool_failure_count for r in rollouts],
-            model_version=version, group_id=group_id, row_index=row_index,
-            env_rewards=[e.env_reward for e in episodes], rollout_rewards=[r.reward for r in rollouts], queued_at=time.monotonic(),
+            prompts=[e.prompt for e in episodes],
+            reward_kwargs=extra,
+            completions=[r.completion for r in rollouts],
+            completions_ids=[r.completion_ids for r in rollouts],
+            completions_sequences=sequences,
+            tool_call_counts=[r.tool_call_count for r in rollouts],
+            tool_failure_counts=[r.tool_failure_count for r in rollouts],
+            model_version=version,
+            group_id=group_id,
+            row_index=row_index,
+            env_rewards=[e.env_reward for e in episodes],
+            rollout_rewards=[r.reward for r in rollouts],
+            queued_at=time.monotonic(),
         )
 
 
@@ -279,4 +347,3 @@ def top_entries(entries: list[dict[int, float]] | None, k: int) -> list[dict[int
     if not k or entries is None:
         return None
     return [dict(list(e.items())[1:]) if len(e) > k else e for e in entries]
-

@@ -6,8 +6,14 @@ import numpy as np
 from tandem.contract.records import RolloutGroup
 
 
-def record_group(record, group: RolloutGroup, columns: dict[str, np.ndarray], kept: bool, eos_token_ids: list[int],
-                 log_completions: bool) -> None:
+def record_group(
+    record,
+    group: RolloutGroup,
+    columns: dict[str, np.ndarray],
+    kept: bool,
+    eos_token_ids: list[int],
+    log_completions: bool,
+) -> None:
     """Rewards (all, dropped, per source), lengths and, with `log_completions`, the examples to print. What is defined
     over trained samples (reward_kept, reward_group_std, rewards/{source}/group_std) the trainer records as it trains
     them (step_metrics.record_samples), from what each sample carries (`group_stds`)."""
@@ -22,15 +28,19 @@ def record_group(record, group: RolloutGroup, columns: dict[str, np.ndarray], ke
         record(f"rewards/{name}/mean", *values[~np.isnan(values)].tolist())
     record_lengths(record, group.completions_ids, set(eos_token_ids))
     if log_completions:
-        record("completions/examples", *[(group.prompts[0], c[0]["content"] if c else "", float(r))
-                                         for c, r in zip(group.completions, rewards)])
+        record(
+            "completions/examples",
+            *[(group.prompts[0], c[0]["content"] if c else "", float(r)) for c, r in zip(group.completions, rewards)],
+        )
 
 
 def group_stds(rewards: np.ndarray, columns: dict[str, np.ndarray]) -> tuple[float, dict[str, float]]:
     """The std within the group of its summed reward and of each source's (their scored values; NaN when none)."""
+
     def std(values: np.ndarray) -> float:
         valid = values[~np.isnan(values)]
         return float(valid.std()) if len(valid) else float("nan")
+
     return std(rewards), {name: std(values) for name, values in columns.items()}
 
 

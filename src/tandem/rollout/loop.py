@@ -13,6 +13,8 @@ scoring, evaluation, failures) is a `RolloutScheduler` (rollout/scheduler.py) th
 
 import numpy as np
 
+from tandem.chat.tool_calls import ToolCall, parse_reply
+from tandem.chat.tool_formats import tool_call_format
 from tandem.contract.channels import Channels
 from tandem.contract.records import Rollout, RolloutGroup, TurnRecord
 from tandem.rollout import scoring
@@ -20,8 +22,6 @@ from tandem.rollout.generation import GROUP_SEED, ROW
 from tandem.rollout.scheduler import RolloutScheduler
 from tandem.rollout.settings import RolloutSettings
 from tandem.rollout.tools import Toolbox
-from tandem.chat.tool_calls import ToolCall, parse_reply
-from tandem.chat.tool_formats import tool_call_format
 
 
 class AsyncRolloutLoop:
@@ -37,12 +37,16 @@ class AsyncRolloutLoop:
         self.settings = settings
         self.config = settings.config
         self.tokenizer = processing_class
-        self.tool_format = (None if self.config.tool_call_parser is None
-                            else tool_call_format(self.config.tool_call_parser, processing_class))
+        self.tool_format = (
+            None
+            if self.config.tool_call_parser is None
+            else tool_call_format(self.config.tool_call_parser, processing_class)
+        )
         """The format replies' tool calls are read in (the run's tool_call_parser; None: Hermes or response_template)."""
         self.base_url, self.api_key = settings.base_url, settings.api_key
-        self._scheduler = RolloutScheduler(self, settings, processing_class, channels,
-                                           whole_groups=samples_whole_groups(type(self)))
+        self._scheduler = RolloutScheduler(
+            self, settings, processing_class, channels, whole_groups=samples_whole_groups(type(self))
+        )
 
     async def run(self) -> None:
         """Generate and score until the prompts run out or the trainer says stop (the worker process calls this)."""
@@ -69,10 +73,12 @@ class AsyncRolloutLoop:
         while True:
             prompt_ids = self.render(list(prompt) + rollout.completion, toolbox.schemas)
             if not generation.room_after(prompt_ids) and not rollout.turns:
-                raise ValueError(f"a rollout's first prompt renders to {len(prompt_ids)} tokens (the tools' schemas "
-                                 f"included), leaving no room to generate in max_model_len={generation.max_model_len}: "
-                                 "shorten the prompt or the text reset() adds, offer fewer tools, or start the server "
-                                 "with a larger --max-model-len")
+                raise ValueError(
+                    f"a rollout's first prompt renders to {len(prompt_ids)} tokens (the tools' schemas "
+                    f"included), leaving no room to generate in max_model_len={generation.max_model_len}: "
+                    "shorten the prompt or the text reset() adds, offer fewer tools, or start the server "
+                    "with a larger --max-model-len"
+                )
             if not generation.room_after(prompt_ids):
                 self.record("rollout/context_exhausted_count", 1)
                 break
@@ -121,7 +127,9 @@ class AsyncRolloutLoop:
             ids.pop()
         if not parse:
             return {"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=True)}, []
-        parsed = parse_reply(self.tokenizer.decode(ids, skip_special_tokens=False), self.tokenizer, tool_format=self.tool_format)
+        parsed = parse_reply(
+            self.tokenizer.decode(ids, skip_special_tokens=False), self.tokenizer, tool_format=self.tool_format
+        )
         return parsed.message(), parsed.tool_calls
 
     def toolbox(self, tools: list) -> Toolbox:
@@ -147,5 +155,7 @@ def samples_whole_groups(loop_cls: type) -> bool:
     instead of G): only when `generate_one` and `generate_one_turn` are the defaults, since an override is called per
     rollout and per request, as TRL documents it. (Tools and environments keep one call per rollout too: the scheduler
     knows those.)"""
-    return (loop_cls.generate_one is AsyncRolloutLoop.generate_one
-            and loop_cls.generate_one_turn is AsyncRolloutLoop.generate_one_turn)
+    return (
+        loop_cls.generate_one is AsyncRolloutLoop.generate_one
+        and loop_cls.generate_one_turn is AsyncRolloutLoop.generate_one_turn
+    )

@@ -33,8 +33,15 @@ class TokenAllowance:
         per_step = tokens_per_step if tokens_per_step > 0 else self.full_step_tokens
         return self.policy.allowance_steps * per_step
 
-    def may_start(self, queued: float, in_flight: float, reservation: float, tokens_per_step: float,
-                  groups_in_flight: int, groups_finished: int) -> bool:
+    def may_start(
+        self,
+        queued: float,
+        in_flight: float,
+        reservation: float,
+        tokens_per_step: float,
+        groups_in_flight: int,
+        groups_finished: int,
+    ) -> bool:
         if groups_in_flight == 0 and queued <= 0:
             return True  # always make progress, even when one group alone exceeds the allowance
         if groups_finished == 0:
@@ -77,8 +84,14 @@ class Room:
         start = time.monotonic()
         while True:
             self.changed.clear()  # before the look: a wake-up after it is kept for the wait
-            if self.allowance.may_start(self.queued_tokens(), self.in_flight_tokens, reservation,
-                                        self.channels.tokens_per_step.value, self.groups_in_flight, self.groups_finished):
+            if self.allowance.may_start(
+                self.queued_tokens(),
+                self.in_flight_tokens,
+                reservation,
+                self.channels.tokens_per_step.value,
+                self.groups_in_flight,
+                self.groups_finished,
+            ):
                 break
             check()
             try:
@@ -87,8 +100,9 @@ class Room:
                 pass
         used = None
         if self.groups_finished:  # the allowance binds once the first group has finished
-            used = (self.queued_tokens() + self.in_flight_tokens + reservation) / \
-                self.allowance.limit(self.channels.tokens_per_step.value)
+            used = (self.queued_tokens() + self.in_flight_tokens + reservation) / self.allowance.limit(
+                self.channels.tokens_per_step.value
+            )
         self.groups_in_flight += 1  # taken now, not when the group's task first runs
         self.in_flight_tokens += reservation
         return time.monotonic() - start, used

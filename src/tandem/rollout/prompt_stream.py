@@ -78,8 +78,10 @@ class PromptStream:
         if position in self.kept:
             return self.kept[position]
         if position < max(self.read_to, self.floor):
-            raise RuntimeError(f"prompt position {position} of the IterableDataset was read and forgotten (the trainer "
-                               "had finished it), yet it is asked for again")
+            raise RuntimeError(
+                f"prompt position {position} of the IterableDataset was read and forgotten (the trainer "
+                "had finished it), yet it is asked for again"
+            )
         while self.read_to <= position:
             row = self._read()
             if self.read_to >= self.floor:

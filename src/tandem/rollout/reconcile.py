@@ -23,7 +23,7 @@ def reconcile(turns: list[TurnRecord]) -> tuple[list[TrainingSequence], Reconcil
         if held is not None:
             stats.transitions += 1
             if turn.prompt_ids[: len(held.input_ids)] == held.input_ids:
-                _extend(held, turn.prompt_ids[len(held.input_ids):], trained=None)
+                _extend(held, turn.prompt_ids[len(held.input_ids) :], trained=None)
                 stats.drift_tokens.append(0)
             else:
                 stats.forks += 1
@@ -34,15 +34,22 @@ def reconcile(turns: list[TurnRecord]) -> tuple[list[TrainingSequence], Reconcil
             held = TrainingSequence(input_ids=[], trained=[], behavior_log_probs=[])
             _extend(held, turn.prompt_ids, trained=None)
         mask = turn.output_mask if turn.output_mask is not None else [1] * len(turn.output_ids)
-        _extend(held, turn.output_ids, trained=mask, behavior_log_probs=turn.output_log_probs,
-                sampler_logprobs=turn.output_sampler_logprobs, sampling_mask=turn.output_sampling_mask)
+        _extend(
+            held,
+            turn.output_ids,
+            trained=mask,
+            behavior_log_probs=turn.output_log_probs,
+            sampler_logprobs=turn.output_sampler_logprobs,
+            sampling_mask=turn.output_sampling_mask,
+        )
     if held is not None:
         sequences.append(held)
     return [s for s in sequences if any(s.trained)], stats
 
 
-def _extend(seq: TrainingSequence, ids: list[int], trained, behavior_log_probs=None, sampler_logprobs=None,
-            sampling_mask=None) -> None:
+def _extend(
+    seq: TrainingSequence, ids: list[int], trained, behavior_log_probs=None, sampler_logprobs=None, sampling_mask=None
+) -> None:
     n = len(ids)
     seq.input_ids += list(ids)
     seq.trained += [bool(t) for t in trained] if trained is not None else [False] * n

@@ -16,10 +16,10 @@ import numpy as np
 
 from tandem.contract.algorithms import algorithm_of
 from tandem.contract.channels import Channels
+from tandem.contract.records import Rollout, RolloutGroup, Sample
 from tandem.generation.client import ControlClient, EngineDead, ServerError
 from tandem.generation.server_facts import read_facts
 from tandem.metrics.window import check_values
-from tandem.contract.records import Rollout, RolloutGroup, Sample
 from tandem.rollout import scoring
 from tandem.rollout.generation import GROUP_VERSION, Generation
 from tandem.rollout.group_metrics import group_stds, record_group
@@ -43,9 +43,13 @@ class RolloutScheduler:
         self.loop, self.settings, self.channels = loop, settings, channels
         config = self.config = settings.config
         self.generation = Generation(loop, settings, processing_class, whole_groups, self.record)
-        self.prompts = PromptStream(settings.dataset, start=settings.dataset_start_index,
-                                    order_seed=(config.seed if config.data_seed is None else config.data_seed)
-                                    if config.train_sampling_strategy == "random" else None)
+        self.prompts = PromptStream(
+            settings.dataset,
+            start=settings.dataset_start_index,
+            order_seed=(config.seed if config.data_seed is None else config.data_seed)
+            if config.train_sampling_strategy == "random"
+            else None,
+        )
         """The prompt of each position: the dataset's rows, epoch after epoch (rollout/prompt_stream.py)."""
         self.dataset, self.reward_funcs = settings.dataset, list(settings.reward_funcs)
         self.eos_token_ids, self.adapter_name = list(settings.eos_token_ids), settings.adapter_name
@@ -79,9 +83,12 @@ class RolloutScheduler:
         server = self.settings.server or await read_facts(self.control)
         if server.returns_sampling_masks:
             return True
-        warnings.warn("top_k / top_p / min_p are set but the server does not return sampling masks: start it with "
-                      "--return-sampling-mask --enable-scale-out --logprobs-mode processed_logprobs. Training goes on "
-                      "with full-vocabulary log-probs, so every importance ratio is biased by the truncated mass.", stacklevel=2)
+        warnings.warn(
+            "top_k / top_p / min_p are set but the server does not return sampling masks: start it with "
+            "--return-sampling-mask --enable-scale-out --logprobs-mode processed_logprobs. Training goes on "
+            "with full-vocabulary log-probs, so every importance ratio is biased by the truncated mass.",
+            stacklevel=2,
+        )
         return False
 
     # ---- records and messages ----------------------------------------------------------------------
@@ -109,12 +116,17 @@ class RolloutScheduler:
 
     # ---- the loop ---------------------------------------------------------------------------------
     async def run(self) -> None:
-        background = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._report()),
-                      asyncio.create_task(self._say_outages())]
+        background = [
+            asyncio.create_task(self._heartbeat()),
+            asyncio.create_task(self._report()),
+            asyncio.create_task(self._say_outages()),
+        ]
         self.channels.room.listen(self.room.changed)
         try:
             await self.loop.setup()
-            self.generation.sampling_masks = self.config.uses_truncated_sampling and await self._server_returns_sampling_masks()
+            self.generation.sampling_masks = (
+                self.config.uses_truncated_sampling and await self._server_returns_sampling_masks()
+            )
             await self._init_cap()
             background.append(asyncio.create_task(self._poll_server()))
             background.append(self._watch(asyncio.create_task(self._scorer())))
@@ -150,7 +162,9 @@ class RolloutScheduler:
                 prompt = self.prompts.at(position)
                 accepted_in_epoch = 0 if prompt.epoch_start else accepted_in_epoch
                 task = None
-                if position in self.settings.received:  # the trainer holds it already (a resumed run, a restarted worker)
+                if (
+                    position in self.settings.received
+                ):  # the trainer holds it already (a resumed run, a restarted worker)
                     accepted_in_epoch += 1
                 elif self.loop.filter_prompt(prompt.index, prompt.row, prompt.epoch):
                     accepted_in_epoch += 1
@@ -159,8 +173,9 @@ class RolloutScheduler:
                     self.emit("skip", position)
                 position += 1
                 if self.dataset is not None and self.prompts.at(position).epoch_start and accepted_in_epoch == 0:
-                    raise ValueError(f"filter_prompt rejected every prompt of epoch {prompt.epoch}: no sample can reach "
-                                     "the trainer")
+                    raise ValueError(
+                        f"filter_prompt rejected every prompt of epoch {prompt.epoch}: no sample can reach the trainer"
+                    )
             else:  # everything dispatched: wait for the last groups, then for retries
                 if not ended and not groups and not self.unscored:
                     self.emit("end", None)
@@ -181,12 +196,12 @@ class RolloutScheduler:
             except queue.Empty:
                 return
 
-
     async def _start_group(self, row: dict, position: int, group_id: int) -> asyncio.Task:
         """Wait for room in the allowance, reserve the group's tokens and start it."""
         prompt = row.get("prompt")
-        single_turn = self.config.num_generations * ((len(self.generation.render(prompt)) if prompt else 0)
-                                                     + self.config.max_completion_length)
+        single_turn = self.config.num_generations * (
+            (len(self.generation.render(prompt)) if prompt else 0) + self.config.max_completion_length
+        )
         reservation = self.room.reservation(single_turn)
         waited, used = await self.room.wait(reservation, self._raise_failure)
         self.record("rollout/backpressure_s", waited)
@@ -197,7 +212,10 @@ class RolloutScheduler:
     async def _run_group(self, row: dict, position: int, group_id: int, reservation: float) -> None:
         version = self.channels.model_version.value  # read as it runs: its first request goes out under this version
         GROUP_VERSION.set(version)  # this group's requests (its own task) sample from this policy version
-        self.generating[asyncio.current_task()] = (version, position)  # only a running group is cancelled: its finally runs
+        self.generating[asyncio.current_task()] = (
+            version,
+            position,
+        )  # only a running group is cancelled: its finally runs
         try:
             episodes = await self.generation.episodes(row, position, group_id)
         except EngineDead:
@@ -214,8 +232,11 @@ class RolloutScheduler:
                 self.retries.append(position)
             else:
                 self.failed_once.discard(position)
-                self._drop_failed("the server", position, f"a request of the group failed, and again when the group was "
-                                  f"generated anew: {exc}")
+                self._drop_failed(
+                    "the server",
+                    position,
+                    f"a request of the group failed, and again when the group was generated anew: {exc}",
+                )
             return
         finally:
             self.room.group_ended(reservation)
@@ -223,7 +244,9 @@ class RolloutScheduler:
         if not episodes:  # each of its episodes failed (another library's: counted where they failed)
             self.emit("skip", position)
             return
-        group = self.generation.group(row, self.prompts.at(position).index, group_id, version, episodes, self.generation.reconciled(episodes))
+        group = self.generation.group(
+            row, self.prompts.at(position).index, group_id, version, episodes, self.generation.reconciled(episodes)
+        )
         block = time.monotonic()
         self.unscored += 1
         await self.score_queue.put((group, [e.rollout for e in episodes], position))
@@ -246,8 +269,12 @@ class RolloutScheduler:
         Nothing is trained, and the allowance is untouched: evaluation is not paced with training."""
         GROUP_VERSION.set(version)
         records: dict[str, list] = defaultdict(list)
-        outcomes = await asyncio.gather(*[self._evaluate_row(dict(row), index, step, version, records)
-                                          for index, row in enumerate(self.settings.eval_dataset)])
+        outcomes = await asyncio.gather(
+            *[
+                self._evaluate_row(dict(row), index, step, version, records)
+                for index, row in enumerate(self.settings.eval_dataset)
+            ]
+        )
         records["eval/failed_count"].append(outcomes.count(False))
         self.emit("eval", (step, dict(records)))
 
@@ -264,8 +291,14 @@ class RolloutScheduler:
         except (ServerError, scoring.RewardFailed) as exc:
             print(f"tandem: evaluation at step {step}: eval_dataset row {index} failed ({exc})", file=sys.stderr)
             return False
-        record_group(lambda name, *values: records[f"eval/{name}"].extend(values), group, columns,
-                     self.algorithm.keeps(group.rewards.tolist()), self.eos_token_ids, log_completions=False)
+        record_group(
+            lambda name, *values: records[f"eval/{name}"].extend(values),
+            group,
+            columns,
+            self.algorithm.keeps(group.rewards.tolist()),
+            self.eos_token_ids,
+            log_completions=False,
+        )
         return True
 
     async def _scorer(self) -> None:
@@ -285,18 +318,26 @@ class RolloutScheduler:
         try:
             columns = await self._reward(group)
         except scoring.RewardFailed as failed:
-            self._drop_failed(f"reward function {failed.name!r}", position, f"it failed on the group, and again when "
-                              f"called once more: {failed.traceback.splitlines()[-1]}", failed.traceback)
+            self._drop_failed(
+                f"reward function {failed.name!r}",
+                position,
+                f"it failed on the group, and again when called once more: {failed.traceback.splitlines()[-1]}",
+                failed.traceback,
+            )
             return
         self.failed_in_a_row.clear()
         advantages = np.asarray(self.loop.compute_advantages(group), dtype=np.float64)
         if advantages.shape != (len(rollouts),):
-            raise ValueError(f"compute_advantages returned shape {advantages.shape}; it must return one advantage per "
-                             f"rollout ({len(rollouts)})")
+            raise ValueError(
+                f"compute_advantages returned shape {advantages.shape}; it must return one advantage per "
+                f"rollout ({len(rollouts)})"
+            )
         self.record("rollout/score_s", time.monotonic() - start)
         kept = self.algorithm.keeps(group.rewards.tolist())
         record_group(self.record, group, columns, kept, self.eos_token_ids, self.config.log_completions)
-        samples = self._samples(group, rollouts, advantages, position, group_stds(group.rewards, columns)) if kept else []
+        samples = (
+            self._samples(group, rollouts, advantages, position, group_stds(group.rewards, columns)) if kept else []
+        )
         self._flush_records()  # the group's metrics travel ahead of its samples
         self.room.group_scored(sum(s.num_tokens for s in samples) if samples else None)
         if samples:
@@ -307,12 +348,19 @@ class RolloutScheduler:
     async def _reward(self, group: RolloutGroup) -> dict[str, np.ndarray]:
         """Every reward source of the group, summed into `group.rewards`; returns the reward functions' columns."""
         g = len(group.completions)
-        kwargs = {"prompts": group.prompts, "completions": group.completions, "completion_ids": group.completions_ids,
-                  **group.reward_kwargs}
-        columns = (await scoring.score(self.reward_funcs, kwargs, g, self.config.reward_timeout)
-                   | scoring.environment_columns(group.env_rewards))
+        kwargs = {
+            "prompts": group.prompts,
+            "completions": group.completions,
+            "completion_ids": group.completions_ids,
+            **group.reward_kwargs,
+        }
+        columns = await scoring.score(
+            self.reward_funcs, kwargs, g, self.config.reward_timeout
+        ) | scoring.environment_columns(group.env_rewards)
         if any(r is not None for r in group.rollout_rewards):
-            columns[self.loop.rollout_reward_name] = np.array([math.nan if r is None else float(r) for r in group.rollout_rewards])
+            columns[self.loop.rollout_reward_name] = np.array(
+                [math.nan if r is None else float(r) for r in group.rollout_rewards]
+            )
         group.rewards = scoring.total_reward(list(columns.values()), g)
         return columns
 
@@ -321,26 +369,47 @@ class RolloutScheduler:
         row failing for the same cause stop the run with the reason and `details` (a traceback)."""
         self.failed_in_a_row[cause] += 1
         if self.failed_in_a_row[cause] >= FAILED_IN_A_ROW:
-            raise RuntimeError(f"{FAILED_IN_A_ROW} groups in a row were dropped because {cause} failed; the last time "
-                               f"{reason}\n{details}".rstrip())
+            raise RuntimeError(
+                f"{FAILED_IN_A_ROW} groups in a row were dropped because {cause} failed; the last time "
+                f"{reason}\n{details}".rstrip()
+            )
         print(f"tandem: dropped the group of prompt position {position}: {cause} failed ({reason})", file=sys.stderr)
         self.record("rollout/failed_count", 1)
         self._flush_records()
         self.emit("skip", position)
 
     @staticmethod
-    def _samples(group: RolloutGroup, rollouts: list[Rollout], advantages: np.ndarray, position: int,
-                 stds: tuple[float, dict[str, float]]) -> list[Sample]:
+    def _samples(
+        group: RolloutGroup,
+        rollouts: list[Rollout],
+        advantages: np.ndarray,
+        position: int,
+        stds: tuple[float, dict[str, float]],
+    ) -> list[Sample]:
         """The group's training samples: each rollout's sequences, with the rollout's advantage and reward, and the
         group's reward stds (metrics averaged over trained samples)."""
         group_samples = sum(len(seqs) for seqs in group.completions_sequences)
-        return [Sample(input_ids=s.input_ids, trained=s.trained, behavior_log_probs=s.behavior_log_probs, advantage=float(a),
-                       model_version=group.model_version, group_id=group.group_id, position=position,
-                       group_samples=group_samples, rollout_id=rollout.rollout_id, created_at=time.time(),
-                       sampler_logprobs=s.sampler_logprobs, sampling_mask=s.sampling_mask, reward=float(r),
-                       group_reward_std=stds[0], source_group_stds=stds[1])
-                for rollout, seqs, a, r in zip(rollouts, group.completions_sequences, advantages, group.rewards)
-                for s in seqs]
+        return [
+            Sample(
+                input_ids=s.input_ids,
+                trained=s.trained,
+                behavior_log_probs=s.behavior_log_probs,
+                advantage=float(a),
+                model_version=group.model_version,
+                group_id=group.group_id,
+                position=position,
+                group_samples=group_samples,
+                rollout_id=rollout.rollout_id,
+                created_at=time.time(),
+                sampler_logprobs=s.sampler_logprobs,
+                sampling_mask=s.sampling_mask,
+                reward=float(r),
+                group_reward_std=stds[0],
+                source_group_stds=stds[1],
+            )
+            for rollout, seqs, a, r in zip(rollouts, group.completions_sequences, advantages, group.rewards)
+            for s in seqs
+        ]
 
     # ---- background tasks -------------------------------------------------------------------------
     async def _init_cap(self) -> None:
@@ -349,11 +418,15 @@ class RolloutScheduler:
         try:
             metrics = await self.control.metrics()
         except (ServerError, ConnectionError) as exc:
-            warnings.warn(f"the server's /metrics did not answer ({exc}): rollouts in flight stay capped at "
-                          f"max_concurrent_rollouts={self.config.max_concurrent_rollouts}, not paced by its KV cache",
-                          stacklevel=2)
+            warnings.warn(
+                f"the server's /metrics did not answer ({exc}): rollouts in flight stay capped at "
+                f"max_concurrent_rollouts={self.config.max_concurrent_rollouts}, not paced by its KV cache",
+                stacklevel=2,
+            )
             return
-        self.generation.cap = ConcurrencyCap(self.config.max_concurrent_rollouts, metrics.kv_capacity_tokens, self.generation.max_model_len)
+        self.generation.cap = ConcurrencyCap(
+            self.config.max_concurrent_rollouts, metrics.kv_capacity_tokens, self.generation.max_model_len
+        )
         self.server_metrics = True
 
     async def _poll_server(self) -> None:
@@ -366,8 +439,11 @@ class RolloutScheduler:
                 metrics = await self.control.metrics()
             except (ServerError, ConnectionError) as exc:
                 if not failing:
-                    print(f"tandem: the server's /metrics did not answer ({exc}); the concurrency cap stays at "
-                          f"{self.generation.cap.value} until it does", file=sys.stderr)
+                    print(
+                        f"tandem: the server's /metrics did not answer ({exc}); the concurrency cap stays at "
+                        f"{self.generation.cap.value} until it does",
+                        file=sys.stderr,
+                    )
                 failing = True
                 continue
             failing = False
@@ -424,9 +500,12 @@ class RolloutScheduler:
                 said = None
             elif now - down >= OUTAGE_SAY_S and (said is None or now - said >= OUTAGE_SAY_AGAIN_S):
                 said = now
-                self.emit("say", f"the generation server {self.base_url} has not answered for {now - down:.0f}s "
-                                 f"({self.generation.client.down_reason}); waiting for it up to vllm_server_timeout="
-                                 f"{self.config.vllm_server_timeout:g}s (its log says why it stopped)")
+                self.emit(
+                    "say",
+                    f"the generation server {self.base_url} has not answered for {now - down:.0f}s "
+                    f"({self.generation.client.down_reason}); waiting for it up to vllm_server_timeout="
+                    f"{self.config.vllm_server_timeout:g}s (its log says why it stopped)",
+                )
 
     def _flush_records(self) -> None:
         if self.records:

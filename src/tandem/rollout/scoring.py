@@ -49,8 +49,10 @@ async def score(reward_funcs: list, kwargs: dict, size: int, timeout_s: float | 
         name = reward_name(func)
         if not isinstance(values, (list, tuple, np.ndarray)) or len(values) != size:
             got = f"{len(values)} values" if hasattr(values, "__len__") else repr(type(values).__name__)
-            raise ValueError(f"reward function {name!r} returned {got} for a group of {size} completions: "
-                             "it must return one float (or None) per completion, in order")
+            raise ValueError(
+                f"reward function {name!r} returned {got} for a group of {size} completions: "
+                "it must return one float (or None) per completion, in order"
+            )
         columns[name] = np.array([math.nan if v is None else float(v) for v in values], dtype=np.float64)
     return columns
 
@@ -59,8 +61,13 @@ def environment_columns(env_rewards: list[tuple[type, float] | None]) -> dict[st
     """One column per environment class that owns a reward (get_reward), named after the class: its rollouts' values,
     NaN for the others."""
     names = sorted({entry[0].__name__ for entry in env_rewards if entry is not None})
-    return {name: np.array([entry[1] if entry is not None and entry[0].__name__ == name else math.nan for entry in env_rewards],
-                           dtype=np.float64) for name in names}
+    return {
+        name: np.array(
+            [entry[1] if entry is not None and entry[0].__name__ == name else math.nan for entry in env_rewards],
+            dtype=np.float64,
+        )
+        for name in names
+    }
 
 
 def total_reward(columns: list[np.ndarray], size: int) -> np.ndarray:
@@ -83,4 +90,3 @@ def group_advantages(rewards: np.ndarray) -> np.ndarray:
         if std > 0:
             advantages[scored] = (values - values.mean()) / std
     return advantages
-

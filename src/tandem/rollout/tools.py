@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tandem.errors import UsageError
 from tandem.chat.tool_calls import ToolCall, tool_schema
+from tandem.errors import UsageError
 
 
 @dataclass
@@ -70,14 +70,19 @@ class ToolRunner:
         func = toolbox.funcs.get(call.name)
         if func is None:
             known = ", ".join(sorted(toolbox.funcs)) or "none"
-            return ToolResult(call.name, error_message(f"unknown tool {call.name!r}; the tools are: {known}"), "unknown")
+            return ToolResult(
+                call.name, error_message(f"unknown tool {call.name!r}; the tools are: {known}"), "unknown"
+            )
         start = time.monotonic()
         status = "error"
         try:
             value = await asyncio.wait_for(self._invoke(func, call.arguments), self.timeout_s)
             return ToolResult(call.name, as_text(value), "ok", time.monotonic() - start)
         except asyncio.TimeoutError:
-            message, status = f"tool {call.name!r} did not answer within {self.timeout_s:g}s (tool_call_timeout)", "timeout"
+            message, status = (
+                f"tool {call.name!r} did not answer within {self.timeout_s:g}s (tool_call_timeout)",
+                "timeout",
+            )
         except TypeError as exc:  # wrong or missing arguments
             message = f"bad arguments for {call.name!r}: {exc}"
         except Exception as exc:
@@ -112,15 +117,21 @@ def validate_tools(tools: list[Callable], owner: str = "tools") -> None:
     for tool in tools:
         name = getattr(tool, "__name__", None)
         if not callable(tool) or name is None:
-            raise TypeError(f"{owner}: {tool!r} is not a function. Tools are registered by __name__: pass module-level "
-                            "functions (def name(...) with type hints and a docstring)")
+            raise TypeError(
+                f"{owner}: {tool!r} is not a function. Tools are registered by __name__: pass module-level "
+                "functions (def name(...) with type hints and a docstring)"
+            )
         if name == "<lambda>" or "<locals>" in getattr(tool, "__qualname__", ""):
             kind = "a lambda" if name == "<lambda>" else f"{tool.__qualname__!r}, a nested function,"
-            raise TypeError(f"{owner}: {kind} cannot be a tool: tools are sent to the rollout worker by pickle and "
-                            "called by name. Define it with def at module level")
+            raise TypeError(
+                f"{owner}: {kind} cannot be a tool: tools are sent to the rollout worker by pickle and "
+                "called by name. Define it with def at module level"
+            )
         if name in names:
-            raise UsageError(f"{owner}: two tools are named {name!r}; the model calls tools by name, so each name "
-                             "must be unique. Rename one")
+            raise UsageError(
+                f"{owner}: two tools are named {name!r}; the model calls tools by name, so each name "
+                "must be unique. Rename one"
+            )
         names[name] = tool
         tool_schema(tool)  # raises naming the tool when hints or docstring are missing
 

@@ -102,7 +102,9 @@ class RolloutWorker:
         context = mp.get_context("spawn")
         self.channels = Channels.create(context)
         self.timeout_s = timeout_s
-        self.process = context.Process(target=worker_main, args=(spec, self.channels), name="tandem-rollout-worker", daemon=True)
+        self.process = context.Process(
+            target=worker_main, args=(spec, self.channels), name="tandem-rollout-worker", daemon=True
+        )
 
     def start(self) -> None:
         self.channels.heartbeat.value = time.time()
@@ -149,9 +151,12 @@ class RolloutWorker:
                 raise WorkerError(
                     f"the rollout worker exited with code {self.process.exitcode} before it started: it is a spawned "
                     "process, which imports your main script first, and that failed (see the traceback above). A script "
-                    "that starts training at module level must do it under `if __name__ == \"__main__\":`.")
+                    'that starts training at module level must do it under `if __name__ == "__main__":`.'
+                )
             raise WorkerLost(f"the rollout worker exited with code {self.process.exitcode} without reporting an error")
         silent = time.time() - self.channels.heartbeat.value
         if silent > self.timeout_s:
-            raise WorkerLost(f"the rollout worker sent no heartbeat for {silent:.0f}s (rollout_worker_timeout="
-                              f"{self.timeout_s:.0f}s): it is hung. Raise rollout_worker_timeout if rewards are that slow.")
+            raise WorkerLost(
+                f"the rollout worker sent no heartbeat for {silent:.0f}s (rollout_worker_timeout="
+                f"{self.timeout_s:.0f}s): it is hung. Raise rollout_worker_timeout if rewards are that slow."
+            )

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from tandem.contract.algorithms import algorithm_of
 from tandem.config import AsyncGRPOConfig
+from tandem.contract.algorithms import algorithm_of
 from tandem.model.distributed import Ranks
 from tandem.model.model_folder import save_model_folder
 from tandem.runtime.weight_sync import lora_server_flags
@@ -28,16 +28,29 @@ def served_folder(model_name: str, model: torch.nn.Module, tokenizer, output_dir
 def server_flags(args: AsyncGRPOConfig, model_name: str, served_dtype: str, lora_rank: int | None) -> list[str]:
     """The server's command-line flags: the trainer's name for the model, its log-probs and dtype, its sampling masks
     when top-k / top-p truncate, and the way weights reach it (a gloo stream, or LoRA adapters)."""
-    flags = ["--served-model-name", model_name, "--logprobs-mode", "processed_logprobs",
-             "--max-logprobs", str(max(20, algorithm_of(args).sampler_top_logprobs(args))), "--dtype", served_dtype,
-             "--max-num-seqs", str(min(256, args.max_concurrent_rollouts))]
+    flags = [
+        "--served-model-name",
+        model_name,
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--max-logprobs",
+        str(max(20, algorithm_of(args).sampler_top_logprobs(args))),
+        "--dtype",
+        served_dtype,
+        "--max-num-seqs",
+        str(min(256, args.max_concurrent_rollouts)),
+    ]
     if args.uses_truncated_sampling:  # each token's kept set, to renormalise the trainer's log-probs over it
         flags += ["--enable-scale-out", "--return-sampling-mask"]
     if lora_rank is not None:
         flags += lora_server_flags(args.staleness_policy, lora_rank)
     else:  # full weights stream over a gloo group: faster than the reload (benchmarks/weight_sync.py)
-        flags += ["--weight-transfer-config", json.dumps({"backend": "gloo"}),
-                  "--weight-transfer-timeout-s", str(args.vllm_server_timeout)]
+        flags += [
+            "--weight-transfer-config",
+            json.dumps({"backend": "gloo"}),
+            "--weight-transfer-timeout-s",
+            str(args.vllm_server_timeout),
+        ]
     if args.embedded_server_host != "127.0.0.1":
         flags += ["--host", args.embedded_server_host]
     if args.vllm_server_api_key:
@@ -61,6 +74,9 @@ def warn_if_a_server_waits(timeout_s: float = 0.5) -> None:
                 return
     except (OSError, ValueError):
         return
-    warnings.warn(f"a generation server answers at {url} (vllm serve's default address), but vllm_server_base_url is "
-                  "not set, so this run starts its own embedded tandem serve. To generate from that server, set "
-                  f"vllm_server_base_url={url} (or, as in TRL, vllm_server_port=8000).", stacklevel=2)
+    warnings.warn(
+        f"a generation server answers at {url} (vllm serve's default address), but vllm_server_base_url is "
+        "not set, so this run starts its own embedded tandem serve. To generate from that server, set "
+        f"vllm_server_base_url={url} (or, as in TRL, vllm_server_port=8000).",
+        stacklevel=2,
+    )

@@ -6,16 +6,16 @@ import copy
 import math
 import warnings
 
+from tandem.chat.prompts import check_prefix_preserving, training_chat_template
+from tandem.chat.tool_calls import tool_schema
 from tandem.errors import UsageError
 from tandem.generation.server_facts import ServerFacts
-from tandem.chat.prompts import check_prefix_preserving, training_chat_template
 from tandem.rollout.environments import factories_of, validate_environments
 from tandem.rollout.loop import AsyncRolloutLoop
 from tandem.rollout.scoring import reward_name
 from tandem.rollout.settings import RolloutSettings
 from tandem.rollout.tools import validate_tools
 from tandem.rollout.worker import WorkerSpec, check_picklable
-from tandem.chat.tool_calls import tool_schema
 
 
 def check_agents(tools: list, environment_factory, dataset, eval_dataset=None, harness=None) -> bool:
@@ -23,8 +23,10 @@ def check_agents(tools: list, environment_factory, dataset, eval_dataset=None, h
     an environment (or a harness's environment) owns a reward."""
     if harness is not None:
         if tools or environment_factory is not None:
-            raise UsageError(f"{type(harness).__name__}: its environment's sessions offer each rollout's tools, so tools= "
-                             "and environment_factory= do not apply; give the tools to the environment")
+            raise UsageError(
+                f"{type(harness).__name__}: its environment's sessions offer each rollout's tools, so tools= "
+                "and environment_factory= do not apply; give the tools to the environment"
+            )
         check_picklable({type(harness).__name__: harness})
         return True
     validate_tools(tools)
@@ -34,7 +36,9 @@ def check_agents(tools: list, environment_factory, dataset, eval_dataset=None, h
     check_picklable(labels)
     if environment_factory is None:
         return False
-    classes = validate_environments(environment_factory, tools, {"train_dataset": dataset, "eval_dataset": eval_dataset})
+    classes = validate_environments(
+        environment_factory, tools, {"train_dataset": dataset, "eval_dataset": eval_dataset}
+    )
     return any(callable(getattr(cls, "get_reward", None)) for cls in classes)
 
 
@@ -45,8 +49,10 @@ def loop_class(loop_cls: type | None, harness) -> type | None:
     if loop_cls is None:
         return harness.loop_cls
     if not issubclass(loop_cls, harness.loop_cls):
-        raise UsageError(f"loop_cls {loop_cls.__name__} does not extend {harness.loop_cls.__name__}, which plays the "
-                         f"episodes of {type(harness).__name__}: subclass it to customise the hooks")
+        raise UsageError(
+            f"loop_cls {loop_cls.__name__} does not extend {harness.loop_cls.__name__}, which plays the "
+            f"episodes of {type(harness).__name__}: subclass it to customise the hooks"
+        )
     return loop_cls
 
 
@@ -56,8 +62,10 @@ def check_reward_names(reward_funcs: list) -> None:
     names = [reward_name(func) for func in reward_funcs]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
-        raise UsageError(f"reward functions share the name {', '.join(map(repr, twice))}: give each its own (a def of "
-                         "its own, or a partial given a __name__ with functools.update_wrapper)")
+        raise UsageError(
+            f"reward functions share the name {', '.join(map(repr, twice))}: give each its own (a def of "
+            "its own, or a partial given a __name__ with functools.update_wrapper)"
+        )
 
 
 def check_sendable(reward_funcs: list, loop_cls: type | None) -> None:
@@ -75,18 +83,32 @@ def rollout_template(tokenizer, tools: list, chat_template_kwargs: dict | None) 
         return None
     known = training_chat_template(tokenizer)
     if known is None:
-        warnings.warn(f"the chat template is not prefix-preserving ({problem}) and tandem has no training template for "
-                      "it: multi-turn rollouts will fork at every re-rendered turn (rollout/fork_frac). Pass a "
-                      "processing_class whose chat_template renders earlier turns unchanged.", stacklevel=4)
+        warnings.warn(
+            f"the chat template is not prefix-preserving ({problem}) and tandem has no training template for "
+            "it: multi-turn rollouts will fork at every re-rendered turn (rollout/fork_frac). Pass a "
+            "processing_class whose chat_template renders earlier turns unchanged.",
+            stacklevel=4,
+        )
         return None
     family, template = known
-    print(f"tandem: the chat template is not prefix-preserving ({problem}); training with tandem's {family} training "
-          "template, which renders earlier turns unchanged")
+    print(
+        f"tandem: the chat template is not prefix-preserving ({problem}); training with tandem's {family} training "
+        "template, which renders earlier turns unchanged"
+    )
     return template
 
 
-def worker_spec(spec, point, *, served_name: str, served_url: str, token_budget: int, server: ServerFacts,
-                world_size: int, adapter_name: str | None) -> WorkerSpec:
+def worker_spec(
+    spec,
+    point,
+    *,
+    served_name: str,
+    served_url: str,
+    token_budget: int,
+    server: ServerFacts,
+    world_size: int,
+    adapter_name: str | None,
+) -> WorkerSpec:
     """The worker's loop and settings for the run of `spec` (a runtime.RuntimeSpec), generating from the ResumePoint
     `point` on; its tokenizer is saved under output_dir with the template rollouts render with."""
     args = spec.args
@@ -95,13 +117,26 @@ def worker_spec(spec, point, *, served_name: str, served_url: str, token_budget:
     tokenizer.chat_template = spec.rollout_template or spec.tokenizer.chat_template
     tokenizer.save_pretrained(tokenizer_path)
     settings = RolloutSettings(
-        config=args, model_name=served_name, tokenizer_path=str(tokenizer_path), dataset=spec.dataset,
-        reward_funcs=spec.reward_funcs, eos_token_ids=spec.eos_token_ids, base_url=served_url,
-        tools=spec.tools, environment_factory=spec.environment_factory, harness=spec.harness, api_key=args.vllm_server_api_key,
-        dataset_start_index=point.dataset_start_index, received=point.received, queued_tokens=point.queued_tokens,
+        config=args,
+        model_name=served_name,
+        tokenizer_path=str(tokenizer_path),
+        dataset=spec.dataset,
+        reward_funcs=spec.reward_funcs,
+        eos_token_ids=spec.eos_token_ids,
+        base_url=served_url,
+        tools=spec.tools,
+        environment_factory=spec.environment_factory,
+        harness=spec.harness,
+        api_key=args.vllm_server_api_key,
+        dataset_start_index=point.dataset_start_index,
+        received=point.received,
+        queued_tokens=point.queued_tokens,
         full_step_tokens=full_step_tokens(token_budget, args.gradient_accumulation_steps, world_size),
-        num_positions=num_positions(args, spec.dataset), eval_dataset=spec.eval_dataset, server=server,
-        adapter_name=adapter_name)
+        num_positions=num_positions(args, spec.dataset),
+        eval_dataset=spec.eval_dataset,
+        server=server,
+        adapter_name=adapter_name,
+    )
     return WorkerSpec(loop_cls=spec.loop_cls or AsyncRolloutLoop, settings=settings)
 
 

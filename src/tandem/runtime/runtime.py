@@ -17,25 +17,25 @@ from pathlib import Path
 
 import torch
 
-from tandem.contract.algorithms import algorithm_of
+from tandem.chat.prompts import render_prompt
 from tandem.config import AsyncGRPOConfig
+from tandem.contract.algorithms import algorithm_of
+from tandem.contract.records import Sample
 from tandem.dataset_rows import first_rows
-from tandem.model.distributed import Ranks
 from tandem.generation.client import EngineDead, ServerError, ServerProblem, engine_died, server_gone
 from tandem.generation.launcher import server_threads
 from tandem.generation.server_facts import ServerFacts, read_facts
 from tandem.metrics.window import MetricWindow
+from tandem.model.distributed import Ranks
 from tandem.packing import PackedRow
 from tandem.packing.batching import TokenBudgetBatcher, record_micro_batch
-from tandem.chat.prompts import render_prompt
-from tandem.contract.records import Sample
 from tandem.rollout.worker import WorkerLost
 from tandem.runtime import embedded_server, server_checks, sync_check
 from tandem.runtime.rollout_inputs import num_positions, worker_spec
 from tandem.runtime.sample_source import POLL_S, ResumePoint, SampleSource, Stall
 from tandem.runtime.session import DYING_S, Session
-from tandem.runtime.weight_transfer import GlooPlane, InThread, TransferSync
 from tandem.runtime.weight_sync import ADAPTER_NAME, LoraSync, choose_sync, follower_sync, write_weights
+from tandem.runtime.weight_transfer import GlooPlane, InThread, TransferSync
 
 SERVER_RESTARTS = 3
 SERVER_RESTART_WINDOW_S = 600.0
@@ -89,9 +89,14 @@ class Runtime:
         """The runtime's own records (syncs, drops, restarts): the trainer takes them at each log."""
         first_prompt = next(iter(first_rows(spec.dataset, 1)), {}).get("prompt")
         self.probe = sync_check.SyncProbe(
-            render_prompt(spec.tokenizer, first_prompt or [{"role": "user", "content": "What is 2 + 2?"}],
-                          spec.args.chat_template_kwargs),
-            spec.compute_dtype, spec.args)
+            render_prompt(
+                spec.tokenizer,
+                first_prompt or [{"role": "user", "content": "What is 2 + 2?"}],
+                spec.args.chat_template_kwargs,
+            ),
+            spec.compute_dtype,
+            spec.args,
+        )
         """Which syncs are probed, and how the server's log-probs are judged against the trainer's (sync_check.py)."""
         self.in_flight: tuple[int, InThread] | None = None
         """An overlapped sync: its version and its thread (`sync`, `wait_sync`)."""
@@ -129,44 +134,72 @@ class Runtime:
         `resume`. Rank 0 talks to the server and owns the worker; every rank takes part in the syncs."""
         args, session, spec, main = self.args, self.session, self.spec, self.ranks.main
         self.version = version
-        self.served_path = (embedded_server.served_folder(spec.model_name, spec.model, spec.tokenizer, spec.output_dir,
-                                                          self.ranks) if args.vllm_server_base_url is None else None)
+        self.served_path = (
+            embedded_server.served_folder(spec.model_name, spec.model, spec.tokenizer, spec.output_dir, self.ranks)
+            if args.vllm_server_base_url is None
+            else None
+        )
         if main:
             device = next(spec.model.parameters()).device.type
             flags = embedded_server.server_flags(args, spec.model_name, spec.served_dtype, spec.lora_rank)
-            url = args.vllm_server_base_url or session.start_server(self.served_path, spec.output_dir / "server.log",
-                                                                    flags, server_threads(device))
+            url = args.vllm_server_base_url or session.start_server(
+                self.served_path, spec.output_dir / "server.log", flags, server_threads(device)
+            )
             control = session.connect(url)
             facts = session.run(read_facts(control))
             server_checks.check(facts, url, spec.served_dtype)
             self.probe.note_server_dtype(facts.dtype)  # rank 0 judges the probe
             served_name = server_checks.served_name(list(facts.served_names), spec.model_name)
-            self.sync_strategy = choose_sync(control, session, facts, served_name, spec.model, args, self.lora, self.ranks)
+            self.sync_strategy = choose_sync(
+                control, session, facts, served_name, spec.model, args, self.lora, self.ranks
+            )
         kind, self.facts, served_name = self.ranks.broadcast(
-            (type(self.sync_strategy), facts, served_name) if main else None)
+            (type(self.sync_strategy), facts, served_name) if main else None
+        )
         max_model_len = self.facts.max_model_len
         self.probe.rescored = self.facts.scores_prompts  # sync_check.SyncProbe.rescored
         if not main:
             self.sync_strategy = follower_sync(kind, spec.output_dir, served_name, self.staleness, self.ranks)
         self.token_budget = args.token_budget or max_model_len
         self.probe.fit(max_model_len)
-        self.batcher = TokenBudgetBatcher(self.token_budget, num_rows=self.ranks.world_size, layout=spec.layout,
-                                          max_samples=args.per_device_train_batch_size)
-        server_checks.check_prompt_lengths(spec.dataset, spec.tokenizer, spec.tools, args.chat_template_kwargs, max_model_len)
+        self.batcher = TokenBudgetBatcher(
+            self.token_budget,
+            num_rows=self.ranks.world_size,
+            layout=spec.layout,
+            max_samples=args.per_device_train_batch_size,
+        )
+        server_checks.check_prompt_lengths(
+            spec.dataset, spec.tokenizer, spec.tools, args.chat_template_kwargs, max_model_len
+        )
         self.probe.restart()
         if resumed or args.vllm_server_base_url is not None or self.lora:
             self._push(version)  # the server must sample from our weights
         if not main:
             return
-        config = args.to_dict() | {"compute_dtype": spec.compute_dtype, "server_dtype": self.facts.dtype}  # tandem doctor's rounding bound
-        session.open_sinks(args.report_to, spec.output_dir, config, args.max_steps if args.max_steps > 0 else None,
-                           dashboard=not args.disable_tqdm)
+        config = args.to_dict() | {
+            "compute_dtype": spec.compute_dtype,
+            "server_dtype": self.facts.dtype,
+        }  # tandem doctor's rounding bound
+        session.open_sinks(
+            args.report_to,
+            spec.output_dir,
+            config,
+            args.max_steps if args.max_steps > 0 else None,
+            dashboard=not args.disable_tqdm,
+        )
         self.served_url, self.served_name = url, served_name
         worker = self._start_worker(resume)
-        self.source = SampleSource(worker, worker.channels, self.window, resume=resume,
-                                   staleness=self.staleness, token_budget=self.token_budget,
-                                   end_position=num_positions(args, spec.dataset), stall_timeout=args.stall_timeout,
-                                   say=session.progress.say)
+        self.source = SampleSource(
+            worker,
+            worker.channels,
+            self.window,
+            resume=resume,
+            staleness=self.staleness,
+            token_budget=self.token_budget,
+            end_position=num_positions(args, spec.dataset),
+            stall_timeout=args.stall_timeout,
+            say=session.progress.say,
+        )
 
     def next_micro_batches(self, version: int) -> list[list[PackedRow]]:
         """Up to gradient_accumulation_steps micro-batches of up to one row per rank, each closed by the token-budget
@@ -178,7 +211,7 @@ class Runtime:
         micro_batches, left = [], self.algorithm.units_per_step(self.args)
         steps = self.args.gradient_accumulation_steps
         for index in itertools.count():
-            if (index == steps if left is None else left == 0):
+            if index == steps if left is None else left == 0:
                 break
             left = self._fill_micro_batch(version, last=index == steps - 1, units=left)
             rows = self.batcher.close()
@@ -236,8 +269,13 @@ class Runtime:
         the last version and train two steps on), a gloo transfer (vLLM's NCCL buffers would add to the step's peak on
         the GPU), and no probe due after it (the probe forwards the model the next step trains)."""
         sync = self.sync_strategy
-        return (not self.ranks.several and self.staleness.syncs_may_overlap and isinstance(sync, TransferSync)
-                and isinstance(sync.plane, GlooPlane) and not self.probe.due(self.probe.pushes + 1))
+        return (
+            not self.ranks.several
+            and self.staleness.syncs_may_overlap
+            and isinstance(sync, TransferSync)
+            and isinstance(sync.plane, GlooPlane)
+            and not self.probe.due(self.probe.pushes + 1)
+        )
 
     def _settle(self, version: int, push, waited: float | None = None) -> None:
         """End a sync as `push()` returns: its timings recorded (with `perf/weight_sync_wait_s`, how long this thread
@@ -327,9 +365,11 @@ class Runtime:
             raise sync_check.SyncMismatch(failure)
         timings["weight_sync/served_logprob_gap"] = gap.max_abs
         if probe.gave_up() and self.ranks.main:
-            self.session.progress.say(f"the sync probe could not tell the trained weights from the first probe's after "
-                                      f"{probe.pushes} syncs (they moved less than the server's rounding): syncs are no "
-                                      "longer probed; set weight_sync_check_atol to probe each one")
+            self.session.progress.say(
+                f"the sync probe could not tell the trained weights from the first probe's after "
+                f"{probe.pushes} syncs (they moved less than the server's rounding): syncs are no "
+                "longer probed; set weight_sync_check_atol to probe each one"
+            )
         return timings
 
     def _announce(self, version: int) -> None:
@@ -364,8 +404,10 @@ class Runtime:
                 session.check_server()  # it died too often: stop with its exit code and log
             self._restart_server(version)
             return True
-        session.progress.say(f"the weight sync to {session.control.base_url} failed ({error}); syncing again once it "
-                             f"answers (waiting up to vllm_server_timeout={args.vllm_server_timeout:g}s)")
+        session.progress.say(
+            f"the weight sync to {session.control.base_url} failed ({error}); syncing again once it "
+            f"answers (waiting up to vllm_server_timeout={args.vllm_server_timeout:g}s)"
+        )
         deadline = time.monotonic() + args.vllm_server_timeout
         while True:
             session.worker.raise_if_stopped()  # a worker that saw vLLM's engine die says so: no server will come back
@@ -374,7 +416,9 @@ class Runtime:
                 break
             except TimeoutError:
                 if time.monotonic() >= deadline:
-                    raise ServerProblem(f"the weight sync failed: {server_gone(error, args.vllm_server_timeout)}") from None
+                    raise ServerProblem(
+                        f"the weight sync failed: {server_gone(error, args.vllm_server_timeout)}"
+                    ) from None
         self._choose_sync_anew()
         self.probe.restart()  # the server that came back may serve other weights: probe it as a new one
         self._push(version)
@@ -385,8 +429,9 @@ class Runtime:
         """The server came back (restarted, or answering again): its facts read anew, its sync chosen from them."""
         session = self.session
         self.facts = session.run(read_facts(session.control))
-        self.sync_strategy = choose_sync(session.control, session, self.facts, self.served_name, self.spec.model,
-                                         self.args, self.lora, self.ranks)
+        self.sync_strategy = choose_sync(
+            session.control, session, self.facts, self.served_name, self.spec.model, self.args, self.lora, self.ranks
+        )
 
     def _may_restart(self) -> bool:
         """On one process, and fewer than SERVER_RESTARTS restarts in the last SERVER_RESTART_WINDOW_S."""
@@ -400,9 +445,15 @@ class Runtime:
         it answers; a group that failed meanwhile is generated again."""
         session, spec, start = self.session, self.spec, time.perf_counter()
         self.server_restarts.append(time.monotonic())
-        session.progress.say(f"the embedded tandem serve exited (code {session.server.process.poll()}); restarting it with "
-                             f"the weights of step {self.step} (log: {session.server.log_path})")
-        folder = self.served_path if self.lora else str(write_weights(spec.model, spec.output_dir / ".weights", "current", self.ranks))
+        session.progress.say(
+            f"the embedded tandem serve exited (code {session.server.process.poll()}); restarting it with "
+            f"the weights of step {self.step} (log: {session.server.log_path})"
+        )
+        folder = (
+            self.served_path
+            if self.lora
+            else str(write_weights(spec.model, spec.output_dir / ".weights", "current", self.ranks))
+        )
         session.restart_server(folder)
         self._choose_sync_anew()
         if self.lora:
@@ -477,9 +528,16 @@ class Runtime:
     def _start_worker(self, point: ResumePoint):
         """The rollout worker, generating from `point` on (its start, leaving out what the trainer holds past it)."""
         lora_adapter = isinstance(self.sync_strategy, LoraSync)
-        spec = worker_spec(self.spec, point, served_name=self.served_name, served_url=self.served_url,
-                           token_budget=self.token_budget, server=self.facts,
-                           world_size=self.ranks.world_size, adapter_name=ADAPTER_NAME if lora_adapter else None)
+        spec = worker_spec(
+            self.spec,
+            point,
+            served_name=self.served_name,
+            served_url=self.served_url,
+            token_budget=self.token_budget,
+            server=self.facts,
+            world_size=self.ranks.world_size,
+            adapter_name=ADAPTER_NAME if lora_adapter else None,
+        )
         return self.session.start_worker(spec, self.args.rollout_worker_timeout, self.version)
 
     def _replace_worker(self, lost: WorkerLost) -> None:
@@ -494,8 +552,10 @@ class Runtime:
         worker = self._start_worker(point)
         worker.channels.tokens_per_step.value = tokens_per_step
         self.source.replace_worker(worker, worker.channels)
-        self.session.progress.say(f"{lost}. Restarted it from prompt position {point.dataset_start_index}, leaving out the "
-                                  f"{len(point.received)} positions past it already received; a second loss stops the run.")
+        self.session.progress.say(
+            f"{lost}. Restarted it from prompt position {point.dataset_start_index}, leaving out the "
+            f"{len(point.received)} positions past it already received; a second loss stops the run."
+        )
 
 
 @contextmanager

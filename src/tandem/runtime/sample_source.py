@@ -18,9 +18,9 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tandem.metrics.window import MetricWindow
 from tandem.contract.records import Sample
 from tandem.contract.staleness import StalenessPolicy
+from tandem.metrics.window import MetricWindow
 
 POLL_S = 0.05
 STALL_SAY_S = 60.0
@@ -59,19 +59,25 @@ class Stall:
 
     def reason(self) -> str:
         if self.failed and self.failed == self.groups_dropped:
-            return (f"no trainable sample for {self.waited:.0f}s of waiting: {self.failed} groups dropped because a reward "
-                    f"function or the server failed on them twice ({self.retries} requests retried): see the lines "
-                    "'tandem: dropped the group ...' above.")
+            return (
+                f"no trainable sample for {self.waited:.0f}s of waiting: {self.failed} groups dropped because a reward "
+                f"function or the server failed on them twice ({self.retries} requests retried): see the lines "
+                "'tandem: dropped the group ...' above."
+            )
         if not (self.groups_dropped or self.stale or self.oversize):
-            return (f"no trainable sample for {self.waited:.0f}s of waiting, and nothing dropped: generation is slow or "
-                    f"stuck ({self.retries} requests retried). Check the server's log and /metrics.")
+            return (
+                f"no trainable sample for {self.waited:.0f}s of waiting, and nothing dropped: generation is slow or "
+                f"stuck ({self.retries} requests retried). Check the server's log and /metrics."
+            )
         rewards = ", ".join(f"{value:g} x{count}" for value, count in self.rewards.most_common(5)) or "none scored"
-        return (f"no trainable sample for {self.waited:.0f}s of waiting: {self.groups_dropped} groups dropped without reward "
-                f"variance, filtered out or failed (rewards seen: {rewards}; {self.failed} failed), {self.stale} samples "
-                f"dropped stale, "
-                f"{self.oversize} too long for token_budget, {self.retries} requests retried. A reward that never "
-                "varies within a group trains nothing: check the reward function against a few completions "
-                "(log_completions=True), or make the task easier.")
+        return (
+            f"no trainable sample for {self.waited:.0f}s of waiting: {self.groups_dropped} groups dropped without reward "
+            f"variance, filtered out or failed (rewards seen: {rewards}; {self.failed} failed), {self.stale} samples "
+            f"dropped stale, "
+            f"{self.oversize} too long for token_budget, {self.retries} requests retried. A reward that never "
+            "varies within a group trains nothing: check the reward function against a few completions "
+            "(log_completions=True), or make the task easier."
+        )
 
 
 @dataclass
@@ -140,9 +146,19 @@ class SampleSource:
     to `worker_metrics` (the trainer logs them with its step, or alone while a stall lasts).
     """
 
-    def __init__(self, inbox: Inbox, counters, window: MetricWindow, *, resume: ResumePoint, staleness: StalenessPolicy,
-                 token_budget: int, end_position: int | None = None, stall_timeout: float | None = None,
-                 say=lambda text: print(f"tandem: {text}", file=sys.stderr)):
+    def __init__(
+        self,
+        inbox: Inbox,
+        counters,
+        window: MetricWindow,
+        *,
+        resume: ResumePoint,
+        staleness: StalenessPolicy,
+        token_budget: int,
+        end_position: int | None = None,
+        stall_timeout: float | None = None,
+        say=lambda text: print(f"tandem: {text}", file=sys.stderr),
+    ):
         self.inbox, self.counters, self.window = inbox, counters, window
         self.worker_metrics = MetricWindow()
         self.ledger = PositionLedger(resume.dataset_start_index, resume.finished, resume.remaining)
@@ -176,8 +192,13 @@ class SampleSource:
     def resume_point(self) -> ResumePoint:
         """What a new worker (a resumed run's, or a restarted one) needs to go on from here."""
         ledger = self.ledger
-        return ResumePoint(ledger.watermark, sorted(ledger.done), dict(ledger.remaining), list(self.buffer),
-                           sorted(self.admitted - ledger.remaining.keys()))
+        return ResumePoint(
+            ledger.watermark,
+            sorted(ledger.done),
+            dict(ledger.remaining),
+            list(self.buffer),
+            sorted(self.admitted - ledger.remaining.keys()),
+        )
 
     def pull(self, timeout_s: float) -> bool:
         """Handle one message from the worker, waiting up to `timeout_s`; False when none came. A worker that failed or
@@ -246,8 +267,10 @@ class SampleSource:
             elif stale:
                 self._drop_stale_group(sample.position)
             elif sample.num_tokens > self.token_budget:
-                warnings.warn(f"a sample of {sample.num_tokens} tokens exceeds token_budget={self.token_budget}: dropped",
-                              stacklevel=2)
+                warnings.warn(
+                    f"a sample of {sample.num_tokens} tokens exceeds token_budget={self.token_budget}: dropped",
+                    stacklevel=2,
+                )
                 self._discard("batch/dropped_oversize_count")
             else:
                 self.stall = Stall()
@@ -325,8 +348,11 @@ class SampleSource:
 
     def discard_oversize(self, count: int) -> None:
         """Drop the next `count` samples: together (one rollout) they fit no row."""
-        warnings.warn(f"a rollout of {count} samples does not fit one micro-batch (token_budget={self.token_budget}): "
-                      "dropped (FlashREINFORCE trains a rollout in one step). Raise token_budget.", stacklevel=2)
+        warnings.warn(
+            f"a rollout of {count} samples does not fit one micro-batch (token_budget={self.token_budget}): "
+            "dropped (FlashREINFORCE trains a rollout in one step). Raise token_budget.",
+            stacklevel=2,
+        )
         for _ in range(count):
             self._discard("batch/dropped_oversize_count")
 

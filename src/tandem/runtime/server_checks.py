@@ -5,12 +5,12 @@ or refuse the run says so now and not at step 16.
 
 import warnings
 
+from tandem.chat.prompts import check_conversational, render_chat
+from tandem.chat.tool_calls import tool_schema
 from tandem.dataset_rows import first_rows, is_iterable
 from tandem.errors import UsageError
 from tandem.generation.client import ServerProblem
 from tandem.generation.server_facts import ServerFacts
-from tandem.chat.prompts import check_conversational, render_chat
-from tandem.chat.tool_calls import tool_schema
 
 PROMPTS_MEASURED = 1000
 """An IterableDataset's first rows whose prompts are checked against the server's context length (a streamed dataset
@@ -28,40 +28,54 @@ def check(facts: ServerFacts, url: str, weights_dtype: str) -> None:
     if facts.engine == "vllm":
         check_vllm(facts, url)
     if facts.dtype and facts.dtype != weights_dtype:
-        warnings.warn(f"the server at {url} decodes in {facts.dtype} and the trainer holds its weights in {weights_dtype}: "
-                      "the sampler's log-probs then differ from the trainer's by that rounding at every token (the "
-                      f"importance ratio drifts from 1 even at staleness 0). Start the server with --dtype {weights_dtype}.",
-                      stacklevel=4)
+        warnings.warn(
+            f"the server at {url} decodes in {facts.dtype} and the trainer holds its weights in {weights_dtype}: "
+            "the sampler's log-probs then differ from the trainer's by that rounding at every token (the "
+            f"importance ratio drifts from 1 even at staleness 0). Start the server with --dtype {weights_dtype}.",
+            stacklevel=4,
+        )
 
 
 def check_vllm(facts: ServerFacts, url: str) -> None:
     found = facts.release
     oldest, newest = ".".join(map(str, OLDEST_VLLM)), ".".join(map(str, NEWEST_VERIFIED_VLLM))
     if found is not None and found < OLDEST_VLLM:
-        raise ServerProblem(f"the server at {url} runs vLLM {facts.version}; tandem needs {oldest} or later (its "
-                            "weight-transfer and generate routes). Upgrade vLLM.")
+        raise ServerProblem(
+            f"the server at {url} runs vLLM {facts.version}; tandem needs {oldest} or later (its "
+            "weight-transfer and generate routes). Upgrade vLLM."
+        )
     if found is None or found > NEWEST_VERIFIED_VLLM:
-        warnings.warn(f"the server at {url} runs vLLM {facts.version or '(version unknown)'}; tandem was verified against "
-                      f"vLLM {oldest}-{newest} (the vLLM guide's table). Watch sampling/sampling_logp_difference/max in the "
-                      "first steps.", stacklevel=4)
+        warnings.warn(
+            f"the server at {url} runs vLLM {facts.version or '(version unknown)'}; tandem was verified against "
+            f"vLLM {oldest}-{newest} (the vLLM guide's table). Watch sampling/sampling_logp_difference/max in the "
+            "first steps.",
+            stacklevel=4,
+        )
     unchunked = facts.max_num_seqs * facts.max_model_len
     if facts.device == "cpu" and facts.chunked_prefill_tokens is not None and facts.chunked_prefill_tokens < unchunked:
-        warnings.warn(f"vLLM's CPU build dies ('CPU Generator does not use offset') when a seeded request's prefill is "
-                      f"split over two steps, and tandem seeds every group. Restart the server at {url} with "
-                      f"--max-num-batched-tokens {unchunked} (max_num_seqs x max_model_len: no prefill is split).",
-                      stacklevel=4)
+        warnings.warn(
+            f"vLLM's CPU build dies ('CPU Generator does not use offset') when a seeded request's prefill is "
+            f"split over two steps, and tandem seeds every group. Restart the server at {url} with "
+            f"--max-num-batched-tokens {unchunked} (max_num_seqs x max_model_len: no prefill is split).",
+            stacklevel=4,
+        )
 
 
 def served_name(served: list[str], wanted: str) -> str:
     """The name to generate with: `wanted` (the model as the user named it) when the server serves it, else its first."""
     if wanted in served:
         return wanted
-    warnings.warn(f"the server does not serve a model named {wanted!r}; generating with {served[0]!r}, its first model. "
-                  "Start it with --served-model-name to silence this.", stacklevel=4)
+    warnings.warn(
+        f"the server does not serve a model named {wanted!r}; generating with {served[0]!r}, its first model. "
+        "Start it with --served-model-name to silence this.",
+        stacklevel=4,
+    )
     return served[0]
 
 
-def check_prompt_lengths(dataset, tokenizer, tools: list, chat_template_kwargs: dict | None, max_model_len: int) -> None:
+def check_prompt_lengths(
+    dataset, tokenizer, tools: list, chat_template_kwargs: dict | None, max_model_len: int
+) -> None:
     """Every dataset prompt (with the tools' schemas) leaves room to generate; an environment's reset() may add more."""
     schemas = [tool_schema(tool) for tool in tools] or None
     rows = first_rows(dataset, PROMPTS_MEASURED) if is_iterable(dataset) else dataset or []
@@ -71,6 +85,8 @@ def check_prompt_lengths(dataset, tokenizer, tools: list, chat_template_kwargs: 
         check_conversational(row["prompt"], f"train_dataset row {index}")
         length = len(render_chat(tokenizer, row["prompt"], tools=schemas, chat_template_kwargs=chat_template_kwargs))
         if length >= max_model_len:
-            raise UsageError(f"train_dataset row {index}: the prompt renders to {length} tokens, but the server's "
-                             f"max_model_len is {max_model_len}, leaving no room to generate. Start the server with a "
-                             "larger --max-model-len, or drop the long prompts from the dataset.")
+            raise UsageError(
+                f"train_dataset row {index}: the prompt renders to {length} tokens, but the server's "
+                f"max_model_len is {max_model_len}, leaving no room to generate. Start the server with a "
+                "larger --max-model-len, or drop the long prompts from the dataset."
+            )

@@ -82,8 +82,9 @@ class Session:
         dead = self.server
         dead.stop()  # reaps it and closes its output
         port = urllib.parse.urlsplit(dead.url).port
-        self.server = EmbeddedServer(model_path, log_path=dead.log_path, extra_args=[*self.server_args, "--port", str(port)],
-                                     env=self.server_env)
+        self.server = EmbeddedServer(
+            model_path, log_path=dead.log_path, extra_args=[*self.server_args, "--port", str(port)], env=self.server_env
+        )
         self.run(self.control.wait_healthy(self.timeout_s))
 
     def connect(self, url: str) -> ControlClient:
@@ -96,8 +97,11 @@ class Session:
         try:
             self.run(self.control.wait_healthy(min(self.timeout_s, QUICK_S)))
         except TimeoutError:  # an external server that is starting, or none: say what we wait for
-            print(f"tandem: waiting for the generation server at {url} to answer /health (up to "
-                  f"vllm_server_timeout={self.timeout_s:g}s)", file=sys.stderr)
+            print(
+                f"tandem: waiting for the generation server at {url} to answer /health (up to "
+                f"vllm_server_timeout={self.timeout_s:g}s)",
+                file=sys.stderr,
+            )
             try:
                 self.run(self.control.wait_healthy(self.timeout_s))
             except TimeoutError as exc:
@@ -110,7 +114,9 @@ class Session:
         self.stack.callback(lambda: self.run(client.close()))
         return client
 
-    def open_sinks(self, report_to, output_dir: Path, config: dict, total_steps: int | None, dashboard: bool = True) -> None:
+    def open_sinks(
+        self, report_to, output_dir: Path, config: dict, total_steps: int | None, dashboard: bool = True
+    ) -> None:
         """`metrics.jsonl` and the `report_to` sinks, the console (dashboard or plain lines), and report.html drawn when the run leaves
         the session (after the sinks closed: at its end, on Ctrl-C, on a crash). `dashboard` False: plain lines even in a terminal."""
         (output_dir / RUN_CONFIG).write_text(json.dumps(config, indent=2, default=str))  # what tandem doctor reads
@@ -142,8 +148,10 @@ class Session:
         try:
             path = report.write(self.report_dir)
         except Exception as exc:  # noqa: BLE001 - the run's own outcome matters more than its pictures
-            print(f"the run's report could not be drawn ({exc!r}); try again with: tandem report {self.report_dir}",
-                  file=sys.stderr)
+            print(
+                f"the run's report could not be drawn ({exc!r}); try again with: tandem report {self.report_dir}",
+                file=sys.stderr,
+            )
             return
         print(f"report: {path}", file=sys.stderr)
 
@@ -159,4 +167,6 @@ class Session:
         """Raise if the embedded server died (with its log's tail), waiting up to `wait_s` for one that may be dying; an
         external server is the worker's to report."""
         if self.server is not None and not self.server.alive(wait_s):
-            raise RuntimeError(f"the embedded tandem serve exited (code {self.server.process.poll()}):\n{self.server.tail()}")
+            raise RuntimeError(
+                f"the embedded tandem serve exited (code {self.server.process.poll()}):\n{self.server.tail()}"
+            )

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.contract.records import Sample
 from tandem.generation.client import GenerationClient, ServerProblem
 from tandem.metrics.doctor import rounding_bound
 from tandem.packing import TREE, pack
 from tandem.packing.logprobs import row_logprobs
-from tandem.contract.records import Sample
 
 PROBE_TOKENS = 16
 PROBE_SEED = 1234
@@ -114,8 +114,13 @@ class SyncProbe:
 
     def gave_up(self) -> bool:
         """Whether the last forced probe has passed without the versions lying far enough apart to judge it."""
-        return (self.args.vllm_server_base_url is not None and self.reference is not None and self.rescored
-                and self.pushes == FORCED_PROBES and not self.settled)
+        return (
+            self.args.vllm_server_base_url is not None
+            and self.reference is not None
+            and self.rescored
+            and self.pushes == FORCED_PROBES
+            and not self.settled
+        )
 
     async def served_logprobs(self, client: GenerationClient, served_name: str) -> tuple[list[int], list[float]]:
         """The probe's completion and the server's log-probs of it under `served_name`: sampled at the first probe (at
@@ -123,12 +128,15 @@ class SyncProbe:
         token, for a probe of fixed length), scored by a teacher-forced forward at each later one (sampled again
         where not `rescored`)."""
         if self.completion is None or not self.rescored:
-            sampled = (await client.complete(self.prompt, max_tokens=self.tokens, model=served_name, seed=PROBE_SEED,
-                                             ignore_eos=True))[0]
+            sampled = (
+                await client.complete(
+                    self.prompt, max_tokens=self.tokens, model=served_name, seed=PROBE_SEED, ignore_eos=True
+                )
+            )[0]
             self.completion = sampled.token_ids
             return sampled.token_ids, sampled.logprobs
         scored = await client.score(self.prompt + self.completion, model=served_name)
-        return self.completion, scored[len(self.prompt) - 1:]
+        return self.completion, scored[len(self.prompt) - 1 :]
 
     def judge(self, served_name: str, served: list[float], ours: torch.Tensor) -> SyncGap:
         """The gap between the `served` log-probs and the trainer's (`ours`), after SyncMismatch if a rule in effect
@@ -147,7 +155,8 @@ class SyncProbe:
                     f"weights it served at the first probe than the trainer's new ones "
                     f"({rms(served - self.reference):.3g} against {rms(served - ours):.3g} RMS over {gap.tokens} tokens, "
                     f"while the two versions lie {rms(ours - self.reference):.3g} apart). The weights did not reach the "
-                    "server (a reload that missed, an adapter not applied), so training would be off-policy.")
+                    "server (a reload that missed, an adapter not applied), so training would be off-policy."
+                )
             self.settled = self.settled or verdict is True
         bound, dtype = rounding_bound(self.dtypes)
         if gap.mean_abs > bound:
@@ -156,21 +165,32 @@ class SyncProbe:
                 f"{gap.mean_abs:.3g} on average over {gap.tokens} tokens (largest {gap.max_abs:.3g}); {dtype} rounding "
                 f"stays under {bound:g}. The server does not serve the trainer's weights under that name (another "
                 "checkpoint, a reload that garbled them, a different decode mode or logprobs mode), so training would "
-                "be off-policy.")
+                "be off-policy."
+            )
         if self.reference is None:
             self.reference = ours
         self.settled = self.settled or (not self.rescored and self.pushes >= FORCED_ADAPTER_PROBES)
         return gap
 
 
-def policy_logprobs(model: torch.nn.Module, prompt_ids: list[int], completion_ids: list[int], kernel: str,
-                    layout: str = TREE) -> torch.Tensor:
+def policy_logprobs(
+    model: torch.nn.Module, prompt_ids: list[int], completion_ids: list[int], kernel: str, layout: str = TREE
+) -> torch.Tensor:
     """log π_θ of each completion token given what precedes it: the trainer's own forward of a row in the model's
     `layout`, no dropout (every rank of a sharded model runs it)."""
     ids = list(prompt_ids) + list(completion_ids)
-    sample = Sample(input_ids=ids, trained=[False] * len(prompt_ids) + [True] * len(completion_ids),
-                    behavior_log_probs=[0.0] * len(ids), advantage=0.0, model_version=0, group_id=0, position=0,
-                    group_samples=1, rollout_id="sync-check", created_at=0.0)
+    sample = Sample(
+        input_ids=ids,
+        trained=[False] * len(prompt_ids) + [True] * len(completion_ids),
+        behavior_log_probs=[0.0] * len(ids),
+        advantage=0.0,
+        model_version=0,
+        group_id=0,
+        position=0,
+        group_samples=1,
+        rollout_id="sync-check",
+        created_at=0.0,
+    )
     was_training = model.training
     model.eval()
     try:
@@ -190,4 +210,5 @@ def check(gap: SyncGap, atol: float) -> None:
         "sampling from the trained weights under that name (a stale or missing adapter, the base model, a weight reload "
         "that missed a layer, or a different dtype / decode mode), so training would be off-policy. Raise "
         "weight_sync_check_atol only if the gap is expected rounding (--decode-mode fast), or leave it unset against a "
-        "bf16 server: the probe then tells a missed sync from rounding by direction.")
+        "bf16 server: the probe then tells a missed sync from rounding by direction."
+    )

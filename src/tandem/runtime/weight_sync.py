@@ -20,18 +20,20 @@ import torch
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 
-from tandem.model.distributed import Ranks
+from tandem.contract.staleness import StalenessPolicy
 from tandem.generation.client import ControlClient, ServerProblem
 from tandem.generation.server_facts import ServerFacts
+from tandem.model.distributed import Ranks
 from tandem.model.model_folder import quiet_progress, save_model_folder
 from tandem.runtime.weight_transfer import GlooPlane, TransferSync, VllmNcclPlane
-from tandem.contract.staleness import StalenessPolicy
 
 if TYPE_CHECKING:
     from tandem.runtime.session import Session  # `run` is anything with .run(coroutine): a Session, an asyncio.Runner
 
 
-def write_weights(model: torch.nn.Module, folder: Path, name: str, ranks: Ranks, state_dict: dict | None = None) -> Path:
+def write_weights(
+    model: torch.nn.Module, folder: Path, name: str, ranks: Ranks, state_dict: dict | None = None
+) -> Path:
     """Save `model` (a whole model, or a PEFT adapter) as `folder/name`: to a temporary folder first, then renamed,
     so the server never reads half of it. `state_dict` replaces the model's own weights in the files (one rank)."""
     target, staging = folder / name, folder / f".{name}.tmp"
@@ -68,8 +70,14 @@ def merged_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:
 
 
 class ReloadSync:
-    def __init__(self, control: ControlClient | None, output_dir: Path, run: "asyncio.Runner | Session | None",
-                 served_name: str, ranks: Ranks = Ranks()):
+    def __init__(
+        self,
+        control: ControlClient | None,
+        output_dir: Path,
+        run: "asyncio.Runner | Session | None",
+        served_name: str,
+        ranks: Ranks = Ranks(),
+    ):
         self.control, self.folder, self.run, self.served_name = control, output_dir / ".weights", run, served_name
         self.ranks = ranks
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -84,7 +92,9 @@ class ReloadSync:
         start = time.perf_counter()
         if isinstance(model, PeftModel):
             with torch.no_grad():
-                target = write_weights(model.get_base_model(), self.folder, f"v{version}", self.ranks, merged_state_dict(model))
+                target = write_weights(
+                    model.get_base_model(), self.folder, f"v{version}", self.ranks, merged_state_dict(model)
+                )
         else:
             target = write_weights(model, self.folder, f"v{version}", self.ranks)
         if not self.ranks.main:
@@ -100,12 +110,17 @@ class ReloadSync:
         for old in self.folder.glob("v*"):
             if old != target:
                 shutil.rmtree(old, ignore_errors=True)
-        return {"perf/weight_sync_s": done - start, "perf/weight_sync_pause_s": paused - written,
-                "perf/weight_sync_transfer_s": (written - start) + (done - paused)}
+        return {
+            "perf/weight_sync_s": done - start,
+            "perf/weight_sync_pause_s": paused - written,
+            "perf/weight_sync_transfer_s": (written - start) + (done - paused),
+        }
 
 
-GLOO_HINT = ("install tandem's vLLM plugin into vLLM's environment (pip install integrations/vllm_plugin, or "
-             "scripts/vllm_env.sh) and start vllm serve with --weight-transfer-config '{\"backend\": \"gloo\"}'.")
+GLOO_HINT = (
+    "install tandem's vLLM plugin into vLLM's environment (pip install integrations/vllm_plugin, or "
+    'scripts/vllm_env.sh) and start vllm serve with --weight-transfer-config \'{"backend": "gloo"}\'.'
+)
 
 ADAPTER_NAME = "tandem-policy-v{version}"
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -126,9 +141,21 @@ class LoraSync:
     and a version's folder is deleted one sync after its unload (vLLM may still read an adapter's files
     lazily while requests that named it finish)."""
 
-    def __init__(self, control: ControlClient | None, output_dir: Path, run: "asyncio.Runner | Session | None", keep: int,
-                 ranks: Ranks = Ranks()):
-        self.control, self.folder, self.run, self.keep, self.ranks = control, output_dir / ".vllm_lora", run, keep, ranks
+    def __init__(
+        self,
+        control: ControlClient | None,
+        output_dir: Path,
+        run: "asyncio.Runner | Session | None",
+        keep: int,
+        ranks: Ranks = Ranks(),
+    ):
+        self.control, self.folder, self.run, self.keep, self.ranks = (
+            control,
+            output_dir / ".vllm_lora",
+            run,
+            keep,
+            ranks,
+        )
         self.folder.mkdir(parents=True, exist_ok=True)
         self.loaded: list[int] = []
         self.unloaded: list[str] = []
@@ -158,8 +185,16 @@ class LoraSync:
         return {"perf/weight_sync_s": done - start, "perf/weight_sync_transfer_s": done - start}  # nothing paused
 
 
-def choose_sync(control: ControlClient, run: "asyncio.Runner | Session", facts: ServerFacts, served_name: str,
-                model: torch.nn.Module, args, lora: bool, ranks: Ranks = Ranks()):
+def choose_sync(
+    control: ControlClient,
+    run: "asyncio.Runner | Session",
+    facts: ServerFacts,
+    served_name: str,
+    model: torch.nn.Module,
+    args,
+    lora: bool,
+    ranks: Ranks = Ranks(),
+):
     """How weights reach this server (what `facts` says it can do): adapter-only when training LoRA and the server can serve the adapter by name
     (else the merged model, with a warning that says why); for full weights, streamed over the server's weight-transfer
     group when it has one (`TransferSync`), else written to a folder it reloads. A server holding too few or too small
@@ -169,41 +204,61 @@ def choose_sync(control: ControlClient, run: "asyncio.Runner | Session", facts: 
         backend = facts.weight_transfer
         if backend in ("gloo", "nccl"):
             plane = GlooPlane(stages=facts.stages_weights) if backend == "gloo" else nccl_plane(model)
-            sync = TransferSync(control, run, served_name, ranks, args.weight_transfer_address, args.vllm_server_timeout,
-                                plane, checkpoint_names=facts.loads_checkpoint_names)
+            sync = TransferSync(
+                control,
+                run,
+                served_name,
+                ranks,
+                args.weight_transfer_address,
+                args.vllm_server_timeout,
+                plane,
+                checkpoint_names=facts.loads_checkpoint_names,
+            )
             sync.connect()
             return sync
         if backend is not None:
-            warnings.warn(f"the server transfers weights over {backend}, which tandem does not drive (it drives nccl "
-                          "and gloo: tandem serve's, or vllm serve's with tandem's plugin); syncing through a folder it "
-                          "reloads instead, which needs a filesystem it shares with this trainer.", stacklevel=4)
+            warnings.warn(
+                f"the server transfers weights over {backend}, which tandem does not drive (it drives nccl "
+                "and gloo: tandem serve's, or vllm serve's with tandem's plugin); syncing through a folder it "
+                "reloads instead, which needs a filesystem it shares with this trainer.",
+                stacklevel=4,
+            )
         return reload_sync(control, output_dir, run, served_name, ranks, facts, model)
     rank, needed = model.peft_config["default"].r, staleness.adapter_slots
     flags = " ".join(lora_server_flags(staleness, rank))
     obstacle = adapter_sync_obstacle(model.peft_config, facts, flags)
     if obstacle and ranks.several:
-        raise NotImplementedError(f"LoRA under several ranks syncs the adapter alone, and this server cannot serve it: "
-                                  f"{obstacle}")
+        raise NotImplementedError(
+            f"LoRA under several ranks syncs the adapter alone, and this server cannot serve it: {obstacle}"
+        )
     if obstacle:
-        warnings.warn(f"LoRA: syncing the merged model (every weight, every sync) instead of the adapter alone: {obstacle}",
-                      stacklevel=4)
+        warnings.warn(
+            f"LoRA: syncing the merged model (every weight, every sync) instead of the adapter alone: {obstacle}",
+            stacklevel=4,
+        )
         return reload_sync(control, output_dir, run, served_name, ranks, facts, model.get_base_model())
     slots = facts.adapters
     if (slots.max_loras or needed) < needed or (slots.max_lora_rank or rank) < rank:
-        raise ServerProblem(f"the server holds max_loras={slots.max_loras} adapters of rank <= {slots.max_lora_rank}; "
-                            f"this run needs {needed} (max_staleness + 2) of rank {rank}. Restart it with {flags}")
+        raise ServerProblem(
+            f"the server holds max_loras={slots.max_loras} adapters of rank <= {slots.max_lora_rank}; "
+            f"this run needs {needed} (max_staleness + 2) of rank {rank}. Restart it with {flags}"
+        )
     if not facts.loads_adapters_at_runtime:
-        raise ServerProblem(f"the server at {control.base_url} cannot load adapters while it runs, and a LoRA run loads "
-                            "one per sync: start vllm serve with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 in its environment.")
+        raise ServerProblem(
+            f"the server at {control.base_url} cannot load adapters while it runs, and a LoRA run loads "
+            "one per sync: start vllm serve with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 in its environment."
+        )
     return LoraSync(control, output_dir, run, keep=staleness.adapter_versions_kept, ranks=ranks)
 
 
 def reload_sync(control, output_dir: Path, run, served_name: str, ranks: Ranks, facts, model) -> ReloadSync:
     """The folder reload, unless the server is vLLM's CPU build and the model ties its LM head to its embedding."""
     if not facts.reload_refreshes_tied_head and model.config.get_text_config().tie_word_embeddings:
-        raise ServerProblem(f"vLLM's CPU build does not refresh a tied LM head when it reloads weights (it keeps a packed "
-                            f"copy of the first ones: the policy drifts off the trainer's at every sync), and this model "
-                            f"ties its embeddings. Stream the weights instead: {GLOO_HINT}")
+        raise ServerProblem(
+            f"vLLM's CPU build does not refresh a tied LM head when it reloads weights (it keeps a packed "
+            f"copy of the first ones: the policy drifts off the trainer's at every sync), and this model "
+            f"ties its embeddings. Stream the weights instead: {GLOO_HINT}"
+        )
     return ReloadSync(control, output_dir, run, served_name, ranks)
 
 
@@ -211,9 +266,11 @@ def nccl_plane(model: torch.nn.Module) -> VllmNcclPlane:
     """The data plane into a vllm serve that receives over NCCL: tensors leave from the trainer's GPU."""
     device = next(model.parameters()).device
     if device.type != "cuda":
-        raise ServerProblem(f"the server receives weights over NCCL, which needs the trainer on a GPU; this model is on "
-                         f"{device}. Start vllm serve without --weight-transfer-config to sync through a folder it "
-                         "reloads, or train on a GPU.")
+        raise ServerProblem(
+            f"the server receives weights over NCCL, which needs the trainer on a GPU; this model is on "
+            f"{device}. Start vllm serve without --weight-transfer-config to sync through a folder it "
+            "reloads, or train on a GPU."
+        )
     return VllmNcclPlane(device)
 
 
@@ -236,16 +293,20 @@ def adapter_sync_obstacle(peft_config: dict, facts: ServerFacts, flags: str) -> 
         return f"the server was started without LoRA support. Restart it with {flags} to sync the adapter alone."
     data_parallel = facts.data_parallel_size
     if data_parallel > 1:
-        return (f"the server runs data_parallel_size={data_parallel}, and /v1/load_lora_adapter reaches only the rank "
-                "that answers it: the others would serve the base model under the new name. Run replicas with "
-                "--data-parallel-size 1 behind `tandem proxy`, which loads each adapter on every replica.")
+        return (
+            f"the server runs data_parallel_size={data_parallel}, and /v1/load_lora_adapter reaches only the rank "
+            "that answers it: the others would serve the base model under the new name. Run replicas with "
+            "--data-parallel-size 1 behind `tandem proxy`, which loads each adapter on every replica."
+        )
     targets = config.target_modules or []
     targets = [targets] if isinstance(targets, str) else list(targets)
-    unsupported = [("use_dora", getattr(config, "use_dora", False), "DoRA"),
-                   ("bias", getattr(config, "bias", "none") != "none", f"bias={getattr(config, 'bias', None)!r}"),
-                   ("modules_to_save", bool(config.modules_to_save), f"modules_to_save={config.modules_to_save}"),
-                   ("target_parameters", bool(getattr(config, "target_parameters", None)), "target_parameters"),
-                   ("target_modules", any("embed_tokens" in t for t in targets), "an adapter on embed_tokens")]
+    unsupported = [
+        ("use_dora", getattr(config, "use_dora", False), "DoRA"),
+        ("bias", getattr(config, "bias", "none") != "none", f"bias={getattr(config, 'bias', None)!r}"),
+        ("modules_to_save", bool(config.modules_to_save), f"modules_to_save={config.modules_to_save}"),
+        ("target_parameters", bool(getattr(config, "target_parameters", None)), "target_parameters"),
+        ("target_modules", any("embed_tokens" in t for t in targets), "an adapter on embed_tokens"),
+    ]
     for field_name, present, what in unsupported:
         if present:
             return f"vLLM does not serve {what} ({field_name} in the LoraConfig). Use a plain LoRA adapter to sync it alone."

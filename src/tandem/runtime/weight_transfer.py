@@ -31,9 +31,9 @@ from collections.abc import Callable, Iterator
 import torch
 from transformers.core_model_loading import revert_weight_conversion
 
-from tandem.model.distributed import Ranks, full_tensor
 from tandem.errors import install_command
 from tandem.generation.client import ENGINE_WATCH_S, ControlClient, EngineDead, ServerProblem, engine_died
+from tandem.model.distributed import Ranks, full_tensor
 from tandem.serve.weight_receiver import PACKED_BUFFER_BYTES, RENDEZVOUS_S, join_group
 
 Tensors = Iterator[tuple[str, torch.Tensor]]
@@ -121,8 +121,11 @@ class GlooPlane:
 
     def __init__(self, stages: bool = True, buffer_bytes: int = PACKED_BUFFER_BYTES):
         self.pauses_generation = not stages
-        self.after_failure = ("The server keeps serving the previous weights." if stages else
-                              "vllm serve may hold part of the new weights: restart it before training on.")
+        self.after_failure = (
+            "The server keeps serving the previous weights."
+            if stages
+            else "vllm serve may hold part of the new weights: restart it before training on."
+        )
         self.init_fields = {"packed": True, "packed_buffer_size_bytes": buffer_bytes} if stages else {}
 
     def open(self, address: str, port: int, world_size: int, timeout_s: float) -> None:
@@ -159,24 +162,33 @@ class VllmNcclPlane:
         try:
             from vllm.distributed.weight_transfer import nccl_common, packed_tensor
         except ImportError as exc:
-            raise ImportError(f"vllm serve transfers weights over NCCL with vLLM's own helpers, and they did not import "
-                              f"({exc}). Install them with: {install_command('vllm')}, or start "
-                              "vllm serve without --weight-transfer-config to sync through a folder it reloads.") from exc
+            raise ImportError(
+                f"vllm serve transfers weights over NCCL with vLLM's own helpers, and they did not import "
+                f"({exc}). Install them with: {install_command('vllm')}, or start "
+                "vllm serve without --weight-transfer-config to sync through a folder it reloads."
+            ) from exc
         self.nccl_common, self.packed_tensor, self.device = nccl_common, packed_tensor, device
-        self.init_fields = {"packed": True, "packed_buffer_size_bytes": packed_tensor.DEFAULT_PACKED_BUFFER_SIZE_BYTES,
-                            "packed_num_buffers": packed_tensor.DEFAULT_PACKED_NUM_BUFFERS}
+        self.init_fields = {
+            "packed": True,
+            "packed_buffer_size_bytes": packed_tensor.DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+            "packed_num_buffers": packed_tensor.DEFAULT_PACKED_NUM_BUFFERS,
+        }
 
-    after_failure = ("vllm serve's workers may still wait inside the broadcast, unable to take another update: restart "
-                     "the server (it serves the previous weights until then). This process's transfer group is unusable.")
+    after_failure = (
+        "vllm serve's workers may still wait inside the broadcast, unable to take another update: restart "
+        "the server (it serves the previous weights until then). This process's transfer group is unusable."
+    )
     pauses_generation = True
     """vLLM loads each tensor into the running model as it arrives: generation must wait for the whole update."""
 
     def _on_device(self, call: Callable[[], object]) -> Callable[[], object]:
         """`call` on a new thread's CUDA device set to the trainer's (the current device is per thread)."""
+
         def run():
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             return call()
+
         return run
 
     def open(self, address: str, port: int, world_size: int, timeout_s: float) -> None:
@@ -185,17 +197,33 @@ class VllmNcclPlane:
         self.group = opening.result(min(timeout_s, RENDEZVOUS_S), "the server's workers did not join the NCCL group")
 
     def send(self, tensors: Tensors, timeout_s: float) -> None:
-        sending = InThread(self._on_device(lambda: self.packed_tensor.packed_nccl_broadcast_producer(
-            iterator=tensors, group=self.group, src=0, post_iter_func=lambda item: item[1],
-            buffer_size_bytes=self.init_fields["packed_buffer_size_bytes"],
-            num_buffers=self.init_fields["packed_num_buffers"])))
+        sending = InThread(
+            self._on_device(
+                lambda: self.packed_tensor.packed_nccl_broadcast_producer(
+                    iterator=tensors,
+                    group=self.group,
+                    src=0,
+                    post_iter_func=lambda item: item[1],
+                    buffer_size_bytes=self.init_fields["packed_buffer_size_bytes"],
+                    num_buffers=self.init_fields["packed_num_buffers"],
+                )
+            )
+        )
         sending.result(timeout_s, "the NCCL broadcast of the weights did not complete")
 
 
 class TransferSync:
-    def __init__(self, control: ControlClient | None, run, served_name: str, ranks: Ranks = Ranks(),
-                 address: str = "127.0.0.1", timeout_s: float = 600.0, plane: GlooPlane | VllmNcclPlane | None = None,
-                 checkpoint_names: bool = False):
+    def __init__(
+        self,
+        control: ControlClient | None,
+        run,
+        served_name: str,
+        ranks: Ranks = Ranks(),
+        address: str = "127.0.0.1",
+        timeout_s: float = 600.0,
+        plane: GlooPlane | VllmNcclPlane | None = None,
+        checkpoint_names: bool = False,
+    ):
         self.control, self.run, self.served_name, self.ranks = control, run, served_name, ranks
         self.address, self.timeout_s = address, timeout_s
         self.plane = plane or GlooPlane()
@@ -209,17 +237,23 @@ class TransferSync:
         """Form the group with the server's workers (rank 0 only); returns how many joined."""
         workers = self.run.run(self.control.world_size())
         port = free_port(self.address)
-        info = {"master_address": self.address, "master_port": port, "rank_offset": 1,
-                "world_size": 1 + workers} | self.plane.init_fields
+        info = {
+            "master_address": self.address,
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": 1 + workers,
+        } | self.plane.init_fields
         call = InThread(control_call(self.control, self.timeout_s, lambda client: client.init_weight_transfer(info)))
         try:
             self.plane.open(self.address, port, 1 + workers, self.timeout_s)
             call.result(self.timeout_s)
         except Exception as exc:  # a setting to change, not a lost server: the run stops in one line
-            raise ServerProblem(f"weight transfer: the server at {self.control.base_url} did not join the group at "
-                                 f"{self.address}:{port} ({exc}). It must reach that address: set "
-                                 "weight_transfer_address to one of this machine's addresses the server can connect "
-                                 "to, and open the port.") from exc
+            raise ServerProblem(
+                f"weight transfer: the server at {self.control.base_url} did not join the group at "
+                f"{self.address}:{port} ({exc}). It must reach that address: set "
+                "weight_transfer_address to one of this machine's addresses the server can connect "
+                "to, and open the port."
+            ) from exc
         return workers
 
     def push(self, model: torch.nn.Module, version: int, announce=lambda version: None) -> dict[str, float]:
@@ -234,8 +268,11 @@ class TransferSync:
         if not self.ranks.main:
             collections.deque(tensors, maxlen=0)  # take part in every gather, keeping none
             return {}
-        announced = [sent for name, param in params  # names, dtypes and shapes, from the full shapes on no device
-                     for sent in as_sent(name, torch.empty(param.shape, dtype=param.dtype, device="meta"))]
+        announced = [
+            sent
+            for name, param in params  # names, dtypes and shapes, from the full shapes on no device
+            for sent in as_sent(name, torch.empty(param.shape, dtype=param.dtype, device="meta"))
+        ]
         start = time.perf_counter()
         if self.plane.pauses_generation:
             self.run.run(self.control.pause("keep"))
@@ -244,8 +281,9 @@ class TransferSync:
         names = [name for name, _ in announced]
         dtypes = [str(tensor.dtype).removeprefix("torch.") for _, tensor in announced]
         shapes = [list(tensor.shape) for _, tensor in announced]
-        call = InThread(control_call(self.control, self.timeout_s,
-                                     lambda client: client.update_weights(names, dtypes, shapes)))
+        call = InThread(
+            control_call(self.control, self.timeout_s, lambda client: client.update_weights(names, dtypes, shapes))
+        )
         try:
             if self.ranks.several:  # the gathers are collectives: on the thread the other ranks run them on
                 self.plane.send(tensors, self.timeout_s)
@@ -261,22 +299,36 @@ class TransferSync:
             failed = ServerProblem if self.plane.pauses_generation else TransferFailed
             raise failed(f"weight transfer of version {version} failed: {exc}. {self.plane.after_failure}") from exc
         self.run.run(self.control.finish_weight_update(str(version)))
-        if self.plane.pauses_generation:  # vLLM: its prefix cache outlives a transfer (tandem serve's swap drops its own)
+        if (
+            self.plane.pauses_generation
+        ):  # vLLM: its prefix cache outlives a transfer (tandem serve's swap drops its own)
             self.run.run(self.control.reset_prefix_cache())
             self.run.run(self.control.resume())
         announce(version)
         done = time.perf_counter()
-        return {"perf/weight_sync_s": done - start, "perf/weight_sync_pause_s": paused - start,
-                "perf/weight_sync_transfer_s": done - paused}
+        return {
+            "perf/weight_sync_s": done - start,
+            "perf/weight_sync_pause_s": paused - start,
+            "perf/weight_sync_transfer_s": done - paused,
+        }
 
     def push_in_thread(self, model: torch.nn.Module, version: int, announce=lambda version: None) -> InThread:
         """`push` on a thread of its own, with its own event loop and client, while the caller trains on: the caller's loop
         stays free for its own calls, and nothing may change the weights until the thread's `result`."""
+
         def push():
             with asyncio.Runner() as runner:
                 control = ControlClient(self.control.base_url, api_key=self.control.api_key, timeout_s=self.timeout_s)
-                own = TransferSync(control, runner, self.served_name, self.ranks, self.address, self.timeout_s, self.plane,
-                                   self.checkpoint_names)
+                own = TransferSync(
+                    control,
+                    runner,
+                    self.served_name,
+                    self.ranks,
+                    self.address,
+                    self.timeout_s,
+                    self.plane,
+                    self.checkpoint_names,
+                )
                 try:
                     return own.push(model, version, announce)
                 finally:

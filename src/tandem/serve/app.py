@@ -25,8 +25,11 @@ from pydantic import ValidationError
 from transformers import AutoTokenizer
 
 from tandem import __version__
-from tandem.model import architecture
+from tandem.chat.tool_formats import FORMATS, tool_call_format
 from tandem.errors import UsageError
+from tandem.httpapp import api_key_auth, error_response, start_app
+from tandem.kernels.openmp import in_passing_thread
+from tandem.model import architecture
 from tandem.serve import fields, protocol, responses
 from tandem.serve.control import Control
 from tandem.serve.engine import ENGINE_STOPPED, Engine, EngineRequest
@@ -36,17 +39,20 @@ from tandem.serve.preparation import Ask, Preparer
 from tandem.serve.protocol import ApiError, bad_request
 from tandem.serve.streaming import DONE, ChatStream, CompletionStream, Stream, StreamOptions, sse
 from tandem.serve.weight_receiver import Receiver, parse_config
-from tandem.httpapp import api_key_auth, error_response, start_app
-from tandem.kernels.openmp import in_passing_thread
-from tandem.chat.tool_formats import FORMATS, tool_call_format
 
 logger = logging.getLogger("tandem.serve")
 VLLM_PROTOCOL_VERSION = "0.33.0"
 PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
 GENERATION_CONFIG_FIELDS = {
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty", "max_new_tokens": "max_tokens", "skip_special_tokens": "skip_special_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "max_new_tokens": "max_tokens",
+    "skip_special_tokens": "skip_special_tokens",
 }
 
 
@@ -139,7 +145,14 @@ def pick_device(name: str) -> torch.device:
 def pick_dtype(name: str) -> torch.dtype | str:
     if name == "auto":
         return "auto"
-    dtypes = {"float32": torch.float32, "float": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16}
+    dtypes = {
+        "float32": torch.float32,
+        "float": torch.float32,
+        "float64": torch.float64,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "half": torch.float16,
+    }
     if name not in dtypes:
         raise ValueError(f"--dtype {name!r} is not one of auto, {', '.join(dtypes)}")
     return dtypes[name]
@@ -206,8 +219,10 @@ def check_tool_flags(args: ServeArgs) -> None:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     if args.tool_call_parser is not None and args.tool_call_parser not in FORMATS:
-        raise ValueError(f"--tool-call-parser {args.tool_call_parser!r} is not one tandem serve has: "
-                         f"{', '.join(FORMATS)} (vLLM's names for them)")
+        raise ValueError(
+            f"--tool-call-parser {args.tool_call_parser!r} is not one tandem serve has: "
+            f"{', '.join(FORMATS)} (vLLM's names for them)"
+        )
 
 
 def load_model(args: ServeArgs) -> tuple[torch.nn.Module, bool]:
@@ -217,8 +232,11 @@ def load_model(args: ServeArgs) -> tuple[torch.nn.Module, bool]:
         raise ValueError(f"--decode-mode {args.decode_mode!r} is not one of auto, exact, fast")
     exact = args.decode_mode == "exact" or (args.decode_mode == "auto" and device.type == "cpu")
     model = architecture.auto_class(args.model, trust_remote_code=args.trust_remote_code).from_pretrained(
-        args.model, dtype=pick_dtype(args.dtype), trust_remote_code=args.trust_remote_code,
-        attn_implementation="eager" if exact else None)
+        args.model,
+        dtype=pick_dtype(args.dtype),
+        trust_remote_code=args.trust_remote_code,
+        attn_implementation="eager" if exact else None,
+    )
     return model.to(device).eval(), exact
 
 
@@ -228,11 +246,14 @@ class Server:
     def __init__(self, args: ServeArgs):
         check_tool_flags(args)
         self.args = args
-        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            args.tokenizer or args.model, trust_remote_code=args.trust_remote_code
+        )
         if args.chat_template is not None:
             self.tokenizer.chat_template = read_chat_template(args.chat_template)
-        self.tool_format = (None if args.tool_call_parser is None
-                            else tool_call_format(args.tool_call_parser, self.tokenizer))
+        self.tool_format = (
+            None if args.tool_call_parser is None else tool_call_format(args.tool_call_parser, self.tokenizer)
+        )
         model, exact = load_model(args)
         config = model.config.get_text_config()  # a vision-language model serves its language model
         self.max_model_len = args.max_model_len or getattr(config, "max_position_embeddings", 2048)
@@ -242,22 +263,41 @@ class Server:
         self.eos = eos[0] if isinstance(eos, list) else eos
         self.adapters = AdapterSet(args.max_loras, args.max_lora_rank, args.max_cpu_loras) if args.enable_lora else None
         self.engine = Engine(
-            model, max_model_len=self.max_model_len, eos_token_id=self.eos,
-            extra_stop_token_ids=sorted(generation_config_eos(args.model) - {self.eos}), max_num_seqs=args.max_num_seqs,
-            logprobs_mode=args.logprobs_mode, adapters=self.adapters, exact=exact, step_delay_s=args.step_delay_s,
-            prefix_caching=args.enable_prefix_caching, prefix_cache_max_tokens=args.prefix_cache_max_tokens,
+            model,
+            max_model_len=self.max_model_len,
+            eos_token_id=self.eos,
+            extra_stop_token_ids=sorted(generation_config_eos(args.model) - {self.eos}),
+            max_num_seqs=args.max_num_seqs,
+            logprobs_mode=args.logprobs_mode,
+            adapters=self.adapters,
+            exact=exact,
+            step_delay_s=args.step_delay_s,
+            prefix_caching=args.enable_prefix_caching,
+            prefix_cache_max_tokens=args.prefix_cache_max_tokens,
         )
         self.prepare = Preparer(
-            self.tokenizer, self.vocab_size, self.max_model_len, sampling_defaults(args), args.max_logprobs,
-            args.max_num_seqs, args.return_sampling_mask, random.Random(args.seed) if args.seed is not None else None,
-            args.trust_request_chat_template, args.default_chat_template_kwargs, args.chat_template_content_format,
+            self.tokenizer,
+            self.vocab_size,
+            self.max_model_len,
+            sampling_defaults(args),
+            args.max_logprobs,
+            args.max_num_seqs,
+            args.return_sampling_mask,
+            random.Random(args.seed) if args.seed is not None else None,
+            args.trust_request_chat_template,
+            args.default_chat_template_kwargs,
+            args.chat_template_content_format,
             args.reasoning_effort_map,
         )
         for module in args.lora_modules:  # before the engine starts: nothing runs yet
             self.engine.model = self.load_at_start(module["name"], module["path"])
         transfer = parse_config(args.weight_transfer_config)
-        self.control = Control(self.engine, self.adapters, self.names,
-                               Receiver(args.weight_transfer_timeout_s) if transfer is not None else None)
+        self.control = Control(
+            self.engine,
+            self.adapters,
+            self.names,
+            Receiver(args.weight_transfer_timeout_s) if transfer is not None else None,
+        )
         self.transfer_config = transfer
         self.text = responses.TokenText(self.tokenizer)
         self.fingerprint = fingerprint(args)
@@ -283,12 +323,20 @@ class Server:
         app = web.Application(middlewares=middlewares, client_max_size=256 * 1024 * 1024)
         app[SERVER_KEY] = self
         routes = [
-            ("GET", "/health", self.health), ("GET", "/version", self.version), ("GET", "/v1/models", self.models),
-            ("POST", "/v1/completions", self.completions), ("POST", "/v1/chat/completions", self.chat),
-            ("POST", "/inference/v1/generate", self.generate), ("POST", "/tokenize", self.tokenize),
-            ("POST", "/detokenize", self.detokenize), ("GET", "/server_info", self.server_info),
-            ("GET", "/get_world_size", self.world_size), ("GET", "/metrics", self.metrics),
-            ("POST", "/invocations", self.invocations), ("GET", "/load", self.load), ("GET", "/ping", self.health),
+            ("GET", "/health", self.health),
+            ("GET", "/version", self.version),
+            ("GET", "/v1/models", self.models),
+            ("POST", "/v1/completions", self.completions),
+            ("POST", "/v1/chat/completions", self.chat),
+            ("POST", "/inference/v1/generate", self.generate),
+            ("POST", "/tokenize", self.tokenize),
+            ("POST", "/detokenize", self.detokenize),
+            ("GET", "/server_info", self.server_info),
+            ("GET", "/get_world_size", self.world_size),
+            ("GET", "/metrics", self.metrics),
+            ("POST", "/invocations", self.invocations),
+            ("GET", "/load", self.load),
+            ("GET", "/ping", self.health),
             ("POST", "/ping", self.health),
         ]
         if self.args.enable_tokenizer_info_endpoint:
@@ -328,7 +376,9 @@ class Server:
     def _check_stream_fields(req: protocol.SamplingFields) -> None:
         """vLLM's rules for the streaming fields: `stream_options` only with `stream`, no prompt log-probs streamed."""
         if req.stream_options is not None and not req.stream:
-            raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options", req.stream_options)
+            raise bad_request(
+                "Stream options can only be defined when `stream=True`.", "stream_options", req.stream_options
+            )
         if req.stream and req.prompt_logprobs is not None and (req.prompt_logprobs > 0 or req.prompt_logprobs == -1):
             raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs", None)
 
@@ -342,6 +392,7 @@ class Server:
             def notify():  # on the engine thread
                 if every_step or request.finished:
                     loop.call_soon_threadsafe(wake.set)
+
             return notify
 
         for request in requests:
@@ -367,10 +418,16 @@ class Server:
             return None
         failed = next((r for r in requests if r.error), None)
         if failed is None:
-            return ApiError(500, "The generation engine failed while serving this request: see the server log.",
-                            "InternalServerError")
-        return ApiError(failed.error_status, failed.error,
-                        "BadRequestError" if failed.error_status == 400 else "InternalServerError")
+            return ApiError(
+                500,
+                "The generation engine failed while serving this request: see the server log.",
+                "InternalServerError",
+            )
+        return ApiError(
+            failed.error_status,
+            failed.error,
+            "BadRequestError" if failed.error_status == 400 else "InternalServerError",
+        )
 
     async def _generate(self, ask: Ask, adapter: str | None) -> list[EngineRequest]:
         """Prepare, submit and wait until every request has finished."""
@@ -382,7 +439,9 @@ class Server:
             raise failure
         return requests
 
-    async def _stream(self, http_request: web.Request, requests: list[EngineRequest], stream: Stream) -> web.StreamResponse:
+    async def _stream(
+        self, http_request: web.Request, requests: list[EngineRequest], stream: Stream
+    ) -> web.StreamResponse:
         """Server-sent events: the stream's chunks after every engine step, an engine failure as an error event (the
         status is already 200), the usage chunk, `[DONE]`. A client that goes away aborts its requests at once."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -411,8 +470,12 @@ class Server:
         return req
 
     def stream_options(self, req: protocol.SamplingFields) -> StreamOptions:
-        return StreamOptions.of(req, force_usage=self.args.enable_force_include_usage, interval=self.args.stream_interval,
-                                details=self.args.enable_prompt_tokens_details)
+        return StreamOptions.of(
+            req,
+            force_usage=self.args.enable_force_include_usage,
+            interval=self.args.stream_interval,
+            details=self.args.enable_prompt_tokens_details,
+        )
 
     def _request_id(self, request: web.Request, body_id: str | None) -> str:
         return request.headers.get("X-Request-Id") or body_id or uuid.uuid4().hex
@@ -426,12 +489,31 @@ class Server:
         texts = self._prompt_texts(req.prompt, ask.prompts) if req.echo else [""] * len(ask.prompts)
         if req.stream:
             requests = self.prepare.engine_requests(ask, adapter)
-            stream = CompletionStream(req, requests, request_id, name, self.fingerprint, self.text,
-                                      protocol.stop_strings(req.stop), self.stream_options(req), prompt_texts=texts)
+            stream = CompletionStream(
+                req,
+                requests,
+                request_id,
+                name,
+                self.fingerprint,
+                self.text,
+                protocol.stop_strings(req.stop),
+                self.stream_options(req),
+                prompt_texts=texts,
+            )
             return await self._stream(request, requests, stream)
         engine_requests = await self._generate(ask, adapter)
-        return web.json_response(responses.completion_body(request_id, name, self.fingerprint, req, engine_requests,
-                                                           self.text, texts, self.args.enable_prompt_tokens_details))
+        return web.json_response(
+            responses.completion_body(
+                request_id,
+                name,
+                self.fingerprint,
+                req,
+                engine_requests,
+                self.text,
+                texts,
+                self.args.enable_prompt_tokens_details,
+            )
+        )
 
     def _prompt_texts(self, prompt, ids: list[list[int]]) -> list[str]:
         """What echo returns of each prompt: the text as sent, or token ids decoded with their special tokens."""
@@ -456,35 +538,63 @@ class Server:
         reply = responses.ChatReply.of(req, self.args.response_role, self.text, tool_format)
         if req.stream:
             requests = self.prepare.engine_requests(ask, adapter)
-            stream = ChatStream(req, requests, request_id, name, self.fingerprint, self.text, protocol.stop_strings(req.stop),
-                                self.stream_options(req), reply=reply)
+            stream = ChatStream(
+                req,
+                requests,
+                request_id,
+                name,
+                self.fingerprint,
+                self.text,
+                protocol.stop_strings(req.stop),
+                self.stream_options(req),
+                reply=reply,
+            )
             return await self._stream(request, requests, stream)
         (engine_request,) = await self._generate(ask, adapter)
-        return web.json_response(responses.chat_body(request_id, name, self.fingerprint, req, engine_request, reply,
-                                                     self.args.enable_prompt_tokens_details))
+        return web.json_response(
+            responses.chat_body(
+                request_id, name, self.fingerprint, req, engine_request, reply, self.args.enable_prompt_tokens_details
+            )
+        )
 
     async def generate(self, request: web.Request) -> web.Response:
         if not self.args.enable_scale_out:
-            raise ApiError(403, "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them.", "PermissionDeniedError")
+            raise ApiError(
+                403,
+                "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them.",
+                "PermissionDeniedError",
+            )
         req = await protocol.read(request, protocol.GenerateRequest)
         name, adapter = self._admit(req.model)
         (engine_request,) = await self._generate(self.prepare.generate_ask(req), adapter)
         request_id = f"generate-tokens-{self._request_id(request, req.request_id)}"
-        return web.json_response(responses.generate_body(request_id, name, req, engine_request, self.text,
-                                                         self.args.return_sampling_mask,
-                                                         self.args.enable_prompt_tokens_details))
+        return web.json_response(
+            responses.generate_body(
+                request_id,
+                name,
+                req,
+                engine_request,
+                self.text,
+                self.args.return_sampling_mask,
+                self.args.enable_prompt_tokens_details,
+            )
+        )
 
     async def invocations(self, request: web.Request) -> web.StreamResponse:
         """SageMaker's route, as vLLM serves it: the body is a chat request when it reads as one, else a completion."""
         body = await protocol.read(request, protocol.Request)
-        for handler, model in ((self.chat, protocol.ChatCompletionRequest), (self.completions, protocol.CompletionRequest)):
+        for handler, model in (
+            (self.chat, protocol.ChatCompletionRequest),
+            (self.completions, protocol.CompletionRequest),
+        ):
             try:
                 model.model_validate(body.model_dump())
             except ValidationError:
                 continue
             return await handler(request)
-        raise bad_request("Cannot find suitable handler for request. Expected one of: ['ChatCompletionRequest', "
-                          "'CompletionRequest']")
+        raise bad_request(
+            "Cannot find suitable handler for request. Expected one of: ['ChatCompletionRequest', 'CompletionRequest']"
+        )
 
     # ---- tokenizer -----------------------------------------------------------------------------
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -498,10 +608,14 @@ class Server:
             ids = self.tokenizer.encode(req.prompt, add_special_tokens=add_special)
         else:
             raise bad_request("Either `prompt` or `messages` must be provided.", "prompt", None)
-        return web.json_response({
-            "count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
-            "token_strs": self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None,
-        })
+        return web.json_response(
+            {
+                "count": len(ids),
+                "max_model_len": self.max_model_len,
+                "tokens": ids,
+                "token_strs": self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None,
+            }
+        )
 
     async def detokenize(self, request: web.Request) -> web.Response:
         req = await protocol.read(request, protocol.DetokenizeRequest)
@@ -520,16 +634,33 @@ class Server:
 
     def _model_card(self, name: str, root: str, parent: str | None, max_len: int | None) -> dict:
         permission = {
-            "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": self.started,
-            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False,
-            "allow_view": True, "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False,
+            "id": f"modelperm-{uuid.uuid4().hex}",
+            "object": "model_permission",
+            "created": self.started,
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
         }
-        return {"id": name, "object": "model", "created": self.started, "owned_by": "vllm", "root": root,
-                "parent": parent, "max_model_len": max_len, "permission": [permission]}
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "vllm",
+            "root": root,
+            "parent": parent,
+            "max_model_len": max_len,
+            "permission": [permission],
+        }
 
     async def models(self, _: web.Request) -> web.Response:
         cards = [self._model_card(n, self.args.model, None, self.max_model_len) for n in self.names]
-        for lora, path in (list(self.adapters.paths.items()) if self.adapters else []):  # the engine thread adds
+        for lora, path in list(self.adapters.paths.items()) if self.adapters else []:  # the engine thread adds
             cards.append(self._model_card(lora, path, self.names[0], None))
         return web.json_response({"object": "list", "data": cards})
 
@@ -542,17 +673,30 @@ class Server:
         stats = self.engine.stats()
         lora = None
         if self.adapters:
-            lora = {"max_lora_rank": self.adapters.max_lora_rank, "max_loras": self.adapters.max_loras, "max_cpu_loras": self.adapters.max_cpu_loras}
+            lora = {
+                "max_lora_rank": self.adapters.max_lora_rank,
+                "max_loras": self.adapters.max_loras,
+                "max_cpu_loras": self.adapters.max_cpu_loras,
+            }
         return {
             "model_config": {
-                "model": self.args.model, "served_model_name": self.names[0], "dtype": self.dtype,
-                "max_model_len": self.max_model_len, "max_logprobs": self.args.max_logprobs,
-                "logprobs_mode": self.args.logprobs_mode, "return_sampling_mask": self.args.return_sampling_mask,
-                "generation_config": self.args.generation_config, "seed": self.args.seed,
+                "model": self.args.model,
+                "served_model_name": self.names[0],
+                "dtype": self.dtype,
+                "max_model_len": self.max_model_len,
+                "max_logprobs": self.args.max_logprobs,
+                "logprobs_mode": self.args.logprobs_mode,
+                "return_sampling_mask": self.args.return_sampling_mask,
+                "generation_config": self.args.generation_config,
+                "seed": self.args.seed,
                 "decode_mode": "exact" if self.engine.exact else "fast",
             },
-            "cache_config": {"block_size": BLOCK_SIZE, "num_gpu_blocks": stats.kv_capacity_tokens // BLOCK_SIZE,
-                             "kv_cache_size_tokens": stats.kv_capacity_tokens, "enable_prefix_caching": self.prefix_caching},
+            "cache_config": {
+                "block_size": BLOCK_SIZE,
+                "num_gpu_blocks": stats.kv_capacity_tokens // BLOCK_SIZE,
+                "kv_cache_size_tokens": stats.kv_capacity_tokens,
+                "enable_prefix_caching": self.prefix_caching,
+            },
             "scheduler_config": {"max_num_seqs": self.args.max_num_seqs},
             "parallel_config": {"data_parallel_size": 1, "tensor_parallel_size": 1, "pipeline_parallel_size": 1},
             "lora_config": lora,
@@ -565,7 +709,13 @@ class Server:
         if fmt not in ("text", "json"):
             raise bad_request(f"config_format must be 'text' or 'json', got {fmt!r}.", "config_format", fmt)
         config = self.config()
-        return web.json_response({"vllm_config": config if fmt == "json" else str(config), "vllm_env": {}, "system_env": {"server": "tandem serve"}})
+        return web.json_response(
+            {
+                "vllm_config": config if fmt == "json" else str(config),
+                "vllm_env": {},
+                "system_env": {"server": "tandem serve"},
+            }
+        )
 
     async def load(self, _: web.Request) -> web.Response:
         """In-flight generation requests (`--enable-server-load-tracking`; 0 without it, as vLLM answers)."""
@@ -594,8 +744,10 @@ class Server:
         return web.json_response({"world_size": 1})
 
     async def metrics(self, _: web.Request) -> web.Response:
-        return web.Response(body=prometheus_text(self.engine.stats(), self.names[0], self.prefix_caching).encode(),
-                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        return web.Response(
+            body=prometheus_text(self.engine.stats(), self.names[0], self.prefix_caching).encode(),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
 
 
 def prometheus_text(stats, model_name: str, prefix_caching: bool) -> str:
@@ -609,22 +761,51 @@ def prometheus_text(stats, model_name: str, prefix_caching: bool) -> str:
 
     usage = stats.kv_used_tokens / stats.kv_capacity_tokens if stats.kv_capacity_tokens else 0.0
     metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", [("", usage)])
-    metric("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", [("", stats.running)])
+    metric(
+        "vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", [("", stats.running)]
+    )
     metric("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", [("", stats.waiting)])
-    metric("vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.", [("", stats.preemptions_total)])
-    metric("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", [("", stats.prompt_tokens_total)])
-    metric("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", [("", stats.generation_tokens_total)])
-    metric("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.",
-           [("", stats.prefix_cache_queries_total)])
-    metric("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.",
-           [("", stats.prefix_cache_hits_total)])
-    metric("vllm:request_success_total", "counter", "Count of successfully processed requests.",
-           [(f'finished_reason="{reason}",', count) for reason, count in sorted(stats.finished_total.items())])
+    metric(
+        "vllm:num_preemptions_total",
+        "counter",
+        "Cumulative number of preemption from the engine.",
+        [("", stats.preemptions_total)],
+    )
+    metric(
+        "vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", [("", stats.prompt_tokens_total)]
+    )
+    metric(
+        "vllm:generation_tokens_total",
+        "counter",
+        "Number of generation tokens processed.",
+        [("", stats.generation_tokens_total)],
+    )
+    metric(
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        [("", stats.prefix_cache_queries_total)],
+    )
+    metric(
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        [("", stats.prefix_cache_hits_total)],
+    )
+    metric(
+        "vllm:request_success_total",
+        "counter",
+        "Count of successfully processed requests.",
+        [(f'finished_reason="{reason}",', count) for reason, count in sorted(stats.finished_total.items())],
+    )
     blocks = stats.kv_capacity_tokens // BLOCK_SIZE
-    info = (f'block_size="{BLOCK_SIZE}",enable_prefix_caching="{prefix_caching}",kv_cache_size_tokens="{stats.kv_capacity_tokens}",'
-            f'num_gpu_blocks="{blocks}",')
-    metric("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig", [(info, 1)],
-           common='engine="0"')  # vLLM labels its config info by engine alone
+    info = (
+        f'block_size="{BLOCK_SIZE}",enable_prefix_caching="{prefix_caching}",kv_cache_size_tokens="{stats.kv_capacity_tokens}",'
+        f'num_gpu_blocks="{blocks}",'
+    )
+    metric(
+        "vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig", [(info, 1)], common='engine="0"'
+    )  # vLLM labels its config info by engine alone
     return "\n".join(lines) + "\n"
 
 

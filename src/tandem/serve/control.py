@@ -13,15 +13,20 @@ import torch
 from aiohttp import web
 from safetensors import safe_open
 
+from tandem.kernels.openmp import in_passing_thread
 from tandem.serve import fields, protocol
 from tandem.serve.engine import Engine
 from tandem.serve.lora import AdapterLoaded, AdapterNotFound, AdapterSet, served_parameters
 from tandem.serve.protocol import ApiError, bad_request
 from tandem.serve.weight_receiver import Receiver, TransferError
-from tandem.kernels.openmp import in_passing_thread
 
 logger = logging.getLogger("tandem.serve")
-WEIGHT_TRANSFER_PATHS = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update")
+WEIGHT_TRANSFER_PATHS = (
+    "/init_weight_transfer_engine",
+    "/start_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+)
 
 
 class WeightsError(ValueError):
@@ -41,7 +46,9 @@ def load_weights(model: torch.nn.Module, weights_path: str) -> int:
             if name not in params:
                 raise WeightsError(f"reload_weights: {name!r} in {file.name} is not a parameter of the served model")
             if tuple(params[name].shape) != shape:
-                raise WeightsError(f"reload_weights: {name!r} has shape {shape}, the model expects {tuple(params[name].shape)}")
+                raise WeightsError(
+                    f"reload_weights: {name!r} has shape {shape}, the model expects {tuple(params[name].shape)}"
+                )
     loaded = 0
     with torch.no_grad():
         for file in files:
@@ -72,10 +79,14 @@ class Control:
 
     def routes(self) -> list[tuple[str, str, object]]:
         routes = [
-            ("POST", "/pause", self.pause), ("POST", "/resume", self.resume), ("GET", "/is_paused", self.is_paused),
-            ("POST", "/reset_prefix_cache", self.reset_prefix_cache), ("POST", "/collective_rpc", self.collective_rpc),
+            ("POST", "/pause", self.pause),
+            ("POST", "/resume", self.resume),
+            ("GET", "/is_paused", self.is_paused),
+            ("POST", "/reset_prefix_cache", self.reset_prefix_cache),
+            ("POST", "/collective_rpc", self.collective_rpc),
             ("GET", "/weight_info", self.weight_info),
-            ("POST", "/v1/load_lora_adapter", self.load_lora), ("POST", "/v1/unload_lora_adapter", self.unload_lora),
+            ("POST", "/v1/load_lora_adapter", self.load_lora),
+            ("POST", "/v1/unload_lora_adapter", self.unload_lora),
         ]
         return routes + [("POST", path, self.weight_transfer) for path in WEIGHT_TRANSFER_PATHS]
 
@@ -112,10 +123,16 @@ class Control:
         if not req.method:
             raise ApiError(400, "Missing 'method' in request body")
         if req.method != "reload_weights":
-            raise bad_request(f"Unknown collective_rpc method {req.method!r}: tandem serve implements reload_weights.", "method", req.method)
+            raise bad_request(
+                f"Unknown collective_rpc method {req.method!r}: tandem serve implements reload_weights.",
+                "method",
+                req.method,
+            )
         path = req.kwargs.get("weights_path") or (req.args[0] if req.args else None)
         if not isinstance(path, str):
-            raise bad_request("reload_weights needs kwargs.weights_path: a directory of safetensors files.", "weights_path", path)
+            raise bad_request(
+                "reload_weights needs kwargs.weights_path: a directory of safetensors files.", "weights_path", path
+            )
         if not Path(path).is_dir():
             raise bad_request(f"reload_weights: weights_path {path} is not a directory.", "weights_path", path)
 
@@ -139,9 +156,12 @@ class Control:
         serve/weight_receiver.py. Joining and receiving block, so they run on a thread; the swap runs on the
         engine thread between two steps and drops the prefix cache."""
         if self.receiver is None:
-            raise ApiError(500, "Weight transfer not configured. Please set weight_transfer_config to enable weight "
-                                "transfer (tandem serve: --weight-transfer-config '{\"backend\": \"gloo\"}').",
-                           "InternalServerError")
+            raise ApiError(
+                500,
+                "Weight transfer not configured. Please set weight_transfer_config to enable weight "
+                'transfer (tandem serve: --weight-transfer-config \'{"backend": "gloo"}\').',
+                "InternalServerError",
+            )
         body = await protocol.read(request, protocol.WeightTransferRequest, json_only=False)
         try:
             return await self._transfer_step(request.path, body)
@@ -198,8 +218,9 @@ class Control:
 
         def add():
             in_use = {r.adapter for r, _ in self.engine.rows if r.adapter}
-            self.engine.model = self.adapters.add(self.engine.model, req.lora_name, req.lora_path, in_use,
-                                                  replace=req.load_inplace)
+            self.engine.model = self.adapters.add(
+                self.engine.model, req.lora_name, req.lora_path, in_use, replace=req.load_inplace
+            )
             self.engine.reset_prefix_cache()
 
         try:
@@ -218,9 +239,15 @@ class Control:
         if not req.lora_name or not req.lora_path:
             raise ApiError(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
         if req.lora_name in self.names:
-            raise ApiError(400, f"The lora adapter '{req.lora_name}' conflicts with a served base model.", "InvalidUserInput")
+            raise ApiError(
+                400, f"The lora adapter '{req.lora_name}' conflicts with a served base model.", "InvalidUserInput"
+            )
         if self.adapters is None:
-            raise ApiError(500, "Call to add_lora method failed: LoRA is not enabled. Use --enable-lora to enable LoRA.", "InternalServerError")
+            raise ApiError(
+                500,
+                "Call to add_lora method failed: LoRA is not enabled. Use --enable-lora to enable LoRA.",
+                "InternalServerError",
+            )
 
     async def unload_lora(self, request: web.Request) -> web.Response:
         req = await protocol.read(request, protocol.UnloadLoRARequest)

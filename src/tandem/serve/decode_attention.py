@@ -24,12 +24,22 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     such as sinks go to SDPA. A row that attends to nothing gets zeros, as from SDPA."""
     batch, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
-    if q_len > MAX_QUERY_ROWS or module.training or kwargs.get("s_aux") is not None or query.dtype != torch.float32 \
-            or attention_mask is None or attention_mask.dtype != torch.bool or attention_mask.shape[1:3] != (1, q_len):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
+    if (
+        q_len > MAX_QUERY_ROWS
+        or module.training
+        or kwargs.get("s_aux") is not None
+        or query.dtype != torch.float32
+        or attention_mask is None
+        or attention_mask.dtype != torch.bool
+        or attention_mask.shape[1:3] != (1, q_len)
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     group = heads // kv_heads
-    stacked = query.reshape(batch, kv_heads, group * q_len, dim)  # row g * q_len + t: query head g of the group, token t
+    stacked = query.reshape(
+        batch, kv_heads, group * q_len, dim
+    )  # row g * q_len + t: query head g of the group, token t
     scores = torch.matmul(stacked, key.transpose(2, 3))
     allowed = attention_mask[:, :, :, : key.shape[-2]].repeat(1, 1, group, 1)
     scores = scores.mul_(scaling if scaling is not None else dim**-0.5).masked_fill_(~allowed, float("-inf"))

@@ -15,8 +15,10 @@ if TYPE_CHECKING:
     from tandem.serve.engine import EngineRequest, Sequence
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
-NOTHING_TO_SAMPLE = ("No token is left to sample: allowed_token_ids, bad_words, logit_bias and min_tokens together exclude "
-                     "the whole vocabulary at this position. Allow at least one token.")
+NOTHING_TO_SAMPLE = (
+    "No token is left to sample: allowed_token_ids, bad_words, logit_bias and min_tokens together exclude "
+    "the whole vocabulary at this position. Allow at least one token."
+)
 
 
 @dataclass(frozen=True)
@@ -32,8 +34,13 @@ class Emission:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={self.logprobs_mode!r} is not one of {LOGPROBS_MODES}")
 
-    def emit(self, entries: list[tuple[EngineRequest, Sequence]], totals: list[int], logits: torch.Tensor,
-             weight_version: str) -> list[str | None]:
+    def emit(
+        self,
+        entries: list[tuple[EngineRequest, Sequence]],
+        totals: list[int],
+        logits: torch.Tensor,
+        weight_version: str,
+    ) -> list[str | None]:
         """Sample one token per entry from its row of `logits` (changed in place: masks, bias, penalties), append it to
         the sequence with its log-prob (top-k, sampling mask when asked) and the label of the weights that sampled it;
         each entry's finish reason, None while it runs. `totals`: tokens in each row's sequence once the new one is
@@ -57,7 +64,9 @@ class Emission:
         top = _top(reported, max((p.logprobs for p in params if p.logprobs is not None), default=None))
         reasons = []
         empty = nothing_left.tolist()
-        for b, ((request, seq), token, value, total) in enumerate(zip(entries, tokens.tolist(), chosen.tolist(), totals)):
+        for b, ((request, seq), token, value, total) in enumerate(
+            zip(entries, tokens.tolist(), chosen.tolist(), totals)
+        ):
             if empty[b]:
                 if request.error is None:
                     request.error, request.error_status = NOTHING_TO_SAMPLE, 400
@@ -148,7 +157,9 @@ def _top(values: torch.Tensor, k: int | None) -> tuple[list, list, list] | None:
     return top.indices.tolist(), top.values.tolist(), ranks.tolist()
 
 
-def _listed_entries(row: torch.Tensor, token: int, value: float, rank: int, ids: list[int]) -> list[tuple[int, float, int]]:
+def _listed_entries(
+    row: torch.Tensor, token: int, value: float, rank: int, ids: list[int]
+) -> list[tuple[int, float, int]]:
     """(id, value, rank) of the sampled token, then of each listed id in the request's order, duplicates merged."""
     listed = list(dict.fromkeys(t for t in ids if t != token))
     values = row[listed].tolist()

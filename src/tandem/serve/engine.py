@@ -28,9 +28,9 @@ from typing import Callable
 
 import torch
 
-from tandem.model import architecture
-from tandem.kernels import exact_attention, onednn_linear
 from tandem.errors import UsageError
+from tandem.kernels import exact_attention, onednn_linear
+from tandem.model import architecture
 from tandem.serve import decode_attention
 from tandem.serve.emission import Emission
 from tandem.serve.kv_cache import SequenceStates, SlotKVCache, kv_shapes
@@ -115,10 +115,12 @@ def _min_rows(model: torch.nn.Module, exact: bool) -> int:
     if not exact or next(model.parameters()).device.type != "cpu":
         return 1
     if not exact_attention.ROWS_ROUND_ALIKE and torch.backends.mkl.is_available():
-        logger.warning("tandem serve: exact decoding without MKL's strict reproducible mode pads every matmul to %d "
-                       "rows, and layers 1024 or more wide may still round unlike the trainer's forward; start the "
-                       "process with MKL_CBWR=AUTO,STRICT (or import tandem before torch's first matmul)",
-                       exact_attention.MIN_ROWS)
+        logger.warning(
+            "tandem serve: exact decoding without MKL's strict reproducible mode pads every matmul to %d "
+            "rows, and layers 1024 or more wide may still round unlike the trainer's forward; start the "
+            "process with MKL_CBWR=AUTO,STRICT (or import tandem before torch's first matmul)",
+            exact_attention.MIN_ROWS,
+        )
     if any(onednn_linear.routed(module) for module in model.modules()):
         return max(exact_attention.MATMUL_ROWS, onednn_linear.EXACT_ROWS)
     return exact_attention.MATMUL_ROWS
@@ -136,11 +138,15 @@ def kv_cache_for(model: torch.nn.Module, max_model_len: int) -> SlotKVCache:
     layers = kv_shapes(model).layers
     shapes = set(layers.values())
     if len(shapes) != 1:
-        raise UsageError(f"{type(model).__name__}: its layers store keys and values of differing shapes "
-                         f"({sorted(shapes)}), which tandem serve's one KV tensor cannot hold; generate with vllm serve")
+        raise UsageError(
+            f"{type(model).__name__}: its layers store keys and values of differing shapes "
+            f"({sorted(shapes)}), which tandem serve's one KV tensor cannot hold; generate with vllm serve"
+        )
     if sorted(layers) != list(range(model.config.get_text_config().num_hidden_layers)):
-        raise UsageError(f"{type(model).__name__}: only layers {sorted(layers)} store keys and values (the others share "
-                         "them), which tandem serve's KV cache cannot follow; generate with vllm serve")
+        raise UsageError(
+            f"{type(model).__name__}: only layers {sorted(layers)} store keys and values (the others share "
+            "them), which tandem serve's KV cache cannot follow; generate with vllm serve"
+        )
     param = next(model.parameters())
     return SlotKVCache(len(layers), *shapes.pop(), max_model_len, param.dtype, param.device)
 
@@ -170,19 +176,33 @@ def caches_for(model: torch.nn.Module, max_model_len: int, exact: bool, prefix_t
     if not scanning:
         return kv_cache_for(model, max_model_len), PrefixCache(prefix_tokens) if prefix_tokens is not None else None
     if prefix_tokens is not None:
-        logger.warning("tandem serve: %s carry state across tokens, which no cached block of keys and values holds: "
-                       "prefix caching is off, and each sequence decodes on its own, %s", ", ".join(scanning),
-                       "forwarded whole every step (exact mode)" if exact else "through transformers' own cache")
+        logger.warning(
+            "tandem serve: %s carry state across tokens, which no cached block of keys and values holds: "
+            "prefix caching is off, and each sequence decodes on its own, %s",
+            ", ".join(scanning),
+            "forwarded whole every step (exact mode)" if exact else "through transformers' own cache",
+        )
     return SequenceStates(reforward=exact), None
 
 
 class Engine:
     """Continuous batching over one model: requests are submitted from any thread, one engine thread runs the steps."""
 
-    def __init__(self, model: torch.nn.Module, *, max_model_len: int, eos_token_id: int | None,
-                 extra_stop_token_ids: list[int] = (), max_num_seqs: int = 256, logprobs_mode: str = "raw_logprobs",
-                 adapters: AdapterSet | None = None, exact: bool = False, step_delay_s: float = 0.0,
-                 prefix_caching: bool = True, prefix_cache_max_tokens: int | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_model_len: int,
+        eos_token_id: int | None,
+        extra_stop_token_ids: list[int] = (),
+        max_num_seqs: int = 256,
+        logprobs_mode: str = "raw_logprobs",
+        adapters: AdapterSet | None = None,
+        exact: bool = False,
+        step_delay_s: float = 0.0,
+        prefix_caching: bool = True,
+        prefix_cache_max_tokens: int | None = None,
+    ):
         self.emission = Emission(logprobs_mode, eos_token_id, frozenset(extra_stop_token_ids), max_model_len)
         model = architecture.without_hub_kernels(model)
         self.max_model_len = max_model_len
@@ -204,8 +224,14 @@ class Engine:
                 model.set_attn_implementation(decode_attention.NAME)
         bound = max_num_seqs * max_model_len if prefix_cache_max_tokens is None else prefix_cache_max_tokens
         self.cache, self.prefix_cache = caches_for(model, max_model_len, exact, bound if prefix_caching else None)
-        self.runner = ModelRunner(model, self.cache, max_model_len=max_model_len, min_rows=_min_rows(model, exact),
-                                  exact=exact, adapters=adapters)
+        self.runner = ModelRunner(
+            model,
+            self.cache,
+            max_model_len=max_model_len,
+            min_rows=_min_rows(model, exact),
+            exact=exact,
+            adapters=adapters,
+        )
         """The forward passes (model_runner.py). It holds the model: weight loads copy into it, an adapter load may
         replace it (peft wraps it), so `model` reads it there."""
 
@@ -315,14 +341,19 @@ class Engine:
     def _snapshot(self) -> EngineStats:
         """The figures only the engine thread changes (called on it, or before it starts)."""
         cache = self.prefix_cache
-        return EngineStats(running=len(self.rows), waiting=0, kv_used_tokens=sum(self.lengths),
-                           kv_capacity_tokens=self.max_num_seqs * self.max_model_len,
-                           prompt_tokens_total=self.counters["prompt_tokens"],
-                           generation_tokens_total=self.counters["generation_tokens"], preemptions_total=0,
-                           finished_total=dict(self.finished_total),
-                           prefix_cache_queries_total=cache.queries if cache else 0,
-                           prefix_cache_hits_total=cache.hits if cache else 0,
-                           prefix_cache_tokens=cache.num_tokens if cache else 0)
+        return EngineStats(
+            running=len(self.rows),
+            waiting=0,
+            kv_used_tokens=sum(self.lengths),
+            kv_capacity_tokens=self.max_num_seqs * self.max_model_len,
+            prompt_tokens_total=self.counters["prompt_tokens"],
+            generation_tokens_total=self.counters["generation_tokens"],
+            preemptions_total=0,
+            finished_total=dict(self.finished_total),
+            prefix_cache_queries_total=cache.queries if cache else 0,
+            prefix_cache_hits_total=cache.hits if cache else 0,
+            prefix_cache_tokens=cache.num_tokens if cache else 0,
+        )
 
     def reset_prefix_cache(self) -> None:
         """Drop the prefix cache. Run it on the engine thread (through `call`) whenever the weights change."""
@@ -483,13 +514,15 @@ class Engine:
         base, n = len(self.rows), len(requests)
         lengths = [len(r.prompt) for r in requests]
         self.cache.ensure_rows(base + sum(r.n for r in requests))
-        windows = [r.prompt[self._load_prefix(r, base + j):] for j, r in enumerate(requests)]
+        windows = [r.prompt[self._load_prefix(r, base + j) :] for j, r in enumerate(requests)]
         all_logits = requests[0].params.prompt_logprobs is not None
-        logits = self.runner.window_forward(windows, lengths, slice(base, base + n), [r.adapter for r in requests],
-                                            self._adapters_in_use(), all_logits)[:n]
+        logits = self.runner.window_forward(
+            windows, lengths, slice(base, base + n), [r.adapter for r in requests], self._adapters_in_use(), all_logits
+        )[:n]
         if all_logits:
-            requests[0].prompt_logprobs = self.emission.prompt_logprobs(logits[0, -lengths[0]:], requests[0].prompt,
-                                                                        requests[0].params.prompt_logprobs)
+            requests[0].prompt_logprobs = self.emission.prompt_logprobs(
+                logits[0, -lengths[0] :], requests[0].prompt, requests[0].params.prompt_logprobs
+            )
         self.counters["prompt_tokens"] += sum(lengths)
         for j, request in enumerate(requests):
             request.created_cache_tokens = self._store_prefix(base + j, request, request.prompt)
@@ -527,15 +560,17 @@ class Engine:
         returns the tokens newly cached."""
         if self.prefix_cache is None or request.prefix_epoch != self.prefix_cache.epoch:
             return 0
-        return self.prefix_cache.store(tokens, request.cache_namespace,
-                                       lambda start, stop: self.cache.read(row, start, stop))
+        return self.prefix_cache.store(
+            tokens, request.cache_namespace, lambda start, stop: self.cache.read(row, start, stop)
+        )
 
     def _decode(self) -> None:
         """One new token per running sequence."""
         totals = [length + 1 for length in self.lengths]
         windows = [[seq.output[-1]] for _, seq in self.rows]
-        logits = self.runner.window_forward(windows, totals, slice(0, len(self.rows)), [r.adapter for r, _ in self.rows],
-                                            self._adapters_in_use())
+        logits = self.runner.window_forward(
+            windows, totals, slice(0, len(self.rows)), [r.adapter for r, _ in self.rows], self._adapters_in_use()
+        )
         self.lengths = totals
         self._emit(range(len(self.rows)), logits[: len(self.rows), -1])
         self._next_step_at = time.monotonic() + self.step_delay_s

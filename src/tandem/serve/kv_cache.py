@@ -12,9 +12,9 @@ import copy
 
 import torch
 
-from tandem.model import architecture
 from tandem.kernels import exact_attention
 from tandem.kernels.exact_attention import MIN_ROWS
+from tandem.model import architecture
 
 
 class KVShapes:
@@ -24,7 +24,9 @@ class KVShapes:
         self.layers: dict[int, tuple[int, int, int]] = {}
         """layer index -> (key-value heads, key width, value width)."""
 
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *_, **__) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *_, **__
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         self.layers[layer_idx] = (key.shape[1], key.shape[-1], value.shape[-1])
         return key, value
 
@@ -36,9 +38,13 @@ def kv_shapes(model: torch.nn.Module) -> KVShapes:
     shapes, device = KVShapes(), next(model.parameters()).device
     attend = exact_attention.model_mask(torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device), model)
     with torch.no_grad():  # position and mask given: the model asks the cache nothing else
-        model(input_ids=torch.ones(1, 1, dtype=torch.long, device=device), position_ids=torch.zeros(1, 1, dtype=torch.long,
-              device=device), attention_mask=architecture.layer_masks(model.config, lambda *_: attend), cache=shapes,
-              use_cache=True)
+        model(
+            input_ids=torch.ones(1, 1, dtype=torch.long, device=device),
+            position_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+            attention_mask=architecture.layer_masks(model.config, lambda *_: attend),
+            cache=shapes,
+            use_cache=True,
+        )
     return shapes
 
 
@@ -49,8 +55,16 @@ class SlotKVCache:
     length both grow by doubling as sequences need them: a cache of max_len positions per row zeroed 1 GiB for 512 short
     rows of the tiny model (2.1 s), one of the positions they reach 32 MiB."""
 
-    def __init__(self, num_layers: int, kv_heads: int, key_dim: int, value_dim: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(
+        self,
+        num_layers: int,
+        kv_heads: int,
+        key_dim: int,
+        value_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.kv = torch.zeros(2, num_layers, 0, kv_heads, 0, max(key_dim, value_dim), dtype=dtype, device=device)
         self.key_dim, self.value_dim = key_dim, value_dim
         self.max_len = max_len
@@ -131,7 +145,9 @@ class SequenceStates:
             self.tokens[target] = self.tokens[source][:length]
             self.caches[target] = copy.deepcopy(self.caches[source])
 
-    def forward(self, model: torch.nn.Module, row: int, window: list[int], total: int, all_logits: bool, **kwargs) -> torch.Tensor:
+    def forward(
+        self, model: torch.nn.Module, row: int, window: list[int], total: int, all_logits: bool, **kwargs
+    ) -> torch.Tensor:
         """Logits of the last position of `window` (of every one with `all_logits`), the last tokens of row `row`'s
         sequence, `total` tokens long; a window that is the whole sequence starts the row afresh."""
         if total == len(window):
@@ -144,8 +160,13 @@ class SequenceStates:
             keep = torch.arange(start, max(n, MIN_ROWS), device=device)
             logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep, **kwargs).logits[0, : n - start]
         else:
-            out = model(input_ids=torch.tensor([window], device=device), cache=self.caches[row], use_cache=True,
-                        logits_to_keep=0 if all_logits else 1, **kwargs)
+            out = model(
+                input_ids=torch.tensor([window], device=device),
+                cache=self.caches[row],
+                use_cache=True,
+                logits_to_keep=0 if all_logits else 1,
+                **kwargs,
+            )
             logits, self.caches[row] = out.logits[0], out.cache
         self.tokens[row] = tokens
-        return logits[-len(window):] if all_logits else logits[-1:]
+        return logits[-len(window) :] if all_logits else logits[-1:]

@@ -85,13 +85,17 @@ def check_config(config: dict, max_lora_rank: int) -> None:
     problems = []
     saved = [m for m in config.get("modules_to_save") or [] if m not in ("classifier", "score")]
     if saved:
-        problems.append('vLLM only supports modules_to_save being either None or ["classifier", "score"] for '
-                        f"classification models. Unsupported modules_to_save: {saved}")
+        problems.append(
+            'vLLM only supports modules_to_save being either None or ["classifier", "score"] for '
+            f"classification models. Unsupported modules_to_save: {saved}"
+        )
     problems += [message for key, message in UNSUPPORTED_FEATURES.items() if config.get(key)]
     init = config.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower() not in PLAIN_INITS:
-        problems.append(f"vLLM does not support init_lora_weights={init!r}. Inits such as PiSSA, OLoRA, CorDA and "
-                        "LoftQ modify the base model weights when PEFT loads the adapter.")
+        problems.append(
+            f"vLLM does not support init_lora_weights={init!r}. Inits such as PiSSA, OLoRA, CorDA and "
+            "LoftQ modify the base model weights when PEFT loads the adapter."
+        )
     largest = max([rank, *patterns.values()])
     if largest > max_lora_rank:
         problems.append(f"LoRA rank {largest} is greater than max_lora_rank {max_lora_rank}.")
@@ -148,11 +152,15 @@ def check_shapes(path: str, shapes: dict[str, tuple[int, ...]], model: torch.nn.
         rank = shape[0] if first else shape[1]
         expected = (rank, inner) if first else (out, rank)
         if tuple(shape) != expected or rank > max_rank:
-            raise ValueError(f"LoRA tensor {key!r} of {path} has shape {tuple(shape)}, but the served model's "
-                             f"{module} needs {expected} with a rank of at most {max_rank}")
+            raise ValueError(
+                f"LoRA tensor {key!r} of {path} has shape {tuple(shape)}, but the served model's "
+                f"{module} needs {expected} with a rank of at most {max_rank}"
+            )
     if unexpected:
-        raise ValueError(f"While loading {path}, expected target modules in the served model's layers but "
-                         f"received {sorted(unexpected)}. Please verify that the loaded LoRA module is correct")
+        raise ValueError(
+            f"While loading {path}, expected target modules in the served model's layers but "
+            f"received {sorted(unexpected)}. Please verify that the loaded LoRA module is correct"
+        )
 
 
 def strip_adapter_layers(model: torch.nn.Module) -> None:
@@ -176,8 +184,9 @@ def drop_adapter(model: PeftModel, peft_name: str) -> None:
     if peft_name in model.peft_config:
         model.delete_adapter(peft_name)
     for module in model.modules():
-        if isinstance(module, BaseTunerLayer) and any(peft_name in getattr(module, layer, {})
-                                                      for layer in module.adapter_layer_names):
+        if isinstance(module, BaseTunerLayer) and any(
+            peft_name in getattr(module, layer, {}) for layer in module.adapter_layer_names
+        ):
             module.delete_adapter(peft_name)
 
 
@@ -208,13 +217,16 @@ class AdapterSet:
         self._next_id = 1
         self._stale: list[str] = []
 
-    def add(self, model: torch.nn.Module, name: str, path: str, in_use: set[str], replace: bool = False
-            ) -> torch.nn.Module:
+    def add(
+        self, model: torch.nn.Module, name: str, path: str, in_use: set[str], replace: bool = False
+    ) -> torch.nn.Module:
         """Check, load and register an adapter under `name` (replacing the weights the name had, when `replace`);
         returns the model. Raises AdapterLoaded, AdapterNotFound or ValueError, or PEFT's error, with nothing changed."""
         if name in self.paths and not replace:
-            raise AdapterLoaded(f"The lora adapter '{name}' has already been loaded. If you want to load the adapter "
-                                "in place, set 'load_inplace' to True.")
+            raise AdapterLoaded(
+                f"The lora adapter '{name}' has already been loaded. If you want to load the adapter "
+                "in place, set 'load_inplace' to True."
+            )
         check_adapter(path, model, self.max_lora_rank)
         int_id = self._next_id
         model = load_into(model, path, f"lora{int_id}")

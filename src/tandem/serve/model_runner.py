@@ -10,8 +10,8 @@ import collections
 
 import torch
 
-from tandem.model import architecture
 from tandem.kernels import exact_attention
+from tandem.model import architecture
 from tandem.serve.kv_cache import SequenceStates, SlotKVCache
 from tandem.serve.lora import AdapterSet
 
@@ -29,15 +29,30 @@ class ModelRunner:
     """Forwards windows of several cache rows at once. `model` may be replaced (an adapter load: peft wraps it), so it
     is read at every forward."""
 
-    def __init__(self, model: torch.nn.Module, cache: SlotKVCache | SequenceStates, *, max_model_len: int,
-                 min_rows: int, exact: bool, adapters: AdapterSet | None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: SlotKVCache | SequenceStates,
+        *,
+        max_model_len: int,
+        min_rows: int,
+        exact: bool,
+        adapters: AdapterSet | None,
+    ):
         self.model, self.cache, self.adapters = model, cache, adapters
         self.max_model_len, self.min_rows, self.exact = max_model_len, min_rows, exact
         """`min_rows`: rows every matmul gets, filler sequences added where a step has fewer (engine._min_rows)."""
         self.device = next(model.parameters()).device
 
-    def window_forward(self, windows: list[list[int]], totals: list[int], rows: slice, adapters: list[str | None],
-                       in_use: set[str], all_logits: bool = False) -> torch.Tensor:
+    def window_forward(
+        self,
+        windows: list[list[int]],
+        totals: list[int],
+        rows: slice,
+        adapters: list[str | None],
+        in_use: set[str],
+        all_logits: bool = False,
+    ) -> torch.Tensor:
         """Forward the last tokens of several sequences at once, left-padded to a common width.
 
         `windows[b]` are the final tokens of a sequence `totals[b]` tokens long, written to cache positions
@@ -64,14 +79,34 @@ class ModelRunner:
         if self.exact:  # short key blocks take another matmul path too; the extra keys are masked out
             kv_len = min(max(kv_len, exact_attention.MATMUL_KEYS), self.max_model_len)
         keys = torch.arange(kv_len)
-        mask = (keys[None, None, :] <= write_pos[:, :, None]) & (keys[None, None, :] < torch.tensor(totals)[:, None, None])
-        return self._forward(input_ids.to(self.device), write_pos.to(self.device), kv_len, mask[:, None].to(self.device),
-                             rows, adapters, in_use, all_logits)
+        mask = (keys[None, None, :] <= write_pos[:, :, None]) & (
+            keys[None, None, :] < torch.tensor(totals)[:, None, None]
+        )
+        return self._forward(
+            input_ids.to(self.device),
+            write_pos.to(self.device),
+            kv_len,
+            mask[:, None].to(self.device),
+            rows,
+            adapters,
+            in_use,
+            all_logits,
+        )
 
-    def _forward(self, input_ids, write_pos, kv_len, mask, rows: slice, adapters: list[str | None], in_use: set[str],
-                 all_logits: bool) -> torch.Tensor:
+    def _forward(
+        self,
+        input_ids,
+        write_pos,
+        kv_len,
+        mask,
+        rows: slice,
+        adapters: list[str | None],
+        in_use: set[str],
+        all_logits: bool,
+    ) -> torch.Tensor:
         """One model forward over cache rows `rows`; float32 logits of every position or of the last one(s)."""
         self.cache.begin(rows, write_pos, kv_len)
+
         def windowed(layer_type: str, window: int | None) -> torch.Tensor:  # query minus key position below the window
             distance = write_pos[:, None, :, None] - torch.arange(kv_len, device=self.device)
             return exact_attention.model_mask(mask & (distance < window) if window else mask, self.model)
@@ -79,13 +114,19 @@ class ModelRunner:
         masks = architecture.layer_masks(self.model.config, windowed)
         kwargs = self._adapter_kwargs(adapters, in_use)
         out = self.model(
-            input_ids=input_ids, position_ids=write_pos, attention_mask=masks, cache=self.cache,
-            use_cache=True, logits_to_keep=0 if all_logits else self._positions_to_keep(input_ids.shape[0]), **kwargs,
+            input_ids=input_ids,
+            position_ids=write_pos,
+            attention_mask=masks,
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=0 if all_logits else self._positions_to_keep(input_ids.shape[0]),
+            **kwargs,
         )
         return out.logits.float()
 
-    def _sequence_forward(self, windows: list[list[int]], totals: list[int], rows: slice, adapters, in_use: set[str],
-                          all_logits: bool) -> torch.Tensor:
+    def _sequence_forward(
+        self, windows: list[list[int]], totals: list[int], rows: slice, adapters, in_use: set[str], all_logits: bool
+    ) -> torch.Tensor:
         """`window_forward` for a model with recurrent layers: each sequence forwarded on its own from its own state,
         the logits left-padded to a common width as a batched window's are."""
         logits = []

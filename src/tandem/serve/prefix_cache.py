@@ -24,7 +24,7 @@ def block_hashes(tokens: list[int], namespace: str, block_size: int = BLOCK_SIZE
     """The chained hash of every whole block of `tokens`, the first seeded with the namespace."""
     hashes, previous = [], hashlib.blake2b(namespace.encode(), digest_size=16).digest()
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        block = array("q", tokens[start:start + block_size]).tobytes()
+        block = array("q", tokens[start : start + block_size]).tobytes()
         previous = hashlib.blake2b(previous + block, digest_size=16).digest()
         hashes.append(previous)
     return hashes
@@ -63,7 +63,7 @@ class PrefixCache:
     def uncached_blocks(self, prompt: list[int], namespace: str) -> list[bytes]:
         """The hashes of the blocks a lookup of `prompt` would not find: those after its cached run."""
         hashes = block_hashes(prompt[:-1], namespace, self.block_size)
-        return hashes[self._cached_run(hashes):]
+        return hashes[self._cached_run(hashes) :]
 
     def _cached_run(self, hashes: list[bytes]) -> int:
         """How many of `hashes`, from the first, are cached."""

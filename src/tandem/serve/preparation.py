@@ -9,11 +9,11 @@ stop strings. Every refusal is an `ApiError` (400), so the client learns what to
 import random
 from dataclasses import dataclass, field
 
+from tandem.chat.prompts import TEMPLATE_ERRORS, render_chat
 from tandem.serve import fields, protocol
 from tandem.serve.engine import EngineRequest
 from tandem.serve.protocol import bad_request
 from tandem.serve.sampling import SamplingParams
-from tandem.chat.prompts import TEMPLATE_ERRORS, render_chat
 
 
 @dataclass
@@ -64,28 +64,48 @@ class Preparer:
         protocol.refuse(req.model_dump(), fields.COMPLETIONS)
         only_prompt = req.echo and req.max_tokens == 0
         if req.logprob_token_ids and only_prompt:
-            raise bad_request("`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because no "
-                              "output tokens are generated.", "logprob_token_ids")
+            raise bad_request(
+                "`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because no "
+                "output tokens are generated.",
+                "logprob_token_ids",
+            )
         protocol.check_listed_logprobs(req.logprob_token_ids, req.logprobs, self.vocab_size, "completions")
         prompts = [self.truncated(ids, req, only_prompt) for ids in self.prompt_ids(req.prompt, req.add_special_tokens)]
         prompt_logprobs = req.logprobs if req.echo and req.prompt_logprobs is None else req.prompt_logprobs
-        return Ask("completions", prompts, req, 1 if only_prompt else req.max_tokens, default_max_tokens=16,
-                   logprobs=None if req.logprob_token_ids else req.logprobs, prompt_logprobs=prompt_logprobs,
-                   cache_salt=req.cache_salt)
+        return Ask(
+            "completions",
+            prompts,
+            req,
+            1 if only_prompt else req.max_tokens,
+            default_max_tokens=16,
+            logprobs=None if req.logprob_token_ids else req.logprobs,
+            prompt_logprobs=prompt_logprobs,
+            cache_salt=req.cache_salt,
+        )
 
     def chat_ask(self, req: protocol.ChatCompletionRequest) -> Ask:
         """`/v1/chat/completions`: the messages rendered (or vLLM's `kv_transfer_params.prompt_token_ids` in their
         place), `top_logprobs` of -1 for the whole vocabulary; echo scores the prompt too (`top_logprobs` of each)."""
         protocol.refuse(req.model_dump(), fields.CHAT)
         if req.top_logprobs and not req.logprobs:
-            raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs", req.top_logprobs)
+            raise bad_request(
+                "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs", req.top_logprobs
+            )
         protocol.check_listed_logprobs(req.logprob_token_ids, req.logprobs, self.vocab_size, "chat")
         prompt = self.reused_prompt(req) or self.render_chat(req)
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         logprobs = None if req.logprob_token_ids or not req.logprobs else req.top_logprobs or 0
         prompt_logprobs = (req.top_logprobs or 0) if req.echo and req.prompt_logprobs is None else req.prompt_logprobs
-        return Ask("chat", [self.truncated(prompt, req)], req, req.max_completion_tokens or req.max_tokens, name,
-                   logprobs=logprobs, prompt_logprobs=prompt_logprobs, cache_salt=req.cache_salt)
+        return Ask(
+            "chat",
+            [self.truncated(prompt, req)],
+            req,
+            req.max_completion_tokens or req.max_tokens,
+            name,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            cache_salt=req.cache_salt,
+        )
 
     def generate_ask(self, req: protocol.GenerateRequest) -> Ask:
         """`/inference/v1/generate`: vLLM's raw sampling struct over token ids; max_tokens defaults to the context."""
@@ -93,18 +113,30 @@ class Preparer:
         protocol.refuse(req.model_dump(), fields.GENERATE)
         protocol.refuse(sp.model_dump(), fields.GENERATE_SAMPLING)
         if req.output_mode == "derender":
-            raise bad_request("output_mode='derender' is not supported by tandem serve: it parses the reply into a "
-                              "message with vLLM's renderers; use output_mode 'tokens' or 'text'.", "output_mode")
+            raise bad_request(
+                "output_mode='derender' is not supported by tandem serve: it parses the reply into a "
+                "message with vLLM's renderers; use output_mode 'tokens' or 'text'.",
+                "output_mode",
+            )
         if not sp.detokenize and req.output_mode == "text":
             raise bad_request("output_mode='text' requires sampling_params.detokenize to be true", "output_mode")
         if not sp.detokenize and sp.stop:
-            raise bad_request("stop strings are only supported when detokenize is True. Set detokenize=True to use "
-                              "stop.", "stop")
+            raise bad_request(
+                "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.", "stop"
+            )
         logprobs, prompt_logprobs = (int(v) if isinstance(v, bool) else v for v in (sp.logprobs, sp.prompt_logprobs))
         protocol.check_listed_logprobs(sp.logprob_token_ids, logprobs, self.vocab_size, "generate")
-        return Ask("generate", [req.token_ids], sp, sp.max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                   sampling_mask=self.return_sampling_mask, cache_salt=req.cache_salt,
-                   reads_prefix_cache=not sp.skip_reading_prefix_cache)
+        return Ask(
+            "generate",
+            [req.token_ids],
+            sp,
+            sp.max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            sampling_mask=self.return_sampling_mask,
+            cache_salt=req.cache_salt,
+            reads_prefix_cache=not sp.skip_reading_prefix_cache,
+        )
 
     def engine_requests(self, ask: Ask, adapter: str | None) -> list[EngineRequest]:
         """One engine request per prompt, or an ApiError naming the first thing the request got wrong."""
@@ -119,17 +151,30 @@ class Preparer:
             self.check_prompt(ids)
             values = {**sampling.model_dump(), "seed": self.seed(sampling.seed)}  # each prompt its own server seed
             params = protocol.sampling_params(
-                values, self.defaults, max_tokens=self.max_tokens(ask, len(ids)), max_logprobs=self.max_logprobs,
-                vocab_size=self.vocab_size, logprobs=ask.logprobs, prompt_logprobs=ask.prompt_logprobs,
-                clamp_bias=ask.route != "generate", bad_words=bad_words,
+                values,
+                self.defaults,
+                max_tokens=self.max_tokens(ask, len(ids)),
+                max_logprobs=self.max_logprobs,
+                vocab_size=self.vocab_size,
+                logprobs=ask.logprobs,
+                prompt_logprobs=ask.prompt_logprobs,
+                clamp_bias=ask.route != "generate",
+                bad_words=bad_words,
             )
             self.check_n(sampling.n, params)
             self.check_sampling_mask_request(params)
-            requests.append(EngineRequest(prompt=list(ids), params=params, n=sampling.n, adapter=adapter,
-                                          return_sampling_mask=ask.sampling_mask, cache_salt=ask.cache_salt,
-                                          stop_check=self.stop_check(stops, sampling.skips_special_tokens,
-                                                                     params.min_tokens),
-                                          reads_prefix_cache=ask.reads_prefix_cache))
+            requests.append(
+                EngineRequest(
+                    prompt=list(ids),
+                    params=params,
+                    n=sampling.n,
+                    adapter=adapter,
+                    return_sampling_mask=ask.sampling_mask,
+                    cache_salt=ask.cache_salt,
+                    stop_check=self.stop_check(stops, sampling.skips_special_tokens, params.min_tokens),
+                    reads_prefix_cache=ask.reads_prefix_cache,
+                )
+            )
         return requests
 
     def truncated(self, ids: list[int], sampling: protocol.SamplingFields, only_prompt: bool = False) -> list[int]:
@@ -139,14 +184,17 @@ class Preparer:
         if keep is None:
             return ids
         if keep > self.max_model_len:
-            raise bad_request(f"truncate_prompt_tokens={keep} cannot be greater than max_model_len = "
-                              f"{self.max_model_len}. Please request a smaller truncation size.",
-                              "truncate_prompt_tokens", keep)
+            raise bad_request(
+                f"truncate_prompt_tokens={keep} cannot be greater than max_model_len = "
+                f"{self.max_model_len}. Please request a smaller truncation size.",
+                "truncate_prompt_tokens",
+                keep,
+            )
         if keep == -1:
             keep = self.max_model_len - (0 if only_prompt else 1)
         if len(ids) <= keep:
             return ids
-        return ids[:keep] if sampling.truncation_side == "right" else ids[len(ids) - keep:]
+        return ids[:keep] if sampling.truncation_side == "right" else ids[len(ids) - keep :]
 
     def bad_word_ids(self, words: list[str] | None) -> list[list[int]]:
         """Each bad word's token ids as vLLM finds them: the word, and with a leading space where that tokenizes to
@@ -165,17 +213,25 @@ class Preparer:
             if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
                 found.append(spaced)
         if len(found) > protocol.MAX_LISTED_TOKENS:
-            raise bad_request(f"Too many bad words after tokenization: {len(found)}. The max number is "
-                              f"{protocol.MAX_LISTED_TOKENS}.", "bad_words", len(found))
+            raise bad_request(
+                f"Too many bad words after tokenization: {len(found)}. The max number is {protocol.MAX_LISTED_TOKENS}.",
+                "bad_words",
+                len(found),
+            )
         bad = sorted({t for ids in found for t in ids if not 0 <= t < self.vocab_size})
         if bad:
-            raise bad_request(f"The model vocabulary size is {self.vocab_size}, but the following tokens were specified "
-                              f"as bad: {bad}. All token id values should be integers satisfying: 0 <= token_id <= "
-                              f"{self.vocab_size - 1}.", "bad_words", bad)
+            raise bad_request(
+                f"The model vocabulary size is {self.vocab_size}, but the following tokens were specified "
+                f"as bad: {bad}. All token id values should be integers satisfying: 0 <= token_id <= "
+                f"{self.vocab_size - 1}.",
+                "bad_words",
+                bad,
+            )
         return found
 
-    def prompt_ids(self, prompt: list[int] | list[list[int]] | str | list[str], add_special_tokens: bool = True
-                   ) -> list[list[int]]:
+    def prompt_ids(
+        self, prompt: list[int] | list[list[int]] | str | list[str], add_special_tokens: bool = True
+    ) -> list[list[int]]:
         """A completions `prompt` (one or a batch, ids or text) as a list of token-id prompts."""
         if isinstance(prompt, str):
             return [self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)]
@@ -191,16 +247,24 @@ class Preparer:
         template options under the request's, the tokenizer's special tokens added when asked."""
         kwargs = {**self.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
         if (req.chat_template is not None or "chat_template" in kwargs) and not self.trust_request_chat_template:
-            raise bad_request("Chat template is passed with request, but --trust-request-chat-template is not set. "
-                              "Refused request with untrusted chat template.", "chat_template")
+            raise bad_request(
+                "Chat template is passed with request, but --trust-request-chat-template is not set. "
+                "Refused request with untrusted chat template.",
+                "chat_template",
+            )
         if req.continue_final_message and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
-            raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                              "continue_final_message")
+            raise bad_request(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                "continue_final_message",
+            )
         if req.continue_final_message and req.add_generation_prompt:  # transformers' refusal, which vLLM passes on
-            raise bad_request("continue_final_message and add_generation_prompt are not compatible. Use "
-                              "continue_final_message when you want the model to continue the final message, and "
-                              "add_generation_prompt when you want to add a header that will prompt it to start a new "
-                              "assistant message instead.", "continue_final_message")
+            raise bad_request(
+                "continue_final_message and add_generation_prompt are not compatible. Use "
+                "continue_final_message when you want the model to continue the final message, and "
+                "add_generation_prompt when you want to add a header that will prompt it to start a new "
+                "assistant message instead.",
+                "continue_final_message",
+            )
         if getattr(req, "documents", None) is not None:
             kwargs["documents"] = req.documents
         if (effort := getattr(req, "reasoning_effort", None)) is not None:
@@ -208,10 +272,17 @@ class Preparer:
             kwargs.setdefault("enable_thinking", effort != "none")
         try:
             tools = [as_vllm_renders(tool) for tool in req.tools] if req.tools else req.tools
-            return render_chat(self.tokenizer, req.messages, tools=tools, add_generation_prompt=req.add_generation_prompt,
-                               continue_final_message=req.continue_final_message, chat_template=req.chat_template,
-                               chat_template_kwargs=kwargs, content_format=self.content_format,
-                               add_special_tokens=bool(req.add_special_tokens))
+            return render_chat(
+                self.tokenizer,
+                req.messages,
+                tools=tools,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                chat_template=req.chat_template,
+                chat_template_kwargs=kwargs,
+                content_format=self.content_format,
+                add_special_tokens=bool(req.add_special_tokens),
+            )
         except TEMPLATE_ERRORS as exc:  # the template rejecting these messages is the caller's input error
             raise bad_request(f"The chat template could not render these messages: {exc}", "messages", None) from None
 
@@ -221,10 +292,15 @@ class Preparer:
         ids = (req.kv_transfer_params or {}).get("prompt_token_ids")
         if ids is None or req.echo:
             return None
-        if not (isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                      for t in ids)):
-            raise bad_request("`kv_transfer_params['prompt_token_ids']` must be a non-empty list of non-negative "
-                              "integers.", "kv_transfer_params.prompt_token_ids")
+        if not (
+            isinstance(ids, list)
+            and ids
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+        ):
+            raise bad_request(
+                "`kv_transfer_params['prompt_token_ids']` must be a non-empty list of non-negative integers.",
+                "kv_transfer_params.prompt_token_ids",
+            )
         return ids
 
     def check_prompt(self, ids: list[int]) -> None:
@@ -238,7 +314,10 @@ class Preparer:
             raise bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt contains "
                 f"{len(ids)} input tokens, which exceeds this limit even without any output tokens. Please reduce the "
-                "length of the input prompt.", "prompt", len(ids))
+                "length of the input prompt.",
+                "prompt",
+                len(ids),
+            )
 
     def max_tokens(self, ask: Ask, prompt_len: int) -> int:
         """vLLM 0.32+: min(max_tokens, max_model_len - prompt_len, generation_config max_new_tokens); a request for
@@ -247,10 +326,17 @@ class Preparer:
         if requested is not None and requested < 1:
             raise bad_request(f"max_tokens must be at least 1, got {requested}.", "max_tokens", requested)
         if requested is not None and requested > self.max_model_len and ask.route != "generate":
-            raise bad_request(f"{ask.max_tokens_name}={requested} cannot be greater than max_model_len="
-                              f"{self.max_model_len}. Please request fewer output tokens.", ask.max_tokens_name, requested)
-        caps = [self.max_model_len - prompt_len, requested if requested is not None else ask.default_max_tokens,
-                self.defaults.get("max_tokens")]
+            raise bad_request(
+                f"{ask.max_tokens_name}={requested} cannot be greater than max_model_len="
+                f"{self.max_model_len}. Please request fewer output tokens.",
+                ask.max_tokens_name,
+                requested,
+            )
+        caps = [
+            self.max_model_len - prompt_len,
+            requested if requested is not None else ask.default_max_tokens,
+            self.defaults.get("max_tokens"),
+        ]
         value = min(c for c in caps if c is not None)
         if value < 1:
             raise bad_request(f"max_tokens must be at least 1, got {value}.", "max_tokens", value)
@@ -274,7 +360,9 @@ class Preparer:
         if not self.return_sampling_mask:
             return
         if params.temperature <= 0:
-            raise bad_request("sampling distribution replay requires temperature > 0", "temperature", params.temperature)
+            raise bad_request(
+                "sampling distribution replay requires temperature > 0", "temperature", params.temperature
+            )
         if params.top_k <= 0:
             raise bad_request("sampling distribution replay requires top_k > 0", "top_k", params.top_k)
 
@@ -286,7 +374,9 @@ class Preparer:
 
         def check(output: list[int]) -> str | None:
             decoded = self.tokenizer.decode(output, skip_special_tokens=skip_special)
-            before = len(self.tokenizer.decode(output[:min_tokens], skip_special_tokens=skip_special)) if min_tokens else 0
+            before = (
+                len(self.tokenizer.decode(output[:min_tokens], skip_special_tokens=skip_special)) if min_tokens else 0
+            )
             found = protocol.find_stop(decoded, stops, before)
             return found[0] if found else None
 
@@ -304,4 +394,3 @@ def as_vllm_renders(tool: dict) -> dict:
         return tool
     function = {key: tool["function"][key] for key in FUNCTION_FIELDS if tool["function"].get(key) is not None}
     return {"type": tool.get("type", "function"), "function": function}
-

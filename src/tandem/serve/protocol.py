@@ -13,9 +13,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from tandem.httpapp import error_body
 from tandem.serve.fields import REFUSED, Rule
 from tandem.serve.sampling import SamplingParams
-from tandem.httpapp import error_body
 
 INT64_MAX = 2**63 - 1
 MAX_STOP_STRINGS = 4
@@ -229,7 +229,11 @@ class WeightTransferRequest(Request):
 
 def parse(model: type[BaseModel], body: Any) -> Any:
     if not isinstance(body, dict):
-        raise ApiError(400, f"1 validation error:\n  body: Input should be a valid dictionary, got {type(body).__name__}", "Bad Request")
+        raise ApiError(
+            400,
+            f"1 validation error:\n  body: Input should be a valid dictionary, got {type(body).__name__}",
+            "Bad Request",
+        )
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -247,13 +251,23 @@ async def read(request, model: type[BaseModel], *, json_only: bool = True) -> An
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"1 validation error:\n  body: JSON decode error: {getattr(exc, 'msg', exc)}", "Bad Request") from None
+        raise ApiError(
+            400, f"1 validation error:\n  body: JSON decode error: {getattr(exc, 'msg', exc)}", "Bad Request"
+        ) from None
     return parse(model, body)
 
 
 def sampling_params(
-    fields: dict[str, Any], defaults: dict[str, Any], *, max_tokens: int, max_logprobs: int, vocab_size: int,
-    logprobs: int | None, prompt_logprobs: int | None, clamp_bias: bool = True, bad_words: tuple[list[int], ...] = (),
+    fields: dict[str, Any],
+    defaults: dict[str, Any],
+    *,
+    max_tokens: int,
+    max_logprobs: int,
+    vocab_size: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+    clamp_bias: bool = True,
+    bad_words: tuple[list[int], ...] = (),
 ) -> SamplingParams:
     """Resolve request fields over the server's defaults and check them as vLLM's SamplingParams does. `clamp_bias`:
     logit_bias values clamped to [-100, 100] (the /v1 routes; /inference/v1/generate takes them as sent)."""
@@ -264,15 +278,25 @@ def sampling_params(
 
     listed = fields.get("logprob_token_ids") or None
     params = SamplingParams(
-        temperature=float(pick("temperature", 1.0)), top_p=float(pick("top_p", 1.0)), top_k=int(pick("top_k", 0)),
-        min_p=float(pick("min_p", 0.0)), repetition_penalty=float(pick("repetition_penalty", 1.0)),
-        presence_penalty=float(pick("presence_penalty", 0.0)), frequency_penalty=float(pick("frequency_penalty", 0.0)),
-        max_tokens=max_tokens, min_tokens=int(fields.get("min_tokens") or 0),
-        stop_token_ids=list(fields.get("stop_token_ids") or []), ignore_eos=bool(fields.get("ignore_eos")),
-        logprobs=logprobs, prompt_logprobs=prompt_logprobs, seed=None if fields.get("seed") == -1 else fields.get("seed"),
+        temperature=float(pick("temperature", 1.0)),
+        top_p=float(pick("top_p", 1.0)),
+        top_k=int(pick("top_k", 0)),
+        min_p=float(pick("min_p", 0.0)),
+        repetition_penalty=float(pick("repetition_penalty", 1.0)),
+        presence_penalty=float(pick("presence_penalty", 0.0)),
+        frequency_penalty=float(pick("frequency_penalty", 0.0)),
+        max_tokens=max_tokens,
+        min_tokens=int(fields.get("min_tokens") or 0),
+        stop_token_ids=list(fields.get("stop_token_ids") or []),
+        ignore_eos=bool(fields.get("ignore_eos")),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        seed=None if fields.get("seed") == -1 else fields.get("seed"),
         logit_bias=logit_bias(fields.get("logit_bias"), vocab_size, clamp_bias),
-        allowed_token_ids=allowed_token_ids(fields.get("allowed_token_ids"), vocab_size), bad_words=list(bad_words),
-        logprob_token_ids=listed, repetition_detection=repetition_detection(fields.get("repetition_detection")),
+        allowed_token_ids=allowed_token_ids(fields.get("allowed_token_ids"), vocab_size),
+        bad_words=list(bad_words),
+        logprob_token_ids=listed,
+        repetition_detection=repetition_detection(fields.get("repetition_detection")),
     )
     check_ranges(params)
     if params.greedy:
@@ -287,8 +311,9 @@ def out_of_vocabulary(name: str, ids: list[int], vocab_size: int) -> None:
     """vLLM's engine check of listed token ids."""
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise bad_request(f"token_id(s) {bad} in {name} contain out-of-vocab token ids. Vocabulary size: {vocab_size}",
-                          name, bad)
+        raise bad_request(
+            f"token_id(s) {bad} in {name} contain out-of-vocab token ids. Vocabulary size: {vocab_size}", name, bad
+        )
 
 
 def logit_bias(bias: dict[str, float] | None, vocab_size: int, clamp: bool) -> dict[int, float]:
@@ -298,14 +323,18 @@ def logit_bias(bias: dict[str, float] | None, vocab_size: int, clamp: bool) -> d
         return {}
     not_ints = [key for key in bias if not is_int(key)]
     if not_ints:
-        raise bad_request(f"logit_bias contains key(s) that cannot be converted to integer token IDs: {not_ints}",
-                          "logit_bias", not_ints)
+        raise bad_request(
+            f"logit_bias contains key(s) that cannot be converted to integer token IDs: {not_ints}",
+            "logit_bias",
+            not_ints,
+        )
     ids = {int(key): value for key, value in bias.items()}
     out_of_vocabulary("logit_bias", list(ids), vocab_size)
     infinite = [key for key, value in ids.items() if not math.isfinite(value)]
     if infinite:
-        raise bad_request(f"logit_bias values must be finite numbers; token ids {infinite} have none.", "logit_bias",
-                          infinite)
+        raise bad_request(
+            f"logit_bias values must be finite numbers; token ids {infinite} have none.", "logit_bias", infinite
+        )
     return {key: min(100.0, max(-100.0, value)) for key, value in ids.items()} if clamp else ids
 
 
@@ -335,13 +364,21 @@ def repetition_detection(spec: dict | None) -> tuple[int, int, int] | None:
         return None
     low, high, count = spec.get("min_pattern_size", 0), spec.get("max_pattern_size", 0), spec.get("min_count", 0)
     if low < 0 or high < 0 or low > high:
-        raise bad_request("max_pattern_size, min_pattern_size must be >=0, with min_pattern_size <= max_pattern_size. "
-                          "Set both to 0 to disable repetitive pattern detection.", "repetition_detection", spec)
+        raise bad_request(
+            "max_pattern_size, min_pattern_size must be >=0, with min_pattern_size <= max_pattern_size. "
+            "Set both to 0 to disable repetitive pattern detection.",
+            "repetition_detection",
+            spec,
+        )
     if high == 0:
         return None
     if count < 2:
-        raise bad_request("min_count must be >= 2 to detect repetitive patterns in engine output. If you do not wish "
-                          "to detect repetitive patterns, set max_pattern_size to 0.", "repetition_detection", spec)
+        raise bad_request(
+            "min_count must be >= 2 to detect repetitive patterns in engine output. If you do not wish "
+            "to detect repetitive patterns, set max_pattern_size to 0.",
+            "repetition_detection",
+            spec,
+        )
     return low, high, count
 
 
@@ -355,12 +392,17 @@ def check_listed_logprobs(ids: list[int] | None, logprobs: Any, vocab_size: int,
     if route == "completions" and logprobs is None:
         raise bad_request("when using `logprob_token_ids`, `logprobs` must be set.", "logprob_token_ids")
     if route == "generate" and logprobs is not None and logprobs != len(ids):
-        raise bad_request("When both logprobs and logprob_token_ids are set, logprobs must equal "
-                          f"len(logprob_token_ids). Got logprobs={logprobs}, len(logprob_token_ids)={len(ids)}.",
-                          "logprob_token_ids")
+        raise bad_request(
+            "When both logprobs and logprob_token_ids are set, logprobs must equal "
+            f"len(logprob_token_ids). Got logprobs={logprobs}, len(logprob_token_ids)={len(ids)}.",
+            "logprob_token_ids",
+        )
     if len(ids) > MAX_LISTED_TOKENS:
-        raise bad_request(f"Requested logprob_token_ids of length {len(ids)}, which is greater than max allowed: "
-                          f"{MAX_LISTED_TOKENS}", "logprob_token_ids", len(ids))
+        raise bad_request(
+            f"Requested logprob_token_ids of length {len(ids)}, which is greater than max allowed: {MAX_LISTED_TOKENS}",
+            "logprob_token_ids",
+            len(ids),
+        )
     out_of_vocabulary("logprob_token_ids", ids, vocab_size)
 
 
@@ -371,8 +413,10 @@ def check_cache_salt(salt: Any) -> None:
     if not isinstance(salt, str) or not salt:
         raise bad_request("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
     if len(salt) > MAX_CACHE_SALT or any(c in salt for c in "@/\\\0"):
-        raise bad_request("Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', "
-                          "'\\\\', or NUL.", "cache_salt")
+        raise bad_request(
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL.",
+            "cache_salt",
+        )
 
 
 def refuse(fields: dict[str, Any], rules: dict[str, Rule]) -> None:
@@ -389,8 +433,11 @@ def check_ranges(params: SamplingParams) -> None:
         ("top_p", 0.0 < params.top_p <= 1.0, "top_p must be in (0, 1]"),
         ("top_k", params.top_k >= -1, "top_k must be 0 (disable), or at least 1"),
         ("min_p", 0.0 <= params.min_p <= 1.0, "min_p must be in [0, 1]"),
-        ("repetition_penalty", params.repetition_penalty > 0 and params.repetition_penalty != float("inf"),
-         "repetition_penalty must be greater than zero"),
+        (
+            "repetition_penalty",
+            params.repetition_penalty > 0 and params.repetition_penalty != float("inf"),
+            "repetition_penalty must be greater than zero",
+        ),
         ("presence_penalty", -2.0 <= params.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
         ("frequency_penalty", -2.0 <= params.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
         ("min_tokens", 0 <= params.min_tokens <= max(params.max_tokens, 0), "min_tokens must be in [0, max_tokens]"),
@@ -409,7 +456,9 @@ def check_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int) -
             continue
         requested = vocab_size if value == -1 else value
         if value < -1 or (max_logprobs != -1 and requested > max_logprobs):
-            raise bad_request(f"Requested {kind} logprobs of {value}, which is greater than max allowed: {max_logprobs}", name, value)
+            raise bad_request(
+                f"Requested {kind} logprobs of {value}, which is greater than max allowed: {max_logprobs}", name, value
+            )
     out_of_vocab = [t for t in params.stop_token_ids if t >= vocab_size]
     if out_of_vocab:
         raise bad_request(f"Token id {out_of_vocab[0]} is out of vocabulary", "stop_token_ids", out_of_vocab[0])
@@ -418,7 +467,9 @@ def check_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int) -
 def stop_strings(stop: str | list[str] | None) -> list[str]:
     strings = [stop] if isinstance(stop, str) else list(stop or [])
     if len(strings) > MAX_STOP_STRINGS:
-        raise bad_request(f"At most {MAX_STOP_STRINGS} stop strings are allowed, got {len(strings)}.", "stop", len(strings))
+        raise bad_request(
+            f"At most {MAX_STOP_STRINGS} stop strings are allowed, got {len(strings)}.", "stop", len(strings)
+        )
     if any(s == "" for s in strings):
         raise bad_request("Empty strings are not allowed in stop.", "stop", strings)
     return strings
@@ -436,27 +487,35 @@ def tool_choice(req: ChatCompletionRequest, parser: str | None, auto_tools: bool
     (`tools` only rendered into the prompt). "required" and named functions need output constrained to the call's
     JSON schema, which tandem serve does not implement: a 400 saying so."""
     if req.tools == []:
-        raise bad_request("`tools` must not be an empty array. Either provide at least one tool or omit the field "
-                          "entirely.", "tools")
+        raise bad_request(
+            "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.", "tools"
+        )
     choice = req.tool_choice if req.tool_choice is not None or not req.tools else "auto"
     if choice is None or choice == "none":
         return "none"
     if req.tools is None:
         raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
     if choice not in ("auto", "required") and not isinstance(choice, dict):
-        raise bad_request(f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" or "required" '
-                          "are supported.", "tool_choice")
+        raise bad_request(
+            f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" or "required" are supported.',
+            "tool_choice",
+        )
     if isinstance(choice, dict):
         usage = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
         function = choice.get("function")
         if not isinstance(function, dict):
-            raise bad_request(f"Invalid value for `function`: `{function}` in `tool_choice`! {usage}", "tool_choice.function")
+            raise bad_request(
+                f"Invalid value for `function`: `{function}` in `tool_choice`! {usage}", "tool_choice.function"
+            )
         name = function.get("name")
         if not isinstance(name, str) or not name:
-            raise bad_request(f"Expected field `name` in `function` in `tool_choice`! {usage}", "tool_choice.function.name")
+            raise bad_request(
+                f"Expected field `name` in `function` in `tool_choice`! {usage}", "tool_choice.function.name"
+            )
         if not any(isinstance(tool, dict) and (tool.get("function") or {}).get("name") == name for tool in req.tools):
-            raise bad_request("The tool specified in `tool_choice` does not match any of the specified `tools`",
-                              "tool_choice")
+            raise bad_request(
+                "The tool specified in `tool_choice` does not match any of the specified `tools`", "tool_choice"
+            )
     if choice == "auto":
         if not auto_tools:
             raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
@@ -464,6 +523,9 @@ def tool_choice(req: ChatCompletionRequest, parser: str | None, auto_tools: bool
     described = f'function "{choice["function"]["name"]}"' if isinstance(choice, dict) else f'"{choice}"'
     if parser is None:
         raise bad_request(f"tool_choice={described} requires --tool-call-parser to be set")
-    raise bad_request(f"tool_choice={described} is not supported by tandem serve: vLLM constrains the output to the "
-                      "call's JSON schema (guided decoding), which tandem serve does not implement. Send "
-                      'tool_choice "auto" (the model decides) or "none".', "tool_choice")
+    raise bad_request(
+        f"tool_choice={described} is not supported by tandem serve: vLLM constrains the output to the "
+        "call's JSON schema (guided decoding), which tandem serve does not implement. Send "
+        'tool_choice "auto" (the model decides) or "none".',
+        "tool_choice",
+    )

@@ -5,11 +5,11 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from tandem.chat.prompts import with_content_as
+from tandem.chat.tool_formats import ToolCallFormat, served_reply
 from tandem.serve.engine import EngineRequest, Sequence
 from tandem.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, find_stop
 from tandem.serve.sampling import floor_logprob
-from tandem.chat.prompts import with_content_as
-from tandem.chat.tool_formats import ToolCallFormat, served_reply
 
 
 class TokenText:
@@ -44,8 +44,9 @@ def output_text(seq: Sequence, text: TokenText, *, include_stop: bool, skip_spec
     return text.decode(ids, skip_special)
 
 
-def completion_logprobs(token_ids: list[int], positions: list, k: int, text: TokenText, as_ids: bool,
-                        first_offset: int = 0) -> dict:
+def completion_logprobs(
+    token_ids: list[int], positions: list, k: int, text: TokenText, as_ids: bool, first_offset: int = 0
+) -> dict:
     """Completions `logprobs` over `token_ids`: at each position the first k+1 entries of its map (the token itself
     first, then by rank), or nulls where it has none (an echoed prompt's first token)."""
     tokens = [text(t, as_ids) for t in token_ids]
@@ -58,8 +59,10 @@ def completion_logprobs(token_ids: list[int], positions: list, k: int, text: Tok
         "text_offset": offsets,
         "token_logprobs": [None if entries is None else floor_logprob(entries[0][1]) for entries in positions],
         "tokens": tokens,
-        "top_logprobs": [None if entries is None else {text(t, as_ids): floor_logprob(v) for t, v, _ in entries[:limit]}
-                         for entries in positions],
+        "top_logprobs": [
+            None if entries is None else {text(t, as_ids): floor_logprob(v) for t, v, _ in entries[:limit]}
+            for entries in positions
+        ],
     }
 
 
@@ -96,7 +99,9 @@ def prompt_logprobs_json(request: EngineRequest, text: TokenText) -> list | None
     if request.prompt_logprobs is None:
         return None
     return [
-        None if position is None else {
+        None
+        if position is None
+        else {
             str(t): {"logprob": floor_logprob(v), "rank": r, "decoded_token": text(t)} for t, (v, r) in position.items()
         }
         for position in request.prompt_logprobs
@@ -109,7 +114,9 @@ def usage(requests: list[EngineRequest], details: str | None = None) -> dict:
     prompt = sum(len(r.prompt) for r in requests)
     completion = sum(len(s.output) for r in requests for s in r.sequences)
     return {
-        "prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
         "prompt_tokens_details": prompt_tokens_details(requests[-1], details) if details else None,
         "completion_tokens_details": None,
     }
@@ -130,64 +137,102 @@ def top_count(req: CompletionRequest | ChatCompletionRequest) -> int:
 def weight_versions(seq: Sequence) -> list[dict]:
     """`weight_versions`: half-open spans of the output's tokens, each with the label of the weights that sampled it."""
     starts = [start for _, start in seq.weight_versions]
-    return [{"version": version, "start": start, "end": end}
-            for (version, start), end in zip(seq.weight_versions, starts[1:] + [len(seq.output)])]
+    return [
+        {"version": version, "start": start, "end": end}
+        for (version, start), end in zip(seq.weight_versions, starts[1:] + [len(seq.output)])
+    ]
 
 
-def completion_choice(req: CompletionRequest, request: EngineRequest, seq: Sequence, text: TokenText,
-                      prompt_text: str) -> dict:
+def completion_choice(
+    req: CompletionRequest, request: EngineRequest, seq: Sequence, text: TokenText, prompt_text: str
+) -> dict:
     """One choice. With `echo` its text and log-probs start with the prompt's (vLLM 0.33): the prompt as sent ("" when
     token ids are returned), its log-probs (the first null) and then the output's; `max_tokens: 0` gives the prompt
     alone, though one token was generated (in `token_ids` and `usage`, as vLLM does)."""
-    output = output_text(seq, text, include_stop=req.include_stop_str_in_output, skip_special=req.skips_special_tokens,
-                         min_tokens=req.min_tokens)
+    output = output_text(
+        seq,
+        text,
+        include_stop=req.include_stop_str_in_output,
+        skip_special=req.skips_special_tokens,
+        min_tokens=req.min_tokens,
+    )
     as_ids = bool(req.return_tokens_as_token_ids)
     token_ids, positions = list(seq.output), seq.top_logprobs
     if req.echo:
         output, token_ids, positions = echoed(req, request, output, token_ids, positions, prompt_text)
     return {
-        "index": 0, "text": output,
-        "logprobs": None if req.logprobs is None else completion_logprobs(token_ids, positions, top_count(req), text,
-                                                                          as_ids),
-        "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason,
+        "index": 0,
+        "text": output,
+        "logprobs": None
+        if req.logprobs is None
+        else completion_logprobs(token_ids, positions, top_count(req), text, as_ids),
+        "finish_reason": seq.finish_reason,
+        "stop_reason": seq.stop_reason,
         "token_ids": list(seq.output) if req.return_token_ids else None,
         "prompt_logprobs": prompt_logprobs_json(request, text),
         "prompt_token_ids": list(request.prompt) if req.return_token_ids else None,
-        "routed_experts": None, "weight_versions": weight_versions(seq) if req.return_weight_versions else None,
+        "routed_experts": None,
+        "weight_versions": weight_versions(seq) if req.return_weight_versions else None,
     }
 
 
-def echoed(req: CompletionRequest, request: EngineRequest, output: str, token_ids: list[int], positions: list,
-           prompt_text: str) -> tuple[str, list[int], list]:
+def echoed(
+    req: CompletionRequest, request: EngineRequest, output: str, token_ids: list[int], positions: list, prompt_text: str
+) -> tuple[str, list[int], list]:
     """Text, token ids and log-prob positions with the prompt in front, as `echo` shows them: the prompt as sent (""
     when token ids are returned) and, with `logprobs`, the prompt's log-probs; `max_tokens: 0` gives the prompt alone."""
     only_prompt = req.max_tokens == 0
     text = ("" if req.return_token_ids else prompt_text) + ("" if only_prompt else output)
     if req.logprobs is None:
         return text, token_ids, positions
-    return (text, request.prompt + ([] if only_prompt else token_ids),
-            prompt_positions(request) + ([] if only_prompt else positions))
+    return (
+        text,
+        request.prompt + ([] if only_prompt else token_ids),
+        prompt_positions(request) + ([] if only_prompt else positions),
+    )
 
 
-def completion_body(request_id: str, model: str, fingerprint: str, req: CompletionRequest, requests: list[EngineRequest],
-                    text: TokenText, prompt_texts: list[str], details: bool = False) -> dict:
+def completion_body(
+    request_id: str,
+    model: str,
+    fingerprint: str,
+    req: CompletionRequest,
+    requests: list[EngineRequest],
+    text: TokenText,
+    prompt_texts: list[str],
+    details: bool = False,
+) -> dict:
     """`/v1/completions`: choices numbered across prompts, then samples (prompt i's sample j is i·n + j)."""
     triples = [(r, s, prompt) for r, prompt in zip(requests, prompt_texts) for s in r.sequences]
-    choices = [{**completion_choice(req, r, s, text, prompt), "index": index} for index, (r, s, prompt) in enumerate(triples)]
+    choices = [
+        {**completion_choice(req, r, s, text, prompt), "index": index} for index, (r, s, prompt) in enumerate(triples)
+    ]
     return {
-        "id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": choices, "service_tier": None, "system_fingerprint": fingerprint,
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "service_tier": None,
+        "system_fingerprint": fingerprint,
         "usage": usage(requests, "completions" if details else None),
-        "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
     }
 
 
 def message_tool_calls(calls: list[tuple[str, str]], parallel: bool | None) -> list[dict]:
     """Parsed (name, arguments JSON) calls as `message.tool_calls`; the first alone when the request set
     `parallel_tool_calls: false`."""
-    return [{"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-             "function": {"name": name, "arguments": arguments}}
-            for name, arguments in (calls if parallel is not False else calls[:1])]
+    return [
+        {
+            "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
+        for name, arguments in (calls if parallel is not False else calls[:1])
+    ]
 
 
 def chat_finish_reason(seq: Sequence, called: bool) -> str | None:
@@ -207,8 +252,9 @@ class ChatReply:
     tool_format: ToolCallFormat | None
 
     @classmethod
-    def of(cls, req: ChatCompletionRequest, response_role: str, text: TokenText,
-           tool_format: ToolCallFormat | None) -> "ChatReply":
+    def of(
+        cls, req: ChatCompletionRequest, response_role: str, text: TokenText, tool_format: ToolCallFormat | None
+    ) -> "ChatReply":
         """vLLM's rules: the role is `--response-role` after a generation prompt, else the last message's; echo
         repeats the last message's content when its role is the reply's (a continued assistant message)."""
         last = req.messages[-1] if req.messages and isinstance(req.messages[-1], dict) else {}
@@ -221,35 +267,65 @@ class ChatReply:
     def choice(self, req: ChatCompletionRequest, seq: Sequence) -> dict:
         """One choice; with a `tool_format` (tool_choice "auto" on a server with a tool-call parser) the reply's tool
         calls move from the content to `message.tool_calls`, as vLLM's parser of that format reads them."""
-        content = output_text(seq, self.text, include_stop=req.include_stop_str_in_output,
-                              skip_special=req.skips_special_tokens, min_tokens=req.min_tokens)
+        content = output_text(
+            seq,
+            self.text,
+            include_stop=req.include_stop_str_in_output,
+            skip_special=req.skips_special_tokens,
+            min_tokens=req.min_tokens,
+        )
         calls = []
         if self.tool_format is not None:
             content, parsed = served_reply(self.tool_format, content)
             calls = message_tool_calls(parsed, req.parallel_tool_calls)
-        message = {"role": self.role, "content": self.echoed + (content or "") if self.echoed else content,
-                   "refusal": None, "annotations": None, "audio": None, "function_call": None, "reasoning": None}
+        message = {
+            "role": self.role,
+            "content": self.echoed + (content or "") if self.echoed else content,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "reasoning": None,
+        }
         as_ids = bool(req.return_tokens_as_token_ids)
         return {
             "index": seq.index,
             "message": message | ({"tool_calls": calls} if calls else {}),
-            "logprobs": chat_logprobs(seq.output, seq.top_logprobs, self.top, self.text, as_ids) if req.logprobs else None,
-            "finish_reason": chat_finish_reason(seq, bool(calls)), "stop_reason": seq.stop_reason,
+            "logprobs": chat_logprobs(seq.output, seq.top_logprobs, self.top, self.text, as_ids)
+            if req.logprobs
+            else None,
+            "finish_reason": chat_finish_reason(seq, bool(calls)),
+            "stop_reason": seq.stop_reason,
             "token_ids": list(seq.output) if req.return_token_ids else None,
-            "routed_experts": None, "weight_versions": weight_versions(seq) if req.return_weight_versions else None,
+            "routed_experts": None,
+            "weight_versions": weight_versions(seq) if req.return_weight_versions else None,
         }
 
 
-def chat_body(request_id: str, model: str, fingerprint: str, req: ChatCompletionRequest, request: EngineRequest,
-              reply: ChatReply, details: bool = False) -> dict:
+def chat_body(
+    request_id: str,
+    model: str,
+    fingerprint: str,
+    req: ChatCompletionRequest,
+    request: EngineRequest,
+    reply: ChatReply,
+    details: bool = False,
+) -> dict:
     return {
-        "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [reply.choice(req, s) for s in request.sequences], "service_tier": None,
-        "system_fingerprint": fingerprint, "usage": usage([request], "chat" if details else None),
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [reply.choice(req, s) for s in request.sequences],
+        "service_tier": None,
+        "system_fingerprint": fingerprint,
+        "usage": usage([request], "chat" if details else None),
         "prompt_logprobs": prompt_logprobs_json(request, reply.text),
         "prompt_token_ids": list(request.prompt) if req.return_token_ids else None,
         "prompt_text": reply.text.decode(request.prompt, skip_special_tokens=False) if req.return_prompt_text else None,
-        "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
     }
 
 
@@ -257,27 +333,44 @@ def generate_choice(req: GenerateRequest, seq: Sequence, text: TokenText, sampli
     """One choice, its tokens labelled with the weights that sampled them."""
     sp = req.sampling_params
     choice = {
-        "index": seq.index, "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason,
-        "token_ids": list(seq.output), "routed_experts": None,
+        "index": seq.index,
+        "finish_reason": seq.finish_reason,
+        "stop_reason": seq.stop_reason,
+        "token_ids": list(seq.output),
+        "routed_experts": None,
         "sampling_mask": seq.sampling_masks if sampling_mask else None,
         "weight_versions": weight_versions(seq),
         "logprobs": generate_logprobs(seq) if sp.logprobs is not None else None,
     }
     if req.output_mode == "text":
-        choice["text"] = output_text(seq, text, include_stop=False, skip_special=sp.skips_special_tokens,
-                                     min_tokens=sp.min_tokens)
+        choice["text"] = output_text(
+            seq, text, include_stop=False, skip_special=sp.skips_special_tokens, min_tokens=sp.min_tokens
+        )
     return choice
 
 
-def generate_body(request_id: str, model: str, req: GenerateRequest, request: EngineRequest, text: TokenText,
-                  sampling_mask: bool, details: bool = False) -> dict:
+def generate_body(
+    request_id: str,
+    model: str,
+    req: GenerateRequest,
+    request: EngineRequest,
+    text: TokenText,
+    sampling_mask: bool,
+    details: bool = False,
+) -> dict:
     """`/inference/v1/generate`: token ids out; `sampling_mask` when the server returns masks."""
     return {
-        "request_id": request_id, "model": model, "created": int(time.time()),
+        "request_id": request_id,
+        "model": model,
+        "created": int(time.time()),
         "usage": usage([request], "completions" if details else None),
-        "prompt_logprobs": prompt_logprobs_json(request, text), "prompt_token_id_logprobs": None,
-        "prompt_token_ids": list(req.token_ids) if req.return_token_ids else None, "mm_placeholders": None,
+        "prompt_logprobs": prompt_logprobs_json(request, text),
+        "prompt_token_id_logprobs": None,
+        "prompt_token_ids": list(req.token_ids) if req.return_token_ids else None,
+        "mm_placeholders": None,
         "metrics": None,
-        "kv_transfer_params": None, "ec_transfer_params": None, "output_mode": req.output_mode,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "output_mode": req.output_mode,
         "choices": [generate_choice(req, s, text, sampling_mask) for s in request.sequences],
     }

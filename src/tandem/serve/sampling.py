@@ -57,7 +57,7 @@ def apply_masks(logits: torch.Tensor, params: SamplingParams, output: list[int],
         logits.fill_(float("-inf"))
         logits[params.allowed_token_ids] = keep
     for word in params.bad_words:
-        if len(word) == 1 or (len(word) <= len(output) + 1 and output[len(output) - len(word) + 1:] == word[:-1]):
+        if len(word) == 1 or (len(word) <= len(output) + 1 and output[len(output) - len(word) + 1 :] == word[:-1]):
             logits[word[-1]] = float("-inf")
     if min_tokens_blocked:
         logits[sorted(min_tokens_blocked)] = float("-inf")

@@ -13,12 +13,22 @@ import json
 import time
 from dataclasses import dataclass
 
+from tandem.chat.tool_formats import served_reply
 from tandem.serve.engine import EngineRequest, Sequence
 from tandem.serve.protocol import ChatCompletionRequest, CompletionRequest
-from tandem.serve.responses import (ChatReply, TokenText, chat_finish_reason, chat_logprobs, completion_logprobs,
-                                         echoed, message_tool_calls, output_text, prompt_tokens_details, top_count,
-                                         weight_versions)
-from tandem.chat.tool_formats import served_reply
+from tandem.serve.responses import (
+    ChatReply,
+    TokenText,
+    chat_finish_reason,
+    chat_logprobs,
+    completion_logprobs,
+    echoed,
+    message_tool_calls,
+    output_text,
+    prompt_tokens_details,
+    top_count,
+    weight_versions,
+)
 
 DONE = b"data: [DONE]\n\n"
 
@@ -70,8 +80,9 @@ class StreamOptions:
     """"completions" or "chat" on a `--enable-prompt-tokens-details` server."""
 
     @classmethod
-    def of(cls, req: CompletionRequest | ChatCompletionRequest, *, force_usage: bool, interval: int,
-           details: bool) -> "StreamOptions":
+    def of(
+        cls, req: CompletionRequest | ChatCompletionRequest, *, force_usage: bool, interval: int, details: bool
+    ) -> "StreamOptions":
         options = req.stream_options or {}
         include = force_usage or bool(options.get("include_usage"))
         continuous = force_usage or (include and bool(options.get("continuous_usage_stats")))
@@ -81,8 +92,11 @@ class StreamOptions:
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     """A stream's `usage` object (the prompt-token details go on the final usage chunk only, as in vLLM)."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 class Stream:
@@ -90,8 +104,17 @@ class Stream:
 
     object_name = ""
 
-    def __init__(self, req: CompletionRequest | ChatCompletionRequest, requests: list[EngineRequest], request_id: str,
-                 model: str, fingerprint: str, text: TokenText, stops: list[str], options: StreamOptions):
+    def __init__(
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        requests: list[EngineRequest],
+        request_id: str,
+        model: str,
+        fingerprint: str,
+        text: TokenText,
+        stops: list[str],
+        options: StreamOptions,
+    ):
         self.req, self.requests, self.text, self.stops, self.options = req, requests, text, stops, options
         self.head = {"id": request_id, "object": self.object_name, "created": int(time.time()), "model": model}
         self.fingerprint = fingerprint
@@ -122,9 +145,9 @@ class Stream:
 
     def _step(self, p: Progress, end: int, finished: bool) -> dict | None:
         """The chunk of choice `p`'s tokens up to `end` (None when it has nothing to say yet)."""
-        new, positions = p.seq.output[p.tokens:end], p.seq.top_logprobs[p.tokens:end]
+        new, positions = p.seq.output[p.tokens : end], p.seq.top_logprobs[p.tokens : end]
         text = self._final_text(p.seq) if finished else self._visible_text(p.seq.output[:end])
-        delta = text[len(p.text):] if len(text) > len(p.text) else ""
+        delta = text[len(p.text) :] if len(text) > len(p.text) else ""
         chunk = self._chunk(p, new, positions, delta, finished)
         p.tokens, p.text, p.done, p.started = end, p.text + delta, finished, True
         if chunk is not None:
@@ -149,8 +172,13 @@ class Stream:
         return without_partial(self.text.decode(tokens, self.req.skips_special_tokens).rstrip("\ufffd"), self.stops)
 
     def _final_text(self, seq: Sequence) -> str:
-        return output_text(seq, self.text, include_stop=self.req.include_stop_str_in_output,
-                           skip_special=self.req.skips_special_tokens, min_tokens=self.req.min_tokens)
+        return output_text(
+            seq,
+            self.text,
+            include_stop=self.req.include_stop_str_in_output,
+            skip_special=self.req.skips_special_tokens,
+            min_tokens=self.req.min_tokens,
+        )
 
     def _chunk(self, p: Progress, new: list[int], positions: list, delta: str, finished: bool) -> dict | None:
         raise NotImplementedError
@@ -177,11 +205,16 @@ class CompletionStream(Stream):
             logprobs = completion_logprobs(tokens, positions, top_count(req), self.text, as_ids, p.offset)
             if logprobs["tokens"]:
                 p.offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-        choice = {"index": p.index, "text": delta, "logprobs": logprobs,
-                  "finish_reason": p.seq.finish_reason if finished else None,
-                  "stop_reason": p.seq.stop_reason if finished else None, "prompt_token_ids": prompt_ids,
-                  "token_ids": list(new) if req.return_token_ids else None,
-                  "weight_versions": weight_versions(p.seq) if finished and req.return_weight_versions else None}
+        choice = {
+            "index": p.index,
+            "text": delta,
+            "logprobs": logprobs,
+            "finish_reason": p.seq.finish_reason if finished else None,
+            "stop_reason": p.seq.stop_reason if finished else None,
+            "prompt_token_ids": prompt_ids,
+            "token_ids": list(new) if req.return_token_ids else None,
+            "weight_versions": weight_versions(p.seq) if finished and req.return_weight_versions else None,
+        }
         return {**self.head, "choices": [choice], "kv_transfer_params": None}
 
 
@@ -208,15 +241,34 @@ class ChatStream(Stream):
             request = self.requests[0]
             prompt_text = self.text.decode(request.prompt, False) if self.req.return_prompt_text else None
             for p in self.progress:
-                choice = {"index": p.index, "delta": {"role": self.reply.role, "content": ""}, "logprobs": None,
-                          "finish_reason": None}
-                chunk = {**self.head, "choices": [choice],
-                         "prompt_token_ids": list(request.prompt) if self.req.return_token_ids else None,
-                         "prompt_text": prompt_text}
+                choice = {
+                    "index": p.index,
+                    "delta": {"role": self.reply.role, "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                chunk = {
+                    **self.head,
+                    "choices": [choice],
+                    "prompt_token_ids": list(request.prompt) if self.req.return_token_ids else None,
+                    "prompt_text": prompt_text,
+                }
                 roles.append(chunk)
             if self.reply.echoed:  # echo: the continued message's content, before the generated deltas
-                roles += [{**self.head, "choices": [{"index": p.index, "delta": {"content": self.reply.echoed},
-                                                     "logprobs": None, "finish_reason": None}]} for p in self.progress]
+                roles += [
+                    {
+                        **self.head,
+                        "choices": [
+                            {
+                                "index": p.index,
+                                "delta": {"content": self.reply.echoed},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                    }
+                    for p in self.progress
+                ]
             if self.continuous_usage:
                 for chunk in roles:
                     chunk["usage"] = usage(len(request.prompt), 0)
@@ -248,10 +300,16 @@ class ChatStream(Stream):
         if not delta and not finished and logprobs is None and not req.return_token_ids:
             return None  # nothing to say yet (a held-back character, stop-string start or tool call)
         message = ({"content": delta} if delta else {}) | ({"tool_calls": calls} if calls else {})
-        choice = {"index": p.index, "delta": message, "logprobs": logprobs,
-                  "finish_reason": chat_finish_reason(p.seq, bool(calls)) if finished else None,
-                  "token_ids": list(new) if req.return_token_ids else None}
+        choice = {
+            "index": p.index,
+            "delta": message,
+            "logprobs": logprobs,
+            "finish_reason": chat_finish_reason(p.seq, bool(calls)) if finished else None,
+            "token_ids": list(new) if req.return_token_ids else None,
+        }
         if finished:
-            choice |= {"stop_reason": p.seq.stop_reason,
-                       "weight_versions": weight_versions(p.seq) if req.return_weight_versions else None}
+            choice |= {
+                "stop_reason": p.seq.stop_reason,
+                "weight_versions": weight_versions(p.seq) if req.return_weight_versions else None,
+            }
         return {**self.head, "choices": [choice], "kv_transfer_params": None}

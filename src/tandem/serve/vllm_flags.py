@@ -5,7 +5,8 @@ The flags `tandem serve` implements are its own argparse options (tandem.cli); `
 promise tandem serve keeps without being asked (`--enforce-eager`: it always runs eagerly), taken as they are.
 """
 
-ENGINE_TUNING = frozenset("""
+ENGINE_TUNING = frozenset(
+    """
 additional-config aggregate-engine-logging all2all-backend allow-deprecated-quantization api-server-count
 async-scheduling attention-backend attention-config block-size collect-detailed-traces compilation-config config
 cp-kv-cache-interleave-size cpu-distributed-timeout-seconds cpu-offload-gb cpu-offload-params
@@ -73,7 +74,8 @@ sleep-mode-offload-cudagraph sleep-preserve-parameter-names sparse-indexer-topk-
 spec-tokens specialize-active-lora speculative-config ssl-ca-certs ssl-cert-reqs ssl-certfile ssl-ciphers
 ssl-keyfile swa-bounded-replay tensor-parallel-size ubatch-size uds use-replayssm use-tqdm-on-load
 uvicorn-log-level watchdog-config watermark weight-transfer-config worker-cls worker-extension-cls
-""".split())
+""".split()
+)
 """vLLM's flags that tune its engine (parallelism, memory, kernels, compilation, logging, transport): tandem serve has
 none of these parts; one line says so."""
 
@@ -85,10 +87,15 @@ NO_GUIDED = "structured outputs (guided decoding) are not implemented by tandem 
 CORS = "tandem serve sends no CORS headers: put it behind a proxy that adds them"
 
 REFUSED = {
-    "allow-credentials": CORS, "allowed-headers": CORS, "allowed-methods": CORS, "allowed-origins": CORS,
+    "allow-credentials": CORS,
+    "allowed-headers": CORS,
+    "allowed-methods": CORS,
+    "allowed-origins": CORS,
     "anthropic-disabled-thinking-effort": "tandem serve has no Anthropic messages route",
-    "cohere-format": NO_ROUTE, "cohere-is-reasoning-model": NO_ROUTE,
-    "enable-offline-docs": "tandem serve has no /docs page", "enable-fastapi-docs": "tandem serve has no /docs page",
+    "cohere-format": NO_ROUTE,
+    "cohere-is-reasoning-model": NO_ROUTE,
+    "enable-offline-docs": "tandem serve has no /docs page",
+    "enable-fastapi-docs": "tandem serve has no /docs page",
     "no-disable-fastapi-docs": "tandem serve has no /docs page",
     "enable-per-request-metrics": "tandem serve does not time each request: read /metrics",
     "h11-max-header-count": "tandem serve runs on aiohttp, not uvicorn's h11",
@@ -98,10 +105,15 @@ REFUSED = {
     "sse-keep-alive-interval": "tandem serve sends no keep-alive comments in its streams",
     "tokens-only": "tandem serve always loads its tokenizer: use --enable-scale-out for the token routes",
     "tool-parser-plugin": "tandem serve's tool-call formats are built in (--tool-call-parser)",
-    "tool-server": "tandem serve has no Responses API", "tool-strict-level": NO_GUIDED,
-    "trust-request-mm-kwargs": NO_MEDIA, "no-language-model-only": NO_MEDIA,
-    "allowed-local-media-path": NO_MEDIA, "allowed-media-domains": NO_MEDIA,
-    "code-revision": LOCAL_ONLY, "revision": LOCAL_ONLY, "tokenizer-revision": LOCAL_ONLY,
+    "tool-server": "tandem serve has no Responses API",
+    "tool-strict-level": NO_GUIDED,
+    "trust-request-mm-kwargs": NO_MEDIA,
+    "no-language-model-only": NO_MEDIA,
+    "allowed-local-media-path": NO_MEDIA,
+    "allowed-media-domains": NO_MEDIA,
+    "code-revision": LOCAL_ONLY,
+    "revision": LOCAL_ONLY,
+    "tokenizer-revision": LOCAL_ONLY,
     "hf-config-path": "tandem serve reads config.json from the model folder",
     "config-format": "tandem serve reads Hugging Face configs (config.json)",
     "convert": "tandem serve generates text; it does not pool or classify",
@@ -117,16 +129,25 @@ REFUSED = {
     "model": "give the model as the first argument: tandem serve MODEL",
     "model-class-overrides": "tandem serve loads the class config.json names",
     "model-impl": "tandem serve runs transformers' implementation",
-    "quantization": "tandem serve does not quantize", "quantization-config": "tandem serve does not quantize",
+    "quantization": "tandem serve does not quantize",
+    "quantization-config": "tandem serve does not quantize",
     "skip-tokenizer-init": "tandem serve always loads its tokenizer",
     "tokenizer-mode": "tandem serve uses the Hugging Face tokenizer",
     "use-fp64-gumbel": "tandem serve samples by inverse CDF from each request's own generator",
     "load-format": "tandem serve loads safetensors or PyTorch weights as transformers does",
-    "reasoning-parser": NO_REASONING, "reasoning-parser-plugin": NO_REASONING, "reasoning-config": NO_REASONING,
+    "reasoning-parser": NO_REASONING,
+    "reasoning-parser-plugin": NO_REASONING,
+    "reasoning-config": NO_REASONING,
     "kv-cache-dtype": "tandem serve keeps the KV cache in the model's dtype",
-    "enable-mm-embeds": NO_MEDIA, "interleave-mm-strings": NO_MEDIA, "limit-mm-per-prompt": NO_MEDIA,
-    "media-io-kwargs": NO_MEDIA, "mm-processor-kwargs": NO_MEDIA, "video-pruning-method": NO_MEDIA,
-    "video-pruning-rate": NO_MEDIA, "default-mm-loras": NO_MEDIA, "enable-tower-connector-lora": NO_MEDIA,
+    "enable-mm-embeds": NO_MEDIA,
+    "interleave-mm-strings": NO_MEDIA,
+    "limit-mm-per-prompt": NO_MEDIA,
+    "media-io-kwargs": NO_MEDIA,
+    "mm-processor-kwargs": NO_MEDIA,
+    "video-pruning-method": NO_MEDIA,
+    "video-pruning-rate": NO_MEDIA,
+    "default-mm-loras": NO_MEDIA,
+    "enable-tower-connector-lora": NO_MEDIA,
     "lora-target-modules": "tandem serve applies each adapter to the layers it targets",
     "max-lora-cls-labels": "tandem serve has no classification heads",
     "per-request-spec-decode-metrics": "tandem serve does not decode speculatively",
@@ -141,9 +162,15 @@ REFUSED = {
 """vLLM's flags that change what a server answers, which tandem serve does not implement: the reason for each."""
 
 DEFAULTS = {
-    "kv-cache-dtype": ("auto",), "load-format": ("auto", "safetensors"), "tokenizer-mode": ("auto", "hf"),
-    "config-format": ("auto", "hf"), "model-impl": ("auto", "transformers"), "runner": ("auto", "generate"),
-    "convert": ("auto", "none"), "scheduling-policy": ("fcfs",), "sse-keep-alive-interval": ("0",),
+    "kv-cache-dtype": ("auto",),
+    "load-format": ("auto", "safetensors"),
+    "tokenizer-mode": ("auto", "hf"),
+    "config-format": ("auto", "hf"),
+    "model-impl": ("auto", "transformers"),
+    "runner": ("auto", "generate"),
+    "convert": ("auto", "none"),
+    "scheduling-policy": ("fcfs",),
+    "sse-keep-alive-interval": ("0",),
 }
 """Values of refused flags that ask for what tandem serve does anyway: taken."""
 
@@ -174,10 +201,12 @@ def verdict(name: str, value: str | None) -> tuple[str, str]:
             return "take", f"{value} is what tandem serve does"
         return "refuse", f"--{name} is not supported: {REFUSED[name]}"
     if name in ENGINE_TUNING:
-        return "refuse", (f"--{name} tunes vLLM's engine (parallelism, memory, kernels, logging), which tandem serve "
-                          "does not have: leave it out, or serve with vllm serve")
+        return "refuse", (
+            f"--{name} tunes vLLM's engine (parallelism, memory, kernels, logging), which tandem serve "
+            "does not have: leave it out, or serve with vllm serve"
+        )
     for prefix, other in OPPOSITES:  # the negation of a refused switch asks for its default
-        if name.startswith(prefix) and other + name[len(prefix):] in REFUSED:
+        if name.startswith(prefix) and other + name[len(prefix) :] in REFUSED:
             return "take", "the default"
     return "unknown", ""
 

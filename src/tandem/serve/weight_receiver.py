@@ -66,10 +66,14 @@ def parse_config(text: str | None) -> dict | None:
     try:
         config = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"--weight-transfer-config {text!r} is not JSON ({exc}): write '{{\"backend\": \"gloo\"}}'") from None
+        raise ValueError(
+            f'--weight-transfer-config {text!r} is not JSON ({exc}): write \'{{"backend": "gloo"}}\''
+        ) from None
     if not isinstance(config, dict) or config.get("backend", "nccl") not in BACKENDS:
-        raise ValueError(f"--weight-transfer-config {text}: tandem serve transfers weights over gloo "
-                         "('{\"backend\": \"gloo\"}'); nccl is vllm serve's (on GPUs).")
+        raise ValueError(
+            f"--weight-transfer-config {text}: tandem serve transfers weights over gloo "
+            '(\'{"backend": "gloo"}\'); nccl is vllm serve\'s (on GPUs).'
+        )
     return config
 
 
@@ -91,10 +95,17 @@ class Receiver:
         """Join the trainer's group (blocks until every member has joined)."""
         missing = [name for name in INIT_FIELDS if name not in init_info]
         if missing:
-            raise TransferError(f"init_info lacks {missing}: tandem serve's gloo backend rendezvouses at "
-                                "master_address:master_port with rank_offset and world_size")
-        self.group = join_group(str(init_info["master_address"]), int(init_info["master_port"]),
-                                int(init_info["rank_offset"]), int(init_info["world_size"]), self.timeout_s)
+            raise TransferError(
+                f"init_info lacks {missing}: tandem serve's gloo backend rendezvouses at "
+                "master_address:master_port with rank_offset and world_size"
+            )
+        self.group = join_group(
+            str(init_info["master_address"]),
+            int(init_info["master_port"]),
+            int(init_info["rank_offset"]),
+            int(init_info["world_size"]),
+            self.timeout_s,
+        )
         self.rank = int(init_info["rank_offset"])
         packed = init_info.get("packed", False)
         self.packed_bytes = int(init_info.get("packed_buffer_size_bytes", PACKED_BUFFER_BYTES)) if packed else None
@@ -102,10 +113,13 @@ class Receiver:
 
     def start(self) -> None:
         if self.group is None:
-            raise TransferError("start_weight_update before /init_weight_transfer_engine: initialise the transfer first.")
+            raise TransferError(
+                "start_weight_update before /init_weight_transfer_engine: initialise the transfer first."
+            )
         if self.active:
-            raise TransferError("start_weight_update called while a weight update is already active. Call "
-                                "finish_weight_update first.")
+            raise TransferError(
+                "start_weight_update called while a weight update is already active. Call finish_weight_update first."
+            )
         self.active, self.failed, self.staged = True, False, {}
 
     def receive(self, update_info: dict, served: dict[str, torch.Tensor]) -> None:
@@ -116,24 +130,29 @@ class Receiver:
         names, dtypes, shapes = (update_info.get(key) or [] for key in ("names", "dtype_names", "shapes"))
         if not (len(names) == len(dtypes) == len(shapes)):
             self.failed = True
-            raise TransferError(f"update_info: names, dtype_names and shapes must have equal lengths, got "
-                                f"{len(names)}, {len(dtypes)} and {len(shapes)}")
+            raise TransferError(
+                f"update_info: names, dtype_names and shapes must have equal lengths, got "
+                f"{len(names)}, {len(dtypes)} and {len(shapes)}"
+            )
         problems, received = [], {}
         try:
             for name, tensor in zip(names, self._tensors(dtypes, shapes)):
                 if name not in served:
                     problems.append(f"{name!r} is not a parameter of the served model")
                 elif tuple(served[name].shape) != tuple(tensor.shape):
-                    problems.append(f"{name!r} has shape {tuple(tensor.shape)}, the model expects "
-                                    f"{tuple(served[name].shape)}")
+                    problems.append(
+                        f"{name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(served[name].shape)}"
+                    )
                 received[name] = tensor
         except Exception:
             self.failed = True
             raise
         if problems:
             self.failed = True
-            raise TransferError("update_weights: " + "; ".join(problems[:5]) + " (the update is dropped; the server keeps "
-                                "its previous weights)")
+            raise TransferError(
+                "update_weights: " + "; ".join(problems[:5]) + " (the update is dropped; the server keeps "
+                "its previous weights)"
+            )
         self.staged |= received
 
     def _tensors(self, dtypes: list[str], shapes: list[list[int]]):
@@ -150,7 +169,7 @@ class Receiver:
             self.group.broadcast(buffer, 0).wait()
             offset = 0
             for i in chunk:
-                empties[i].view(-1).view(torch.uint8).copy_(buffer[offset:offset + sizes[i]])
+                empties[i].view(-1).view(torch.uint8).copy_(buffer[offset : offset + sizes[i]])
                 offset += sizes[i]
                 yield empties[i]
 

@@ -36,10 +36,7 @@ def make_rows(n: int, *, split: str = "test", seed: int = 0) -> list[dict]:
     pool = [p for p in all_problems() if split_of(p) == split]
     rng = random.Random(seed)
     picked = [pool[rng.randrange(len(pool))] for _ in range(n)]
-    return [
-        {"prompt": [{"role": "user", "content": question(p)}], "solution": str(answer(p))}
-        for p in picked
-    ]
+    return [{"prompt": [{"role": "user", "content": question(p)}], "solution": str(answer(p))} for p in picked]
 
 
 _INTEGER = re.compile(r"-?\d+")

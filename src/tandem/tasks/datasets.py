@@ -20,7 +20,9 @@ BUILT_IN = {
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def load(name: str, config: str | None = None, split: str = "train", streaming: bool = False, options: dict | None = None):
+def load(
+    name: str, config: str | None = None, split: str = "train", streaming: bool = False, options: dict | None = None
+):
     """The rows of `name`: a Dataset, or with `streaming` an IterableDataset (read as training goes, never whole).
     `config` and `split` choose within a Hub dataset or a folder; `options` are a reasoning-gym task's or a verifiers
     environment's."""
@@ -39,14 +41,18 @@ def load(name: str, config: str | None = None, split: str = "train", streaming: 
             raise UsageError(f"dataset {name!r} has no split {split!r} (its splits: {', '.join(saved)})")
         dataset = saved[split] if (path / "dataset_dict.json").is_file() else saved
     elif path.suffix in FORMATS and not path.is_dir():
-        raise UsageError(f"dataset {name!r}: no such file (looked for {path.resolve()}; a recipe's paths resolve from "
-                         "the folder tandem train runs in)")
+        raise UsageError(
+            f"dataset {name!r}: no such file (looked for {path.resolve()}; a recipe's paths resolve from "
+            "the folder tandem train runs in)"
+        )
     elif path.is_dir() or "/" in name:  # a Hub id may hold a dot (org/name-1.5)
         dataset = _from_hub_or_folder(name, config, split, streaming)
     else:
-        raise UsageError(f"dataset {name!r} is neither a built-in task ({', '.join(BUILT_IN)}), a reasoning-gym task "
-                         f"(reasoning-gym:<task>), a verifiers taskset (verifiers:<taskset id>), a local {'/'.join(FORMATS)} file or folder, nor a Hub id "
-                         "(namespace/name)")
+        raise UsageError(
+            f"dataset {name!r} is neither a built-in task ({', '.join(BUILT_IN)}), a reasoning-gym task "
+            f"(reasoning-gym:<task>), a verifiers taskset (verifiers:<taskset id>), a local {'/'.join(FORMATS)} file or folder, nor a Hub id "
+            "(namespace/name)"
+        )
     return dataset.to_iterable_dataset() if streaming and isinstance(dataset, Dataset) else dataset
 
 
@@ -57,6 +63,8 @@ def _from_hub_or_folder(name: str, config: str | None, split: str, streaming: bo
     except ValueError as exc:  # datasets' own refusal: no such config, no such split
         raise UsageError(f"dataset {name!r} (config {config!r}, split {split!r}): {exc}") from None
     except (ConnectionError, FileNotFoundError) as exc:
-        raise UsageError(f"dataset {name!r} (config {config!r}, split {split!r}) could not be loaded: {exc}. With no "
-                         "network, a Hub dataset loads from this machine's datasets cache once it was loaded here with "
-                         "one (set HF_HUB_OFFLINE=1 to skip the Hub); or give a local file or folder.") from None
+        raise UsageError(
+            f"dataset {name!r} (config {config!r}, split {split!r}) could not be loaded: {exc}. With no "
+            "network, a Hub dataset loads from this machine's datasets cache once it was loaded here with "
+            "one (set HF_HUB_OFFLINE=1 to skip the Hub); or give a local file or folder."
+        ) from None

@@ -59,9 +59,16 @@ def python(code: str) -> str:
         The program's output (stdout, then stderr); the last line of the error when it fails.
     """
     with tempfile.TemporaryDirectory(prefix="tandem-python-") as folder:
-        process = subprocess.Popen([*isolation(), sys.executable, "-I", "-c", CHILD], cwd=folder, text=True,
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   env={"PATH": "/usr/bin:/bin"}, start_new_session=True)
+        process = subprocess.Popen(
+            [*isolation(), sys.executable, "-I", "-c", CHILD],
+            cwd=folder,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={"PATH": "/usr/bin:/bin"},
+            start_new_session=True,
+        )
         try:
             stdout, stderr = process.communicate(code, timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -105,6 +112,9 @@ def isolation() -> tuple[str, ...]:
                 return command
         except (OSError, subprocess.TimeoutExpired):
             pass
-    warnings.warn("python tool: this system does not let users make network and process namespaces (unshare), so "
-                  "programs run with Python's sockets disabled, which a program could undo", stacklevel=3)
+    warnings.warn(
+        "python tool: this system does not let users make network and process namespaces (unshare), so "
+        "programs run with Python's sockets disabled, which a program could undo",
+        stacklevel=3,
+    )
     return ()

@@ -31,7 +31,11 @@ class Callbacks:
         args, state = self.args, self.state
         state.is_world_process_zero, state.is_local_process_zero = self.ranks.main, local_main()
         state.max_steps, state.logging_steps, state.save_steps, state.eval_steps = (
-            args.max_steps, args.every("logging_steps"), args.every("save_steps"), args.every("eval_steps"))
+            args.max_steps,
+            args.every("logging_steps"),
+            args.every("save_steps"),
+            args.every("eval_steps"),
+        )
         returned = getattr(self.handler, event)(args, state, self.control, **kwargs)
         if returned is not self.control:  # a callback that returned a control of its own: its flags count
             vars(self.control).update(vars(returned))
@@ -41,14 +45,16 @@ class Callbacks:
         rank 0; the ranks agree on its flags next."""
         if self.ranks.main:
             self.control.should_log |= self.log_due(epoch_ended)
-            self.control.should_save |= due(self.args.save_strategy, self.args.every("save_steps"), self.state.step,
-                                            epoch_ended)
+            self.control.should_save |= due(
+                self.args.save_strategy, self.args.every("save_steps"), self.state.step, epoch_ended
+            )
 
     def log_due(self, epoch_ended: bool) -> bool:
         """logging_strategy 'steps' (every logging_steps) or 'epoch', and after the first step with logging_first_step."""
         args, step = self.args, self.state.step
-        return (due(args.logging_strategy, args.every("logging_steps"), step, epoch_ended)
-                or (args.logging_first_step and step == 1 and args.logging_strategy != "no"))
+        return due(args.logging_strategy, args.every("logging_steps"), step, epoch_ended) or (
+            args.logging_first_step and step == 1 and args.logging_strategy != "no"
+        )
 
     def eval_due(self, epoch_ended: bool) -> bool:
         """eval_strategy 'steps' (every eval_steps, logging_steps when unset) or 'epoch', from eval_delay on."""
@@ -59,7 +65,9 @@ class Callbacks:
         """This step's flags as rank 0's callbacks set them, on every rank (logging and saving are collective);
         `on_step_begin` clears should_log and should_save, as in transformers."""
         flags = ("should_log", "should_save", "should_training_stop")
-        return TrainerControl(**self.ranks.broadcast({f: getattr(self.control, f) for f in flags} if self.ranks.main else None))
+        return TrainerControl(
+            **self.ranks.broadcast({f: getattr(self.control, f) for f in flags} if self.ranks.main else None)
+        )
 
     def exported(self) -> dict:
         """What a checkpoint keeps of the callbacks' and the control's states (`exported_states`)."""
@@ -85,7 +93,9 @@ def callback_handler(callbacks: list, model, tokenizer, optimizer, scheduler) ->
 def with_transformers_names(metrics: dict) -> dict:
     """An evaluation's metrics as callbacks see them: tandem's `eval/reward` also as transformers' `eval_reward`, the
     name EarlyStoppingCallback and scripts written for transformers look up."""
-    return metrics | {"eval_" + name.removeprefix("eval/"): value for name, value in metrics.items() if name.startswith("eval/")}
+    return metrics | {
+        "eval_" + name.removeprefix("eval/"): value for name, value in metrics.items() if name.startswith("eval/")
+    }
 
 
 def exported_states(handler: CallbackHandler, control: TrainerControl) -> dict:

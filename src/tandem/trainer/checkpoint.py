@@ -33,13 +33,18 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 import transformers
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
-from tandem.model.distributed import Ranks
-from tandem.errors import UsageError
-from tandem.model.model_folder import save_model_folder
 from tandem.contract.records import Sample
+from tandem.errors import UsageError
+from tandem.model.distributed import Ranks
+from tandem.model.model_folder import save_model_folder
 from tandem.runtime.sample_source import ResumePoint
 from tandem.tasks import TINY_MODEL_PATH
 
@@ -78,8 +83,18 @@ def one_process_is_intended():
         yield
 
 
-def save(folder: Path, model, tokenizer, optimizer, scheduler, state: TrainerState, save_total_limit: int | None,
-         ranks: Ranks, resume: ResumePoint | None = None, model_only: bool = False) -> Path:
+def save(
+    folder: Path,
+    model,
+    tokenizer,
+    optimizer,
+    scheduler,
+    state: TrainerState,
+    save_total_limit: int | None,
+    ranks: Ranks,
+    resume: ResumePoint | None = None,
+    model_only: bool = False,
+) -> Path:
     """The checkpoint of `state.step`; `resume` (rank 0's) is where its prompt stream goes on. `model_only`
     (save_only_model): the model's folder and shards alone, nothing a run resumes from. The best checkpoint
     (`state.best_global_step`) outlives save_total_limit."""
@@ -93,17 +108,31 @@ def save(folder: Path, model, tokenizer, optimizer, scheduler, state: TrainerSta
     ranks.barrier()
     model_state, optimizer_state = get_state_dict(model, optimizer, options=ONLY_TRAINABLE)
     with one_process_is_intended():  # the model's shards even with model_only: load_best_model_at_end reads them
-        dcp.save({"model": model_state} if model_only else {"model": model_state, "optimizer": optimizer_state},
-                 checkpoint_id=str(staging / SHARDS))
+        dcp.save(
+            {"model": model_state} if model_only else {"model": model_state, "optimizer": optimizer_state},
+            checkpoint_id=str(staging / SHARDS),
+        )
     save_model_folder(model, staging, ranks)
     if ranks.main:
         tokenizer.save_pretrained(staging)
-        (staging / "trainer_state.json").write_text(json.dumps({
-            "step": state.step, "model_version": state.model_version, "num_tokens": state.num_tokens,
-            "world_size": ranks.world_size, "base_model": base_model_name(model), "save_only_model": model_only,
-            "best_metric": state.best_metric, "best_global_step": state.best_global_step,
-            "best_model_checkpoint": state.best_model_checkpoint, "stateful_callbacks": state.stateful_callbacks,
-            "log_history": state.log_history}, indent=2))
+        (staging / "trainer_state.json").write_text(
+            json.dumps(
+                {
+                    "step": state.step,
+                    "model_version": state.model_version,
+                    "num_tokens": state.num_tokens,
+                    "world_size": ranks.world_size,
+                    "base_model": base_model_name(model),
+                    "save_only_model": model_only,
+                    "best_metric": state.best_metric,
+                    "best_global_step": state.best_global_step,
+                    "best_model_checkpoint": state.best_model_checkpoint,
+                    "stateful_callbacks": state.stateful_callbacks,
+                    "log_history": state.log_history,
+                },
+                indent=2,
+            )
+        )
         if not model_only:
             torch.save(scheduler.state_dict(), staging / "scheduler.pt")
             save_resume_point(staging, resume or ResumePoint(state.dataset_start_index))
@@ -132,9 +161,16 @@ def base_model_name(model) -> str:
 
 
 def save_resume_point(folder: Path, point: ResumePoint) -> None:
-    (folder / "rollout_state.json").write_text(json.dumps({
-        "dataset_start_index": point.dataset_start_index, "finished": point.finished,
-        "remaining": {str(position): left for position, left in point.remaining.items()}}, indent=2))
+    (folder / "rollout_state.json").write_text(
+        json.dumps(
+            {
+                "dataset_start_index": point.dataset_start_index,
+                "finished": point.finished,
+                "remaining": {str(position): left for position, left in point.remaining.items()},
+            },
+            indent=2,
+        )
+    )
     torch.save([asdict(sample) for sample in point.samples], folder / "rollout_queue.pt")
 
 
@@ -147,9 +183,15 @@ def load_resume_point(folder: Path) -> ResumePoint:
     rollout = json.loads((folder / "rollout_state.json").read_text())
     queue = folder / "rollout_queue.pt"
     saved = torch.load(queue, weights_only=True) if queue.is_file() else []
-    samples = [Sample(**{RENAMED_SAMPLE_FIELDS.get(name, name): value for name, value in fields.items()}) for fields in saved]
-    return ResumePoint(rollout["dataset_start_index"], rollout.get("finished", []),
-                       {int(position): left for position, left in rollout.get("remaining", {}).items()}, samples)
+    samples = [
+        Sample(**{RENAMED_SAMPLE_FIELDS.get(name, name): value for name, value in fields.items()}) for fields in saved
+    ]
+    return ResumePoint(
+        rollout["dataset_start_index"],
+        rollout.get("finished", []),
+        {int(position): left for position, left in rollout.get("remaining", {}).items()},
+        samples,
+    )
 
 
 def checkpoints(folder: Path) -> list[Path]:
@@ -173,14 +215,18 @@ def resolve(resume_from_checkpoint, output_dir: Path) -> Path | None:
     path = Path(resume_from_checkpoint)
     saved = path / "trainer_state.json"
     if saved.is_file() and json.loads(saved.read_text()).get("save_only_model"):
-        raise CheckpointNotFound(f"{path} was saved with save_only_model=True: it holds the model, not the optimizer and "
-                                 f"the prompt stream a run resumes from. Start a new run from it (model: {path}).")
+        raise CheckpointNotFound(
+            f"{path} was saved with save_only_model=True: it holds the model, not the optimizer and "
+            f"the prompt stream a run resumes from. Start a new run from it (model: {path})."
+        )
     if not (path / "rollout_state.json").is_file():
         raise CheckpointNotFound(f"{path} is not a tandem checkpoint (no rollout_state.json)")
     if not (path / SHARDS).is_dir():
-        raise CheckpointNotFound(f"{path} has no {SHARDS}/ folder: it was written before tandem saved training state "
-                                 "through torch.distributed.checkpoint. Start from its model folder instead (model: "
-                                 f"{path}) or from a newer checkpoint.")
+        raise CheckpointNotFound(
+            f"{path} has no {SHARDS}/ folder: it was written before tandem saved training state "
+            "through torch.distributed.checkpoint. Start from its model folder instead (model: "
+            f"{path}) or from a newer checkpoint."
+        )
     return path
 
 
@@ -192,8 +238,13 @@ def load(path: Path, model, optimizer, scheduler, state: TrainerState) -> None:
     with one_process_is_intended():
         dcp.load(loaded, checkpoint_id=str(path / SHARDS))
     # strict=False: the frozen weights are absent by design; DCP has already failed on any trainable one missing
-    set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"],
-                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=loaded["model"],
+        optim_state_dict=loaded["optimizer"],
+        options=StateDictOptions(ignore_frozen_params=True, strict=False),
+    )
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     trainer = json.loads((path / "trainer_state.json").read_text())
     rollout = json.loads((path / "rollout_state.json").read_text())
@@ -225,12 +276,15 @@ def record_if_best(state: TrainerState, metrics: dict, name: str, greater_is_bet
     step's checkpoint will hold); a metric the evaluation lacks is a mistake named with the ones it has."""
     key = best_metric_name(name)
     if key not in metrics:
-        raise UsageError(f"metric_for_best_model={name!r}: the evaluation logged no {key}; it logged "
-                         f"{', '.join(sorted(metrics))}")
+        raise UsageError(
+            f"metric_for_best_model={name!r}: the evaluation logged no {key}; it logged {', '.join(sorted(metrics))}"
+        )
     value = metrics[key]
     if math.isnan(value):
         return False
-    if state.best_metric is not None and not (value > state.best_metric if greater_is_better else value < state.best_metric):
+    if state.best_metric is not None and not (
+        value > state.best_metric if greater_is_better else value < state.best_metric
+    ):
         return False
     state.best_metric, state.best_global_step = value, state.step
     return True

@@ -14,9 +14,18 @@ Recomputation (gradient checkpointing) is not counted: MFU measures useful work.
 import torch
 
 PEAK_TFLOPS = {  # dense tensor-core peak per GPU, (bf16, fp32 / tf32), from the vendors' data sheets
-    "B200": (2250.0, 1100.0), "H200": (989.0, 495.0), "H100 SXM": (989.0, 495.0), "H100 NVL": (835.0, 418.0),
-    "H100 PCIe": (756.0, 378.0), "H100": (989.0, 495.0), "GH200": (989.0, 495.0), "A100": (312.0, 156.0),
-    "L40S": (362.0, 183.0), "L4": (121.0, 60.0), "A10G": (70.0, 35.0), "A10": (125.0, 62.5),
+    "B200": (2250.0, 1100.0),
+    "H200": (989.0, 495.0),
+    "H100 SXM": (989.0, 495.0),
+    "H100 NVL": (835.0, 418.0),
+    "H100 PCIe": (756.0, 378.0),
+    "H100": (989.0, 495.0),
+    "GH200": (989.0, 495.0),
+    "A100": (312.0, 156.0),
+    "L40S": (362.0, 183.0),
+    "L4": (121.0, 60.0),
+    "A10G": (70.0, 35.0),
+    "A10": (125.0, 62.5),
 }
 """Matched against torch.cuda.get_device_name() in this order (the first name it contains wins)."""
 

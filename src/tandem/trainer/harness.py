@@ -11,9 +11,20 @@ DEFAULT_MAX_TURNS = 10
 
 
 class HarnessAsyncGRPOTrainer(AsyncGRPOTrainer):
-    def __init__(self, model, harness_session_factory, harness_adapter=None, reward_funcs=None,
-                 args: AsyncGRPOConfig | None = None, train_dataset=None, processing_class=None, callbacks=None,
-                 optimizers=(None, None), peft_config=None, eval_dataset=None):
+    def __init__(
+        self,
+        model,
+        harness_session_factory,
+        harness_adapter=None,
+        reward_funcs=None,
+        args: AsyncGRPOConfig | None = None,
+        train_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+        eval_dataset=None,
+    ):
         """As AsyncGRPOTrainer, with the rollouts played by OpenEnv: `harness_session_factory`, a
         `ResourceSessionFactory` (or a picklable callable returning one), makes each episode's session with
         `create(task=<the row's prompt>, seed=<the group>, episode_id=...)`; `harness_adapter`, a white-box
@@ -23,8 +34,17 @@ class HarnessAsyncGRPOTrainer(AsyncGRPOTrainer):
         args = args or AsyncGRPOConfig()
         openenv.check_harness(harness_session_factory, harness_adapter)
         cap = args.max_tool_calling_iterations
-        self.harness = openenv.OpenEnvHarness(harness_session_factory, harness_adapter,
-                                              max_turns=DEFAULT_MAX_TURNS if cap is None else cap + 1)
-        super().__init__(model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
-                         processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
-                         peft_config=peft_config, eval_dataset=eval_dataset)
+        self.harness = openenv.OpenEnvHarness(
+            harness_session_factory, harness_adapter, max_turns=DEFAULT_MAX_TURNS if cap is None else cap + 1
+        )
+        super().__init__(
+            model,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            peft_config=peft_config,
+            eval_dataset=eval_dataset,
+        )

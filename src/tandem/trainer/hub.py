@@ -39,8 +39,7 @@ class Upload:
 class HubUploader:
     """The uploads of one run, to `repo_id` (created on the first upload, private as asked, on `revision`)."""
 
-    def __init__(self, repo_id: str, token: str | None, private: bool | None, revision: str | None,
-                 always_push: bool):
+    def __init__(self, repo_id: str, token: str | None, private: bool | None, revision: str | None, always_push: bool):
         from huggingface_hub import HfApi  # imported when a run pushes
 
         self.api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None, token=token)
@@ -61,8 +60,11 @@ class HubUploader:
             return
         with self.changed:
             if self.running is not None and not self.always_push:
-                warnings.warn(f"push_to_hub: the previous upload is still running, so step {step}'s is skipped "
-                              "(hub_always_push=True queues every checkpoint)", stacklevel=2)
+                warnings.warn(
+                    f"push_to_hub: the previous upload is still running, so step {step}'s is skipped "
+                    "(hub_always_push=True queues every checkpoint)",
+                    stacklevel=2,
+                )
                 return
         self._add(Upload(folder, "", message, CHECKPOINT_ONLY))
         if strategy == "checkpoint":
@@ -110,8 +112,11 @@ class HubUploader:
             with self.changed:
                 self.running = None
                 if failed and self.ending:
-                    warnings.warn(f"push_to_hub: gave up on {self._where(upload)}; upload it yourself: "
-                                  f"hf upload {self.repo_id} {upload.folder} {upload.path_in_repo or '.'}", stacklevel=2)
+                    warnings.warn(
+                        f"push_to_hub: gave up on {self._where(upload)}; upload it yourself: "
+                        f"hf upload {self.repo_id} {upload.folder} {upload.path_in_repo or '.'}",
+                        stacklevel=2,
+                    )
                 elif failed:
                     upload.attempts += 1
                     upload.not_before = time.monotonic() + RETRY_S * 2 ** min(upload.attempts - 1, 4)
@@ -126,19 +131,30 @@ class HubUploader:
             if not found:
                 return False
             newest = found[-1]
-            warnings.warn(f"push_to_hub: {upload.folder.name} was removed (save_total_limit) before it was uploaded; "
-                          f"uploading {newest.name} instead", stacklevel=2)
+            warnings.warn(
+                f"push_to_hub: {upload.folder.name} was removed (save_total_limit) before it was uploaded; "
+                f"uploading {newest.name} instead",
+                stacklevel=2,
+            )
             upload.path_in_repo = newest.name if upload.path_in_repo == upload.folder.name else upload.path_in_repo
             upload.folder, upload.message = newest, f"Training in progress, {newest.name}"
         try:
             self._ensure_repo()
-            self.api.upload_folder(repo_id=self.repo_id, folder_path=upload.folder, path_in_repo=upload.path_in_repo or None,
-                                   commit_message=upload.message, revision=self.revision,
-                                   ignore_patterns=list(upload.ignore))  # huggingface_hub extends the list it gets
+            self.api.upload_folder(
+                repo_id=self.repo_id,
+                folder_path=upload.folder,
+                path_in_repo=upload.path_in_repo or None,
+                commit_message=upload.message,
+                revision=self.revision,
+                ignore_patterns=list(upload.ignore),
+            )  # huggingface_hub extends the list it gets
             return False
         except Exception as exc:  # the network, the Hub, a full disk: training goes on, the upload is tried again
-            warnings.warn(f"push_to_hub: uploading {self._where(upload)} failed ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0][:200]}); it is tried again while training goes on", stacklevel=2)
+            warnings.warn(
+                f"push_to_hub: uploading {self._where(upload)} failed ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:200]}); it is tried again while training goes on",
+                stacklevel=2,
+            )
             return True
 
     def _ensure_repo(self) -> None:
@@ -152,4 +168,3 @@ class HubUploader:
 
     def _where(self, upload: Upload) -> str:
         return f"{upload.folder.name} to {self.repo_id}/{upload.path_in_repo}"
-

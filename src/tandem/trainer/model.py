@@ -11,21 +11,22 @@ from peft.tuners.lora.layer import ParamWrapper
 from transformers import PreTrainedModel
 from transformers.debug_utils import DebugUnderflowOverflow
 
-from tandem.model import architecture
-from tandem.kernels import onednn_linear
+from tandem.chat.prompts import check_conversational
 from tandem.config import AsyncGRPOConfig
 from tandem.dataset_rows import columns_of, first_rows, is_iterable
 from tandem.errors import UsageError
-from tandem.packing import PADDED
-from tandem.packing import tree_attention
+from tandem.kernels import onednn_linear
+from tandem.model import architecture
+from tandem.packing import PADDED, tree_attention
 from tandem.packing.logprobs import check_head
-from tandem.chat.prompts import check_conversational
 from tandem.tasks import TINY_MODEL_PATH
 
 IMAGE_PARTS = ("image", "image_url", "input_image")
 """Content-part types that carry an image (transformers' and OpenAI's chat formats)."""
-TEXT_ONLY = ("tandem trains vision-language models on text only: images reach neither the server nor the forward "
-             "(the vision tower stays frozen).")
+TEXT_ONLY = (
+    "tandem trains vision-language models on text only: images reach neither the server nor the forward "
+    "(the vision tower stays frozen)."
+)
 
 
 def load_model(model, args: AsyncGRPOConfig) -> tuple[str, PreTrainedModel, str]:
@@ -46,10 +47,13 @@ def load_model(model, args: AsyncGRPOConfig) -> tuple[str, PreTrainedModel, str]
         onednn_linear.install(loaded, exact=True, reorder=False)  # as exact decoding computes: log-probs bit for bit
     layout = tree_attention.prepare(loaded)
     if layout == PADDED:
-        warnings.warn(f"{type(loaded).__name__} cannot be tree-packed ({'; '.join(tree_attention.padded_reasons(loaded))}): "
-                      "it trains on padded rows, one sequence per sample. A prompt shared by a group is computed once "
-                      "per rollout instead of once per row, and each row's samples are padded to its longest (the "
-                      "token budget counts the padding; batch/packing_ratio below 1 is what it costs).", stacklevel=3)
+        warnings.warn(
+            f"{type(loaded).__name__} cannot be tree-packed ({'; '.join(tree_attention.padded_reasons(loaded))}): "
+            "it trains on padded rows, one sequence per sample. A prompt shared by a group is computed once "
+            "per rollout instead of once per row, and each row's samples are padded to its longest (the "
+            "token budget counts the padding; batch/packing_ratio below 1 is what it costs).",
+            stacklevel=3,
+        )
     check_head(loaded)
     warn_dropout(loaded)
     return name, loaded, layout
@@ -62,15 +66,23 @@ UNUSED_DROPOUT = ("classifier_dropout", "summary_first_dropout")
 def warn_dropout(model: PreTrainedModel) -> None:
     """A warning when the model drops units in training: its forward is then not the policy the server samples from
     (GPT-2's default 0.1 kept a random 2-layer model's importance ratio at 1.02-1.17 at staleness 0, not 1)."""
-    rates = {name: value for name, value in model.config.get_text_config().to_dict().items()
-             if ("dropout" in name or name.endswith("pdrop")) and name not in UNUSED_DROPOUT
-             and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0}
+    rates = {
+        name: value
+        for name, value in model.config.get_text_config().to_dict().items()
+        if ("dropout" in name or name.endswith("pdrop"))
+        and name not in UNUSED_DROPOUT
+        and isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and value > 0
+    }
     if rates:
         settings = ", ".join(f"{name}={value:g}" for name, value in sorted(rates.items()))
-        warnings.warn(f"the model's config drops units in training ({settings}), which the server's sampling does not: "
-                      "the trainer's log-probs are then not the sampler's policy, and the importance ratio drifts from 1 "
-                      f"even at staleness 0. Load it with them at 0 (model_init_kwargs: {{{', '.join(f'{n}: 0.0' for n in sorted(rates))}}}).",
-                      stacklevel=3)
+        warnings.warn(
+            f"the model's config drops units in training ({settings}), which the server's sampling does not: "
+            "the trainer's log-probs are then not the sampler's policy, and the importance ratio drifts from 1 "
+            f"even at staleness 0. Load it with them at 0 (model_init_kwargs: {{{', '.join(f'{n}: 0.0' for n in sorted(rates))}}}).",
+            stacklevel=3,
+        )
 
 
 def freeze_vision(model: PreTrainedModel) -> None:
@@ -89,21 +101,31 @@ def with_adapter(model: PreTrainedModel, peft_config):
     server's adapters both leave lm_head to the base weights)."""
     targets = peft_config.target_modules or []
     targets = [targets] if isinstance(targets, str) else list(targets)
-    if any(t == "lm_head" or t.endswith(".lm_head") for t in targets) or "lm_head" in (peft_config.modules_to_save or []):
-        raise UsageError("peft_config targets lm_head: tandem trains adapters on the transformer layers only (the "
-                         "chunked log-prob head reads the base head). Remove lm_head from target_modules / modules_to_save.")
+    if any(t == "lm_head" or t.endswith(".lm_head") for t in targets) or "lm_head" in (
+        peft_config.modules_to_save or []
+    ):
+        raise UsageError(
+            "peft_config targets lm_head: tandem trains adapters on the transformer layers only (the "
+            "chunked log-prob head reads the base head). Remove lm_head from target_modules / modules_to_save."
+        )
     try:
         wrapped = get_peft_model(model, peft_config)
     except ValueError as exc:  # peft's refusal: target modules the model does not have
         raise UsageError(f"peft_config: {exc}") from None
-    fused = sorted({".".join(name.split(".")[-2:]) for name, module in wrapped.named_modules()
-                    if isinstance(module, ParamWrapper) and not name.endswith(".base_layer")})
+    fused = sorted(
+        {
+            ".".join(name.split(".")[-2:])
+            for name, module in wrapped.named_modules()
+            if isinstance(module, ParamWrapper) and not name.endswith(".base_layer")
+        }
+    )
     if fused:
         raise NotImplementedError(
             f"peft_config (target_modules={targets!r}, target_parameters={getattr(peft_config, 'target_parameters', None)!r}) "
             f"puts LoRA on an MoE's parameter-wrapped weights, its experts or router ({', '.join(fused)}), and tandem does "
             "not sync such an adapter to a generation server yet. Target the attention projections "
-            "(target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']), or train full weights.")
+            "(target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']), or train full weights."
+        )
     return wrapped
 
 
@@ -120,14 +142,20 @@ def compile_decoder(model, args: AsyncGRPOConfig, several_ranks: bool) -> None:
     """torch_compile: the decoder compiled in place with dynamic shapes, so rows of any length share one graph. The
     chunked log-prob head stays eager (it is chunked to bound its memory, which a fused graph could undo)."""
     if several_ranks:
-        raise UsageError("torch_compile=True under torchrun: compiling FSDP2-sharded layers has not been run here; train "
-                         "uncompiled (the default) or on one process")
-    model.get_decoder().compile(backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode,
-                                dynamic=True)
+        raise UsageError(
+            "torch_compile=True under torchrun: compiling FSDP2-sharded layers has not been run here; train "
+            "uncompiled (the default) or on one process"
+        )
+    model.get_decoder().compile(
+        backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode, dynamic=True
+    )
     if (args.tree_attention_kernel or "exact") == "exact" and model.device.type == "cpu":
-        warnings.warn("torch_compile: the compiled decoder's fused kernels round differently from the exact kernel, so "
-                      "the trainer no longer matches `tandem serve --decode-mode exact` bit for bit (the importance "
-                      "ratio at staleness 0 is 1 to about 1e-5)", stacklevel=4)
+        warnings.warn(
+            "torch_compile: the compiled decoder's fused kernels round differently from the exact kernel, so "
+            "the trainer no longer matches `tandem serve --decode-mode exact` bit for bit (the importance "
+            "ratio at staleness 0 is 1 to about 1e-5)",
+            stacklevel=4,
+        )
 
 
 def enable_checkpointing(model, kwargs: dict) -> None:
@@ -141,7 +169,9 @@ def enable_checkpointing(model, kwargs: dict) -> None:
 
 def served_dtype(model) -> str:
     """The `--dtype` the embedded server needs to sample from exactly these weights."""
-    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[next(model.parameters()).dtype]
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
+        next(model.parameters()).dtype
+    ]
 
 
 def processing_class_for(given, model_name: str, trust_remote_code: bool):
@@ -158,13 +188,16 @@ def prepare_processing_class(tokenizer, given: bool):
     with it get what TRL promises them."""
     text = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's tokenizer
     if given and getattr(text, "padding_side", "left") != "left":
-        warnings.warn(f"processing_class.padding_side={text.padding_side!r}: set to 'left', as the trainer requires",
-                      stacklevel=4)
+        warnings.warn(
+            f"processing_class.padding_side={text.padding_side!r}: set to 'left', as the trainer requires", stacklevel=4
+        )
     text.padding_side = "left"
     if text.pad_token is None:
         if text.eos_token is None:
-            raise UsageError("processing_class has neither a pad_token nor an eos_token to stand in for it: set "
-                             "tokenizer.pad_token before passing it")
+            raise UsageError(
+                "processing_class has neither a pad_token nor an eos_token to stand in for it: set "
+                "tokenizer.pad_token before passing it"
+            )
         text.pad_token = text.eos_token
     return tokenizer
 
@@ -192,20 +225,28 @@ def check_precision(args: AsyncGRPOConfig, device: torch.device, several_ranks: 
     """Apply tf32 and return fp16's gradient scaler (None without fp16), refusing what the device cannot do."""
     if args.tf32 is not None:
         if device.type != "cuda" and args.tf32:
-            raise UsageError("AsyncGRPOConfig.tf32=True needs an Ampere or newer NVIDIA GPU: TensorFloat-32 is a mode of "
-                             "its matmul units, and this run trains on the CPU. Leave tf32 unset.")
+            raise UsageError(
+                "AsyncGRPOConfig.tf32=True needs an Ampere or newer NVIDIA GPU: TensorFloat-32 is a mode of "
+                "its matmul units, and this run trains on the CPU. Leave tf32 unset."
+            )
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
     if not args.fp16:
         return None
     if device.type != "cuda":
-        raise UsageError("AsyncGRPOConfig.fp16=True needs a GPU: on the CPU float16 autocast is slower than float32 and "
-                         "loses precision for nothing. Train in float32 (the CPU default), or bf16=True.")
+        raise UsageError(
+            "AsyncGRPOConfig.fp16=True needs a GPU: on the CPU float16 autocast is slower than float32 and "
+            "loses precision for nothing. Train in float32 (the CPU default), or bf16=True."
+        )
     if several_ranks:
-        raise UsageError("AsyncGRPOConfig.fp16=True is not supported under torchrun (FSDP2 would need a sharded gradient "
-                         "scaler): use bf16=True.")
+        raise UsageError(
+            "AsyncGRPOConfig.fp16=True is not supported under torchrun (FSDP2 would need a sharded gradient "
+            "scaler): use bf16=True."
+        )
     if weights == torch.float16:
-        raise UsageError("AsyncGRPOConfig.fp16=True keeps float32 master weights and scales float16 gradients: load the "
-                         "model with dtype='float32', not 'float16'.")
+        raise UsageError(
+            "AsyncGRPOConfig.fp16=True keeps float32 master weights and scales float16 gradients: load the "
+            "model with dtype='float32', not 'float16'."
+        )
     return torch.amp.GradScaler("cuda")
 
 
@@ -216,15 +257,21 @@ def check_dataset(dataset, *, environments: bool = False, max_steps: int = -1):
     count); its first rows are checked."""
     if dataset is None:
         if not environments:
-            raise UsageError("train_dataset is required (only an environment_factory whose reset() makes the prompt "
-                             "can train without one)")
+            raise UsageError(
+                "train_dataset is required (only an environment_factory whose reset() makes the prompt "
+                "can train without one)"
+            )
         if max_steps <= 0:
-            raise UsageError("without a train_dataset the environment makes every task, so nothing ends the run: set "
-                             "max_steps (e.g. AsyncGRPOConfig(max_steps=1000))")
+            raise UsageError(
+                "without a train_dataset the environment makes every task, so nothing ends the run: set "
+                "max_steps (e.g. AsyncGRPOConfig(max_steps=1000))"
+            )
         return None
     if is_iterable(dataset) and max_steps <= 0:
-        raise UsageError("train_dataset is an IterableDataset, which has no length: set max_steps (each pass over it is "
-                         "an epoch; it is read again from its start when it ends)")
+        raise UsageError(
+            "train_dataset is an IterableDataset, which has no length: set max_steps (each pass over it is "
+            "an epoch; it is read again from its start when it ends)"
+        )
     rows = first_rows(dataset, 8)
     if not rows:
         raise UsageError("train_dataset is empty")
@@ -232,11 +279,15 @@ def check_dataset(dataset, *, environments: bool = False, max_steps: int = -1):
     if "prompt" not in columns:
         if environments:
             return dataset
-        raise UsageError(f"train_dataset has no 'prompt' column (columns: {columns}). Each row needs a conversational "
-                         "prompt: [{'role': 'user', 'content': '...'}]")
+        raise UsageError(
+            f"train_dataset has no 'prompt' column (columns: {columns}). Each row needs a conversational "
+            "prompt: [{'role': 'user', 'content': '...'}]"
+        )
     for index, row in enumerate(rows):  # the first rows now; every row before the first step (check_prompt_lengths)
         check_conversational(row["prompt"], f"train_dataset row {index}")
-    check_no_images(columns, (row["prompt"] for row in (rows if is_iterable(dataset) else dataset)))  # a stream: its start
+    check_no_images(
+        columns, (row["prompt"] for row in (rows if is_iterable(dataset) else dataset))
+    )  # a stream: its start
     return dataset
 
 
@@ -246,15 +297,23 @@ def drop_unused_columns(dataset, reward_funcs: list, environments: bool):
     if dataset is None:
         return None
     if environments:
-        raise UsageError("AsyncGRPOConfig.remove_unused_columns=True cannot be used with environments (environment_factory, "
-                         "an OpenEnv harness, a verifiers environment): their rollouts read every column of their row. "
-                         "Leave it False.")
-    named = {name for func in reward_funcs for name, parameter in inspect.signature(func).parameters.items()
-             if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)}
+        raise UsageError(
+            "AsyncGRPOConfig.remove_unused_columns=True cannot be used with environments (environment_factory, "
+            "an OpenEnv harness, a verifiers environment): their rollouts read every column of their row. "
+            "Leave it False."
+        )
+    named = {
+        name
+        for func in reward_funcs
+        for name, parameter in inspect.signature(func).parameters.items()
+        if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+    }
     unused = [column for column in columns_of(dataset) if column != "prompt" and column not in named]
     if is_iterable(dataset) and not hasattr(dataset, "remove_columns"):
-        raise UsageError(f"AsyncGRPOConfig.remove_unused_columns=True: this stream ({type(dataset).__name__}) cannot drop "
-                         "columns as it goes; use a datasets.IterableDataset, or leave it False.")
+        raise UsageError(
+            f"AsyncGRPOConfig.remove_unused_columns=True: this stream ({type(dataset).__name__}) cannot drop "
+            "columns as it goes; use a datasets.IterableDataset, or leave it False."
+        )
     if hasattr(dataset, "remove_columns"):
         return dataset.remove_columns(unused)
     return [{key: value for key, value in row.items() if key not in unused} for row in dataset]
@@ -264,13 +323,19 @@ def check_no_images(columns: list[str], prompts) -> None:
     """Refuse image inputs, an image column or image content parts in a prompt, naming the fix."""
     for column in ("images", "image"):
         if column in columns:
-            raise UsageError(f"train_dataset has an {column!r} column: {TEXT_ONLY} Drop it "
-                             f"(dataset.remove_columns({column!r})) and keep text-only prompts.")
+            raise UsageError(
+                f"train_dataset has an {column!r} column: {TEXT_ONLY} Drop it "
+                f"(dataset.remove_columns({column!r})) and keep text-only prompts."
+            )
     for index, prompt in enumerate(prompts):
         for message in prompt if isinstance(prompt, list) else []:
             content = message.get("content") if isinstance(message, dict) else None
-            kinds = [part.get("type") for part in content if isinstance(part, dict)] if isinstance(content, list) else []
+            kinds = (
+                [part.get("type") for part in content if isinstance(part, dict)] if isinstance(content, list) else []
+            )
             if any(kind in IMAGE_PARTS for kind in kinds):
-                raise UsageError(f"train_dataset row {index}: a {message.get('role')!r} message has an image content "
-                                 f"part: {TEXT_ONLY} Keep its text parts only, e.g. "
-                                 "{'role': 'user', 'content': 'the question'}.")
+                raise UsageError(
+                    f"train_dataset row {index}: a {message.get('role')!r} message has an image content "
+                    f"part: {TEXT_ONLY} Keep its text parts only, e.g. "
+                    "{'role': 'user', 'content': 'the question'}."
+                )

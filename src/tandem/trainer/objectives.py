@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.contract.algorithms import algorithm_of
 from tandem.config import AsyncGRPOConfig
+from tandem.contract.algorithms import algorithm_of
 from tandem.errors import UsageError
 from tandem.losses.flash_reinforce import flash_reinforce_loss
 from tandem.losses.grpo import clipped_surrogate
@@ -37,7 +37,7 @@ class LossShare:
     """What a row's loss is divided by to be its share of the step's loss."""
 
     tokens: int  # the trained tokens of the row's micro-batch (all ranks' rows) x the step's micro-batches
-    rows: int    # the rows of the step (per-row terms such as the MoE aux loss are averaged over them)
+    rows: int  # the rows of the step (per-row terms such as the MoE aux loss are averaged over them)
 
     @classmethod
     def of(cls, micro_batch: list[PackedRow], num_micro_batches: int) -> "LossShare":
@@ -47,7 +47,7 @@ class LossShare:
 
 @dataclass
 class RowLoss:
-    loss: torch.Tensor        # scalar, differentiable: this row's share of the step's loss (the trainer backwards it)
+    loss: torch.Tensor  # scalar, differentiable: this row's share of the step's loss (the trainer backwards it)
     metrics: dict[str, list]  # window records {metric name: [values]}
 
 
@@ -83,12 +83,19 @@ class ClippedSurrogate(Objective):
 
     @classmethod
     def from_config(cls, args: AsyncGRPOConfig, aux_loss_coef: float) -> "ClippedSurrogate":
-        return cls({"epsilon_low": args.epsilon, "epsilon_high": args.epsilon_high,
-                    "clip_min": args.vllm_importance_sampling_clip_min,
-                    "clip_max": args.vllm_importance_sampling_clip_max}, aux_loss_coef)
+        return cls(
+            {
+                "epsilon_low": args.epsilon,
+                "epsilon_high": args.epsilon_high,
+                "clip_min": args.vllm_importance_sampling_clip_min,
+                "clip_max": args.vllm_importance_sampling_clip_max,
+            },
+            aux_loss_coef,
+        )
 
-    def token_losses(self, row: PackedRow, scored: TokenLogprobs, behavior: torch.Tensor,
-                     advantages: torch.Tensor) -> tuple[torch.Tensor, TokenStats, dict[str, list]]:
+    def token_losses(
+        self, row: PackedRow, scored: TokenLogprobs, behavior: torch.Tensor, advantages: torch.Tensor
+    ) -> tuple[torch.Tensor, TokenStats, dict[str, list]]:
         """Per-token losses, their statistics and any objective-specific records."""
         losses, stats = clipped_surrogate(scored.log_probs, behavior, advantages, **self.bounds)
         return losses, stats, {}
@@ -100,22 +107,28 @@ class ClippedSurrogate(Objective):
         # Normalised by the trained tokens of the micro-batch, then averaged over the accumulated micro-batches.
         router, recorded = router_loss(scored, self.aux_loss_coef, share)
         loss = losses.sum() / share.tokens + router
-        return RowLoss(loss, metrics | recorded | token_stats(row, scored.log_probs.detach(), behavior, scored.entropy,
-                                                              stats))
+        return RowLoss(
+            loss, metrics | recorded | token_stats(row, scored.log_probs.detach(), behavior, scored.entropy, stats)
+        )
 
 
 class ScoreCentering(ClippedSurrogate):
     """Score centering (losses/score_centering.py): the surrogate's normalisation, aux loss and statistics,
     with the importance-weighted score centred over the sampler's top `num_sampler_logprobs` tokens."""
 
-    def token_losses(self, row: PackedRow, scored: TokenLogprobs, behavior: torch.Tensor,
-                     advantages: torch.Tensor) -> tuple[torch.Tensor, TokenStats, dict[str, list]]:
+    def token_losses(
+        self, row: PackedRow, scored: TokenLogprobs, behavior: torch.Tensor, advantages: torch.Tensor
+    ) -> tuple[torch.Tensor, TokenStats, dict[str, list]]:
         if row.sampler_ids is None:
-            raise UsageError("score_centering=True needs the sampler's top log-probs of every sampled token, and these "
-                             "samples have none: a custom generate_one/generate_one_turn must request "
-                             "logprobs=num_sampler_logprobs (or set score_centering=False)")
+            raise UsageError(
+                "score_centering=True needs the sampler's top log-probs of every sampled token, and these "
+                "samples have none: a custom generate_one/generate_one_turn must request "
+                "logprobs=num_sampler_logprobs (or set score_centering=False)"
+            )
         sampler_logprobs = row.sampler_logprobs.to(behavior.device)
-        losses, stats, mass = score_centered(scored.log_probs, behavior, advantages, scored.extra, sampler_logprobs, **self.bounds)
+        losses, stats, mass = score_centered(
+            scored.log_probs, behavior, advantages, scored.extra, sampler_logprobs, **self.bounds
+        )
         return losses, stats, {"sampling/sampler_mass": mass.tolist()}
 
 
@@ -146,15 +159,24 @@ class FlashReinforce(Objective):
         entropies = layout.scatter(torch.cat([s.entropy for s in scored]))
         rewards = layout.rewards.to(current.dtype)
         loss, diagnostics = flash_reinforce_loss(
-            current, behavior.clamp(max=0.0), rewards, layout.mask, delta=self.delta,
-            negative_token_fraction=self.negative_token_fraction, entropies=entropies, failures=rewards <= 0)
+            current,
+            behavior.clamp(max=0.0),
+            rewards,
+            layout.mask,
+            delta=self.delta,
+            negative_token_fraction=self.negative_token_fraction,
+            entropies=entropies,
+            failures=rewards <= 0,
+        )
         (gradient,) = torch.autograd.grad(loss, current)
         self.coefficients = {id(row): c for row, c in zip(rows, layout.gather(gradient))}
         kl, retained, policy = diagnostics["sequence_kl"], diagnostics["retained_tokens"], diagnostics["policy_tokens"]
-        return {"flash/acceptance_rate": [float(diagnostics["acceptance_rate"])],
-                "flash/sequence_kl_mean": kl.tolist(),
-                "flash/sequence_kl_max": [float(kl.max())],
-                "flash/retained_tokens_frac": [float(retained.sum() / policy.sum())]}
+        return {
+            "flash/acceptance_rate": [float(diagnostics["acceptance_rate"])],
+            "flash/sequence_kl_mean": kl.tolist(),
+            "flash/sequence_kl_max": [float(kl.max())],
+            "flash/retained_tokens_frac": [float(retained.sum() / policy.sum())],
+        }
 
     def row_loss(self, row: PackedRow, scored: TokenLogprobs, share: LossShare) -> RowLoss:
         if id(row) not in self.coefficients:
@@ -168,7 +190,10 @@ class FlashReinforce(Objective):
 
 
 OBJECTIVES: dict[str, type[ClippedSurrogate] | type[FlashReinforce]] = {
-    "clipped_surrogate": ClippedSurrogate, "score_centering": ScoreCentering, "flash_reinforce": FlashReinforce}
+    "clipped_surrogate": ClippedSurrogate,
+    "score_centering": ScoreCentering,
+    "flash_reinforce": FlashReinforce,
+}
 """Each objective by the name an algorithm gives it (tandem/contract/algorithms.py)."""
 
 
@@ -177,8 +202,9 @@ def make_objective(args: AsyncGRPOConfig, aux_loss_coef: float) -> Objective:
     return OBJECTIVES[algorithm_of(args).objective(args)].from_config(args, aux_loss_coef)
 
 
-def token_stats(row: PackedRow, log_probs: torch.Tensor, behavior: torch.Tensor, entropy: torch.Tensor,
-                stats: TokenStats) -> dict[str, list]:
+def token_stats(
+    row: PackedRow, log_probs: torch.Tensor, behavior: torch.Tensor, entropy: torch.Tensor, stats: TokenStats
+) -> dict[str, list]:
     """The loss and sampling diagnostics over a row's trained tokens."""
     diff = (log_probs - behavior).abs()
     low, high = stats.below.float().cpu(), stats.above.float().cpu()
@@ -211,10 +237,10 @@ class TrajectoryLayout:
     whatever rows its samples landed in, and its tokens keep that order."""
 
     trajectory: torch.Tensor  # [M] trajectory of each term
-    position: torch.Tensor    # [M] index of the term within its trajectory
-    rewards: torch.Tensor     # [B] each trajectory's reward
-    row_sizes: list[int]      # terms per row
-    width: int                # tokens of the longest trajectory
+    position: torch.Tensor  # [M] index of the term within its trajectory
+    rewards: torch.Tensor  # [B] each trajectory's reward
+    row_sizes: list[int]  # terms per row
+    width: int  # tokens of the longest trajectory
 
     @classmethod
     def of(cls, rows: list[PackedRow], device: torch.device) -> "TrajectoryLayout":
@@ -236,8 +262,13 @@ class TrajectoryLayout:
         starts = counts.cumsum(0) - counts
         position = torch.empty_like(trajectory)
         position[order] = torch.arange(trajectory.numel(), device=device) - starts[trajectory[order]]
-        return cls(trajectory, position, torch.tensor([rewards[r] for r in numbers], dtype=torch.float64, device=device),
-                   [row.num_trained for row in rows], int(counts.max()))
+        return cls(
+            trajectory,
+            position,
+            torch.tensor([rewards[r] for r in numbers], dtype=torch.float64, device=device),
+            [row.num_trained for row in rows],
+            int(counts.max()),
+        )
 
     @property
     def mask(self) -> torch.Tensor:

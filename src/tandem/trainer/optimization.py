@@ -6,8 +6,8 @@ import math
 import torch
 
 from tandem.config import AsyncGRPOConfig
-from tandem.model.distributed import full_tensor
 from tandem.errors import UsageError
+from tandem.model.distributed import full_tensor
 
 
 def make_optimizer(model: torch.nn.Module, args: AsyncGRPOConfig) -> torch.optim.Optimizer:
@@ -19,15 +19,19 @@ def make_optimizer(model: torch.nn.Module, args: AsyncGRPOConfig) -> torch.optim
     try:
         cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     except ValueError as exc:
-        raise UsageError(f"AsyncGRPOConfig.optim={args.optim!r}: {exc}. Try adamw_torch_fused, adamw_torch, adafactor "
-                         "or sgd (transformers' OptimizerNames lists the rest).") from None
+        raise UsageError(
+            f"AsyncGRPOConfig.optim={args.optim!r}: {exc}. Try adamw_torch_fused, adamw_torch, adafactor "
+            "or sgd (transformers' OptimizerNames lists the rest)."
+        ) from None
     if "params" in kwargs:  # GaLore / APOLLO: transformers grouped the projected weights (optim_target_modules)
         groups = kwargs.pop("params")
         return cls([{"weight_decay": args.weight_decay, **group} for group in groups], **kwargs)
     decayed = set(Trainer.get_decay_parameter_names(None, model))
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    groups = [{"params": [p for name, p in trainable if name in decayed], "weight_decay": args.weight_decay},
-              {"params": [p for name, p in trainable if name not in decayed], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for name, p in trainable if name in decayed], "weight_decay": args.weight_decay},
+        {"params": [p for name, p in trainable if name not in decayed], "weight_decay": 0.0},
+    ]
     return cls([group for group in groups if group["params"]], **kwargs)
 
 
@@ -38,8 +42,13 @@ def make_scheduler(optimizer: torch.optim.Optimizer, args: AsyncGRPOConfig) -> t
 
     warmup = math.ceil(args.warmup_steps * args.max_steps) if 0 < args.warmup_steps < 1 else int(args.warmup_steps)
     name = "constant_with_warmup" if args.lr_scheduler_type == "constant" and warmup else args.lr_scheduler_type
-    return get_scheduler(name, optimizer, num_warmup_steps=warmup,
-                         num_training_steps=max(args.max_steps, 1), scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+    return get_scheduler(
+        name,
+        optimizer,
+        num_warmup_steps=warmup,
+        num_training_steps=max(args.max_steps, 1),
+        scheduler_specific_kwargs=args.lr_scheduler_kwargs,
+    )
 
 
 def clip_gradients(model: torch.nn.Module, max_grad_norm: float | None) -> torch.Tensor:

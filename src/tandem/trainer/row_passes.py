@@ -15,9 +15,16 @@ from tandem.packing.logprobs import TokenLogprobs, row_logprobs
 class RowPasses:
     """A step's rows through `model` on this rank, with the attention `kernel` the rows were packed for."""
 
-    def __init__(self, model: torch.nn.Module, kernel: str, temperature: float, autocast: torch.dtype | None,
-                 ranks: Ranks):
-        self.model, self.kernel, self.temperature, self.autocast, self.ranks = model, kernel, temperature, autocast, ranks
+    def __init__(
+        self, model: torch.nn.Module, kernel: str, temperature: float, autocast: torch.dtype | None, ranks: Ranks
+    ):
+        self.model, self.kernel, self.temperature, self.autocast, self.ranks = (
+            model,
+            kernel,
+            temperature,
+            autocast,
+            ranks,
+        )
         self.device = next(model.parameters()).device
 
     def mine(self, micro_batch: list[PackedRow]) -> list[tuple[PackedRow, bool]]:
@@ -45,8 +52,11 @@ class RowPasses:
         if not self.ranks.several:
             return mine
         exchanged = self.ranks.all_gather([(s.log_probs.cpu(), s.entropy.cpu()) for s in mine])
-        return [TokenLogprobs(*(t.to(self.device) for t in exchanged[rank][index]))
-                for index, micro_batch in enumerate(micro_batches) for rank in range(len(micro_batch))]
+        return [
+            TokenLogprobs(*(t.to(self.device) for t in exchanged[rank][index]))
+            for index, micro_batch in enumerate(micro_batches)
+            for rank in range(len(micro_batch))
+        ]
 
     def clock(self) -> float:
         """Now, once the device has finished the work queued so far (GPU kernels run asynchronously)."""

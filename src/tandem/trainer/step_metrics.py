@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
+from tandem.contract.staleness import staleness
 from tandem.metrics.window import MetricWindow
 from tandem.packing import PackedRow
-from tandem.contract.staleness import staleness
 
 
 @dataclass

@@ -19,28 +19,37 @@ import torch
 from transformers.trainer_utils import enable_full_determinism
 from transformers.utils import logging as hf_logging
 
-from tandem.model import distributed
 from tandem import integrations
+from tandem.chat.tool_formats import tool_call_format
 from tandem.config import AsyncGRPOConfig
 from tandem.dataset_rows import is_iterable
 from tandem.errors import UsageError
 from tandem.metrics.window import MetricWindow
+from tandem.model import distributed
 from tandem.model.model_folder import save_model_folder
-from tandem.packing import PackedRow
-from tandem.packing import tree_attention
-from tandem.runtime.rollout_inputs import (check_agents, check_reward_names, check_sendable, loop_class,
-                                           rollout_template)
+from tandem.packing import PackedRow, tree_attention
+from tandem.runtime.rollout_inputs import check_agents, check_reward_names, check_sendable, loop_class, rollout_template
 from tandem.runtime.runtime import Runtime, RuntimeSpec
 from tandem.runtime.sample_source import ResumePoint
-from tandem.chat.tool_formats import tool_call_format
 from tandem.trainer import OPENMP_POLICY_TOO_LATE, checkpoint, export
 from tandem.trainer.callbacks import Callbacks, callback_handler, with_transformers_names
 from tandem.trainer.checkpoint import TrainerState
-from tandem.trainer.hub import HubUploader
 from tandem.trainer.flops import model_shape, peak_flops, rows_flops
-from tandem.trainer.model import (autocast_dtype, check_dataset, check_precision, drop_unused_columns, eos_ids,
-                                  enable_checkpointing, instrument, load_model, processing_class_for, served_dtype,
-                                  use_bf16, with_adapter)
+from tandem.trainer.hub import HubUploader
+from tandem.trainer.model import (
+    autocast_dtype,
+    check_dataset,
+    check_precision,
+    drop_unused_columns,
+    enable_checkpointing,
+    eos_ids,
+    instrument,
+    load_model,
+    processing_class_for,
+    served_dtype,
+    use_bf16,
+    with_adapter,
+)
 from tandem.trainer.objectives import LossShare, make_objective
 from tandem.trainer.optimization import clip_gradients, make_optimizer, make_scheduler
 from tandem.trainer.row_passes import RowPasses
@@ -88,30 +97,51 @@ class AsyncGRPOTrainer:
     """Another library's episodes the worker plays instead of the tool loop: HarnessAsyncGRPOTrainer's OpenEnv harness,
     or a verifiers environment passed as train_dataset (its loop class runs it)."""
 
-    def __init__(self, model, reward_funcs=None, args: AsyncGRPOConfig | None = None, train_dataset=None,
-                 processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None, tools=None,
-                 environment_factory=None, eval_dataset=None):
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args: AsyncGRPOConfig | None = None,
+        train_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+        tools=None,
+        environment_factory=None,
+        eval_dataset=None,
+    ):
         self.args = args = args or AsyncGRPOConfig()
-        train_dataset, eval_dataset, reward_funcs, self.harness = integrations.adapt(train_dataset, eval_dataset,
-                                                                                     reward_funcs, self.harness)
+        train_dataset, eval_dataset, reward_funcs, self.harness = integrations.adapt(
+            train_dataset, eval_dataset, reward_funcs, self.harness
+        )
         self.tools, self.environment_factory = list(tools or []), environment_factory
         environments = environment_factory is not None or self.harness is not None
         dataset = check_train_dataset(train_dataset, args, environments)
         self.eval_dataset = check_eval_dataset(eval_dataset, args, environments)
-        self.reward_funcs = _reward_list(reward_funcs, check_agents(self.tools, environment_factory, dataset,
-                                                                    self.eval_dataset, self.harness))
-        self.dataset = drop_unused_columns(dataset, self.reward_funcs, environments) if args.remove_unused_columns else dataset
+        self.reward_funcs = _reward_list(
+            reward_funcs, check_agents(self.tools, environment_factory, dataset, self.eval_dataset, self.harness)
+        )
+        self.dataset = (
+            drop_unused_columns(dataset, self.reward_funcs, environments) if args.remove_unused_columns else dataset
+        )
         self.ranks = distributed.join(args.ddp_timeout)  # this process's place among the torchrun ranks (or one of one)
         self.model_name, model_loaded, self.layout = load_model(model, args)
         """The rows this model trains on: tree-packed, or padded for models a tree row would change (packing/trie.py)."""
         self.lora = peft_config is not None
         self.model = with_adapter(model_loaded, peft_config) if self.lora else model_loaded
         if self.ranks.several:
-            distributed.shard(self.model, self.ranks, args.fsdp_config, use_bf16(args, next(self.model.parameters()).device))
-        self.tokenizer = processing_class_for(processing_class, self.model_name if isinstance(model, str) else model.name_or_path,
-                                              args.trust_remote_code)
-        self.rollout_template = rollout_template(self.tokenizer, self.tools, args.chat_template_kwargs) \
-            if self.tools or environments else None
+            distributed.shard(
+                self.model, self.ranks, args.fsdp_config, use_bf16(args, next(self.model.parameters()).device)
+            )
+        self.tokenizer = processing_class_for(
+            processing_class, self.model_name if isinstance(model, str) else model.name_or_path, args.trust_remote_code
+        )
+        self.rollout_template = (
+            rollout_template(self.tokenizer, self.tools, args.chat_template_kwargs)
+            if self.tools or environments
+            else None
+        )
         """A training-safe chat template the worker renders rollouts with, when the model's is not prefix-preserving."""
         if args.tool_call_parser is not None:
             tool_call_format(args.tool_call_parser, self.tokenizer)  # the tokenizer has the format's tokens
@@ -121,7 +151,9 @@ class AsyncGRPOTrainer:
         self.scaler = check_precision(args, self.device, self.ranks.several, next(self.model.parameters()).dtype)
         self.kernel = attention_kernel(args, self.device)
         instrument(self.model, args, self.ranks.several)
-        self.passes = RowPasses(self.model, self.kernel, args.temperature, autocast_dtype(args, self.device), self.ranks)
+        self.passes = RowPasses(
+            self.model, self.kernel, args.temperature, autocast_dtype(args, self.device), self.ranks
+        )
         """This rank's passes of a step's rows through the model, and their clock (trainer/row_passes.py)."""
         self.peak_flops = peak_flops(self.device, self.passes.autocast is not None)
         """One GPU's peak FLOP/s for the `perf/*_mfu` metrics; None on CPU or an unknown GPU (trainer/flops.py)."""
@@ -134,8 +166,12 @@ class AsyncGRPOTrainer:
         """transformers' TrainerState, filled in place (from a checkpoint when resuming): callbacks hold it."""
         self.window = MetricWindow()
         self.losses, self.reward_history = [], []  # each step's loss, each logged window's mean reward
-        self.callbacks = Callbacks(callback_handler(callbacks or [], self.model, self.tokenizer, self.optimizer,
-                                                    self.scheduler), args, self.state, self.ranks)
+        self.callbacks = Callbacks(
+            callback_handler(callbacks or [], self.model, self.tokenizer, self.optimizer, self.scheduler),
+            args,
+            self.state,
+            self.ranks,
+        )
         """transformers' TrainerCallback objects, called with (args, state, control) at each event of the loop, and
         the flags they set (should_log, should_save, should_training_stop), read by the loop."""
         self.hub: HubUploader | None = None  # push_to_hub's uploads (rank 0), started with the first one
@@ -149,15 +185,22 @@ class AsyncGRPOTrainer:
         the rollout worker and the logs, and sends every rank its rows. `trial` and `ignore_keys_for_eval` are
         transformers' (a hyperparameter search, model outputs left out of evaluation): neither applies here."""
         if trial is not None:
-            raise NotImplementedError("train(trial=...): hyperparameter search is not supported; run one training per "
-                                      "setting instead")
+            raise NotImplementedError(
+                "train(trial=...): hyperparameter search is not supported; run one training per setting instead"
+            )
         if ignore_keys_for_eval is not None:
-            warnings.warn("train(ignore_keys_for_eval=...) has no effect: evaluation generates and scores completions, "
-                          "it returns no model outputs to leave out", stacklevel=2)
+            warnings.warn(
+                "train(ignore_keys_for_eval=...) has no effect: evaluation generates and scores completions, "
+                "it returns no model outputs to leave out",
+                stacklevel=2,
+            )
         if OPENMP_POLICY_TOO_LATE and self.device.type == "cpu" and torch.get_num_threads() > 1:
-            warnings.warn("torch was imported before tandem, so its OpenMP threads spin while they wait and slow the "
-                          "embedded server and the rollout worker (the demo ran 1.4x slower). Start Python with "
-                          "OMP_WAIT_POLICY=PASSIVE, or import tandem before torch.", stacklevel=2)
+            warnings.warn(
+                "torch was imported before tandem, so its OpenMP threads spin while they wait and slow the "
+                "embedded server and the rollout worker (the demo ran 1.4x slower). Start Python with "
+                "OMP_WAIT_POLICY=PASSIVE, or import tandem before torch.",
+                stacklevel=2,
+            )
         check_sendable(self.reward_funcs, self.loop_cls)
         seed_run(self.args)
         set_log_level(run_log_level(self.args, self.ranks.main, distributed.local_main()))
@@ -183,8 +226,11 @@ class AsyncGRPOTrainer:
         if self.hub is not None:  # the checkpoints' uploads still running or waiting to be tried again
             self.hub.wait()
         if runtime.preempted.is_set():
-            print(f"tandem: stopped on SIGTERM after a checkpoint at step {self.state.step}; resume with "
-                  "train(resume_from_checkpoint=True), or tandem train with --resume_from_checkpoint true", file=sys.stderr)
+            print(
+                f"tandem: stopped on SIGTERM after a checkpoint at step {self.state.step}; resume with "
+                "train(resume_from_checkpoint=True), or tandem train with --resume_from_checkpoint true",
+                file=sys.stderr,
+            )
         self.callbacks.event("on_train_end")
         return output
 
@@ -242,7 +288,9 @@ class AsyncGRPOTrainer:
             with tempfile.TemporaryDirectory() as adapter:
                 save_model_folder(self.model, Path(adapter), self.ranks)  # gathered whole, on rank 0
                 if self.ranks.main:
-                    model = export.merge_adapter(Path(adapter), checkpoint.base_model_name(self.model), served_dtype(self.model))
+                    model = export.merge_adapter(
+                        Path(adapter), checkpoint.base_model_name(self.model), served_dtype(self.model)
+                    )
                     export.write(model, self.tokenizer, target)
             self.ranks.barrier()
             return
@@ -250,14 +298,23 @@ class AsyncGRPOTrainer:
         if self.ranks.main:
             self.tokenizer.save_pretrained(target)
 
-    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token: str | None = None,
-                    revision: str | None = None, **kwargs) -> None:
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+        **kwargs,
+    ) -> None:
         """Save the model (or the LoRA adapter) and tokenizer to output_dir and upload that folder, its checkpoints left
         out, to hub_model_id (created if missing). `token` / `revision` stand in for hub_token / hub_revision. Under
         torchrun every rank calls it; rank 0 uploads."""
         if kwargs:
-            warnings.warn(f"push_to_hub: {sorted(kwargs)} are model-card fields in transformers; tandem writes no model "
-                          "card, so they are left out", stacklevel=2)
+            warnings.warn(
+                f"push_to_hub: {sorted(kwargs)} are model-card fields in transformers; tandem writes no model "
+                "card, so they are left out",
+                stacklevel=2,
+            )
         self.save_model(self.args.output_dir)
         if self.ranks.main:
             self._uploader(token, revision).push(self.output_dir, commit_message or "End of training", blocking)
@@ -268,8 +325,13 @@ class AsyncGRPOTrainer:
         if self.hub is None or token or revision:
             if self.hub is not None:  # what the run's own uploader has queued goes first
                 self.hub.wait()
-            self.hub = HubUploader(args.hub_model_id or self.output_dir.resolve().name, token or args.hub_token,
-                                   args.hub_private_repo, revision or args.hub_revision, args.hub_always_push)
+            self.hub = HubUploader(
+                args.hub_model_id or self.output_dir.resolve().name,
+                token or args.hub_token,
+                args.hub_private_repo,
+                revision or args.hub_revision,
+                args.hub_always_push,
+            )
         return self.hub
 
     # ---- the loop -------------------------------------------------------------------------------
@@ -296,8 +358,13 @@ class AsyncGRPOTrainer:
             eval_pending, eval_s = self._sync(runtime, eval_pending or self.callbacks.eval_due(epoch_ended))
             if main:
                 runtime.publish(tokens_per_step=sum(row.raw_tokens for row in rows))  # after the sync, or its start
-                times = StepTimes(total=time.perf_counter() - start - eval_s, rollout_wait=runtime.rollout_wait_s - waited,
-                                  forward=step.forward_s, forward_backward=forward_backward_s, optimizer=optimizer_s)
+                times = StepTimes(
+                    total=time.perf_counter() - start - eval_s,
+                    rollout_wait=runtime.rollout_wait_s - waited,
+                    forward=step.forward_s,
+                    forward_backward=forward_backward_s,
+                    optimizer=optimizer_s,
+                )
                 self._record(rows, len(micro_batches), step.loss, grad_norm, times)
             if not args.skip_memory_metrics:  # every rank's: the window is gathered, the largest logged
                 record_memory(self.window, self.device)
@@ -317,8 +384,11 @@ class AsyncGRPOTrainer:
             self.window.extend(runtime.take_metrics())
         if self.ranks.broadcast(bool(self.window.values)):
             metrics = self._log(runtime)
-        if (args.save_strategy in ("steps", "epoch") or runtime.preempted.is_set()) and state.step > 0 \
-                and saved_step != state.step:
+        if (
+            (args.save_strategy in ("steps", "epoch") or runtime.preempted.is_set())
+            and state.step > 0
+            and saved_step != state.step
+        ):
             self._checkpoint(runtime)
         if args.load_best_model_at_end and not runtime.preempted_everywhere():  # every rank decides alike
             self._load_best(runtime)
@@ -330,8 +400,10 @@ class AsyncGRPOTrainer:
         if best:
             checkpoint.load_weights(Path(best), self.model)
             if self.ranks.main:
-                runtime.session.progress.say(f"loaded the best checkpoint, {best} ({self.args.metric_for_best_model} "
-                                             f"{self.state.best_metric:.4g})")
+                runtime.session.progress.say(
+                    f"loaded the best checkpoint, {best} ({self.args.metric_for_best_model} "
+                    f"{self.state.best_metric:.4g})"
+                )
 
     def _sync(self, runtime: Runtime, eval_pending: bool) -> tuple[bool, float]:
         """Every weight_sync_steps steps: the server gets the new weights as the next policy version, then a pending
@@ -388,7 +460,9 @@ class AsyncGRPOTrainer:
         epochs = len(self.dataset) if self.dataset is not None and not is_iterable(self.dataset) else None
         return epochs is not None and state.dataset_start_index // epochs > before // epochs
 
-    def _record(self, rows: list[PackedRow], num_micro_batches: int, loss: float, grad_norm: float, times: StepTimes) -> None:
+    def _record(
+        self, rows: list[PackedRow], num_micro_batches: int, loss: float, grad_norm: float, times: StepTimes
+    ) -> None:
         if math.isfinite(loss):  # logging_nan_inf_filter, always on: a NaN or infinite loss is left out of `loss`
             self.losses.append(loss)
             self.window.add("loss", loss)
@@ -437,19 +511,31 @@ class AsyncGRPOTrainer:
             return {}
         window = MetricWindow()
         window.extend(records)
-        metrics = window.flush() | {"eval/runtime_s": time.perf_counter() - start, "eval/model_version": state.model_version,
-                                    "eval/num_prompts": len(self.eval_dataset)}
+        metrics = window.flush() | {
+            "eval/runtime_s": time.perf_counter() - start,
+            "eval/model_version": state.model_version,
+            "eval/num_prompts": len(self.eval_dataset),
+        }
         state.log_history.append({**metrics, "step": state.step})
-        self.callbacks.event("on_evaluate", metrics=with_transformers_names(metrics))  # the best so far is the last one's
-        if self.args.metric_for_best_model and state.step > 0 and checkpoint.record_if_best(
-                state, metrics, self.args.metric_for_best_model, self.args.greater_is_better):
-            self.callbacks.control.should_save |= self.args.save_strategy != "no"  # the best step is always checkpointed
+        self.callbacks.event(
+            "on_evaluate", metrics=with_transformers_names(metrics)
+        )  # the best so far is the last one's
+        if (
+            self.args.metric_for_best_model
+            and state.step > 0
+            and checkpoint.record_if_best(state, metrics, self.args.metric_for_best_model, self.args.greater_is_better)
+        ):
+            self.callbacks.control.should_save |= (
+                self.args.save_strategy != "no"
+            )  # the best step is always checkpointed
             saved = self.output_dir / f"checkpoint-{state.step}"
             if saved.is_dir():  # evaluated at the start of a run resumed from it (eval_on_start): it is the best one
                 state.best_model_checkpoint = str(saved)
         runtime.session.log(state.step, metrics)
-        runtime.session.progress.say(f"eval at step {state.step} (policy version {state.model_version}): reward "
-                                  f"{metrics.get('eval/reward', math.nan):.3f} over {len(self.eval_dataset)} prompts")
+        runtime.session.progress.say(
+            f"eval at step {state.step} (policy version {state.model_version}): reward "
+            f"{metrics.get('eval/reward', math.nan):.3f} over {len(self.eval_dataset)} prompts"
+        )
         return metrics
 
     def _checkpoint(self, runtime: Runtime) -> int:
@@ -459,9 +545,18 @@ class AsyncGRPOTrainer:
         for name in ("best_metric", "best_global_step"):  # rank 0 evaluates; every rank writes its shards
             setattr(self.state, name, self.ranks.broadcast(getattr(self.state, name)))
         model_only = self.args.save_only_model and not runtime.preempted_everywhere()  # a preempted run resumes
-        path = checkpoint.save(self.output_dir, self.model, self.tokenizer, self.optimizer, self.scheduler, self.state,
-                               self.args.save_total_limit, self.ranks, runtime.resume_point() if self.ranks.main else None,
-                               model_only=model_only)
+        path = checkpoint.save(
+            self.output_dir,
+            self.model,
+            self.tokenizer,
+            self.optimizer,
+            self.scheduler,
+            self.state,
+            self.args.save_total_limit,
+            self.ranks,
+            runtime.resume_point() if self.ranks.main else None,
+            model_only=model_only,
+        )
         if self.args.push_to_hub and self.ranks.main:
             self._uploader().checkpoint_saved(path, self.state.step, self.args.hub_strategy)
         self.callbacks.event("on_save")
@@ -477,33 +572,55 @@ class AsyncGRPOTrainer:
         if self.args.restore_callback_states_from_checkpoint:
             unmatched = self.callbacks.restore(self.state.stateful_callbacks)
             if unmatched:
-                warnings.warn(f"{resume} holds the state of callbacks this run does not have, left alone: "
-                              f"{', '.join(unmatched)}", stacklevel=3)
+                warnings.warn(
+                    f"{resume} holds the state of callbacks this run does not have, left alone: {', '.join(unmatched)}",
+                    stacklevel=3,
+                )
         return checkpoint.load_resume_point(resume)
 
     def _runtime_spec(self) -> RuntimeSpec:
         return RuntimeSpec(
-            args=self.args, model=self.model, tokenizer=self.tokenizer, ranks=self.ranks, model_name=self.model_name,
-            output_dir=self.output_dir, layout=self.layout, kernel=self.kernel, compute_dtype=self.compute_dtype,
-            served_dtype=served_dtype(self.model), eos_token_ids=eos_ids(self.tokenizer, self.model),
-            lora_rank=self.model.peft_config["default"].r if self.lora else None, dataset=self.dataset,
-            eval_dataset=self.eval_dataset, reward_funcs=self.reward_funcs, tools=self.tools,
-            environment_factory=self.environment_factory, harness=self.harness, loop_cls=loop_class(self.loop_cls, self.harness),
-            rollout_template=self.rollout_template)
+            args=self.args,
+            model=self.model,
+            tokenizer=self.tokenizer,
+            ranks=self.ranks,
+            model_name=self.model_name,
+            output_dir=self.output_dir,
+            layout=self.layout,
+            kernel=self.kernel,
+            compute_dtype=self.compute_dtype,
+            served_dtype=served_dtype(self.model),
+            eos_token_ids=eos_ids(self.tokenizer, self.model),
+            lora_rank=self.model.peft_config["default"].r if self.lora else None,
+            dataset=self.dataset,
+            eval_dataset=self.eval_dataset,
+            reward_funcs=self.reward_funcs,
+            tools=self.tools,
+            environment_factory=self.environment_factory,
+            harness=self.harness,
+            loop_cls=loop_class(self.loop_cls, self.harness),
+            rollout_template=self.rollout_template,
+        )
 
 
 def check_train_dataset(dataset, args: AsyncGRPOConfig, environments: bool):
     """The training prompts, if they can be ordered as asked (an IterableDataset streams in its own order, as in
     transformers) and have the epochs an 'epoch' strategy counts."""
     dataset = check_dataset(dataset, environments=environments, max_steps=args.max_steps)
-    by_epoch = [name for name in ("logging_strategy", "save_strategy", "eval_strategy") if getattr(args, name) == "epoch"]
+    by_epoch = [
+        name for name in ("logging_strategy", "save_strategy", "eval_strategy") if getattr(args, name) == "epoch"
+    ]
     if by_epoch and (dataset is None or is_iterable(dataset)):
-        raise UsageError(f"{by_epoch[0]}='epoch' needs a dataset with a length to count epochs by, and "
-                         f"{'an IterableDataset has none' if dataset is not None else 'the environments make their own tasks'}"
-                         ": use 'steps'.")
+        raise UsageError(
+            f"{by_epoch[0]}='epoch' needs a dataset with a length to count epochs by, and "
+            f"{'an IterableDataset has none' if dataset is not None else 'the environments make their own tasks'}"
+            ": use 'steps'."
+        )
     if is_iterable(dataset) and args.data_seed is not None:  # 'random' (the default) orders indexed datasets only
-        raise UsageError(f"data_seed={args.data_seed} orders a dataset by its indices, and an IterableDataset has none: "
-                         "shuffle the stream itself (dataset.shuffle(seed=..., buffer_size=...)), or drop data_seed.")
+        raise UsageError(
+            f"data_seed={args.data_seed} orders a dataset by its indices, and an IterableDataset has none: "
+            "shuffle the stream itself (dataset.shuffle(seed=..., buffer_size=...)), or drop data_seed."
+        )
     return dataset
 
 
@@ -517,8 +634,10 @@ def attention_kernel(args: AsyncGRPOConfig, device: torch.device) -> str:
     """The tree-attention kernel the rows are trained with: the configured one, or the device's default."""
     kernel = args.tree_attention_kernel or tree_attention.default_kernel(device)
     if kernel == "flex" and device.type != "cuda":
-        raise UsageError("tree_attention_kernel='flex' needs a GPU: FlexAttention has no backward pass on CPU. "
-                         "Use 'exact' or 'sdpa'.")
+        raise UsageError(
+            "tree_attention_kernel='flex' needs a GPU: FlexAttention has no backward pass on CPU. "
+            "Use 'exact' or 'sdpa'."
+        )
     return kernel
 
 
@@ -526,9 +645,11 @@ def router_coefficient(args: AsyncGRPOConfig, model) -> float:
     """The weight of a Mixture-of-Experts model's balancing loss: the config's, else the model's own (0 without a router)."""
     text_config = model.config.get_text_config()
     if args.router_aux_loss_coef is not None and not hasattr(text_config, "router_aux_loss_coef"):
-        raise UsageError(f"AsyncGRPOConfig.router_aux_loss_coef={args.router_aux_loss_coef}: the model is not a "
-                         "Mixture-of-Experts model (its config has no router), so there is no balancing loss to weigh. "
-                         "Leave it None.")
+        raise UsageError(
+            f"AsyncGRPOConfig.router_aux_loss_coef={args.router_aux_loss_coef}: the model is not a "
+            "Mixture-of-Experts model (its config has no router), so there is no balancing loss to weigh. "
+            "Leave it None."
+        )
     if args.router_aux_loss_coef is not None:
         return args.router_aux_loss_coef
     return getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0
@@ -538,16 +659,23 @@ def check_eval_dataset(eval_dataset, args: AsyncGRPOConfig, environments: bool):
     """The eval prompts, when evaluation is asked for and they can be generated; neither is silently ignored."""
     if eval_dataset is None:
         if args.eval_strategy != "no" or args.eval_on_start:
-            raise UsageError(f"eval_strategy={args.eval_strategy!r} / eval_on_start={args.eval_on_start} needs an "
-                             "eval_dataset (prompts generated and scored, never trained): pass one to AsyncGRPOTrainer, "
-                             "or an eval_dataset key in the recipe")
+            raise UsageError(
+                f"eval_strategy={args.eval_strategy!r} / eval_on_start={args.eval_on_start} needs an "
+                "eval_dataset (prompts generated and scored, never trained): pass one to AsyncGRPOTrainer, "
+                "or an eval_dataset key in the recipe"
+            )
         return None
     if args.eval_strategy == "no" and not args.eval_on_start:
-        warnings.warn("an eval_dataset was given but eval_strategy='no' and eval_on_start=False: it is never evaluated. "
-                      "Set eval_strategy='steps' (every eval_steps steps) or eval_on_start=True.", stacklevel=3)
+        warnings.warn(
+            "an eval_dataset was given but eval_strategy='no' and eval_on_start=False: it is never evaluated. "
+            "Set eval_strategy='steps' (every eval_steps steps) or eval_on_start=True.",
+            stacklevel=3,
+        )
     if is_iterable(eval_dataset):
-        raise UsageError("eval_dataset is an IterableDataset: each evaluation generates all of it, so it needs a length. "
-                         "Take a fixed set of rows, e.g. Dataset.from_list(list(eval_dataset.take(256))).")
+        raise UsageError(
+            "eval_dataset is an IterableDataset: each evaluation generates all of it, so it needs a length. "
+            "Take a fixed set of rows, e.g. Dataset.from_list(list(eval_dataset.take(256)))."
+        )
     try:
         return check_dataset(eval_dataset, environments=environments)
     except ValueError as exc:
@@ -557,13 +685,17 @@ def check_eval_dataset(eval_dataset, args: AsyncGRPOConfig, environments: bool):
 def _reward_list(reward_funcs, environment_rewards: bool) -> list:
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs] if reward_funcs else []
     if not funcs and not environment_rewards:
-        raise UsageError("reward_funcs is empty and no environment defines get_reward(): pass at least one reward function "
-                         "(e.g. tandem.rewards.accuracy_reward), or give the environment a get_reward() method")
+        raise UsageError(
+            "reward_funcs is empty and no environment defines get_reward(): pass at least one reward function "
+            "(e.g. tandem.rewards.accuracy_reward), or give the environment a get_reward() method"
+        )
     for func in funcs:
         if isinstance(func, (str, torch.nn.Module)):  # TRL's GRPOTrainer takes these; its AsyncGRPOTrainer does not
-            raise UsageError(f"reward function {type(func).__name__} {str(func)[:80]!r}: reward models are not supported "
-                             "(as in TRL's AsyncGRPOTrainer); pass a function that scores the completions, "
-                             "calling the model there")
+            raise UsageError(
+                f"reward function {type(func).__name__} {str(func)[:80]!r}: reward models are not supported "
+                "(as in TRL's AsyncGRPOTrainer); pass a function that scores the completions, "
+                "calling the model there"
+            )
         if not callable(func):
             raise TypeError(f"reward function {func!r} is not callable; pass functions, not {type(func).__name__}")
     check_reward_names(funcs)

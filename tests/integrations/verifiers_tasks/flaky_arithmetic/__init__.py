@@ -11,7 +11,6 @@ from arithmetic_taskset.tools import CalculatorToolset
 
 from tandem.tasks import arithmetic
 
-
 SCORED = itertools.count(1)
 
 
@@ -31,8 +30,9 @@ class FlakyTaskset(vf.Taskset[FlakyTask, vf.TasksetConfig]):
 
     def load(self) -> Iterator[FlakyTask]:
         for index, row in enumerate(arithmetic.make_rows(12, split="train", seed=5)):
-            yield FlakyTask(ArithmeticData(idx=index, prompt=row["prompt"][0]["content"], answer=row["solution"]),
-                            self.config.task)
+            yield FlakyTask(
+                ArithmeticData(idx=index, prompt=row["prompt"][0]["content"], answer=row["solution"]), self.config.task
+            )
 
 
 __all__ = ["FlakyTaskset"]

@@ -11,8 +11,14 @@ CALLS: list = []
 HANG = threading.Event()
 
 
-def packed_nccl_broadcast_producer(iterator, group, src, post_iter_func, buffer_size_bytes=DEFAULT_PACKED_BUFFER_SIZE_BYTES,
-                                   num_buffers=DEFAULT_PACKED_NUM_BUFFERS):
+def packed_nccl_broadcast_producer(
+    iterator,
+    group,
+    src,
+    post_iter_func,
+    buffer_size_bytes=DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    num_buffers=DEFAULT_PACKED_NUM_BUFFERS,
+):
     names, buffer = [], []
     for item in iterator:
         if HANG.is_set():
