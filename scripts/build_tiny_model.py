@@ -521,11 +521,11 @@ def batches(
             part = []
         part.append(chat)
     out = []
-    for part in parts + [part]:
-        width = len(part[-1][0])
-        input_ids = torch.full((len(part), width), tokenizer.pad_token_id)
-        weights = torch.zeros((len(part), width))
-        for row, (ids, generated) in enumerate(part):
+    for batch in [*parts, part]:
+        width = len(batch[-1][0])
+        input_ids = torch.full((len(batch), width), tokenizer.pad_token_id)
+        weights = torch.zeros((len(batch), width))
+        for row, (ids, generated) in enumerate(batch):
             input_ids[row, : len(ids)] = torch.tensor(ids)
             weights[row, : len(ids)] = torch.tensor(
                 [weight / assistant_tokens if g else weight * prompt_weight / other_tokens for g in generated]

@@ -37,7 +37,9 @@ def json_object(text: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({exc.msg}): write an object, e.g. '{{\"key\": 1}}'")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not JSON ({exc.msg}): write an object, e.g. '{{\"key\": 1}}'"
+        ) from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object: write one, e.g. '{{\"key\": 1}}'")
     return value

@@ -43,7 +43,9 @@ def test_two_ranks_take_the_same_steps_as_one_process_on_the_same_rows(tmp_path,
         "the steps trained"
     )
     for name, weight in one["weights"].items():
-        torch.testing.assert_close(two["weights"][name], weight, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            two["weights"][name], weight, atol=1e-5, rtol=0, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it

@@ -83,7 +83,7 @@ def test_every_option_gives_autograds_values_and_gradients(head_kind):
     for name, grad, want in zip(
         ["hidden", "weight", "bias"], [hidden.grad, head.weight.grad, head.bias.grad], expected[1:]
     ):
-        torch.testing.assert_close(grad, want, atol=1e-5, rtol=1e-4, msg=lambda m: f"d loss / d {name}: {m}")
+        torch.testing.assert_close(grad, want, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"d loss / d {name}: {m}")
 
 
 def test_the_default_chunk_holds_64_mib_of_logits_within_its_bounds():

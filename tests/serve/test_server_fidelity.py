@@ -37,7 +37,7 @@ def test_completion_logprobs_and_top_entries_match_inside_a_busy_batch(server, t
         expected = teacher_forced(
             tiny_model, body["prompt"], choice["token_ids"], SamplingParams(temperature=0.8, top_p=0.95)
         )
-        for position, (token, entries) in enumerate(zip(choice["token_ids"], choice["logprobs"]["top_logprobs"])):
+        for position, (_token, entries) in enumerate(zip(choice["token_ids"], choice["logprobs"]["top_logprobs"])):
             for key, value in entries.items():
                 reference = max(float(expected[position, int(key.removeprefix("token_id:"))]), -9999.0)
                 assert abs(value - reference) < 1e-5, f"position {position}, {key}: served {value}, forward {reference}"

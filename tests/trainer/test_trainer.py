@@ -1094,7 +1094,7 @@ def test_forking_rollouts_train_every_prompt_of_both_epochs_without_stale_drops(
         )
         trainer = trainer_cls("tiny", varied_reward, args=args, train_dataset=data)
         runs[name] = (trainer, trainer.train().global_step, logged(tmp_path / name))
-    for name, (trainer, steps, rows) in runs.items():
+    for name, (trainer, _steps, rows) in runs.items():
         assert sorted(trainer.runtime.source.ledger.finished) == list(range(16)), (
             f"{name}: every prompt group of both epochs"
         )

@@ -22,8 +22,8 @@ here.
 import ast
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import regex
 

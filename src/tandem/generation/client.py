@@ -155,7 +155,7 @@ class _Http:
                     if not (may_retry and response.status in RETRY_STATUSES):
                         message = _error_message(text)
                         raise (EngineDead if ENGINE_DEAD in message else ServerError)(response.status, message, url)
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
                 if self.down_since is None:
                     self.down_since, self.down_reason = time.monotonic(), repr(exc)
                 if not may_retry:

@@ -57,16 +57,19 @@ def _fewest_rows_rounding_alike() -> int:
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator, dtype=torch.float32, device="cpu")
 
-    cases = []  # functions of the row count: the matmuls exact attention and the linear layers run
-    for width in (64, 768, 2048):  # inner sums of a head dim, a hidden size, a wide down projection
-        cases.append(lambda rows, x=randn(64, width), w=randn(32, width): torch.nn.functional.linear(x[:rows], w))
+    def linear(x: torch.Tensor, w: torch.Tensor) -> Callable[[int], torch.Tensor]:
+        return lambda rows: torch.nn.functional.linear(x[:rows], w)
+
+    # functions of the row count: the matmuls exact attention and the linear layers run, the linear layers' inner sums
+    # as long as a head dim, a hidden size and a wide down projection
+    cases = [linear(randn(64, width), randn(32, width)) for width in (64, 768, 2048)]
     queries, keys = randn(2, 2, 64, 64), randn(2, 2, 24, 64)
     weights, values = randn(2, 2, 64, 250).abs(), randn(2, 2, 250, 8)
     cases += [
         lambda rows: torch.matmul(queries[:, :, :rows], keys.transpose(2, 3)),
         lambda rows: torch.matmul(weights[:, :, :rows], weights.new_ones(250, 2)),  # ExactSoftmax's denominator
-        lambda rows: torch.matmul(weights[:, :, :rows], values),
-    ]  # WeightedValues' 8 columns
+        lambda rows: torch.matmul(weights[:, :, :rows], values),  # WeightedValues' 8 columns
+    ]
     longs = [case(64) for case in cases]
     return fewest_rows(
         lambda rows: all(torch.equal(case(rows), long[..., :rows, :]) for case, long in zip(cases, longs))

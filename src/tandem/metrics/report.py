@@ -163,7 +163,7 @@ def draw_step_time(axes, rows: list[dict]) -> None:
     timed = [row for row in rows if value(row, "perf/step_s") is not None]
     steps = [row.get("step", 0) for row in timed]
     parts = []
-    for label, name in STEP_PARTS:
+    for _label, name in STEP_PARTS:
         if name is None:  # backward: what forward+backward took beyond the forward
             parts.append([backward_s(r) for r in timed])
         else:

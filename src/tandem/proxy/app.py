@@ -328,7 +328,7 @@ class Proxy:
                 data = await r.read()
                 upstream.failures = 0
                 return r.status, end_to_end(r.headers), data
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             message = self._failed(upstream, exc)
             return (
                 502,
@@ -394,7 +394,7 @@ class Proxy:
                 answer = await self.session.post(
                     upstream.url + request.path_qs, data=raw, headers=self._outgoing(request.headers)
                 )
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 return error(502, self._failed(upstream, exc))
             async with answer:
                 upstream.failures = 0
@@ -408,7 +408,7 @@ class Proxy:
                         await response.write(data)
                 except ConnectionResetError:  # the client left (aiohttp's reset error is also a ClientError)
                     return response
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, aiohttp.ClientError) as exc:
                     failure = error_body(502, self._failed(upstream, exc), "BadGateway")
                     await response.write(b"data: " + json.dumps(failure).encode() + b"\n\ndata: [DONE]\n\n")
                 await response.write_eof()

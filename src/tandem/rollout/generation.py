@@ -34,12 +34,15 @@ from tandem.rollout.tools import Toolbox, ToolResult, ToolRunner
 RENDER_CACHE_SIZE = 4096
 GROUP_VERSION: contextvars.ContextVar[int] = contextvars.ContextVar("group_version", default=0)
 """The policy version the group being generated samples from (its requests name that LoRA adapter version)."""
-ROW: contextvars.ContextVar[dict] = contextvars.ContextVar("row", default={})
+ROW: contextvars.ContextVar[dict] = contextvars.ContextVar("row", default={})  # noqa: B039 (read, never changed)
 """The dataset row of the rollout being generated: the hooks get its prompt, `AsyncRolloutLoop.row()` the rest."""
 GROUP_SEED: contextvars.ContextVar[int] = contextvars.ContextVar("group_seed", default=0)
 """A seed of the group being generated, from the run's seed and its prompt position: the same for its rollouts and for
 the group generated again (`AsyncRolloutLoop.group_seed()`: an environment draws the group's task from it)."""
-SEEDS: contextvars.ContextVar[random.Random] = contextvars.ContextVar("seeds", default=random.Random(0))
+SEEDS: contextvars.ContextVar[random.Random] = contextvars.ContextVar(
+    "seeds",
+    default=random.Random(0),  # noqa: B039 (outside a group, e.g. a direct call in a test: one shared stream)
+)
 """The sampling seeds of the rollout (or whole group) being generated: drawn from a generator seeded by the run's seed,
 the prompt position and the rollout's index, so a group generated again (after a restart) is sampled alike."""
 
@@ -282,7 +285,7 @@ class Generation:
         call = func(**kwargs) if inspect.iscoroutinefunction(func) else self.runner.run_in_pool(func, **kwargs)
         try:
             return await asyncio.wait_for(call, self.config.tool_call_timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise TimeoutError(
                 f"{label} did not return within tool_call_timeout={self.config.tool_call_timeout:g}s"
             ) from None

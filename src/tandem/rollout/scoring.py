@@ -25,16 +25,16 @@ class RewardFailed(Exception):
 
 
 async def _call(func, kwargs: dict) -> list:
-    if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None)):
+    if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__):
         return await func(**kwargs)
     return await asyncio.to_thread(func, **kwargs)  # a sync call past its timeout finishes in its thread, unread
 
 
 async def _call_twice(func, kwargs: dict, timeout_s: float | None) -> list:
-    for attempt in (1, 2):
+    for _attempt in (1, 2):
         try:
             return await asyncio.wait_for(_call(func, kwargs), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             error: Exception = TimeoutError(f"no answer within reward_timeout={timeout_s:g}s")
         except Exception as exc:  # noqa: BLE001 - the user's function: any error is its failure
             error = exc

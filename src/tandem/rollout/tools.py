@@ -78,7 +78,7 @@ class ToolRunner:
         try:
             value = await asyncio.wait_for(self._invoke(func, call.arguments), self.timeout_s)
             return ToolResult(call.name, as_text(value), "ok", time.monotonic() - start)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             message, status = (
                 f"tool {call.name!r} did not answer within {self.timeout_s:g}s (tool_call_timeout)",
                 "timeout",

@@ -68,7 +68,7 @@ def worker_main(spec: WorkerSpec, channels: Channels) -> None:
         channels.out.put(stop_message(exc, spec.settings.config.vllm_server_timeout))
         channels.out.close()
         channels.out.join_thread()  # the message is in the pipe before the process exits
-        raise SystemExit(1)
+        raise SystemExit(1) from exc
 
 
 def stop_message(exc: BaseException, timeout_s: float) -> tuple[str, str]:

@@ -13,7 +13,7 @@ is never stored after it.
 import collections
 import hashlib
 from array import array
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
