@@ -88,6 +88,9 @@ FIELD_TESTS = {
     "logging_strategy": "tests/test_config_fields.py::test_logging_strategy_no_logs_no_step_and_logging_first_step_logs_the_first",
     "logging_steps": "tests/test_config_fields.py::test_epoch_and_fractional_strategies_empty_cache_steps_memory_metrics_and_ddp_timeout_work_as_in_transformers",
     "logging_first_step": "tests/trainer/test_conventions.py::test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask",
+    "logging_nan_inf_filter": "tests/trainer/test_logging_and_saving_fields.py::test_logging_nan_inf_filter_false_logs_a_nan_loss_instead_of_leaving_it_out",
+    "include_num_input_tokens_seen": "tests/trainer/test_logging_and_saving_fields.py::test_a_run_logs_num_input_tokens_seen_and_a_checkpoint_keeps_it_with_save_on_each_node",
+    "save_on_each_node": "tests/trainer/test_logging_and_saving_fields.py::test_save_on_each_node_stops_a_run_over_several_machines",
     "log_level": "tests/trainer/test_conventions.py::test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask",
     "log_level_replica": "tests/test_config_fields.py::test_full_determinism_turns_on_deterministic_algorithms_and_log_levels_pick_the_rank_and_node",
     "disable_tqdm": "tests/test_config_fields.py::test_disable_tqdm_prints_plain_lines_even_in_a_terminal",
@@ -409,13 +412,16 @@ def test_router_aux_loss_coef_overrides_the_models_own_and_needs_a_mixture_of_ex
         )
     )
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
-    build = lambda model, **args: AsyncGRPOTrainer(
-        model,
-        accuracy_reward,
-        train_dataset=DATA,
-        processing_class=tokenizer,
-        args=AsyncGRPOConfig(output_dir=str(tmp_path), **args),
-    )
+
+    def build(model, **args):
+        return AsyncGRPOTrainer(
+            model,
+            accuracy_reward,
+            train_dataset=DATA,
+            processing_class=tokenizer,
+            args=AsyncGRPOConfig(output_dir=str(tmp_path), **args),
+        )
+
     assert build(moe).objective.aux_loss_coef == 0.01, "the model's own coefficient by default"
     assert build(moe, router_aux_loss_coef=0.5).objective.aux_loss_coef == 0.5
     with pytest.raises(ValueError, match="router_aux_loss_coef=0.5: the model is not a Mixture-of-Experts"):
@@ -423,9 +429,11 @@ def test_router_aux_loss_coef_overrides_the_models_own_and_needs_a_mixture_of_ex
 
 
 def test_dtype_loads_the_weights_in_it_and_model_init_kwargs_takes_precedence(tmp_path):
-    build = lambda **args: AsyncGRPOTrainer(
-        "tiny", accuracy_reward, train_dataset=DATA, args=AsyncGRPOConfig(output_dir=str(tmp_path), **args)
-    )
+    def build(**args):
+        return AsyncGRPOTrainer(
+            "tiny", accuracy_reward, train_dataset=DATA, args=AsyncGRPOConfig(output_dir=str(tmp_path), **args)
+        )
+
     bf16 = build(dtype="bfloat16")
     assert bf16.device.type == "cpu" and next(bf16.model.parameters()).dtype == torch.bfloat16
     assert "--dtype bfloat16" in " ".join(server_flags(bf16)), "the embedded server samples in the same dtype"
@@ -436,9 +444,12 @@ def test_dtype_loads_the_weights_in_it_and_model_init_kwargs_takes_precedence(tm
 
 def test_bf16_autocasts_the_trainers_forward_and_leaves_the_weights_in_float32(tmp_path):
     row = pack([sample([5, 6, 7, 8, 9, 10, 11, 12])])
-    build = lambda **args: AsyncGRPOTrainer(
-        "tiny", accuracy_reward, train_dataset=DATA, args=AsyncGRPOConfig(output_dir=str(tmp_path), **args)
-    )
+
+    def build(**args):
+        return AsyncGRPOTrainer(
+            "tiny", accuracy_reward, train_dataset=DATA, args=AsyncGRPOConfig(output_dir=str(tmp_path), **args)
+        )
+
     mixed, plain = build(bf16=True), build(bf16=False)
     assert next(mixed.model.parameters()).dtype == torch.float32
     exact = plain.passes.score(row).log_probs
@@ -632,13 +643,15 @@ def test_max_concurrent_rollouts_caps_the_loop_and_the_embedded_servers_batch(tm
 
 
 def test_evaluation_is_never_asked_for_without_prompts_nor_given_prompts_it_ignores(tmp_path):
-    build = lambda eval_dataset=None, **args: AsyncGRPOTrainer(
-        "tiny",
-        accuracy_reward,
-        train_dataset=DATA,
-        eval_dataset=eval_dataset,
-        args=AsyncGRPOConfig(output_dir=str(tmp_path), **args),
-    )
+    def build(eval_dataset=None, **args):
+        return AsyncGRPOTrainer(
+            "tiny",
+            accuracy_reward,
+            train_dataset=DATA,
+            eval_dataset=eval_dataset,
+            args=AsyncGRPOConfig(output_dir=str(tmp_path), **args),
+        )
+
     with pytest.raises(ValueError, match="eval_strategy='steps' / eval_on_start=False needs an eval_dataset"):
         build(eval_strategy="steps")
     with pytest.warns(UserWarning, match="it is never evaluated"):

@@ -103,7 +103,7 @@ METRICS = (
         "loss",
         "The training objective's value, summed over the step's rows (each row normalised by the trained tokens of "
         "its micro-batch, averaged over micro-batches), averaged over the window's steps; steps whose loss was NaN "
-        "or infinite are left out. Unitless.",
+        "or infinite are left out (with logging_nan_inf_filter=False the window logs that value instead). Unitless.",
         "Not a progress measure: the advantages are centred, so it hovers near 0 whether or not the run learns. "
         "Under FlashREINFORCE it is a surrogate with the right gradient, not the reference loss's value.",
     ),
@@ -597,6 +597,12 @@ METRICS = (
         "num_tokens",
         "Tokens forwarded through the model since the run started (packed rows, shared prefixes once), a running "
         "total.",
+    ),
+    Metric(
+        "num_input_tokens_seen",
+        "transformers' count of the tokens the trainer forwarded since the run started, logged with "
+        "include_num_input_tokens_seen: 'all' counts a padded row's padding (then it equals num_tokens), "
+        "'non_padding' does not.",
     ),
     Metric(
         "model_version",

@@ -23,6 +23,7 @@ every prompt position exactly once, as an uninterrupted one does.
 
 import json
 import math
+import os
 import re
 import shutil
 import warnings
@@ -121,6 +122,7 @@ def save(
                     "step": state.step,
                     "model_version": state.model_version,
                     "num_tokens": state.num_tokens,
+                    "num_input_tokens_seen": state.num_input_tokens_seen,
                     "world_size": ranks.world_size,
                     "base_model": base_model_name(model),
                     "save_only_model": model_only,
@@ -204,6 +206,17 @@ class CheckpointNotFound(UsageError, FileNotFoundError):
     a FileNotFoundError for code that catches those."""
 
 
+def check_save_on_each_node(save_on_each_node: bool, world_size: int) -> None:
+    """save_on_each_node=True holds on one machine, where its first process is rank 0, which writes the checkpoint's
+    files either way; on several machines tandem has not run yet, so it stops rather than write where no one asked."""
+    machines = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if save_on_each_node and machines > 1:
+        raise NotImplementedError(
+            f"save_on_each_node=True on {machines} machines: tandem trains on one machine so far, where rank 0 writes "
+            "every checkpoint. Run on one machine, or leave save_on_each_node at False."
+        )
+
+
 def resolve(resume_from_checkpoint, output_dir: Path) -> Path | None:
     if resume_from_checkpoint in (None, False):
         return None
@@ -250,6 +263,7 @@ def load(path: Path, model, optimizer, scheduler, state: TrainerState) -> None:
     rollout = json.loads((path / "rollout_state.json").read_text())
     state.global_step, state.model_version = trainer["step"], trainer["model_version"]
     state.dataset_start_index, state.num_tokens = rollout["dataset_start_index"], trainer.get("num_tokens", 0)
+    state.num_input_tokens_seen = trainer.get("num_input_tokens_seen", 0)
     state.log_history = trainer.get("log_history", [])
     state.best_metric, state.best_global_step = trainer.get("best_metric"), trainer.get("best_global_step")
     state.best_model_checkpoint = trainer.get("best_model_checkpoint")

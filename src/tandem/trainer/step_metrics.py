@@ -11,7 +11,7 @@ import torch
 
 from tandem.contract.staleness import staleness
 from tandem.metrics.window import MetricWindow
-from tandem.packing import PackedRow
+from tandem.packing import PADDED, PackedRow
 
 
 @dataclass
@@ -23,6 +23,16 @@ class StepTimes:
     forward: float
     forward_backward: float
     optimizer: float
+
+
+def input_tokens(rows: list[PackedRow], counted: str | bool) -> int:
+    """The step's forwarded tokens as include_num_input_tokens_seen counts them: "all" (True) every one, a padded row's
+    padding included; "non_padding" without it (a tree row has none); "no" (False) none."""
+    if counted in ("no", False):
+        return 0
+    if counted == "non_padding":
+        return sum(row.raw_tokens if row.layout == PADDED else row.num_tokens for row in rows)
+    return sum(row.num_tokens for row in rows)
 
 
 def record_samples(window: MetricWindow, rows: list[PackedRow], model_version: int) -> None:

@@ -53,7 +53,7 @@ from tandem.trainer.model import (
 from tandem.trainer.objectives import LossShare, make_objective
 from tandem.trainer.optimization import clip_gradients, make_optimizer, make_scheduler
 from tandem.trainer.row_passes import RowPasses
-from tandem.trainer.step_metrics import StepTimes, record_memory, record_samples, record_step
+from tandem.trainer.step_metrics import StepTimes, input_tokens, record_memory, record_samples, record_step
 
 
 def seed_run(args: AsyncGRPOConfig) -> None:
@@ -166,6 +166,8 @@ class AsyncGRPOTrainer:
         """transformers' TrainerState, filled in place (from a checkpoint when resuming): callbacks hold it."""
         self.window = MetricWindow()
         self.losses, self.reward_history = [], []  # each step's loss, each logged window's mean reward
+        self.nonfinite_loss: float | None = None
+        """A NaN or infinite step loss of the window, logged as its `loss` when logging_nan_inf_filter is False."""
         self.callbacks = Callbacks(
             callback_handler(callbacks or [], self.model, self.tokenizer, self.optimizer, self.scheduler),
             args,
@@ -207,6 +209,7 @@ class AsyncGRPOTrainer:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if resume_from_checkpoint is None:
             resume_from_checkpoint = self.args.resume_from_checkpoint
+        checkpoint.check_save_on_each_node(self.args.save_on_each_node, self.ranks.world_size)
         resume = checkpoint.resolve(resume_from_checkpoint, self.output_dir)
         point = self._restore(resume)
         self.callbacks.event("on_train_begin")
@@ -453,6 +456,7 @@ class AsyncGRPOTrainer:
         state = self.state
         state.step += 1
         state.num_tokens += sum(row.num_tokens for row in rows)
+        state.num_input_tokens_seen += input_tokens(rows, self.args.include_num_input_tokens_seen)
         if not self.ranks.main:
             return False
         record_samples(self.window, rows, state.model_version)  # their staleness against the policy they trained
@@ -463,7 +467,9 @@ class AsyncGRPOTrainer:
     def _record(
         self, rows: list[PackedRow], num_micro_batches: int, loss: float, grad_norm: float, times: StepTimes
     ) -> None:
-        if math.isfinite(loss):  # logging_nan_inf_filter, always on: a NaN or infinite loss is left out of `loss`
+        if not math.isfinite(loss) and not self.args.logging_nan_inf_filter:
+            self.nonfinite_loss = loss
+        if math.isfinite(loss):  # a NaN or infinite loss is left out of `loss` (logged alone without the filter)
             self.losses.append(loss)
             self.window.add("loss", loss)
         self.window.add("grad_norm", grad_norm)
@@ -486,6 +492,10 @@ class AsyncGRPOTrainer:
         examples = self.window.values.get("completions/examples")
         metrics = self.window.flush()
         metrics["num_tokens"] = self.state.num_tokens
+        if self.args.include_num_input_tokens_seen not in ("no", False):
+            metrics["num_input_tokens_seen"] = self.state.num_input_tokens_seen
+        if self.nonfinite_loss is not None:
+            metrics["loss"], self.nonfinite_loss = self.nonfinite_loss, None
         metrics["model_version"] = self.state.model_version
         if self.dataset is not None and not is_iterable(self.dataset):
             metrics["epoch"] = self.state.dataset_start_index / len(self.dataset)
