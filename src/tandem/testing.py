@@ -1,0 +1,133 @@
+"""Test a rollout loop the way the trainer runs it, without a trainer: `run_loop` runs an `AsyncRolloutLoop` (yours,
+with its hooks) against a generation server for a few prompts and returns what it produced.
+
+    from tandem.testing import run_loop
+
+    run = run_loop(MyLoop, train_dataset=rows, reward_funcs=[my_reward], num_prompts=4)
+    assert run.groups and all(s.reward is not None for s in run.samples)
+    assert run.metrics["rollout/tool_call_count"]
+
+The loop runs in this process (a breakpoint in a hook stops there), against `tandem serve` started for the model, or
+against the server at `base_url`. It reads and scores prompts exactly as in training: the same settings, the same
+scheduler, the same records; only the trainer is absent, so the samples are taken as soon as they are sent.
+"""
+
+import asyncio
+import multiprocessing as mp
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+from tandem.config import AsyncGRPOConfig
+from tandem.contract.channels import Channels
+from tandem.contract.records import Sample
+from tandem.generation.client import ControlClient
+from tandem.generation.launcher import EmbeddedServer
+from tandem.generation.server_facts import read_facts
+from tandem.rollout.loop import AsyncRolloutLoop
+from tandem.rollout.settings import RolloutSettings
+from tandem.tasks import TINY_MODEL_PATH
+
+
+@dataclass
+class LoopRun:
+    """What a loop produced: its kept groups' samples, the prompts it skipped, and every metric it recorded."""
+
+    groups: list[list[Sample]] = field(default_factory=list)
+    """The samples of each group sent to the trainer, in the order they were sent."""
+    skipped: list[int] = field(default_factory=list)
+    """The prompt indices whose group was not sent: filtered, its rewards all equal (GRPO), or failed."""
+    metrics: dict[str, list] = field(default_factory=dict)
+    """Every value recorded under each metric name (`self.record` in a hook, the scheduler's own), unreduced."""
+    said: list[str] = field(default_factory=list)
+    """The lines the loop printed for the user (a server that stopped answering, ...)."""
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [sample for group in self.groups for sample in group]
+
+
+def run_loop(
+    loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop,
+    *,
+    train_dataset,
+    reward_funcs: Sequence[Callable] = (),
+    num_prompts: int | None = None,
+    model: str = "tiny",
+    base_url: str | None = None,
+    args: AsyncGRPOConfig | None = None,
+    tools: list | None = None,
+    environment_factory=None,
+    processing_class=None,
+    timeout_s: float = 300.0,
+) -> LoopRun:
+    """Run `loop_cls` over the first `num_prompts` prompts of `train_dataset` (all of them when None) once each,
+    scoring with `reward_funcs`, and return what it produced. `base_url` is a running server's (vLLM, tandem serve or
+    tandem proxy); None starts `tandem serve` for `model` ("tiny": the project's tiny model) and stops it after.
+    `args` are the run's settings (sampling, tools, pacing); `processing_class` the tokenizer (None: the model's)."""
+    from transformers import AutoTokenizer
+
+    args = args or AsyncGRPOConfig()
+    path = TINY_MODEL_PATH if model == "tiny" else model
+    tokenizer = processing_class or AutoTokenizer.from_pretrained(path)
+    num_prompts = len(train_dataset) if num_prompts is None else num_prompts
+    with ExitStack() as stack:
+        if base_url is None:
+            base_url = stack.enter_context(EmbeddedServer(path, extra_args=["--served-model-name", model])).url
+        server = asyncio.run(_facts(base_url, args.vllm_server_api_key))
+        settings = RolloutSettings(
+            config=args,
+            model_name=server.served_names[0],
+            tokenizer_path=path,
+            dataset=train_dataset,
+            reward_funcs=list(reward_funcs),
+            eos_token_ids=[tokenizer.eos_token_id],
+            base_url=base_url,
+            api_key=args.vllm_server_api_key,
+            tools=list(tools or []),
+            environment_factory=environment_factory,
+            num_positions=num_prompts,
+            full_step_tokens=float(server.max_model_len),
+            server=server,
+        )
+        channels = Channels.create(mp.get_context("spawn"))
+        loop = loop_cls(settings, processing_class=tokenizer, channels=channels)
+        return asyncio.run(asyncio.wait_for(_drive(loop, channels), timeout_s))
+
+
+async def _facts(base_url: str, api_key: str | None):
+    async with ControlClient(base_url, api_key=api_key) as control:
+        await control.wait_healthy(60)
+        return await read_facts(control)
+
+
+async def _drive(loop: AsyncRolloutLoop, channels: Channels) -> LoopRun:
+    """Run the loop and take its messages as the trainer would, until it says it has generated every prompt."""
+    run = LoopRun()
+    task = asyncio.ensure_future(loop.run())
+    while True:
+        while channels.out.empty():
+            if task.done():
+                task.result()  # the loop's own error, raised here
+                if channels.out.empty():
+                    raise RuntimeError("the loop ended without saying so (no 'end' message)")
+            await asyncio.sleep(0.01)
+        kind, payload = channels.out.get()
+        if kind == "end":
+            break
+        if kind == "samples":
+            run.groups.append(payload)
+            channels.consumed_tokens.value += sum(s.num_tokens for s in payload)  # taken: room for the next groups
+            channels.room.ring()
+        elif kind == "skip":
+            run.skipped.append(payload)
+        elif kind == "metrics":
+            for name, values in payload.items():
+                run.metrics.setdefault(name, []).extend(values)
+        elif kind == "say":
+            run.said.append(payload)
+        elif kind in ("server", "error"):
+            raise RuntimeError(f"the rollout loop stopped: {payload}")
+    channels.stop.set()
+    await task
+    return run
