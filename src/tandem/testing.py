@@ -1,5 +1,7 @@
-"""Test a rollout loop the way the trainer runs it, without a trainer: `run_loop` runs an `AsyncRolloutLoop` (yours,
-with its hooks) against a generation server for a few prompts and returns what it produced.
+"""Test a rollout loop or a trainer on their own.
+
+`run_loop` runs an `AsyncRolloutLoop` (yours, with its hooks) against a generation server for a few prompts, the way
+the trainer runs it, and returns what it produced:
 
     from tandem.testing import run_loop
 
@@ -10,10 +12,15 @@ with its hooks) against a generation server for a few prompts and returns what i
 The loop runs in this process (a breakpoint in a hook stops there), against `tandem serve` started for the model, or
 against the server at `base_url`. It reads and scores prompts exactly as in training: the same settings, the same
 scheduler, the same records; only the trainer is absent, so the samples are taken as soon as they are sent.
+
+`scripted(steps)` is the other half: a runtime for `AsyncGRPOTrainer.runtime_cls` that has no server and no worker
+and hands the trainer the packed rows you give it, step by step, so a trainer-level test (a loss, a metric, a
+callback, a checkpoint) runs `train()` in a second without generating anything.
 """
 
 import asyncio
 import multiprocessing as mp
+import threading
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -24,8 +31,10 @@ from tandem.contract.records import Sample
 from tandem.generation.client import ControlClient
 from tandem.generation.launcher import EmbeddedServer
 from tandem.generation.server_facts import read_facts
+from tandem.packing import PackedRow
 from tandem.rollout.loop import AsyncRolloutLoop
 from tandem.rollout.settings import RolloutSettings
+from tandem.runtime.sample_source import ResumePoint
 from tandem.tasks import TINY_MODEL_PATH
 
 
@@ -131,3 +140,82 @@ async def _drive(loop: AsyncRolloutLoop, channels: Channels) -> LoopRun:
     channels.stop.set()
     await task
     return run
+
+
+class ScriptedRuntime:
+    """The trainer's runtime with no server and no worker: each step trains the next of `steps` (a step is a list of
+    micro-batches, a micro-batch a list of `PackedRow`), and the run ends when they run out. What the trainer logs is
+    kept in `logged` (one dict per log line) and what it says in `said`. Build one with `scripted`."""
+
+    steps: list[list[list[PackedRow]]] = []
+
+    def __init__(self, spec):
+        self.spec, self.preempted = spec, threading.Event()
+        self.remaining = iter(list(self.steps))
+        self.logged: list[dict] = []
+        self.said: list[str] = []
+        self.session = _Session(self)
+        self.rollout_wait_s = 0.0
+        self.synced: list[int] = []
+        """The policy versions the trainer synced, in order."""
+
+    def __enter__(self) -> "ScriptedRuntime":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        return None
+
+    def start(self, version: int, resume: ResumePoint, resumed: bool) -> None:
+        return None
+
+    def next_micro_batches(self, version: int) -> list[list[PackedRow]]:
+        return next(self.remaining, [])
+
+    def trained(self, rows: list[PackedRow], step: int) -> int:
+        return 0
+
+    def sync(self, version: int, overlap: bool = False) -> None:
+        self.synced.append(version)
+
+    def wait_sync(self, record: bool = True) -> None:
+        return None
+
+    def publish(self, tokens_per_step: float) -> None:
+        return None
+
+    def evaluate(self, step: int, version: int) -> dict[str, list]:
+        return {}
+
+    def resume_point(self) -> ResumePoint:
+        return ResumePoint(0)
+
+    def take_metrics(self) -> dict[str, list]:
+        return {}
+
+    def preempted_everywhere(self) -> bool:
+        return False
+
+
+class _Session:
+    """The sinks and progress lines of a scripted run, kept on its runtime."""
+
+    def __init__(self, runtime: ScriptedRuntime):
+        self.runtime, self.progress = runtime, self
+
+    def log(self, step: int, metrics: dict) -> None:
+        self.runtime.logged.append({"step": step, **metrics})
+
+    def log_completions(self, step: int, examples, count: int) -> None:
+        return None
+
+    def say(self, line: str) -> None:
+        self.runtime.said.append(line)
+
+    def update(self, step: int, metrics: dict) -> None:
+        return None
+
+
+def scripted(steps: list[list[list[PackedRow]]]) -> type[ScriptedRuntime]:
+    """A runtime class that trains `steps` (each a list of micro-batches of `PackedRow`), for
+    `AsyncGRPOTrainer.runtime_cls`: `class Trainer(AsyncGRPOTrainer): runtime_cls = scripted([[[row]]])`."""
+    return type("Scripted", (ScriptedRuntime,), {"steps": steps})

@@ -3,15 +3,15 @@ logging_nan_inf_filter and save_on_each_node, each doing what transformers' Trai
 
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
 
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
 from tandem.packing import PADDED, pack
 from tandem.rewards import accuracy_reward
+from tandem.testing import scripted
 from tandem.trainer.checkpoint import check_save_on_each_node
-from tandem.trainer.step_metrics import StepTimes, input_tokens
+from tandem.trainer.step_metrics import input_tokens
 from tests.packing.samples import sample
 from tests.trainer.test_trainer import config, logged, small_dataset
 
@@ -63,19 +63,20 @@ def test_save_on_each_node_stops_a_run_over_several_machines(monkeypatch):
 
 @pytest.mark.parametrize("nan_filter", [True, False])
 def test_logging_nan_inf_filter_false_logs_a_nan_loss_instead_of_leaving_it_out(tmp_path, nan_filter):
-    trainer = AsyncGRPOTrainer(
-        "tiny",
-        accuracy_reward,
-        train_dataset=small_dataset(),
-        args=AsyncGRPOConfig(output_dir=str(tmp_path), logging_nan_inf_filter=nan_filter),
+    fine, diverged = pack([sample([5, 6, 7], advantage=1.0)]), pack([sample([5, 6, 7], advantage=math.nan)])
+
+    class Trainer(AsyncGRPOTrainer):
+        runtime_cls = scripted([[[fine]], [[diverged]]])  # the second step's loss is NaN
+
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path),
+        logging_steps=2,
+        save_strategy="no",
+        score_centering=False,
+        logging_nan_inf_filter=nan_filter,
     )
-    logs = []
-    runtime = SimpleNamespace(
-        take_metrics=dict,
-        session=SimpleNamespace(log=lambda step, metrics: logs.append(metrics), progress=SimpleNamespace(update=print)),
-    )
-    row, times = pack([sample([5, 6, 7])]), StepTimes(1.0, 0.0, 0.5, 0.8, 0.1)
-    for loss in (0.25, math.nan):
-        trainer._record([row], 1, loss, 1.0, times)
-    trainer._log(runtime)
-    assert logs[0]["loss"] == 0.25 if nan_filter else math.isnan(logs[0]["loss"])
+    trainer = Trainer("tiny", accuracy_reward, train_dataset=small_dataset(), args=args)
+    output = trainer.train()
+    [line] = [line for line in trainer.runtime.logged if "loss" in line]
+    assert math.isfinite(line["loss"]) if nan_filter else math.isnan(line["loss"])
+    assert output.global_step == 2 and math.isfinite(output.training_loss), "training_loss averages the finite ones"

@@ -93,6 +93,9 @@ class StepLoss:
 class AsyncGRPOTrainer:
     loop_cls: type | None = None
     """The rollout loop the worker runs: set an AsyncRolloutLoop subclass on a trainer subclass (None: AsyncRolloutLoop)."""
+    runtime_cls: type = Runtime
+    """What serves the trainer its rows and takes its weights: the generation server, the rollout worker and the
+    queue (`Runtime`); `tandem.testing.scripted` gives a test rows of its own instead."""
     harness: object = None
     """Another library's episodes the worker plays instead of the tool loop: HarnessAsyncGRPOTrainer's OpenEnv harness,
     or a verifiers environment passed as train_dataset (its loop class runs it)."""
@@ -177,7 +180,7 @@ class AsyncGRPOTrainer:
         """transformers' TrainerCallback objects, called with (args, state, control) at each event of the loop, and
         the flags they set (should_log, should_save, should_training_stop), read by the loop."""
         self.hub: HubUploader | None = None  # push_to_hub's uploads (rank 0), started with the first one
-        self.runtime = Runtime(self._runtime_spec())
+        self.runtime = self.runtime_cls(self._runtime_spec())
         """The generation server, the rollout worker, the queue and the weight sync: started by train()."""
         self.callbacks.event("on_init_end")
 
