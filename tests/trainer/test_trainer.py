@@ -993,8 +993,6 @@ def test_train_takes_transformers_trial_and_ignore_keys_for_eval_as_trl_spells_t
     trainer = AsyncGRPOTrainer(
         "tiny", accuracy_reward, args=config(tmp_path, max_steps=1), train_dataset=small_dataset()
     )
-    with pytest.raises(NotImplementedError, match="hyperparameter search is not supported"):
-        trainer.train(trial={"learning_rate": 1e-4})
     with pytest.warns(UserWarning, match="ignore_keys_for_eval=.... has no effect"):
         assert trainer.train(trial=None, ignore_keys_for_eval=["logits"]).global_step == 1
 

@@ -54,6 +54,7 @@ from tandem.trainer.objectives import LossShare, make_objective
 from tandem.trainer.optimization import clip_gradients, make_optimizer, make_scheduler
 from tandem.trainer.row_passes import RowPasses
 from tandem.trainer.step_metrics import StepTimes, input_tokens, record_memory, record_samples, record_step
+from tandem.trainer.trial import trial_args
 
 
 def seed_run(args: AsyncGRPOConfig) -> None:
@@ -148,6 +149,7 @@ class AsyncGRPOTrainer:
         """A training-safe chat template the worker renders rollouts with, when the model's is not prefix-preserving."""
         if args.tool_call_parser is not None:
             tool_call_format(args.tool_call_parser, self.tokenizer)  # the tokenizer has the format's tokens
+        self.optimizer_given = optimizers[0] is not None
         self.optimizer = optimizers[0] or make_optimizer(self.model, args)
         self.scheduler = optimizers[1] or make_scheduler(self.optimizer, args)
         self.device = next(self.model.parameters()).device  # the scaler below: fp16's gradient scaler, or None
@@ -187,12 +189,11 @@ class AsyncGRPOTrainer:
     # ---- public ---------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None) -> TrainOutput:
         """Train until max_steps or the end of the data. Under torchrun every rank calls it; rank 0 owns the server,
-        the rollout worker and the logs, and sends every rank its rows. `trial` and `ignore_keys_for_eval` are
-        transformers' (a hyperparameter search, model outputs left out of evaluation): neither applies here."""
+        the rollout worker and the logs, and sends every rank its rows. `trial`, as in transformers, is a dict of
+        config fields set for this run (a hyperparameter search's trial, trainer/trial.py). `ignore_keys_for_eval`
+        (model outputs left out of evaluation) does not apply here."""
         if trial is not None:
-            raise NotImplementedError(
-                "train(trial=...): hyperparameter search is not supported; run one training per setting instead"
-            )
+            self._take_trial(trial_args(self.args, trial, optimizer_given=self.optimizer_given))
         if ignore_keys_for_eval is not None:
             warnings.warn(
                 "train(ignore_keys_for_eval=...) has no effect: evaluation generates and scores completions, "
@@ -239,6 +240,18 @@ class AsyncGRPOTrainer:
             )
         self.callbacks.event("on_train_end")
         return output
+
+    def _take_trial(self, args: AsyncGRPOConfig) -> None:
+        """Train with a trial's `args`: the parts built from the settings that training reads are built again."""
+        self.args = args
+        if not self.optimizer_given:
+            self.optimizer = make_optimizer(self.model, args)
+            self.scheduler = make_scheduler(self.optimizer, args)
+            self.callbacks.handler.optimizer, self.callbacks.handler.lr_scheduler = self.optimizer, self.scheduler
+        self.passes.temperature = args.temperature
+        self.objective = make_objective(args, router_coefficient(args, self.model))
+        self.callbacks.args = args
+        self.runtime = self.runtime_cls(self._runtime_spec())
 
     @property
     def callback_handler(self):
