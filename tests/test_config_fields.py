@@ -91,6 +91,7 @@ FIELD_TESTS = {
     "logging_nan_inf_filter": "tests/trainer/test_logging_and_saving_fields.py::test_logging_nan_inf_filter_false_logs_a_nan_loss_instead_of_leaving_it_out",
     "include_num_input_tokens_seen": "tests/trainer/test_logging_and_saving_fields.py::test_a_run_logs_num_input_tokens_seen_and_a_checkpoint_keeps_it_with_save_on_each_node",
     "save_on_each_node": "tests/trainer/test_logging_and_saving_fields.py::test_save_on_each_node_stops_a_run_over_several_machines",
+    "auto_find_batch_size": "tests/trainer/test_auto_find_batch_size.py::test_a_step_out_of_memory_runs_again_in_rows_of_half_the_tokens_and_the_budget_stays_halved",
     "log_level": "tests/trainer/test_conventions.py::test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask",
     "log_level_replica": "tests/test_config_fields.py::test_full_determinism_turns_on_deterministic_algorithms_and_log_levels_pick_the_rank_and_node",
     "disable_tqdm": "tests/test_config_fields.py::test_disable_tqdm_prints_plain_lines_even_in_a_terminal",

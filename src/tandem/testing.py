@@ -158,6 +158,8 @@ class ScriptedRuntime:
         self.rollout_wait_s = 0.0
         self.synced: list[int] = []
         """The policy versions the trainer synced, in order."""
+        self.token_budgets: list[int] = []
+        """The smaller token budgets auto_find_batch_size asked for, in order."""
 
     def __enter__(self) -> "ScriptedRuntime":
         return self
@@ -173,6 +175,9 @@ class ScriptedRuntime:
 
     def trained(self, rows: list[PackedRow], step: int) -> int:
         return 0
+
+    def limit_token_budget(self, budget: int) -> None:
+        self.token_budgets.append(budget)
 
     def sync(self, version: int, overlap: bool = False) -> None:
         self.synced.append(version)

@@ -162,12 +162,7 @@ class Runtime:
             self.sync_strategy = follower_sync(kind, spec.output_dir, served_name, self.staleness, self.ranks)
         self.token_budget = args.token_budget or max_model_len
         self.probe.fit(max_model_len)
-        self.batcher = TokenBudgetBatcher(
-            self.token_budget,
-            num_rows=self.ranks.world_size,
-            layout=spec.layout,
-            max_samples=args.per_device_train_batch_size,
-        )
+        self.batcher = self._batcher()
         server_checks.check_prompt_lengths(
             spec.dataset, spec.tokenizer, spec.tools, args.chat_template_kwargs, max_model_len
         )
@@ -224,6 +219,21 @@ class Runtime:
         if self.staleness.step_frees_room(sync_in_flight=self.in_flight is not None):
             self.source.release()
         return micro_batches
+
+    def _batcher(self) -> TokenBudgetBatcher:
+        return TokenBudgetBatcher(
+            self.token_budget,
+            num_rows=self.ranks.world_size,
+            layout=self.spec.layout,
+            max_samples=self.args.per_device_train_batch_size,
+        )
+
+    def limit_token_budget(self, budget: int) -> None:
+        """auto_find_batch_size packed a step out of device memory in rows of `budget` tokens: the steps after are
+        packed so too, and a sample longer than that is dropped as oversize. Rank 0 only."""
+        self.token_budget = budget
+        self.batcher = self._batcher()
+        self.source.token_budget = budget
 
     def trained(self, rows: list[PackedRow], step: int) -> int:
         """Step `step` trained `rows`: their samples leave the queue for good. Returns the first unfinished prompt

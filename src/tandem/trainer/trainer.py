@@ -32,6 +32,7 @@ from tandem.runtime.rollout_inputs import check_agents, check_reward_names, chec
 from tandem.runtime.runtime import Runtime, RuntimeSpec
 from tandem.runtime.sample_source import ResumePoint
 from tandem.trainer import OPENMP_POLICY_TOO_LATE, checkpoint, export
+from tandem.trainer.batch_size import check_auto_find_batch_size, halved
 from tandem.trainer.callbacks import Callbacks, callback_handler, with_transformers_names
 from tandem.trainer.checkpoint import TrainerState
 from tandem.trainer.flops import model_shape, peak_flops, rows_flops
@@ -172,6 +173,8 @@ class AsyncGRPOTrainer:
         self.window = MetricWindow()
         self.losses, self.reward_history = [], []  # each step's loss, each logged window's mean reward
         self.nonfinite_loss: float | None = None
+        self.halved_budget: int | None = None
+        """auto_find_batch_size: the token budget a step out of memory was packed again in, for the runtime to keep."""
         """A NaN or infinite step loss of the window, logged as its `loss` when logging_nan_inf_filter is False."""
         self.callbacks = Callbacks(
             callback_handler(callbacks or [], self.model, self.tokenizer, self.optimizer, self.scheduler),
@@ -214,6 +217,7 @@ class AsyncGRPOTrainer:
         if resume_from_checkpoint is None:
             resume_from_checkpoint = self.args.resume_from_checkpoint
         checkpoint.check_save_on_each_node(self.args.save_on_each_node, self.ranks.world_size)
+        check_auto_find_batch_size(self.args.auto_find_batch_size, self.ranks)
         resume = checkpoint.resolve(resume_from_checkpoint, self.output_dir)
         point = self._restore(resume)
         self.callbacks.event("on_train_begin")
@@ -273,11 +277,29 @@ class AsyncGRPOTrainer:
     def training_step(self, micro_batches: list[list[PackedRow]]) -> StepLoss:
         """Forward and backward this rank's rows of one optimizer step through the objective (gradients accumulate).
         `micro_batches` are every rank's rows: rank r trains row r of each (one process trains them all); a rank
-        with no row in a micro-batch forwards its first one with weight 0, so every rank runs the same passes."""
+        with no row in a micro-batch forwards its first one with weight 0, so every rank runs the same passes. With
+        auto_find_batch_size, a step out of device memory runs again in rows of half the tokens (batch_size.py)."""
+        while True:
+            records = MetricWindow()
+            try:
+                step = self._forward_backward(micro_batches, records)
+                break
+            except torch.OutOfMemoryError as error:
+                if not self.args.auto_find_batch_size:
+                    raise
+                self.optimizer.zero_grad(set_to_none=True)
+                empty_device_cache(self.device)
+                micro_batches, self.halved_budget = halved(
+                    micro_batches, self.layout, self.args.per_device_train_batch_size, error
+                )
+        self.window.extend(records.take())
+        return step
+
+    def _forward_backward(self, micro_batches: list[list[PackedRow]], records: MetricWindow) -> StepLoss:
         rows = [row for micro_batch in micro_batches for row in micro_batch]
-        records = self.objective.begin_step(rows, lambda: self.passes.score_all(micro_batches))
+        begun = self.objective.begin_step(rows, lambda: self.passes.score_all(micro_batches))
         if self.ranks.main:
-            self.window.extend(records)
+            records.extend(begun)
         loss, forward_s = 0.0, 0.0
         for micro_batch in micro_batches:
             share = LossShare.of(micro_batch, len(micro_batches))
@@ -288,7 +310,7 @@ class AsyncGRPOTrainer:
                 row_loss = self.objective.row_loss(row, scored, share)
                 self._backward(row_loss.loss if real else row_loss.loss * 0.0)
                 if real:
-                    self.window.extend(row_loss.metrics)
+                    records.extend(row_loss.metrics)
                     loss += row_loss.loss.item()
         return StepLoss(self.ranks.total(loss), forward_s)
 
@@ -475,6 +497,10 @@ class AsyncGRPOTrainer:
         state.num_input_tokens_seen += input_tokens(rows, self.args.include_num_input_tokens_seen)
         if not self.ranks.main:
             return False
+        if self.halved_budget is not None:  # auto_find_batch_size: later steps are packed in the smaller rows
+            runtime.limit_token_budget(self.halved_budget)
+            runtime.session.progress.say(f"out of device memory: token_budget halved to {self.halved_budget}")
+            self.halved_budget = None
         record_samples(self.window, rows, state.model_version)  # their staleness against the policy they trained
         before, state.dataset_start_index = state.dataset_start_index, runtime.trained(rows, state.step)
         epochs = len(self.dataset) if self.dataset is not None and not is_iterable(self.dataset) else None
