@@ -32,7 +32,7 @@ from tables import add_markdown_flag, emit, markdown_table
 from transformers import TrainerCallback
 
 from tandem import AsyncGRPOTrainer
-from tandem.config import import_object, load_recipe
+from tandem.recipe import import_object, load_recipe
 from tandem.runtime.session import Session
 from tandem.tasks import datasets
 

@@ -22,7 +22,8 @@ os.environ["COLUMNS"] = "80"  # argparse wraps the usage lines at the terminal's
 
 import tandem.config as config_module  # noqa: E402
 from tandem import cli, trl_names  # noqa: E402
-from tandem.config import REFUSED, AsyncGRPOConfig, described  # noqa: E402
+from tandem.config import AsyncGRPOConfig  # noqa: E402
+from tandem.config_checks import REFUSED, described  # noqa: E402
 from tandem.metrics import catalogue, window  # noqa: E402
 from tandem.serve import fields, vllm_flags  # noqa: E402
 

@@ -11,7 +11,7 @@ import pytest
 
 import tandem
 from tandem.cli import main
-from tandem.config import FIELD_REFERENCE, RECIPES
+from tandem.recipe import FIELD_REFERENCE, RECIPES
 from tandem.tasks.datasets import BUILT_IN, FORMATS
 
 
@@ -67,7 +67,7 @@ def test_a_warning_on_the_command_line_is_one_line_naming_the_command(tmp_path):
 
 
 def test_the_python_api_keeps_its_warnings(tmp_path):
-    from tandem.config import load_recipe
+    from tandem.recipe import load_recipe
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model: tiny\nsave_strategy: no\n")

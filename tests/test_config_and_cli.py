@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from tandem.cli import main
-from tandem.config import AsyncGRPOConfig, load_recipe
+from tandem.config import AsyncGRPOConfig
 from tandem.generation.launcher import EmbeddedServer
+from tandem.recipe import load_recipe
 from tandem.tasks import TINY_MODEL_PATH
 
 

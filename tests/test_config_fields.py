@@ -18,7 +18,7 @@ from rich.console import Console
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
-from tandem.config import REFUSED, type_problem
+from tandem.config_checks import REFUSED, type_problem
 from tandem.metrics.console import RunConsole
 from tandem.model import distributed as tandem_distributed
 from tandem.packing import pack

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.config import REFUSED, AsyncGRPOConfig
+from tandem.config import AsyncGRPOConfig
+from tandem.config_checks import REFUSED
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if "_build" not in p.parts)]

@@ -11,7 +11,7 @@ import pytest
 import transformers
 
 from tandem.cli import main
-from tandem.config import import_object, load_recipe
+from tandem.recipe import import_object, load_recipe
 from tests.test_config_and_cli import served_commands
 
 FOLDER = Path("examples/flash_reinforce")

@@ -15,6 +15,7 @@ NEUTRAL = {
     "tandem.__version__",
     "tandem.DISTRIBUTION",
     "tandem.config",
+    "tandem.config_checks",
     "tandem.errors",
     "tandem.dataset_rows",
     "tandem.httpapp",

@@ -8,7 +8,8 @@ import pytest
 
 from tandem import trl_names
 from tandem.cli import main
-from tandem.config import RECIPE_KEYS, AsyncGRPOConfig, _field_types, load_recipe
+from tandem.config import AsyncGRPOConfig
+from tandem.recipe import RECIPE_KEYS, _field_types, load_recipe
 
 # The fields of TRL 1.16.0's GRPOConfig (beyond transformers' TrainingArguments), ModelConfig, ScriptArguments and
 # GRPOScriptArguments, as its dataclasses declare them (benchmarks run against that release: the `bench` extra).

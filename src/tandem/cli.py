@@ -480,7 +480,7 @@ Every key is described in
 
 
 def train_parser(sub) -> None:
-    from tandem.config import FIELD_REFERENCE
+    from tandem.recipe import FIELD_REFERENCE
 
     p = sub.add_parser(
         "train",
@@ -729,7 +729,7 @@ def user_error(message: str) -> typing.NoReturn:
 def read_recipe(ns: argparse.Namespace, overrides: list[str]):
     """The one recipe named (as RECIPE or TRL's --config RECIPE) with the flags applied, its TRL notes printed;
     `ns.recipe` names it from here on."""
-    from tandem.config import load_recipe
+    from tandem.recipe import load_recipe
 
     if (ns.recipe is None) == (ns.config is None):
         user_error(
@@ -747,7 +747,7 @@ def read_recipe(ns: argparse.Namespace, overrides: list[str]):
 
 
 def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
-    from tandem.config import import_object
+    from tandem.recipe import import_object
 
     recipe = read_recipe(ns, overrides)
     if os.getcwd() not in sys.path:  # the recipe's import paths resolve from here too, as under `python -m tandem`

@@ -12,7 +12,7 @@ from pathlib import Path
 from datasets import Dataset
 
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
-from tandem.config import parse_overrides
+from tandem.recipe import parse_overrides
 from tandem.rewards import accuracy_reward
 from tandem.tasks import arithmetic
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from datasets import Dataset, IterableDataset
 
-from tandem.config import load_recipe
+from tandem.recipe import load_recipe
 from tandem.rollout.prompt_stream import PromptStream, epoch_order
 from tandem.tasks import datasets
 
@@ -114,7 +114,7 @@ def test_a_hub_dataset_named_in_a_recipe_loads_offline_from_the_cache(tmp_path):
         "reward_funcs: tandem.rewards.accuracy_reward\n"
     )
     code = (
-        "from tandem.config import load_recipe; from tandem.tasks import datasets; "
+        "from tandem.recipe import load_recipe; from tandem.tasks import datasets; "
         f"r = load_recipe({str(recipe)!r}); d = datasets.load(r.dataset, r.dataset_config, r.dataset_split); "
         "print(len(d), d[1]['solution']); "
         "s = datasets.load(r.dataset, 'easy', 'train', streaming=True); print(type(s).__name__, sum(1 for _ in s))"

@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
 from tandem.cli import lora_config
-from tandem.config import load_recipe
 from tandem.model.distributed import Ranks
+from tandem.recipe import load_recipe
 from tandem.rewards import accuracy_reward
 from tandem.runtime.sample_source import ResumePoint
 from tandem.tasks import TINY_MODEL_PATH, datasets

@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tandem.config import reshard_after_forward
+from tandem.config_checks import reshard_after_forward
 
 
 @dataclass(frozen=True)
