@@ -98,6 +98,15 @@ def serve_parser(sub) -> None:
         help="names the model answers to (default: MODEL as typed; tiny: tiny and its folder)",
     )
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: MODEL's)")
+    _serve_adapter_and_logprob_options(p)
+    _serve_engine_options(p)
+    _serve_cache_and_transfer_options(p)
+    _serve_chat_and_response_options(p)
+    _serve_usage_and_route_options(p)
+
+
+def _serve_adapter_and_logprob_options(p) -> None:
+    """LoRA adapters served by name, and the log-probs and sampling masks a response carries."""
     switch(p, "enable-lora", "allow /v1/load_lora_adapter and adapter names in `model`")
     p.add_argument(
         "--lora-modules",
@@ -122,6 +131,10 @@ def serve_parser(sub) -> None:
     switch(p, "return-tokens-as-token-ids", "log-prob tokens as 'token_id:N' unless a request says otherwise")
     switch(p, "enable-scale-out", "enable /inference/v1/generate")
     switch(p, "return-sampling-mask", "return each token's kept vocabulary ids (needs top_k > 0)")
+
+
+def _serve_engine_options(p) -> None:
+    """Generation defaults, the engine's batch and decoding, the prefix cache and the weight transfer."""
     p.add_argument(
         "--generation-config", default="auto", help="auto (model's generation_config.json) | vllm (neutral) | a folder"
     )
@@ -145,6 +158,10 @@ def serve_parser(sub) -> None:
     p.add_argument(
         "--step-delay-s", type=float, default=0.0, help="benchmarks: sleep this long after every decode step"
     )
+
+
+def _serve_cache_and_transfer_options(p) -> None:
+    """The prefix cache, and how new weights reach the server (a weight-transfer group or a folder)."""
     p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -174,6 +191,10 @@ def serve_parser(sub) -> None:
         default=600.0,
         help="seconds a weight-transfer collective may wait for the trainer before it fails (default 600)",
     )
+
+
+def _serve_chat_and_response_options(p) -> None:
+    """Chat rendering, tool calls, usage and streaming, and the server's optional routes and headers."""
     p.add_argument(
         "--chat-template",
         default=None,
@@ -219,6 +240,10 @@ def serve_parser(sub) -> None:
         "mistral, deepseek_v3, granite, pythonic",
     )
     switch(p, "exclude-tools-when-tool-choice-none", 'leave tools out of the prompt when tool_choice is "none"')
+
+
+def _serve_usage_and_route_options(p) -> None:
+    """Usage in responses, streaming, the server's optional routes and headers, and remote code."""
     switch(p, "enable-prompt-tokens-details", "usage.prompt_tokens_details: the prompt tokens the prefix cache held")
     switch(p, "enable-force-include-usage", "every stream carries usage, in each chunk and at its end")
     p.add_argument("--stream-interval", type=int, default=1, help="tokens per streamed chunk at least (default 1)")

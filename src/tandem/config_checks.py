@@ -75,7 +75,8 @@ def validate(args: "AsyncGRPOConfig") -> None:
     that follow from others filled in."""
     check_refused_and_types(args)
     check_algorithm(args)
-    for name, ok, message in algorithm_of(args).checks(args) + training_checks(args) + run_checks(args):
+    checks = [algorithm_of(args).checks, sampling_checks, optimisation_and_pacing_checks, run_checks, process_checks]
+    for name, ok, message in (check for checks_of in checks for check in checks_of(args)):
         if not ok:
             raise UsageError(f"AsyncGRPOConfig.{name}={getattr(args, name)!r}: {message}.")
     normalise(args)
@@ -104,8 +105,8 @@ def check_algorithm(args: "AsyncGRPOConfig") -> None:
         raise UsageError(f"AsyncGRPOConfig.{name}={getattr(args, name)!r} {why}.")
 
 
-def training_checks(args: "AsyncGRPOConfig") -> list[tuple[str, bool, str]]:
-    """(field, holds, what it must be) for the sampling, the optimiser and the pacing."""
+def sampling_checks(args: "AsyncGRPOConfig") -> list[tuple[str, bool, str]]:
+    """(field, holds, what it must be) for the rollouts: their length, tools and sampling."""
     return [
         ("max_completion_length", args.max_completion_length >= 1, "must be at least 1"),
         (
@@ -133,6 +134,12 @@ def training_checks(args: "AsyncGRPOConfig") -> list[tuple[str, bool, str]]:
             "top_p < 1 and min_p need top_k set too (vLLM bounds each token's kept set by top_k, so "
             "without it the set is the whole vocabulary on every token): e.g. top_k=512",
         ),
+    ]
+
+
+def optimisation_and_pacing_checks(args: "AsyncGRPOConfig") -> list[tuple[str, bool, str]]:
+    """(field, holds, what it must be) for the optimiser, the weight syncs and the pacing of the rollouts."""
+    return [
         ("learning_rate", args.learning_rate >= 0, "must be >= 0"),
         ("gradient_accumulation_steps", args.gradient_accumulation_steps >= 1, "must be at least 1"),
         (
@@ -162,7 +169,7 @@ def training_checks(args: "AsyncGRPOConfig") -> list[tuple[str, bool, str]]:
 
 
 def run_checks(args: "AsyncGRPOConfig") -> list[tuple[str, bool, str]]:
-    """(field, holds, what it must be) for the run: batching, pacing, logging, saving, precision."""
+    """(field, holds, what it must be) for the run's logging, saving, evaluation and Hub uploads."""
     reported = [args.report_to] if isinstance(args.report_to, str) else list(args.report_to or [])
     return [
         (
@@ -202,6 +209,12 @@ def run_checks(args: "AsyncGRPOConfig") -> list[tuple[str, bool, str]]:
             args.torch_empty_cache_steps is None or args.torch_empty_cache_steps >= 1,
             "must be at least 1, or None to never empty the cache",
         ),
+    ]
+
+
+def process_checks(args: "AsyncGRPOConfig") -> list[tuple[str, bool, str]]:
+    """(field, holds, what it must be) for the processes: their group, precision, log levels, data order, batches."""
+    return [
         ("ddp_timeout", args.ddp_timeout > 0, "must be a positive number of seconds"),
         (
             "debug",
