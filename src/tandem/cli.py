@@ -273,6 +273,11 @@ def proxy_parser(sub) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default 8000)")
+    _proxy_routing_and_upstream_options(p)
+
+
+def _proxy_routing_and_upstream_options(p) -> None:
+    """How the proxy routes (prefix blocks, imbalance), retries adapter loads and reaches its replicas."""
     p.add_argument(
         "--block-size", type=int, default=16, help="tokens per hashed prefix block, as the replicas' cache (default 16)"
     )
@@ -667,7 +672,7 @@ def plan(recipe, max_model_len: int, rows) -> list[str]:
 
 
 def dry_run(source: str, recipe, tools: list, agent: bool) -> None:
-    """Print the resolved recipe, a FlashREINFORCE recipe's plan, and the `vllm serve` command it needs."""
+    """Print the resolved recipe, its algorithm's plan, and the `vllm serve` command it needs."""
     config = recipe.config
     print(
         yaml.safe_dump(
@@ -687,30 +692,35 @@ def dry_run(source: str, recipe, tools: list, agent: bool) -> None:
     print(comment("every other AsyncGRPOConfig field at its default (docs/references/config.md lists them)"))
     rows, why = local_rows(recipe)
     longest, why = longest_prompt(recipe, tools, rows) if rows is not None else (None, why)
-    if longest is not None:
-        max_model_len, sized = (
-            longest + config.max_completion_length,
-            f"the longest prompt ({longest} tokens) + max_completion_length",
-        )
-    elif config.token_budget:
-        max_model_len, sized = (
-            config.token_budget,
-            f"token_budget, the longest trajectory trained (prompts not measured: {why})",
-        )
-    else:
-        user_error(
-            f"tandem train: {source}: --dry-run cannot size the server's --max-model-len: the prompts are not "
-            f"measured ({why}). Set token_budget to the longest trajectory to train."
-        )
+    max_model_len, sized = server_length(source, config, longest, why)
     if lines := plan(recipe, max_model_len, rows):
         print("\n".join(lines))
+    print_serve_commands(recipe, max_model_len, sized, agent and longest is not None)
+
+
+def server_length(source: str, config, longest: int | None, why: str) -> tuple[int, str]:
+    """The server's --max-model-len for the dry run, and how it was sized: the longest prompt measured plus
+    max_completion_length, or token_budget; with neither, the user's error."""
+    if longest is not None:
+        return longest + config.max_completion_length, f"the longest prompt ({longest} tokens) + max_completion_length"
+    if config.token_budget:
+        return config.token_budget, f"token_budget, the longest trajectory trained (prompts not measured: {why})"
+    user_error(
+        f"tandem train: {source}: --dry-run cannot size the server's --max-model-len: the prompts are not "
+        f"measured ({why}). Set token_budget to the longest trajectory to train."
+    )
+
+
+def print_serve_commands(recipe, max_model_len: int, sized: str, agent: bool) -> None:
+    """The `vllm serve` commands a recipe needs, on GPUs and on a CPU, with why each flag is set."""
+    config = recipe.config
     print(
         comment(
             "Generation server for this recipe (the default without vllm_server_base_url is an embedded tandem serve):"
         )
     )
     print(comment(f"--max-model-len: {sized}"))
-    if agent and longest is not None:
+    if agent:
         print(
             comment(
                 "with tools, each later turn re-sends the whole conversation (tool output included) and one that "
@@ -772,23 +782,8 @@ def read_recipe(ns: argparse.Namespace, overrides: list[str]):
 
 
 def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
-    from tandem.recipe import import_object
-
     recipe = read_recipe(ns, overrides)
-    if os.getcwd() not in sys.path:  # the recipe's import paths resolve from here too, as under `python -m tandem`
-        sys.path.insert(0, os.getcwd())
-    try:  # an import path of the recipe that does not resolve
-        reward_funcs, tools = [import_object(f) for f in recipe.reward_funcs], [import_object(t) for t in recipe.tools]
-        environments = recipe.environment_factory
-        environments = (
-            {name: import_object(path) for name, path in environments.items()}
-            if isinstance(environments, dict)
-            else import_object(environments)
-            if environments
-            else None
-        )
-    except UsageError as exc:
-        user_error(f"tandem train: {ns.recipe}: {exc}")
+    reward_funcs, tools, environments = recipe_objects(ns.recipe, recipe)
     if ns.dry_run:
         try:
             dry_run(ns.recipe, recipe, tools, agent=bool(tools or environments))
@@ -819,17 +814,40 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
         torch.distributed.destroy_process_group()
         if not trainer.ranks.main:
             return
+    report_end(trainer, output, recipe.config)
+
+
+def recipe_objects(source: str, recipe) -> tuple[list, list, object]:
+    """The recipe's reward functions, tools and environment factory, imported from their paths (which resolve from
+    the current directory too, as under `python -m tandem`); a path that does not resolve is the user's error."""
+    from tandem.recipe import import_object
+
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        reward_funcs, tools = [import_object(f) for f in recipe.reward_funcs], [import_object(t) for t in recipe.tools]
+        environments = recipe.environment_factory
+        if isinstance(environments, dict):
+            return reward_funcs, tools, {name: import_object(path) for name, path in environments.items()}
+        return reward_funcs, tools, import_object(environments) if environments else None
+    except UsageError as exc:
+        user_error(f"tandem train: {source}: {exc}")
+
+
+def report_end(trainer, output, config) -> None:
+    """The run's last lines: its steps, where its checkpoints and metrics are, and the reward's rise; a run stopped
+    by SIGTERM before its last step exits as SIGTERM would."""
     history = trainer.reward_history
     print(
-        f"\ntrained {output.global_step} steps; checkpoints in {recipe.config.output_dir}, "
-        f"metrics in {recipe.config.output_dir}/metrics.jsonl"
+        f"\ntrained {output.global_step} steps; checkpoints in {config.output_dir}, "
+        f"metrics in {config.output_dir}/metrics.jsonl"
     )
     if history:
         head, tail = history[:20], history[-20:]
         print(
             f"mean reward, first {len(head)} steps: {sum(head) / len(head):.3f}   last {len(tail)} steps: {sum(tail) / len(tail):.3f}"
         )
-    if trainer.runtime.preempted.is_set() and not 0 < recipe.config.max_steps <= output.global_step:
+    if trainer.runtime.preempted.is_set() and not 0 < config.max_steps <= output.global_step:
         sys.exit(128 + signal.SIGTERM)  # as a process SIGTERM ended: a job script must not take the run as finished
 
 
