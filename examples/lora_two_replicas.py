@@ -18,6 +18,7 @@ from pathlib import Path
 from peft import LoraConfig
 
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
+from tandem.contract.staleness import StalenessPolicy
 from tandem.generation.launcher import EmbeddedProxy, EmbeddedServer
 from tandem.rewards import accuracy_reward
 from tandem.runtime.weight_sync import lora_server_flags
@@ -34,7 +35,7 @@ def replica_flags(max_staleness: int, rank: int) -> list[str]:
         "processed_logprobs",
         "--max-logprobs",
         "20",
-        *lora_server_flags(max_staleness, rank),
+        *lora_server_flags(StalenessPolicy(max_staleness), rank),
     ]
 
 

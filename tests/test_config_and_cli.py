@@ -28,7 +28,7 @@ def test_defaults_are_the_documented_ones():
         5.0,
         8,
     )
-    assert c.epsilon_high == c.epsilon == 0.2
+    assert c.epsilon == 0.2 and c.epsilon_high is None, "None: the upper bound is epsilon's (make_objective)"
 
 
 @pytest.mark.parametrize(

@@ -82,7 +82,7 @@ class AsyncGRPOConfig:
     """Log after the first step too, whatever logging_steps says."""
     logging_nan_inf_filter: bool = True
     """True (transformers' default): a step whose loss is NaN or infinite is left out of the logged `loss` (and of
-    train()'s training_loss). False: the window's `loss` is logged as that value, so a diverging run shows it."""
+    train()'s training_loss). False: the window's `loss` and training_loss are that value, so a diverging run shows it."""
     include_num_input_tokens_seen: str | bool = "no"
     """Log `num_input_tokens_seen`, the tokens the trainer has forwarded since the run started (transformers' name):
     "all" (or True) counts every forwarded token, padding included; "non_padding" leaves a padded row's padding out;

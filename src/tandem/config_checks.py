@@ -285,8 +285,6 @@ def normalise(args: "AsyncGRPOConfig") -> None:
             Path(args.fsdp_config).read_text() if Path(args.fsdp_config).is_file() else args.fsdp_config
         )
     reshard_after_forward(args.fsdp_config)
-    if args.epsilon_high is None:
-        args.epsilon_high = args.epsilon
     if args.min_p == 0:
         args.min_p = None
     if args.load_best_model_at_end and args.metric_for_best_model is None:

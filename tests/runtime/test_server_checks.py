@@ -160,3 +160,10 @@ def test_the_vllm_extra_installs_the_releases_the_connect_check_takes_as_verifie
     project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
     major, minor = NEWEST_VERIFIED_VLLM
     assert project["optional-dependencies"]["vllm"] == [f"vllm>={OLDEST_VLLM[0]}.{OLDEST_VLLM[1]},<{major}.{minor + 1}"]
+
+
+def test_a_server_without_lora_settings_or_context_length_is_read_as_such():
+    assert vllm(lora={}).adapters is None, "an empty lora_config: started without LoRA support"
+    assert vllm(lora={"max_loras": 2, "max_lora_rank": 8}).adapters.max_loras == 2
+    with pytest.raises(ServerProblem, match="says no context length"):
+        facts_of({"version": "0.32.0"}, {"vllm_config": {}}, [{"id": "m"}])

@@ -113,6 +113,11 @@ def facts_of(version: dict, info: dict, models: list[dict]) -> ServerFacts:
     lora = config.get("lora_config")
     transfer = config.get("weight_transfer_config")
     max_model_len = int(models[0].get("max_model_len") or model.get("max_model_len") or 0) if models else 0
+    if max_model_len < 1:
+        raise ServerProblem(
+            "the server says no context length (max_model_len in /v1/models): tandem sizes its rows and turns by it. "
+            "Serve the model with --max-model-len, or put a vLLM-protocol server there."
+        )
     return ServerFacts(
         engine="tandem" if "tandem_version" in version else "vllm",
         version=str(version.get("version", "")),
@@ -121,7 +126,9 @@ def facts_of(version: dict, info: dict, models: list[dict]) -> ServerFacts:
         dtype=str(model.get("dtype", "")).removeprefix("torch."),
         device=str(device.get("device", device.get("device_type", "")) if isinstance(device, dict) else device),
         weight_transfer=transfer.get("backend", "nccl") if isinstance(transfer, dict) else None,
-        adapters=AdapterSlots(lora.get("max_loras"), lora.get("max_lora_rank")) if isinstance(lora, dict) else None,
+        adapters=AdapterSlots(lora.get("max_loras"), lora.get("max_lora_rank"))
+        if isinstance(lora, dict) and lora
+        else None,
         loads_adapters_at_runtime=bool(env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", True)),
         data_parallel_size=int(_section(config, "parallel_config").get("data_parallel_size", 1) or 1),
         returns_sampling_masks=bool(model.get("return_sampling_mask")),

@@ -86,7 +86,7 @@ class ClippedSurrogate(Objective):
         return cls(
             {
                 "epsilon_low": args.epsilon,
-                "epsilon_high": args.epsilon_high,
+                "epsilon_high": args.epsilon if args.epsilon_high is None else args.epsilon_high,
                 "clip_min": args.vllm_importance_sampling_clip_min,
                 "clip_max": args.vllm_importance_sampling_clip_max,
             },

@@ -173,9 +173,9 @@ class AsyncGRPOTrainer:
         self.window = MetricWindow()
         self.losses, self.reward_history = [], []  # each step's loss, each logged window's mean reward
         self.nonfinite_loss: float | None = None
+        """A NaN or infinite step loss of the window, logged as its `loss` when logging_nan_inf_filter is False."""
         self.halved_budget: int | None = None
         """auto_find_batch_size: the token budget a step out of memory was packed again in, for the runtime to keep."""
-        """A NaN or infinite step loss of the window, logged as its `loss` when logging_nan_inf_filter is False."""
         self.callbacks = Callbacks(
             callback_handler(callbacks or [], self.model, self.tokenizer, self.optimizer, self.scheduler),
             args,
@@ -246,8 +246,12 @@ class AsyncGRPOTrainer:
         return output
 
     def _take_trial(self, args: AsyncGRPOConfig) -> None:
-        """Train with a trial's `args`: the parts built from the settings that training reads are built again."""
+        """Train with a trial's `args`: the parts built from the settings that training reads are built again, and
+        the run's counters start from nothing, as transformers' train() does. The model trains on from where it is
+        (transformers reloads it only through model_init, which tandem does not take)."""
         self.args = args
+        self.state = self.callbacks.state = TrainerState()
+        self.window, self.losses, self.reward_history, self.nonfinite_loss = MetricWindow(), [], [], None
         if not self.optimizer_given:
             self.optimizer = make_optimizer(self.model, args)
             self.scheduler = make_scheduler(self.optimizer, args)
@@ -287,11 +291,13 @@ class AsyncGRPOTrainer:
             except torch.OutOfMemoryError as error:
                 if not self.args.auto_find_batch_size:
                     raise
-                self.optimizer.zero_grad(set_to_none=True)
-                empty_device_cache(self.device)
                 micro_batches, self.halved_budget = halved(
                     micro_batches, self.layout, self.args.per_device_train_batch_size, error
                 )
+            # out of the except block, whose traceback held the failed passes' activations: now they can be freed
+            self.optimizer.zero_grad(set_to_none=True)
+            gc.collect()
+            empty_device_cache(self.device)
         self.window.extend(records.take())
         return step
 
@@ -509,11 +515,12 @@ class AsyncGRPOTrainer:
     def _record(
         self, rows: list[PackedRow], num_micro_batches: int, loss: float, grad_norm: float, times: StepTimes
     ) -> None:
-        if not math.isfinite(loss) and not self.args.logging_nan_inf_filter:
-            self.nonfinite_loss = loss
-        if math.isfinite(loss):  # a NaN or infinite loss is left out of `loss` (logged alone without the filter)
+        if math.isfinite(loss):
             self.losses.append(loss)
             self.window.add("loss", loss)
+        elif not self.args.logging_nan_inf_filter:  # as transformers: the logged loss and training_loss show it
+            self.nonfinite_loss = loss
+            self.losses.append(loss)
         self.window.add("grad_norm", grad_norm)
         self.window.add("learning_rate", self.scheduler.get_last_lr()[0])
         record_step(self.window, rows, num_micro_batches, times)
