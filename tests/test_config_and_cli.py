@@ -263,12 +263,12 @@ def test_evaluation_asked_for_without_an_eval_dataset_is_one_line_not_a_tracebac
 
 def test_a_bug_while_building_the_trainer_keeps_its_traceback_where_a_users_mistake_is_one_line(monkeypatch):
     import tandem
-    import tandem.cli
+    import tandem.cli.train
 
     def broken(*args, **kwargs):
         raise ValueError("a bug of tandem's, not the recipe's")
 
-    monkeypatch.setattr(tandem.cli, "build_trainer", broken)
+    monkeypatch.setattr(tandem.cli.train, "build_trainer", broken)
     with pytest.raises(ValueError, match="a bug of tandem's"):  # not SystemExit(2): a bug is not the user's mistake
         main(["train", "examples/demo.yaml", "--max_steps", "2"])
     with pytest.raises(tandem.UsageError, match="max_staleness=-1"):  # what the CLI prints in one line, from Python

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
-from tandem.cli import lora_config
+from tandem.cli.user_input import lora_config
 from tandem.model.distributed import Ranks
 from tandem.recipe import load_recipe
 from tandem.rewards import accuracy_reward

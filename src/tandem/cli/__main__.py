@@ -1,0 +1,5 @@
+"""`python -m tandem.cli`, as `tandem`."""
+
+from tandem.cli import main
+
+main()
