@@ -22,7 +22,8 @@ from transformers import (
 from tandem.errors import COMMAND_VARIABLE
 from tandem.generation.launcher import EmbeddedServer
 from tandem.kernels import exact_attention
-from tandem.serve.app import SERVER_KEY, ServeArgs, start_server
+from tandem.serve.app import SERVER_KEY, start_server
+from tandem.serve.serve_args import ServeArgs
 from tandem.tasks import TINY_MODEL_PATH, scaled_tiny
 
 

@@ -4,6 +4,7 @@ FIELD_TESTS maps every field that works to the test that shows it; the first tes
 import asyncio
 import dataclasses
 import json
+import math
 import multiprocessing as mp
 import re
 import shutil
@@ -27,6 +28,7 @@ from tandem.rewards import accuracy_reward
 from tandem.rollout.prompt_stream import epoch_order
 from tandem.runtime import embedded_server
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
+from tandem.trainer.checkpoint import TrainerState
 from tandem.trainer.objectives import make_objective
 from tandem.trainer.optimization import make_optimizer, make_scheduler
 from tests.packing.samples import sample
@@ -591,30 +593,33 @@ def test_epoch_and_fractional_strategies_empty_cache_steps_memory_metrics_and_dd
         )
 
 
-def test_nan_and_infinite_losses_are_left_out_of_the_logged_loss(tmp_path):
+def test_nan_and_infinite_losses_are_left_out_of_the_logged_loss_unless_logging_nan_inf_filter_is_off():
+    from tandem.trainer.run_log import LogCounters, RunLog
     from tandem.trainer.step_metrics import StepTimes
 
     rows, times = (
         [pack([sample([5, 6, 7])])],
         StepTimes(total=1.0, rollout_wait=0.0, forward=0.5, forward_backward=0.8, optimizer=0.1),
     )
-    trainer = AsyncGRPOTrainer(
-        "tiny", accuracy_reward, train_dataset=DATA, args=AsyncGRPOConfig(output_dir=str(tmp_path))
-    )
-    for loss in (0.5, float("nan"), float("inf")):
-        trainer._record(rows, 1, loss, 1.0, times)
-    assert trainer.window.values["loss"] == [0.5] and trainer.losses == [0.5]
+    counters = LogCounters(num_input_tokens_seen=False, epoch_size=None, agent=False)
+    filtered, kept = RunLog(counters, keep_nonfinite=False), RunLog(counters, keep_nonfinite=True)
+    for log in (filtered, kept):
+        for loss in (0.5, float("nan"), float("inf")):
+            log.record_step(rows, 1, loss, 1.0, 1e-6, times)
+    assert filtered.window.values["loss"] == [0.5] and filtered.losses == [0.5]
+    assert filtered.flush(TrainerState())[0]["loss"] == 0.5
+    assert kept.flush(TrainerState())[0]["loss"] == float("inf") and math.isnan(kept.training_loss)
 
 
 def test_full_determinism_turns_on_deterministic_algorithms_and_log_levels_pick_the_rank_and_node():
     from transformers.utils import logging as hf_logging
 
-    from tandem.trainer.trainer import run_log_level, set_log_level
+    from tandem.trainer.run_setup import run_log_level, set_log_level
 
     # In a process of its own: transformers' switch sets process-wide state (environment variables the servers and
     # workers started later inherit) that slowed every later test of this process by a quarter.
     code = (
-        "import torch; from tandem.config import AsyncGRPOConfig; from tandem.trainer.trainer import seed_run; "
+        "import torch; from tandem.config import AsyncGRPOConfig; from tandem.trainer.run_setup import seed_run; "
         "seed_run(AsyncGRPOConfig()); print(torch.are_deterministic_algorithms_enabled()); "
         "seed_run(AsyncGRPOConfig(full_determinism=True)); print(torch.are_deterministic_algorithms_enabled())"
     )

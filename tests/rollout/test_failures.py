@@ -217,7 +217,7 @@ def test_rejecting_a_whole_epoch_raises():
 def test_a_server_that_stops_answering_is_said_then_after_vllm_server_timeout_ends_the_worker_in_one_line(monkeypatch):
     """Nothing answers at the server's address (its process exited): requests are retried for vllm_server_timeout, and
     the user is told meanwhile; then the worker's last message is one line, not a traceback."""
-    monkeypatch.setattr("tandem.rollout.scheduler.OUTAGE_SAY_S", 0.5)
+    monkeypatch.setattr("tandem.rollout.server_watch.OUTAGE_SAY_S", 0.5)
     url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "prompt"}]}])
     settings = RolloutSettings(

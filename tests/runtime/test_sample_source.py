@@ -346,20 +346,14 @@ def test_a_samples_time_in_the_queue_ends_when_it_is_placed_in_a_row_not_when_it
     import time
 
     from tandem.config import AsyncGRPOConfig
-    from tandem.contract.algorithms import GRPO
-    from tandem.model.distributed import Ranks
-    from tandem.packing.batching import TokenBudgetBatcher
-    from tandem.runtime.runtime import Runtime
+    from tandem.packing import TREE
+    from tandem.runtime.step_rows import StepRows
 
     samples = group(0)
     for s in samples:
         s.created_at = time.time() - 30  # generated half a minute before the trainer takes it
-    runtime = Runtime.__new__(Runtime)  # the runtime's batching alone: no server, no worker
-    runtime.args, runtime.ranks, runtime.token_budget = AsyncGRPOConfig(), Ranks(), 100
-    runtime.algorithm, runtime.staleness = GRPO(), runtime.args.staleness_policy
-    runtime.source, runtime.window = source_of(("samples", samples), ("end", None)), MetricWindow()
-    runtime.batcher, runtime.preempted, runtime.in_flight = TokenBudgetBatcher(100), threading.Event(), None
-    runtime._read = lambda read: read()
-    [[row]] = runtime.next_micro_batches(version=0)
-    waited = runtime.window.values["sample/time_in_queue_s"]
+    source, window = source_of(("samples", samples), ("end", None), token_budget=100), MetricWindow()
+    rows = StepRows(source, AsyncGRPOConfig(), TREE, 1, window, lambda read: read(), print, threading.Event())
+    [[row]] = rows.take(version=0)
+    waited = window.values["sample/time_in_queue_s"]
     assert len(waited) == 2 and all(30 <= w < 60 for w in waited)

@@ -215,7 +215,8 @@ def missing_folder(model: str) -> str | None:
 
 def run_serve(ns: argparse.Namespace) -> None:
     from tandem.httpapp import run_until_interrupted
-    from tandem.serve.app import VLLM_PROTOCOL_VERSION, ServeArgs, check_tool_flags, start_server
+    from tandem.serve.app import start_server
+    from tandem.serve.serve_args import VLLM_PROTOCOL_VERSION, ServeArgs, check_tool_flags
     from tandem.serve.weight_receiver import parse_config
 
     if ns.return_sampling_mask and ns.logprobs_mode != "processed_logprobs":

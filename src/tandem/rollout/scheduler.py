@@ -23,14 +23,12 @@ from tandem.metrics.window import check_values
 from tandem.rollout import scoring
 from tandem.rollout.generation import GROUP_VERSION, Generation
 from tandem.rollout.group_metrics import group_stds, record_group
-from tandem.rollout.pacing import METRICS_POLL_S, ConcurrencyCap, Room, TokenAllowance
+from tandem.rollout.pacing import Room, TokenAllowance
 from tandem.rollout.prompt_stream import PromptStream
+from tandem.rollout.server_watch import REPORT_EVERY_S, ServerWatch
 from tandem.rollout.settings import RolloutSettings
 
 SCORE_QUEUE_MAXSIZE = 16
-REPORT_EVERY_S = 1.0
-OUTAGE_SAY_S, OUTAGE_SAY_AGAIN_S = 10.0, 60.0
-"""A server silent this long is said to be (and again as often while it lasts): its requests retry without a word."""
 IDLE_POLL_S = 0.05
 FAILED_IN_A_ROW = 5
 """Groups dropped in a row for failures (a reward function, or the server twice) before the worker stops the run."""
@@ -53,13 +51,12 @@ class RolloutScheduler:
         """The prompt of each position: the dataset's rows, epoch after epoch (rollout/prompt_stream.py)."""
         self.dataset, self.reward_funcs = settings.dataset, list(settings.reward_funcs)
         self.eos_token_ids, self.adapter_name = list(settings.eos_token_ids), settings.adapter_name
-        self.base_url = settings.base_url
         self.control = ControlClient(settings.base_url, api_key=settings.api_key, timeout_s=30)
+        self.server = ServerWatch(self.control, self.generation, config, self.record, self.emit)
+        """The server's load and outages, watched while the worker runs (server_watch.py)."""
         self.staleness = config.staleness_policy
         self.room = Room(TokenAllowance(self.staleness, settings.full_step_tokens), settings.queued_tokens, channels)
         """The allowance's books: what groups in flight reserve, what is queued, and the wait for room (pacing.py)."""
-        self.server_metrics = False
-        self.last_preemptions: float | None = None
         self.algorithm = algorithm_of(config)
         self.score_queue: asyncio.Queue = asyncio.Queue(maxsize=SCORE_QUEUE_MAXSIZE)
         self.failure: BaseException | None = None
@@ -119,7 +116,7 @@ class RolloutScheduler:
         background = [
             asyncio.create_task(self._heartbeat()),
             asyncio.create_task(self._report()),
-            asyncio.create_task(self._say_outages()),
+            asyncio.create_task(self.server.say_outages()),
         ]
         self.channels.room.listen(self.room.changed)
         try:
@@ -127,8 +124,8 @@ class RolloutScheduler:
             self.generation.sampling_masks = (
                 self.config.uses_truncated_sampling and await self._server_returns_sampling_masks()
             )
-            await self._init_cap()
-            background.append(asyncio.create_task(self._poll_server()))
+            await self.server.init_cap()
+            background.append(asyncio.create_task(self.server.poll()))
             background.append(self._watch(asyncio.create_task(self._scorer())))
             background.append(self._watch(asyncio.create_task(self._cancel_doomed())))
             background.append(self._watch(asyncio.create_task(self._evaluations())))
@@ -336,7 +333,7 @@ class RolloutScheduler:
         kept = self.algorithm.keeps(group.rewards.tolist())
         record_group(self.record, group, columns, kept, self.eos_token_ids, self.config.log_completions)
         samples = (
-            self._samples(group, rollouts, advantages, position, group_stds(group.rewards, columns)) if kept else []
+            training_samples(group, rollouts, advantages, position, group_stds(group.rewards, columns)) if kept else []
         )
         self._flush_records()  # the group's metrics travel ahead of its samples
         self.room.group_scored(sum(s.num_tokens for s in samples) if samples else None)
@@ -378,85 +375,6 @@ class RolloutScheduler:
         self._flush_records()
         self.emit("skip", position)
 
-    @staticmethod
-    def _samples(
-        group: RolloutGroup,
-        rollouts: list[Rollout],
-        advantages: np.ndarray,
-        position: int,
-        stds: tuple[float, dict[str, float]],
-    ) -> list[Sample]:
-        """The group's training samples: each rollout's sequences, with the rollout's advantage and reward, and the
-        group's reward stds (metrics averaged over trained samples)."""
-        group_samples = sum(len(seqs) for seqs in group.completions_sequences)
-        return [
-            Sample(
-                input_ids=s.input_ids,
-                trained=s.trained,
-                behavior_log_probs=s.behavior_log_probs,
-                advantage=float(a),
-                model_version=group.model_version,
-                group_id=group.group_id,
-                position=position,
-                group_samples=group_samples,
-                rollout_id=rollout.rollout_id,
-                created_at=time.time(),
-                sampler_logprobs=s.sampler_logprobs,
-                sampling_mask=s.sampling_mask,
-                reward=float(r),
-                group_reward_std=stds[0],
-                source_group_stds=stds[1],
-            )
-            for rollout, seqs, a, r in zip(rollouts, group.completions_sequences, advantages, group.rewards)
-            for s in seqs
-        ]
-
-    # ---- background tasks -------------------------------------------------------------------------
-    async def _init_cap(self) -> None:
-        """Rollouts in flight capped by the server's KV-cache capacity, from its /metrics; a server without them keeps
-        max_concurrent_rollouts, and the run says so."""
-        try:
-            metrics = await self.control.metrics()
-        except (ServerError, ConnectionError) as exc:
-            warnings.warn(
-                f"the server's /metrics did not answer ({exc}): rollouts in flight stay capped at "
-                f"max_concurrent_rollouts={self.config.max_concurrent_rollouts}, not paced by its KV cache",
-                stacklevel=2,
-            )
-            return
-        self.generation.cap = ConcurrencyCap(
-            self.config.max_concurrent_rollouts, metrics.kv_capacity_tokens, self.generation.max_model_len
-        )
-        self.server_metrics = True
-
-    async def _poll_server(self) -> None:
-        """The server's load every METRICS_POLL_S: the concurrency cap follows its KV-cache usage. While /metrics does not
-        answer, the cap stays where it was (said once per outage; the requests' own retries report the server)."""
-        failing = False
-        while self.server_metrics:
-            await asyncio.sleep(METRICS_POLL_S)
-            try:
-                metrics = await self.control.metrics()
-            except (ServerError, ConnectionError) as exc:
-                if not failing:
-                    print(
-                        f"tandem: the server's /metrics did not answer ({exc}); the concurrency cap stays at "
-                        f"{self.generation.cap.value} until it does",
-                        file=sys.stderr,
-                    )
-                failing = True
-                continue
-            failing = False
-            async with self.generation.slot:
-                self.generation.cap.update(metrics.kv_cache_usage, metrics.waiting)
-                self.generation.slot.notify_all()
-            self.record("rollout/vllm_kv_cache_usage_frac", metrics.kv_cache_usage)
-            self.record("rollout/vllm_running_requests", metrics.running)
-            self.record("rollout/vllm_queued_requests", metrics.waiting)
-            previous = metrics.preemptions if self.last_preemptions is None else self.last_preemptions
-            self.record("rollout/vllm_preemption_count", metrics.preemptions - previous)
-            self.last_preemptions = metrics.preemptions
-
     async def _cancel_doomed(self) -> None:
         """Cancel the groups still generating under a policy more than max_staleness versions old: they can only arrive
         stale, to be dropped. Cancelling closes their requests (the server aborts a request whose client left), and the
@@ -489,25 +407,40 @@ class RolloutScheduler:
             last, last_tokens, last_retries = now, self.generation.generated_tokens, self.generation.client.retries
             self._flush_records()
 
-    async def _say_outages(self) -> None:
-        """Tell the trainer's user when the server stops answering at all (its requests are retried meanwhile, for
-        up to vllm_server_timeout): OUTAGE_SAY_S into the outage, then every OUTAGE_SAY_AGAIN_S while it lasts."""
-        said = None
-        while True:
-            await asyncio.sleep(REPORT_EVERY_S)
-            down, now = self.generation.client.down_since, time.monotonic()
-            if down is None:
-                said = None
-            elif now - down >= OUTAGE_SAY_S and (said is None or now - said >= OUTAGE_SAY_AGAIN_S):
-                said = now
-                self.emit(
-                    "say",
-                    f"the generation server {self.base_url} has not answered for {now - down:.0f}s "
-                    f"({self.generation.client.down_reason}); waiting for it up to vllm_server_timeout="
-                    f"{self.config.vllm_server_timeout:g}s (its log says why it stopped)",
-                )
-
     def _flush_records(self) -> None:
         if self.records:
             records, self.records = dict(self.records), defaultdict(list)
             self.emit("metrics", records)
+
+
+def training_samples(
+    group: RolloutGroup,
+    rollouts: list[Rollout],
+    advantages: np.ndarray,
+    position: int,
+    stds: tuple[float, dict[str, float]],
+) -> list[Sample]:
+    """The group's training samples: each rollout's sequences, with the rollout's advantage and reward, and the
+    group's reward stds (metrics averaged over trained samples)."""
+    group_samples = sum(len(seqs) for seqs in group.completions_sequences)
+    return [
+        Sample(
+            input_ids=s.input_ids,
+            trained=s.trained,
+            behavior_log_probs=s.behavior_log_probs,
+            advantage=float(a),
+            model_version=group.model_version,
+            group_id=group.group_id,
+            position=position,
+            group_samples=group_samples,
+            rollout_id=rollout.rollout_id,
+            created_at=time.time(),
+            sampler_logprobs=s.sampler_logprobs,
+            sampling_mask=s.sampling_mask,
+            reward=float(r),
+            group_reward_std=stds[0],
+            source_group_stds=stds[1],
+        )
+        for rollout, seqs, a, r in zip(rollouts, group.completions_sequences, advantages, group.rewards)
+        for s in seqs
+    ]

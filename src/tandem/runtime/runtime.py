@@ -7,7 +7,6 @@ dies is restarted with the weights of `spec.model` (the module the trainer train
 worker is replaced once, and a server that stays away ends the run with a `ServerProblem`.
 """
 
-import itertools
 import signal
 import threading
 import time
@@ -20,7 +19,6 @@ import torch
 from tandem.chat.prompts import render_prompt
 from tandem.config import AsyncGRPOConfig
 from tandem.contract.algorithms import algorithm_of
-from tandem.contract.records import Sample
 from tandem.dataset_rows import first_rows
 from tandem.generation.client import EngineDead, ServerError, ServerProblem, engine_died, server_gone
 from tandem.generation.launcher import server_threads
@@ -28,12 +26,12 @@ from tandem.generation.server_facts import ServerFacts, read_facts
 from tandem.metrics.window import MetricWindow
 from tandem.model.distributed import Ranks
 from tandem.packing import PackedRow
-from tandem.packing.batching import TokenBudgetBatcher, record_micro_batch
 from tandem.rollout.worker import WorkerLost
 from tandem.runtime import embedded_server, server_checks, sync_check
 from tandem.runtime.rollout_inputs import num_positions, worker_spec
 from tandem.runtime.sample_source import POLL_S, ResumePoint, SampleSource, Stall
 from tandem.runtime.session import DYING_S, Session
+from tandem.runtime.step_rows import StepRows
 from tandem.runtime.weight_sync import ADAPTER_NAME, LoraSync, choose_sync, follower_sync, write_weights
 from tandem.runtime.weight_transfer import GlooPlane, InThread, TransferSync
 
@@ -108,7 +106,7 @@ class Runtime:
         """Whether the worker was lost and replaced already: a second loss stops the run."""
         self.server_restarts: list[float] = []
         """When the embedded server was restarted (monotonic seconds): one that keeps dying stops the run."""
-        self.sync_strategy = self.source = self.batcher = None
+        self.sync_strategy = self.source = self.rows = None
         self.token_budget = spec.args.token_budget
         self.served_path = self.served_url = self.served_name = None
         self.facts: ServerFacts | None = None
@@ -132,57 +130,60 @@ class Runtime:
     def start(self, version: int, resume: ResumePoint, resumed: bool) -> None:
         """Reach the server, check the data fits it, bring it to the trainer's weights, then start the worker from
         `resume`. Rank 0 talks to the server and owns the worker; every rank takes part in the syncs."""
-        args, session, spec, main = self.args, self.session, self.spec, self.ranks.main
+        args, spec = self.args, self.spec
         self.version = version
         self.served_path = (
             embedded_server.served_folder(spec.model_name, spec.model, spec.tokenizer, spec.output_dir, self.ranks)
             if args.vllm_server_base_url is None
             else None
         )
-        if main:
-            device = next(spec.model.parameters()).device.type
-            flags = embedded_server.server_flags(args, spec.model_name, spec.served_dtype, spec.lora_rank)
-            url = args.vllm_server_base_url or session.start_server(
-                self.served_path, spec.output_dir / "server.log", flags, server_threads(device)
-            )
-            control = session.connect(url)
-            facts = session.run(read_facts(control))
-            server_checks.check(facts, url, spec.served_dtype)
-            self.probe.note_server_dtype(facts.dtype)  # rank 0 judges the probe
-            served_name = server_checks.served_name(list(facts.served_names), spec.model_name)
-            self.sync_strategy = choose_sync(
-                control, session, facts, served_name, spec.model, args, self.lora, self.ranks
-            )
-        kind, self.facts, served_name = self.ranks.broadcast(
-            (type(self.sync_strategy), facts, served_name) if main else None
-        )
+        self._connect()
         max_model_len = self.facts.max_model_len
-        self.probe.rescored = self.facts.scores_prompts  # sync_check.SyncProbe.rescored
-        if not main:
-            self.sync_strategy = follower_sync(kind, spec.output_dir, served_name, self.staleness, self.ranks)
         self.token_budget = args.token_budget or max_model_len
         self.probe.fit(max_model_len)
-        self.batcher = self._batcher()
         server_checks.check_prompt_lengths(
             spec.dataset, spec.tokenizer, spec.tools, args.chat_template_kwargs, max_model_len
         )
         self.probe.restart()
         if resumed or args.vllm_server_base_url is not None or self.lora:
             self._push(version)  # the server must sample from our weights
+        if self.ranks.main:
+            self._start_rollouts(resume)
+
+    def _connect(self) -> None:
+        """Rank 0 starts the embedded server (or reaches the configured one), reads its facts, checks them and
+        chooses the weight sync from them; every rank learns the facts and takes its part of the sync."""
+        args, session, spec, main = self.args, self.session, self.spec, self.ranks.main
+        if main:
+            device = next(spec.model.parameters()).device.type
+            flags = embedded_server.server_flags(args, spec.model_name, spec.served_dtype, spec.lora_rank)
+            self.served_url = args.vllm_server_base_url or session.start_server(
+                self.served_path, spec.output_dir / "server.log", flags, server_threads(device)
+            )
+            control = session.connect(self.served_url)
+            facts = session.run(read_facts(control))
+            server_checks.check(facts, self.served_url, spec.served_dtype)
+            self.probe.note_server_dtype(facts.dtype)  # rank 0 judges the probe
+            served_name = server_checks.served_name(list(facts.served_names), spec.model_name)
+            self.sync_strategy = choose_sync(
+                control, session, facts, served_name, spec.model, args, self.lora, self.ranks
+            )
+        kind, self.facts, self.served_name = self.ranks.broadcast(
+            (type(self.sync_strategy), facts, served_name) if main else None
+        )
+        self.probe.rescored = self.facts.scores_prompts  # sync_check.SyncProbe.rescored
         if not main:
-            return
+            self.sync_strategy = follower_sync(kind, spec.output_dir, self.served_name, self.staleness, self.ranks)
+
+    def _start_rollouts(self, resume: ResumePoint) -> None:
+        """Rank 0: the run's metric sinks opened, the rollout worker started from `resume`, the queue read from it."""
+        args, spec = self.args, self.spec
         config = args.to_dict() | {
             "compute_dtype": spec.compute_dtype,
             "server_dtype": self.facts.dtype,
         }  # tandem doctor's rounding bound
-        session.open_sinks(
-            args.report_to,
-            spec.output_dir,
-            config,
-            args.max_steps if args.max_steps > 0 else None,
-            dashboard=not args.disable_tqdm,
-        )
-        self.served_url, self.served_name = url, served_name
+        max_steps = args.max_steps if args.max_steps > 0 else None
+        self.session.open_sinks(args.report_to, spec.output_dir, config, max_steps, dashboard=not args.disable_tqdm)
         worker = self._start_worker(resume)
         self.source = SampleSource(
             worker,
@@ -193,47 +194,33 @@ class Runtime:
             token_budget=self.token_budget,
             end_position=num_positions(args, spec.dataset),
             stall_timeout=args.stall_timeout,
-            say=session.progress.say,
+            say=self.session.progress.say,
+        )
+        self.rows = StepRows(
+            self.source,
+            args,
+            spec.layout,
+            self.ranks.world_size,
+            self.window,
+            self._read,
+            self._log_stalled,
+            self.preempted,
         )
 
     def next_micro_batches(self, version: int) -> list[list[PackedRow]]:
-        """Up to gradient_accumulation_steps micro-batches of up to one row per rank, each closed by the token-budget
-        batcher when the next sample fits nowhere; when the algorithm counts the units of a step (FlashREINFORCE's
-        flash_batch_size B), as many as those units need. Fewer (or none) once the worker has finished. A sample is
-        consumed once placed. Rank 0 only."""
+        """The step's micro-batches, taken from the queue (step_rows.py); their samples are consumed. Rank 0 only."""
         self._read(self.source.drain)
         self.window.add("rollout/queue_size", len(self.source.buffer))
-        micro_batches, left = [], self.algorithm.units_per_step(self.args)
-        steps = self.args.gradient_accumulation_steps
-        for index in itertools.count():
-            if index == steps if left is None else left == 0:
-                break
-            left = self._fill_micro_batch(version, last=index == steps - 1, units=left)
-            rows = self.batcher.close()
-            if not rows:
-                break
-            record_micro_batch(self.window, rows, self.token_budget, self.ranks.world_size)
-            taken = time.time()  # a sample leaves the queue when it is placed in a row, not when its step ends
-            self.window.add("sample/time_in_queue_s", *[taken - s.created_at for row in rows for s in row.samples])
-            micro_batches.append(rows)
+        micro_batches = self.rows.take(version)
         if self.staleness.step_frees_room(sync_in_flight=self.in_flight is not None):
             self.source.release()
         return micro_batches
-
-    def _batcher(self) -> TokenBudgetBatcher:
-        return TokenBudgetBatcher(
-            self.token_budget,
-            num_rows=self.ranks.world_size,
-            layout=self.spec.layout,
-            max_samples=self.args.per_device_train_batch_size,
-        )
 
     def limit_token_budget(self, budget: int) -> None:
         """auto_find_batch_size packed a step out of device memory in rows of `budget` tokens: the steps after are
         packed so too, and a sample longer than that is dropped as oversize. Rank 0 only."""
         self.token_budget = budget
-        self.batcher = self._batcher()
-        self.source.token_budget = budget
+        self.rows.limit_token_budget(budget)
 
     def trained(self, rows: list[PackedRow], step: int) -> int:
         """Step `step` trained `rows`: their samples leave the queue for good. Returns the first unfinished prompt
@@ -473,41 +460,6 @@ class Runtime:
         self.window.add("rollout/server_restart_count", 1)
         self.window.add("perf/server_restart_s", time.perf_counter() - start)
 
-    # ---- the queue ----------------------------------------------------------------------------------
-    def _fill_micro_batch(self, version: int, last: bool, units: int | None) -> int | None:
-        """Offer samples to the batcher until one fits nowhere, or until `units` whole units are placed (None: no
-        count); returns how many are left to place. The step's last micro-batch takes whole units (the algorithm's
-        `unit_key`: a GRPO group, a FlashREINFORCE rollout), and so does every micro-batch when they are counted. A
-        unit larger than a whole micro-batch fills it, or is dropped as oversize (the algorithm's
-        `drops_oversize_unit`)."""
-        source, batcher, algorithm = self.source, self.batcher, self.algorithm
-        while units != 0 and (unit := self._next_unit(version, algorithm.unit_key if last or units else None)):
-            if batcher.offer_together(unit):
-                for _ in unit:
-                    source.take()
-                units = None if units is None else units - 1
-            elif not batcher.empty:
-                return units
-            elif algorithm.drops_oversize_unit:
-                source.discard_oversize(len(unit))
-            else:  # one unit overfills the micro-batch: as much of it as fits
-                for sample in unit:
-                    if not batcher.offer(sample):
-                        return units
-                    source.take()
-        return units
-
-    def _next_unit(self, version: int, same) -> list[Sample] | None:
-        """The source's next trainable unit, waiting for the worker while none is buffered; None once nothing more will
-        come, or when the run is stopping."""
-        while (unit := self.source.peek_unit(version, same)) is None:
-            if self.source.finished or self.preempted.is_set():
-                return None
-            stall = self._read(lambda: self.source.wait(POLL_S))
-            if stall is not None:
-                self._log_stalled(stall)
-        return unit
-
     def _read(self, read):
         """`read()`, a read of the worker's queue, then the server's health: a worker lost without an error of its own
         (killed, hung) is replaced once; one that failed is named after the server, if that died first. While the run
@@ -581,3 +533,14 @@ def on_sigterm(enabled: bool, flag: threading.Event):
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def unless_preempted(preempted: threading.Event):
+    """A failure while the run is stopping on SIGTERM (`preempted` set) is let go: the job's signal may have ended the
+    server too, and the step trained is still checkpointed. Any other failure goes on up."""
+    try:
+        yield
+    except Exception:
+        if not preempted.is_set():
+            raise

@@ -5,128 +5,50 @@ token-in completions with processed log-probs, chat, the scale-out generate endp
 masks, the dev routes for pausing and reloading weights, runtime LoRA adapters and `/metrics`.
 A bad request gets a 4xx in vLLM's error shape; a bug of the server's gets a 500 with its traceback
 in the server log. Either way the server keeps serving. Request preparation lives in preparation.py,
-the control routes (pause, weights, LoRA) in control.py, the response bodies in responses.py.
+the control routes (pause, weights, LoRA) in control.py, the routes that describe the server in info.py, its
+settings in serve_args.py, the response bodies in responses.py.
 """
 
 import asyncio
 import contextlib
 import gc
-import json
 import logging
 import random
-import time
 import uuid
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from aiohttp import web
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
-from tandem import __version__
-from tandem.chat.tool_formats import FORMATS, tool_call_format
+from tandem.chat.tool_formats import tool_call_format
 from tandem.errors import UsageError
 from tandem.httpapp import api_key_auth, error_response, start_app
 from tandem.kernels.openmp import in_passing_thread
-from tandem.model import architecture
 from tandem.serve import fields, protocol, responses
 from tandem.serve.control import Control
 from tandem.serve.engine import ENGINE_STOPPED, Engine, EngineRequest
+from tandem.serve.info import Info
 from tandem.serve.lora import AdapterSet
-from tandem.serve.prefix_cache import BLOCK_SIZE
 from tandem.serve.preparation import Ask, Preparer
 from tandem.serve.protocol import ApiError, bad_request
+from tandem.serve.serve_args import (
+    ServeArgs,
+    check_tool_flags,
+    fingerprint,
+    generation_config_eos,
+    load_model,
+    read_chat_template,
+    sampling_defaults,
+)
 from tandem.serve.streaming import DONE, ChatStream, CompletionStream, Stream, StreamOptions, sse
 from tandem.serve.weight_receiver import Receiver, parse_config
 
 logger = logging.getLogger("tandem.serve")
-VLLM_PROTOCOL_VERSION = "0.33.0"
 PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
-GENERATION_CONFIG_FIELDS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "max_new_tokens": "max_tokens",
-    "skip_special_tokens": "skip_special_tokens",
-}
-
-
-@dataclass
-class ServeArgs:
-    """`tandem serve` flags; names and defaults follow `vllm serve` where it has them."""
-
-    model: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    max_model_len: int | None = None
-    dtype: str = "auto"
-    seed: int | None = None
-    api_key: str | None = None
-    served_model_name: list[str] = field(default_factory=list)
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
-    max_logprobs: int = 20
-    logprobs_mode: str = "raw_logprobs"
-    enable_scale_out: bool = False
-    return_sampling_mask: bool = False
-    generation_config: str = "auto"
-    max_num_seqs: int = 256
-    device: str = "auto"
-    decode_mode: str = "auto"
-    step_delay_s: float = 0.0
-    enable_prefix_caching: bool = True
-    prefix_cache_max_tokens: int | None = None
-    trust_remote_code: bool = False
-    weight_transfer_config: str | None = None
-    """JSON, as vLLM's flag: '{"backend": "gloo"}' enables the weight-transfer routes (serve/weight_receiver.py)."""
-    weight_transfer_timeout_s: float = 600.0
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    """Reads chat replies' tool calls into `message.tool_calls`, in one of the formats of tool_formats.py (vLLM's
-    names: hermes, llama3_json, mistral, deepseek_v3, granite, pythonic)."""
-    exclude_tools_when_tool_choice_none: bool = False
-    tokenizer: str | None = None
-    chat_template: str | None = None
-    """A file or the template itself, in place of the tokenizer's."""
-    chat_template_content_format: str = "auto"
-    default_chat_template_kwargs: dict = field(default_factory=dict)
-    trust_request_chat_template: bool = False
-    response_role: str = "assistant"
-    reasoning_effort_map: dict = field(default_factory=dict)
-    return_tokens_as_token_ids: bool = False
-    enable_prompt_tokens_details: bool = False
-    enable_force_include_usage: bool = False
-    stream_interval: int = 1
-    enable_server_load_tracking: bool = False
-    enable_tokenizer_info_endpoint: bool = False
-    enable_request_id_headers: bool = False
-    lora_modules: list[dict] = field(default_factory=list)
-    """Adapters loaded at start: {"name", "path"} each (`--lora-modules name=path` or its JSON form)."""
-    override_generation_config: dict = field(default_factory=dict)
-    fingerprint_mode: str = "full"
-    fingerprint_value: str | None = None
 
 
 SERVER_KEY = web.AppKey("tandem_server", object)
-LOAD_TRACKED = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/invocations")
-
-
-def plain(value):
-    """A tokenizer's init kwargs as JSON: added tokens by their text."""
-    if hasattr(value, "content"):
-        return value.content
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    return value
 
 
 @web.middleware
@@ -136,48 +58,6 @@ async def request_id_header(request: web.Request, handler):
     if not response.prepared:  # a stream sent its headers already, with the id (Server._stream)
         response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
     return response
-
-
-def pick_device(name: str) -> torch.device:
-    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
-
-
-def pick_dtype(name: str) -> torch.dtype | str:
-    if name == "auto":
-        return "auto"
-    dtypes = {
-        "float32": torch.float32,
-        "float": torch.float32,
-        "float64": torch.float64,
-        "bfloat16": torch.bfloat16,
-        "float16": torch.float16,
-        "half": torch.float16,
-    }
-    if name not in dtypes:
-        raise ValueError(f"--dtype {name!r} is not one of auto, {', '.join(dtypes)}")
-    return dtypes[name]
-
-
-def read_generation_config(folder: str) -> dict:
-    """The keys a model folder's generation_config.json sets explicitly ({} when it has none)."""
-    config_file = Path(folder) / "generation_config.json"
-    return json.loads(config_file.read_text()) if config_file.is_file() else {}
-
-
-def generation_config_eos(folder: str) -> set[int]:
-    """The extra EOS ids a model's generation_config.json lists (vLLM stops on them too)."""
-    eos = read_generation_config(folder).get("eos_token_id")
-    return set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-
-
-def sampling_defaults(args: ServeArgs) -> dict:
-    """Server-side sampling defaults: generation_config.json's explicit values ('auto'), or none ('vllm'), with
-    `--override-generation-config` over them."""
-    config = {}
-    if args.generation_config != "vllm":
-        config = read_generation_config(args.model if args.generation_config == "auto" else args.generation_config)
-    config = {**config, **args.override_generation_config}
-    return {ours: config[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items() if theirs in config}
 
 
 @web.middleware
@@ -197,47 +77,6 @@ async def errors(request: web.Request, handler):
     except Exception as exc:
         logger.exception("error while serving %s %s", request.method, request.path)
         return error_response(500, protocol.sanitize(f"{type(exc).__name__}: {exc}"), "InternalServerError")
-
-
-def read_chat_template(template: str) -> str:
-    """`--chat-template`: a file's text, or the template itself."""
-    path = Path(template)
-    return path.read_text() if path.is_file() else template
-
-
-def fingerprint(args: ServeArgs) -> str | None:
-    """`system_fingerprint` by `--fingerprint-mode`: tandem's (full, hash), the given value (custom) or none."""
-    if args.fingerprint_mode == "none":
-        return None
-    if args.fingerprint_mode == "custom":
-        return args.fingerprint_value
-    return f"vllm-{VLLM_PROTOCOL_VERSION}-tandem"
-
-
-def check_tool_flags(args: ServeArgs) -> None:
-    """`--enable-auto-tool-choice` and `--tool-call-parser` as vLLM takes them."""
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
-    if args.tool_call_parser is not None and args.tool_call_parser not in FORMATS:
-        raise ValueError(
-            f"--tool-call-parser {args.tool_call_parser!r} is not one tandem serve has: "
-            f"{', '.join(FORMATS)} (vLLM's names for them)"
-        )
-
-
-def load_model(args: ServeArgs) -> tuple[torch.nn.Module, bool]:
-    """The model on its device, and whether it decodes exactly (--decode-mode; exact is the CPU default)."""
-    device = pick_device(args.device)
-    if args.decode_mode not in ("auto", "exact", "fast"):
-        raise ValueError(f"--decode-mode {args.decode_mode!r} is not one of auto, exact, fast")
-    exact = args.decode_mode == "exact" or (args.decode_mode == "auto" and device.type == "cpu")
-    model = architecture.auto_class(args.model, trust_remote_code=args.trust_remote_code).from_pretrained(
-        args.model,
-        dtype=pick_dtype(args.dtype),
-        trust_remote_code=args.trust_remote_code,
-        attn_implementation="eager" if exact else None,
-    )
-    return model.to(device).eval(), exact
 
 
 class Server:
@@ -262,7 +101,33 @@ class Server:
         eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else config.eos_token_id
         self.eos = eos[0] if isinstance(eos, list) else eos
         self.adapters = AdapterSet(args.max_loras, args.max_lora_rank, args.max_cpu_loras) if args.enable_lora else None
-        self.engine = Engine(
+        self.engine = self._engine(model, exact)
+        self.prepare = self._preparer()
+        for module in args.lora_modules:  # before the engine starts: nothing runs yet
+            self.engine.model = self.load_at_start(module["name"], module["path"])
+        transfer = parse_config(args.weight_transfer_config)
+        self.control = Control(
+            self.engine,
+            self.adapters,
+            self.names,
+            Receiver(args.weight_transfer_timeout_s) if transfer is not None else None,
+        )
+        self.info = Info(
+            args,
+            self.engine,
+            self.tokenizer,
+            self.names,
+            self.adapters,
+            self.max_model_len,
+            str(next(model.parameters()).dtype),
+            transfer,
+        )
+        self.text = responses.TokenText(self.tokenizer)
+        self.fingerprint = fingerprint(args)
+
+    def _engine(self, model: torch.nn.Module, exact: bool) -> Engine:
+        args = self.args
+        return Engine(
             model,
             max_model_len=self.max_model_len,
             eos_token_id=self.eos,
@@ -275,7 +140,10 @@ class Server:
             prefix_caching=args.enable_prefix_caching,
             prefix_cache_max_tokens=args.prefix_cache_max_tokens,
         )
-        self.prepare = Preparer(
+
+    def _preparer(self) -> Preparer:
+        args = self.args
+        return Preparer(
             self.tokenizer,
             self.vocab_size,
             self.max_model_len,
@@ -289,21 +157,6 @@ class Server:
             args.chat_template_content_format,
             args.reasoning_effort_map,
         )
-        for module in args.lora_modules:  # before the engine starts: nothing runs yet
-            self.engine.model = self.load_at_start(module["name"], module["path"])
-        transfer = parse_config(args.weight_transfer_config)
-        self.control = Control(
-            self.engine,
-            self.adapters,
-            self.names,
-            Receiver(args.weight_transfer_timeout_s) if transfer is not None else None,
-        )
-        self.transfer_config = transfer
-        self.text = responses.TokenText(self.tokenizer)
-        self.fingerprint = fingerprint(args)
-        self.started = int(time.time())
-        self.in_flight = 0
-        self.dtype = str(next(model.parameters()).dtype)
 
     def load_at_start(self, name: str, path: str) -> torch.nn.Module:
         """One `--lora-modules` adapter, refused as vLLM refuses it at start (its refusal ends the start)."""
@@ -317,31 +170,20 @@ class Server:
 
     # ---- app ---------------------------------------------------------------------------------
     def app(self) -> web.Application:
-        middlewares = [errors, api_key_auth(self.args.api_key), self.track_load]
+        middlewares = [errors, api_key_auth(self.args.api_key), self.info.track_load]
         if self.args.enable_request_id_headers:
             middlewares.insert(0, request_id_header)
         app = web.Application(middlewares=middlewares, client_max_size=256 * 1024 * 1024)
         app[SERVER_KEY] = self
         routes = [
-            ("GET", "/health", self.health),
-            ("GET", "/version", self.version),
-            ("GET", "/v1/models", self.models),
             ("POST", "/v1/completions", self.completions),
             ("POST", "/v1/chat/completions", self.chat),
             ("POST", "/inference/v1/generate", self.generate),
+            ("POST", "/invocations", self.invocations),
             ("POST", "/tokenize", self.tokenize),
             ("POST", "/detokenize", self.detokenize),
-            ("GET", "/server_info", self.server_info),
-            ("GET", "/get_world_size", self.world_size),
-            ("GET", "/metrics", self.metrics),
-            ("POST", "/invocations", self.invocations),
-            ("GET", "/load", self.load),
-            ("GET", "/ping", self.health),
-            ("POST", "/ping", self.health),
         ]
-        if self.args.enable_tokenizer_info_endpoint:
-            routes.append(("GET", "/tokenizer_info", self.tokenizer_info))
-        for method, path, handler in routes + self.control.routes():
+        for method, path, handler in routes + self.info.routes() + self.control.routes():
             app.router.add_route(method, path, handler)
         app.on_startup.append(self._start_engine)
         app.on_cleanup.append(self._stop_engine)
@@ -624,189 +466,6 @@ class Server:
         if bad is not None:
             raise bad_request(f"Token id {bad} is out of vocabulary", "tokens", bad)
         return web.json_response({"prompt": self.tokenizer.decode(req.tokens)})
-
-    # ---- info ----------------------------------------------------------------------------------
-    async def health(self, _: web.Request) -> web.Response:
-        return web.Response(status=200 if self.engine.alive else 503)
-
-    async def version(self, _: web.Request) -> web.Response:
-        return web.json_response({"version": VLLM_PROTOCOL_VERSION, "tandem_version": __version__})
-
-    def _model_card(self, name: str, root: str, parent: str | None, max_len: int | None) -> dict:
-        permission = {
-            "id": f"modelperm-{uuid.uuid4().hex}",
-            "object": "model_permission",
-            "created": self.started,
-            "allow_create_engine": False,
-            "allow_sampling": True,
-            "allow_logprobs": True,
-            "allow_search_indices": False,
-            "allow_view": True,
-            "allow_fine_tuning": False,
-            "organization": "*",
-            "group": None,
-            "is_blocking": False,
-        }
-        return {
-            "id": name,
-            "object": "model",
-            "created": self.started,
-            "owned_by": "vllm",
-            "root": root,
-            "parent": parent,
-            "max_model_len": max_len,
-            "permission": [permission],
-        }
-
-    async def models(self, _: web.Request) -> web.Response:
-        cards = [self._model_card(n, self.args.model, None, self.max_model_len) for n in self.names]
-        for lora, path in list(self.adapters.paths.items()) if self.adapters else []:  # the engine thread adds
-            cards.append(self._model_card(lora, path, self.names[0], None))
-        return web.json_response({"object": "list", "data": cards})
-
-    @property
-    def prefix_caching(self) -> bool:
-        """Whether prefix caching is on: asked for and possible (a model with recurrent layers has none)."""
-        return self.engine.prefix_cache is not None
-
-    def config(self) -> dict:
-        stats = self.engine.stats()
-        lora = None
-        if self.adapters:
-            lora = {
-                "max_lora_rank": self.adapters.max_lora_rank,
-                "max_loras": self.adapters.max_loras,
-                "max_cpu_loras": self.adapters.max_cpu_loras,
-            }
-        return {
-            "model_config": {
-                "model": self.args.model,
-                "served_model_name": self.names[0],
-                "dtype": self.dtype,
-                "max_model_len": self.max_model_len,
-                "max_logprobs": self.args.max_logprobs,
-                "logprobs_mode": self.args.logprobs_mode,
-                "return_sampling_mask": self.args.return_sampling_mask,
-                "generation_config": self.args.generation_config,
-                "seed": self.args.seed,
-                "decode_mode": "exact" if self.engine.exact else "fast",
-            },
-            "cache_config": {
-                "block_size": BLOCK_SIZE,
-                "num_gpu_blocks": stats.kv_capacity_tokens // BLOCK_SIZE,
-                "kv_cache_size_tokens": stats.kv_capacity_tokens,
-                "enable_prefix_caching": self.prefix_caching,
-            },
-            "scheduler_config": {"max_num_seqs": self.args.max_num_seqs},
-            "parallel_config": {"data_parallel_size": 1, "tensor_parallel_size": 1, "pipeline_parallel_size": 1},
-            "lora_config": lora,
-            "device_config": {"device": str(self.engine.device)},
-            "weight_transfer_config": self.transfer_config,
-        }
-
-    async def server_info(self, request: web.Request) -> web.Response:
-        fmt = request.query.get("config_format", "text")
-        if fmt not in ("text", "json"):
-            raise bad_request(f"config_format must be 'text' or 'json', got {fmt!r}.", "config_format", fmt)
-        config = self.config()
-        return web.json_response(
-            {
-                "vllm_config": config if fmt == "json" else str(config),
-                "vllm_env": {},
-                "system_env": {"server": "tandem serve"},
-            }
-        )
-
-    async def load(self, _: web.Request) -> web.Response:
-        """In-flight generation requests (`--enable-server-load-tracking`; 0 without it, as vLLM answers)."""
-        return web.json_response({"server_load": self.in_flight})
-
-    async def tokenizer_info(self, _: web.Request) -> web.Response:
-        """The tokenizer's configuration, as vLLM's `--enable-tokenizer-info-endpoint` shows it."""
-        info = {k: v for k, v in plain(self.tokenizer.init_kwargs).items() if k not in ("vocab_file", "merges_file")}
-        info["tokenizer_class"] = type(self.tokenizer).__name__
-        if self.args.chat_template is not None:
-            info["chat_template"] = self.tokenizer.chat_template
-        return web.json_response(info, dumps=lambda value: json.dumps(value, default=str))
-
-    @web.middleware
-    async def track_load(self, request: web.Request, handler):
-        """Count the generation requests being served, their streams included (`--enable-server-load-tracking`)."""
-        if not (self.args.enable_server_load_tracking and request.path in LOAD_TRACKED):
-            return await handler(request)
-        self.in_flight += 1
-        try:
-            return await handler(request)
-        finally:
-            self.in_flight -= 1
-
-    async def world_size(self, _: web.Request) -> web.Response:
-        return web.json_response({"world_size": 1})
-
-    async def metrics(self, _: web.Request) -> web.Response:
-        return web.Response(
-            body=prometheus_text(self.engine.stats(), self.names[0], self.prefix_caching).encode(),
-            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
-        )
-
-
-def prometheus_text(stats, model_name: str, prefix_caching: bool) -> str:
-    """The `/metrics` exposition with vLLM's names and labels."""
-    labels = f'engine="0",model_name="{model_name}"'
-    lines = []
-
-    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]], common: str = labels) -> None:
-        lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"])
-        lines.extend(f"{name}{{{extra}{common}}} {float(value)}" for extra, value in samples)
-
-    usage = stats.kv_used_tokens / stats.kv_capacity_tokens if stats.kv_capacity_tokens else 0.0
-    metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", [("", usage)])
-    metric(
-        "vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", [("", stats.running)]
-    )
-    metric("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", [("", stats.waiting)])
-    metric(
-        "vllm:num_preemptions_total",
-        "counter",
-        "Cumulative number of preemption from the engine.",
-        [("", stats.preemptions_total)],
-    )
-    metric(
-        "vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", [("", stats.prompt_tokens_total)]
-    )
-    metric(
-        "vllm:generation_tokens_total",
-        "counter",
-        "Number of generation tokens processed.",
-        [("", stats.generation_tokens_total)],
-    )
-    metric(
-        "vllm:prefix_cache_queries_total",
-        "counter",
-        "Prefix cache queries, in terms of number of queried tokens.",
-        [("", stats.prefix_cache_queries_total)],
-    )
-    metric(
-        "vllm:prefix_cache_hits_total",
-        "counter",
-        "Prefix cache hits, in terms of number of cached tokens.",
-        [("", stats.prefix_cache_hits_total)],
-    )
-    metric(
-        "vllm:request_success_total",
-        "counter",
-        "Count of successfully processed requests.",
-        [(f'finished_reason="{reason}",', count) for reason, count in sorted(stats.finished_total.items())],
-    )
-    blocks = stats.kv_capacity_tokens // BLOCK_SIZE
-    info = (
-        f'block_size="{BLOCK_SIZE}",enable_prefix_caching="{prefix_caching}",kv_cache_size_tokens="{stats.kv_capacity_tokens}",'
-        f'num_gpu_blocks="{blocks}",'
-    )
-    metric(
-        "vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig", [(info, 1)], common='engine="0"'
-    )  # vLLM labels its config info by engine alone
-    return "\n".join(lines) + "\n"
 
 
 async def start_server(args: ServeArgs) -> tuple[web.AppRunner, int]:

@@ -19,12 +19,11 @@ whole sequence every step, as the trainer does. A vision-language model serves i
 import collections
 import concurrent.futures
 import logging
-import os
 import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -37,75 +36,12 @@ from tandem.serve.kv_cache import SequenceStates, SlotKVCache, kv_shapes
 from tandem.serve.lora import AdapterSet
 from tandem.serve.model_runner import ModelRunner
 from tandem.serve.prefix_cache import PrefixCache
-from tandem.serve.sampling import SamplingParams
+from tandem.serve.requests import EngineRequest, EngineStats, Sequence
 
 ENGINE_STOPPED = "The generation engine has stopped: see the server log."
 MAX_PREFILL_TOKENS = 8192
 """Prompt tokens prefilled in one step at most, so running sequences keep decoding while many arrive."""
 logger = logging.getLogger("tandem.serve")
-
-
-@dataclass
-class Sequence:
-    """One generated continuation: tokens, their log-probs, and why it ended."""
-
-    index: int
-    generator: torch.Generator
-    output: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float, int]]] = field(default_factory=list)
-    sampling_masks: list[list[int]] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    checked: int = 0
-    """Tokens whose stop conditions the engine has checked without finishing: what a stream may show while the
-    sequence runs (its lists may already hold a newer token, and its last one arrives with `finish_reason`)."""
-    weight_versions: list[tuple[str, int]] = field(default_factory=list)
-    """(version, first token) of each run of `output` sampled under one weights' label: a swap between two steps
-    starts a new run, which ends where the next begins (the last at the output's end)."""
-
-
-@dataclass
-class EngineRequest:
-    """A prompt and `n` sequences to sample from it. `notify` is called (on the engine thread) after each step."""
-
-    prompt: list[int]
-    params: SamplingParams
-    n: int = 1
-    adapter: str | None = None
-    return_sampling_mask: bool = False
-    stop_check: Callable[[list[int]], str | None] | None = None
-    notify: Callable[[], None] = lambda: None
-    sequences: list[Sequence] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
-    aborted: bool = False
-    cache_salt: str | None = None
-    """Requests with different salts share no prefix-cache block (vLLM's isolation of tenants)."""
-    reads_prefix_cache: bool = True
-    """False: prefilled whole (`skip_reading_prefix_cache`; prompt log-probs need every position's logits)."""
-    cached_tokens: int = 0
-    """Prompt tokens whose KV the prefix cache held when the request was prefilled."""
-    created_cache_tokens: int = 0
-    """Prompt tokens whose KV this request's prefill added to the prefix cache."""
-    prefix_epoch: int = -1
-    """The prefix cache's epoch when this request's KV was computed: KV of replaced weights is never stored."""
-    error: str | None = None
-    """Why the request failed on its own (the engine keeps serving the others)."""
-    error_status: int = 500
-    """400 when the request itself asked for the impossible (its masks left no token to sample)."""
-
-    def __post_init__(self):
-        if not self.sequences:
-            self.sequences = [Sequence(i, _generator(self.params.seed, i)) for i in range(self.n)]
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.sequences)
-
-    @property
-    def cache_namespace(self) -> str:
-        """What seeds the prefix-cache hashes of this request's blocks: its adapter and salt."""
-        return repr((self.adapter, self.cache_salt))
 
 
 def _min_rows(model: torch.nn.Module, exact: bool) -> int:
@@ -126,13 +62,6 @@ def _min_rows(model: torch.nn.Module, exact: bool) -> int:
     return exact_attention.MATMUL_ROWS
 
 
-def _generator(seed: int | None, child: int) -> torch.Generator:
-    """Child i of a seeded request uses seed + i (as vLLM does); unseeded ones draw from the OS."""
-    generator = torch.Generator()
-    generator.manual_seed((seed + child) if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
-    return generator
-
-
 def kv_cache_for(model: torch.nn.Module, max_model_len: int) -> SlotKVCache:
     """A KV cache shaped for the model's layers and heads, on its device and in its dtype."""
     layers = kv_shapes(model).layers
@@ -151,24 +80,6 @@ def kv_cache_for(model: torch.nn.Module, max_model_len: int) -> SlotKVCache:
     return SlotKVCache(len(layers), *shapes.pop(), max_model_len, param.dtype, param.device)
 
 
-@dataclass
-class EngineStats:
-    """Load and cumulative counters. Prompt tokens actually prefilled = prompt_tokens_total - prefix_cache_hits_total."""
-
-    running: int
-    waiting: int
-    kv_used_tokens: int
-    kv_capacity_tokens: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    preemptions_total: int
-    finished_total: dict[str, int]
-    prefix_cache_queries_total: int
-    prefix_cache_hits_total: int
-    prefix_cache_tokens: int
-    """Tokens whose KV the prefix cache holds now."""
-
-
 def caches_for(model: torch.nn.Module, max_model_len: int, exact: bool, prefix_tokens: int | None):
     """The slot KV cache, or each sequence's state for a model with recurrent layers; and the prefix cache of up to
     `prefix_tokens` tokens (None: off, and always off with recurrent layers: no cached block holds their state)."""
@@ -185,8 +96,54 @@ def caches_for(model: torch.nn.Module, max_model_len: int, exact: bool, prefix_t
     return SequenceStates(reforward=exact), None
 
 
+def with_serving_kernels(model: torch.nn.Module, exact: bool) -> torch.nn.Module:
+    """The model with the kernels it decodes with: on a CPU, its large linear layers on oneDNN (as the trainer's
+    forward); its attention exact (`exact`: rows round as in a full forward) or the CPU's decode kernel; a model with
+    attention extras (sinks, soft-capping) keeps its own."""
+    model = architecture.without_hub_kernels(model)
+    cpu = next(model.parameters()).device.type == "cpu"
+    if cpu:
+        onednn_linear.install(model, exact=exact, reorder=True)
+    if not architecture.attention_extras(model):
+        if exact:
+            model.set_attn_implementation(exact_attention.NAME)
+        elif cpu and model.config._attn_implementation == "sdpa":
+            model.set_attn_implementation(decode_attention.NAME)
+    return model
+
+
+@dataclass
+class StepDelay:
+    """Extra seconds per decode step (`step_delay_s`): lets benchmarks stand in a slower (GPU-sized) server. The wait
+    comes between steps, so weight reloads do not sit behind it; a pause stops its clock (a paused GPU computes
+    nothing, so the rest of the wait comes after the resume)."""
+
+    seconds: float
+    next_step_at: float = 0.0
+    left_at_pause: float = 0.0
+
+    def rest(self) -> float:
+        """Seconds until the next step may run (0 or less: now)."""
+        return self.next_step_at - time.monotonic()
+
+    def stepped(self) -> None:
+        self.next_step_at = time.monotonic() + self.seconds
+
+    def pause(self) -> None:
+        self.left_at_pause = max(0.0, self.rest())
+
+    def resume(self) -> None:
+        self.next_step_at = time.monotonic() + self.left_at_pause
+
+
 class Engine:
     """Continuous batching over one model: requests are submitted from any thread, one engine thread runs the steps."""
+
+    paused = False
+    weight_version = "default"
+    """The served weights' label (`/finish_weight_update`'s weight_version), set on the engine thread between steps."""
+    error: BaseException | None = None
+    """What ended the engine thread: the server answers /health with 503 from then on."""
 
     def __init__(
         self,
@@ -204,24 +161,9 @@ class Engine:
         prefix_cache_max_tokens: int | None = None,
     ):
         self.emission = Emission(logprobs_mode, eos_token_id, frozenset(extra_stop_token_ids), max_model_len)
-        model = architecture.without_hub_kernels(model)
-        self.max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs
-        self.adapters = adapters
-        self.exact = exact
-        if next(model.parameters()).device.type == "cpu":  # large linear layers on oneDNN, as the trainer's forward
-            onednn_linear.install(model, exact=exact, reorder=True)
-        self.step_delay_s = step_delay_s
-        """Extra seconds per decode step: lets benchmarks stand in a slower (GPU-sized) server. The wait comes
-        between steps, so weight reloads do not sit behind it; a pause stops its clock (`set_paused`)."""
-        self._next_step_at = 0.0
-        self._delay_left = 0.0
-        self.device = next(model.parameters()).device
-        if not architecture.attention_extras(model):  # sinks, soft-capping: the model's own attention
-            if exact:
-                model.set_attn_implementation(exact_attention.NAME)
-            elif self.device.type == "cpu" and model.config._attn_implementation == "sdpa":
-                model.set_attn_implementation(decode_attention.NAME)
+        model = with_serving_kernels(model, exact)
+        self.max_model_len, self.max_num_seqs, self.adapters, self.exact = max_model_len, max_num_seqs, adapters, exact
+        self.delay, self.device = StepDelay(step_delay_s), next(model.parameters()).device
         bound = max_num_seqs * max_model_len if prefix_cache_max_tokens is None else prefix_cache_max_tokens
         self.cache, self.prefix_cache = caches_for(model, max_model_len, exact, bound if prefix_caching else None)
         self.runner = ModelRunner(
@@ -232,18 +174,12 @@ class Engine:
             exact=exact,
             adapters=adapters,
         )
-        """The forward passes (model_runner.py). It holds the model: weight loads copy into it, an adapter load may
-        replace it (peft wraps it), so `model` reads it there."""
-
+        """The forward passes (model_runner.py); it holds the model, which an adapter load may replace (peft wraps it)."""
         self.waiting: collections.deque[EngineRequest] = collections.deque()
         self.rows: list[tuple[EngineRequest, Sequence]] = []
         self.prefilling: list[EngineRequest] = []
         self.lengths: list[int] = []
-        self.paused = False
-        self.weight_version = "default"
-        """The served weights' label (`/finish_weight_update`'s weight_version), set on the engine thread between steps."""
-        self.counters = collections.Counter()
-        self.finished_total: collections.Counter = collections.Counter()
+        self.counters, self.finished_total = collections.Counter[str](), collections.Counter[str]()
         self._lock = threading.Condition()
         """Guards what other threads touch: `waiting`, `paused`, the flags and the published stats. The running rows,
         their lengths, the counters and the prefix cache are the engine thread's alone."""
@@ -259,7 +195,6 @@ class Engine:
         """Requests a step changed, told (`notify`) once its figures are published: a client that has its answer
         finds it counted in /metrics."""
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
-        self.error: BaseException | None = None
 
     @property
     def model(self) -> torch.nn.Module:
@@ -305,14 +240,12 @@ class Engine:
             self._lock.notify_all()
 
     def set_paused(self, paused: bool) -> None:
-        """A pause also stops the clock of a simulated slow step (`step_delay_s`): a paused GPU computes nothing, so
-        the rest of the wait comes after the resume."""
+        """Stop or restart the steps; a pause also stops the clock of a simulated slow step (`StepDelay`)."""
         with self._lock:
-            now = time.monotonic()
             if paused and not self.paused:
-                self._delay_left = max(0.0, self._next_step_at - now)
+                self.delay.pause()
             elif self.paused and not paused:
-                self._next_step_at = now + self._delay_left
+                self.delay.resume()
             self.paused = paused
             self._lock.notify_all()
 
@@ -375,7 +308,7 @@ class Engine:
                         self._lock.wait(timeout=0.5)
                     if self._stopping:
                         return
-                    rest = self._next_step_at - time.monotonic()
+                    rest = self.delay.rest()
                     if rest > 0 and self._calls.empty():  # a simulated slow step; control calls cut it short
                         self._lock.wait(timeout=rest)
                         continue
@@ -383,7 +316,7 @@ class Engine:
                 with torch.inference_mode():  # no autograd bookkeeping: ~10% of a CPU decode step
                     self._run_calls()
                     self._retire_aborted()
-                    if not self.paused and time.monotonic() >= self._next_step_at:
+                    if not self.paused and self.delay.rest() <= 0:
                         self._guarded_step()
                     stats = self._snapshot()
                 with self._lock:
@@ -400,9 +333,6 @@ class Engine:
                 while not self._calls.empty():
                     self._calls.get()[1].set_exception(RuntimeError(ENGINE_STOPPED))
             raise
-
-    def _touch(self, request: EngineRequest) -> None:
-        self._touched[id(request)] = request
 
     def _notify_touched(self) -> None:
         touched, self._touched = list(self._touched.values()), {}
@@ -465,7 +395,7 @@ class Engine:
             if seq.finish_reason is None:
                 seq.finish_reason = reason
                 self.finished_total[reason] += 1
-        self._touch(request)
+        self._touched[id(request)] = request
 
     def _admit(self) -> list[EngineRequest]:
         """FIFO into free slots; a request whose adapter would exceed max_loras waits (deferred)."""
@@ -573,7 +503,7 @@ class Engine:
         )
         self.lengths = totals
         self._emit(range(len(self.rows)), logits[: len(self.rows), -1])
-        self._next_step_at = time.monotonic() + self.step_delay_s
+        self.delay.stepped()
 
     def _emit(self, rows: range, logits: torch.Tensor) -> None:
         """Sample one token for each of `rows` from its logits (emission.py), count it, retire finished rows."""
@@ -583,7 +513,7 @@ class Engine:
         self.finished_total.update(reason for reason in reasons if reason)
         self.counters["generation_tokens"] += sum(reason != "error" for reason in reasons)
         for request, _ in entries:
-            self._touch(request)
+            self._touched[id(request)] = request
         self._retire({i for i, reason in zip(rows, reasons) if reason})
 
     def _retire(self, finished: set[int]) -> None:

@@ -128,3 +128,26 @@ def restore_states(handler: CallbackHandler, control: TrainerControl, stored: di
                 handler.remove_callback(callback)
                 handler.add_callback(rebuilt)
     return control, unmatched
+
+
+class CallbackMethods:
+    """transformers' Trainer methods for its callbacks, on a trainer that keeps them in `callbacks`."""
+
+    callbacks: Callbacks
+
+    @property
+    def callback_handler(self) -> CallbackHandler:
+        """transformers' CallbackHandler, under the name its Trainer gives it."""
+        return self.callbacks.handler
+
+    def add_callback(self, callback) -> None:
+        """Add a transformers `TrainerCallback` (an instance, or a class to instantiate)."""
+        self.callback_handler.add_callback(callback)
+
+    def pop_callback(self, callback):
+        """Remove a callback (an instance, or the first of a class) and return it; None when absent."""
+        return self.callback_handler.pop_callback(callback)
+
+    def remove_callback(self, callback) -> None:
+        """Remove a callback (an instance, or the first of a class)."""
+        self.callback_handler.remove_callback(callback)

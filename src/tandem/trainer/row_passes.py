@@ -4,12 +4,23 @@ the device, so each pass is timed by its own work."""
 
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
+from tandem.metrics.window import MetricWindow
 from tandem.model.distributed import Ranks
 from tandem.packing import PackedRow
 from tandem.packing.logprobs import TokenLogprobs, row_logprobs
+from tandem.trainer.objectives import LossShare, Objective
+
+
+@dataclass
+class StepLoss:
+    """What a step's forward and backward passes did: the step's loss and the seconds its forward passes took."""
+
+    loss: float
+    forward_s: float
 
 
 class RowPasses:
@@ -57,6 +68,34 @@ class RowPasses:
             for index, micro_batch in enumerate(micro_batches)
             for rank in range(len(micro_batch))
         ]
+
+    def forward_backward(
+        self,
+        micro_batches: list[list[PackedRow]],
+        objective: Objective,
+        scaler: torch.amp.GradScaler | None,
+        records: MetricWindow,
+    ) -> StepLoss:
+        """This rank's rows of one step forwarded and backwarded through `objective` (gradients accumulate; a filler
+        row with weight 0), its metrics into `records`; returns the step's loss summed over the ranks."""
+        rows = [row for micro_batch in micro_batches for row in micro_batch]
+        begun = objective.begin_step(rows, lambda: self.score_all(micro_batches))
+        if self.ranks.main:
+            records.extend(begun)
+        loss, forward_s = 0.0, 0.0
+        for micro_batch in micro_batches:
+            share = LossShare.of(micro_batch, len(micro_batches))
+            for row, real in self.mine(micro_batch):
+                start = self.clock()
+                scored = self.forward(row)
+                forward_s += self.clock() - start
+                row_loss = objective.row_loss(row, scored, share)
+                weighted = row_loss.loss if real else row_loss.loss * 0.0
+                (scaler.scale(weighted) if scaler else weighted).backward()
+                if real:
+                    records.extend(row_loss.metrics)
+                    loss += row_loss.loss.item()
+        return StepLoss(self.ranks.total(loss), forward_s)
 
     def clock(self) -> float:
         """Now, once the device has finished the work queued so far (GPU kernels run asynchronously)."""

@@ -7,41 +7,32 @@ until `max_steps` or the last epoch. The trainer calls the runtime; the runtime 
 """
 
 import gc
-import math
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers.trainer_utils import enable_full_determinism
-from transformers.utils import logging as hf_logging
 
-from tandem import integrations
 from tandem.chat.tool_formats import tool_call_format
 from tandem.config import AsyncGRPOConfig
 from tandem.dataset_rows import is_iterable
-from tandem.errors import UsageError
 from tandem.metrics.window import MetricWindow
 from tandem.model import distributed
-from tandem.model.model_folder import save_model_folder
-from tandem.packing import PackedRow, tree_attention
-from tandem.runtime.rollout_inputs import check_agents, check_reward_names, check_sendable, loop_class, rollout_template
-from tandem.runtime.runtime import Runtime, RuntimeSpec
-from tandem.runtime.sample_source import ResumePoint
-from tandem.trainer import OPENMP_POLICY_TOO_LATE, checkpoint, export
+from tandem.packing import PackedRow
+from tandem.runtime.rollout_inputs import check_sendable, loop_class, rollout_template
+from tandem.runtime.runtime import Runtime, RuntimeSpec, unless_preempted
+from tandem.trainer import checkpoint
 from tandem.trainer.batch_size import check_auto_find_batch_size, halved
-from tandem.trainer.callbacks import Callbacks, callback_handler, with_transformers_names
+from tandem.trainer.callbacks import CallbackMethods, Callbacks, callback_handler
 from tandem.trainer.checkpoint import TrainerState
+from tandem.trainer.evaluation import evaluate
 from tandem.trainer.flops import model_shape, peak_flops, rows_flops
 from tandem.trainer.hub import HubUploader
 from tandem.trainer.model import (
     autocast_dtype,
-    check_dataset,
     check_precision,
-    drop_unused_columns,
     enable_checkpointing,
     eos_ids,
     instrument,
@@ -51,30 +42,23 @@ from tandem.trainer.model import (
     use_bf16,
     with_adapter,
 )
-from tandem.trainer.objectives import LossShare, make_objective
+from tandem.trainer.objectives import make_objective
 from tandem.trainer.optimization import clip_gradients, make_optimizer, make_scheduler
-from tandem.trainer.row_passes import RowPasses
-from tandem.trainer.step_metrics import StepTimes, input_tokens, record_memory, record_samples, record_step
+from tandem.trainer.row_passes import RowPasses, StepLoss
+from tandem.trainer.run_log import LogCounters, RunLog
+from tandem.trainer.run_setup import (
+    attention_kernel,
+    check_inputs,
+    empty_device_cache,
+    router_coefficient,
+    run_log_level,
+    seed_run,
+    set_log_level,
+    warn_train_arguments,
+)
+from tandem.trainer.saving import restore, save_model, uploader
+from tandem.trainer.step_metrics import StepTimes, input_tokens, record_memory, record_samples
 from tandem.trainer.trial import trial_args
-
-
-def seed_run(args: AsyncGRPOConfig) -> None:
-    """The trainer's random state from `seed`; with full_determinism also deterministic algorithms (transformers')."""
-    if args.full_determinism:
-        enable_full_determinism(args.seed)
-    else:
-        torch.manual_seed(args.seed)
-
-
-def run_log_level(args: AsyncGRPOConfig, main: bool, local_main: bool) -> str:
-    """log_level on the job's first process (and each machine's first with log_on_each_node), else log_level_replica."""
-    return args.log_level if main or (args.log_on_each_node and local_main) else args.log_level_replica
-
-
-def set_log_level(level: str) -> None:
-    """transformers' logging verbosity for the run, as its Trainer sets it (`passive` leaves it alone)."""
-    if level != "passive":
-        hf_logging.set_verbosity(hf_logging.log_levels[level])
 
 
 @dataclass
@@ -84,15 +68,7 @@ class TrainOutput:
     metrics: dict
 
 
-@dataclass
-class StepLoss:
-    """What `training_step` did: the step's loss and the seconds its forward passes took."""
-
-    loss: float
-    forward_s: float
-
-
-class AsyncGRPOTrainer:
+class AsyncGRPOTrainer(CallbackMethods):
     loop_cls: type | None = None
     """The rollout loop the worker runs: set an AsyncRolloutLoop subclass on a trainer subclass (None: AsyncRolloutLoop)."""
     runtime_cls: type = Runtime
@@ -117,19 +93,9 @@ class AsyncGRPOTrainer:
         eval_dataset=None,
     ):
         self.args = args = args or AsyncGRPOConfig()
-        train_dataset, eval_dataset, reward_funcs, self.harness = integrations.adapt(
-            train_dataset, eval_dataset, reward_funcs, self.harness
-        )
-        self.tools, self.environment_factory = list(tools or []), environment_factory
-        environments = environment_factory is not None or self.harness is not None
-        dataset = check_train_dataset(train_dataset, args, environments)
-        self.eval_dataset = check_eval_dataset(eval_dataset, args, environments)
-        self.reward_funcs = _reward_list(
-            reward_funcs, check_agents(self.tools, environment_factory, dataset, self.eval_dataset, self.harness)
-        )
-        self.dataset = (
-            drop_unused_columns(dataset, self.reward_funcs, environments) if args.remove_unused_columns else dataset
-        )
+        inputs = check_inputs(args, train_dataset, eval_dataset, reward_funcs, tools, environment_factory, self.harness)
+        self.dataset, self.eval_dataset, self.reward_funcs = inputs.dataset, inputs.eval_dataset, inputs.reward_funcs
+        self.tools, self.environment_factory, self.harness = inputs.tools, inputs.environment_factory, inputs.harness
         self.ranks = distributed.join(args.ddp_timeout)  # this process's place among the torchrun ranks (or one of one)
         self.model_name, model_loaded, self.layout = load_model(model, args)
         """The rows this model trains on: tree-packed, or padded for models a tree row would change (packing/trie.py)."""
@@ -143,9 +109,7 @@ class AsyncGRPOTrainer:
             processing_class, self.model_name if isinstance(model, str) else model.name_or_path, args.trust_remote_code
         )
         self.rollout_template = (
-            rollout_template(self.tokenizer, self.tools, args.chat_template_kwargs)
-            if self.tools or environments
-            else None
+            rollout_template(self.tokenizer, self.tools, args.chat_template_kwargs) if inputs.agent else None
         )
         """A training-safe chat template the worker renders rollouts with, when the model's is not prefix-preserving."""
         if args.tool_call_parser is not None:
@@ -170,10 +134,8 @@ class AsyncGRPOTrainer:
         """The dtype of the trainer's forward: the rounding it expects between its log-probs and the server's."""
         self.state = TrainerState()
         """transformers' TrainerState, filled in place (from a checkpoint when resuming): callbacks hold it."""
-        self.window = MetricWindow()
-        self.losses, self.reward_history = [], []  # each step's loss, each logged window's mean reward
-        self.nonfinite_loss: float | None = None
-        """A NaN or infinite step loss of the window, logged as its `loss` when logging_nan_inf_filter is False."""
+        self.run_log = self._new_run_log()
+        """The metric window, each step's loss and each log's mean reward (trainer/run_log.py)."""
         self.halved_budget: int | None = None
         """auto_find_batch_size: the token budget a step out of memory was packed again in, for the runtime to keep."""
         self.callbacks = Callbacks(
@@ -197,19 +159,7 @@ class AsyncGRPOTrainer:
         (model outputs left out of evaluation) does not apply here."""
         if trial is not None:
             self._take_trial(trial_args(self.args, trial, optimizer_given=self.optimizer_given))
-        if ignore_keys_for_eval is not None:
-            warnings.warn(
-                "train(ignore_keys_for_eval=...) has no effect: evaluation generates and scores completions, "
-                "it returns no model outputs to leave out",
-                stacklevel=2,
-            )
-        if OPENMP_POLICY_TOO_LATE and self.device.type == "cpu" and torch.get_num_threads() > 1:
-            warnings.warn(
-                "torch was imported before tandem, so its OpenMP threads spin while they wait and slow the "
-                "embedded server and the rollout worker (the demo ran 1.4x slower). Start Python with "
-                "OMP_WAIT_POLICY=PASSIVE, or import tandem before torch.",
-                stacklevel=2,
-            )
+        warn_train_arguments(ignore_keys_for_eval, self.device)
         check_sendable(self.reward_funcs, self.loop_cls)
         seed_run(self.args)
         set_log_level(run_log_level(self.args, self.ranks.main, distributed.local_main()))
@@ -219,7 +169,7 @@ class AsyncGRPOTrainer:
         checkpoint.check_save_on_each_node(self.args.save_on_each_node, self.ranks.world_size)
         check_auto_find_batch_size(self.args.auto_find_batch_size, self.ranks)
         resume = checkpoint.resolve(resume_from_checkpoint, self.output_dir)
-        point = self._restore(resume)
+        point = restore(resume, self.model, self.optimizer, self.scheduler, self.callbacks, self.args)
         self.callbacks.event("on_train_begin")
         if self.args.gradient_checkpointing:
             enable_checkpointing(self.model, self.args.gradient_checkpointing_kwargs or {"use_reentrant": False})
@@ -251,7 +201,7 @@ class AsyncGRPOTrainer:
         (transformers reloads it only through model_init, which tandem does not take)."""
         self.args = args
         self.state = self.callbacks.state = TrainerState()
-        self.window, self.losses, self.reward_history, self.nonfinite_loss = MetricWindow(), [], [], None
+        self.run_log = self._new_run_log()
         if not self.optimizer_given:
             self.optimizer = make_optimizer(self.model, args)
             self.scheduler = make_scheduler(self.optimizer, args)
@@ -262,21 +212,14 @@ class AsyncGRPOTrainer:
         self.runtime = self.runtime_cls(self._runtime_spec())
 
     @property
-    def callback_handler(self):
-        """transformers' CallbackHandler, under the name its Trainer gives it."""
-        return self.callbacks.handler
+    def reward_history(self) -> list[float]:
+        """Each logged window's mean reward, in order."""
+        return self.run_log.reward_history
 
-    def add_callback(self, callback) -> None:
-        """Add a transformers `TrainerCallback` (an instance, or a class to instantiate)."""
-        self.callback_handler.add_callback(callback)
-
-    def pop_callback(self, callback):
-        """Remove a callback (an instance, or the first of a class) and return it; None when absent."""
-        return self.callback_handler.pop_callback(callback)
-
-    def remove_callback(self, callback) -> None:
-        """Remove a callback (an instance, or the first of a class)."""
-        self.callback_handler.remove_callback(callback)
+    @property
+    def epoch_size(self) -> int | None:
+        """The prompts in one pass over the dataset; None for a stream or environments' own tasks."""
+        return len(self.dataset) if self.dataset is not None and not is_iterable(self.dataset) else None
 
     def training_step(self, micro_batches: list[list[PackedRow]]) -> StepLoss:
         """Forward and backward this rank's rows of one optimizer step through the objective (gradients accumulate).
@@ -286,7 +229,7 @@ class AsyncGRPOTrainer:
         while True:
             records = MetricWindow()
             try:
-                step = self._forward_backward(micro_batches, records)
+                step = self.passes.forward_backward(micro_batches, self.objective, self.scaler, records)
                 break
             except torch.OutOfMemoryError as error:
                 if not self.args.auto_find_batch_size:
@@ -298,30 +241,8 @@ class AsyncGRPOTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             gc.collect()
             empty_device_cache(self.device)
-        self.window.extend(records.take())
+        self.run_log.window.extend(records.take())
         return step
-
-    def _forward_backward(self, micro_batches: list[list[PackedRow]], records: MetricWindow) -> StepLoss:
-        rows = [row for micro_batch in micro_batches for row in micro_batch]
-        begun = self.objective.begin_step(rows, lambda: self.passes.score_all(micro_batches))
-        if self.ranks.main:
-            records.extend(begun)
-        loss, forward_s = 0.0, 0.0
-        for micro_batch in micro_batches:
-            share = LossShare.of(micro_batch, len(micro_batches))
-            for row, real in self.passes.mine(micro_batch):
-                start = self.passes.clock()
-                scored = self.passes.forward(row)
-                forward_s += self.passes.clock() - start
-                row_loss = self.objective.row_loss(row, scored, share)
-                self._backward(row_loss.loss if real else row_loss.loss * 0.0)
-                if real:
-                    records.extend(row_loss.metrics)
-                    loss += row_loss.loss.item()
-        return StepLoss(self.ranks.total(loss), forward_s)
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False, merged: bool = False) -> None:
         """The model (or the LoRA adapter) and tokenizer as a folder transformers, vLLM and `tandem serve` load.
@@ -329,21 +250,9 @@ class AsyncGRPOTrainer:
         model, read again from the base's folder into host memory (one more copy of the base there, none on the
         GPU), so the trained model is left as it is; a full-weight model is saved as it is. Under torchrun every rank
         calls it; rank 0 merges. `_internal_call` is transformers' Trainer argument, taken so that code written for it
-        runs: there it only decides a push to the Hub, which tandem does not do (push_to_hub is refused)."""
+        runs: there it only decides a push to the Hub, which tandem's save_model never makes (push_to_hub does)."""
         target = Path(output_dir or self.args.output_dir)
-        if merged and self.lora:
-            with tempfile.TemporaryDirectory() as adapter:
-                save_model_folder(self.model, Path(adapter), self.ranks)  # gathered whole, on rank 0
-                if self.ranks.main:
-                    model = export.merge_adapter(
-                        Path(adapter), checkpoint.base_model_name(self.model), served_dtype(self.model)
-                    )
-                    export.write(model, self.tokenizer, target)
-            self.ranks.barrier()
-            return
-        save_model_folder(self.model, target, self.ranks)
-        if self.ranks.main:
-            self.tokenizer.save_pretrained(target)
+        save_model(self.model, self.tokenizer, target, self.ranks, merge_adapter=merged and self.lora)
 
     def push_to_hub(
         self,
@@ -368,17 +277,7 @@ class AsyncGRPOTrainer:
         self.ranks.barrier()
 
     def _uploader(self, token: str | None = None, revision: str | None = None) -> HubUploader:
-        args = self.args
-        if self.hub is None or token or revision:
-            if self.hub is not None:  # what the run's own uploader has queued goes first
-                self.hub.wait()
-            self.hub = HubUploader(
-                args.hub_model_id or self.output_dir.resolve().name,
-                token or args.hub_token,
-                args.hub_private_repo,
-                revision or args.hub_revision,
-                args.hub_always_push,
-            )
+        self.hub = uploader(self.hub, self.args, self.output_dir, token, revision)
         return self.hub
 
     # ---- the loop -------------------------------------------------------------------------------
@@ -390,31 +289,8 @@ class AsyncGRPOTrainer:
             micro_batches = self.ranks.broadcast(runtime.next_micro_batches(state.model_version) if main else None)
             if not micro_batches:
                 break
-            rows = [row for micro_batch in micro_batches for row in micro_batch]
             self.callbacks.event("on_step_begin")
-            step_start = self.passes.clock()
-            step = self.training_step(micro_batches)
-            step_end = self.passes.clock()
-            self._synced(runtime)  # the last step's overlapped sync reads the weights the optimizer is about to change
-            optimizer_start = self.passes.clock()
-            grad_norm = self.optimizer_step()
-            optimizer_s, forward_backward_s = self.passes.clock() - optimizer_start, step_end - step_start
-            epoch_ended = self._step_done(rows, runtime)
-            if args.torch_empty_cache_steps and state.step % args.torch_empty_cache_steps == 0:
-                empty_device_cache(self.device)
-            eval_pending, eval_s = self._sync(runtime, eval_pending or self.callbacks.eval_due(epoch_ended))
-            if main:
-                runtime.publish(tokens_per_step=sum(row.raw_tokens for row in rows))  # after the sync, or its start
-                times = StepTimes(
-                    total=time.perf_counter() - start - eval_s,
-                    rollout_wait=runtime.rollout_wait_s - waited,
-                    forward=step.forward_s,
-                    forward_backward=forward_backward_s,
-                    optimizer=optimizer_s,
-                )
-                self._record(rows, len(micro_batches), step.loss, grad_norm, times)
-            if not args.skip_memory_metrics:  # every rank's: the window is gathered, the largest logged
-                record_memory(self.window, self.device)
+            eval_pending, epoch_ended = self._step(runtime, micro_batches, eval_pending, start, waited)
             self.callbacks.event("on_step_end")
             self.callbacks.plan(epoch_ended)
             if runtime.preempted_everywhere():  # SIGTERM with enable_jit_checkpoint: save this step, then stop
@@ -426,20 +302,58 @@ class AsyncGRPOTrainer:
                 saved_step = self._checkpoint(runtime)
             if control.should_training_stop or self.callbacks.agreed().should_training_stop:  # asked in on_log/on_save
                 break
-        self._synced(runtime, record=False)  # the run stopped after the step's log (a callback, the data's end)
+        with unless_preempted(runtime.preempted):  # the run stopped after the step's log (a callback, the data's end)
+            runtime.wait_sync(record=False)
         if main:  # what came in after the last log (drops while the worker finished)
-            self.window.extend(runtime.take_metrics())
-        if self.ranks.broadcast(bool(self.window.values)):
+            self.run_log.window.extend(runtime.take_metrics())
+        if self.ranks.broadcast(bool(self.run_log.window.values)):
             metrics = self._log(runtime)
-        if (
-            (args.save_strategy in ("steps", "epoch") or runtime.preempted.is_set())
-            and state.step > 0
-            and saved_step != state.step
+        if (args.save_strategy in ("steps", "epoch") or runtime.preempted.is_set()) and state.step not in (
+            0,
+            saved_step,
         ):
             self._checkpoint(runtime)
         if args.load_best_model_at_end and not runtime.preempted_everywhere():  # every rank decides alike
             self._load_best(runtime)
-        return TrainOutput(state.step, sum(self.losses) / len(self.losses) if self.losses else 0.0, metrics)
+        return TrainOutput(state.step, self.run_log.training_loss, metrics)
+
+    def _step(
+        self, runtime: Runtime, micro_batches: list[list[PackedRow]], eval_pending: bool, start: float, waited: float
+    ) -> tuple[bool, bool]:
+        """One optimizer step on `micro_batches` (taken at `start`; the worker had been waited for `waited` seconds
+        before): trained, counted, synced and recorded. Returns whether an evaluation is still pending, and whether
+        the step ended a pass over the dataset."""
+        rows = [row for micro_batch in micro_batches for row in micro_batch]
+        step_start = self.passes.clock()
+        step = self.training_step(micro_batches)
+        step_end = self.passes.clock()
+        with unless_preempted(
+            runtime.preempted
+        ):  # the last step's overlapped sync reads the weights the optimizer changes next
+            runtime.wait_sync()
+        grad_norm = self.optimizer_step()
+        optimizer_s, forward_backward_s = self.passes.clock() - step_end, step_end - step_start
+        epoch_ended = self._step_done(rows, runtime)
+        if self.args.torch_empty_cache_steps and self.state.step % self.args.torch_empty_cache_steps == 0:
+            empty_device_cache(self.device)
+        eval_pending, eval_s = self._sync(runtime, eval_pending or self.callbacks.eval_due(epoch_ended))
+        if self.ranks.main:
+            runtime.publish(tokens_per_step=sum(row.raw_tokens for row in rows))  # after the sync, or its start
+            times = StepTimes(
+                total=time.perf_counter() - start - eval_s,
+                rollout_wait=runtime.rollout_wait_s - waited,
+                forward=step.forward_s,
+                forward_backward=forward_backward_s,
+                optimizer=optimizer_s,
+            )
+            lr = self.scheduler.get_last_lr()[0]
+            self.run_log.record_step(rows, len(micro_batches), step.loss, grad_norm, lr, times)
+            if self.peak_flops:
+                capacity = self.peak_flops * self.ranks.world_size
+                self.run_log.record_mfu(rows_flops(rows, self.flops_shape), capacity, times)
+        if not self.args.skip_memory_metrics:  # every rank's: the window is gathered, the largest logged
+            record_memory(self.run_log.window, self.device)
+        return eval_pending, epoch_ended
 
     def _load_best(self, runtime: Runtime) -> None:
         """load_best_model_at_end: the best checkpoint's weights into the model (every rank; rank 0 ranked them)."""
@@ -459,22 +373,11 @@ class AsyncGRPOTrainer:
         if state.step % self.args.weight_sync_steps or runtime.preempted_everywhere():  # a preempted run checkpoints
             return eval_pending, 0.0  # first: its server may be ending too (a SIGTERM to the whole job)
         last = 0 < self.args.max_steps <= state.step  # no next step to overlap: its log carries the sync
-        try:
+        with unless_preempted(runtime.preempted):
             runtime.sync(state.model_version + 1, overlap=not (eval_pending or last))  # an evaluation samples from them
             state.model_version += 1
-        except Exception:
-            if not runtime.preempted.is_set():
-                raise  # a SIGTERM during the sync: the server went with it; the trained step is still saved
         eval_s = self._evaluate(runtime).get("eval/runtime_s", 0.0) if eval_pending and self.ranks.main else 0.0
         return False, eval_s
-
-    def _synced(self, runtime: Runtime, record: bool = True) -> None:
-        """The end of the sync `_sync` left running beside the next step (its failures end the run as `_sync`'s do)."""
-        try:
-            runtime.wait_sync(record)
-        except Exception:
-            if not runtime.preempted.is_set():
-                raise
 
     def optimizer_step(self) -> float:
         """Clip the accumulated gradients, step the optimizer and the schedule, zero the gradients; returns the
@@ -507,51 +410,23 @@ class AsyncGRPOTrainer:
             runtime.limit_token_budget(self.halved_budget)
             runtime.session.progress.say(f"out of device memory: token_budget halved to {self.halved_budget}")
             self.halved_budget = None
-        record_samples(self.window, rows, state.model_version)  # their staleness against the policy they trained
+        record_samples(
+            self.run_log.window, rows, state.model_version
+        )  # their staleness against the policy they trained
         before, state.dataset_start_index = state.dataset_start_index, runtime.trained(rows, state.step)
-        epochs = len(self.dataset) if self.dataset is not None and not is_iterable(self.dataset) else None
+        epochs = self.epoch_size
         return epochs is not None and state.dataset_start_index // epochs > before // epochs
-
-    def _record(
-        self, rows: list[PackedRow], num_micro_batches: int, loss: float, grad_norm: float, times: StepTimes
-    ) -> None:
-        if math.isfinite(loss):
-            self.losses.append(loss)
-            self.window.add("loss", loss)
-        elif not self.args.logging_nan_inf_filter:  # as transformers: the logged loss and training_loss show it
-            self.nonfinite_loss = loss
-            self.losses.append(loss)
-        self.window.add("grad_norm", grad_norm)
-        self.window.add("learning_rate", self.scheduler.get_last_lr()[0])
-        record_step(self.window, rows, num_micro_batches, times)
-        if self.peak_flops:  # the step's FLOPs over what its GPUs could do in the time
-            flops, capacity = rows_flops(rows, self.flops_shape), self.peak_flops * self.ranks.world_size
-            self.window.add("perf/fwd_bwd_mfu", flops / (times.forward_backward * capacity))
-            self.window.add("perf/wall_clock_mfu", flops / (times.total * capacity))
 
     def _log(self, runtime: Runtime) -> dict:
         """Every rank's window, reduced together by each name's rule and written by rank 0."""
-        others = self.ranks.gather(None if self.ranks.main else dict(self.window.values))
+        others = self.ranks.gather(None if self.ranks.main else dict(self.run_log.window.values))
         if not self.ranks.main:
-            self.window.flush()
+            self.run_log.window.flush()
             return {}
         for records in others[1:]:
-            self.window.extend(records)
-        self.window.extend(runtime.take_metrics())
-        examples = self.window.values.get("completions/examples")
-        metrics = self.window.flush()
-        metrics["num_tokens"] = self.state.num_tokens
-        if self.args.include_num_input_tokens_seen not in ("no", False):
-            metrics["num_input_tokens_seen"] = self.state.num_input_tokens_seen
-        if self.nonfinite_loss is not None:
-            metrics["loss"], self.nonfinite_loss = self.nonfinite_loss, None
-        metrics["model_version"] = self.state.model_version
-        if self.dataset is not None and not is_iterable(self.dataset):
-            metrics["epoch"] = self.state.dataset_start_index / len(self.dataset)
-        if self.tools or self.environment_factory is not None or self.harness is not None:
-            metrics.setdefault("tools/failure_frequency", math.nan)  # no call in the window
-        if "reward" in metrics:
-            self.reward_history.append(metrics["reward"])
+            self.run_log.window.extend(records)
+        self.run_log.window.extend(runtime.take_metrics())
+        metrics, examples = self.run_log.flush(self.state)
         self.state.epoch = metrics.get("epoch")
         self.state.log_history.append({**metrics, "step": self.state.step})
         self.callbacks.event("on_log", logs=metrics)
@@ -561,41 +436,18 @@ class AsyncGRPOTrainer:
             runtime.session.log_completions(self.state.step, examples, self.args.num_completions_to_print)
         return metrics
 
-    def _evaluate(self, runtime: Runtime) -> dict:
-        """The eval prompts generated by the server under the policy version it serves now, scored by the reward
-        functions and logged as eval/* under this step; never trained. Rank 0 (the worker's owner) only."""
-        state, start = self.state, time.perf_counter()
-        records = runtime.evaluate(state.step, state.model_version)
-        if records is None:  # the run is stopping (SIGTERM)
-            return {}
-        window = MetricWindow()
-        window.extend(records)
-        metrics = window.flush() | {
-            "eval/runtime_s": time.perf_counter() - start,
-            "eval/model_version": state.model_version,
-            "eval/num_prompts": len(self.eval_dataset),
-        }
-        state.log_history.append({**metrics, "step": state.step})
-        self.callbacks.event(
-            "on_evaluate", metrics=with_transformers_names(metrics)
-        )  # the best so far is the last one's
-        if (
-            self.args.metric_for_best_model
-            and state.step > 0
-            and checkpoint.record_if_best(state, metrics, self.args.metric_for_best_model, self.args.greater_is_better)
-        ):
-            self.callbacks.control.should_save |= (
-                self.args.save_strategy != "no"
-            )  # the best step is always checkpointed
-            saved = self.output_dir / f"checkpoint-{state.step}"
-            if saved.is_dir():  # evaluated at the start of a run resumed from it (eval_on_start): it is the best one
-                state.best_model_checkpoint = str(saved)
-        runtime.session.log(state.step, metrics)
-        runtime.session.progress.say(
-            f"eval at step {state.step} (policy version {state.model_version}): reward "
-            f"{metrics.get('eval/reward', math.nan):.3f} over {len(self.eval_dataset)} prompts"
+    def _new_run_log(self) -> RunLog:
+        return RunLog(
+            LogCounters(
+                num_input_tokens_seen=self.args.include_num_input_tokens_seen not in ("no", False),
+                epoch_size=self.epoch_size,
+                agent=bool(self.tools) or self.environment_factory is not None or self.harness is not None,
+            ),
+            keep_nonfinite=not self.args.logging_nan_inf_filter,
         )
-        return metrics
+
+    def _evaluate(self, runtime: Runtime) -> dict:
+        return evaluate(runtime, self.state, self.args, self.callbacks, len(self.eval_dataset), self.output_dir)
 
     def _checkpoint(self, runtime: Runtime) -> int:
         """A checkpoint of this step, with where the prompt stream goes on; returns the step."""
@@ -622,21 +474,6 @@ class AsyncGRPOTrainer:
         return self.state.step
 
     # ---- setup ----------------------------------------------------------------------------------
-    def _restore(self, resume: Path | None) -> ResumePoint:
-        """Weights, optimizer, schedule and counters from the checkpoint `resume` (resharded to this run's ranks), into
-        `self.state`; returns where its prompt stream goes on (the beginning without a checkpoint)."""
-        if resume is None:
-            return ResumePoint(0)
-        checkpoint.load(resume, self.model, self.optimizer, self.scheduler, self.state)
-        if self.args.restore_callback_states_from_checkpoint:
-            unmatched = self.callbacks.restore(self.state.stateful_callbacks)
-            if unmatched:
-                warnings.warn(
-                    f"{resume} holds the state of callbacks this run does not have, left alone: {', '.join(unmatched)}",
-                    stacklevel=3,
-                )
-        return checkpoint.load_resume_point(resume)
-
     def _runtime_spec(self) -> RuntimeSpec:
         return RuntimeSpec(
             args=self.args,
@@ -660,102 +497,3 @@ class AsyncGRPOTrainer:
             loop_cls=loop_class(self.loop_cls, self.harness),
             rollout_template=self.rollout_template,
         )
-
-
-def check_train_dataset(dataset, args: AsyncGRPOConfig, environments: bool):
-    """The training prompts, if they can be ordered as asked (an IterableDataset streams in its own order, as in
-    transformers) and have the epochs an 'epoch' strategy counts."""
-    dataset = check_dataset(dataset, environments=environments, max_steps=args.max_steps)
-    by_epoch = [
-        name for name in ("logging_strategy", "save_strategy", "eval_strategy") if getattr(args, name) == "epoch"
-    ]
-    if by_epoch and (dataset is None or is_iterable(dataset)):
-        raise UsageError(
-            f"{by_epoch[0]}='epoch' needs a dataset with a length to count epochs by, and "
-            f"{'an IterableDataset has none' if dataset is not None else 'the environments make their own tasks'}"
-            ": use 'steps'."
-        )
-    if is_iterable(dataset) and args.data_seed is not None:  # 'random' (the default) orders indexed datasets only
-        raise UsageError(
-            f"data_seed={args.data_seed} orders a dataset by its indices, and an IterableDataset has none: "
-            "shuffle the stream itself (dataset.shuffle(seed=..., buffer_size=...)), or drop data_seed."
-        )
-    return dataset
-
-
-def empty_device_cache(device: torch.device) -> None:
-    """torch_empty_cache_steps: hand the accelerator's cached free blocks back (the CPU keeps no such cache)."""
-    if device.type != "cpu":
-        getattr(torch, device.type).empty_cache()  # torch.cuda / torch.xpu / torch.mps
-
-
-def attention_kernel(args: AsyncGRPOConfig, device: torch.device) -> str:
-    """The tree-attention kernel the rows are trained with: the configured one, or the device's default."""
-    kernel = args.tree_attention_kernel or tree_attention.default_kernel(device)
-    if kernel == "flex" and device.type != "cuda":
-        raise UsageError(
-            "tree_attention_kernel='flex' needs a GPU: FlexAttention has no backward pass on CPU. "
-            "Use 'exact' or 'sdpa'."
-        )
-    return kernel
-
-
-def router_coefficient(args: AsyncGRPOConfig, model) -> float:
-    """The weight of a Mixture-of-Experts model's balancing loss: the config's, else the model's own (0 without a router)."""
-    text_config = model.config.get_text_config()
-    if args.router_aux_loss_coef is not None and not hasattr(text_config, "router_aux_loss_coef"):
-        raise UsageError(
-            f"AsyncGRPOConfig.router_aux_loss_coef={args.router_aux_loss_coef}: the model is not a "
-            "Mixture-of-Experts model (its config has no router), so there is no balancing loss to weigh. "
-            "Leave it None."
-        )
-    if args.router_aux_loss_coef is not None:
-        return args.router_aux_loss_coef
-    return getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0
-
-
-def check_eval_dataset(eval_dataset, args: AsyncGRPOConfig, environments: bool):
-    """The eval prompts, when evaluation is asked for and they can be generated; neither is silently ignored."""
-    if eval_dataset is None:
-        if args.eval_strategy != "no" or args.eval_on_start:
-            raise UsageError(
-                f"eval_strategy={args.eval_strategy!r} / eval_on_start={args.eval_on_start} needs an "
-                "eval_dataset (prompts generated and scored, never trained): pass one to AsyncGRPOTrainer, "
-                "or an eval_dataset key in the recipe"
-            )
-        return None
-    if args.eval_strategy == "no" and not args.eval_on_start:
-        warnings.warn(
-            "an eval_dataset was given but eval_strategy='no' and eval_on_start=False: it is never evaluated. "
-            "Set eval_strategy='steps' (every eval_steps steps) or eval_on_start=True.",
-            stacklevel=3,
-        )
-    if is_iterable(eval_dataset):
-        raise UsageError(
-            "eval_dataset is an IterableDataset: each evaluation generates all of it, so it needs a length. "
-            "Take a fixed set of rows, e.g. Dataset.from_list(list(eval_dataset.take(256)))."
-        )
-    try:
-        return check_dataset(eval_dataset, environments=environments)
-    except ValueError as exc:
-        raise UsageError(f"eval_dataset: {exc}".replace("train_dataset", "eval_dataset")) from None
-
-
-def _reward_list(reward_funcs, environment_rewards: bool) -> list:
-    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs] if reward_funcs else []
-    if not funcs and not environment_rewards:
-        raise UsageError(
-            "reward_funcs is empty and no environment defines get_reward(): pass at least one reward function "
-            "(e.g. tandem.rewards.accuracy_reward), or give the environment a get_reward() method"
-        )
-    for func in funcs:
-        if isinstance(func, (str, torch.nn.Module)):  # TRL's GRPOTrainer takes these; its AsyncGRPOTrainer does not
-            raise UsageError(
-                f"reward function {type(func).__name__} {str(func)[:80]!r}: reward models are not supported "
-                "(as in TRL's AsyncGRPOTrainer); pass a function that scores the completions, "
-                "calling the model there"
-            )
-        if not callable(func):
-            raise TypeError(f"reward function {func!r} is not callable; pass functions, not {type(func).__name__}")
-    check_reward_names(funcs)
-    return funcs

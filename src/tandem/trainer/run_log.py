@@ -1,0 +1,83 @@
+"""The run's log: the metric window that each step and the rollout worker add to, and what outlives a window — each
+step's loss (`training_loss` is their mean) and each logged window's mean reward (the CLI's last line compares the
+first twenty with the last twenty)."""
+
+import math
+from dataclasses import dataclass, field
+
+from tandem.metrics.window import MetricWindow
+from tandem.packing import PackedRow
+from tandem.trainer.checkpoint import TrainerState
+from tandem.trainer.step_metrics import StepTimes, record_step
+
+
+@dataclass
+class LogCounters:
+    """What a logged line carries besides the window: the run's counters, and the keys a window may leave empty."""
+
+    num_input_tokens_seen: bool
+    """include_num_input_tokens_seen is on: the line carries the count."""
+    epoch_size: int | None
+    """The dataset's length (None for a stream or environments): the line carries the epoch reached."""
+    agent: bool
+    """The run has tools or environments: `tools/failure_frequency` is NaN in a window without a call."""
+
+
+@dataclass
+class RunLog:
+    counters: LogCounters
+    keep_nonfinite: bool = False
+    """logging_nan_inf_filter=False: a NaN or infinite step loss is logged as the window's loss, as in transformers."""
+    window: MetricWindow = field(default_factory=MetricWindow)
+    losses: list[float] = field(default_factory=list)
+    reward_history: list[float] = field(default_factory=list)
+    nonfinite_loss: float | None = None
+    """The window's last NaN or infinite loss, logged as its `loss` when keep_nonfinite."""
+
+    @property
+    def training_loss(self) -> float:
+        return sum(self.losses) / len(self.losses) if self.losses else 0.0
+
+    def record_step(
+        self,
+        rows: list[PackedRow],
+        num_micro_batches: int,
+        loss: float,
+        grad_norm: float,
+        learning_rate: float,
+        times: StepTimes,
+    ) -> None:
+        """One optimizer step's loss, gradient norm, learning rate, totals and timings."""
+        if math.isfinite(loss):
+            self.losses.append(loss)
+            self.window.add("loss", loss)
+        elif self.keep_nonfinite:  # as transformers: the logged loss and training_loss show it
+            self.nonfinite_loss = loss
+            self.losses.append(loss)
+        self.window.add("grad_norm", grad_norm)
+        self.window.add("learning_rate", learning_rate)
+        record_step(self.window, rows, num_micro_batches, times)
+
+    def record_mfu(self, flops: float, capacity: float, times: StepTimes) -> None:
+        """The step's FLOPs over what its GPUs (`capacity` FLOP/s in all) could do in its time."""
+        self.window.add("perf/fwd_bwd_mfu", flops / (times.forward_backward * capacity))
+        self.window.add("perf/wall_clock_mfu", flops / (times.total * capacity))
+
+    def flush(self, state: TrainerState) -> tuple[dict, list | None]:
+        """The window reduced into one logged line with the run's counters, and the completions it sampled to print;
+        the window starts again empty."""
+        examples = self.window.values.get("completions/examples")
+        metrics, counters = self.window.flush(), self.counters
+        metrics["num_tokens"] = state.num_tokens
+        if counters.num_input_tokens_seen:
+            metrics["num_input_tokens_seen"] = state.num_input_tokens_seen
+        if self.nonfinite_loss is not None:
+            metrics["loss"], self.nonfinite_loss = self.nonfinite_loss, None
+        metrics["model_version"] = state.model_version
+        if counters.epoch_size is not None:
+            metrics["epoch"] = state.dataset_start_index / counters.epoch_size
+        if counters.agent:
+            metrics.setdefault("tools/failure_frequency", math.nan)  # no call in the window
+        if "reward" in metrics:
+            self.reward_history.append(metrics["reward"])
+        return metrics, examples
