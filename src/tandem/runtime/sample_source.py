@@ -16,7 +16,7 @@ import time
 import warnings
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from tandem.contract.records import Sample
 from tandem.contract.staleness import StalenessPolicy
@@ -106,8 +106,13 @@ class ResumePoint:
         return float(sum(s.num_tokens for s in self.samples))
 
 
+WorkerMessage = tuple[str, Any]
+"""A message from the worker process: its kind and a payload whose type the kind says ("samples": a list of `Sample`,
+"skip": a prompt position, "metrics": a `MetricWindow` dict, "eval": (step, records), "say": text, "end": nothing)."""
+
+
 class Inbox(Protocol):
-    def get(self, timeout_s: float) -> tuple[str, object] | None:
+    def get(self, timeout_s: float) -> WorkerMessage | None:
         """The next message from the worker, or None after `timeout_s`; raises if the worker failed."""
 
 

@@ -9,8 +9,10 @@ import asyncio
 import json
 import sys
 import urllib.parse
+from collections.abc import Coroutine
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -28,6 +30,8 @@ QUICK_S = 5.0
 DYING_S = 3.0
 """After a failed call, how long the embedded server gets to show it is exiting: a killed server resets its sockets a
 moment before its exit can be seen."""
+
+T = TypeVar("T")
 
 
 class Session:
@@ -54,7 +58,7 @@ class Session:
     def __exit__(self, *exc_info) -> None:
         self.stack.close()
 
-    def run(self, coroutine):
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run a client call to completion on the session's event loop. When it fails because the embedded
         server died, the error says so (with the server's log)."""
         try:
@@ -71,31 +75,38 @@ class Session:
             self.stack.callback(torch.set_num_threads, torch.get_num_threads())
             torch.set_num_threads(threads)
             self.server_env = {"OMP_NUM_THREADS": str(threads)}
-        self.server = EmbeddedServer(model_path, log_path=log_path, extra_args=extra_args, env=self.server_env)
+        self.server = server = EmbeddedServer(model_path, log_path=log_path, extra_args=extra_args, env=self.server_env)
         self.server_args = extra_args
-        self.stack.callback(lambda: self.server.stop())  # the one running then (it may have been restarted)
-        return self.server.url
+        self.stack.callback(self._stop_server)
+        assert server.url is not None, "the server is started once it reports its URL"
+        return server.url
+
+    def _stop_server(self) -> None:
+        """Stop the embedded server running at the session's end (it may have been restarted)."""
+        if self.server is not None:
+            self.server.stop()
 
     def restart_server(self, model_path: str) -> None:
         """A new embedded server in place of the one that died: the same flags and port (requests in flight retry
         until it answers), serving `model_path`."""
-        dead = self.server
+        dead, control = self.server, self.control
+        assert dead is not None and control is not None, "a restart follows start_server and connect"
         dead.stop()  # reaps it and closes its output
         port = urllib.parse.urlsplit(dead.url).port
         self.server = EmbeddedServer(
             model_path, log_path=dead.log_path, extra_args=[*self.server_args, "--port", str(port)], env=self.server_env
         )
-        self.run(self.control.wait_healthy(self.timeout_s))
+        self.run(control.wait_healthy(self.timeout_s))
 
     def connect(self, url: str) -> ControlClient:
         """The control-plane client, once the server at `url` answers /health."""
-        self.control = ControlClient(url, api_key=self.api_key, timeout_s=self.timeout_s)
-        self.stack.callback(lambda: self.run(self.control.close()))
+        self.control = control = ControlClient(url, api_key=self.api_key, timeout_s=self.timeout_s)
+        self.stack.callback(lambda: self.run(control.close()))
         if self.server is not None:  # the embedded one: its start is ours to wait for
-            self.run(self.control.wait_healthy(self.timeout_s))
-            return self.control
+            self.run(control.wait_healthy(self.timeout_s))
+            return control
         try:
-            self.run(self.control.wait_healthy(min(self.timeout_s, QUICK_S)))
+            self.run(control.wait_healthy(min(self.timeout_s, QUICK_S)))
         except TimeoutError:  # an external server that is starting, or none: say what we wait for
             print(
                 f"tandem: waiting for the generation server at {url} to answer /health (up to "
@@ -103,13 +114,14 @@ class Session:
                 file=sys.stderr,
             )
             try:
-                self.run(self.control.wait_healthy(self.timeout_s))
+                self.run(control.wait_healthy(self.timeout_s))
             except TimeoutError as exc:
                 raise ServerProblem(str(exc)) from None
-        return self.control
+        return control
 
     def generation_client(self) -> GenerationClient:
         """A generation client of the connected server, closed with the session."""
+        assert self.control is not None, "connect() first"
         client = GenerationClient(self.control.base_url, api_key=self.api_key, timeout_s=self.timeout_s)
         self.stack.callback(lambda: self.run(client.close()))
         return client
@@ -138,6 +150,7 @@ class Session:
         rows = completion_rows(step, examples)
         for sink in self.sinks:
             sink.log_table(step, rows)
+        assert self.progress is not None, "open_sinks() first"
         self.progress.print_completions(examples, printed)
 
     def write_report(self) -> None:

@@ -74,7 +74,7 @@ class SyncProbe:
 
     def __init__(self, prompt: list[int], dtype: str, args):
         self.prompt, self.args = prompt, args
-        self.dtypes = [dtype]
+        self.dtypes: list[str | None] = [dtype]
         """The trainer's dtype, then the server's (`note_server_dtype`): the connect check takes the coarser bound."""
         self.tokens = PROBE_TOKENS
         """Shorter when the server's context has no room for the full probe (`fit`)."""
@@ -141,19 +141,19 @@ class SyncProbe:
     def judge(self, served_name: str, served: list[float], ours: torch.Tensor) -> SyncGap:
         """The gap between the `served` log-probs and the trainer's (`ours`), after SyncMismatch if a rule in effect
         (class docstring) says the server does not serve the trainer's weights."""
-        served = torch.tensor(served, dtype=torch.float64)
-        gap = SyncGap(served_name, len(served), float((served - ours).abs().max()), float((served - ours).abs().mean()))
+        theirs = torch.tensor(served, dtype=torch.float64)
+        gap = SyncGap(served_name, len(theirs), float((theirs - ours).abs().max()), float((theirs - ours).abs().mean()))
         if self.args.weight_sync_check_atol is not None:
             check(gap, self.args.weight_sync_check_atol)
         if self.args.vllm_server_base_url is None:
             return gap
         if self.reference is not None and self.rescored:
-            verdict = moved(served, ours, self.reference)
+            verdict = moved(theirs, ours, self.reference)
             if verdict is False:
                 raise SyncMismatch(
                     f"weight sync check: after the sync, the server's log-probs under {served_name!r} sit nearer the "
                     f"weights it served at the first probe than the trainer's new ones "
-                    f"({rms(served - self.reference):.3g} against {rms(served - ours):.3g} RMS over {gap.tokens} tokens, "
+                    f"({rms(theirs - self.reference):.3g} against {rms(theirs - ours):.3g} RMS over {gap.tokens} tokens, "
                     f"while the two versions lie {rms(ours - self.reference):.3g} apart). The weights did not reach the "
                     "server (a reload that missed, an adapter not applied), so training would be off-policy."
                 )

@@ -9,30 +9,37 @@ server reports. Under torchrun every rank calls `push` (gathering sharded weight
 talks to the server.
 """
 
-import asyncio
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
-from peft import PeftModel
+from peft import LoraConfig, PeftConfig, PeftModel
 from peft.tuners.lora import LoraLayer
+from transformers import PreTrainedModel
 
 from tandem.contract.staleness import StalenessPolicy
 from tandem.generation.client import ControlClient, ServerProblem
 from tandem.generation.server_facts import ServerFacts
 from tandem.model.distributed import Ranks
 from tandem.model.model_folder import quiet_progress, save_model_folder
-from tandem.runtime.weight_transfer import GlooPlane, TransferSync, VllmNcclPlane
+from tandem.runtime.weight_transfer import GlooPlane, LoopRunner, TransferSync, VllmNcclPlane
 
 if TYPE_CHECKING:
-    from tandem.runtime.session import Session  # `run` is anything with .run(coroutine): a Session, an asyncio.Runner
+    from tandem.config import AsyncGRPOConfig
+
+
+class DeltaWeightLayer(Protocol):
+    """A LoRA layer that computes its adapter's weight delta (every kind PEFT's LoRA wraps a weight with does)."""
+
+    def get_delta_weight(self, adapter: str) -> torch.Tensor: ...
 
 
 def write_weights(
-    model: torch.nn.Module, folder: Path, name: str, ranks: Ranks, state_dict: dict | None = None
+    model: torch.nn.Module, folder: Path, name: str, ranks: Ranks, state_dict: dict[str, torch.Tensor] | None = None
 ) -> Path:
     """Save `model` (a whole model, or a PEFT adapter) as `folder/name`: to a temporary folder first, then renamed,
     so the server never reads half of it. `state_dict` replaces the model's own weights in the files (one rank)."""
@@ -40,6 +47,7 @@ def write_weights(
     if ranks.main:
         shutil.rmtree(staging, ignore_errors=True)
     if state_dict is not None:
+        assert isinstance(model, PreTrainedModel), "other weights are saved under a transformers model's names"
         with quiet_progress():
             model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
     else:
@@ -54,7 +62,7 @@ def merged_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:
     """The base model's weights under its own names, each LoRA layer's W replaced by W + its adapter's delta.
     Computed out of place: merging into the trained weights and back would round them a little every sync."""
     base = model.get_base_model()
-    layers = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    layers = {name: cast(DeltaWeightLayer, m) for name, m in base.named_modules() if isinstance(m, LoraLayer)}
     merged = {}
     for key, value in base.state_dict().items():
         if "lora_" in key:
@@ -74,7 +82,7 @@ class ReloadSync:
         self,
         control: ControlClient | None,
         output_dir: Path,
-        run: "asyncio.Runner | Session | None",
+        run: LoopRunner | None,
         served_name: str,
         ranks: Ranks = Ranks(),
     ):
@@ -86,7 +94,9 @@ class ReloadSync:
         """What rollouts of `version` ask the server for: always the base model's name."""
         return self.served_name
 
-    def push(self, model: torch.nn.Module, version: int, announce=lambda version: None) -> dict[str, float]:
+    def push(
+        self, model: torch.nn.Module, version: int, announce: Callable[[int], None] = lambda version: None
+    ) -> dict[str, float]:
         """Publish `model` (merged, for a LoRA model) as `version`, then `announce(version)` to the rollouts; returns
         the timing breakdown for perf/weight_sync_*."""
         start = time.perf_counter()
@@ -99,12 +109,13 @@ class ReloadSync:
             target = write_weights(model, self.folder, f"v{version}", self.ranks)
         if not self.ranks.main:
             return {}
+        control, run = leader(self.control, self.run)
         written = time.perf_counter()
-        self.run.run(self.control.pause("keep"))
+        run.run(control.pause("keep"))
         paused = time.perf_counter()
-        self.run.run(self.control.reload_weights(str(target.resolve())))
-        self.run.run(self.control.reset_prefix_cache())
-        self.run.run(self.control.resume())
+        run.run(control.reload_weights(str(target.resolve())))
+        run.run(control.reset_prefix_cache())
+        run.run(control.resume())
         announce(version)
         done = time.perf_counter()
         for old in self.folder.glob("v*"):
@@ -115,6 +126,12 @@ class ReloadSync:
             "perf/weight_sync_pause_s": paused - written,
             "perf/weight_sync_transfer_s": (written - start) + (done - paused),
         }
+
+
+def leader(control: ControlClient | None, run: LoopRunner | None) -> tuple[ControlClient, LoopRunner]:
+    """Rank 0's control client and what runs its calls (the other ranks talk to no server and hold neither)."""
+    assert control is not None and run is not None, "only rank 0 talks to the server"
+    return control, run
 
 
 GLOO_HINT = (
@@ -145,7 +162,7 @@ class LoraSync:
         self,
         control: ControlClient | None,
         output_dir: Path,
-        run: "asyncio.Runner | Session | None",
+        run: LoopRunner | None,
         keep: int,
         ranks: Ranks = Ranks(),
     ):
@@ -163,7 +180,9 @@ class LoraSync:
     def name_for(self, version: int) -> str:
         return ADAPTER_NAME.format(version=version)
 
-    def push(self, model: torch.nn.Module, version: int, announce=lambda version: None) -> dict[str, float]:
+    def push(
+        self, model: torch.nn.Module, version: int, announce: Callable[[int], None] = lambda version: None
+    ) -> dict[str, float]:
         """Load the adapter as a new name and `announce(version)` before the oldest is unloaded, so a rollout
         that names an unloaded version always started before the announcement (and is skipped as stale)."""
         start = time.perf_counter()
@@ -171,7 +190,8 @@ class LoraSync:
         target = write_weights(model, self.folder, name, self.ranks)
         if not self.ranks.main:
             return {}
-        self.run.run(self.control.load_lora(name, str(target.resolve())))
+        control, run = leader(self.control, self.run)
+        run.run(control.load_lora(name, str(target.resolve())))
         announce(version)
         self.loaded.append(version)
         for old in self.unloaded:
@@ -179,52 +199,87 @@ class LoraSync:
         self.unloaded = []
         while len(self.loaded) > self.keep:
             old = self.name_for(self.loaded.pop(0))
-            self.run.run(self.control.unload_lora(old))
+            run.run(control.unload_lora(old))
             self.unloaded.append(old)
         done = time.perf_counter()
         return {"perf/weight_sync_s": done - start, "perf/weight_sync_transfer_s": done - start}  # nothing paused
 
 
+WeightSync = ReloadSync | LoraSync | TransferSync
+"""How the policy reaches the server: a folder it reloads, an adapter it loads, or a stream."""
+
+
 def choose_sync(
     control: ControlClient,
-    run: "asyncio.Runner | Session",
+    run: LoopRunner,
     facts: ServerFacts,
     served_name: str,
     model: torch.nn.Module,
-    args,
+    args: "AsyncGRPOConfig",
     lora: bool,
     ranks: Ranks = Ranks(),
-):
+) -> WeightSync:
     """How weights reach this server (what `facts` says it can do): adapter-only when training LoRA and the server can serve the adapter by name
     (else the merged model, with a warning that says why); for full weights, streamed over the server's weight-transfer
     group when it has one (`TransferSync`), else written to a folder it reloads. A server holding too few or too small
     adapters is an error naming its flags. Called on rank 0; the other ranks build the same kind with `follower_sync`."""
+    if lora:
+        assert isinstance(model, PeftModel), "a LoRA run trains a PEFT model"
+        return adapter_sync(control, run, facts, served_name, model, args, ranks)
+    return full_weights_sync(control, run, facts, served_name, model, args, ranks)
+
+
+def full_weights_sync(
+    control: ControlClient,
+    run: LoopRunner,
+    facts: ServerFacts,
+    served_name: str,
+    model: torch.nn.Module,
+    args: "AsyncGRPOConfig",
+    ranks: Ranks,
+) -> TransferSync | ReloadSync:
+    """Every weight: streamed when the server's weight-transfer backend is one tandem drives, else a folder reload."""
+    backend = facts.weight_transfer
+    if backend in ("gloo", "nccl"):
+        plane = GlooPlane(stages=facts.stages_weights) if backend == "gloo" else nccl_plane(model)
+        sync = TransferSync(
+            control,
+            run,
+            served_name,
+            ranks,
+            args.weight_transfer_address,
+            args.vllm_server_timeout,
+            plane,
+            checkpoint_names=facts.loads_checkpoint_names,
+        )
+        sync.connect()
+        return sync
+    if backend is not None:
+        warnings.warn(
+            f"the server transfers weights over {backend}, which tandem does not drive (it drives nccl "
+            "and gloo: tandem serve's, or vllm serve's with tandem's plugin); syncing through a folder it "
+            "reloads instead, which needs a filesystem it shares with this trainer.",
+            stacklevel=5,  # the caller of choose_sync's caller
+        )
+    return reload_sync(control, Path(args.output_dir), run, served_name, ranks, facts, model)
+
+
+def adapter_sync(
+    control: ControlClient,
+    run: LoopRunner,
+    facts: ServerFacts,
+    served_name: str,
+    model: PeftModel,
+    args: "AsyncGRPOConfig",
+    ranks: Ranks,
+) -> LoraSync | ReloadSync:
+    """A LoRA model: the adapter alone when the server can serve it by name, else the merged model through a folder
+    (one rank only). A server with too little room for the run's adapters, or that cannot load them while it runs, is
+    an error."""
     output_dir, staleness = Path(args.output_dir), args.staleness_policy
-    if not lora:
-        backend = facts.weight_transfer
-        if backend in ("gloo", "nccl"):
-            plane = GlooPlane(stages=facts.stages_weights) if backend == "gloo" else nccl_plane(model)
-            sync = TransferSync(
-                control,
-                run,
-                served_name,
-                ranks,
-                args.weight_transfer_address,
-                args.vllm_server_timeout,
-                plane,
-                checkpoint_names=facts.loads_checkpoint_names,
-            )
-            sync.connect()
-            return sync
-        if backend is not None:
-            warnings.warn(
-                f"the server transfers weights over {backend}, which tandem does not drive (it drives nccl "
-                "and gloo: tandem serve's, or vllm serve's with tandem's plugin); syncing through a folder it "
-                "reloads instead, which needs a filesystem it shares with this trainer.",
-                stacklevel=4,
-            )
-        return reload_sync(control, output_dir, run, served_name, ranks, facts, model)
-    rank, needed = model.peft_config["default"].r, staleness.adapter_slots
+    config = model.peft_config["default"]
+    assert isinstance(config, LoraConfig), "a LoRA run's adapter"
+    rank, needed = config.r, staleness.adapter_slots
     flags = " ".join(lora_server_flags(staleness, rank))
     obstacle = adapter_sync_obstacle(model.peft_config, facts, flags)
     if obstacle and ranks.several:
@@ -234,10 +289,11 @@ def choose_sync(
     if obstacle:
         warnings.warn(
             f"LoRA: syncing the merged model (every weight, every sync) instead of the adapter alone: {obstacle}",
-            stacklevel=4,
+            stacklevel=5,  # the caller of choose_sync's caller
         )
         return reload_sync(control, output_dir, run, served_name, ranks, facts, model.get_base_model())
     slots = facts.adapters
+    assert slots is not None, "a server without LoRA support is an obstacle"
     if (slots.max_loras or needed) < needed or (slots.max_lora_rank or rank) < rank:
         raise ServerProblem(
             f"the server holds max_loras={slots.max_loras} adapters of rank <= {slots.max_lora_rank}; "
@@ -251,8 +307,17 @@ def choose_sync(
     return LoraSync(control, output_dir, run, keep=staleness.adapter_versions_kept, ranks=ranks)
 
 
-def reload_sync(control, output_dir: Path, run, served_name: str, ranks: Ranks, facts, model) -> ReloadSync:
+def reload_sync(
+    control: ControlClient,
+    output_dir: Path,
+    run: LoopRunner,
+    served_name: str,
+    ranks: Ranks,
+    facts: ServerFacts,
+    model: torch.nn.Module,
+) -> ReloadSync:
     """The folder reload, unless the server is vLLM's CPU build and the model ties its LM head to its embedding."""
+    assert isinstance(model, PreTrainedModel), "the server reloads a transformers model's folder"
     if not facts.reload_refreshes_tied_head and model.config.get_text_config().tie_word_embeddings:
         raise ServerProblem(
             f"vLLM's CPU build does not refresh a tied LM head when it reloads weights (it keeps a packed "
@@ -274,7 +339,9 @@ def nccl_plane(model: torch.nn.Module) -> VllmNcclPlane:
     return VllmNcclPlane(device)
 
 
-def follower_sync(kind: type, output_dir: Path, served_name: str, staleness: StalenessPolicy, ranks: Ranks):
+def follower_sync(
+    kind: type, output_dir: Path, served_name: str, staleness: StalenessPolicy, ranks: Ranks
+) -> WeightSync:
     """The sync of a rank other than 0: the same kind as rank 0's, taking part in the gathers and saving nothing."""
     if kind is LoraSync:
         return LoraSync(None, output_dir, None, keep=staleness.adapter_versions_kept, ranks=ranks)
@@ -283,12 +350,13 @@ def follower_sync(kind: type, output_dir: Path, served_name: str, staleness: Sta
     return ReloadSync(None, output_dir, None, served_name, ranks)
 
 
-def adapter_sync_obstacle(peft_config: dict, facts: ServerFacts, flags: str) -> str | None:
+def adapter_sync_obstacle(peft_config: dict[str, PeftConfig], facts: ServerFacts, flags: str) -> str | None:
     """Why the server cannot serve this adapter by name (the merged model then travels instead), or None.
     vLLM serves single plain LoRA adapters: no DoRA, bias, modules_to_save, parameter targets or embeddings."""
     if len(peft_config) != 1:
         return f"the model has {len(peft_config)} adapters and a request names one. Train a single adapter."
     config = next(iter(peft_config.values()))
+    assert isinstance(config, LoraConfig), "a LoRA run's adapter"
     if facts.adapters is None:
         return f"the server was started without LoRA support. Restart it with {flags} to sync the adapter alone."
     data_parallel = facts.data_parallel_size

@@ -26,17 +26,20 @@ import collections
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import torch
+from transformers import PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 
 from tandem.errors import install_command
 from tandem.generation.client import ENGINE_WATCH_S, ControlClient, EngineDead, ServerProblem, engine_died
 from tandem.model.distributed import Ranks, full_tensor
-from tandem.serve.weight_receiver import PACKED_BUFFER_BYTES, RENDEZVOUS_S, join_group
+from tandem.serve.weight_receiver import PACKED_BUFFER_BYTES, RENDEZVOUS_S, BroadcastGroup, join_group
 
 Tensors = Iterator[tuple[str, torch.Tensor]]
+T = TypeVar("T")
 ENGINE_DEATH_CHECKS = 4
 """How many times, ENGINE_WATCH_S apart, a failed transfer asks /health whether the engine died."""
 
@@ -45,7 +48,13 @@ class TransferFailed(RuntimeError):
     """The weights did not reach the server; it still serves the previous version."""
 
 
-def checkpoint_tensors(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+class LoopRunner(Protocol):
+    """What runs a client call to completion: an `asyncio.Runner`, or a `Session` (which also reports a dead server)."""
+
+    def run(self, coroutine: Coroutine[Any, Any, T], /) -> T: ...
+
+
+def checkpoint_tensors(model: PreTrainedModel, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """Parameter `name` of `model` as its checkpoint holds it, which is what vLLM loads: transformers fuses some weights
     as it loads them (an MoE's experts into one 3D tensor per layer), so one parameter may be several checkpoint tensors.
     Each parameter converts on its own (what `save_pretrained` writes, key for key)."""
@@ -58,16 +67,18 @@ def free_port(address: str) -> int:
         return s.getsockname()[1]
 
 
-class InThread:
+class InThread(Generic[T]):
     """A call run to completion on its own (daemon) thread while this thread goes on, e.g. into the collective
     the call waits for. `result` bounds the wait: a peer that never arrives is an error, not a hang."""
 
-    def __init__(self, call: Callable[[], object]):
-        self.value, self.error, self.done = None, None, False
+    def __init__(self, call: Callable[[], T]):
+        self.value: T | None = None
+        self.error: BaseException | None = None
+        self.done = False
         self.thread = threading.Thread(target=self._run, args=(call,), daemon=True)
         self.thread.start()
 
-    def _run(self, call) -> None:
+    def _run(self, call: Callable[[], T]) -> None:
         try:
             self.value = call()
         except BaseException as exc:  # noqa: BLE001 - reported by result() on the caller's thread
@@ -75,16 +86,17 @@ class InThread:
         finally:
             self.done = True
 
-    def result(self, timeout_s: float, what: str = "the server did not answer"):
+    def result(self, timeout_s: float | None, what: str = "the server did not answer") -> T:
+        """The call's value once it returned (None for `timeout_s`: however long it takes), or its error."""
         self.thread.join(timeout_s)
         if not self.done:  # not is_alive(): a call that has ended may still be on its way out of the thread
             raise TimeoutError(f"{what} within {timeout_s:.0f}s")
         if self.error is not None:
             raise self.error
-        return self.value
+        return cast(T, self.value)  # set: the call ended without an error
 
 
-def first_failure(first: InThread, second: InThread, timeout_s: float) -> None:
+def first_failure(first: InThread[Any], second: InThread[Any], timeout_s: float) -> None:
     """Wait for two calls that wait on each other (the server's /update_weights and the broadcast it receives): the first
     error ends the wait at once (the other call, stuck on its peer, is left to its daemon thread). Each call is bounded
     by `timeout_s` itself; this wait's own bound, a little later, only backs them up."""
@@ -100,10 +112,12 @@ def first_failure(first: InThread, second: InThread, timeout_s: float) -> None:
         call.result(0)
 
 
-def control_call(control: ControlClient, timeout_s: float, call) -> Callable[[], None]:
+def control_call(
+    control: ControlClient, timeout_s: float, call: Callable[[ControlClient], Awaitable[object]]
+) -> Callable[[], None]:
     """`call(client)` as a plain function, with its own client and event loop (for `InThread`)."""
 
-    async def main():
+    async def main() -> None:
         client = ControlClient(control.base_url, api_key=control.api_key, timeout_s=timeout_s)
         try:
             await call(client)
@@ -129,7 +143,7 @@ class GlooPlane:
         self.init_fields = {"packed": True, "packed_buffer_size_bytes": buffer_bytes} if stages else {}
 
     def open(self, address: str, port: int, world_size: int, timeout_s: float) -> None:
-        self.group = join_group(address, port, 0, world_size, timeout_s)
+        self.group: BroadcastGroup = join_group(address, port, 0, world_size, timeout_s)
 
     def send(self, tensors: Tensors, timeout_s: float) -> None:
         if not self.init_fields:
@@ -181,10 +195,10 @@ class VllmNcclPlane:
     pauses_generation = True
     """vLLM loads each tensor into the running model as it arrives: generation must wait for the whole update."""
 
-    def _on_device(self, call: Callable[[], object]) -> Callable[[], object]:
+    def _on_device(self, call: Callable[[], T]) -> Callable[[], T]:
         """`call` on a new thread's CUDA device set to the trainer's (the current device is per thread)."""
 
-        def run():
+        def run() -> T:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             return call()
@@ -216,7 +230,7 @@ class TransferSync:
     def __init__(
         self,
         control: ControlClient | None,
-        run,
+        run: LoopRunner | None,
         served_name: str,
         ranks: Ranks = Ranks(),
         address: str = "127.0.0.1",
@@ -233,9 +247,15 @@ class TransferSync:
     def name_for(self, version: int) -> str:
         return self.served_name
 
+    def _server(self) -> tuple[ControlClient, LoopRunner]:
+        """The control client and what runs its calls: rank 0 alone has them (the other ranks only join the gathers)."""
+        assert self.control is not None and self.run is not None, "only rank 0 talks to the server"
+        return self.control, self.run
+
     def connect(self) -> int:
         """Form the group with the server's workers (rank 0 only); returns how many joined."""
-        workers = self.run.run(self.control.world_size())
+        control, run = self._server()
+        workers = run.run(control.world_size())
         port = free_port(self.address)
         info = {
             "master_address": self.address,
@@ -243,31 +263,37 @@ class TransferSync:
             "rank_offset": 1,
             "world_size": 1 + workers,
         } | self.plane.init_fields
-        call = InThread(control_call(self.control, self.timeout_s, lambda client: client.init_weight_transfer(info)))
+        call = InThread(control_call(control, self.timeout_s, lambda client: client.init_weight_transfer(info)))
         try:
             self.plane.open(self.address, port, 1 + workers, self.timeout_s)
             call.result(self.timeout_s)
         except Exception as exc:  # a setting to change, not a lost server: the run stops in one line
             raise ServerProblem(
-                f"weight transfer: the server at {self.control.base_url} did not join the group at "
+                f"weight transfer: the server at {control.base_url} did not join the group at "
                 f"{self.address}:{port} ({exc}). It must reach that address: set "
                 "weight_transfer_address to one of this machine's addresses the server can connect "
                 "to, and open the port."
             ) from exc
         return workers
 
-    def push(self, model: torch.nn.Module, version: int, announce=lambda version: None) -> dict[str, float]:
+    def push(
+        self, model: torch.nn.Module, version: int, announce: Callable[[int], None] = lambda version: None
+    ) -> dict[str, float]:
         """Stream every trained parameter to the server as `version` (every rank takes part in the gathers); a frozen part
         (a vision-language model's vision tower) keeps the weights the server loaded."""
         params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # tied weights once, as served
 
         def as_sent(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-            return checkpoint_tensors(model, name, tensor) if self.checkpoint_names else [(name, tensor)]
+            if not self.checkpoint_names:
+                return [(name, tensor)]
+            assert isinstance(model, PreTrainedModel), "checkpoint names are a transformers model's"
+            return checkpoint_tensors(model, name, tensor)
 
         tensors = (sent for name, param in params for sent in as_sent(name, full_tensor(param.detach())))
         if not self.ranks.main:
             collections.deque(tensors, maxlen=0)  # take part in every gather, keeping none
             return {}
+        control, run = self._server()
         announced = [
             sent
             for name, param in params  # names, dtypes and shapes, from the full shapes on no device
@@ -275,35 +301,16 @@ class TransferSync:
         ]
         start = time.perf_counter()
         if self.plane.pauses_generation:
-            self.run.run(self.control.pause("keep"))
+            run.run(control.pause("keep"))
         paused = time.perf_counter()
-        self.run.run(self.control.start_weight_update())
-        names = [name for name, _ in announced]
-        dtypes = [str(tensor.dtype).removeprefix("torch.") for _, tensor in announced]
-        shapes = [list(tensor.shape) for _, tensor in announced]
-        call = InThread(
-            control_call(self.control, self.timeout_s, lambda client: client.update_weights(names, dtypes, shapes))
-        )
-        try:
-            if self.ranks.several:  # the gathers are collectives: on the thread the other ranks run them on
-                self.plane.send(tensors, self.timeout_s)
-                call.result(self.timeout_s)
-            else:
-                first_failure(call, InThread(lambda: self.plane.send(tensors, self.timeout_s)), self.timeout_s)
-        except BaseException as exc:
-            exc = self._engine_death(exc)
-            self._abandon()
-            if isinstance(exc, EngineDead):
-                raise ServerProblem(f"weight transfer of version {version} failed: {engine_died(exc)}") from None
-            # A server that loads in place (vLLM) may now hold part of the new weights: no sync again can be trusted.
-            failed = ServerProblem if self.plane.pauses_generation else TransferFailed
-            raise failed(f"weight transfer of version {version} failed: {exc}. {self.plane.after_failure}") from exc
-        self.run.run(self.control.finish_weight_update(str(version)))
+        run.run(control.start_weight_update())
+        self._transfer(version, announced, tensors)
+        run.run(control.finish_weight_update(str(version)))
         if (
             self.plane.pauses_generation
         ):  # vLLM: its prefix cache outlives a transfer (tandem serve's swap drops its own)
-            self.run.run(self.control.reset_prefix_cache())
-            self.run.run(self.control.resume())
+            run.run(control.reset_prefix_cache())
+            run.run(control.resume())
         announce(version)
         done = time.perf_counter()
         return {
@@ -312,13 +319,41 @@ class TransferSync:
             "perf/weight_sync_transfer_s": done - paused,
         }
 
-    def push_in_thread(self, model: torch.nn.Module, version: int, announce=lambda version: None) -> InThread:
+    def _transfer(self, version: int, announced: list[tuple[str, torch.Tensor]], tensors: Tensors) -> None:
+        """The open update's `/update_weights` (names, dtypes and shapes from `announced`) while the plane sends
+        `tensors`; on a failure the update is abandoned and the error says whether the server kept its weights."""
+        control, _ = self._server()
+        names = [name for name, _ in announced]
+        dtypes = [str(tensor.dtype).removeprefix("torch.") for _, tensor in announced]
+        shapes = [list(tensor.shape) for _, tensor in announced]
+        call = InThread(
+            control_call(control, self.timeout_s, lambda client: client.update_weights(names, dtypes, shapes))
+        )
+        try:
+            if self.ranks.several:  # the gathers are collectives: on the thread the other ranks run them on
+                self.plane.send(tensors, self.timeout_s)
+                call.result(self.timeout_s)
+            else:
+                first_failure(call, InThread(lambda: self.plane.send(tensors, self.timeout_s)), self.timeout_s)
+        except BaseException as exc:
+            error = self._engine_death(exc)
+            self._abandon()
+            if isinstance(error, EngineDead):
+                raise ServerProblem(f"weight transfer of version {version} failed: {engine_died(error)}") from None
+            # A server that loads in place (vLLM) may now hold part of the new weights: no sync again can be trusted.
+            failed = ServerProblem if self.plane.pauses_generation else TransferFailed
+            raise failed(f"weight transfer of version {version} failed: {error}. {self.plane.after_failure}") from error
+
+    def push_in_thread(
+        self, model: torch.nn.Module, version: int, announce: Callable[[int], None] = lambda version: None
+    ) -> InThread[dict[str, float]]:
         """`push` on a thread of its own, with its own event loop and client, while the caller trains on: the caller's loop
         stays free for its own calls, and nothing may change the weights until the thread's `result`."""
 
-        def push():
+        def push() -> dict[str, float]:
+            leader, _ = self._server()
             with asyncio.Runner() as runner:
-                control = ControlClient(self.control.base_url, api_key=self.control.api_key, timeout_s=self.timeout_s)
+                control = ControlClient(leader.base_url, api_key=leader.api_key, timeout_s=self.timeout_s)
                 own = TransferSync(
                     control,
                     runner,
@@ -341,9 +376,10 @@ class TransferSync:
         a moment before the server's /health says so (vLLM: about a second), so /health is asked for a few seconds."""
         if isinstance(error, EngineDead) or not isinstance(error, Exception):
             return error
+        control, run = self._server()
         for _ in range(ENGINE_DEATH_CHECKS):
             try:
-                self.run.run(self.control.raise_if_engine_dead())
+                run.run(control.raise_if_engine_dead())
             except EngineDead as dead:
                 return dead
             except Exception:  # noqa: BLE001 - the transfer's own error is the one to report
@@ -353,8 +389,9 @@ class TransferSync:
 
     def _abandon(self) -> None:
         """Close the failed update (the server swaps nothing in) and let generation go on, as far as it answers."""
-        for call in (self.control.finish_weight_update(None), self.control.resume()):
+        control, run = self._server()
+        for call in (control.finish_weight_update(None), control.resume()):
             try:
-                self.run.run(asyncio.wait_for(call, 30))
+                run.run(asyncio.wait_for(call, 30))
             except Exception:  # noqa: BLE001 - best effort: the transfer's own error is the one to report
                 pass

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from safetensors import safe_open
 
 from tandem.kernels.openmp import in_passing_thread
@@ -77,8 +78,8 @@ class Control:
         self.pause_mode: str | None = None
         """None while serving; 'abort' and 'wait' refuse new requests, 'keep' freezes the running ones."""
 
-    def routes(self) -> list[tuple[str, str, object]]:
-        routes = [
+    def routes(self) -> list[tuple[str, str, Handler]]:
+        routes: list[tuple[str, str, Handler]] = [
             ("POST", "/pause", self.pause),
             ("POST", "/resume", self.resume),
             ("GET", "/is_paused", self.is_paused),
@@ -164,15 +165,14 @@ class Control:
             )
         body = await protocol.read(request, protocol.WeightTransferRequest, json_only=False)
         try:
-            return await self._transfer_step(request.path, body)
+            return await self._transfer_step(self.receiver, request.path, body)
         except TransferError as exc:
             raise ApiError(400, str(exc), "BadRequestError") from None
         except RuntimeError as exc:  # the group failed: a peer died or a collective timed out
             logger.exception("weight transfer %s failed", request.path)
             raise ApiError(500, f"weight transfer failed: {exc}", "InternalServerError") from None
 
-    async def _transfer_step(self, path: str, body: protocol.WeightTransferRequest) -> web.Response:
-        receiver = self.receiver
+    async def _transfer_step(self, receiver: Receiver, path: str, body: protocol.WeightTransferRequest) -> web.Response:
         if path == "/init_weight_transfer_engine":
             if body.init_info is None:
                 raise TransferError("Missing 'init_info' in request body")
@@ -255,11 +255,12 @@ class Control:
             raise ApiError(400, "'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput")
         if self.adapters is None:
             raise ApiError(404, f"The lora adapter '{req.lora_name}' cannot be found.", "NotFoundError")
+        adapters = self.adapters
 
         def remove() -> bool:  # on the engine thread, as every change of what is served
-            if req.lora_name not in self.adapters.paths:
+            if req.lora_name not in adapters.paths:
                 return False
-            self.adapters.unregister(req.lora_name)
+            adapters.unregister(req.lora_name)
             self.engine.reset_prefix_cache()
             return True
 

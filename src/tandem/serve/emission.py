@@ -53,25 +53,17 @@ class Emission:
         if bool(nothing_left.any()):  # its masks excluded every token: that request fails, the others go on
             processed[nothing_left] = 0.0
         tokens = sample(processed, params, [seq.generator for _, seq in entries])
-        reported = {
-            "raw_logprobs": lambda: raw.log_softmax(-1),
-            "processed_logprobs": lambda: processed.log_softmax(-1),
-            "raw_logits": lambda: raw,
-            "processed_logits": lambda: processed,
-        }[self.logprobs_mode]()
+        reported = self._reported(raw, processed)
         chosen = reported.gather(1, tokens[:, None])[:, 0]
         ranks = ((reported > chosen[:, None]).sum(-1) + 1).tolist()
         top = _top(reported, max((p.logprobs for p in params if p.logprobs is not None), default=None))
-        reasons = []
+        reasons: list[str | None] = []
         empty = nothing_left.tolist()
         for b, ((request, seq), token, value, total) in enumerate(
             zip(entries, tokens.tolist(), chosen.tolist(), totals)
         ):
             if empty[b]:
-                if request.error is None:
-                    request.error, request.error_status = NOTHING_TO_SAMPLE, 400
-                seq.finish_reason = "error"
-                reasons.append("error")
+                reasons.append(_fail_with_nothing_to_sample(request, seq))
                 continue
             seq.output.append(token)
             seq.logprobs.append(value)
@@ -89,13 +81,24 @@ class Emission:
                 seq.checked = len(seq.output)
         return reasons
 
+    def _reported(self, raw: torch.Tensor, processed: torch.Tensor) -> torch.Tensor:
+        """What the sequences report for each token, per `logprobs_mode`: log-probs or logits, before or after the
+        masks, bias, penalties and temperature."""
+        return {
+            "raw_logprobs": lambda: raw.log_softmax(-1),
+            "processed_logprobs": lambda: processed.log_softmax(-1),
+            "raw_logits": lambda: raw,
+            "processed_logits": lambda: processed,
+        }[self.logprobs_mode]()
+
     def _shape_rows(self, entries: list[tuple[EngineRequest, Sequence]], logits: torch.Tensor) -> None:
         """Each row's masks, bias and penalties, in place, in vLLM's order (sampling.apply_masks, apply_penalties)."""
         for b, (request, seq) in enumerate(entries):
             p = request.params
-            blocked = set()
+            blocked: set[int] = set()
             if len(seq.output) < p.min_tokens:
-                blocked = set(p.stop_token_ids) | self.extra_stop_token_ids | ({self.eos_token_id} - {None})
+                eos = set() if self.eos_token_id is None else {self.eos_token_id}
+                blocked = set(p.stop_token_ids) | self.extra_stop_token_ids | eos
             if p.allowed_token_ids is not None or p.bad_words or blocked or p.logit_bias:
                 apply_masks(logits[b], p, seq.output, blocked)
             if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
@@ -117,7 +120,8 @@ class Emission:
         """Whether the sequence's last token ends it, as vLLM decides: EOS, a stop token, then (past min_tokens) a stop
         string or a repetition, then max_tokens and the model's length; sets the sequence's finish and stop reasons."""
         token, p = seq.output[-1], request.params
-        reason, stop_reason = None, None
+        reason: str | None = None
+        stop_reason: int | str | None = None
         checks_text = len(seq.output) > p.min_tokens  # vLLM: stop strings and repetitions only past min_tokens
         if token == self.eos_token_id and not p.ignore_eos:
             reason = "stop"
@@ -132,6 +136,14 @@ class Emission:
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason, stop_reason
         return reason
+
+
+def _fail_with_nothing_to_sample(request: EngineRequest, seq: Sequence) -> str:
+    """End a sequence whose masks left no token to sample: its request fails (400) with the first such error."""
+    if request.error is None:
+        request.error, request.error_status = NOTHING_TO_SAMPLE, 400
+    seq.finish_reason = "error"
+    return "error"
 
 
 def repeats(output: list[int], min_size: int, max_size: int, min_count: int) -> bool:

@@ -20,7 +20,7 @@ from tandem.model import architecture
 class KVShapes:
     """Records what each attention layer stores in a cache: handed to a forward of one token as its cache."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.layers: dict[int, tuple[int, int, int]] = {}
         """layer index -> (key-value heads, key width, value width)."""
 

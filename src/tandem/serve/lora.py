@@ -270,6 +270,7 @@ class AdapterSet:
             victim = next((n for n in self.loaded if n not in keep), None)
             if victim is None:
                 break
+            assert isinstance(model, PeftModel), "a model with adapters loaded is a PEFT model"
             model.delete_adapter(self.loaded.pop(victim))
         while self._stale and isinstance(model, PeftModel) and len(model.peft_config) > 1:
             model.delete_adapter(self._stale.pop())

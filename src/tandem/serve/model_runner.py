@@ -60,12 +60,13 @@ class ModelRunner:
         sequence, the row's last position once they run out (overwritten later, never attended), so padded
         batches need no special layout. `in_use`: the adapters of the running rows, which loading another keeps.
         """
-        if isinstance(self.cache, SequenceStates):
-            return self._sequence_forward(windows, totals, rows, adapters, in_use, all_logits)
+        cache = self.cache
+        if isinstance(cache, SequenceStates):
+            return self._sequence_forward(cache, windows, totals, rows, adapters, in_use, all_logits)
         width = max(len(w) for w in windows)
         fillers = filler_adapters(adapters, width, self.min_rows)
         if fillers:  # too few rows for the long-forward matmul path: add filler sequences in free cache rows
-            self.cache.ensure_rows(rows.stop + len(fillers))
+            cache.ensure_rows(rows.stop + len(fillers))
             windows, totals = windows + [[0]] * len(fillers), totals + [1] * len(fillers)
             rows, adapters = slice(rows.start, rows.stop + len(fillers)), adapters + fillers
         ids, positions = [], []
@@ -83,6 +84,7 @@ class ModelRunner:
             keys[None, None, :] < torch.tensor(totals)[:, None, None]
         )
         return self._forward(
+            cache,
             input_ids.to(self.device),
             write_pos.to(self.device),
             kv_len,
@@ -95,6 +97,7 @@ class ModelRunner:
 
     def _forward(
         self,
+        cache: SlotKVCache,
         input_ids,
         write_pos,
         kv_len,
@@ -105,7 +108,7 @@ class ModelRunner:
         all_logits: bool,
     ) -> torch.Tensor:
         """One model forward over cache rows `rows`; float32 logits of every position or of the last one(s)."""
-        self.cache.begin(rows, write_pos, kv_len)
+        cache.begin(rows, write_pos, kv_len)
 
         def windowed(layer_type: str, window: int | None) -> torch.Tensor:  # query minus key position below the window
             distance = write_pos[:, None, :, None] - torch.arange(kv_len, device=self.device)
@@ -117,7 +120,7 @@ class ModelRunner:
             input_ids=input_ids,
             position_ids=write_pos,
             attention_mask=masks,
-            cache=self.cache,
+            cache=cache,
             use_cache=True,
             logits_to_keep=0 if all_logits else self._positions_to_keep(input_ids.shape[0]),
             **kwargs,
@@ -125,14 +128,21 @@ class ModelRunner:
         return out.logits.float()
 
     def _sequence_forward(
-        self, windows: list[list[int]], totals: list[int], rows: slice, adapters, in_use: set[str], all_logits: bool
+        self,
+        states: SequenceStates,
+        windows: list[list[int]],
+        totals: list[int],
+        rows: slice,
+        adapters: list[str | None],
+        in_use: set[str],
+        all_logits: bool,
     ) -> torch.Tensor:
         """`window_forward` for a model with recurrent layers: each sequence forwarded on its own from its own state,
         the logits left-padded to a common width as a batched window's are."""
         logits = []
         for row, window, total, adapter in zip(range(rows.start, rows.stop), windows, totals, adapters):
             kwargs = self._adapter_kwargs([adapter], in_use)  # may wrap self.model: read it after
-            logits.append(self.cache.forward(self.model, row, window, total, all_logits, **kwargs))
+            logits.append(states.forward(self.model, row, window, total, all_logits, **kwargs))
         width = max(len(part) for part in logits)
         return torch.stack([torch.nn.functional.pad(part, (0, 0, width - len(part), 0)) for part in logits]).float()
 

@@ -7,7 +7,11 @@ stop strings. Every refusal is an `ApiError` (400), so the client learns what to
 """
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
+
+from transformers import PreTrainedTokenizerBase
 
 from tandem.chat.prompts import TEMPLATE_ERRORS, render_chat
 from tandem.serve import fields, protocol
@@ -40,7 +44,7 @@ class Ask:
 class Preparer:
     """The served model's limits and the server's defaults that every generation request is checked against."""
 
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     vocab_size: int
     max_model_len: int
     defaults: dict
@@ -62,7 +66,7 @@ class Preparer:
         """`/v1/completions`: echo scores the prompt too (its log-probs default to `logprobs`); `max_tokens: 0` returns
         the prompt alone, after generating one token; `logprob_token_ids` replaces the top-k."""
         protocol.refuse(req.model_dump(), fields.COMPLETIONS)
-        only_prompt = req.echo and req.max_tokens == 0
+        only_prompt = bool(req.echo) and req.max_tokens == 0
         if req.logprob_token_ids and only_prompt:
             raise bad_request(
                 "`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because no "
@@ -159,7 +163,7 @@ class Preparer:
                 logprobs=ask.logprobs,
                 prompt_logprobs=ask.prompt_logprobs,
                 clamp_bias=ask.route != "generate",
-                bad_words=bad_words,
+                bad_words=tuple(bad_words),
             )
             self.check_n(sampling.n, params)
             self.check_sampling_mask_request(params)
@@ -235,11 +239,12 @@ class Preparer:
         """A completions `prompt` (one or a batch, ids or text) as a list of token-id prompts."""
         if isinstance(prompt, str):
             return [self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)]
+        # The request's schema makes the list all texts, all prompts or all ids: its first item says which.
         if prompt and isinstance(prompt[0], str):
             return [self.tokenizer.encode(p, add_special_tokens=add_special_tokens) for p in prompt]
         if prompt and isinstance(prompt[0], list):
             return prompt
-        return [prompt]
+        return [cast(list[int], prompt)]
 
     def render_chat(self, req: protocol.ChatCompletionRequest | protocol.TokenizeRequest) -> list[int]:
         """The request's messages through the chat template, with its tools and template options, as vLLM renders
@@ -265,11 +270,12 @@ class Preparer:
                 "assistant message instead.",
                 "continue_final_message",
             )
-        if getattr(req, "documents", None) is not None:
-            kwargs["documents"] = req.documents
+        if (documents := getattr(req, "documents", None)) is not None:
+            kwargs["documents"] = documents
         if (effort := getattr(req, "reasoning_effort", None)) is not None:
             kwargs["reasoning_effort"] = effort = self.reasoning_effort_map.get(effort, effort)
             kwargs.setdefault("enable_thinking", effort != "none")
+        assert req.messages is not None, "a tokenize request with no messages encodes its prompt instead"
         try:
             tools = [as_vllm_renders(tool) for tool in req.tools] if req.tools else req.tools
             return render_chat(
@@ -366,14 +372,16 @@ class Preparer:
         if params.top_k <= 0:
             raise bad_request("sampling distribution replay requires top_k > 0", "top_k", params.top_k)
 
-    def stop_check(self, stops: list[str], skip_special: bool, min_tokens: int):
+    def stop_check(
+        self, stops: list[str], skip_special: bool, min_tokens: int
+    ) -> Callable[[list[int]], str | None] | None:
         """The engine's per-step test for stop strings in the decoded output past its first `min_tokens` tokens (None
         when there are none)."""
         if not stops:
             return None
 
         def check(output: list[int]) -> str | None:
-            decoded = self.tokenizer.decode(output, skip_special_tokens=skip_special)
+            decoded = cast(str, self.tokenizer.decode(output, skip_special_tokens=skip_special))  # one sequence: a text
             before = (
                 len(self.tokenizer.decode(output[:min_tokens], skip_special_tokens=skip_special)) if min_tokens else 0
             )

@@ -4,6 +4,9 @@
 import time
 import uuid
 from dataclasses import dataclass
+from typing import cast
+
+from transformers import PreTrainedTokenizerBase
 
 from tandem.chat.prompts import with_content_as
 from tandem.chat.tool_formats import ToolCallFormat, served_reply
@@ -15,7 +18,7 @@ from tandem.serve.sampling import floor_logprob
 class TokenText:
     """Token strings the way vLLM shows them: `decode([id])`, or `token_id:<id>` when asked."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
 
@@ -23,11 +26,12 @@ class TokenText:
         if as_id:
             return f"token_id:{token}"
         if token not in self._cache:
-            self._cache[token] = self.tokenizer.decode([token])
+            self._cache[token] = cast(str, self.tokenizer.decode([token]))
         return self._cache[token]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        """One sequence's text (transformers' decode also takes a batch, hence its list of texts in the types)."""
+        return cast(str, self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
 
 def output_text(seq: Sequence, text: TokenText, *, include_stop: bool, skip_special: bool, min_tokens: int = 0) -> str:
@@ -68,6 +72,7 @@ def completion_logprobs(
 
 def prompt_positions(request: EngineRequest) -> list:
     """The prompt's log-prob entries as `(id, value, rank)` lists, the prompt token first (None at position 0)."""
+    assert request.prompt_logprobs is not None, "asked only of a request that wants prompt log-probs"
     return [None if p is None else [(t, v, r) for t, (v, r) in p.items()] for p in request.prompt_logprobs]
 
 
@@ -130,8 +135,11 @@ def prompt_tokens_details(request: EngineRequest, route: str) -> dict:
 def top_count(req: CompletionRequest | ChatCompletionRequest) -> int:
     """How many of each position's entries a response lists: all (-1) for `logprob_token_ids` or a whole-vocabulary
     request, else the request's count (completions' `logprobs`, chat's `top_logprobs`)."""
-    k = req.logprobs if isinstance(req, CompletionRequest) else req.top_logprobs or 0
-    return -1 if req.logprob_token_ids else k
+    if req.logprob_token_ids:
+        return -1
+    if isinstance(req, CompletionRequest):
+        return req.logprobs or 0  # asked only of a request that wants log-probs
+    return req.top_logprobs or 0
 
 
 def weight_versions(seq: Sequence) -> list[dict]:
@@ -267,16 +275,17 @@ class ChatReply:
     def choice(self, req: ChatCompletionRequest, seq: Sequence) -> dict:
         """One choice; with a `tool_format` (tool_choice "auto" on a server with a tool-call parser) the reply's tool
         calls move from the content to `message.tool_calls`, as vLLM's parser of that format reads them."""
-        content = output_text(
+        generated = output_text(
             seq,
             self.text,
             include_stop=req.include_stop_str_in_output,
             skip_special=req.skips_special_tokens,
             min_tokens=req.min_tokens,
         )
+        content: str | None = generated
         calls = []
         if self.tool_format is not None:
-            content, parsed = served_reply(self.tool_format, content)
+            content, parsed = served_reply(self.tool_format, generated)
             calls = message_tool_calls(parsed, req.parallel_tool_calls)
         message = {
             "role": self.role,

@@ -12,6 +12,7 @@ stop string; at the end it is the non-streamed text, so the chunks join into it.
 import json
 import time
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from tandem.chat.tool_formats import served_reply
 from tandem.serve.engine import EngineRequest, Sequence
@@ -99,14 +100,17 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-class Stream:
+Req = TypeVar("Req", bound=CompletionRequest | ChatCompletionRequest)
+
+
+class Stream(Generic[Req]):
     """The chunks of one streamed request: `chunks()` after each engine step, `final()` once all have finished."""
 
     object_name = ""
 
     def __init__(
         self,
-        req: CompletionRequest | ChatCompletionRequest,
+        req: Req,
         requests: list[EngineRequest],
         request_id: str,
         model: str,
@@ -184,7 +188,7 @@ class Stream:
         raise NotImplementedError
 
 
-class CompletionStream(Stream):
+class CompletionStream(Stream[CompletionRequest]):
     """`/v1/completions` chunks: `text`, `logprobs` and `token_ids` of the new tokens; with `echo` the first chunk of
     each choice starts with the prompt (its text, ids and log-probs), as in the non-streamed answer."""
 
@@ -218,7 +222,7 @@ class CompletionStream(Stream):
         return {**self.head, "choices": [choice], "kv_transfer_params": None}
 
 
-class ChatStream(Stream):
+class ChatStream(Stream[ChatCompletionRequest]):
     """`/v1/chat/completions` chunks: first, for every choice, `delta: {role, content: ""}` (with the prompt's ids
     when asked); then `delta.content`, `logprobs.content` and `token_ids` of the new tokens. With a `tool_format` the
     content stops where a call may start (hermes: at `<tool_call>`; the other formats hold the whole content to the

@@ -16,6 +16,7 @@ streams.
 
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,13 @@ RENDEZVOUS_S = 120.0
 """How long joining may take: the members are started already, so a longer wait means one cannot reach the others."""
 
 
-def join_group(address: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.ProcessGroup:
+class BroadcastGroup(Protocol):
+    """What the transfer uses of a torch.distributed group: broadcasts from one rank."""
+
+    def broadcast(self, tensor: torch.Tensor, root: int, /) -> dist.Work: ...
+
+
+def join_group(address: str, port: int, rank: int, world_size: int, timeout_s: float) -> BroadcastGroup:
     """A gloo group of `world_size` processes rendezvousing at address:port (rank 0 hosts the store); it returns
     once all have joined, or fails after RENDEZVOUS_S. Every later collective fails after `timeout_s` instead of
     hanging."""
@@ -42,7 +49,7 @@ def join_group(address: str, port: int, rank: int, world_size: int, timeout_s: f
     store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=rendezvous, wait_for_workers=False)
     group = dist.ProcessGroupGloo(store, rank, world_size, rendezvous)
     group.set_timeout(timedelta(seconds=timeout_s))
-    return group
+    return cast(BroadcastGroup, group)  # torch's stubs leave the collectives off the gloo backend it has at runtime
 
 
 def pack_chunks(sizes: list[int], buffer_bytes: int) -> list[range]:
@@ -82,7 +89,7 @@ class Receiver:
     """The server's end of the protocol: its group, the open update and the tensors received for it."""
 
     timeout_s: float = 600.0
-    group: dist.ProcessGroup | None = None
+    group: BroadcastGroup | None = None
     rank: int = 0
     packed_bytes: int | None = None
     """The packed buffers' size (init_info's `packed`), or None: one broadcast per tensor."""
@@ -157,16 +164,18 @@ class Receiver:
 
     def _tensors(self, dtypes: list[str], shapes: list[list[int]]):
         """The update's tensors in order, as they arrive: one broadcast each, or unpacked from each packed buffer."""
+        group = self.group
+        assert group is not None, "start() refuses an update before the group is joined"
         empties = [torch.empty(shape, dtype=getattr(torch, dtype)) for dtype, shape in zip(dtypes, shapes)]
         if self.packed_bytes is None:
             for tensor in empties:
-                self.group.broadcast(tensor, 0).wait()
+                group.broadcast(tensor, 0).wait()
                 yield tensor
             return
         sizes = [t.numel() * t.element_size() for t in empties]
         for chunk in pack_chunks(sizes, self.packed_bytes):
             buffer = torch.empty(sum(sizes[i] for i in chunk), dtype=torch.uint8)
-            self.group.broadcast(buffer, 0).wait()
+            group.broadcast(buffer, 0).wait()
             offset = 0
             for i in chunk:
                 empties[i].view(-1).view(torch.uint8).copy_(buffer[offset : offset + sizes[i]])

@@ -30,6 +30,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -117,23 +118,7 @@ def save(
     if ranks.main:
         tokenizer.save_pretrained(staging)
         (staging / "trainer_state.json").write_text(
-            json.dumps(
-                {
-                    "step": state.step,
-                    "model_version": state.model_version,
-                    "num_tokens": state.num_tokens,
-                    "num_input_tokens_seen": state.num_input_tokens_seen,
-                    "world_size": ranks.world_size,
-                    "base_model": base_model_name(model),
-                    "save_only_model": model_only,
-                    "best_metric": state.best_metric,
-                    "best_global_step": state.best_global_step,
-                    "best_model_checkpoint": state.best_model_checkpoint,
-                    "stateful_callbacks": state.stateful_callbacks,
-                    "log_history": state.log_history,
-                },
-                indent=2,
-            )
+            json.dumps(trainer_state_json(state, base_model_name(model), ranks.world_size, model_only), indent=2)
         )
         if not model_only:
             torch.save(scheduler.state_dict(), staging / "scheduler.pt")
@@ -143,6 +128,25 @@ def save(
         rotate(folder, save_total_limit, state.best_model_checkpoint)
     ranks.barrier()
     return target
+
+
+def trainer_state_json(state: TrainerState, base_model: str, world_size: int, model_only: bool) -> dict:
+    """What trainer_state.json holds: the counters a run resumes from, the best checkpoint, the callbacks' state and
+    the log history."""
+    return {
+        "step": state.step,
+        "model_version": state.model_version,
+        "num_tokens": state.num_tokens,
+        "num_input_tokens_seen": state.num_input_tokens_seen,
+        "world_size": world_size,
+        "base_model": base_model,
+        "save_only_model": model_only,
+        "best_metric": state.best_metric,
+        "best_global_step": state.best_global_step,
+        "best_model_checkpoint": state.best_model_checkpoint,
+        "stateful_callbacks": state.stateful_callbacks,
+        "log_history": state.log_history,
+    }
 
 
 def rotate(folder: Path, save_total_limit: int | None, best: str | None) -> None:
@@ -197,8 +201,11 @@ def load_resume_point(folder: Path) -> ResumePoint:
 
 
 def checkpoints(folder: Path) -> list[Path]:
-    found = [p for p in folder.glob("checkpoint-*") if p.is_dir() and PATTERN.match(p.name)]
-    return sorted(found, key=lambda p: int(PATTERN.match(p.name).group(1)))
+    """The checkpoint-N folders in `folder`, oldest (smallest N) first."""
+    numbered = [
+        (int(m.group(1)), p) for p in folder.glob("checkpoint-*") if p.is_dir() and (m := PATTERN.match(p.name))
+    ]
+    return [p for _, p in sorted(numbered, key=lambda pair: pair[0])]
 
 
 class CheckpointNotFound(UsageError, FileNotFoundError):
@@ -247,7 +254,7 @@ def load(path: Path, model, optimizer, scheduler, state: TrainerState) -> None:
     """Weights, optimizer and schedule from checkpoint `path`, resharded to this run's ranks, and its counters into
     `state`; every rank calls it."""
     model_state, optimizer_state = get_state_dict(model, optimizer, options=ONLY_TRAINABLE)
-    loaded = {"model": model_state, "optimizer": optimizer_state}
+    loaded: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}  # DCP fills them in place
     with one_process_is_intended():
         dcp.load(loaded, checkpoint_id=str(path / SHARDS))
     # strict=False: the frozen weights are absent by design; DCP has already failed on any trainable one missing

@@ -12,6 +12,8 @@ Recomputation (gradient checkpointing) is not counted: MFU measures useful work.
 """
 
 import torch
+from peft import PeftModel
+from transformers import PreTrainedModel
 
 PEAK_TFLOPS = {  # dense tensor-core peak per GPU, (bf16, fp32 / tf32), from the vendors' data sheets
     "B200": (2250.0, 1100.0),
@@ -41,11 +43,13 @@ def peak_flops(device: torch.device, bf16: bool) -> float | None:
     return None
 
 
-def model_shape(model: torch.nn.Module) -> tuple[int, int, int, int]:
+def model_shape(model: PreTrainedModel | PeftModel) -> tuple[int, int, int, int]:
     """(the decoder's parameters outside the embedding, hidden size, vocabulary, layers): a vision tower, which text rows
     never run, is left out."""
     config = model.config.get_text_config()
-    outside = sum(p.numel() for p in model.get_decoder().parameters()) - model.get_input_embeddings().weight.numel()
+    embedding = model.get_input_embeddings().weight
+    assert isinstance(embedding, torch.Tensor), "an input embedding holds its table as `weight`"
+    outside = sum(p.numel() for p in model.get_decoder().parameters()) - embedding.numel()
     return outside, config.hidden_size, config.vocab_size, config.num_hidden_layers
 
 

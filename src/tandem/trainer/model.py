@@ -33,7 +33,9 @@ def load_model(model, args: AsyncGRPOConfig) -> tuple[str, PreTrainedModel, str]
     """(the name the server knows it by, the model ready to train, its row layout)."""
     if isinstance(model, str):
         name = TINY_MODEL_PATH if model == "tiny" else model
-        kwargs = {"dtype": args.dtype, "trust_remote_code": args.trust_remote_code, **(args.model_init_kwargs or {})}
+        init_kwargs = args.model_init_kwargs or {}
+        assert not isinstance(init_kwargs, str), "the config reads a JSON string as a mapping"
+        kwargs = {"dtype": args.dtype, "trust_remote_code": args.trust_remote_code, **init_kwargs}
         loaded = architecture.auto_class(name, **kwargs).from_pretrained(name, **kwargs)
         if torch.cuda.is_available() and not args.use_cpu:
             loaded.to("cuda")

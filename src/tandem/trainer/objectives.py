@@ -125,6 +125,7 @@ class ScoreCentering(ClippedSurrogate):
                 "samples have none: a custom generate_one/generate_one_turn must request "
                 "logprobs=num_sampler_logprobs (or set score_centering=False)"
             )
+        assert row.sampler_logprobs is not None and scored.extra is not None, "set with the sampler's ids, and scored"
         sampler_logprobs = row.sampler_logprobs.to(behavior.device)
         losses, stats, mass = score_centered(
             scored.log_probs, behavior, advantages, scored.extra, sampler_logprobs, **self.bounds

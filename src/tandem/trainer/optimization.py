@@ -2,12 +2,16 @@
 names, its weight-decay groups and its schedules, taken from transformers itself."""
 
 import math
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from tandem.config import AsyncGRPOConfig
 from tandem.errors import UsageError
 from tandem.model.distributed import full_tensor
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, TrainingArguments
 
 
 def make_optimizer(model: torch.nn.Module, args: AsyncGRPOConfig) -> torch.optim.Optimizer:
@@ -16,8 +20,10 @@ def make_optimizer(model: torch.nn.Module, args: AsyncGRPOConfig) -> torch.optim
     apollo_*) take the groups transformers makes from `optim_target_modules`."""
     from transformers import Trainer  # heavy: imported when a trainer is built, not with tandem
 
-    try:
-        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    try:  # transformers reads the optimizer fields AsyncGRPOConfig shares with its TrainingArguments
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(
+            cast("TrainingArguments", args), cast("PreTrainedModel", model)
+        )
     except ValueError as exc:
         raise UsageError(
             f"AsyncGRPOConfig.optim={args.optim!r}: {exc}. Try adamw_torch_fused, adamw_torch, adafactor "
@@ -26,7 +32,7 @@ def make_optimizer(model: torch.nn.Module, args: AsyncGRPOConfig) -> torch.optim
     if "params" in kwargs:  # GaLore / APOLLO: transformers grouped the projected weights (optim_target_modules)
         groups = kwargs.pop("params")
         return cls([{"weight_decay": args.weight_decay, **group} for group in groups], **kwargs)
-    decayed = set(Trainer.get_decay_parameter_names(None, model))
+    decayed = set(Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]  # reads no Trainer state
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     groups = [
         {"params": [p for name, p in trainable if name in decayed], "weight_decay": args.weight_decay},
@@ -42,21 +48,22 @@ def make_scheduler(optimizer: torch.optim.Optimizer, args: AsyncGRPOConfig) -> t
 
     warmup = math.ceil(args.warmup_steps * args.max_steps) if 0 < args.warmup_steps < 1 else int(args.warmup_steps)
     name = "constant_with_warmup" if args.lr_scheduler_type == "constant" and warmup else args.lr_scheduler_type
+    schedule_kwargs = args.lr_scheduler_kwargs
+    assert not isinstance(schedule_kwargs, str), "the config reads a JSON string as a mapping"
     return get_scheduler(
         name,
         optimizer,
         num_warmup_steps=warmup,
         num_training_steps=max(args.max_steps, 1),
-        scheduler_specific_kwargs=args.lr_scheduler_kwargs,
+        scheduler_specific_kwargs=schedule_kwargs,
     )
 
 
 def clip_gradients(model: torch.nn.Module, max_grad_norm: float | None) -> torch.Tensor:
     """The gradient norm before clipping; `max_grad_norm` of 0 or None means no clipping (transformers' and TRL's
     convention: clipping to 0 would zero every update)."""
-    parameters = [p for p in model.parameters() if p.grad is not None]
     if not max_grad_norm:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     else:
-        norm = torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_grad_norm)
     return full_tensor(norm)  # sharded gradients (FSDP2) give the norm as a DTensor
