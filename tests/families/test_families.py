@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
 from tandem.packing import PADDED, TREE, pack
 from tandem.packing.logprobs import row_logprobs
-from tandem.serve.engine import Engine, EngineRequest
+from tandem.serve.engine import Engine
+from tandem.serve.requests import EngineRequest
 from tandem.serve.sampling import SamplingParams
 from tandem.trainer.model import load_model
 from tests.conftest import saved_with_tiny_tokenizer

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tandem.serve.emission import Emission
-from tandem.serve.engine import EngineRequest
+from tandem.serve.requests import EngineRequest
 from tandem.serve.sampling import SamplingParams
 
 EMISSION = Emission("processed_logprobs", eos_token_id=5, extra_stop_token_ids=frozenset({4}), max_model_len=10)

@@ -8,7 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tandem.kernels import exact_attention
-from tandem.serve.engine import Engine, EngineRequest
+from tandem.serve.engine import Engine
+from tandem.serve.requests import EngineRequest
 from tandem.serve.sampling import SamplingParams
 from tandem.tasks import TINY_MODEL_PATH
 

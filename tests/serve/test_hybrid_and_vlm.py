@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma2Config
 
-from tandem.serve.engine import Engine, EngineRequest
+from tandem.serve.engine import Engine
+from tandem.serve.requests import EngineRequest
 from tandem.serve.sampling import SamplingParams
 from tests.conftest import tiny_hybrid, tiny_vlm
 from tests.serve.test_engine import random_prompt, run, teacher_forced

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 from tandem.generation.client import parse_prometheus
-from tandem.serve.engine import EngineRequest
 from tandem.serve.prefix_cache import PrefixCache
+from tandem.serve.requests import EngineRequest
 from tandem.serve.sampling import SamplingParams
 from tests.conftest import ServerThread
 from tests.serve.test_engine import make_engine, random_prompt, run, teacher_forced, wait

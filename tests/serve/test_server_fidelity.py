@@ -8,7 +8,7 @@ import torch
 
 from tandem.kernels import onednn_linear
 from tandem.serve import decode_attention
-from tandem.serve.engine import EngineRequest
+from tandem.serve.requests import EngineRequest
 from tandem.serve.sampling import SamplingParams
 from tests.conftest import chat_prompt
 from tests.serve.test_engine import make_engine, run, teacher_forced

@@ -159,8 +159,8 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot_at_once(server, proxy, v
 def test_the_chunks_are_one_per_token_however_late_the_server_reads_the_engine():
     from transformers import AutoTokenizer
 
-    from tandem.serve.engine import EngineRequest
     from tandem.serve.protocol import ChatCompletionRequest
+    from tandem.serve.requests import EngineRequest
     from tandem.serve.responses import ChatReply, TokenText
     from tandem.serve.sampling import SamplingParams
     from tandem.serve.streaming import ChatStream, StreamOptions

@@ -550,7 +550,7 @@ def test_a_killed_embedded_server_is_restarted_with_the_current_weights_and_the_
 
 @pytest.mark.long  # covered in parts by faster tests; python -m pytest -q -m long runs it
 def test_an_embedded_server_that_keeps_dying_stops_the_run_with_its_log(tmp_path, monkeypatch):
-    monkeypatch.setattr("tandem.runtime.runtime.SERVER_RESTARTS", 0)
+    monkeypatch.setattr("tandem.runtime.embedded_server.SERVER_RESTARTS", 0)
     with pytest.raises(RuntimeError, match=r"the embedded tandem serve exited \(code -9\)"):
         KillOnce("tiny", accuracy_reward, args=config(tmp_path, max_steps=20), train_dataset=small_dataset()).train()
 

@@ -1,8 +1,10 @@
 """The `tandem serve` a run starts for itself when no vllm_server_base_url is given: the folder it loads, and its flags."""
 
 import json
+import time
 import urllib.request
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -12,6 +14,26 @@ from tandem.contract.algorithms import algorithm_of
 from tandem.model.distributed import Ranks
 from tandem.model.model_folder import save_model_folder
 from tandem.runtime.weight_sync import lora_server_flags
+
+SERVER_RESTARTS = 3
+SERVER_RESTART_WINDOW_S = 600.0
+"""The embedded server is restarted when it dies, unless it died SERVER_RESTARTS times in the last 10 minutes."""
+
+
+@dataclass
+class Restarts:
+    """When the embedded server was restarted (monotonic seconds): one that keeps dying stops the run."""
+
+    times: list[float] = field(default_factory=list)
+
+    def allowed(self) -> bool:
+        """Fewer than SERVER_RESTARTS restarts in the last SERVER_RESTART_WINDOW_S."""
+        now = time.monotonic()
+        self.times = [t for t in self.times if now - t < SERVER_RESTART_WINDOW_S]
+        return len(self.times) < SERVER_RESTARTS
+
+    def note(self) -> None:
+        self.times.append(time.monotonic())
 
 
 def served_folder(model_name: str, model: torch.nn.Module, tokenizer, output_dir: Path, ranks: Ranks) -> str:

@@ -16,11 +16,9 @@ from pathlib import Path
 
 import torch
 
-from tandem.chat.prompts import render_prompt
 from tandem.config import AsyncGRPOConfig
 from tandem.contract.algorithms import algorithm_of
-from tandem.dataset_rows import first_rows
-from tandem.generation.client import EngineDead, ServerError, ServerProblem, engine_died, server_gone
+from tandem.generation.client import EngineDead, ServerProblem, engine_died
 from tandem.generation.launcher import server_threads
 from tandem.generation.server_facts import ServerFacts, read_facts
 from tandem.metrics.window import MetricWindow
@@ -34,12 +32,6 @@ from tandem.runtime.session import DYING_S, Session
 from tandem.runtime.step_rows import StepRows
 from tandem.runtime.weight_sync import ADAPTER_NAME, LoraSync, choose_sync, follower_sync, write_weights
 from tandem.runtime.weight_transfer import GlooPlane, InThread, TransferSync
-
-SERVER_RESTARTS = 3
-SERVER_RESTART_WINDOW_S = 600.0
-"""The embedded server is restarted when it dies, unless it died SERVER_RESTARTS times in the last 10 minutes."""
-RECONNECT_POLL_S = 5.0
-"""While waiting for an external server after a failed sync, how often the worker is asked whether it stopped."""
 
 
 @dataclass
@@ -85,16 +77,7 @@ class Runtime:
         """Set by SIGTERM while training with enable_jit_checkpoint: the step in progress ends with a checkpoint."""
         self.window = MetricWindow()
         """The runtime's own records (syncs, drops, restarts): the trainer takes them at each log."""
-        first_prompt = next(iter(first_rows(spec.dataset, 1)), {}).get("prompt")
-        self.probe = sync_check.SyncProbe(
-            render_prompt(
-                spec.tokenizer,
-                first_prompt or [{"role": "user", "content": "What is 2 + 2?"}],
-                spec.args.chat_template_kwargs,
-            ),
-            spec.compute_dtype,
-            spec.args,
-        )
+        self.probe = sync_check.SyncProbe.of_run(spec.tokenizer, spec.dataset, spec.compute_dtype, spec.args)
         """Which syncs are probed, and how the server's log-probs are judged against the trainer's (sync_check.py)."""
         self.in_flight: tuple[int, InThread] | None = None
         """An overlapped sync: its version and its thread (`sync`, `wait_sync`)."""
@@ -104,8 +87,7 @@ class Runtime:
         """The trainer's last step: where a stall's worker metrics are logged."""
         self.worker_replaced = False
         """Whether the worker was lost and replaced already: a second loss stops the run."""
-        self.server_restarts: list[float] = []
-        """When the embedded server was restarted (monotonic seconds): one that keeps dying stops the run."""
+        self.restarts = embedded_server.Restarts()
         self.sync_strategy = self.source = self.rows = None
         self.token_budget = spec.args.token_budget
         self.served_path = self.served_url = self.served_name = None
@@ -340,26 +322,10 @@ class Runtime:
         probe.pushes += 1
         if not probe.due(probe.pushes):
             return timings
-        name, main, served, verdict = self.sync_strategy.name_for(version), self.ranks.main, None, None
-        if main:
-            probe.client = probe.client or self.session.generation_client()
-            try:
-                served = self.session.run(probe.served_logprobs(probe.client, name))
-            except ServerError as error:
-                if 400 <= error.status < 500:  # refused, not lost: reconnecting would be refused alike
-                    raise ServerProblem(f"the weight sync check's request was refused: {error}") from None
-                raise
-        completion, served = self.ranks.broadcast(served)
-        probe.completion = completion
-        ours = sync_check.policy_logprobs(self.spec.model, probe.prompt, completion, self.spec.kernel, self.spec.layout)
-        if main:  # judged once: every rank takes rank 0's verdict, so the next syncs' probes are due alike
-            try:
-                verdict = probe.judge(name, served, ours), None
-            except sync_check.SyncMismatch as mismatch:
-                verdict = None, str(mismatch)
-        (gap, failure), probe.settled = self.ranks.broadcast((verdict, probe.settled) if main else None)
-        if failure is not None:
-            raise sync_check.SyncMismatch(failure)
+        spec = self.spec
+        gap = probe.probe(
+            self.sync_strategy.name_for(version), self.session, self.ranks, spec.model, spec.kernel, spec.layout
+        )
         timings["weight_sync/served_logprob_gap"] = gap.max_abs
         if probe.gave_up() and self.ranks.main:
             self.session.progress.say(
@@ -391,7 +357,7 @@ class Runtime:
         """After a failed sync: restart an embedded server that died, or wait (up to vllm_server_timeout) for an external
         one to answer, join its transfer group anew (a restarted server has a new one) and sync `version` again.
         False when there is nothing to try (an embedded server alive, several ranks)."""
-        session, args = self.session, self.args
+        session = self.session
         if self.ranks.several:
             return False
         if session.server is not None:
@@ -401,21 +367,7 @@ class Runtime:
                 session.check_server()  # it died too often: stop with its exit code and log
             self._restart_server(version)
             return True
-        session.progress.say(
-            f"the weight sync to {session.control.base_url} failed ({error}); syncing again once it "
-            f"answers (waiting up to vllm_server_timeout={args.vllm_server_timeout:g}s)"
-        )
-        deadline = time.monotonic() + args.vllm_server_timeout
-        while True:
-            session.worker.raise_if_stopped()  # a worker that saw vLLM's engine die says so: no server will come back
-            try:
-                session.run(session.control.wait_healthy(min(RECONNECT_POLL_S, max(0.0, deadline - time.monotonic()))))
-                break
-            except TimeoutError:
-                if time.monotonic() >= deadline:
-                    raise ServerProblem(
-                        f"the weight sync failed: {server_gone(error, args.vllm_server_timeout)}"
-                    ) from None
+        session.wait_for_server(error)
         self._choose_sync_anew()
         self.probe.restart()  # the server that came back may serve other weights: probe it as a new one
         self._push(version)
@@ -431,17 +383,15 @@ class Runtime:
         )
 
     def _may_restart(self) -> bool:
-        """On one process, and fewer than SERVER_RESTARTS restarts in the last SERVER_RESTART_WINDOW_S."""
-        now = time.monotonic()
-        self.server_restarts = [t for t in self.server_restarts if now - t < SERVER_RESTART_WINDOW_S]
-        return not self.ranks.several and len(self.server_restarts) < SERVER_RESTARTS
+        """On one process, and the embedded server not dying too often (`embedded_server.Restarts`)."""
+        return not self.ranks.several and self.restarts.allowed()
 
     def _restart_server(self, version: int) -> None:
         """Start the embedded server again where it was, serving the model as it is now under `version`: full weights
         from a folder they are written to, a LoRA adapter loaded on the base model. Requests in flight retry until
         it answers; a group that failed meanwhile is generated again."""
         session, spec, start = self.session, self.spec, time.perf_counter()
-        self.server_restarts.append(time.monotonic())
+        self.restarts.note()
         session.progress.say(
             f"the embedded tandem serve exited (code {session.server.process.poll()}); restarting it with "
             f"the weights of step {self.step} (log: {session.server.log_path})"
@@ -489,7 +439,6 @@ class Runtime:
     # ---- the worker ---------------------------------------------------------------------------------
     def _start_worker(self, point: ResumePoint):
         """The rollout worker, generating from `point` on (its start, leaving out what the trainer holds past it)."""
-        lora_adapter = isinstance(self.sync_strategy, LoraSync)
         spec = worker_spec(
             self.spec,
             point,
@@ -498,7 +447,7 @@ class Runtime:
             token_budget=self.token_budget,
             server=self.facts,
             world_size=self.ranks.world_size,
-            adapter_name=ADAPTER_NAME if lora_adapter else None,
+            adapter_name=ADAPTER_NAME if isinstance(self.sync_strategy, LoraSync) else None,
         )
         return self.session.start_worker(spec, self.args.rollout_worker_timeout, self.version)
 

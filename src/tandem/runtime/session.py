@@ -8,6 +8,7 @@ an error and on Ctrl-C, in the reverse order of starting. The trainer asks it fo
 import asyncio
 import json
 import sys
+import time
 import urllib.parse
 from collections.abc import Coroutine
 from contextlib import ExitStack
@@ -16,7 +17,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from tandem.generation.client import ControlClient, GenerationClient, ServerProblem
+from tandem.generation.client import ControlClient, GenerationClient, ServerProblem, server_gone
 from tandem.generation.launcher import EmbeddedServer
 from tandem.metrics import report
 from tandem.metrics.console import RunConsole
@@ -30,6 +31,8 @@ QUICK_S = 5.0
 DYING_S = 3.0
 """After a failed call, how long the embedded server gets to show it is exiting: a killed server resets its sockets a
 moment before its exit can be seen."""
+RECONNECT_POLL_S = 5.0
+"""While waiting for an external server after a failed sync, how often the worker is asked whether it stopped."""
 
 T = TypeVar("T")
 
@@ -183,3 +186,22 @@ class Session:
             raise RuntimeError(
                 f"the embedded tandem serve exited (code {self.server.process.poll()}):\n{self.server.tail()}"
             )
+
+    def wait_for_server(self, error: Exception) -> None:
+        """After a failed sync to an external server: wait up to timeout_s (vllm_server_timeout) for it to answer again,
+        saying so; past that, a ServerProblem names the failure. The worker is asked every RECONNECT_POLL_S whether it
+        stopped: one that saw vLLM's engine die says so, and no server will come back."""
+        assert self.control is not None and self.worker is not None and self.progress is not None, "a run in progress"
+        self.progress.say(
+            f"the weight sync to {self.control.base_url} failed ({error}); syncing again once it "
+            f"answers (waiting up to vllm_server_timeout={self.timeout_s:g}s)"
+        )
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            self.worker.raise_if_stopped()
+            try:
+                self.run(self.control.wait_healthy(min(RECONNECT_POLL_S, max(0.0, deadline - time.monotonic()))))
+                return
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise ServerProblem(f"the weight sync failed: {server_gone(error, self.timeout_s)}") from None

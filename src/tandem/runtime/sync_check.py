@@ -11,11 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.chat.prompts import render_prompt
 from tandem.contract.records import Sample
-from tandem.generation.client import GenerationClient, ServerProblem
+from tandem.dataset_rows import first_rows
+from tandem.generation.client import GenerationClient, ServerError, ServerProblem
 from tandem.metrics.doctor import rounding_bound
+from tandem.model.distributed import Ranks
 from tandem.packing import TREE, pack
 from tandem.packing.logprobs import row_logprobs
+from tandem.runtime.session import Session
 
 PROBE_TOKENS = 16
 PROBE_SEED = 1234
@@ -88,6 +92,13 @@ class SyncProbe:
         """Opened by the runtime at the first probe."""
         self.restart()
 
+    @classmethod
+    def of_run(cls, tokenizer, dataset, dtype: str, args) -> "SyncProbe":
+        """A run's probe: its dataset's first prompt (a fixed question without one), rendered as rollouts are."""
+        first_prompt = next(iter(first_rows(dataset, 1)), {}).get("prompt")
+        messages = first_prompt or [{"role": "user", "content": "What is 2 + 2?"}]
+        return cls(render_prompt(tokenizer, messages, args.chat_template_kwargs), dtype, args)
+
     def restart(self) -> None:
         """A server reached anew (connect, reconnect): it may serve other weights, so it is probed as a new one."""
         self.pushes = 0
@@ -137,6 +148,33 @@ class SyncProbe:
             return sampled.token_ids, sampled.logprobs
         scored = await client.score(self.prompt + self.completion, model=served_name)
         return self.completion, scored[len(self.prompt) - 1 :]
+
+    def probe(
+        self, name: str, session: Session, ranks: Ranks, model: torch.nn.Module, kernel: str, layout: str
+    ) -> SyncGap:
+        """Probe a sync that made the server serve `name`: rank 0 asks the server for the probe's log-probs, every rank
+        scores the completion with the trained model (a sharded forward takes them all), rank 0 judges, and every rank
+        takes its verdict, so the next syncs' probes are due alike. A mismatch raises SyncMismatch on every rank."""
+        served, verdict = None, None
+        if ranks.main:
+            self.client = self.client or session.generation_client()
+            try:
+                served = session.run(self.served_logprobs(self.client, name))
+            except ServerError as error:
+                if 400 <= error.status < 500:  # refused, not lost: reconnecting would be refused alike
+                    raise ServerProblem(f"the weight sync check's request was refused: {error}") from None
+                raise
+        self.completion, served = ranks.broadcast(served)
+        ours = policy_logprobs(model, self.prompt, self.completion, kernel, layout)
+        if ranks.main:
+            try:
+                verdict = self.judge(name, served, ours), None
+            except SyncMismatch as mismatch:
+                verdict = None, str(mismatch)
+        (gap, failure), self.settled = ranks.broadcast((verdict, self.settled) if ranks.main else None)
+        if failure is not None:
+            raise SyncMismatch(failure)
+        return gap
 
     def judge(self, served_name: str, served: list[float], ours: torch.Tensor) -> SyncGap:
         """The gap between the `served` log-probs and the trainer's (`ours`), after SyncMismatch if a rule in effect

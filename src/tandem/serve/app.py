@@ -27,11 +27,12 @@ from tandem.httpapp import api_key_auth, error_response, start_app
 from tandem.kernels.openmp import in_passing_thread
 from tandem.serve import fields, protocol, responses
 from tandem.serve.control import Control
-from tandem.serve.engine import ENGINE_STOPPED, Engine, EngineRequest
+from tandem.serve.engine import ENGINE_STOPPED, Engine
 from tandem.serve.info import Info
 from tandem.serve.lora import AdapterSet
 from tandem.serve.preparation import Ask, Preparer
 from tandem.serve.protocol import ApiError, bad_request
+from tandem.serve.requests import EngineRequest
 from tandem.serve.serve_args import (
     ServeArgs,
     check_tool_flags,

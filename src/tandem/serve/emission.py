@@ -12,7 +12,7 @@ import torch
 from tandem.serve.sampling import apply_masks, apply_penalties, process_logits, sample
 
 if TYPE_CHECKING:
-    from tandem.serve.engine import EngineRequest, Sequence
+    from tandem.serve.requests import EngineRequest, Sequence
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 NOTHING_TO_SAMPLE = (

@@ -15,8 +15,8 @@ from transformers import PreTrainedTokenizerBase
 
 from tandem.chat.prompts import TEMPLATE_ERRORS, render_chat
 from tandem.serve import fields, protocol
-from tandem.serve.engine import EngineRequest
 from tandem.serve.protocol import bad_request
+from tandem.serve.requests import EngineRequest
 from tandem.serve.sampling import SamplingParams
 
 

@@ -1,7 +1,7 @@
 """`/metrics`: the engine's counters in the Prometheus text format, under vLLM's metric names and labels."""
 
-from tandem.serve.engine import EngineStats
 from tandem.serve.prefix_cache import BLOCK_SIZE
+from tandem.serve.requests import EngineStats
 
 COUNTERS = [
     ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", "running"),

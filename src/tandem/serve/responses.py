@@ -10,8 +10,8 @@ from transformers import PreTrainedTokenizerBase
 
 from tandem.chat.prompts import with_content_as
 from tandem.chat.tool_formats import ToolCallFormat, served_reply
-from tandem.serve.engine import EngineRequest, Sequence
 from tandem.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, find_stop
+from tandem.serve.requests import EngineRequest, Sequence
 from tandem.serve.sampling import floor_logprob
 
 

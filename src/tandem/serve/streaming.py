@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from tandem.chat.tool_formats import served_reply
-from tandem.serve.engine import EngineRequest, Sequence
 from tandem.serve.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.serve.requests import EngineRequest, Sequence
 from tandem.serve.responses import (
     ChatReply,
     TokenText,

@@ -309,3 +309,10 @@ def record_if_best(state: TrainerState, metrics: dict, name: str, greater_is_bet
         return False
     state.best_metric, state.best_global_step = value, state.step
     return True
+
+
+def share_rank0_state(state: TrainerState, ranks: Ranks) -> None:
+    """Rank 0's counters into every rank's state before a checkpoint, which every rank writes: where the prompt stream
+    goes on (rank 0 reads it) and the best evaluation (rank 0 evaluates)."""
+    for name in ("dataset_start_index", "best_metric", "best_global_step"):
+        setattr(state, name, ranks.broadcast(getattr(state, name)))

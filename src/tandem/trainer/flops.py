@@ -11,9 +11,14 @@ made exact for tree packing):
 Recomputation (gradient checkpointing) is not counted: MFU measures useful work.
 """
 
+from dataclasses import dataclass
+
 import torch
 from peft import PeftModel
 from transformers import PreTrainedModel
+
+from tandem.metrics.window import MetricWindow
+from tandem.trainer.step_metrics import StepTimes
 
 PEAK_TFLOPS = {  # dense tensor-core peak per GPU, (bf16, fp32 / tf32), from the vendors' data sheets
     "B200": (2250.0, 1100.0),
@@ -60,3 +65,23 @@ def rows_flops(rows, shape: tuple[int, int, int, int]) -> float:
     predicting = sum(row.predict_index.unique().numel() for row in rows)
     keys = sum(row.load for row in rows)
     return 6.0 * params * tokens + 6.0 * hidden * vocab * predicting + 12.0 * layers * hidden * keys
+
+
+@dataclass
+class StepFlops:
+    """A run's `perf/*_mfu` metrics: each step's FLOPs over what all its GPUs (`peak` FLOP/s together) could have done
+    in the step's time."""
+
+    peak: float
+    shape: tuple[int, int, int, int]
+
+    @classmethod
+    def of(cls, model: PreTrainedModel | PeftModel, device: torch.device, bf16: bool, gpus: int) -> "StepFlops | None":
+        """The run's meter; None where MFU is not logged (CPU, or a GPU of unknown peak)."""
+        peak = peak_flops(device, bf16)
+        return None if peak is None else cls(peak * gpus, model_shape(model))
+
+    def record(self, window: MetricWindow, rows, times: StepTimes) -> None:
+        flops = rows_flops(rows, self.shape)
+        window.add("perf/fwd_bwd_mfu", flops / (times.forward_backward * self.peak))
+        window.add("perf/wall_clock_mfu", flops / (times.total * self.peak))

@@ -16,7 +16,7 @@ from tandem.config import AsyncGRPOConfig
 from tandem.dataset_rows import columns_of, first_rows, is_iterable
 from tandem.errors import UsageError
 from tandem.kernels import onednn_linear
-from tandem.model import architecture
+from tandem.model import architecture, distributed
 from tandem.packing import PADDED, tree_attention
 from tandem.packing.logprobs import check_head
 from tandem.tasks import TINY_MODEL_PATH
@@ -27,6 +27,19 @@ TEXT_ONLY = (
     "tandem trains vision-language models on text only: images reach neither the server nor the forward "
     "(the vision tower stays frozen)."
 )
+
+
+def load_policy(model, args: AsyncGRPOConfig, peft_config, processing_class, ranks: distributed.Ranks):
+    """The policy to train and its tokenizer: (the name the server knows it by, the model with its LoRA adapter when
+    `peft_config` is given, sharded over the torchrun ranks, its row layout, the tokenizer)."""
+    name, loaded, layout = load_model(model, args)
+    policy = with_adapter(loaded, peft_config) if peft_config is not None else loaded
+    if ranks.several:
+        distributed.shard(policy, ranks, args.fsdp_config, use_bf16(args, next(policy.parameters()).device))
+    tokenizer = processing_class_for(
+        processing_class, name if isinstance(model, str) else model.name_or_path, args.trust_remote_code
+    )
+    return name, policy, layout, tokenizer
 
 
 def load_model(model, args: AsyncGRPOConfig) -> tuple[str, PreTrainedModel, str]:

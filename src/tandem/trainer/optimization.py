@@ -2,6 +2,7 @@
 names, its weight-decay groups and its schedules, taken from transformers itself."""
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -67,3 +68,30 @@ def clip_gradients(model: torch.nn.Module, max_grad_norm: float | None) -> torch
     else:
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_grad_norm)
     return full_tensor(norm)  # sharded gradients (FSDP2) give the norm as a DTensor
+
+
+def step_optimizer(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scaler: torch.amp.GradScaler | None,
+    max_grad_norm: float | None,
+    event: Callable[[str], None],
+) -> float:
+    """Clip the accumulated gradients, step the optimizer and the schedule, zero the gradients; returns the gradient
+    norm before clipping. `event` tells the callbacks, as transformers does: `on_pre_optimizer_step` with the clipped
+    gradients, `on_optimizer_step` with the stepped weights and the gradients still there. With fp16's `scaler`, the
+    gradients are clipped and measured unscaled, and a step with inf/NaN ones is skipped."""
+    if scaler:
+        scaler.unscale_(optimizer)
+    grad_norm = clip_gradients(model, max_grad_norm)
+    event("on_pre_optimizer_step")
+    if scaler:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    event("on_optimizer_step")
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm)

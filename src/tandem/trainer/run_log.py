@@ -58,11 +58,6 @@ class RunLog:
         self.window.add("learning_rate", learning_rate)
         record_step(self.window, rows, num_micro_batches, times)
 
-    def record_mfu(self, flops: float, capacity: float, times: StepTimes) -> None:
-        """The step's FLOPs over what its GPUs (`capacity` FLOP/s in all) could do in its time."""
-        self.window.add("perf/fwd_bwd_mfu", flops / (times.forward_backward * capacity))
-        self.window.add("perf/wall_clock_mfu", flops / (times.total * capacity))
-
     def flush(self, state: TrainerState) -> tuple[dict, list | None]:
         """The window reduced into one logged line with the run's counters, and the completions it sampled to print;
         the window starts again empty."""

@@ -9,11 +9,12 @@ from transformers.trainer_utils import enable_full_determinism
 from transformers.utils import logging as hf_logging
 
 from tandem import integrations
+from tandem.chat.tool_formats import tool_call_format
 from tandem.config import AsyncGRPOConfig
 from tandem.dataset_rows import is_iterable
 from tandem.errors import UsageError
 from tandem.packing import tree_attention
-from tandem.runtime.rollout_inputs import check_agents, check_reward_names
+from tandem.runtime.rollout_inputs import check_agents, check_reward_names, rollout_template
 from tandem.trainer import OPENMP_POLICY_TOO_LATE
 from tandem.trainer.model import check_dataset, drop_unused_columns
 
@@ -187,3 +188,12 @@ def empty_device_cache(device: torch.device) -> None:
     """torch_empty_cache_steps: hand the accelerator's cached free blocks back (the CPU keeps no such cache)."""
     if device.type != "cpu":
         getattr(torch, device.type).empty_cache()  # torch.cuda / torch.xpu / torch.mps
+
+
+def rollout_chat_template(tokenizer, inputs: Inputs, args: AsyncGRPOConfig) -> str | None:
+    """The training-safe chat template the worker renders multi-turn rollouts with when the model's own is not
+    prefix-preserving (None: the model's own, or no tools and environments); and the tokenizer checked to have the
+    tokens of `tool_call_parser`'s format."""
+    if args.tool_call_parser is not None:
+        tool_call_format(args.tool_call_parser, tokenizer)
+    return rollout_template(tokenizer, inputs.tools, args.chat_template_kwargs) if inputs.agent else None

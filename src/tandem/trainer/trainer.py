@@ -15,20 +15,19 @@ from pathlib import Path
 
 import torch
 
-from tandem.chat.tool_formats import tool_call_format
 from tandem.config import AsyncGRPOConfig
 from tandem.dataset_rows import is_iterable
 from tandem.metrics.window import MetricWindow
 from tandem.model import distributed
 from tandem.packing import PackedRow
-from tandem.runtime.rollout_inputs import check_sendable, loop_class, rollout_template
+from tandem.runtime.rollout_inputs import check_sendable, loop_class
 from tandem.runtime.runtime import Runtime, RuntimeSpec, unless_preempted
 from tandem.trainer import checkpoint
 from tandem.trainer.batch_size import check_auto_find_batch_size, halved
 from tandem.trainer.callbacks import CallbackMethods, Callbacks, callback_handler
 from tandem.trainer.checkpoint import TrainerState
 from tandem.trainer.evaluation import evaluate
-from tandem.trainer.flops import model_shape, peak_flops, rows_flops
+from tandem.trainer.flops import StepFlops
 from tandem.trainer.hub import HubUploader
 from tandem.trainer.model import (
     autocast_dtype,
@@ -36,20 +35,18 @@ from tandem.trainer.model import (
     enable_checkpointing,
     eos_ids,
     instrument,
-    load_model,
-    processing_class_for,
+    load_policy,
     served_dtype,
-    use_bf16,
-    with_adapter,
 )
 from tandem.trainer.objectives import make_objective
-from tandem.trainer.optimization import clip_gradients, make_optimizer, make_scheduler
+from tandem.trainer.optimization import make_optimizer, make_scheduler, step_optimizer
 from tandem.trainer.row_passes import RowPasses, StepLoss
 from tandem.trainer.run_log import LogCounters, RunLog
 from tandem.trainer.run_setup import (
     attention_kernel,
     check_inputs,
     empty_device_cache,
+    rollout_chat_template,
     router_coefficient,
     run_log_level,
     seed_run,
@@ -77,6 +74,10 @@ class AsyncGRPOTrainer(CallbackMethods):
     harness: object = None
     """Another library's episodes the worker plays instead of the tool loop: HarnessAsyncGRPOTrainer's OpenEnv harness,
     or a verifiers environment passed as train_dataset (its loop class runs it)."""
+    halved_budget: int | None = None
+    """auto_find_batch_size: the token budget a step out of memory was packed again in, for the runtime to keep."""
+    hub: HubUploader | None = None
+    """push_to_hub's uploads (rank 0), started with the first one."""
 
     def __init__(
         self,
@@ -97,26 +98,15 @@ class AsyncGRPOTrainer(CallbackMethods):
         self.dataset, self.eval_dataset, self.reward_funcs = inputs.dataset, inputs.eval_dataset, inputs.reward_funcs
         self.tools, self.environment_factory, self.harness = inputs.tools, inputs.environment_factory, inputs.harness
         self.ranks = distributed.join(args.ddp_timeout)  # this process's place among the torchrun ranks (or one of one)
-        self.model_name, model_loaded, self.layout = load_model(model, args)
-        """The rows this model trains on: tree-packed, or padded for models a tree row would change (packing/trie.py)."""
         self.lora = peft_config is not None
-        self.model = with_adapter(model_loaded, peft_config) if self.lora else model_loaded
-        if self.ranks.several:
-            distributed.shard(
-                self.model, self.ranks, args.fsdp_config, use_bf16(args, next(self.model.parameters()).device)
-            )
-        self.tokenizer = processing_class_for(
-            processing_class, self.model_name if isinstance(model, str) else model.name_or_path, args.trust_remote_code
+        self.model_name, self.model, self.layout, self.tokenizer = load_policy(
+            model, args, peft_config, processing_class, self.ranks
         )
-        self.rollout_template = (
-            rollout_template(self.tokenizer, self.tools, args.chat_template_kwargs) if inputs.agent else None
-        )
+        """`layout`: the rows this model trains on, tree-packed or padded for models a tree row would change."""
+        self.rollout_template = rollout_chat_template(self.tokenizer, inputs, args)
         """A training-safe chat template the worker renders rollouts with, when the model's is not prefix-preserving."""
-        if args.tool_call_parser is not None:
-            tool_call_format(args.tool_call_parser, self.tokenizer)  # the tokenizer has the format's tokens
         self.optimizer_given = optimizers[0] is not None
-        self.optimizer = optimizers[0] or make_optimizer(self.model, args)
-        self.scheduler = optimizers[1] or make_scheduler(self.optimizer, args)
+        self.optimizer, self.scheduler = optimizers
         self.device = next(self.model.parameters()).device  # the scaler below: fp16's gradient scaler, or None
         self.scaler = check_precision(args, self.device, self.ranks.several, next(self.model.parameters()).dtype)
         self.kernel = attention_kernel(args, self.device)
@@ -125,31 +115,37 @@ class AsyncGRPOTrainer(CallbackMethods):
             self.model, self.kernel, args.temperature, autocast_dtype(args, self.device), self.ranks
         )
         """This rank's passes of a step's rows through the model, and their clock (trainer/row_passes.py)."""
-        self.peak_flops = peak_flops(self.device, self.passes.autocast is not None)
-        """One GPU's peak FLOP/s for the `perf/*_mfu` metrics; None on CPU or an unknown GPU (trainer/flops.py)."""
-        self.flops_shape = model_shape(self.model) if self.peak_flops else None
-        self.objective = make_objective(args, router_coefficient(args, self.model))
+        self.flops = StepFlops.of(self.model, self.device, self.passes.autocast is not None, self.ranks.world_size)
+        """The `perf/*_mfu` metrics' meter; None on CPU or an unknown GPU (trainer/flops.py)."""
         self.output_dir = Path(args.output_dir)
         self.compute_dtype = str(self.passes.autocast or next(self.model.parameters()).dtype).removeprefix("torch.")
         """The dtype of the trainer's forward: the rounding it expects between its log-probs and the server's."""
-        self.state = TrainerState()
+        handler = callback_handler(callbacks or [], self.model, self.tokenizer, self.optimizer, self.scheduler)
+        self.callbacks = Callbacks(handler, args, TrainerState(), self.ranks)
+        """transformers' TrainerCallback objects, called with (args, state, control) at each event of the loop, and
+        the flags they set (should_log, should_save, should_training_stop), read by the loop."""
+        self._configure(args)
+        self.callbacks.event("on_init_end")
+
+    def _configure(self, args: AsyncGRPOConfig) -> None:
+        """Build what comes from the settings training reads: the optimizer and its schedule (unless given), the
+        objective, fresh counters and log, and the runtime. Done again for each hyperparameter-search trial, as
+        transformers' train() does; the model trains on from where it is (transformers reloads it only through
+        model_init, which tandem does not take)."""
+        self.args = self.callbacks.args = args
+        self.state = self.callbacks.state = TrainerState()
         """transformers' TrainerState, filled in place (from a checkpoint when resuming): callbacks hold it."""
         self.run_log = self._new_run_log()
         """The metric window, each step's loss and each log's mean reward (trainer/run_log.py)."""
-        self.halved_budget: int | None = None
-        """auto_find_batch_size: the token budget a step out of memory was packed again in, for the runtime to keep."""
-        self.callbacks = Callbacks(
-            callback_handler(callbacks or [], self.model, self.tokenizer, self.optimizer, self.scheduler),
-            args,
-            self.state,
-            self.ranks,
-        )
-        """transformers' TrainerCallback objects, called with (args, state, control) at each event of the loop, and
-        the flags they set (should_log, should_save, should_training_stop), read by the loop."""
-        self.hub: HubUploader | None = None  # push_to_hub's uploads (rank 0), started with the first one
+        if not self.optimizer_given:
+            self.optimizer = make_optimizer(self.model, args)
+        if not self.optimizer_given or self.scheduler is None:
+            self.scheduler = make_scheduler(self.optimizer, args)
+        self.callbacks.handler.optimizer, self.callbacks.handler.lr_scheduler = self.optimizer, self.scheduler
+        self.passes.temperature = args.temperature
+        self.objective = make_objective(args, router_coefficient(args, self.model))
         self.runtime = self.runtime_cls(self._runtime_spec())
         """The generation server, the rollout worker, the queue and the weight sync: started by train()."""
-        self.callbacks.event("on_init_end")
 
     # ---- public ---------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None) -> TrainOutput:
@@ -158,7 +154,7 @@ class AsyncGRPOTrainer(CallbackMethods):
         config fields set for this run (a hyperparameter search's trial, trainer/trial.py). `ignore_keys_for_eval`
         (model outputs left out of evaluation) does not apply here."""
         if trial is not None:
-            self._take_trial(trial_args(self.args, trial, optimizer_given=self.optimizer_given))
+            self._configure(trial_args(self.args, trial, optimizer_given=self.optimizer_given))
         warn_train_arguments(ignore_keys_for_eval, self.device)
         check_sendable(self.reward_funcs, self.loop_cls)
         seed_run(self.args)
@@ -194,22 +190,6 @@ class AsyncGRPOTrainer(CallbackMethods):
             )
         self.callbacks.event("on_train_end")
         return output
-
-    def _take_trial(self, args: AsyncGRPOConfig) -> None:
-        """Train with a trial's `args`: the parts built from the settings that training reads are built again, and
-        the run's counters start from nothing, as transformers' train() does. The model trains on from where it is
-        (transformers reloads it only through model_init, which tandem does not take)."""
-        self.args = args
-        self.state = self.callbacks.state = TrainerState()
-        self.run_log = self._new_run_log()
-        if not self.optimizer_given:
-            self.optimizer = make_optimizer(self.model, args)
-            self.scheduler = make_scheduler(self.optimizer, args)
-            self.callbacks.handler.optimizer, self.callbacks.handler.lr_scheduler = self.optimizer, self.scheduler
-        self.passes.temperature = args.temperature
-        self.objective = make_objective(args, router_coefficient(args, self.model))
-        self.callbacks.args = args
-        self.runtime = self.runtime_cls(self._runtime_spec())
 
     @property
     def reward_history(self) -> list[float]:
@@ -348,9 +328,8 @@ class AsyncGRPOTrainer(CallbackMethods):
             )
             lr = self.scheduler.get_last_lr()[0]
             self.run_log.record_step(rows, len(micro_batches), step.loss, grad_norm, lr, times)
-            if self.peak_flops:
-                capacity = self.peak_flops * self.ranks.world_size
-                self.run_log.record_mfu(rows_flops(rows, self.flops_shape), capacity, times)
+            if self.flops:
+                self.flops.record(self.run_log.window, rows, times)
         if not self.args.skip_memory_metrics:  # every rank's: the window is gathered, the largest logged
             record_memory(self.run_log.window, self.device)
         return eval_pending, epoch_ended
@@ -381,21 +360,10 @@ class AsyncGRPOTrainer(CallbackMethods):
 
     def optimizer_step(self) -> float:
         """Clip the accumulated gradients, step the optimizer and the schedule, zero the gradients; returns the
-        gradient norm before clipping. Callbacks see the clipped gradients (`on_pre_optimizer_step`) and the stepped
-        weights with the gradients still there (`on_optimizer_step`), as in transformers."""
-        if self.scaler:  # fp16: the gradients are clipped and measured unscaled; a step with inf/NaN ones is skipped
-            self.scaler.unscale_(self.optimizer)
-        grad_norm = clip_gradients(self.model, self.args.max_grad_norm)
-        self.callbacks.event("on_pre_optimizer_step")
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.callbacks.event("on_optimizer_step")
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm)
+        gradient norm before clipping (optimization.step_optimizer, callbacks called as in transformers)."""
+        return step_optimizer(
+            self.model, self.optimizer, self.scheduler, self.scaler, self.args.max_grad_norm, self.callbacks.event
+        )
 
     def _step_done(self, rows: list[PackedRow], runtime: Runtime) -> bool:
         """Count the step; its samples are trained, and the worker may generate what they consumed again. Returns
@@ -451,10 +419,8 @@ class AsyncGRPOTrainer(CallbackMethods):
 
     def _checkpoint(self, runtime: Runtime) -> int:
         """A checkpoint of this step, with where the prompt stream goes on; returns the step."""
-        self.state.dataset_start_index = self.ranks.broadcast(self.state.dataset_start_index)
+        checkpoint.share_rank0_state(self.state, self.ranks)
         self.state.stateful_callbacks = self.callbacks.exported()
-        for name in ("best_metric", "best_global_step"):  # rank 0 evaluates; every rank writes its shards
-            setattr(self.state, name, self.ranks.broadcast(getattr(self.state, name)))
         model_only = self.args.save_only_model and not runtime.preempted_everywhere()  # a preempted run resumes
         path = checkpoint.save(
             self.output_dir,
