@@ -156,8 +156,10 @@ class Generation:
         if key not in self.rendered:
             if len(self.rendered) > RENDER_CACHE_SIZE:
                 self.rendered.clear()
+            template_kwargs = self.config.chat_template_kwargs
+            assert not isinstance(template_kwargs, str)  # the config parsed its JSON string
             self.rendered[key] = render_chat(
-                self.tokenizer, messages, tools=tools or None, chat_template_kwargs=self.config.chat_template_kwargs
+                self.tokenizer, messages, tools=tools or None, chat_template_kwargs=template_kwargs
             )
         return self.rendered[key]
 
