@@ -270,7 +270,9 @@ def normalise(args: "AsyncGRPOConfig") -> None:
     ):
         if isinstance(getattr(args, name, None), str):  # transformers accepts a JSON string here
             setattr(args, name, _json_mapping(name, getattr(args, name)))
-    check_schedule(args.lr_scheduler_type, args.lr_scheduler_kwargs)
+    schedule_kwargs = args.lr_scheduler_kwargs
+    assert not isinstance(schedule_kwargs, str)  # parsed above
+    check_schedule(args.lr_scheduler_type, schedule_kwargs)
     if args.lr_scheduler_type not in CONSTANT_SCHEDULES and args.max_steps <= 0:
         raise UsageError(
             f"AsyncGRPOConfig.lr_scheduler_type={args.lr_scheduler_type!r} decays over max_steps, "
@@ -280,11 +282,12 @@ def normalise(args: "AsyncGRPOConfig") -> None:
         args.vllm_server_base_url = _server_url(args.vllm_server_base_url, args.vllm_server_host, args.vllm_server_port)
     if args.vllm_server_api_key is None:
         args.vllm_server_api_key = os.environ.get("VLLM_API_KEY") or None
-    if isinstance(args.fsdp_config, str):  # transformers accepts a JSON string (or a file) here
-        args.fsdp_config = json.loads(
-            Path(args.fsdp_config).read_text() if Path(args.fsdp_config).is_file() else args.fsdp_config
+    fsdp_config = args.fsdp_config
+    if isinstance(fsdp_config, str):  # transformers accepts a JSON string (or a file) here
+        fsdp_config = args.fsdp_config = json.loads(
+            Path(fsdp_config).read_text() if Path(fsdp_config).is_file() else fsdp_config
         )
-    reshard_after_forward(args.fsdp_config)
+    reshard_after_forward(fsdp_config)
     if args.min_p == 0:
         args.min_p = None
     if args.load_best_model_at_end and args.metric_for_best_model is None:

@@ -8,6 +8,7 @@ import dataclasses
 import difflib
 import importlib
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,43 +160,15 @@ def _coerce(key: str, value: Any) -> Any:
     return value
 
 
-def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
+def load_recipe(path: str | None, overrides: Sequence[str] = ()) -> Recipe:
     """Read a YAML recipe (a file, or a built-in recipe's name) and apply command-line overrides; TRL's keys are read
     as tandem's (`trl_names`), and an unknown key fails with the nearest names."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        raw = yaml.safe_load(recipe_file(path).read_text()) or {}
-        if not isinstance(raw, dict):
-            raise UsageError(f"{path}: a recipe is a YAML mapping of config fields, got {type(raw).__name__}")
-    raw = {key: _coerce(key, value) for key, value in raw.items()}
-    flags = parse_overrides(list(overrides))
-    for flag in flags:  # a flag replaces the recipe's value, whichever of TRL's or tandem's names either uses
-        for key in trl_names.overridden(flag):
-            raw.pop(key, None)
-    raw.update(flags)
-    unknown = sorted(set(raw) - known_keys())
-    if unknown:
-        raise UsageError(unknown_keys(unknown))
-    raw, notes = trl_names.from_trl(raw)
-    for key in set(RECIPE_TYPES) & set(raw):
-        values = raw[key] if key in LISTS and isinstance(raw[key], list) else [raw[key]]
-        if any(type_problem(value, RECIPE_TYPES[key]) for value in values):
-            many = " (or a list of them)" if key in LISTS else ""
-            raise UsageError(f"{key}={raw[key]!r}: expected {described(RECIPE_TYPES[key])}{many}")
+    raw, notes = trl_names.from_trl(_overridden(_read(path), overrides))
+    _check_types(raw)
     if "model" not in raw:
         raise UsageError("the recipe has no 'model': give a model folder, a hub id, or 'tiny' for the built-in model")
     funcs, tools = raw.pop("reward_funcs", []), raw.pop("tools", [])
-    environments = raw.pop("environment_factory", None)
-    if environments is not None and not isinstance(environments, (str, dict)):
-        raise UsageError(
-            f"environment_factory: expected an import path (package.module:Class) or a mapping of names to "
-            f"import paths, got {environments!r}"
-        )
-    lora = raw.pop("lora", None)
-    if lora is not None and not isinstance(lora, dict):
-        raise UsageError(
-            f"lora: expected a mapping of peft.LoraConfig fields (r, lora_alpha, target_modules, ...), got {lora!r}"
-        )
+    environments, lora = _environments(raw.pop("environment_factory", None)), _lora(raw.pop("lora", None))
     default_dataset = None if environments else "arithmetic"  # environments may make their own tasks
     dataset = raw.pop("dataset", default_dataset)
     return Recipe(
@@ -215,6 +188,57 @@ def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
         lora=lora,
         config=AsyncGRPOConfig(**raw),
     )
+
+
+def _read(path: str | None) -> dict[str, Any]:
+    """The recipe's keys and values as YAML gives them, coerced to their fields' types (none without a path)."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = yaml.safe_load(recipe_file(path).read_text()) or {}
+        if not isinstance(raw, dict):
+            raise UsageError(f"{path}: a recipe is a YAML mapping of config fields, got {type(raw).__name__}")
+    return {key: _coerce(key, value) for key, value in raw.items()}
+
+
+def _overridden(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """`raw` with the command line's flags applied; an unknown key, the recipe's or a flag's, fails."""
+    flags = parse_overrides(list(overrides))
+    for flag in flags:  # a flag replaces the recipe's value, whichever of TRL's or tandem's names either uses
+        for key in trl_names.overridden(flag):
+            raw.pop(key, None)
+    raw.update(flags)
+    unknown = sorted(set(raw) - known_keys())
+    if unknown:
+        raise UsageError(unknown_keys(unknown))
+    return raw
+
+
+def _check_types(raw: dict[str, Any]) -> None:
+    """The recipe's own keys (not config fields) hold values of their types, or lists of them where allowed."""
+    for key in set(RECIPE_TYPES) & set(raw):
+        values = raw[key] if key in LISTS and isinstance(raw[key], list) else [raw[key]]
+        if any(type_problem(value, RECIPE_TYPES[key]) for value in values):
+            many = " (or a list of them)" if key in LISTS else ""
+            raise UsageError(f"{key}={raw[key]!r}: expected {described(RECIPE_TYPES[key])}{many}")
+
+
+def _environments(environments: Any) -> str | dict | None:
+    """The recipe's `environment_factory`: an import path, or a mapping of names to import paths."""
+    if environments is not None and not isinstance(environments, (str, dict)):
+        raise UsageError(
+            f"environment_factory: expected an import path (package.module:Class) or a mapping of names to "
+            f"import paths, got {environments!r}"
+        )
+    return environments
+
+
+def _lora(lora: Any) -> dict | None:
+    """The recipe's `lora`: a mapping of peft.LoraConfig fields."""
+    if lora is not None and not isinstance(lora, dict):
+        raise UsageError(
+            f"lora: expected a mapping of peft.LoraConfig fields (r, lora_alpha, target_modules, ...), got {lora!r}"
+        )
+    return lora
 
 
 def recipe_file(path: str) -> Path:

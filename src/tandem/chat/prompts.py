@@ -91,7 +91,7 @@ def template_content_format(template: str) -> str:
 
 def _reads(node, names: set[str]) -> bool:
     """`node` is one of `names`, an item of it (messages[0]) or it filtered (messages | selectattr(...))."""
-    while isinstance(node, (jinja2.nodes.Getitem, jinja2.nodes.Filter, jinja2.nodes.Slice)) and node.node is not None:
+    while isinstance(node, (jinja2.nodes.Getitem, jinja2.nodes.Filter)) and node.node is not None:
         node = node.node
     return isinstance(node, jinja2.nodes.Name) and node.name in names
 
@@ -158,7 +158,7 @@ def probe_conversation(with_reasoning: bool) -> list[dict]:
     after it (where Qwen3 drops the earlier replies' reasoning). The replies carry reasoning when the model would
     write some."""
     call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2 + 3"}}}
-    messages = [
+    messages: list[dict] = [
         {"role": "user", "content": "What is 2 + 3?"},
         {"role": "assistant", "content": "", "tool_calls": [call]},
         {"role": "tool", "content": "5"},
@@ -175,7 +175,7 @@ def probe_conversation(with_reasoning: bool) -> list[dict]:
 
 
 def check_prefix_preserving(
-    tokenizer, tools: list[dict], chat_template_kwargs: dict | None, *, chat_template: str | None = None
+    tokenizer, tools: list[dict] | None, chat_template_kwargs: dict | None, *, chat_template: str | None = None
 ) -> str | None:
     """None when the chat template is prefix-preserving on a probe conversation, else a one-line reason.
 

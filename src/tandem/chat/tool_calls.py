@@ -69,7 +69,7 @@ class ParsedReply:
     def message(self) -> dict:
         """The assistant message to append to the conversation: the content, the reasoning when the parser
         separated it, and the well-formed calls (no "tool_calls" key when there are none)."""
-        message = {"role": "assistant", "content": self.content}
+        message: dict = {"role": "assistant", "content": self.content}
         if self.reasoning is not None:
             message["reasoning_content"] = self.reasoning
         calls = [call.as_message_call() for call in self.tool_calls if call.error is None]
@@ -191,8 +191,10 @@ def parsed_call(entry) -> ToolCall:
     itself. Only function tools run: a call of another type is malformed, never looked up by its name."""
     raw = json.dumps(entry, ensure_ascii=False)
     if isinstance(entry, dict) and entry.get("type", "function") != "function":
-        function = entry.get("function") if isinstance(entry.get("function"), dict) else entry
-        name = function.get("name") if isinstance(function.get("name"), str) else ""  # what the model asked for
+        nested = entry.get("function")
+        function: dict = nested if isinstance(nested, dict) else entry
+        asked = function.get("name")
+        name = asked if isinstance(asked, str) else ""  # what the model asked for
         return ToolCall(
             name, {}, error=f'a call of type {entry["type"]!r}: only "function" tools can be called', raw=raw
         )

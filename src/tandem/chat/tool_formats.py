@@ -270,11 +270,14 @@ def read_pythonic(text: str) -> Reading:
         return plain(text)
     try:
         node = getattr(ast.parse(text).body[0], "value", None)
-        if not isinstance(node, ast.List) or not all(isinstance(call, ast.Call) for call in node.elts):
+        if not isinstance(node, ast.List):
+            return plain(text)
+        calls = [call for call in node.elts if isinstance(call, ast.Call)]
+        if len(calls) != len(node.elts):
             return plain(text)
         return called(
             None,
-            [(dotted_name(call.func), as_json({k.arg: literal(k.value) for k in call.keywords})) for call in node.elts],
+            [(dotted_name(call.func), as_json({k.arg: literal(k.value) for k in call.keywords})) for call in calls],
         )
     except (SyntaxError, IndexError, *UNREADABLE):
         return plain(text)
@@ -293,12 +296,16 @@ def literal(node: ast.expr):
     """A keyword argument's value as JSON holds it (tuples and sets as lists); ValueError for anything else."""
     if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (str, int, float))):
         return node.value
-    if isinstance(node, ast.Dict) and all(isinstance(key, ast.Constant) for key in node.keys):
-        return {key.value: literal(value) for key, value in zip(node.keys, node.values)}
+    if isinstance(node, ast.Dict):
+        keys = [key for key in node.keys if isinstance(key, ast.Constant)]
+        if len(keys) == len(node.keys):
+            return {key.value: literal(value) for key, value in zip(keys, node.values)}
     if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
         return [literal(element) for element in node.elts]
-    if isinstance(node, ast.JoinedStr) and all(isinstance(part, ast.Constant) for part in node.values):
-        return "".join(str(part.value) for part in node.values)
+    if isinstance(node, ast.JoinedStr):
+        parts = [part for part in node.values if isinstance(part, ast.Constant)]
+        if len(parts) == len(node.values):
+            return "".join(str(part.value) for part in parts)
     if isinstance(node, ast.Name) and node.id in JSON_NAMES:
         return JSON_NAMES[node.id]
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):

@@ -14,6 +14,7 @@ import asyncio
 import multiprocessing as mp
 import os
 from dataclasses import dataclass
+from multiprocessing.synchronize import Event
 
 
 class Doorbell:
@@ -69,8 +70,8 @@ class Channels:
     watermark: "mp.sharedctypes.Synchronized"
     """The first prompt position the trainer has not finished: the worker forgets the rows below it."""
     heartbeat: "mp.sharedctypes.Synchronized"
-    stop: mp.Event
-    running: mp.Event
+    stop: Event
+    running: Event
     """Set by the worker as soon as its own code runs (before that, Python is still importing the main module)."""
     room: Doorbell
     """Rung by the trainer when it frees room in the queue (or publishes a new allowance): groups may start."""

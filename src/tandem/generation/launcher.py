@@ -10,6 +10,7 @@ import shlex
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -64,6 +65,7 @@ class ServerProcess:
         self._wait_ready(shlex.join(command), startup_timeout_s)
 
     def _read_output(self) -> None:
+        assert self.process.stdout is not None  # stdout=PIPE
         for line in self.process.stdout:
             self._keep(line)
             if self.url is None and (match := self.ready.search(line)):
@@ -120,6 +122,7 @@ class ServerProcess:
                 self.process.wait()
         self.reader.join(timeout=5)
         if not self.reader.is_alive():
+            assert self.process.stdout is not None  # stdout=PIPE
             self.process.stdout.close()
 
     def __enter__(self):
@@ -138,7 +141,7 @@ class EmbeddedServer(ServerProcess):
         *,
         log_path: Path | None = None,
         startup_timeout_s: float = 300,
-        extra_args: list[str] = (),
+        extra_args: Sequence[str] = (),
         env: dict[str, str] | None = None,
         shares_cores: bool = True,
     ):
@@ -161,7 +164,7 @@ class EmbeddedProxy(ServerProcess):
         *,
         log_path: Path | None = None,
         startup_timeout_s: float = 120,
-        extra_args: list[str] = (),
+        extra_args: Sequence[str] = (),
     ):
         flags = [arg for url in upstreams for arg in ("--upstream", url)]
         super().__init__(

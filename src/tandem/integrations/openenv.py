@@ -16,7 +16,10 @@ import math
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeGuard, cast
 
 from tandem.contract.records import Rollout, TurnRecord
 from tandem.errors import UsageError
@@ -34,13 +37,25 @@ def library():
     )
 
 
+class SessionFactory(Protocol):
+    """OpenEnv's ResourceSessionFactory: makes each episode's session."""
+
+    def create(self, task: Any, *, seed: int, episode_id: str) -> Any: ...
+
+
+class WhiteBoxAdapter(Protocol):
+    """OpenEnv's white-box HarnessAdapter: runs an episode's conversation, asking `model_step` for each model call."""
+
+    def run_white_box(self, model_step: Callable[..., Any], session: Any, limits: Any) -> Any: ...
+
+
 @dataclass
 class OpenEnvHarness:
     """What the worker needs to play episodes: the session factory (or a picklable callable that makes one, as TRL's
     `harness_session_factory`), the white-box adapter, and the adapter's turn limit."""
 
-    session_factory: object
-    adapter: object
+    session_factory: SessionFactory | Callable[[], SessionFactory]
+    adapter: WhiteBoxAdapter
     max_turns: int
 
     @property
@@ -69,15 +84,17 @@ def check_harness(session_factory, adapter) -> None:
         )
 
 
-def sessions_of(session_factory):
+def sessions_of(session_factory: SessionFactory | Callable[[], SessionFactory]) -> SessionFactory:
     """The factory itself, or what a callable (a factory class, TRL's convention) returns."""
-    made = session_factory if is_factory(session_factory) else session_factory()
+    if is_factory(session_factory):
+        return session_factory
+    made: object = cast(Callable[[], SessionFactory], session_factory)()
     if not is_factory(made):
         raise UsageError(f"harness_session_factory() returned {type(made).__name__}, which has no create()")
     return made
 
 
-def is_factory(value) -> bool:
+def is_factory(value: object) -> TypeGuard[SessionFactory]:
     return not isinstance(value, type) and callable(getattr(value, "create", None))
 
 
@@ -95,8 +112,8 @@ class Episode:
     reward_s: float = 0.0
     cancelled: threading.Event = field(default_factory=threading.Event)
     """Set when the rollout's task is cancelled (a stale group): the thread stops at its next call."""
-    sampling: object = None
-    """The model call in flight (a concurrent future), cancelled with the rollout."""
+    sampling: Future | None = None
+    """The model call in flight, cancelled with the rollout."""
 
 
 class ContextExhausted(Exception):
@@ -110,7 +127,8 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
     rollout_reward_name = "harness_reward"
 
     async def setup(self) -> None:
-        harness: OpenEnvHarness = self.settings.harness
+        harness = self.settings.harness
+        assert isinstance(harness, OpenEnvHarness)  # this loop is the OpenEnvHarness's own
         self.sessions, self.adapter = sessions_of(harness.session_factory), harness.adapter
         self.limits = library().HarnessRunLimits(max_turns=harness.max_turns)
         self.failures = EpisodeFailures("OpenEnv", self.record)
@@ -226,7 +244,9 @@ class TimedSession:
     unknown tool, a policy error); `results` are the calls' results, in order."""
 
     def __init__(self, session, episode: Episode):
-        self._session, self._episode, self.results, self.names = session, episode, [], set()
+        self._session, self._episode = session, episode
+        self.results: list = []
+        self.names: set[str] = set()
 
     def __getattr__(self, name):
         return getattr(self._session, name)
@@ -268,11 +288,12 @@ def environment_reward(verdict, results: list) -> float:
             f"verify() gave env_reward {verified}, but the last tool result carried {from_tools}: "
             "verify must forward the environment's reward"
         )
-    if from_tools is None and verified is None:
+    reward = verified if from_tools is None else from_tools
+    if reward is None:
         raise ValueError(
             "the episode produced no environment reward (verify().env_reward, or a tool result's metadata['reward'])"
         )
-    return float(verified if from_tools is None else from_tools)
+    return float(reward)
 
 
 def carried_reward(result):

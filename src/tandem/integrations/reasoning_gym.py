@@ -71,7 +71,7 @@ class TaskScore:
 
     def __call__(self, completions, **columns) -> list[float | None]:
         score = library().get_score_answer_fn(self.task)
-        scores = []
+        scores: list[float | None] = []
         for completion, task, entry in zip(completions, columns[TASK], columns[ENTRY]):
             if task != self.task:
                 scores.append(None)

@@ -10,10 +10,12 @@ without calls, at `max_rounds`, or when verifiers refuses the next call (max_tur
 
 import asyncio
 import contextvars
+import importlib
 import json
 import time
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import verifiers.v1 as vf
 from openai import APIStatusError, AsyncOpenAI, DefaultAsyncHttpxClient
@@ -92,11 +94,23 @@ async def close_connections() -> None:
         await connections.tools.aclose()
 
 
+class HttpClient(Protocol):
+    """An async HTTP client (httpx's, or httpx2's under mcp 2), closed when the event loop that used it ends."""
+
+    async def aclose(self) -> None: ...
+
+
+class ToolSession(Protocol):
+    """An open MCP client session: what a tool call needs of it."""
+
+    async def call_tool(self, name: str, arguments: dict[str, Any], /) -> Any: ...
+
+
 @dataclass
 class Connections:
-    model: object
+    model: HttpClient
     """To the episode's endpoint (verifiers' interception server)."""
-    tools: object
+    tools: HttpClient
     """To the MCP tool servers."""
 
 
@@ -104,7 +118,7 @@ class McpTools:
     """An episode's tools: one MCP session per server, open for the whole episode (a session's handshake costs more
     than a call), the tools as chat `tools` (named `<server>_<tool>`, or bare from a server without a prefix)."""
 
-    def __init__(self, tools: list[dict], routes: dict[str, tuple[object, str]]):
+    def __init__(self, tools: list[dict], routes: dict[str, tuple[ToolSession, str]]):
         self.tools, self.routes = tools, routes
 
     @classmethod
@@ -154,10 +168,8 @@ def mcp_http_client(timeout_s: float):
     import mcp
     from mcp.client.streamable_http import create_mcp_http_client
 
-    if hasattr(mcp, "Client"):
-        import httpx2 as httpx
-    else:
-        import httpx
+    # mcp 2 builds on httpx2, mcp 1 on httpx: the Timeout is the installed mcp's own
+    httpx: Any = importlib.import_module("httpx2" if hasattr(mcp, "Client") else "httpx")
     return create_mcp_http_client(timeout=httpx.Timeout(timeout_s, connect=5.0))
 
 

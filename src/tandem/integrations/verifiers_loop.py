@@ -8,13 +8,17 @@ import os
 import sys
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tandem.contract.records import Rollout, TurnRecord
 from tandem.generation.client import ServerError, ServerGone
 from tandem.integrations.episodes import EpisodeFailures, completion_of
-from tandem.integrations.verifiers import ENVIRONMENT, TASK, library
+from tandem.integrations.verifiers import ENVIRONMENT, TASK, VerifiersHarness, library
 from tandem.integrations.verifiers_harness import TOOL_RESULTS, close_connections
 from tandem.rollout.loop import AsyncRolloutLoop
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 
 @dataclass
@@ -38,7 +42,7 @@ class Capture:
     def __init__(self, sample, max_model_len: int | None):
         self.sample, self.max_model_len = sample, max_model_len
         self.rollouts: dict[str, Captured] = {}
-        self.runner = None
+        self.runner: web.AppRunner | None = None
         self.url = ""
 
     async def start(self) -> None:
@@ -47,10 +51,10 @@ class Capture:
         app = web.Application()
         app.router.add_post("/inference/v1/generate", self._generate)
         app.router.add_get("/v1/models", self._models)
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}/v1"
+        runner = self.runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        self.url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
 
     async def stop(self) -> None:
         if self.runner is not None:
@@ -143,7 +147,9 @@ class VerifiersRolloutLoop(AsyncRolloutLoop):
         )
         self.stack = contextlib.AsyncExitStack()
         self.stack.push_async_callback(close_connections)
-        self.envs = {key: vf.load_environment(config) for key, config in self.settings.harness.configs.items()}
+        harness = self.settings.harness
+        assert isinstance(harness, VerifiersHarness)  # this loop is the VerifiersHarness's own
+        self.envs = {key: vf.load_environment(config) for key, config in harness.configs.items()}
         self.tasks = {key: list(env.taskset) for key, env in self.envs.items()}
         for env in self.envs.values():
             await self.stack.enter_async_context(env.serving())  # shared tool servers start once

@@ -24,6 +24,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.qwen2.modeling_qwen2 import repeat_kv
 
 from tandem.kernels.openmp import in_passing_thread
+from tandem.model.architecture import transformers_model
 
 MIN_ROWS = 16
 NAME = "tandem_exact"
@@ -208,7 +209,7 @@ ADDITIVE_MASK_IMPLEMENTATIONS = ("eager", NAME)
 def model_mask(mask: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
     """A boolean [B, 1, Q, K] mask (True = attend) in the form the model's attention implementation takes:
     eager-style implementations add the mask to the scores, SDPA takes it as booleans."""
-    if model.config._attn_implementation not in ADDITIVE_MASK_IMPLEMENTATIONS:
+    if transformers_model(model).config._attn_implementation not in ADDITIVE_MASK_IMPLEMENTATIONS:
         return mask
     return additive_mask(mask, next(model.parameters()).dtype)
 

@@ -92,7 +92,7 @@ def install(model: torch.nn.Module, *, exact: bool, reorder: bool) -> int:
     count = 0
     for module in model.modules():
         if _routable(module, exact):
-            module.onednn_weight = None
+            _reorder_at_next_forward(module)
             module.forward = forward.__get__(module)
             count += 1
     return count
@@ -107,7 +107,12 @@ def forget(model: torch.nn.Module) -> None:
     """The weights changed in place: each routed layer reorders its weight again at its next forward."""
     for module in model.modules():
         if routed(module):
-            module.onednn_weight = None
+            _reorder_at_next_forward(module)
+
+
+def _reorder_at_next_forward(layer: torch.nn.Module) -> None:
+    """Drop the layer's reordered weight (`routed` stays true): its next forward reorders the weight again."""
+    layer.onednn_weight = None  # type: ignore[assignment]  # torch types a module's attributes as tensors or modules
 
 
 def projection(layer: torch.nn.Linear) -> Callable:
@@ -128,9 +133,10 @@ def projection(layer: torch.nn.Linear) -> Callable:
 
 
 def _forward_on_reordered(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if self.onednn_weight is None:
-        self.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), REORDERED_FOR_ROWS)
-    return _matmul(x, self.onednn_weight, self.bias)
+    weight = self.onednn_weight
+    if not isinstance(weight, torch.Tensor):  # None: the first forward since `install` or `forget`
+        weight = self.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), REORDERED_FOR_ROWS)
+    return _matmul(x, weight, self.bias)
 
 
 def _forward_with_gradient(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

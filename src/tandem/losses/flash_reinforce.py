@@ -46,21 +46,13 @@ def flash_reinforce_loss(
         rewards = rewards.to(dtype)
         advantages = rewards - rewards.mean()
         lengths = mask.sum(-1)
-        p = behavior.exp().clamp(PROB_CLAMP, 1 - PROB_CLAMP)
-        q = current.detach().exp().clamp(PROB_CLAMP, 1 - PROB_CLAMP)
-        kl = p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
-        sequence_kl = ((kl * mask).sum(-1) / lengths).clamp(min=0.0)
+        sequence_kl = _sequence_kl(behavior, current.detach(), mask, lengths)
         admitted = sequence_kl <= delta
         kept = mask.clone()
         if negative_token_fraction < 1.0:
             kept &= _high_entropy_tokens(entropies, mask, failures, negative_token_fraction)
         active = kept & admitted[:, None]
-        ratio = torch.where(active, (current.detach() - behavior).exp(), torch.ones_like(current))
-        if not torch.isfinite(ratio).all():
-            raise FloatingPointError(
-                "flash_reinforce_loss: the policy/behaviour ratio overflowed on an active token; "
-                "the two log-probs are too far apart (check that behavior_log_probs are the sampler's)"
-            )
+        ratio = _active_ratio(current.detach(), behavior, active)
         weights = torch.where(active, ratio * advantages[:, None], torch.zeros_like(current))
     loss = -((weights * current).sum(-1) / lengths).mean()
     diagnostics = {
@@ -72,6 +64,28 @@ def flash_reinforce_loss(
         "retained_tokens": active.sum(-1),
     }
     return loss, diagnostics
+
+
+def _sequence_kl(
+    behavior: torch.Tensor, current: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
+    """Each sequence's mean per-token KL between the sampler's and the policy's Bernoulli of the sampled token (its
+    probabilities clamped away from 0 and 1), floored at 0."""
+    p = behavior.exp().clamp(PROB_CLAMP, 1 - PROB_CLAMP)
+    q = current.exp().clamp(PROB_CLAMP, 1 - PROB_CLAMP)
+    kl = p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
+    return ((kl * mask).sum(-1) / lengths).clamp(min=0.0)
+
+
+def _active_ratio(current: torch.Tensor, behavior: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """The policy/behaviour ratio on active tokens (1 elsewhere); an overflow is an error."""
+    ratio = torch.where(active, (current - behavior).exp(), torch.ones_like(current))
+    if not torch.isfinite(ratio).all():
+        raise FloatingPointError(
+            "flash_reinforce_loss: the policy/behaviour ratio overflowed on an active token; "
+            "the two log-probs are too far apart (check that behavior_log_probs are the sampler's)"
+        )
+    return ratio
 
 
 def _high_entropy_tokens(entropies, mask, failures, fraction) -> torch.Tensor:

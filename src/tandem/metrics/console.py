@@ -45,7 +45,8 @@ class FindingWatch:
     (bottleneck, trainer, learning, sync) once it held for SETTLE windows; healthy ones only as a change back."""
 
     def __init__(self, config: dict):
-        self.config, self.rows = config, deque(maxlen=RECENT)
+        self.config = config
+        self.rows: deque[dict] = deque(maxlen=RECENT)
         self.shown: dict[str, tuple] = {}
         self.pending: dict[str, tuple[tuple, int]] = {}
 
@@ -84,8 +85,12 @@ class RunConsole:
         dashboard: bool = True,
     ):
         self.console = console or Console(stderr=True)
-        self.total_steps, self.started, self.first_step = total_steps, time.monotonic(), None
-        self.step, self.metrics, self.latest, self.rewards = 0, {}, {}, deque(maxlen=SPARK_WIDTH)
+        self.total_steps, self.started = total_steps, time.monotonic()
+        self.first_step: int | None = None
+        self.step = 0
+        self.rewards: deque[float] = deque(maxlen=SPARK_WIDTH)
+        self.metrics: dict = {}
+        self.latest: dict = {}
         """The last window's metrics (the plain line), and each metric's latest value (the dashboard: a window
         without a metric, such as the last one after the worker finished, keeps showing the one before)."""
         self.watch: FindingWatch | None = FindingWatch(config or {})

@@ -96,8 +96,7 @@ def bottleneck(rows: list[dict], config: dict) -> Finding:
     step = mean(rows, "perf/step_s") or 0.0
     wait, back = mean(rows, "perf/rollout_wait_s") or 0.0, mean(rows, "rollout/backpressure_s") or 0.0
     queue, per_step = mean(rows, "rollout/queue_size") or 0.0, mean(rows, "batch/samples_per_step") or 1.0
-    allowance, queued = mean(rows, "rollout/allowance_used_max"), mean(rows, "rollout/vllm_queued_requests")
-    running = mean(rows, "rollout/vllm_running_requests") or 0.0
+    allowance = mean(rows, "rollout/allowance_used_max")
     wait_high, back_high = step > 0 and wait >= HIGH_SHARE * step, step > 0 and back >= HIGH_SHARE * step
     backlog = held_backlog(rows)
     held = allowance is not None and allowance >= FULL_ALLOWANCE and not backlog  # in flight, not waiting in the server
@@ -110,8 +109,6 @@ def bottleneck(rows: list[dict], config: dict) -> Finding:
         f"step {step:.2f}s, rollout wait {wait:.2f}s, backpressure {back:.2f}s, queue {queue:.0f} samples "
         f"= {queue / per_step:.1f} steps" + (f", allowance used {allowance:.2f}" if allowance is not None else "")
     )
-    concurrency, cap = mean(rows, "rollout/concurrency"), mean(rows, "rollout/concurrency_cap")
-    limit, kv = config.get("max_concurrent_rollouts", 512), mean(rows, "rollout/vllm_kv_cache_usage_frac")
     if wait_high and (back_high or held):
         return Finding(
             "bottleneck",
@@ -119,36 +116,8 @@ def bottleneck(rows: list[dict], config: dict) -> Finding:
             evidence,
             f"raise max_staleness (now {config.get('max_staleness', 4)})",
         )
-    if starved and backlog:
-        return Finding(
-            "bottleneck",
-            "server saturated",
-            f"{evidence}; the server runs {running:.0f} requests with {queued:.0f} more waiting",
-            "add generation capacity (replicas behind tandem proxy, a faster "
-            "server), or a larger --max-num-seqs if its KV cache has room",
-        )
-    if starved and cap is not None and cap < 0.9 * limit and kv is not None and kv >= 0.8:
-        return Finding(
-            "bottleneck",
-            "server saturated",
-            f"{evidence}; concurrency cap {cap:.0f} < {limit}, KV usage {kv:.2f}",
-            "add generation capacity (replicas behind tandem proxy, a faster server)",
-        )
-    if starved and concurrency is not None and concurrency >= 0.9 * limit and (kv is None or kv < 0.5):
-        return Finding(
-            "bottleneck",
-            "concurrency cap bound",
-            f"{evidence}; {concurrency:.0f} in flight of "
-            f"max_concurrent_rollouts={limit}, KV usage {nan_if_none(kv):.2f}",
-            "raise max_concurrent_rollouts",
-        )
     if starved:
-        return Finding(
-            "bottleneck",
-            "generation-bound",
-            evidence,
-            "more generation: raise max_concurrent_rollouts or add replicas (or train on more tokens per step)",
-        )
+        return generation_limit(rows, config, evidence, backlog)
     if ahead:
         return Finding(
             "bottleneck",
@@ -157,6 +126,43 @@ def bottleneck(rows: list[dict], config: dict) -> Finding:
             "a faster trainer (see the trainer finding; more ranks) or less generation",
         )
     return Finding("bottleneck", "balanced", evidence)
+
+
+def generation_limit(rows: list[dict], config: dict, evidence: str, backlog: bool) -> Finding:
+    """What holds back generation that cannot keep up with training: the server (requests waiting in it, or its KV
+    cache full under a lowered concurrency cap), max_concurrent_rollouts, else generation as a whole."""
+    queued, running = mean(rows, "rollout/vllm_queued_requests"), mean(rows, "rollout/vllm_running_requests") or 0.0
+    concurrency, cap = mean(rows, "rollout/concurrency"), mean(rows, "rollout/concurrency_cap")
+    limit, kv = config.get("max_concurrent_rollouts", 512), mean(rows, "rollout/vllm_kv_cache_usage_frac")
+    if backlog:
+        return Finding(
+            "bottleneck",
+            "server saturated",
+            f"{evidence}; the server runs {running:.0f} requests with {queued:.0f} more waiting",
+            "add generation capacity (replicas behind tandem proxy, a faster "
+            "server), or a larger --max-num-seqs if its KV cache has room",
+        )
+    if cap is not None and cap < 0.9 * limit and kv is not None and kv >= 0.8:
+        return Finding(
+            "bottleneck",
+            "server saturated",
+            f"{evidence}; concurrency cap {cap:.0f} < {limit}, KV usage {kv:.2f}",
+            "add generation capacity (replicas behind tandem proxy, a faster server)",
+        )
+    if concurrency is not None and concurrency >= 0.9 * limit and (kv is None or kv < 0.5):
+        return Finding(
+            "bottleneck",
+            "concurrency cap bound",
+            f"{evidence}; {concurrency:.0f} in flight of "
+            f"max_concurrent_rollouts={limit}, KV usage {nan_if_none(kv):.2f}",
+            "raise max_concurrent_rollouts",
+        )
+    return Finding(
+        "bottleneck",
+        "generation-bound",
+        evidence,
+        "more generation: raise max_concurrent_rollouts or add replicas (or train on more tokens per step)",
+    )
 
 
 def trainer_step(rows: list[dict], config: dict) -> Finding | None:
@@ -273,58 +279,67 @@ def off_policy(rows: list[dict], config: dict) -> Finding | None:
 def sync(rows: list[dict], config: dict) -> list[Finding]:
     """Whether the sampler and the trainer stay close: the importance ratio, the log-prob gap at staleness 0, samples
     dropped stale, the syncs' cost."""
-    findings = [finding for finding in [off_policy(rows, config)] if finding is not None]
+    checks = [off_policy(rows, config), importance_ratio(rows, config), dropped_stale(rows, config)]
+    findings = [finding for finding in [*checks, sync_cost(rows, config)] if finding is not None]
+    ratio = mean(rows, "sampling/importance_sampling_ratio/mean")
+    return findings or [Finding("sync", "healthy", f"mean ratio {nan_if_none(ratio):.3f}, no stale drops")]
+
+
+def importance_ratio(rows: list[dict], config: dict) -> Finding | None:
+    """The mean importance ratio outside the clip bounds (critical), or drifting from 1."""
     low, high = (
         config.get("vllm_importance_sampling_clip_min", 0.5),
         config.get("vllm_importance_sampling_clip_max", 5.0),
     )
     ratio = mean(rows, "sampling/importance_sampling_ratio/mean")
     if ratio is not None and not low <= ratio <= high:
-        findings.append(
-            Finding(
-                "sync",
-                "importance ratio out of bounds",
-                f"mean ratio {ratio:.3f} outside [{low}, {high}]",
-                "lower max_staleness; check the server's --logprobs-mode processed_logprobs",
-                critical=True,
-            )
+        return Finding(
+            "sync",
+            "importance ratio out of bounds",
+            f"mean ratio {ratio:.3f} outside [{low}, {high}]",
+            "lower max_staleness; check the server's --logprobs-mode processed_logprobs",
+            critical=True,
         )
-    elif ratio is not None and abs(ratio - 1) > 0.05:
-        findings.append(
-            Finding(
-                "sync",
-                "importance ratio drifts",
-                f"mean ratio {ratio:.3f}",
-                "lower max_staleness or sync more often (weight_sync_steps)",
-            )
+    if ratio is not None and abs(ratio - 1) > 0.05:
+        return Finding(
+            "sync",
+            "importance ratio drifts",
+            f"mean ratio {ratio:.3f}",
+            "lower max_staleness or sync more often (weight_sync_steps)",
         )
+    return None
+
+
+def dropped_stale(rows: list[dict], config: dict) -> Finding | None:
+    """Samples dropped as too stale: critical when as many as were trained."""
     stale = sum(r.get("sample/dropped_stale_count", 0) or 0 for r in rows)
     trained = sum((r.get("batch/samples_per_step", 0) or 0) * steps for r, steps in zip(rows, steps_covered(rows)))
     if stale and stale >= trained:
-        findings.append(
-            Finding(
-                "sync",
-                "most samples dropped stale",
-                f"{stale:.0f} dropped, ~{trained:.0f} trained",
-                f"raise max_staleness (now {config.get('max_staleness', 4)})",
-                critical=True,
-            )
+        return Finding(
+            "sync",
+            "most samples dropped stale",
+            f"{stale:.0f} dropped, ~{trained:.0f} trained",
+            f"raise max_staleness (now {config.get('max_staleness', 4)})",
+            critical=True,
         )
-    elif stale:
-        findings.append(Finding("sync", "some samples dropped stale", f"{stale:.0f} dropped, ~{trained:.0f} trained"))
+    if stale:
+        return Finding("sync", "some samples dropped stale", f"{stale:.0f} dropped, ~{trained:.0f} trained")
+    return None
+
+
+def sync_cost(rows: list[dict], config: dict) -> Finding | None:
+    """Weight syncs that take a large share of each step."""
     waited, step = mean(rows, "perf/weight_sync_wait_s"), mean(rows, "perf/step_s")  # a sync beside a step costs less
     sync_s = waited if waited is not None else mean(rows, "perf/weight_sync_s")  # runs logged before the wait was
     if sync_s and step and sync_s / config.get("weight_sync_steps", 1) >= SYNC_SHARE * step:
-        findings.append(
-            Finding(
-                "sync",
-                "syncs take a large share of each step",
-                f"sync {sync_s:.2f}s waited per {config.get('weight_sync_steps', 1)} step(s) of {step:.2f}s",
-                "raise weight_sync_steps (or, when the server reloads weights from a folder, give it "
-                "--weight-transfer-config to stream them)",
-            )
+        return Finding(
+            "sync",
+            "syncs take a large share of each step",
+            f"sync {sync_s:.2f}s waited per {config.get('weight_sync_steps', 1)} step(s) of {step:.2f}s",
+            "raise weight_sync_steps (or, when the server reloads weights from a folder, give it "
+            "--weight-transfer-config to stream them)",
         )
-    return findings or [Finding("sync", "healthy", f"mean ratio {nan_if_none(ratio):.3f}, no stale drops")]
+    return None
 
 
 def diagnose(rows: list[dict], config: dict) -> dict[str, list[Finding]]:
@@ -334,7 +349,7 @@ def diagnose(rows: list[dict], config: dict) -> dict[str, list[Finding]]:
         return {"run": [Finding("run", "nothing logged", "metrics.jsonl is empty", critical=True)]}
     size = max(1, round(LAST_WINDOW * len(rows)))
     first, before, last = rows[:size], rows[-2 * size : -size] or rows[:size], rows[-size:]
-    result = {
+    found = {
         "last window": [
             bottleneck(last, config),
             trainer_step(last, config),
@@ -348,7 +363,7 @@ def diagnose(rows: list[dict], config: dict) -> dict[str, list[Finding]]:
             *sync(rows, config),
         ],
     }
-    result = {label: [f for f in findings if f is not None] for label, findings in result.items()}
+    result = {label: [f for f in findings if f is not None] for label, findings in found.items()}
     if len(last) >= 2 and not any(r.get("batch/samples_per_step") for r in last):
         result["last window"].append(
             Finding(

@@ -93,8 +93,8 @@ def backward_s(metrics: dict) -> float:
 
 def series(rows: list[dict], name: str) -> tuple[list[int], list[float]]:
     """(steps, values) of the rows that logged `name`."""
-    points = [(row.get("step", 0), value(row, name)) for row in rows]
-    points = [(step, number) for step, number in points if number is not None]
+    logged = [(row.get("step", 0), value(row, name)) for row in rows]
+    points = [(step, number) for step, number in logged if number is not None]
     return [step for step, _ in points], [number for _, number in points]
 
 

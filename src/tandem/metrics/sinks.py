@@ -8,6 +8,7 @@ import importlib.util
 import json
 import time
 from pathlib import Path
+from typing import TextIO
 
 from tandem.errors import install_command
 
@@ -30,7 +31,7 @@ class JsonlSink:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.file = open(path, "a", buffering=1)
-        self.completions = None
+        self.completions: TextIO | None = None
 
     def log(self, step: int, metrics: dict) -> None:
         self.file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
@@ -93,7 +94,7 @@ class WandbSink:
     def log_table(self, step: int, rows: list[list]) -> None:
         import wandb
 
-        self.run.log({"completions": wandb.Table(columns=COLUMNS, data=rows)}, step=step)
+        self.run.log({"completions": wandb.Table(columns=list(COLUMNS), data=rows)}, step=step)
 
     def close(self) -> None:
         self.run.finish()

@@ -8,10 +8,10 @@ Three facts decide how a model is packed, decoded and loaded:
 """
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
 
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")
 SCANNING_MODULES = ("mamba", "rwkv", "shortconv", "deltanet", "recurrent", "xlstm", "linearattention")
@@ -21,18 +21,24 @@ HUB_KWARGS = ("revision", "trust_remote_code", "token", "cache_dir", "local_file
 """The from_pretrained arguments that also decide which config is read."""
 
 
+def transformers_model(model: torch.nn.Module) -> PreTrainedModel:
+    """`model` as the transformers model it is (a PEFT wrapper passes its base model's attributes through): torch types
+    any other attribute of a module as a tensor or a module, this gives the config and methods transformers adds."""
+    return cast(PreTrainedModel, model)
+
+
 def without_hub_kernels(model: torch.nn.Module) -> torch.nn.Module:
     """`model` on transformers' own PyTorch layers. transformers 5.25 turns hub kernels on in from_pretrained, and every
     train() or eval() then swaps layers' forwards again, which dropped tandem's tree path of Gated DeltaNet layers (a
     crash at the first step); a kernel on one side only would also make the trainer and the server round apart."""
     if getattr(model, "use_kernels", False):
-        model.use_kernels = False
+        transformers_model(model).use_kernels = False
     return model
 
 
 def scanning_layers(model: torch.nn.Module) -> list[str]:
     """The layer types and module classes of `model` that read across tokens outside attention (none: pure attention)."""
-    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
+    layer_types = getattr(transformers_model(model).config.get_text_config(), "layer_types", None) or []
     found = [t for t in layer_types if t not in ATTENTION_LAYERS]
     found += [type(m).__name__ for m in model.modules() if any(w in type(m).__name__.lower() for w in SCANNING_MODULES)]
     return list(dict.fromkeys(found))
@@ -41,7 +47,7 @@ def scanning_layers(model: torch.nn.Module) -> list[str]:
 def attention_extras(model: torch.nn.Module) -> list[str]:
     """What `model`'s attention computes beyond softmax(QK^T)V: sinks, soft-capped scores (none: plain attention)."""
     extras = ["attention sinks"] if any(name.endswith("sinks") for name, _ in model.named_parameters()) else []
-    if getattr(model.config.get_text_config(), "attn_logit_softcapping", None):
+    if getattr(transformers_model(model).config.get_text_config(), "attn_logit_softcapping", None):
         extras.append("soft-capped attention scores (attn_logit_softcapping)")
     return extras
 

@@ -23,7 +23,8 @@ class Ranks:
 
     rank: int = 0
     world_size: int = 1
-    objects: object = field(default=None, repr=False)
+    # quoted: torch builds without distributed lack the class
+    objects: "dist.ProcessGroup | None" = field(default=None, repr=False)
 
     @property
     def main(self) -> bool:
@@ -97,7 +98,6 @@ def shard(model: torch.nn.Module, ranks: Ranks, fsdp_config: dict | None, bf16: 
     precision = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     )
-    options = {"mesh": mesh, "mp_policy": precision}
     layer_classes = set(getattr(_base(model), "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
     if not layers:
@@ -106,8 +106,9 @@ def shard(model: torch.nn.Module, ranks: Ranks, fsdp_config: dict | None, bf16: 
             "tandem cannot shard it layer by layer with FSDP2"
         )
     for layer in layers:
-        fully_shard(layer, reshard_after_forward=reshard_after_forward(fsdp_config), **options)
-    fully_shard(model, **options)  # the root keeps its weights (embeddings, head) gathered until the backward
+        fully_shard(layer, mesh=mesh, mp_policy=precision, reshard_after_forward=reshard_after_forward(fsdp_config))
+    # the root keeps its weights (embeddings, head) gathered until the backward
+    fully_shard(model, mesh=mesh, mp_policy=precision)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -116,7 +117,8 @@ def shard(model: torch.nn.Module, ranks: Ranks, fsdp_config: dict | None, bf16: 
 
 def _base(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model under a PEFT wrapper."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if get_base_model is not None else model
 
 
 def full_tensor(value: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,8 @@ class TreeScan:
 def tree_scan(position_ids: list[int]) -> TreeScan:
     """The segments of a row packed depth-first, from each token's depth: a token's parent is the last token seen one
     level up. Filler tokens at the end (depth 0, seeing only themselves) are roots of their own."""
-    parents, path = [], []
+    parents: list[int] = []
+    path: list[int] = []
     for token, depth in enumerate(position_ids):
         del path[depth:]
         parents.append(path[-1] if path else -1)
@@ -92,7 +93,8 @@ def tree_forward(layer, hidden_states: torch.Tensor, scan: TreeScan) -> torch.Te
     beta = b.sigmoid()
     g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)  # as the layer computes it
     weight, window = layer.conv1d.weight.squeeze(1), layer.conv_kernel_size - 1
-    outputs, states = [], {}
+    outputs = []
+    states: dict[int, torch.Tensor] = {}  # each segment's final state, by its last token
     for start, stop, parent in scan.segments:
         context = _path(scan.parents, parent, window)
         index = torch.tensor(context + list(range(start, stop)), device=mixed.device)
@@ -120,7 +122,7 @@ def tree_forward(layer, hidden_states: torch.Tensor, scan: TreeScan) -> torch.Te
 
 def _path(parents: list[int], token: int, length: int) -> list[int]:
     """The last `length` tokens of the path ending at `token` (itself included), oldest first."""
-    path = []
+    path: list[int] = []
     while token != -1 and len(path) < length:
         path.append(token)
         token = parents[token]

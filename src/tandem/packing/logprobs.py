@@ -9,12 +9,14 @@ sampler truncated the distribution (top-k / top-p) the log-softmax runs over its
 
 import sys
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from tandem.kernels import onednn_linear
 from tandem.kernels.exact_attention import MIN_ROWS
+from tandem.model.architecture import transformers_model
 from tandem.packing.tree_attention import tree_masks
 from tandem.packing.trie import PADDED, TREE, PackedRow
 
@@ -53,29 +55,62 @@ def chunked_logprobs(
     """log softmax(head(hidden) / temperature)[target] for each of the N rows of `hidden` ([N, H]), and at
     `extra_ids` ([N, K]) when given. The model's own logits come first: divided by `logits_scaling` (Granite), then
     soft-capped (`softcap`, Gemma 2), in the order its forward computes them."""
-    chunk_size = chunk_size or default_chunk_size(head.weight.shape[0])
+    weight = head.weight  # a LoRA-wrapped head passes its base layer's through
+    assert isinstance(weight, torch.Tensor)
+    chunk_size = chunk_size or default_chunk_size(weight.shape[0])
     if hidden.shape[0] == 0:  # no trained token: an empty result still attached to the graph, so backward() works
         empty = hidden.new_zeros(0, dtype=torch.float32)
         width = extra_ids.shape[1] if extra_ids is not None else 0
         return TokenLogprobs(empty + hidden.sum() * 0, empty, hidden.new_zeros(0, width) + hidden.sum() * 0)
+    settings = (temperature, sampling_mask, softcap, chunk_size, extra_ids, logits_scaling)
     if plain_linear(head):
-        extra = extra_ids if extra_ids is not None else targets.new_zeros(len(targets), 0)
-        project = onednn_linear.projection(head)  # what head(x) computes
-        logprobs, entropy, scored = LinearHeadLogprobs.apply(
-            hidden,
-            head.weight,
-            head.bias,
-            targets,
-            extra,
-            sampling_mask,
-            temperature,
-            softcap,
-            chunk_size,
-            project,
-            logits_scaling,
-        )
-        return TokenLogprobs(logprobs, entropy, scored if extra_ids is not None else None)
-    parts = []  # any other head (a LoRA-wrapped one): autograd, each chunk checkpointed
+        return _linear_head_logprobs(hidden, head, targets, *settings)
+    return _checkpointed_logprobs(hidden, head, targets, *settings)
+
+
+def _linear_head_logprobs(
+    hidden: torch.Tensor,
+    head: torch.nn.Linear,
+    targets: torch.Tensor,
+    temperature: float,
+    sampling_mask: torch.Tensor | None,
+    softcap: float | None,
+    chunk_size: int,
+    extra_ids: torch.Tensor | None,
+    logits_scaling: float | None,
+) -> TokenLogprobs:
+    """`chunked_logprobs` through a plain Linear head: its backward written out (LinearHeadLogprobs)."""
+    extra = extra_ids if extra_ids is not None else targets.new_zeros(len(targets), 0)
+    project = onednn_linear.projection(head)  # what head(x) computes
+    logprobs, entropy, scored = LinearHeadLogprobs.apply(
+        hidden,
+        head.weight,
+        head.bias,
+        targets,
+        extra,
+        sampling_mask,
+        temperature,
+        softcap,
+        chunk_size,
+        project,
+        logits_scaling,
+    )
+    return TokenLogprobs(logprobs, entropy, scored if extra_ids is not None else None)
+
+
+def _checkpointed_logprobs(
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    targets: torch.Tensor,
+    temperature: float,
+    sampling_mask: torch.Tensor | None,
+    softcap: float | None,
+    chunk_size: int,
+    extra_ids: torch.Tensor | None,
+    logits_scaling: float | None,
+) -> TokenLogprobs:
+    """`chunked_logprobs` through any other head (a LoRA-wrapped one): autograd, each chunk checkpointed."""
+    parts = []
     for start in range(0, hidden.shape[0], chunk_size):
         part = slice(start, start + chunk_size)
         args = (
@@ -93,7 +128,7 @@ def chunked_logprobs(
     return TokenLogprobs(torch.cat(logprobs), torch.cat(entropy), torch.cat(extra) if extra_ids is not None else None)
 
 
-def plain_linear(head: torch.nn.Module) -> bool:
+def plain_linear(head: torch.nn.Module) -> TypeGuard[torch.nn.Linear]:
     """Whether `head(x)` is `F.linear(x, head.weight, head.bias)` (FSDP2's dynamic subclass included): no other forward,
     no hooks (a head sharded on its own gathers its weight in one)."""
     return (
@@ -251,7 +286,7 @@ def row_logprobs(
     top = row.sampler_ids.to(device) if row.sampler_ids is not None else None
     scored = chunked_logprobs(
         hidden,
-        model.get_output_embeddings(),
+        transformers_model(model).get_output_embeddings(),
         row.targets.to(device),
         temperature,
         kept,
@@ -284,7 +319,7 @@ def decoder_output(model: torch.nn.Module, decoder_kwargs: dict, **inputs):
     call of the model itself with one logit kept: under FSDP2 the root module's forward is what gathers the
     embeddings and the head, which the chunked head then reads (the root keeps them gathered until its backward)."""
     captured = []
-    decoder = model.get_decoder()
+    decoder = transformers_model(model).get_decoder()
     hooks = [
         decoder.register_forward_pre_hook(
             lambda module, args, kwargs: (args, kwargs | decoder_kwargs), with_kwargs=True
@@ -299,10 +334,10 @@ def decoder_output(model: torch.nn.Module, decoder_kwargs: dict, **inputs):
     return captured[-1]
 
 
-def _load_balancing_loss(model, router_logits, real: torch.Tensor) -> torch.Tensor:
+def _load_balancing_loss(model: torch.nn.Module, router_logits, real: torch.Tensor) -> torch.Tensor:
     """The model's own router load-balancing loss over the row's real tokens (`real`, [sequences, width]: fillers and
     padding left out)."""
-    config = model.config.get_text_config()
+    config = transformers_model(model).config.get_text_config()
     balance = _balancing_loss_func(model)
     experts = getattr(config, "num_experts", None) or config.num_local_experts
     return balance(router_logits, experts, config.num_experts_per_tok, real)
@@ -311,7 +346,7 @@ def _load_balancing_loss(model, router_logits, real: torch.Tensor) -> torch.Tens
 def _balancing_loss_func(model: torch.nn.Module):
     """The router load-balancing loss of an MoE model that trains with one (Mixtral, Qwen-MoE), else None: a dense
     model, or one that balances its experts without a loss (DeepSeek-V3's bias on the routing scores)."""
-    if not hasattr(model.config.get_text_config(), "output_router_logits"):
+    if not hasattr(transformers_model(model).config.get_text_config(), "output_router_logits"):
         return None
     return getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
 
@@ -320,11 +355,12 @@ def check_head(model: torch.nn.Module) -> None:
     """Make sure `head(decoder(x))` is the model's own logits: a model that scales or post-processes its
     logits in its forward would otherwise be trained on a different distribution than it samples from."""
     device = next(model.parameters()).device
-    ids = torch.arange(1, 9, device=device)[None] % model.config.get_text_config().vocab_size
+    transformers = transformers_model(model)
+    ids = torch.arange(1, 9, device=device)[None] % transformers.config.get_text_config().vocab_size
     with torch.no_grad():
         expected = model(input_ids=ids, use_cache=False).logits.float()
-        hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
-        logits = model.get_output_embeddings()(hidden).float()
+        hidden = transformers.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+        logits = transformers.get_output_embeddings()(hidden).float()
         if scaling := _logits_scaling(model):
             logits = logits / scaling
         if softcap := _softcap(model):

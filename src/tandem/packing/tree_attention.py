@@ -53,7 +53,7 @@ def prepare(model: torch.nn.Module) -> str:
     through the model's own attention)."""
     if padded_reasons(model):
         return PADDED
-    model.set_attn_implementation(NAME)
+    architecture.transformers_model(model).set_attn_implementation(NAME)
     linear_attention.install(model)
     return TREE
 

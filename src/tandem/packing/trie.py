@@ -107,10 +107,10 @@ class TrieRow:
         node, shared = self.root, 0
         if self.share_prefixes:
             for key in _keys(sample.input_ids):
-                node = node.children.get(key)
-                if node is None:
+                child = node.children.get(key)
+                if child is None:
                     break
-                shared += 1
+                node, shared = child, shared + 1
         n = sample.num_tokens
         new_load = sum(range(shared + 1, n + 1))  # a new node at depth j costs j + 1
         return Insertion(new_tokens=n - shared, new_terms=sum(sample.trained[1:]), new_load=new_load)
@@ -179,7 +179,9 @@ class TrieRow:
     def _lay_out_padded(self) -> tuple[list[int], list[int], list[int]]:
         """Sample s at indices s * width + j, pads (token 0) after it; each sample's block sees only itself."""
         width = max(s.num_tokens for s in self.samples)
-        ids, positions, ends = [], [], []
+        ids: list[int] = []
+        positions: list[int] = []
+        ends: list[int] = []
         for s, (sample, path) in enumerate(zip(self.samples, self.paths)):
             for j, node in enumerate(path):
                 node.index = s * width + j
@@ -190,8 +192,10 @@ class TrieRow:
 
     def _lay_out_tree(self) -> tuple[list[int], list[int], list[int]]:
         """The trie depth-first (pre-order), segment by segment: each node's packed index, token, depth and subtree end."""
-        ids, positions, ends = [], [], []
-        stack = list(reversed(self.root.children.values()))
+        ids: list[int] = []
+        positions: list[int] = []
+        ends: list[int] = []
+        stack: list = list(reversed(self.root.children.values()))  # nodes, and (start, stop, _CLOSE) after a segment
         while stack:
             node = stack.pop()
             if node is _CLOSE:  # the segment below and its whole subtree are laid out
@@ -214,30 +218,31 @@ class TrieRow:
 
 def _pad_kept(kept: list[list[int] | None]) -> torch.Tensor | None:
     """Per-term kept sets as one [N, K] tensor padded with -1; None when no term has one."""
-    given = [k is not None for k in kept]
-    if not any(given):
+    given = [k for k in kept if k is not None]
+    if not given:
         return None
-    if not all(given):
+    if len(given) < len(kept):
         raise UsageError(
-            f"{given.count(False)} of {len(kept)} trained tokens have no sampling mask while the others do: "
+            f"{len(kept) - len(given)} of {len(kept)} trained tokens have no sampling mask while the others do: "
             "renormalising only some of them would bias the ratio. Every sampled token needs its kept set."
         )
-    width = max(len(k) for k in kept)
-    return torch.tensor([k + [-1] * (width - len(k)) for k in kept], dtype=torch.long)
+    width = max(len(k) for k in given)
+    return torch.tensor([k + [-1] * (width - len(k)) for k in given], dtype=torch.long)
 
 
 def _pad_top(top: list[dict[int, float] | None]) -> dict:
     """Per-term sampler top-K as [N, K] ids (0 pads) and log-probs (-inf pads); None when no term has them."""
-    if not any(t is not None for t in top):
+    given = [t for t in top if t is not None]
+    if not given:
         return {"sampler_ids": None, "sampler_logprobs": None}
-    if not all(t is not None for t in top):
+    if len(given) < len(top):
         raise UsageError(
             "some trained tokens have the sampler's top log-probs and others do not: score centering needs "
             "them at every sampled position (request logprobs=num_sampler_logprobs in every turn)"
         )
-    width = max(len(t) for t in top)
-    ids = [list(t) + [0] * (width - len(t)) for t in top]
-    logprobs = [list(t.values()) + [float("-inf")] * (width - len(t)) for t in top]
+    width = max(len(t) for t in given)
+    ids = [list(t) + [0] * (width - len(t)) for t in given]
+    logprobs = [list(t.values()) + [float("-inf")] * (width - len(t)) for t in given]
     return {
         "sampler_ids": torch.tensor(ids, dtype=torch.long),
         "sampler_logprobs": torch.tensor(logprobs, dtype=torch.float32),

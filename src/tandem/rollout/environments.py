@@ -7,22 +7,24 @@ its environment by its `environment` column. Each rollout takes an instance from
 """
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from tandem.dataset_rows import columns_of
 from tandem.errors import UsageError
+from tandem.rollout.settings import EnvironmentFactories, EnvironmentFactory
 from tandem.rollout.tools import validate_tools
 
 RESERVED = ("reset", "get_reward")
 ROUTE_COLUMN = "environment"
 
 
-def factories_of(environment_factory) -> dict[str | None, Callable]:
+def factories_of(environment_factory: EnvironmentFactories | None) -> dict[str | None, EnvironmentFactory]:
     """The factories by name; a single factory is named None (every row uses it)."""
     if environment_factory is None:
         return {}
     if isinstance(environment_factory, dict):
-        return dict(environment_factory)
+        return {name: factory for name, factory in environment_factory.items()}
     return {None: environment_factory}
 
 
@@ -84,7 +86,11 @@ class EnvironmentPool:
         self.idle[name].append(env)
 
 
-def validate_environments(environment_factory, tools: list[Callable], datasets: dict[str, object]) -> list[type]:
+def validate_environments(
+    environment_factory: EnvironmentFactories | None,
+    tools: list[Callable],
+    datasets: dict[str, Iterable[Mapping[str, Any]] | None],
+) -> list[type]:
     """Every mistake an environment setup can make, raised before any training work, each naming the fix;
     `datasets` are the rows that will pick environments, by name (train_dataset, eval_dataset). A class factory is
     read without running its __init__, which the pool pays once per instance; returns the instances' classes."""
@@ -107,18 +113,21 @@ def validate_environments(environment_factory, tools: list[Callable], datasets: 
     return classes
 
 
-def unbuilt(factory: Callable):
+def unbuilt(factory: EnvironmentFactory) -> Any:
     """An instance to read an environment's tools from: a class's bare object (`__new__` without `__init__`, whose
     cost the pool pays once per instance); a factory function has to be called once."""
     if isinstance(factory, type):
+        cls: type[object] = factory
         try:
-            return factory.__new__(factory)
+            return cls.__new__(cls)
         except TypeError:  # a __new__ that needs arguments
             pass
     return factory()
 
 
-def check_routes(factories: dict[str | None, Callable], dataset, dataset_name: str) -> None:
+def check_routes(
+    factories: dict[str | None, EnvironmentFactory], dataset: Iterable[Mapping[str, Any]] | None, dataset_name: str
+) -> None:
     """Named factories: every row of `dataset` names one of them in its `environment` column."""
     if dataset is None and dataset_name != "train_dataset":
         return
@@ -129,9 +138,10 @@ def check_routes(factories: dict[str | None, Callable], dataset, dataset_name: s
             f"name its environment in an {ROUTE_COLUMN!r} column; the {dataset_name} has "
             f"{'none' if dataset is None else 'columns ' + str(columns)}"
         )
-    unknown = sorted({row[ROUTE_COLUMN] for row in dataset} - set(factories))
+    names = sorted(name for name in factories if name is not None)  # named factories: no None among them
+    unknown = sorted({row[ROUTE_COLUMN] for row in dataset} - set(names))
     if unknown:
         raise UsageError(
             f"{dataset_name}'s {ROUTE_COLUMN!r} column names {unknown}, which environment_factory does not "
-            f"have (it has {sorted(factories)}): add a factory for each, or fix the rows"
+            f"have (it has {names}): add a factory for each, or fix the rows"
         )

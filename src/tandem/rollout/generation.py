@@ -12,6 +12,7 @@ import math
 import random
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from tandem.chat.prompts import render_chat
 from tandem.chat.tool_calls import tool_schema
@@ -96,43 +97,13 @@ class Generation:
     async def sample(self, prompt_ids: list[int], n: int) -> list[TurnRecord]:
         """`n` samples of one prompt in one request; the server seeds child i with seed + i. With top-k / top-p /
         min-p the request goes to `/inference/v1/generate`, which also returns each token's kept set."""
-        c = self.config
-        max_tokens = c.max_completion_length  # per turn; never past the server's context
-        if self.max_model_len is not None:
-            max_tokens = max(1, min(max_tokens, self.max_model_len - len(prompt_ids)))
+        model = self._served_model()
+        settings = self._sampling_settings(len(prompt_ids), n)
         if self.sampling_masks:
-            completions = await self.client.generate(
-                prompt_ids,
-                model=self._served_model(),
-                sampling_params={
-                    "max_tokens": max_tokens,
-                    "n": n,
-                    "temperature": c.temperature,
-                    "top_p": c.top_p,
-                    "top_k": c.top_k,
-                    "min_p": c.min_p or 0.0,
-                    "repetition_penalty": c.repetition_penalty,
-                    "seed": SEEDS.get().getrandbits(62),
-                    "logprobs": self.top_logprobs,
-                    "stop_token_ids": self.eos_token_ids,
-                    "skip_special_tokens": False,
-                },
-            )
+            sampling_params = {**settings, "skip_special_tokens": False}
+            completions = await self.client.generate(prompt_ids, model=model, sampling_params=sampling_params)
         else:
-            completions = await self.client.complete(
-                prompt_ids,
-                model=self._served_model(),
-                max_tokens=max_tokens,
-                n=n,
-                temperature=c.temperature,
-                top_p=c.top_p,
-                top_k=c.top_k,
-                min_p=c.min_p or 0.0,
-                repetition_penalty=c.repetition_penalty,
-                seed=SEEDS.get().getrandbits(62),
-                logprobs=self.top_logprobs,
-                stop_token_ids=self.eos_token_ids,
-            )
+            completions = await self.client.complete(prompt_ids, model=model, **settings)
         self.generated_tokens += sum(len(x.token_ids) for x in completions)
         return [
             TurnRecord(
@@ -146,6 +117,26 @@ class Generation:
             for x in completions
         ]
 
+    def _sampling_settings(self, prompt_tokens: int, n: int) -> dict[str, Any]:
+        """A request's sampling settings, as both endpoints name them: the config's, a seed drawn from the rollout's
+        seeds, and at most max_completion_length new tokens (per turn; never past the server's context)."""
+        c = self.config
+        max_tokens = c.max_completion_length
+        if self.max_model_len is not None:
+            max_tokens = max(1, min(max_tokens, self.max_model_len - prompt_tokens))
+        return {
+            "max_tokens": max_tokens,
+            "n": n,
+            "temperature": c.temperature,
+            "top_p": c.top_p,
+            "top_k": c.top_k,
+            "min_p": c.min_p or 0.0,
+            "repetition_penalty": c.repetition_penalty,
+            "seed": SEEDS.get().getrandbits(62),
+            "logprobs": self.top_logprobs,
+            "stop_token_ids": self.eos_token_ids,
+        }
+
     def _served_model(self) -> str:
         return self.adapter_name.format(version=GROUP_VERSION.get()) if self.adapter_name else self.model_name
 
@@ -156,8 +147,10 @@ class Generation:
         if key not in self.rendered:
             if len(self.rendered) > RENDER_CACHE_SIZE:
                 self.rendered.clear()
+            template_kwargs = self.config.chat_template_kwargs
+            assert not isinstance(template_kwargs, str)  # the config parsed its JSON string
             self.rendered[key] = render_chat(
-                self.tokenizer, messages, tools=tools or None, chat_template_kwargs=self.config.chat_template_kwargs
+                self.tokenizer, messages, tools=tools or None, chat_template_kwargs=template_kwargs
             )
         return self.rendered[key]
 

@@ -18,6 +18,7 @@ def record_group(
     over trained samples (reward_kept, reward_group_std, rewards/{source}/group_std) the trainer records as it trains
     them (step_metrics.record_samples), from what each sample carries (`group_stds`)."""
     rewards = group.rewards
+    assert rewards is not None  # recorded once scored
     scored = rewards[~np.isnan(rewards)]
     record("reward", *scored.tolist())
     record("rollout/completions_count", len(rewards))  # generated, trained or not: what a synchronous trainer counts

@@ -111,6 +111,7 @@ class AsyncRolloutLoop:
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         """One advantage per rollout: rewards standardised within the group (unscored rollouts get 0)."""
+        assert group.rewards is not None  # advantages follow scoring
         return scoring.group_advantages(group.rewards)
 
     # ---- helpers for the hooks ----------------------------------------------------------------------
@@ -150,7 +151,7 @@ class AsyncRolloutLoop:
         return GROUP_SEED.get()
 
 
-def samples_whole_groups(loop_cls: type) -> bool:
+def samples_whole_groups(loop_cls: type[AsyncRolloutLoop]) -> bool:
     """Whether a single-turn group may be one request with n = num_generations (one prefill and one HTTP round trip
     instead of G): only when `generate_one` and `generate_one_turn` are the defaults, since an override is called per
     rollout and per request, as TRL documents it. (Tools and environments keep one call per rollout too: the scheduler

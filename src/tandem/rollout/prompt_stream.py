@@ -11,8 +11,10 @@ that make their own tasks) every position is an empty row of epoch 0.
 import dataclasses
 import functools
 import random
+from collections.abc import Iterator, Mapping, Sized
+from typing import Any
 
-from tandem.dataset_rows import is_iterable
+from tandem.rollout.settings import Rows
 
 
 @dataclasses.dataclass
@@ -36,7 +38,7 @@ def epoch_order(seed: int, epoch: int, num_rows: int) -> list[int]:
 
 
 class PromptStream:
-    def __init__(self, dataset, order_seed: int | None = None, start: int = 0):
+    def __init__(self, dataset: Rows | None, order_seed: int | None = None, start: int = 0):
         """`order_seed`: shuffle each epoch of a dataset with a length from this seed; None keeps its order. `start`:
         the positions below it are finished (a resumed run's), so an IterableDataset's rows there are read past."""
         self.dataset, self.order_seed = dataset, order_seed
@@ -46,7 +48,7 @@ class PromptStream:
         """Rows below this position are not kept: the trainer finished them."""
         self.read_to = 0
         """The next position an IterableDataset's reader yields."""
-        self.rows = None
+        self.rows: Iterator[Mapping[str, Any]] | None = None
         self.epoch = self.index = 0
         self.recent: dict[int, PromptRow] = {}
         """A dataset with a length: the rows of the positions read last (a group reads its position's row up to 3
@@ -55,7 +57,7 @@ class PromptStream:
     def at(self, position: int) -> PromptRow:
         if self.dataset is None:
             return PromptRow(0, position, {}, position == 0)
-        if is_iterable(self.dataset):
+        if not isinstance(self.dataset, Sized):  # an IterableDataset: read in order only
             return self._streamed(position)
         if position not in self.recent:
             if len(self.recent) >= RECENT_ROWS:
@@ -92,9 +94,11 @@ class PromptStream:
     def _read(self) -> PromptRow:
         """The stream's next row; at its end, the first row of the next epoch."""
         if self.rows is None:
-            if hasattr(self.dataset, "set_epoch"):  # a shuffled IterableDataset draws each epoch's order from it
-                self.dataset.set_epoch(self.epoch)
-            self.rows = iter(self.dataset)
+            dataset = self.dataset
+            assert dataset is not None and not isinstance(dataset, Sized)  # only an IterableDataset is streamed
+            if hasattr(dataset, "set_epoch"):  # a shuffled IterableDataset draws each epoch's order from it
+                dataset.set_epoch(self.epoch)
+            self.rows = iter(dataset)
         try:
             row = next(self.rows)
         except StopIteration:

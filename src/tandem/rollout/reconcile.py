@@ -3,7 +3,7 @@ same sequence (the new prompt tokens, e.g. tool results, are context); any other
 sequence (a fork: the chat template re-rendered history differently). Generated tokens are trained
 exactly once; context tokens never are."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.contract.records import TrainingSequence, TurnRecord
 
@@ -12,12 +12,12 @@ from tandem.contract.records import TrainingSequence, TurnRecord
 class ReconcileStats:
     transitions: int = 0
     forks: int = 0
-    drift_tokens: list[int] = None
+    drift_tokens: list[int] = field(default_factory=list)
 
 
 def reconcile(turns: list[TurnRecord]) -> tuple[list[TrainingSequence], ReconcileStats]:
     sequences: list[TrainingSequence] = []
-    stats = ReconcileStats(drift_tokens=[])
+    stats = ReconcileStats()
     held: TrainingSequence | None = None
     for turn in turns:
         if held is not None:

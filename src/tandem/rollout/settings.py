@@ -1,10 +1,37 @@
 """Everything the rollout loop is built from, in one picklable object: the trainer fills it in, the worker
 process receives it, the loop reads it."""
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from tandem.config import AsyncGRPOConfig
 from tandem.generation.server_facts import ServerFacts
+
+
+class RowTable(Protocol):
+    """A dataset with a length, read by index: a `datasets.Dataset`, a list of dict rows."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int, /) -> Mapping[str, Any]: ...
+
+
+Rows = RowTable | Iterable[Mapping[str, Any]]
+"""A dataset of prompt rows: one with a length, or one read in order only (an IterableDataset, a generator)."""
+
+EnvironmentFactory = Callable[[], Any]
+"""What makes an environment: its class, or a callable that returns an instance."""
+
+EnvironmentFactories = EnvironmentFactory | dict[str, EnvironmentFactory]
+"""One factory, or several by the name a dataset row's `environment` column picks."""
+
+
+class Harness(Protocol):
+    """Another library's episodes (an OpenEnv harness, a verifiers environment), which its loop class runs."""
+
+    @property
+    def loop_cls(self) -> type: ...
 
 
 @dataclass
@@ -13,15 +40,14 @@ class RolloutSettings:
     model_name: str
     """The name requests are sent under (the server's served model name)."""
     tokenizer_path: str
-    dataset: object
+    dataset: Rows | None
     reward_funcs: list
     eos_token_ids: list[int]
     base_url: str
     api_key: str | None = None
     tools: list | None = None
-    environment_factory: object = None
-    harness: object = None
-    """Another library's episodes (an OpenEnv harness, a verifiers environment), which its loop class runs."""
+    environment_factory: EnvironmentFactories | None = None
+    harness: Harness | None = None
     dataset_start_index: int = 0
     """The first prompt position to generate for (a resumed run's watermark)."""
     received: frozenset[int] = frozenset()
@@ -32,7 +58,7 @@ class RolloutSettings:
     """The tokens one step consumes when every row is full: the allowance before the trainer's first step."""
     num_positions: int | None = None
     """Where the prompt stream ends (epochs × rows), or None for an endless stream (max_steps decides)."""
-    eval_dataset: object = None
+    eval_dataset: Iterable[Mapping[str, Any]] | None = None
     """Prompts the trainer has evaluated (generated and scored, never trained) when it asks on `Channels.evaluate`."""
     server: ServerFacts | None = None
     """What the server said about itself when the trainer connected (None: the worker asks it when it needs to)."""
