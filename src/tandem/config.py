@@ -459,3 +459,10 @@ class AsyncGRPOConfig:
             if values[secret]:
                 values[secret] = "***"
         return values
+
+
+def mapping(value: dict | str | None) -> dict | None:
+    """A field that takes a mapping or its JSON text, as transformers' do (`fsdp_config`, `chat_template_kwargs`,
+    ...), read after the config's checks: a mapping by then (`config_checks.normalise` parses the text), or None."""
+    assert not isinstance(value, str), "AsyncGRPOConfig parses a JSON field's text into a mapping"
+    return value

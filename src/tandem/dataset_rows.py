@@ -2,7 +2,20 @@
 what the trainer checks before training and the worker generates from."""
 
 import itertools
-from collections.abc import Sized
+from collections.abc import Iterable, Mapping, Sized
+from typing import Any, Protocol
+
+
+class RowTable(Protocol):
+    """A dataset with a length, read by index: a `datasets.Dataset`, a list of dict rows."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int, /) -> Mapping[str, Any]: ...
+
+
+Rows = RowTable | Iterable[Mapping[str, Any]]
+"""A dataset of prompt rows: one with a length, or one read in order only (an IterableDataset, a generator)."""
 
 
 def is_iterable(dataset) -> bool:

@@ -205,7 +205,7 @@ class _Session:
     """The sinks and progress lines of a scripted run, kept on its runtime."""
 
     def __init__(self, runtime: ScriptedRuntime):
-        self.runtime, self.progress = runtime, self
+        self.runtime = runtime
 
     def log(self, step: int, metrics: dict) -> None:
         self.runtime.logged.append({"step": step, **metrics})

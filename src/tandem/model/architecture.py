@@ -77,7 +77,12 @@ def is_vision_language(config) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-def auto_class(name: str, **kwargs) -> type:
+def auto_class(name: str, **kwargs) -> type[AutoModelForCausalLM] | type[AutoModelForImageTextToText]:
     """The auto class checkpoint `name` loads through: a vision-language model's own, else the causal LM's."""
     config = AutoConfig.from_pretrained(name, **{k: v for k, v in kwargs.items() if k in HUB_KWARGS})
     return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+
+
+def from_pretrained(name: str, **kwargs) -> PreTrainedModel:
+    """Checkpoint `name` loaded through its auto class (`auto_class`), with `from_pretrained`'s keyword arguments."""
+    return transformers_model(auto_class(name, **kwargs).from_pretrained(name, **kwargs))

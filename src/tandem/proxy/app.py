@@ -108,7 +108,7 @@ class Proxy:
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        await self.replicas.session.close()
+        await self.replicas.http.close()
 
     def _stats(self) -> dict:
         return {
@@ -124,7 +124,7 @@ class Proxy:
             await asyncio.sleep(self.args.stats_interval_s)
             print(f"[proxy] stats {json.dumps(self._stats())}", flush=True)
 
-    async def routed(self, request: web.Request) -> web.Response:
+    async def routed(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         try:
             body = json.loads(raw)
@@ -181,7 +181,7 @@ class Proxy:
         upstream.inflight += 1
         try:
             try:
-                answer = await self.replicas.session.post(
+                answer = await self.replicas.http.post(
                     upstream.url + request.path_qs, data=raw, headers=self.replicas.outgoing(request.headers)
                 )
             except (TimeoutError, aiohttp.ClientError) as exc:
@@ -211,7 +211,7 @@ class Proxy:
         The proxy still serves on the replicas that are up: /proxy/stats says which (the trainer reads it)."""
         members = self.replicas.members()
         results = await self.replicas.send_all(request, b"", members)
-        bad = [(u.url, r[0]) for u, r in zip(members, results) if r[0] != 200]
+        bad: list[tuple[str, int | str]] = [(u.url, r[0]) for u, r in zip(members, results) if r[0] != 200]
         bad += [(u.url, "down") for u in self.upstreams if u.state == State.DOWN]
         if not bad:
             return web.Response(status=200)

@@ -49,6 +49,12 @@ class Replicas:
         self.adapters: dict[str, bytes] = {}
         """The adapters loaded now, by name, with their load body: what a replica that comes back loads."""
 
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        """The connection pool to the replicas, opened as the proxy starts (`open`)."""
+        assert self.session is not None, "open() first"
+        return self.session
+
     def open(self, connect_timeout_s: float) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
         self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=1024))
@@ -118,7 +124,7 @@ class Replicas:
     ) -> tuple[int, dict, bytes]:
         """One upstream call, fully buffered; a transport failure is a 502 naming the replica."""
         try:
-            async with self.session.request(
+            async with self.http.request(
                 method, upstream.url + path_qs, data=body, headers=self.outgoing(headers), allow_redirects=False
             ) as r:
                 data = await r.read()

@@ -87,7 +87,7 @@ class PrefixRouter:
                 common = index + 1
         return common
 
-    def choose(self, model: str, prompt: list[int] | bytes, inflight: list[int]) -> Decision:
+    def choose(self, model: str, prompt: list[int] | bytes, inflight: list[float]) -> Decision:
         """Pick the replica for one request (given each replica's generation requests in flight) and record it."""
         hashes = self.block_hashes(model, prompt)
         common = self.common_prefix_len(hashes)

@@ -10,9 +10,9 @@ import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from tandem.contract.agents import EnvironmentFactories, EnvironmentFactory
 from tandem.dataset_rows import columns_of
 from tandem.errors import UsageError
-from tandem.rollout.settings import EnvironmentFactories, EnvironmentFactory
 from tandem.rollout.tools import validate_tools
 
 RESERVED = ("reset", "get_reward")

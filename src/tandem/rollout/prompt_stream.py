@@ -14,7 +14,7 @@ import random
 from collections.abc import Iterator, Mapping, Sized
 from typing import Any
 
-from tandem.rollout.settings import Rows
+from tandem.dataset_rows import Rows
 
 
 @dataclasses.dataclass

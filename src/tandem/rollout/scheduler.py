@@ -209,10 +209,9 @@ class RolloutScheduler:
     async def _run_group(self, row: dict, position: int, group_id: int, reservation: float) -> None:
         version = self.channels.model_version.value  # read as it runs: its first request goes out under this version
         GROUP_VERSION.set(version)  # this group's requests (its own task) sample from this policy version
-        self.generating[asyncio.current_task()] = (
-            version,
-            position,
-        )  # only a running group is cancelled: its finally runs
+        task = asyncio.current_task()
+        assert task is not None, "a group runs as a task of its own"
+        self.generating[task] = (version, position)  # only a running group is cancelled: its finally runs
         try:
             episodes = await self.generation.episodes(row, position, group_id)
         except EngineDead:
@@ -237,7 +236,7 @@ class RolloutScheduler:
             return
         finally:
             self.room.group_ended(reservation)
-            self.generating.pop(asyncio.current_task(), None)
+            self.generating.pop(task, None)
         if not episodes:  # each of its episodes failed (another library's: counted where they failed)
             self.emit("skip", position)
             return
@@ -266,11 +265,10 @@ class RolloutScheduler:
         Nothing is trained, and the allowance is untouched: evaluation is not paced with training."""
         GROUP_VERSION.set(version)
         records: dict[str, list] = defaultdict(list)
+        rows = self.settings.eval_dataset
+        assert rows is not None, "the trainer asks for evaluations only with an eval_dataset"
         outcomes = await asyncio.gather(
-            *[
-                self._evaluate_row(dict(row), index, step, version, records)
-                for index, row in enumerate(self.settings.eval_dataset)
-            ]
+            *[self._evaluate_row(dict(row), index, step, version, records) for index, row in enumerate(rows)]
         )
         records["eval/failed_count"].append(outcomes.count(False))
         self.emit("eval", (step, dict(records)))
@@ -282,7 +280,7 @@ class RolloutScheduler:
             if not episodes:
                 return False
             group = self.generation.group(row, index, -1, version, episodes, sequences=[])
-            columns = await self._reward(group)
+            columns, rewards = await self._reward(group)
         except EngineDead:
             raise
         except (ServerError, scoring.RewardFailed) as exc:
@@ -292,7 +290,7 @@ class RolloutScheduler:
             lambda name, *values: records[f"eval/{name}"].extend(values),
             group,
             columns,
-            self.algorithm.keeps(group.rewards.tolist()),
+            self.algorithm.keeps(rewards.tolist()),
             self.eos_token_ids,
             log_completions=False,
         )
@@ -313,7 +311,7 @@ class RolloutScheduler:
         start = time.monotonic()
         self.failed_once.discard(position)
         try:
-            columns = await self._reward(group)
+            columns, rewards = await self._reward(group)
         except scoring.RewardFailed as failed:
             self._drop_failed(
                 f"reward function {failed.name!r}",
@@ -330,11 +328,10 @@ class RolloutScheduler:
                 f"rollout ({len(rollouts)})"
             )
         self.record("rollout/score_s", time.monotonic() - start)
-        kept = self.algorithm.keeps(group.rewards.tolist())
+        kept = self.algorithm.keeps(rewards.tolist())
         record_group(self.record, group, columns, kept, self.eos_token_ids, self.config.log_completions)
-        samples = (
-            training_samples(group, rollouts, advantages, position, group_stds(group.rewards, columns)) if kept else []
-        )
+        stds = group_stds(rewards, columns)
+        samples = training_samples(group, rollouts, advantages, rewards, position, stds) if kept else []
         self._flush_records()  # the group's metrics travel ahead of its samples
         self.room.group_scored(sum(s.num_tokens for s in samples) if samples else None)
         if samples:
@@ -342,8 +339,8 @@ class RolloutScheduler:
         else:
             self.emit("skip", position)
 
-    async def _reward(self, group: RolloutGroup) -> dict[str, np.ndarray]:
-        """Every reward source of the group, summed into `group.rewards`; returns the reward functions' columns."""
+    async def _reward(self, group: RolloutGroup) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """Every reward source of the group, summed into `group.rewards`; returns each source's column and the sums."""
         g = len(group.completions)
         kwargs = {
             "prompts": group.prompts,
@@ -358,8 +355,8 @@ class RolloutScheduler:
             columns[self.loop.rollout_reward_name] = np.array(
                 [math.nan if r is None else float(r) for r in group.rollout_rewards]
             )
-        group.rewards = scoring.total_reward(list(columns.values()), g)
-        return columns
+        group.rewards = rewards = scoring.total_reward(list(columns.values()), g)
+        return columns, rewards
 
     def _drop_failed(self, cause: str, position: int, reason: str, details: str = "") -> None:
         """Drop a group that failed (counted in rollout/failed_count), say so and go on; FAILED_IN_A_ROW groups in a
@@ -417,6 +414,7 @@ def training_samples(
     group: RolloutGroup,
     rollouts: list[Rollout],
     advantages: np.ndarray,
+    rewards: np.ndarray,
     position: int,
     stds: tuple[float, dict[str, float]],
 ) -> list[Sample]:
@@ -441,6 +439,6 @@ def training_samples(
             group_reward_std=stds[0],
             source_group_stds=stds[1],
         )
-        for rollout, seqs, a, r in zip(rollouts, group.completions_sequences, advantages, group.rewards)
+        for rollout, seqs, a, r in zip(rollouts, group.completions_sequences, advantages, rewards)
         for s in seqs
     ]

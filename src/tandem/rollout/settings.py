@@ -1,37 +1,14 @@
 """Everything the rollout loop is built from, in one picklable object: the trainer fills it in, the worker
 process receives it, the loop reads it."""
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from tandem.config import AsyncGRPOConfig
+from tandem.contract.agents import EnvironmentFactories, Harness
+from tandem.dataset_rows import Rows
 from tandem.generation.server_facts import ServerFacts
-
-
-class RowTable(Protocol):
-    """A dataset with a length, read by index: a `datasets.Dataset`, a list of dict rows."""
-
-    def __len__(self) -> int: ...
-
-    def __getitem__(self, index: int, /) -> Mapping[str, Any]: ...
-
-
-Rows = RowTable | Iterable[Mapping[str, Any]]
-"""A dataset of prompt rows: one with a length, or one read in order only (an IterableDataset, a generator)."""
-
-EnvironmentFactory = Callable[[], Any]
-"""What makes an environment: its class, or a callable that returns an instance."""
-
-EnvironmentFactories = EnvironmentFactory | dict[str, EnvironmentFactory]
-"""One factory, or several by the name a dataset row's `environment` column picks."""
-
-
-class Harness(Protocol):
-    """Another library's episodes (an OpenEnv harness, a verifiers environment), which its loop class runs."""
-
-    @property
-    def loop_cls(self) -> type: ...
 
 
 @dataclass

@@ -15,9 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
-from tandem.config import AsyncGRPOConfig
+from tandem.config import AsyncGRPOConfig, mapping
+from tandem.contract.agents import EnvironmentFactories, Harness
 from tandem.contract.algorithms import algorithm_of
+from tandem.dataset_rows import Rows, RowTable
 from tandem.generation.client import EngineDead, ServerProblem, engine_died
 from tandem.generation.launcher import server_threads
 from tandem.generation.server_facts import ServerFacts, read_facts
@@ -27,10 +30,10 @@ from tandem.packing import PackedRow
 from tandem.rollout.worker import WorkerLost
 from tandem.runtime import embedded_server, server_checks, sync_check
 from tandem.runtime.rollout_inputs import num_positions, worker_spec
-from tandem.runtime.sample_source import POLL_S, ResumePoint, SampleSource, Stall
+from tandem.runtime.sample_source import POLL_S, ResumePoint, SampleSource
 from tandem.runtime.session import DYING_S, Session
 from tandem.runtime.step_rows import StepRows
-from tandem.runtime.weight_sync import ADAPTER_NAME, LoraSync, choose_sync, follower_sync, write_weights
+from tandem.runtime.weight_sync import ADAPTER_NAME, LoraSync, WeightSync, choose_sync, follower_sync, write_weights
 from tandem.runtime.weight_transfer import GlooPlane, InThread, TransferSync
 
 
@@ -41,7 +44,7 @@ class RuntimeSpec:
 
     args: AsyncGRPOConfig
     model: torch.nn.Module
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     ranks: Ranks
     model_name: str
     """The model as the user named it: a folder the embedded server can load, or a hub id."""
@@ -54,12 +57,12 @@ class RuntimeSpec:
     eos_token_ids: list[int]
     lora_rank: int | None
     """The adapter's rank when training LoRA (None: full weights)."""
-    dataset: object
-    eval_dataset: object
+    dataset: Rows | None
+    eval_dataset: RowTable | None
     reward_funcs: list
     tools: list
-    environment_factory: object
-    harness: object
+    environment_factory: EnvironmentFactories | None
+    harness: Harness | None
     """Another library's episodes the loop class runs (an OpenEnv harness, a verifiers environment), or None."""
     loop_cls: type | None
     """The user's AsyncRolloutLoop subclass (None: AsyncRolloutLoop itself)."""
@@ -68,6 +71,17 @@ class RuntimeSpec:
 
 
 class Runtime:
+    facts: ServerFacts
+    """What the server said at connect (every rank holds rank 0's reading). It and the attributes below are set by
+    `start`; `source`, `rows` and `served_url` on rank 0 only."""
+    sync_strategy: WeightSync
+    served_name: str
+    served_url: str
+    served_path: str | None  # the folder the embedded server loads (None: an external server)
+    token_budget: int
+    source: SampleSource
+    rows: StepRows
+
     def __init__(self, spec: RuntimeSpec):
         self.spec, self.args, self.ranks = spec, spec.args, spec.ranks
         self.algorithm, self.staleness = algorithm_of(spec.args), spec.args.staleness_policy
@@ -88,11 +102,6 @@ class Runtime:
         self.worker_replaced = False
         """Whether the worker was lost and replaced already: a second loss stops the run."""
         self.restarts = embedded_server.Restarts()
-        self.sync_strategy = self.source = self.rows = None
-        self.token_budget = spec.args.token_budget
-        self.served_path = self.served_url = self.served_name = None
-        self.facts: ServerFacts | None = None
-        """What the server said about itself at connect (every rank holds rank 0's reading)."""
 
     def __enter__(self) -> "Runtime":
         self.preempted.clear()
@@ -104,7 +113,7 @@ class Runtime:
         try:
             self.session.__exit__(*exc_info)
         finally:
-            self.sync_strategy = None  # its transfer group (sockets, threads) joined the server the session stopped
+            vars(self).pop("sync_strategy", None)  # its transfer group (sockets, threads) went with the server
             self.in_flight = None  # a sync left running by a failed step went with the server: not the next run's
             self.probe.client = None  # closed with the session: the next train() opens its own
 
@@ -124,7 +133,7 @@ class Runtime:
         self.token_budget = args.token_budget or max_model_len
         self.probe.fit(max_model_len)
         server_checks.check_prompt_lengths(
-            spec.dataset, spec.tokenizer, spec.tools, args.chat_template_kwargs, max_model_len
+            spec.dataset, spec.tokenizer, spec.tools, mapping(args.chat_template_kwargs), max_model_len
         )
         self.probe.restart()
         if resumed or args.vllm_server_base_url is not None or self.lora:
@@ -140,7 +149,7 @@ class Runtime:
             device = next(spec.model.parameters()).device.type
             flags = embedded_server.server_flags(args, spec.model_name, spec.served_dtype, spec.lora_rank)
             self.served_url = args.vllm_server_base_url or session.start_server(
-                self.served_path, spec.output_dir / "server.log", flags, server_threads(device)
+                self._embedded_folder(), spec.output_dir / "server.log", flags, server_threads(device)
             )
             control = session.connect(self.served_url)
             facts = session.run(read_facts(control))
@@ -176,7 +185,7 @@ class Runtime:
             token_budget=self.token_budget,
             end_position=num_positions(args, spec.dataset),
             stall_timeout=args.stall_timeout,
-            say=self.session.progress.say,
+            say=self.session.say,
         )
         self.rows = StepRows(
             self.source,
@@ -185,7 +194,7 @@ class Runtime:
             self.ranks.world_size,
             self.window,
             self._read,
-            self._log_stalled,
+            lambda metrics: self.session.log(self.step, metrics),
             self.preempted,
         )
 
@@ -223,8 +232,8 @@ class Runtime:
         start = time.perf_counter()
         self.ranks.barrier()  # the gathers of the sync start when the slowest rank has finished its step
         waited = time.perf_counter() - start
-        if overlap and self._may_overlap():
-            self.in_flight = (version, self.sync_strategy.push_in_thread(self.spec.model, version, self._announce))
+        if overlap and (sync := self._overlappable()) is not None:
+            self.in_flight = (version, sync.push_in_thread(self.spec.model, version, self._announce))
             return
         self._settle(version, lambda: self._push(version), waited)
 
@@ -243,18 +252,16 @@ class Runtime:
 
         self._settle(version, pushed)
 
-    def _may_overlap(self) -> bool:
-        """One process whose samples may be two versions behind (groups the worker starts while the sync runs sample from
-        the last version and train two steps on), a gloo transfer (vLLM's NCCL buffers would add to the step's peak on
-        the GPU), and no probe due after it (the probe forwards the model the next step trains)."""
+    def _overlappable(self) -> TransferSync | None:
+        """The sync, when it may run beside the next step: on one process whose samples may be two versions behind
+        (groups the worker starts while the sync runs sample from the last version and train two steps on), a gloo
+        transfer (vLLM's NCCL buffers would add to the step's peak on the GPU), and no probe due after it (the probe
+        forwards the model the next step trains)."""
         sync = self.sync_strategy
-        return (
-            not self.ranks.several
-            and self.staleness.syncs_may_overlap
-            and isinstance(sync, TransferSync)
-            and isinstance(sync.plane, GlooPlane)
-            and not self.probe.due(self.probe.pushes + 1)
-        )
+        if not isinstance(sync, TransferSync) or not isinstance(sync.plane, GlooPlane):
+            return None
+        alone = not self.ranks.several and self.staleness.syncs_may_overlap
+        return sync if alone and not self.probe.due(self.probe.pushes + 1) else None
 
     def _settle(self, version: int, push, waited: float | None = None) -> None:
         """End a sync as `push()` returns: its timings recorded (with `perf/weight_sync_wait_s`, how long this thread
@@ -328,7 +335,7 @@ class Runtime:
         )
         timings["weight_sync/served_logprob_gap"] = gap.max_abs
         if probe.gave_up() and self.ranks.main:
-            self.session.progress.say(
+            self.session.say(
                 f"the sync probe could not tell the trained weights from the first probe's after "
                 f"{probe.pushes} syncs (they moved less than the server's rounding): syncs are no "
                 "longer probed; set weight_sync_check_atol to probe each one"
@@ -349,7 +356,7 @@ class Runtime:
         if self.in_flight is not None and (self.in_flight[1].done or (server is not None and not server.alive())):
             self.wait_sync()  # an overlapped sync that ended (or will fail) is settled now: a failure as on this thread
             server = self.session.server  # (which restarts a dead server)
-        if server is not None and not server.alive() and self._may_restart():
+        if server is not None and not server.alive() and not self.ranks.several and self.restarts.allowed():
             self._restart_server(self.version)
         self.session.check_server()
 
@@ -363,7 +370,7 @@ class Runtime:
         if session.server is not None:
             if session.server.alive(wait_s=DYING_S):
                 return False
-            if not self._may_restart():
+            if not self.restarts.allowed():
                 session.check_server()  # it died too often: stop with its exit code and log
             self._restart_server(version)
             return True
@@ -376,28 +383,30 @@ class Runtime:
 
     def _choose_sync_anew(self) -> None:
         """The server came back (restarted, or answering again): its facts read anew, its sync chosen from them."""
-        session = self.session
-        self.facts = session.run(read_facts(session.control))
+        session, control = self.session, self.session.control
+        assert control is not None, "connected at start"
+        self.facts = session.run(read_facts(control))
         self.sync_strategy = choose_sync(
-            session.control, session, self.facts, self.served_name, self.spec.model, self.args, self.lora, self.ranks
+            control, session, self.facts, self.served_name, self.spec.model, self.args, self.lora, self.ranks
         )
 
-    def _may_restart(self) -> bool:
-        """On one process, and the embedded server not dying too often (`embedded_server.Restarts`)."""
-        return not self.ranks.several and self.restarts.allowed()
+    def _embedded_folder(self) -> str:
+        assert self.served_path is not None, "start() gives the embedded server a folder"
+        return self.served_path
 
     def _restart_server(self, version: int) -> None:
         """Start the embedded server again where it was, serving the model as it is now under `version`: full weights
         from a folder they are written to, a LoRA adapter loaded on the base model. Requests in flight retry until
         it answers; a group that failed meanwhile is generated again."""
-        session, spec, start = self.session, self.spec, time.perf_counter()
+        session, spec, start, server = self.session, self.spec, time.perf_counter(), self.session.server
+        assert server is not None, "an embedded server to restart"
         self.restarts.note()
-        session.progress.say(
-            f"the embedded tandem serve exited (code {session.server.process.poll()}); restarting it with "
-            f"the weights of step {self.step} (log: {session.server.log_path})"
+        session.say(
+            f"the embedded tandem serve exited (code {server.process.poll()}); restarting it with "
+            f"the weights of step {self.step} (log: {server.log_path})"
         )
         folder = (
-            self.served_path
+            self._embedded_folder()
             if self.lora
             else str(write_weights(spec.model, spec.output_dir / ".weights", "current", self.ranks))
         )
@@ -429,13 +438,6 @@ class Runtime:
             self._check_server()
         return result
 
-    def _log_stalled(self, stall: Stall) -> None:
-        """While no step is possible, the worker's metrics still reach the sinks every minute, under the last step and
-        with `stalled_s` (the seconds waited): what generation and scoring do while nothing trains."""
-        metrics = self.source.worker_metrics.flush()
-        if metrics:
-            self.session.log(self.step, {**metrics, "stalled_s": stall.waited})
-
     # ---- the worker ---------------------------------------------------------------------------------
     def _start_worker(self, point: ResumePoint):
         """The rollout worker, generating from `point` on (its start, leaving out what the trainer holds past it)."""
@@ -457,13 +459,14 @@ class Runtime:
         if self.worker_replaced:
             raise lost
         self.worker_replaced = True
-        point = self.source.resume_point()
-        self.session.worker.stop()
-        tokens_per_step = self.session.worker.channels.tokens_per_step.value
+        point, old = self.source.resume_point(), self.session.worker
+        assert old is not None, "the worker that was lost"
+        old.stop()
+        tokens_per_step = old.channels.tokens_per_step.value
         worker = self._start_worker(point)
         worker.channels.tokens_per_step.value = tokens_per_step
         self.source.replace_worker(worker, worker.channels)
-        self.session.progress.say(
+        self.session.say(
             f"{lost}. Restarted it from prompt position {point.dataset_start_index}, leaving out the "
             f"{len(point.received)} positions past it already received; a second loss stops the run."
         )

@@ -147,6 +147,16 @@ class Session:
         for sink in self.sinks:
             sink.log(step, metrics)
 
+    def say(self, line: str) -> None:
+        """One line for the user, on the console (above the dashboard in a terminal)."""
+        assert self.progress is not None, "open_sinks() first"
+        self.progress.say(line)
+
+    def update(self, step: int, metrics: dict) -> None:
+        """The console's view of the run: its progress and the logged line's figures."""
+        assert self.progress is not None, "open_sinks() first"
+        self.progress.update(step, metrics)
+
     def log_completions(self, step: int, examples: list, printed: int | None) -> None:
         """log_completions: the window's (prompt, completion, reward) examples to every sink as a table, and the
         first `printed` of them to the console (None: all)."""
@@ -191,8 +201,8 @@ class Session:
         """After a failed sync to an external server: wait up to timeout_s (vllm_server_timeout) for it to answer again,
         saying so; past that, a ServerProblem names the failure. The worker is asked every RECONNECT_POLL_S whether it
         stopped: one that saw vLLM's engine die says so, and no server will come back."""
-        assert self.control is not None and self.worker is not None and self.progress is not None, "a run in progress"
-        self.progress.say(
+        assert self.control is not None and self.worker is not None, "a run in progress"
+        self.say(
             f"the weight sync to {self.control.base_url} failed ({error}); syncing again once it "
             f"answers (waiting up to vllm_server_timeout={self.timeout_s:g}s)"
         )

@@ -26,14 +26,14 @@ class StepRows:
         world_size: int,
         window: MetricWindow,
         read: Callable,
-        on_stall: Callable[[Stall], None],
+        log: Callable[[dict], None],
         stopping: threading.Event,
     ):
         """`read(f)` calls f, a read of the worker's queue, with the runtime's care (the server's health checked, a
-        lost worker replaced); `on_stall` is told each minute no step is possible; `stopping` is set when the run stops
+        lost worker replaced); `log` writes a line of metrics to the run's sinks; `stopping` is set when the run stops
         on SIGTERM."""
         self.source, self.args, self.layout, self.world_size = source, args, layout, world_size
-        self.window, self.read, self.on_stall, self.stopping = window, read, on_stall, stopping
+        self.window, self.read, self.log, self.stopping = window, read, log, stopping
         self.algorithm = algorithm_of(args)
         self.token_budget = source.token_budget
         self.batcher = self._batcher()
@@ -104,5 +104,12 @@ class StepRows:
                 return None
             stall = self.read(lambda: self.source.wait(POLL_S))
             if stall is not None:
-                self.on_stall(stall)
+                self._log_stalled(stall)
         return unit
+
+    def _log_stalled(self, stall: Stall) -> None:
+        """While no step is possible, the worker's metrics still reach the sinks every minute, with `stalled_s` (the
+        seconds waited): what generation and scoring do while nothing trains."""
+        metrics = self.source.worker_metrics.flush()
+        if metrics:
+            self.log({**metrics, "stalled_s": stall.waited})

@@ -155,16 +155,17 @@ class SyncProbe:
         """Probe a sync that made the server serve `name`: rank 0 asks the server for the probe's log-probs, every rank
         scores the completion with the trained model (a sharded forward takes them all), rank 0 judges, and every rank
         takes its verdict, so the next syncs' probes are due alike. A mismatch raises SyncMismatch on every rank."""
-        served, verdict = None, None
+        answer: tuple[list[int], list[float]] | None = None
+        verdict: tuple[SyncGap | None, str | None] | None = None
         if ranks.main:
             self.client = self.client or session.generation_client()
             try:
-                served = session.run(self.served_logprobs(self.client, name))
+                answer = session.run(self.served_logprobs(self.client, name))
             except ServerError as error:
                 if 400 <= error.status < 500:  # refused, not lost: reconnecting would be refused alike
                     raise ServerProblem(f"the weight sync check's request was refused: {error}") from None
                 raise
-        self.completion, served = ranks.broadcast(served)
+        self.completion, served = ranks.broadcast(answer)
         ours = policy_logprobs(model, self.prompt, self.completion, kernel, layout)
         if ranks.main:
             try:

@@ -15,6 +15,7 @@ import gc
 import logging
 import random
 import uuid
+from typing import TypeVar
 
 import torch
 from aiohttp import web
@@ -25,6 +26,7 @@ from tandem.chat.tool_formats import tool_call_format
 from tandem.errors import UsageError
 from tandem.httpapp import api_key_auth, error_response, start_app
 from tandem.kernels.openmp import in_passing_thread
+from tandem.model import architecture
 from tandem.serve import fields, protocol, responses
 from tandem.serve.control import Control
 from tandem.serve.engine import ENGINE_STOPPED, Engine
@@ -46,6 +48,7 @@ from tandem.serve.streaming import DONE, ChatStream, CompletionStream, Stream, S
 from tandem.serve.weight_receiver import Receiver, parse_config
 
 logger = logging.getLogger("tandem.serve")
+OpenAIRequest = TypeVar("OpenAIRequest", protocol.CompletionRequest, protocol.ChatCompletionRequest)
 PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
 
 
@@ -95,8 +98,9 @@ class Server:
             None if args.tool_call_parser is None else tool_call_format(args.tool_call_parser, self.tokenizer)
         )
         model, exact = load_model(args)
-        config = model.config.get_text_config()  # a vision-language model serves its language model
-        self.max_model_len = args.max_model_len or getattr(config, "max_position_embeddings", 2048)
+        config = architecture.transformers_model(model).config.get_text_config()  # a VLM serves its language model
+        model_len: int = getattr(config, "max_position_embeddings", 2048)
+        self.max_model_len = args.max_model_len or model_len
         self.names = args.served_model_name or [args.model]
         self.vocab_size = config.vocab_size
         eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else config.eos_token_id
@@ -162,6 +166,7 @@ class Server:
     def load_at_start(self, name: str, path: str) -> torch.nn.Module:
         """One `--lora-modules` adapter, refused as vLLM refuses it at start (its refusal ends the start)."""
         where = f"--lora-modules {name}={path}"
+        assert self.adapters is not None, "--lora-modules needs --enable-lora (the command line checks it)"
         if name in self.names:
             raise UsageError(f"{where}: The lora adapter '{name}' conflicts with a served base model.")
         try:
@@ -216,7 +221,7 @@ class Server:
         return name, adapter
 
     @staticmethod
-    def _check_stream_fields(req: protocol.SamplingFields) -> None:
+    def _check_stream_fields(req: protocol.CompletionRequest | protocol.ChatCompletionRequest) -> None:
         """vLLM's rules for the streaming fields: `stream_options` only with `stream`, no prompt log-probs streamed."""
         if req.stream_options is not None and not req.stream:
             raise bad_request(
@@ -260,7 +265,7 @@ class Server:
         if not any(s.finish_reason == "error" for r in requests for s in r.sequences):
             return None
         failed = next((r for r in requests if r.error), None)
-        if failed is None:
+        if failed is None or failed.error is None:
             return ApiError(
                 500,
                 "The generation engine failed while serving this request: see the server log.",
@@ -305,14 +310,14 @@ class Server:
             pass
         return response
 
-    async def _read_openai(self, request: web.Request, model: type) -> protocol.SamplingFields:
+    async def _read_openai(self, request: web.Request, model: type[OpenAIRequest]) -> OpenAIRequest:
         """A completions or chat body, with the server's default for `return_tokens_as_token_ids` filled in."""
         req = await protocol.read(request, model)
         if req.return_tokens_as_token_ids is None:
             req.return_tokens_as_token_ids = self.args.return_tokens_as_token_ids
         return req
 
-    def stream_options(self, req: protocol.SamplingFields) -> StreamOptions:
+    def stream_options(self, req: protocol.CompletionRequest | protocol.ChatCompletionRequest) -> StreamOptions:
         return StreamOptions.of(
             req,
             force_usage=self.args.enable_force_include_usage,

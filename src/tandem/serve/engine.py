@@ -71,7 +71,7 @@ def kv_cache_for(model: torch.nn.Module, max_model_len: int) -> SlotKVCache:
             f"{type(model).__name__}: its layers store keys and values of differing shapes "
             f"({sorted(shapes)}), which tandem serve's one KV tensor cannot hold; generate with vllm serve"
         )
-    if sorted(layers) != list(range(model.config.get_text_config().num_hidden_layers)):
+    if sorted(layers) != list(range(architecture.transformers_model(model).config.get_text_config().num_hidden_layers)):
         raise UsageError(
             f"{type(model).__name__}: only layers {sorted(layers)} store keys and values (the others share "
             "them), which tandem serve's KV cache cannot follow; generate with vllm serve"
@@ -105,10 +105,11 @@ def with_serving_kernels(model: torch.nn.Module, exact: bool) -> torch.nn.Module
     if cpu:
         onednn_linear.install(model, exact=exact, reorder=True)
     if not architecture.attention_extras(model):
+        language_model = architecture.transformers_model(model)
         if exact:
-            model.set_attn_implementation(exact_attention.NAME)
-        elif cpu and model.config._attn_implementation == "sdpa":
-            model.set_attn_implementation(decode_attention.NAME)
+            language_model.set_attn_implementation(exact_attention.NAME)
+        elif cpu and language_model.config._attn_implementation == "sdpa":
+            language_model.set_attn_implementation(decode_attention.NAME)
     return model
 
 
@@ -151,7 +152,7 @@ class Engine:
         *,
         max_model_len: int,
         eos_token_id: int | None,
-        extra_stop_token_ids: list[int] = (),
+        extra_stop_token_ids: collections.abc.Sequence[int] = (),
         max_num_seqs: int = 256,
         logprobs_mode: str = "raw_logprobs",
         adapters: AdapterSet | None = None,
@@ -399,7 +400,8 @@ class Engine:
 
     def _admit(self) -> list[EngineRequest]:
         """FIFO into free slots; a request whose adapter would exceed max_loras waits (deferred)."""
-        admitted, free, budget = [], self.max_num_seqs - len(self.rows), MAX_PREFILL_TOKENS
+        admitted: list[EngineRequest] = []
+        free, budget = self.max_num_seqs - len(self.rows), MAX_PREFILL_TOKENS
         active_adapters = self._adapters_in_use()
         with self._lock:
             for request in list(self.waiting):
@@ -445,13 +447,18 @@ class Engine:
         lengths = [len(r.prompt) for r in requests]
         self.cache.ensure_rows(base + sum(r.n for r in requests))
         windows = [r.prompt[self._load_prefix(r, base + j) :] for j, r in enumerate(requests)]
-        all_logits = requests[0].params.prompt_logprobs is not None
+        prompt_logprobs = requests[0].params.prompt_logprobs  # a request asking for them is prefilled alone
         logits = self.runner.window_forward(
-            windows, lengths, slice(base, base + n), [r.adapter for r in requests], self._adapters_in_use(), all_logits
+            windows,
+            lengths,
+            slice(base, base + n),
+            [r.adapter for r in requests],
+            self._adapters_in_use(),
+            prompt_logprobs is not None,
         )[:n]
-        if all_logits:
+        if prompt_logprobs is not None:
             requests[0].prompt_logprobs = self.emission.prompt_logprobs(
-                logits[0, -lengths[0] :], requests[0].prompt, requests[0].params.prompt_logprobs
+                logits[0, -lengths[0] :], requests[0].prompt, prompt_logprobs
             )
         self.counters["prompt_tokens"] += sum(lengths)
         for j, request in enumerate(requests):
@@ -472,27 +479,10 @@ class Engine:
         self._emit(range(base, len(self.rows)), torch.stack(last_logits))
 
     def _load_prefix(self, request: EngineRequest, row: int) -> int:
-        """Copy the prompt's cached leading blocks into its row; returns how many tokens they cover. A request
-        asking for prompt log-probs needs every prompt position's logits, so it reads nothing (as in vLLM)."""
-        if self.prefix_cache is None:
-            return 0
-        request.prefix_epoch = self.prefix_cache.epoch
-        if not request.reads_prefix_cache or request.params.prompt_logprobs is not None:
-            return 0
-        length, kv = self.prefix_cache.lookup(request.prompt, request.cache_namespace)
-        if length:
-            self.cache.write(row, kv)
-        request.cached_tokens = length
-        return length
+        return self.prefix_cache.load_prompt(request, self.cache, row) if self.prefix_cache is not None else 0
 
     def _store_prefix(self, row: int, request: EngineRequest, tokens: list[int]) -> int:
-        """Keep the whole blocks of `tokens`, whose KV fills the start of `row`, unless the weights changed since;
-        returns the tokens newly cached."""
-        if self.prefix_cache is None or request.prefix_epoch != self.prefix_cache.epoch:
-            return 0
-        return self.prefix_cache.store(
-            tokens, request.cache_namespace, lambda start, stop: self.cache.read(row, start, stop)
-        )
+        return self.prefix_cache.store_row(request, tokens, self.cache, row) if self.prefix_cache is not None else 0
 
     def _decode(self) -> None:
         """One new token per running sequence."""
@@ -505,9 +495,8 @@ class Engine:
         self._emit(range(len(self.rows)), logits[: len(self.rows), -1])
         self.delay.stepped()
 
-    def _emit(self, rows: range, logits: torch.Tensor) -> None:
+    def _emit(self, rows: collections.abc.Sequence[int], logits: torch.Tensor) -> None:
         """Sample one token for each of `rows` from its logits (emission.py), count it, retire finished rows."""
-        rows = list(rows)
         entries = [self.rows[i] for i in rows]
         reasons = self.emission.emit(entries, [self.lengths[i] + 1 for i in rows], logits, self.weight_version)
         self.finished_total.update(reason for reason in reasons if reason)

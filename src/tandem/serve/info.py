@@ -7,6 +7,7 @@ import time
 import uuid
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from tandem import __version__
 from tandem.serve.engine import Engine
@@ -50,8 +51,8 @@ class Info:
         self.started = int(time.time())
         self.in_flight = 0
 
-    def routes(self) -> list[tuple[str, str, object]]:
-        routes = [
+    def routes(self) -> list[tuple[str, str, Handler]]:
+        routes: list[tuple[str, str, Handler]] = [
             ("GET", "/health", self.health),
             ("GET", "/ping", self.health),
             ("POST", "/ping", self.health),

@@ -17,6 +17,9 @@ from collections.abc import Callable
 
 import torch
 
+from tandem.serve.kv_cache import SlotKVCache
+from tandem.serve.requests import EngineRequest
+
 BLOCK_SIZE = 16
 
 
@@ -108,3 +111,22 @@ class PrefixCache:
         """Mark blocks used, the first last: eviction then takes a chain's tail before the blocks it hangs on."""
         for h in reversed(hashes):
             self.blocks.move_to_end(h)
+
+    def load_prompt(self, request: EngineRequest, cache: SlotKVCache, row: int) -> int:
+        """Copy the request prompt's cached leading blocks into `row` of `cache`; returns how many tokens they cover.
+        A request asking for prompt log-probs needs every prompt position's logits, so it reads nothing (as in vLLM)."""
+        request.prefix_epoch = self.epoch
+        if not request.reads_prefix_cache or request.params.prompt_logprobs is not None:
+            return 0
+        length, kv = self.lookup(request.prompt, request.cache_namespace)
+        if kv is not None:
+            cache.write(row, kv)
+        request.cached_tokens = length
+        return length
+
+    def store_row(self, request: EngineRequest, tokens: list[int], cache: SlotKVCache, row: int) -> int:
+        """Keep the whole blocks of `tokens`, whose KV fills the start of `row`, unless the weights changed since the
+        request was prefilled; returns the tokens newly cached."""
+        if request.prefix_epoch != self.epoch:
+            return 0
+        return self.store(tokens, request.cache_namespace, lambda start, stop: cache.read(row, start, stop))

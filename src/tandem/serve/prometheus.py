@@ -1,5 +1,7 @@
 """`/metrics`: the engine's counters in the Prometheus text format, under vLLM's metric names and labels."""
 
+from collections.abc import Sequence
+
 from tandem.serve.prefix_cache import BLOCK_SIZE
 from tandem.serve.requests import EngineStats
 
@@ -25,7 +27,7 @@ COUNTERS = [
 """vLLM's metrics that are one engine counter each: name, Prometheus type, vLLM's help text, EngineStats' field."""
 
 
-def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]], labels: str) -> list[str]:
+def metric(name: str, kind: str, help_text: str, samples: Sequence[tuple[str, float]], labels: str) -> list[str]:
     """One metric's lines: its help, its type, and a sample per (extra labels, value)."""
     return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"] + [
         f"{name}{{{extra}{labels}}} {float(value)}" for extra, value in samples

@@ -203,7 +203,7 @@ def echoed(
 def completion_body(
     request_id: str,
     model: str,
-    fingerprint: str,
+    fingerprint: str | None,
     req: CompletionRequest,
     requests: list[EngineRequest],
     text: TokenText,
@@ -314,7 +314,7 @@ class ChatReply:
 def chat_body(
     request_id: str,
     model: str,
-    fingerprint: str,
+    fingerprint: str | None,
     req: ChatCompletionRequest,
     request: EngineRequest,
     reply: ChatReply,

@@ -158,7 +158,7 @@ def load_model(args: ServeArgs) -> tuple[torch.nn.Module, bool]:
     if args.decode_mode not in ("auto", "exact", "fast"):
         raise ValueError(f"--decode-mode {args.decode_mode!r} is not one of auto, exact, fast")
     exact = args.decode_mode == "exact" or (args.decode_mode == "auto" and device.type == "cpu")
-    model = architecture.auto_class(args.model, trust_remote_code=args.trust_remote_code).from_pretrained(
+    model: torch.nn.Module = architecture.from_pretrained(
         args.model,
         dtype=pick_dtype(args.dtype),
         trust_remote_code=args.trust_remote_code,

@@ -39,7 +39,7 @@ def evaluate(
     if args.metric_for_best_model and state.step > 0:
         note_best(state, metrics, args, callbacks, output_dir)
     runtime.session.log(state.step, metrics)
-    runtime.session.progress.say(
+    runtime.session.say(
         f"eval at step {state.step} (policy version {state.model_version}): reward "
         f"{metrics.get('eval/reward', math.nan):.3f} over {num_prompts} prompts"
     )
@@ -51,7 +51,9 @@ def note_best(
 ) -> None:
     """An evaluation better than every earlier one: its step is checkpointed (whatever save_steps says) and becomes
     the best checkpoint; a run resumed from that checkpoint and evaluated at its start has it already."""
-    if not checkpoint.record_if_best(state, metrics, args.metric_for_best_model, args.greater_is_better):
+    name, greater = args.metric_for_best_model, args.greater_is_better
+    assert name is not None and greater is not None, "the config sets greater_is_better with metric_for_best_model"
+    if not checkpoint.record_if_best(state, metrics, name, greater):
         return
     callbacks.control.should_save |= args.save_strategy != "no"
     saved = output_dir / f"checkpoint-{state.step}"

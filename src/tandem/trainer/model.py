@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 from transformers.debug_utils import DebugUnderflowOverflow
 
 from tandem.chat.prompts import check_conversational
-from tandem.config import AsyncGRPOConfig
+from tandem.config import AsyncGRPOConfig, mapping
 from tandem.dataset_rows import columns_of, first_rows, is_iterable
 from tandem.errors import UsageError
 from tandem.kernels import onednn_linear
@@ -35,7 +35,7 @@ def load_policy(model, args: AsyncGRPOConfig, peft_config, processing_class, ran
     name, loaded, layout = load_model(model, args)
     policy = with_adapter(loaded, peft_config) if peft_config is not None else loaded
     if ranks.several:
-        distributed.shard(policy, ranks, args.fsdp_config, use_bf16(args, next(policy.parameters()).device))
+        distributed.shard(policy, ranks, mapping(args.fsdp_config), use_bf16(args, next(policy.parameters()).device))
     tokenizer = processing_class_for(
         processing_class, name if isinstance(model, str) else model.name_or_path, args.trust_remote_code
     )
@@ -46,12 +46,14 @@ def load_model(model, args: AsyncGRPOConfig) -> tuple[str, PreTrainedModel, str]
     """(the name the server knows it by, the model ready to train, its row layout)."""
     if isinstance(model, str):
         name = TINY_MODEL_PATH if model == "tiny" else model
-        init_kwargs = args.model_init_kwargs or {}
-        assert not isinstance(init_kwargs, str), "the config reads a JSON string as a mapping"
-        kwargs = {"dtype": args.dtype, "trust_remote_code": args.trust_remote_code, **init_kwargs}
-        loaded = architecture.auto_class(name, **kwargs).from_pretrained(name, **kwargs)
+        kwargs = {
+            "dtype": args.dtype,
+            "trust_remote_code": args.trust_remote_code,
+            **(mapping(args.model_init_kwargs) or {}),
+        }
+        loaded = architecture.from_pretrained(name, **kwargs)
         if torch.cuda.is_available() and not args.use_cpu:
-            loaded.to("cuda")
+            torch.nn.Module.to(loaded, "cuda")  # transformers' decorated `to` reads as unbound to a type checker
     elif isinstance(model, PreTrainedModel):
         name, loaded = model.name_or_path or "tandem-policy", model
     else:

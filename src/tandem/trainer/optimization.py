@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from tandem.config import AsyncGRPOConfig
+from tandem.config import AsyncGRPOConfig, mapping
 from tandem.errors import UsageError
 from tandem.model.distributed import full_tensor
 
@@ -49,8 +49,7 @@ def make_scheduler(optimizer: torch.optim.Optimizer, args: AsyncGRPOConfig) -> t
 
     warmup = math.ceil(args.warmup_steps * args.max_steps) if 0 < args.warmup_steps < 1 else int(args.warmup_steps)
     name = "constant_with_warmup" if args.lr_scheduler_type == "constant" and warmup else args.lr_scheduler_type
-    schedule_kwargs = args.lr_scheduler_kwargs
-    assert not isinstance(schedule_kwargs, str), "the config reads a JSON string as a mapping"
+    schedule_kwargs = mapping(args.lr_scheduler_kwargs)
     return get_scheduler(
         name,
         optimizer,

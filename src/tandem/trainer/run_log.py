@@ -5,6 +5,7 @@ first twenty with the last twenty)."""
 import math
 from dataclasses import dataclass, field
 
+from tandem.config import AsyncGRPOConfig
 from tandem.metrics.window import MetricWindow
 from tandem.packing import PackedRow
 from tandem.trainer.checkpoint import TrainerState
@@ -33,6 +34,13 @@ class RunLog:
     reward_history: list[float] = field(default_factory=list)
     nonfinite_loss: float | None = None
     """The window's last NaN or infinite loss, logged as its `loss` when keep_nonfinite."""
+
+    @classmethod
+    def of(cls, args: AsyncGRPOConfig, epoch_size: int | None, agent: bool) -> "RunLog":
+        """A run's log, from its settings: `epoch_size` the dataset's length, `agent` whether it has tools or
+        environments."""
+        counters = LogCounters(args.include_num_input_tokens_seen not in ("no", False), epoch_size, agent)
+        return cls(counters, keep_nonfinite=not args.logging_nan_inf_filter)
 
     @property
     def training_loss(self) -> float:

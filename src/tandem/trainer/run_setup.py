@@ -10,8 +10,9 @@ from transformers.utils import logging as hf_logging
 
 from tandem import integrations
 from tandem.chat.tool_formats import tool_call_format
-from tandem.config import AsyncGRPOConfig
-from tandem.dataset_rows import is_iterable
+from tandem.config import AsyncGRPOConfig, mapping
+from tandem.contract.agents import EnvironmentFactories, Harness
+from tandem.dataset_rows import Rows, RowTable, is_iterable
 from tandem.errors import UsageError
 from tandem.packing import tree_attention
 from tandem.runtime.rollout_inputs import check_agents, check_reward_names, rollout_template
@@ -24,12 +25,12 @@ class Inputs:
     """What the trainer is given to train on and score with, checked and adapted (another library's environments
     turned into a harness, a dataset's unused columns dropped)."""
 
-    dataset: object
-    eval_dataset: object
+    dataset: Rows | None
+    eval_dataset: RowTable | None
     reward_funcs: list
     tools: list
-    environment_factory: object
-    harness: object
+    environment_factory: EnvironmentFactories | None
+    harness: Harness | None
 
     @property
     def agent(self) -> bool:
@@ -91,7 +92,7 @@ def set_log_level(level: str) -> None:
         hf_logging.set_verbosity(hf_logging.log_levels[level])
 
 
-def check_train_dataset(dataset, args: AsyncGRPOConfig, environments: bool):
+def check_train_dataset(dataset, args: AsyncGRPOConfig, environments: bool) -> Rows | None:
     """The training prompts, if they can be ordered as asked (an IterableDataset streams in its own order, as in
     transformers) and have the epochs an 'epoch' strategy counts."""
     dataset = check_dataset(dataset, environments=environments, max_steps=args.max_steps)
@@ -112,7 +113,7 @@ def check_train_dataset(dataset, args: AsyncGRPOConfig, environments: bool):
     return dataset
 
 
-def check_eval_dataset(eval_dataset, args: AsyncGRPOConfig, environments: bool):
+def check_eval_dataset(eval_dataset, args: AsyncGRPOConfig, environments: bool) -> RowTable | None:
     """The eval prompts, when evaluation is asked for and they can be generated; neither is silently ignored."""
     if eval_dataset is None:
         if args.eval_strategy != "no" or args.eval_on_start:
@@ -196,4 +197,4 @@ def rollout_chat_template(tokenizer, inputs: Inputs, args: AsyncGRPOConfig) -> s
     tokens of `tool_call_parser`'s format."""
     if args.tool_call_parser is not None:
         tool_call_format(args.tool_call_parser, tokenizer)
-    return rollout_template(tokenizer, inputs.tools, args.chat_template_kwargs) if inputs.agent else None
+    return rollout_template(tokenizer, inputs.tools, mapping(args.chat_template_kwargs)) if inputs.agent else None

@@ -10,13 +10,14 @@ import gc
 import sys
 import time
 import warnings
+from collections.abc import Sized
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from tandem.config import AsyncGRPOConfig
-from tandem.dataset_rows import is_iterable
+from tandem.config import AsyncGRPOConfig, mapping
+from tandem.contract.agents import Harness
 from tandem.metrics.window import MetricWindow
 from tandem.model import distributed
 from tandem.packing import PackedRow
@@ -41,7 +42,7 @@ from tandem.trainer.model import (
 from tandem.trainer.objectives import make_objective
 from tandem.trainer.optimization import make_optimizer, make_scheduler, step_optimizer
 from tandem.trainer.row_passes import RowPasses, StepLoss
-from tandem.trainer.run_log import LogCounters, RunLog
+from tandem.trainer.run_log import RunLog
 from tandem.trainer.run_setup import (
     attention_kernel,
     check_inputs,
@@ -71,7 +72,7 @@ class AsyncGRPOTrainer(CallbackMethods):
     runtime_cls: type = Runtime
     """What serves the trainer its rows and takes its weights: the generation server, the rollout worker and the
     queue (`Runtime`); `tandem.testing.scripted` gives a test rows of its own instead."""
-    harness: object = None
+    harness: Harness | None = None
     """Another library's episodes the worker plays instead of the tool loop: HarnessAsyncGRPOTrainer's OpenEnv harness,
     or a verifiers environment passed as train_dataset (its loop class runs it)."""
     halved_budget: int | None = None
@@ -97,6 +98,7 @@ class AsyncGRPOTrainer(CallbackMethods):
         inputs = check_inputs(args, train_dataset, eval_dataset, reward_funcs, tools, environment_factory, self.harness)
         self.dataset, self.eval_dataset, self.reward_funcs = inputs.dataset, inputs.eval_dataset, inputs.reward_funcs
         self.tools, self.environment_factory, self.harness = inputs.tools, inputs.environment_factory, inputs.harness
+        self.inputs = inputs
         self.ranks = distributed.join(args.ddp_timeout)  # this process's place among the torchrun ranks (or one of one)
         self.lora = peft_config is not None
         self.model_name, self.model, self.layout, self.tokenizer = load_policy(
@@ -135,7 +137,7 @@ class AsyncGRPOTrainer(CallbackMethods):
         self.args = self.callbacks.args = args
         self.state = self.callbacks.state = TrainerState()
         """transformers' TrainerState, filled in place (from a checkpoint when resuming): callbacks hold it."""
-        self.run_log = self._new_run_log()
+        self.run_log = RunLog.of(args, self.epoch_size, self.inputs.agent)
         """The metric window, each step's loss and each log's mean reward (trainer/run_log.py)."""
         if not self.optimizer_given:
             self.optimizer = make_optimizer(self.model, args)
@@ -168,7 +170,9 @@ class AsyncGRPOTrainer(CallbackMethods):
         point = restore(resume, self.model, self.optimizer, self.scheduler, self.callbacks, self.args)
         self.callbacks.event("on_train_begin")
         if self.args.gradient_checkpointing:
-            enable_checkpointing(self.model, self.args.gradient_checkpointing_kwargs or {"use_reentrant": False})
+            enable_checkpointing(
+                self.model, mapping(self.args.gradient_checkpointing_kwargs) or {"use_reentrant": False}
+            )
         self.model.train()
         with self.runtime as runtime:
             runtime.start(self.state.model_version, point, resumed=resume is not None)
@@ -199,7 +203,7 @@ class AsyncGRPOTrainer(CallbackMethods):
     @property
     def epoch_size(self) -> int | None:
         """The prompts in one pass over the dataset; None for a stream or environments' own tasks."""
-        return len(self.dataset) if self.dataset is not None and not is_iterable(self.dataset) else None
+        return len(self.dataset) if isinstance(self.dataset, Sized) else None
 
     def training_step(self, micro_batches: list[list[PackedRow]]) -> StepLoss:
         """Forward and backward this rank's rows of one optimizer step through the objective (gradients accumulate).
@@ -340,7 +344,7 @@ class AsyncGRPOTrainer(CallbackMethods):
         if best:
             checkpoint.load_weights(Path(best), self.model)
             if self.ranks.main:
-                runtime.session.progress.say(
+                runtime.session.say(
                     f"loaded the best checkpoint, {best} ({self.args.metric_for_best_model} "
                     f"{self.state.best_metric:.4g})"
                 )
@@ -376,7 +380,7 @@ class AsyncGRPOTrainer(CallbackMethods):
             return False
         if self.halved_budget is not None:  # auto_find_batch_size: later steps are packed in the smaller rows
             runtime.limit_token_budget(self.halved_budget)
-            runtime.session.progress.say(f"out of device memory: token_budget halved to {self.halved_budget}")
+            runtime.session.say(f"out of device memory: token_budget halved to {self.halved_budget}")
             self.halved_budget = None
         record_samples(
             self.run_log.window, rows, state.model_version
@@ -388,39 +392,32 @@ class AsyncGRPOTrainer(CallbackMethods):
     def _log(self, runtime: Runtime) -> dict:
         """Every rank's window, reduced together by each name's rule and written by rank 0."""
         others = self.ranks.gather(None if self.ranks.main else dict(self.run_log.window.values))
-        if not self.ranks.main:
+        if others is None:  # not rank 0
             self.run_log.window.flush()
             return {}
         for records in others[1:]:
             self.run_log.window.extend(records)
         self.run_log.window.extend(runtime.take_metrics())
         metrics, examples = self.run_log.flush(self.state)
-        self.state.epoch = metrics.get("epoch")
+        if "epoch" in metrics:  # a dataset with a length (a stream has no epochs to count)
+            self.state.epoch = metrics["epoch"]
         self.state.log_history.append({**metrics, "step": self.state.step})
         self.callbacks.event("on_log", logs=metrics)
         runtime.session.log(self.state.step, metrics)
-        runtime.session.progress.update(self.state.step, metrics)
+        runtime.session.update(self.state.step, metrics)
         if examples:
             runtime.session.log_completions(self.state.step, examples, self.args.num_completions_to_print)
         return metrics
 
-    def _new_run_log(self) -> RunLog:
-        return RunLog(
-            LogCounters(
-                num_input_tokens_seen=self.args.include_num_input_tokens_seen not in ("no", False),
-                epoch_size=self.epoch_size,
-                agent=bool(self.tools) or self.environment_factory is not None or self.harness is not None,
-            ),
-            keep_nonfinite=not self.args.logging_nan_inf_filter,
-        )
-
     def _evaluate(self, runtime: Runtime) -> dict:
+        assert self.eval_dataset is not None, "evaluations run with an eval_dataset"
         return evaluate(runtime, self.state, self.args, self.callbacks, len(self.eval_dataset), self.output_dir)
 
     def _checkpoint(self, runtime: Runtime) -> int:
         """A checkpoint of this step, with where the prompt stream goes on; returns the step."""
         checkpoint.share_rank0_state(self.state, self.ranks)
-        self.state.stateful_callbacks = self.callbacks.exported()
+        # transformers annotates this field with the list its __post_init__ turns into such a dict
+        self.state.stateful_callbacks = self.callbacks.exported()  # type: ignore[assignment]
         model_only = self.args.save_only_model and not runtime.preempted_everywhere()  # a preempted run resumes
         path = checkpoint.save(
             self.output_dir,
