@@ -105,7 +105,11 @@ chats = st.builds(
         },
     ),
 )
-generates = st.builds(lambda p, s: {"token_ids": p, "sampling_params": s}, prompt_ids, sampling)
+generates = (
+    st.builds(  # max_tokens given (else the rest of the context: 5 s a body on a CPU), as the other routes' default
+        lambda p, s: {"token_ids": p, "sampling_params": {"max_tokens": 6, **s}}, prompt_ids, sampling
+    )
+)
 tokenizes = st.builds(lambda p: {"prompt": p}, text) | st.builds(lambda m: {"messages": m}, messages)
 detokenizes = st.builds(lambda t: {"tokens": t}, st.lists(token, max_size=20))
 
