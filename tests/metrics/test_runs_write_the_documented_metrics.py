@@ -180,7 +180,7 @@ def assert_written(tmp_path, run: str, expected: set[str]) -> None:
 
 def test_every_documented_metric_is_in_the_catalogue_and_checked_by_one_run_here_or_named_elsewhere():
     unknown = [name for name in DOCUMENTED_METRICS if find(name) is None or find(name).name != name]
-    assert not unknown, f"documented metrics the catalogue (tandem/metrics/catalogue.py) lacks: {unknown}"
+    assert not unknown, f"documented metrics the catalogue (tandem/metrics/catalogue/) lacks: {unknown}"
     assert len(set(DOCUMENTED_METRICS)) == len(DOCUMENTED_METRICS), "a documented metric is listed twice"
     conditional = [WRITTEN_BY_THE_AGENT_RUN, WRITTEN_BY_THE_MOE_RUN, set(NOT_PRODUCED_HERE)]
     stray = set().union(*conditional) - set(DOCUMENTED_METRICS)
@@ -215,7 +215,7 @@ def test_a_grpo_run_writes_the_metrics_of_training_generation_and_the_pipeline(t
     completions ending on EOS and some cut off. At staleness 0, with generation and steps slowed, groups that straddle
     a sync arrive stale and are dropped. The run lasts until it has logged a stale drop and one poll of the server's
     load (at most 30 steps)."""
-    monkeypatch.setattr("tandem.trainer.trainer.peak_flops", lambda device, bf16: STAND_IN_PEAK_FLOPS)
+    monkeypatch.setattr("tandem.trainer.flops.peak_flops", lambda device, bf16: STAND_IN_PEAK_FLOPS)
     trainer = SlowLoopTrainer(
         "tiny",
         accuracy_reward,
