@@ -68,7 +68,7 @@ def worker(cli) -> None:
                         advantage=float(torch.randn(1, generator=generator)),
                         model_version=0,
                         group_id=group,
-                        position=group,
+                        prompt_index=group,
                         group_samples=8,
                         rollout_id=f"{group}-{len(samples)}",
                         created_at=0.0,

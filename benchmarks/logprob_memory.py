@@ -7,7 +7,7 @@ the process's peak resident memory (ru_maxrss) over what it held before the step
 
     python benchmarks/logprob_memory.py [--tokens 8192] [--vocab 32768] [--hidden 1024] [--chunk-size N] [--markdown PATH]
 
-The chunk size defaults to the trainer's own (tandem.packing.logprobs.default_chunk_size: 512 at a 32k vocabulary).
+The chunk size defaults to the trainer's own (tandem.packing.log_probs.default_chunk_size: 512 at a 32k vocabulary).
 """
 
 import argparse
@@ -19,7 +19,7 @@ import sys
 import torch
 from tables import add_markdown_flag, emit, markdown_table
 
-from tandem.packing.logprobs import chunked_logprobs, default_chunk_size
+from tandem.packing.log_probs import chunked_log_probs, default_chunk_size
 
 
 def full_logprobs(hidden, head, targets):
@@ -45,7 +45,7 @@ def measure(variant: str, tokens: int, vocab: int, hidden_size: int, chunk_size:
     if variant == "full":
         logprobs, _ = full_logprobs(hidden, head, targets)
     else:
-        logprobs = chunked_logprobs(hidden, head, targets, chunk_size=chunk_size).log_probs
+        logprobs = chunked_log_probs(hidden, head, targets, chunk_size=chunk_size).log_probs
     logprobs.sum().backward()
     if device.type == "cuda":
         torch.cuda.synchronize()

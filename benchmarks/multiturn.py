@@ -96,7 +96,7 @@ def samples_of(conversations: list[list[TurnRecord]]) -> list[Sample]:
                 advantage=1.0,
                 model_version=0,
                 group_id=group,
-                position=group,
+                prompt_index=group,
                 group_samples=len(sequences),
                 rollout_id=str(group),
                 created_at=0.0,

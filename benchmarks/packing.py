@@ -24,7 +24,7 @@ from tandem.contract.records import Sample
 from tandem.kernels import onednn_linear
 from tandem.packing import tree_attention
 from tandem.packing.batching import TokenBudgetBatcher
-from tandem.packing.logprobs import chunked_logprobs, row_logprobs
+from tandem.packing.log_probs import chunked_log_probs, row_log_probs
 from tandem.tasks import TINY_MODEL_PATH, scaled_tiny
 
 G = 8
@@ -46,7 +46,7 @@ def workload(prompt_len: int, groups: int, min_completion: int, max_completion: 
                     advantage=1.0,
                     model_version=0,
                     group_id=group,
-                    position=group,
+                    prompt_index=group,
                     group_samples=G,
                     rollout_id="",
                     created_at=0.0,
@@ -77,7 +77,7 @@ def padded_batches(samples, budget: int):
 
 def tree_step(model, rows, kernel) -> None:
     for row in rows:
-        row_logprobs(model, row, kernel).log_probs.sum().backward()
+        row_log_probs(model, row, kernel).log_probs.sum().backward()
 
 
 def padded_step(model, batches) -> None:
@@ -90,7 +90,7 @@ def padded_step(model, batches) -> None:
         where = [(b, j - 1) for b, s in enumerate(batch) for j in range(1, s.num_tokens) if s.trained[j]]
         rows, cols = zip(*where)
         targets = torch.tensor([batch[b].input_ids[j + 1] for b, j in where])
-        chunked_logprobs(hidden[list(rows), list(cols)], head, targets).log_probs.sum().backward()
+        chunked_log_probs(hidden[list(rows), list(cols)], head, targets).log_probs.sum().backward()
 
 
 def timed(step, repeats: int) -> float:

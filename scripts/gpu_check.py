@@ -104,7 +104,7 @@ def check_flex(device: str) -> bool:
 
     from tandem.contract.records import Sample
     from tandem.packing import pack, tree_attention
-    from tandem.packing.logprobs import row_logprobs
+    from tandem.packing.log_probs import row_log_probs
     from tandem.tasks import TINY_MODEL_PATH
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -121,7 +121,7 @@ def check_flex(device: str) -> bool:
             advantage=1.0,
             model_version=0,
             group_id=i,
-            position=i,
+            prompt_index=i,
             group_samples=1,
             rollout_id=str(i),
             created_at=0.0,
@@ -134,7 +134,7 @@ def check_flex(device: str) -> bool:
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=dtype).to(device).eval()
     tree_attention.prepare(model)
     with torch.no_grad():
-        got = row_logprobs(model, pack(samples), "flex").log_probs.float().cpu()
+        got = row_log_probs(model, pack(samples), "flex").log_probs.float().cpu()
         expected = []
         for s in samples:
             logits = reference(input_ids=torch.tensor([s.input_ids], device=device)).logits[0].float().log_softmax(-1)

@@ -247,7 +247,7 @@ def probe_gap(run: asyncio.Runner, client, served_name: str, model, prompt: list
         prompt, "float32", SimpleNamespace(weight_sync_check_atol=math.inf, vllm_server_base_url=None)
     )
     completion, served = run.run(probe.served_logprobs(client, served_name))
-    return probe.judge(served_name, served, sync_check.policy_logprobs(model, prompt, completion, "exact"))
+    return probe.judge(served_name, served, sync_check.policy_log_probs(model, prompt, completion, "exact"))
 
 
 def chat_prompt(tokenizer, question: str) -> list[int]:

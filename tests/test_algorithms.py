@@ -11,7 +11,7 @@ from tandem.contract.algorithms import ALGORITHMS, GRPO, FlashREINFORCE, algorit
 from tandem.errors import UsageError
 from tandem.trainer.objectives import OBJECTIVES
 
-SAMPLE = SimpleNamespace(position=7, rollout_id="7-2")
+SAMPLE = SimpleNamespace(prompt_index=7, rollout_id="7-2")
 
 #          algorithm            unit trained whole   oversize unit   sampler's top tokens   units a step  objective
 TABLE = [

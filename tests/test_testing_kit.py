@@ -41,7 +41,7 @@ def run() -> LoopRun:
 
 
 def test_the_loops_hooks_decide_which_prompts_are_generated_and_how_they_are_scored(run):
-    assert sorted({s.position for s in run.samples}) == [0, 2], "filter_prompt kept the even prompts"
+    assert sorted({s.prompt_index for s in run.samples}) == [0, 2], "filter_prompt kept the even prompts"
     assert sorted(run.skipped) == [1, 3]
     for group in run.groups:
         lengths = np.array([s.num_trained for s in group], dtype=np.float64)

@@ -95,7 +95,7 @@ def run_loop(
             api_key=args.vllm_server_api_key,
             tools=list(tools or []),
             environment_factory=environment_factory,
-            num_positions=num_prompts,
+            num_prompts=num_prompts,
             full_step_tokens=float(server.max_model_len),
             server=server,
         )

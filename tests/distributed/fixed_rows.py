@@ -19,13 +19,13 @@ from tandem.contract.records import Sample
 from tandem.model.distributed import full_tensor
 from tandem.packing import pack
 from tandem.rewards import accuracy_reward
-from tandem.runtime.sync_check import policy_logprobs
+from tandem.runtime.sync_check import policy_log_probs
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
 
 
 def sample(reference, prompt: list[int], completion: list[int], group: int, rollout: str, reward: float) -> Sample:
     """A sample whose sampler log-probs are the initial model's own."""
-    logprobs = policy_logprobs(reference, prompt, completion, "exact").tolist()
+    logprobs = policy_log_probs(reference, prompt, completion, "exact").tolist()
     return Sample(
         input_ids=prompt + completion,
         trained=[False] * len(prompt) + [True] * len(completion),
@@ -33,7 +33,7 @@ def sample(reference, prompt: list[int], completion: list[int], group: int, roll
         advantage=reward - 0.5,
         model_version=0,
         group_id=group,
-        position=group,
+        prompt_index=group,
         group_samples=2,
         rollout_id=rollout,
         created_at=0.0,

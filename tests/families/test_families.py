@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
 from tandem.packing import PADDED, TREE, pack
-from tandem.packing.logprobs import row_logprobs
+from tandem.packing.log_probs import row_log_probs
 from tandem.serve.engine import Engine
 from tandem.serve.requests import EngineRequest
 from tandem.serve.sampling import SamplingParams
@@ -78,7 +78,7 @@ def test_packed_logprobs_equal_each_samples_own_forward(folders, name):
                 .gather(1, torch.tensor(completion)[:, None])[:, 0]
             )
     with torch.no_grad():
-        got = row_logprobs(model, pack(samples, layout), "exact", TEMPERATURE).log_probs
+        got = row_log_probs(model, pack(samples, layout), "exact", TEMPERATURE).log_probs
     gap = (got - torch.cat(expected)).abs().max().item()
     assert gap < 2e-5, f"{name}: packed log-probs are {gap:.2e} from each sample's own forward"
 
@@ -111,7 +111,7 @@ def test_exact_decoding_samples_the_log_probs_the_trainer_computes(folders, name
             for s in request.sequences
         ]
         with torch.no_grad():
-            scored = row_logprobs(model, pack(samples, layout), "exact", TEMPERATURE).log_probs
+            scored = row_log_probs(model, pack(samples, layout), "exact", TEMPERATURE).log_probs
         served = torch.tensor([lp for s in request.sequences for lp in s.logprobs])
         gaps.append((scored - served).abs().max().item())
     assert max(gaps) <= family.served_gap, f"{name}: served log-probs {max(gaps):.2e} from the trainer's"
@@ -171,11 +171,11 @@ def test_bf16_autocast_trains_with_every_tree_kernel(folders, name):
         for c in completions
     ]
     with torch.no_grad():
-        full = row_logprobs(model, pack(samples, layout), "exact", TEMPERATURE).log_probs
+        full = row_log_probs(model, pack(samples, layout), "exact", TEMPERATURE).log_probs
     for kernel in ("exact", "sdpa") if layout == TREE else ("exact",):  # a padded row runs the model's own attention
         model.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            half = row_logprobs(model, pack(samples, layout), kernel, TEMPERATURE).log_probs
+            half = row_log_probs(model, pack(samples, layout), kernel, TEMPERATURE).log_probs
         half.sum().backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         assert grads and all(torch.isfinite(g).all() for g in grads), f"{name}, {kernel}: no finite gradients in bf16"

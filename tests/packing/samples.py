@@ -14,7 +14,7 @@ def sample(ids, trained=None, group=0, advantage=1.0, behavior_log_probs=None, s
         advantage=advantage,
         model_version=0,
         group_id=group,
-        position=group,
+        prompt_index=group,
         group_samples=1,
         rollout_id=f"r{group}",
         created_at=0.0,

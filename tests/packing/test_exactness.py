@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 
 from tandem.kernels.exact_attention import MIN_ROWS
 from tandem.packing import pack, tree_attention
-from tandem.packing.logprobs import row_logprobs
+from tandem.packing.log_probs import row_log_probs
 from tandem.tasks import TINY_MODEL_PATH
 
 from .samples import tries
@@ -86,7 +86,7 @@ def packed(model, samples, weights, kernel, backward=True):
     model.zero_grad()
     row = pack(samples)
     with torch.set_grad_enabled(backward):
-        out = row_logprobs(model, row, kernel, TEMPERATURE, chunk_size=5)  # small chunks: several per row
+        out = row_log_probs(model, row, kernel, TEMPERATURE, chunk_size=5)  # small chunks: several per row
     if not backward:
         return out.log_probs, None
     (weights * out.log_probs).sum().backward()

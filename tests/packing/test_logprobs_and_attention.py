@@ -8,7 +8,7 @@ from tandem.kernels import exact_attention
 from tandem.model import architecture
 from tandem.packing import PADDED, TREE, pack
 from tandem.packing import tree_attention as attention
-from tandem.packing.logprobs import chunked_logprobs, default_chunk_size, plain_linear, row_logprobs
+from tandem.packing.log_probs import chunked_log_probs, default_chunk_size, plain_linear, row_log_probs
 from tandem.tasks import TINY_MODEL_PATH
 from tests.conftest import tiny_hybrid
 
@@ -36,7 +36,7 @@ def test_chunks_give_the_full_log_softmax_and_its_gradients(chunk_size):
     expected_grads = hidden.grad.clone(), head.weight.grad.clone()
     hidden.grad, head.weight.grad = None, None
 
-    got = chunked_logprobs(hidden, head, targets, temperature=0.7, chunk_size=chunk_size)
+    got = chunked_log_probs(hidden, head, targets, temperature=0.7, chunk_size=chunk_size)
     got.log_probs.sum().backward()
     torch.testing.assert_close(got.log_probs, expected, atol=1e-6, rtol=0)
     torch.testing.assert_close(hidden.grad, expected_grads[0], atol=1e-6, rtol=1e-5)
@@ -77,7 +77,7 @@ def test_every_option_gives_autograds_values_and_gradients(head_kind):
     )
     hidden.grad = head.weight.grad = head.bias.grad = None
 
-    got = chunked_logprobs(hidden, head, targets, 0.7, kept, softcap=30.0, chunk_size=7, extra_ids=extra)
+    got = chunked_log_probs(hidden, head, targets, 0.7, kept, softcap=30.0, chunk_size=7, extra_ids=extra)
     ((got.log_probs * weight_target).sum() + (got.extra * weight_extra).sum()).backward()
     torch.testing.assert_close(got.log_probs, expected[0], atol=1e-5, rtol=0)
     for name, grad, want in zip(
@@ -99,7 +99,7 @@ def test_kept_sets_renormalise_over_what_the_sampler_kept():
     kept = [[3, 4, 5], [0], [7, 8, 9, 10], [1, 29], [2, 3]]
     targets = torch.tensor([k[-1] for k in kept])
     padded = torch.tensor([k + [-1] * (4 - len(k)) for k in kept])
-    got = chunked_logprobs(hidden, head, targets, sampling_mask=padded, chunk_size=2)
+    got = chunked_log_probs(hidden, head, targets, sampling_mask=padded, chunk_size=2)
     torch.testing.assert_close(got.log_probs, full_logprobs(hidden, head, targets, kept=kept), atol=1e-6, rtol=0)
     assert got.log_probs[1].item() == 0.0  # a kept set of one token: probability 1
     assert got.entropy[1].item() == 0.0
@@ -109,7 +109,7 @@ def test_kept_sets_that_include_token_zero_survive_padding():
     head = torch.nn.Linear(4, 6, bias=False)
     hidden = torch.randn(2, 4)
     padded = torch.tensor([[0, 2, -1], [5, -1, -1]])
-    got = chunked_logprobs(hidden, head, torch.tensor([0, 5]), sampling_mask=padded)
+    got = chunked_log_probs(hidden, head, torch.tensor([0, 5]), sampling_mask=padded)
     expected = full_logprobs(hidden, head, torch.tensor([0, 5]), kept=[[0, 2], [5]])
     torch.testing.assert_close(got.log_probs, expected, atol=1e-6, rtol=0)
 
@@ -142,8 +142,8 @@ def test_the_exact_kernel_scores_each_branch_of_a_tree_bit_for_bit_as_the_branch
         for _ in range(4)
     ]
     with torch.no_grad():
-        tree = row_logprobs(model, pack(branches), "exact").log_probs.view(4, 8)
-        alone = [row_logprobs(model, pack([branch]), "exact").log_probs for branch in branches]
+        tree = row_log_probs(model, pack(branches), "exact").log_probs.view(4, 8)
+        alone = [row_log_probs(model, pack([branch]), "exact").log_probs for branch in branches]
     moved = [i for i in range(4) if (tree[i] - alone[i]).abs().max() > allowed]
     assert not moved, f"branches {moved} of the tree round unlike the same branch packed alone"
 
@@ -161,7 +161,7 @@ def test_sliding_window_layers_see_only_their_window_in_the_tree():
         logits = reference(input_ids=torch.tensor([s.input_ids + [0] * (16 - s.num_tokens)])).logits[0]
         expected += [logits[j - 1].log_softmax(-1)[s.input_ids[j]] for j in range(1, s.num_tokens)]
     for kernel in ("exact", "sdpa"):
-        got = row_logprobs(model, pack(samples), kernel).log_probs
+        got = row_log_probs(model, pack(samples), kernel).log_probs
         torch.testing.assert_close(got, torch.stack(expected).detach(), atol=1e-5, rtol=0)
 
 
@@ -231,7 +231,7 @@ def test_padded_rows_of_a_hybrid_give_each_samples_own_forward_and_gradients():
     expected.sum().backward()
     expected_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad()
-    got = row_logprobs(model, row, "exact").log_probs
+    got = row_log_probs(model, row, "exact").log_probs
     got.sum().backward()
     torch.testing.assert_close(got, expected.detach(), atol=1e-5, rtol=0)
     for name, p in model.named_parameters():
@@ -267,7 +267,7 @@ def test_moe_rows_return_the_router_load_balancing_loss_of_their_real_tokens():
     ids = list(range(3, 23))  # 20 tokens: no filler rows
     expected = model(input_ids=torch.tensor([ids])).aux_loss  # transformers' own (before router_aux_loss_coef)
     attention.prepare(model)
-    scored = row_logprobs(model, pack([sample(ids)]), "exact")
+    scored = row_log_probs(model, pack([sample(ids)]), "exact")
     torch.testing.assert_close(scored.aux_loss, expected, atol=1e-6, rtol=1e-5)
     scored.aux_loss.backward()
     assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0, "the router gets the balancing gradient"
@@ -324,7 +324,7 @@ def test_gated_deltanet_hybrids_are_tree_packed_each_branch_from_its_parents_sta
     expected.sum().backward()
     expected_grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    got = row_logprobs(model, row, "exact")
+    got = row_log_probs(model, row, "exact")
     order = torch.cat([torch.nonzero(row.term_sample == n)[:, 0] for n in range(len(samples))])
     torch.testing.assert_close(got.log_probs[order], expected.detach(), atol=2e-5, rtol=1e-5)
     got.log_probs.sum().backward()
@@ -377,7 +377,7 @@ def test_granite_logits_scaling_is_applied_before_the_temperature_forward_and_ba
     torch.manual_seed(0)
     hidden, head = torch.randn(20, 8, requires_grad=True), torch.nn.Linear(8, 30, bias=False)
     targets = torch.randint(0, 30, (20,))
-    got = chunked_logprobs(hidden, head, targets, 0.7, logits_scaling=8.0, chunk_size=7)
+    got = chunked_log_probs(hidden, head, targets, 0.7, logits_scaling=8.0, chunk_size=7)
     expected = (head(hidden) / 8.0 / 0.7).log_softmax(-1).gather(1, targets[:, None])[:, 0]
     torch.testing.assert_close(got.log_probs, expected)
     (grad,) = torch.autograd.grad(got.log_probs.sum(), hidden)
@@ -392,9 +392,9 @@ def test_bf16_autocast_trains_through_every_cpu_tree_kernel(kernel):
     layout = attention.prepare(model)
     samples = [sample(list(range(3, 30)), group=0), sample(list(range(3, 20)) + [7, 8], group=0)]
     with torch.no_grad():
-        full = row_logprobs(model, pack(samples, layout), kernel).log_probs
+        full = row_log_probs(model, pack(samples, layout), kernel).log_probs
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        half = row_logprobs(model, pack(samples, layout), kernel).log_probs
+        half = row_log_probs(model, pack(samples, layout), kernel).log_probs
     half.sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     assert (half - full).abs().max() < 0.02 * full.abs().max(), "bf16 log-probs far from fp32 (bf16 keeps ~3 digits)"

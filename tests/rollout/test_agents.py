@@ -95,7 +95,7 @@ class ScriptedLoop(AsyncRolloutLoop):
 
 
 def make_loop(replies, tools=(), environment_factory=None, **config):
-    config = {"train_sampling_strategy": "sequential", **config}  # row i is prompt position i
+    config = {"train_sampling_strategy": "sequential", **config}  # row i is prompt index i
     settings = RolloutSettings(
         config=AsyncGRPOConfig(num_generations=2, max_completion_length=32, **config),
         model_name="tiny",

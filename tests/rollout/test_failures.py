@@ -69,7 +69,7 @@ def run_loop(
             "reward_funcs": [reward],
             "eos_token_ids": [TOKENIZER.eos_token_id],
             "base_url": "http://127.0.0.1:9",
-            "num_positions": prompts,
+            "num_prompts": prompts,
             "full_step_tokens": 10_000,
             **(settings or {}),
         }
@@ -105,9 +105,9 @@ def run_loop(
     return messages, metrics
 
 
-def positions(messages, kind):
+def prompt_indices(messages, kind):
     return sorted(
-        p.position if kind == "samples" else p
+        p.prompt_index if kind == "samples" else p
         for k, payload in messages
         if k == kind
         for p in (payload if kind == "samples" else [payload])
@@ -133,7 +133,7 @@ class FlakyOnce:
 
 def test_a_reward_function_that_fails_once_is_called_again_and_nothing_is_lost():
     messages, metrics = run_loop(FlakyOnce())
-    assert sorted(set(positions(messages, "samples"))) == list(range(6))
+    assert sorted(set(prompt_indices(messages, "samples"))) == list(range(6))
     assert "rollout/failed_count" not in metrics
 
 
@@ -145,10 +145,10 @@ def fails_on_prompt_3(prompts, completions, **kwargs):
 
 def test_a_reward_function_that_fails_twice_on_a_group_drops_that_group_only(capsys):
     messages, metrics = run_loop(fails_on_prompt_3)
-    assert sorted(set(positions(messages, "samples"))) == [0, 1, 2, 4, 5]
-    assert positions(messages, "skip") == [3] and sum(metrics["rollout/failed_count"]) == 1
+    assert sorted(set(prompt_indices(messages, "samples"))) == [0, 1, 2, 4, 5]
+    assert prompt_indices(messages, "skip") == [3] and sum(metrics["rollout/failed_count"]) == 1
     assert (
-        "dropped the group of prompt position 3: reward function 'fails_on_prompt_3' failed (it failed on the group, "
+        "dropped the group of prompt 3: reward function 'fails_on_prompt_3' failed (it failed on the group, "
         "and again when called once more: ValueError: cannot parse the answer of prompt 3)"
     ) in capsys.readouterr().err
 
@@ -180,8 +180,8 @@ def test_a_reward_function_past_reward_timeout_counts_as_a_failure():
 
 def test_a_request_the_server_fails_regenerates_its_group_once_then_drops_it():
     messages, metrics = run_loop(by_reply, failing_requests={"prompt 1": 1, "prompt 4": 100})
-    assert sorted(set(positions(messages, "samples"))) == [0, 1, 2, 3, 5], "prompt 1 failed once: generated again"
-    assert positions(messages, "skip") == [4] and sum(metrics["rollout/failed_count"]) == 1, (
+    assert sorted(set(prompt_indices(messages, "samples"))) == [0, 1, 2, 3, 5], "prompt 1 failed once: generated again"
+    assert prompt_indices(messages, "skip") == [4] and sum(metrics["rollout/failed_count"]) == 1, (
         "prompt 4 failed every time: dropped after its second try"
     )
 
@@ -191,7 +191,7 @@ def test_a_group_that_can_only_arrive_stale_is_cancelled_and_generated_again_und
     messages, metrics = run_loop(by_reply, slow_until_synced="prompt 2", max_staleness=0)
     assert time.monotonic() - start < 4, "the slow request was not waited for"
     assert sum(metrics["rollout/cancelled_stale_count"]) == 1
-    versions = {s.position: s.model_version for kind, payload in messages if kind == "samples" for s in payload}
+    versions = {s.prompt_index: s.model_version for kind, payload in messages if kind == "samples" for s in payload}
     assert sorted(versions) == list(range(6)) and versions[2] == 1, "position 2 came back sampled from version 1"
 
 
@@ -228,7 +228,7 @@ def test_a_server_that_stops_answering_is_said_then_after_vllm_server_timeout_en
         reward_funcs=[by_reply],
         eos_token_ids=[TOKENIZER.eos_token_id],
         base_url=url,
-        num_positions=1,
+        num_prompts=1,
         full_step_tokens=10_000,
     )
     channels = Channels.create(mp.get_context("spawn"))
@@ -251,4 +251,4 @@ def test_a_server_without_metrics_is_said_and_the_loop_runs_at_max_concurrent_ro
         UserWarning, match=r"/metrics did not answer .*max_concurrent_rollouts=3, not paced by its KV cache"
     ):
         messages, _ = run_loop(by_reply, max_concurrent_rollouts=3)
-    assert sorted(set(positions(messages, "samples"))) == list(range(6)), "every group generated all the same"
+    assert sorted(set(prompt_indices(messages, "samples"))) == list(range(6)), "every group generated all the same"

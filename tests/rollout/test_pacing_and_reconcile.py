@@ -13,7 +13,7 @@ from tandem.metrics.window import MetricWindow
 from tandem.rollout import pacing
 from tandem.rollout.pacing import ConcurrencyCap, Room, TokenAllowance
 from tandem.rollout.reconcile import reconcile
-from tests.rollout.test_failures import by_reply, positions, run_loop
+from tests.rollout.test_failures import by_reply, prompt_indices, run_loop
 
 
 def test_allowance_is_max_staleness_steps_of_consumption():
@@ -27,7 +27,7 @@ def test_a_worker_waiting_for_room_starts_the_next_group_when_the_trainer_rings(
     monkeypatch.setattr(pacing, "ROOM_POLL_S", 3600.0)  # no look of its own: only a wake-up moves it on
     # An allowance of one token: each group waits until the trainer took the last one's samples and rang.
     messages, _ = run_loop(by_reply, prompts=4, settings={"full_step_tokens": 1}, max_staleness=1, timeout_s=30)
-    assert sorted(set(positions(messages, "samples"))) == [0, 1, 2, 3]
+    assert sorted(set(prompt_indices(messages, "samples"))) == [0, 1, 2, 3]
 
 
 def test_room_keeps_the_books_of_reservations_and_queued_tokens():

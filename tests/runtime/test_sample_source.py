@@ -37,11 +37,11 @@ def counters():
     )
 
 
-def group(position, size=2, version=0, tokens=5):
-    """`size` samples of one prompt position, all from policy `version`."""
-    samples = [sample(range(3, 3 + tokens), group=position) for _ in range(size)]
+def group(prompt_index, size=2, version=0, tokens=5):
+    """`size` samples of one prompt index, all from policy `version`."""
+    samples = [sample(range(3, 3 + tokens), group=prompt_index) for _ in range(size)]
     for s in samples:
-        s.position, s.group_samples, s.model_version = position, size, version
+        s.prompt_index, s.group_samples, s.model_version = prompt_index, size, version
     return samples
 
 
@@ -53,7 +53,7 @@ def source_of(*messages, start=0, max_staleness=1, token_budget=100, end=None, s
         resume=resume or ResumePoint(start),
         staleness=StalenessPolicy(max_staleness),
         token_budget=token_budget,
-        end_position=end,
+        num_prompts=end,
         stall_timeout=stall_timeout,
     )
     source.regenerated = []
@@ -166,7 +166,7 @@ def test_the_ledger_runs_across_an_epoch_wrap_and_a_resume_starts_at_the_waterma
     assert source.ledger.watermark == 4 and sorted(source.ledger.finished) == [1, 2, 3]
 
     resumed = source_of(("samples", group(4)), ("end", None), start=source.ledger.watermark)
-    assert next_sample(resumed, 0).position == 4 and resumed.ledger.watermark == 4
+    assert next_sample(resumed, 0).prompt_index == 4 and resumed.ledger.watermark == 4
 
 
 def train_all(source, model_version=0):
@@ -280,18 +280,20 @@ def test_a_unit_is_the_run_of_samples_sharing_a_key_a_group_or_a_rollout():
     assert source.peek_unit(0) is None, "nothing read yet: the caller waits"
     source.drain()
     assert source.peek_unit(0) == [a[0]]
-    assert source.peek_unit(0, same=lambda s: s.position) == a, "the whole group of position 0"
+    assert source.peek_unit(0, same=lambda s: s.prompt_index) == a, "the whole group of position 0"
     assert source.peek_unit(0, same=lambda s: s.rollout_id) == a[:2], "one rollout of it"
 
 
 def test_fifty_groups_dropped_in_a_row_are_said_once_with_their_rewards_then_a_sample_starts_afresh():
-    dropped = [m for position in range(50) for m in (("metrics", {"reward_dropped": [0.0] * 4}), ("skip", position))]
+    dropped = [
+        m for prompt_index in range(50) for m in (("metrics", {"reward_dropped": [0.0] * 4}), ("skip", prompt_index))
+    ]
     source = source_of(*dropped, ("samples", group(50)))
     said, stalls = [], []
     source.say = said.append
     while source.peek(model_version=0) is None:
         stalls.append(source.wait(0))
-    assert source.peek(model_version=0).position == 50
+    assert source.peek(model_version=0).prompt_index == 50
     assert len(said) == 1, said
     assert "50 groups dropped without reward variance" in said[0] and "rewards seen: 0 x200" in said[0]
     assert [stall.groups_dropped for stall in stalls if stall] == [50], (
@@ -301,14 +303,14 @@ def test_fifty_groups_dropped_in_a_row_are_said_once_with_their_rewards_then_a_s
 
 
 def test_a_saturated_run_that_drops_fifty_groups_before_each_sample_is_told_once_a_minute():
-    dropped = [("skip", position) for position in range(50)]
+    dropped = [("skip", prompt_index) for prompt_index in range(50)]
     messages = dropped + [("samples", group(50))] + [("skip", 51 + p) for p in range(50)] + [("samples", group(101))]
     source = source_of(*messages)
     said = []
     source.say = said.append
-    assert next_sample(source, 0).position == 50
+    assert next_sample(source, 0).prompt_index == 50
     source.trained([source.take(), source.take()])
-    assert next_sample(source, 0).position == 101
+    assert next_sample(source, 0).prompt_index == 101
     assert len(said) == 1, "the second run of 50 dropped groups, within the minute, is not said again"
 
 

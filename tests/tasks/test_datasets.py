@@ -37,7 +37,7 @@ def test_an_iterable_is_read_in_order_again_each_epoch_and_keeps_only_unfinished
     assert stream.at(1).row["solution"] == "1", "a position generated again reads its row once more"
     stream.forget_below(5)
     assert sorted(stream.kept) == [5, 6]
-    with pytest.raises(RuntimeError, match="position 1 .* was read and forgotten"):
+    with pytest.raises(RuntimeError, match="prompt 1 of the IterableDataset was read and forgotten"):
         stream.at(1)
     with pytest.raises(ValueError, match="yields no rows"):
         PromptStream(IterableDataset.from_generator(rows_of, gen_kwargs={"n": 0})).at(0)
@@ -50,9 +50,9 @@ def test_a_resumed_stream_reads_past_what_its_checkpoint_consumed_without_keepin
 
 def test_a_dataset_with_a_length_is_indexed_in_order_or_shuffled_per_epoch():
     data = Dataset.from_generator(rows_of, gen_kwargs={"n": 4})
-    assert [PromptStream(data).at(p).index for p in range(6)] == [0, 1, 2, 3, 0, 1]
+    assert [PromptStream(data).at(p).row_index for p in range(6)] == [0, 1, 2, 3, 0, 1]
     shuffled = PromptStream(data, order_seed=3)
-    assert [shuffled.at(p).index for p in range(8)] == epoch_order(3, 0, 4) + epoch_order(3, 1, 4)
+    assert [shuffled.at(p).row_index for p in range(8)] == epoch_order(3, 0, 4) + epoch_order(3, 1, 4)
 
 
 def test_a_position_read_again_reads_the_dataset_once_and_hands_out_its_own_copy_of_the_row():
@@ -143,16 +143,16 @@ def test_a_recipe_names_its_dataset_once(tmp_path):
 
 
 def test_a_resumed_worker_generates_a_stream_from_the_examples_its_checkpoint_had_not_consumed():
-    from tests.rollout.test_failures import by_reply, positions, run_loop
+    from tests.rollout.test_failures import by_reply, prompt_indices, run_loop
 
     stream = IterableDataset.from_generator(
         lambda: ({"prompt": [{"role": "user", "content": f"prompt {i}"}]} for i in range(4))
     )
     messages, _ = run_loop(
         by_reply,
-        settings={"dataset": stream, "num_positions": 10, "dataset_start_index": 5, "received": frozenset({6})},
+        settings={"dataset": stream, "num_prompts": 10, "dataset_start_index": 5, "received": frozenset({6})},
     )
-    generated = positions(messages, "samples")
+    generated = prompt_indices(messages, "samples")
     assert sorted(set(generated)) == [5, 7, 8, 9], "from the watermark on, leaving out what the trainer holds"
 
 

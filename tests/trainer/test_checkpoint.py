@@ -66,7 +66,7 @@ def test_a_checkpoint_written_before_the_runtime_reshaping_still_resumes_and_tra
     queued. Resumed for two steps, it goes on from step 4 and trains those samples, so their prompts are finished."""
     fixture = tmp_path / "checkpoint-4"
     shutil.copytree(FIXTURES / "lora-checkpoint-4", fixture)
-    queued = {sample.position for sample in checkpoint.load_resume_point(fixture).samples}
+    queued = {sample.prompt_index for sample in checkpoint.load_resume_point(fixture).samples}
     saved = checkpoint.load_resume_point(fixture).samples
     assert len(saved) == 16 and queued
     assert all(s.behavior_log_probs and len(s.behavior_log_probs) == len(s.input_ids) for s in saved), (

@@ -12,7 +12,7 @@ from transformers import AutoModelForImageTextToText, Qwen3_5Config
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
 from tandem.generation.client import ControlClient
 from tandem.packing import TREE, pack
-from tandem.packing.logprobs import row_logprobs
+from tandem.packing.log_probs import row_log_probs
 from tandem.runtime.weight_transfer import GlooPlane, TransferSync
 from tandem.trainer.model import check_dataset, load_model
 from tests.conftest import ServerThread, saved_with_tiny_tokenizer
@@ -93,7 +93,7 @@ def test_a_qwen3_5_vision_language_hybrid_trains_its_language_model_on_tree_rows
         .log_softmax(-1)
         .gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     )
-    tree = row_logprobs(model, pack([sample(ids), sample(ids[:20] + [9, 9], group=0)]), "exact").log_probs
+    tree = row_log_probs(model, pack([sample(ids), sample(ids[:20] + [9, 9], group=0)]), "exact").log_probs
     torch.testing.assert_close(tree[: len(ids) - 1], plain.detach(), atol=1e-5, rtol=1e-5)
 
 

@@ -12,7 +12,7 @@ from tandem.config import AsyncGRPOConfig
 from tandem.contract.records import Sample
 from tandem.losses import flash_reinforce_loss
 from tandem.packing import pack
-from tandem.packing.logprobs import TokenLogprobs
+from tandem.packing.log_probs import TokenLogProbs
 from tandem.trainer.objectives import ClippedSurrogate, FlashReinforce, LossShare, ScoreCentering, make_objective
 
 F64 = torch.float64
@@ -43,7 +43,7 @@ def turn(rollout, ids, trained, *, advantage=1.0, reward=0.0, behavior_log_probs
         advantage=advantage,
         model_version=0,
         group_id=0,
-        position=0,
+        prompt_index=0,
         group_samples=1,
         rollout_id=rollout,
         created_at=0.0,
@@ -52,10 +52,10 @@ def turn(rollout, ids, trained, *, advantage=1.0, reward=0.0, behavior_log_probs
     )
 
 
-def scored(logprobs, entropy=None, extra=None, aux_loss=None) -> TokenLogprobs:
+def scored(logprobs, entropy=None, extra=None, aux_loss=None) -> TokenLogProbs:
     """What the trainer's forward returns: log-probs (and the top-K's, and the router loss) with gradients."""
     logprobs = torch.tensor(logprobs, dtype=F64, requires_grad=True)
-    return TokenLogprobs(
+    return TokenLogProbs(
         logprobs,
         torch.full_like(logprobs, 0.3) if entropy is None else torch.tensor(entropy, dtype=F64),
         None if extra is None else torch.tensor(extra, dtype=F64, requires_grad=True),
@@ -298,7 +298,7 @@ def test_flash_reinforce_coefficients_equal_the_token_by_token_rearrangement(see
     rows = random_step(seed)
     generator = torch.Generator().manual_seed(seed)
     forwards = [
-        TokenLogprobs(
+        TokenLogProbs(
             (row.behavior_log_probs + 0.3 * torch.randn(row.num_trained, generator=generator)).clamp(max=0.0),
             torch.rand(row.num_trained, generator=generator),
         )
@@ -310,5 +310,5 @@ def test_flash_reinforce_coefficients_equal_the_token_by_token_rearrangement(see
     assert 0.0 < records["flash/acceptance_rate"][0] < 1.0
     for row, forward, reference in zip(rows, forwards, reference_coefficients(rows, forwards, delta, fraction)):
         logprobs = forward.log_probs.clone().requires_grad_(True)
-        objective.row_loss(row, TokenLogprobs(logprobs, forward.entropy), LossShare.of(rows, 1)).loss.backward()
+        objective.row_loss(row, TokenLogProbs(logprobs, forward.entropy), LossShare.of(rows, 1)).loss.backward()
         assert torch.equal(logprobs.grad, reference)

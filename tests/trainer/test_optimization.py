@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 from tandem import AsyncGRPOConfig, AsyncGRPOTrainer
 from tandem.packing import pack
 from tandem.rewards import accuracy_reward
-from tandem.runtime.sync_check import policy_logprobs
+from tandem.runtime.sync_check import policy_log_probs
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
 from tandem.trainer.optimization import clip_gradients
 from tests.packing.samples import sample
@@ -40,7 +40,7 @@ def one_step(tmp_path, micro_batches, max_grad_norm):
 
 def on_policy_sample(model, prompt, completion, group, advantage):
     """A sample whose sampler log-probs are the model's own (ratio 1: nothing masked or clipped)."""
-    logprobs = policy_logprobs(model, prompt, completion, "exact").tolist()
+    logprobs = policy_log_probs(model, prompt, completion, "exact").tolist()
     return sample(
         prompt + completion,
         [0] * len(prompt) + [1] * len(completion),

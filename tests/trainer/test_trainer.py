@@ -270,9 +270,7 @@ def test_a_killed_worker_is_restarted_once_where_it_left_off_and_the_epoch_is_tr
     assert Counter(trainer.runtime.source.ledger.finished) == Counter(range(24)), (
         "every prompt finished once across the restart"
     )
-    assert (
-        "exited with code -9 without reporting an error. Restarted it from prompt position" in capsys.readouterr().err
-    )
+    assert "exited with code -9 without reporting an error. Restarted it from prompt index" in capsys.readouterr().err
 
 
 class KillWorkerTwice(AsyncGRPOTrainer):

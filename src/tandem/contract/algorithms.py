@@ -108,7 +108,7 @@ class GRPO(Algorithm):
         ]
 
     def unit_key(self, sample):
-        return sample.position
+        return sample.prompt_index
 
     def keeps(self, rewards):
         scored = [r for r in rewards if not math.isnan(r)]  # an infinite reward leaves no finite advantage: dropped

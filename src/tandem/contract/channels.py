@@ -1,10 +1,10 @@
 """What crosses the process boundary between the trainer and the rollout worker.
 
-The worker puts tagged messages on `out`: ("samples", [Sample]), ("skip", position), ("metrics",
+The worker puts tagged messages on `out`: ("samples", [Sample]), ("skip", prompt index), ("metrics",
 {name: [values]}), ("end", None) when it has nothing left to generate, ("say", a line for the user: the server has
 not answered for a while), ("error", traceback text), and ("server", message) when the server stopped serving for
 good (vLLM's engine died, or it stayed away past vllm_server_timeout: no traceback, nothing to retry). The
-trainer puts on `retry` the positions of groups it dropped as stale, to be generated again (the worker then
+trainer puts on `retry` the prompt indices of groups it dropped as stale, to be generated again (the worker then
 sends their samples, and "end" once more), and on `evaluate` (step, policy version) to have the eval prompts generated and
 scored (the worker answers ("eval", (step, {name: [values]}))). It publishes the policy version and its token consumption in
 shared values, and rings `room` whenever it frees some; the worker beats `heartbeat` twice a second.
@@ -68,7 +68,7 @@ class Channels:
     tokens_per_step: "mp.sharedctypes.Synchronized"
     consumed_tokens: "mp.sharedctypes.Synchronized"
     watermark: "mp.sharedctypes.Synchronized"
-    """The first prompt position the trainer has not finished: the worker forgets the rows below it."""
+    """The first prompt index the trainer has not finished: the worker forgets the rows below it."""
     heartbeat: "mp.sharedctypes.Synchronized"
     stop: Event
     running: Event

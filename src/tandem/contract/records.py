@@ -79,10 +79,10 @@ class Sample:
     advantage: float
     model_version: int
     group_id: int
-    position: int
+    prompt_index: int
     """Index of the prompt in the run's stream of prompts (epoch * len(dataset) + row); resume uses it."""
     group_samples: int
-    """How many samples the prompt's group produced: the position is done when all are trained."""
+    """How many samples the prompt's group produced: the prompt index is done when all are trained."""
     rollout_id: str
     created_at: float
     sampler_logprobs: list[dict[int, float] | None] = field(default_factory=list)

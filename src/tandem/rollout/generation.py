@@ -38,14 +38,14 @@ GROUP_VERSION: contextvars.ContextVar[int] = contextvars.ContextVar("group_versi
 ROW: contextvars.ContextVar[dict] = contextvars.ContextVar("row", default={})  # noqa: B039 (read, never changed)
 """The dataset row of the rollout being generated: the hooks get its prompt, `AsyncRolloutLoop.row()` the rest."""
 GROUP_SEED: contextvars.ContextVar[int] = contextvars.ContextVar("group_seed", default=0)
-"""A seed of the group being generated, from the run's seed and its prompt position: the same for its rollouts and for
+"""A seed of the group being generated, from the run's seed and its prompt index: the same for its rollouts and for
 the group generated again (`AsyncRolloutLoop.group_seed()`: an environment draws the group's task from it)."""
 SEEDS: contextvars.ContextVar[random.Random] = contextvars.ContextVar(
     "seeds",
     default=random.Random(0),  # noqa: B039 (outside a group, e.g. a direct call in a test: one shared stream)
 )
 """The sampling seeds of the rollout (or whole group) being generated: drawn from a generator seeded by the run's seed,
-the prompt position and the rollout's index, so a group generated again (after a restart) is sampled alike."""
+the prompt index and the rollout's index, so a group generated again (after a restart) is sampled alike."""
 
 
 @dataclass
@@ -179,27 +179,27 @@ class Generation:
         self.record(f"tools/{result.name}/call_count", 1)
         self.record(f"tools/{result.name}/failure_count", int(result.failed))
 
-    async def episodes(self, row: dict, position: int | str, group_id: int) -> list[Episode]:
+    async def episodes(self, row: dict, prompt_index: int | str, group_id: int) -> list[Episode]:
         """The group's rollouts: one request with n = num_generations when the hooks allow it, else one rollout each."""
-        SEEDS.set(self._seeds(position))
+        SEEDS.set(self._seeds(prompt_index))
         ROW.set(row)
-        GROUP_SEED.set(random.Random(f"{self.config.seed}:{position}:group").getrandbits(31))
+        GROUP_SEED.set(random.Random(f"{self.config.seed}:{prompt_index}:group").getrandbits(31))
         if self.whole_groups:
             return await self._whole_group(row["prompt"])
-        episodes = await self._rollouts(row, position, group_id)
+        episodes = await self._rollouts(row, prompt_index, group_id)
         return [episode for episode in episodes if episode.rollout.turns]  # one that sampled nothing (another
         # library's episode that failed): nothing to train or score, left out of its group
 
-    def _seeds(self, position: int | str, rollout: int | None = None) -> random.Random:
-        """The seeds of a group's requests (or of one of its rollouts): from the run's seed and the prompt position
-        (an evaluation's positions are named 'eval:STEP:ROW')."""
-        return random.Random(f"{self.config.seed}:{position}" + ("" if rollout is None else f":{rollout}"))
+    def _seeds(self, prompt_index: int | str, rollout: int | None = None) -> random.Random:
+        """The seeds of a group's requests (or of one of its rollouts): from the run's seed and the prompt index
+        (an evaluation's prompt indices are named 'eval:STEP:ROW')."""
+        return random.Random(f"{self.config.seed}:{prompt_index}" + ("" if rollout is None else f":{rollout}"))
 
-    async def _rollouts(self, row: dict, position: int | str, group_id: int) -> list[Episode]:
+    async def _rollouts(self, row: dict, prompt_index: int | str, group_id: int) -> list[Episode]:
         """The group's rollouts, concurrently; when one fails the others are cancelled (their slots and environments
         go back at once)."""
         tasks = [
-            asyncio.ensure_future(self.one_rollout(row, group_id, self._seeds(position, index)))
+            asyncio.ensure_future(self.one_rollout(row, group_id, self._seeds(prompt_index, index)))
             for index in range(self.config.num_generations)
         ]
         try:

@@ -147,7 +147,7 @@ class AsyncRolloutLoop:
 
     def group_seed(self) -> int:
         """A seed of the group being generated, the same for its rollouts (a task an environment draws from it is the
-        group's) and again when the group is generated anew; from the run's `seed` and the prompt's position."""
+        group's) and again when the group is generated anew; from the run's `seed` and the prompt's index."""
         return GROUP_SEED.get()
 
 

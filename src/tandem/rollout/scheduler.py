@@ -1,5 +1,5 @@
 """`RolloutScheduler`: the machinery under the user's `AsyncRolloutLoop` in the worker process: which prompt
-positions start when (the token allowance, the concurrency cap), retries and stale cancellation, evaluation,
+prompt indices start when (the token allowance, the concurrency cap), retries and stale cancellation, evaluation,
 scoring, the failure policy, the heartbeat and the reports to the trainer. It calls the loop's hooks and nothing
 else of it; a user's subclass sees none of this.
 """
@@ -48,7 +48,7 @@ class RolloutScheduler:
             if config.train_sampling_strategy == "random"
             else None,
         )
-        """The prompt of each position: the dataset's rows, epoch after epoch (rollout/prompt_stream.py)."""
+        """The prompt of each prompt index: the dataset's rows, epoch after epoch (rollout/prompt_stream.py)."""
         self.dataset, self.reward_funcs = settings.dataset, list(settings.reward_funcs)
         self.eos_token_ids, self.adapter_name = list(settings.eos_token_ids), settings.adapter_name
         self.control = ControlClient(settings.base_url, api_key=settings.api_key, timeout_s=30)
@@ -66,7 +66,7 @@ class RolloutScheduler:
         self.unscored = 0
         """Groups generated and not yet scored."""
         self.generating: dict[asyncio.Task, tuple[int, int]] = {}
-        """Groups being generated: their task -> (policy version they sample from, prompt position)."""
+        """Groups being generated: their task -> (policy version they sample from, prompt index)."""
         self.failed_once: set[int] = set()
         """Positions whose group failed on the server once and is being generated again."""
         self.failed_in_a_row: dict[str, int] = defaultdict(int)
@@ -141,11 +141,11 @@ class RolloutScheduler:
             await self.control.close()
 
     async def _dispatch_all(self) -> None:
-        """Start a group for each prompt position, as the allowance permits, then for each position the trainer sends
+        """Start a group for each prompt index, as the allowance permits, then for each prompt index the trainer sends
         back to be generated again (a group it dropped as stale). Sends "end" whenever nothing is left to do, and
         returns only when told to stop (or when the endless stream of a max_steps run is stopped)."""
         groups: set[asyncio.Task] = set()
-        position, end = self.settings.dataset_start_index, self.settings.num_positions
+        prompt_index, end = self.settings.dataset_start_index, self.settings.num_prompts
         accepted_in_epoch = group_id = 0
         ended = False
         while not self.channels.stop.is_set():
@@ -155,21 +155,21 @@ class RolloutScheduler:
             if self.retries:
                 retry = self.retries.popleft()
                 task = await self._start_group(self.prompts.at(retry).row, retry, group_id)
-            elif end is None or position < end:
-                prompt = self.prompts.at(position)
+            elif end is None or prompt_index < end:
+                prompt = self.prompts.at(prompt_index)
                 accepted_in_epoch = 0 if prompt.epoch_start else accepted_in_epoch
                 task = None
                 if (
-                    position in self.settings.received
+                    prompt_index in self.settings.received
                 ):  # the trainer holds it already (a resumed run, a restarted worker)
                     accepted_in_epoch += 1
-                elif self.loop.filter_prompt(prompt.index, prompt.row, prompt.epoch):
+                elif self.loop.filter_prompt(prompt.row_index, prompt.row, prompt.epoch):
                     accepted_in_epoch += 1
-                    task = await self._start_group(prompt.row, position, group_id)
+                    task = await self._start_group(prompt.row, prompt_index, group_id)
                 else:
-                    self.emit("skip", position)
-                position += 1
-                if self.dataset is not None and self.prompts.at(position).epoch_start and accepted_in_epoch == 0:
+                    self.emit("skip", prompt_index)
+                prompt_index += 1
+                if self.dataset is not None and self.prompts.at(prompt_index).epoch_start and accepted_in_epoch == 0:
                     raise ValueError(
                         f"filter_prompt rejected every prompt of epoch {prompt.epoch}: no sample can reach the trainer"
                     )
@@ -193,7 +193,7 @@ class RolloutScheduler:
             except queue.Empty:
                 return
 
-    async def _start_group(self, row: dict, position: int, group_id: int) -> asyncio.Task:
+    async def _start_group(self, row: dict, prompt_index: int, group_id: int) -> asyncio.Task:
         """Wait for room in the allowance, reserve the group's tokens and start it."""
         prompt = row.get("prompt")
         single_turn = self.config.num_generations * (
@@ -204,16 +204,16 @@ class RolloutScheduler:
         self.record("rollout/backpressure_s", waited)
         if used is not None:
             self.record("rollout/allowance_used_max", used)
-        return self._watch(asyncio.create_task(self._run_group(row, position, group_id, reservation)))
+        return self._watch(asyncio.create_task(self._run_group(row, prompt_index, group_id, reservation)))
 
-    async def _run_group(self, row: dict, position: int, group_id: int, reservation: float) -> None:
+    async def _run_group(self, row: dict, prompt_index: int, group_id: int, reservation: float) -> None:
         version = self.channels.model_version.value  # read as it runs: its first request goes out under this version
         GROUP_VERSION.set(version)  # this group's requests (its own task) sample from this policy version
         task = asyncio.current_task()
         assert task is not None, "a group runs as a task of its own"
-        self.generating[task] = (version, position)  # only a running group is cancelled: its finally runs
+        self.generating[task] = (version, prompt_index)  # only a running group is cancelled: its finally runs
         try:
-            episodes = await self.generation.episodes(row, position, group_id)
+            episodes = await self.generation.episodes(row, prompt_index, group_id)
         except EngineDead:
             raise  # no retry helps: the worker stops and says so
         except ServerError as exc:
@@ -222,15 +222,15 @@ class RolloutScheduler:
             stale_adapter = self.staleness.adapter_may_be_gone(self.channels.model_version.value, version)
             if self.adapter_name and exc.status == 404 and stale_adapter:
                 self.record("rollout/stale_adapter_count", 1)
-                self.retries.append(position)
-            elif position not in self.failed_once:  # one failed request: the group is generated again, once
-                self.failed_once.add(position)
-                self.retries.append(position)
+                self.retries.append(prompt_index)
+            elif prompt_index not in self.failed_once:  # one failed request: the group is generated again, once
+                self.failed_once.add(prompt_index)
+                self.retries.append(prompt_index)
             else:
-                self.failed_once.discard(position)
+                self.failed_once.discard(prompt_index)
                 self._drop_failed(
                     "the server",
-                    position,
+                    prompt_index,
                     f"a request of the group failed, and again when the group was generated anew: {exc}",
                 )
             return
@@ -238,14 +238,14 @@ class RolloutScheduler:
             self.room.group_ended(reservation)
             self.generating.pop(task, None)
         if not episodes:  # each of its episodes failed (another library's: counted where they failed)
-            self.emit("skip", position)
+            self.emit("skip", prompt_index)
             return
         group = self.generation.group(
-            row, self.prompts.at(position).index, group_id, version, episodes, self.generation.reconciled(episodes)
+            row, self.prompts.at(prompt_index).row_index, group_id, version, episodes, self.generation.reconciled(episodes)
         )
         block = time.monotonic()
         self.unscored += 1
-        await self.score_queue.put((group, [e.rollout for e in episodes], position))
+        await self.score_queue.put((group, [e.rollout for e in episodes], prompt_index))
         self.record("rollout/score_block_s", time.monotonic() - block)
 
     # ---- evaluation -----------------------------------------------------------------------------------
@@ -298,24 +298,24 @@ class RolloutScheduler:
 
     async def _scorer(self) -> None:
         while True:
-            group, rollouts, position = await self.score_queue.get()
+            group, rollouts, prompt_index = await self.score_queue.get()
             try:
-                await self._score(group, rollouts, position)
+                await self._score(group, rollouts, prompt_index)
             finally:
                 self.unscored -= 1
                 self.score_queue.task_done()
 
-    async def _score(self, group: RolloutGroup, rollouts: list[Rollout], position: int) -> None:
+    async def _score(self, group: RolloutGroup, rollouts: list[Rollout], prompt_index: int) -> None:
         """Reward the group, compute its advantages, and send its samples to the trainer (or drop it)."""
         self.record("rollout/score_wait_s", time.monotonic() - group.queued_at)
         start = time.monotonic()
-        self.failed_once.discard(position)
+        self.failed_once.discard(prompt_index)
         try:
             columns, rewards = await self._reward(group)
         except scoring.RewardFailed as failed:
             self._drop_failed(
                 f"reward function {failed.name!r}",
-                position,
+                prompt_index,
                 f"it failed on the group, and again when called once more: {failed.traceback.splitlines()[-1]}",
                 failed.traceback,
             )
@@ -331,13 +331,13 @@ class RolloutScheduler:
         kept = self.algorithm.keeps(rewards.tolist())
         record_group(self.record, group, columns, kept, self.eos_token_ids, self.config.log_completions)
         stds = group_stds(rewards, columns)
-        samples = training_samples(group, rollouts, advantages, rewards, position, stds) if kept else []
+        samples = training_samples(group, rollouts, advantages, rewards, prompt_index, stds) if kept else []
         self._flush_records()  # the group's metrics travel ahead of its samples
         self.room.group_scored(sum(s.num_tokens for s in samples) if samples else None)
         if samples:
             self.emit("samples", samples)
         else:
-            self.emit("skip", position)
+            self.emit("skip", prompt_index)
 
     async def _reward(self, group: RolloutGroup) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """Every reward source of the group, summed into `group.rewards`; returns each source's column and the sums."""
@@ -358,7 +358,7 @@ class RolloutScheduler:
         group.rewards = rewards = scoring.total_reward(list(columns.values()), g)
         return columns, rewards
 
-    def _drop_failed(self, cause: str, position: int, reason: str, details: str = "") -> None:
+    def _drop_failed(self, cause: str, prompt_index: int, reason: str, details: str = "") -> None:
         """Drop a group that failed (counted in rollout/failed_count), say so and go on; FAILED_IN_A_ROW groups in a
         row failing for the same cause stop the run with the reason and `details` (a traceback)."""
         self.failed_in_a_row[cause] += 1
@@ -367,23 +367,23 @@ class RolloutScheduler:
                 f"{FAILED_IN_A_ROW} groups in a row were dropped because {cause} failed; the last time "
                 f"{reason}\n{details}".rstrip()
             )
-        print(f"tandem: dropped the group of prompt position {position}: {cause} failed ({reason})", file=sys.stderr)
+        print(f"tandem: dropped the group of prompt {prompt_index}: {cause} failed ({reason})", file=sys.stderr)
         self.record("rollout/failed_count", 1)
         self._flush_records()
-        self.emit("skip", position)
+        self.emit("skip", prompt_index)
 
     async def _cancel_doomed(self) -> None:
         """Cancel the groups still generating under a policy more than max_staleness versions old: they can only arrive
         stale, to be dropped. Cancelling closes their requests (the server aborts a request whose client left), and the
-        position is generated again under the current policy (rollout/cancelled_stale_count)."""
+        prompt index is generated again under the current policy (rollout/cancelled_stale_count)."""
         while True:
             await asyncio.sleep(IDLE_POLL_S)
             current = self.channels.model_version.value
-            for task, (version, position) in list(self.generating.items()):
+            for task, (version, prompt_index) in list(self.generating.items()):
                 if self.staleness.is_stale(current, version):
                     del self.generating[task]
                     task.cancel()
-                    self.retries.append(position)
+                    self.retries.append(prompt_index)
                     self.record("rollout/cancelled_stale_count", 1)
 
     async def _heartbeat(self) -> None:
@@ -415,7 +415,7 @@ def training_samples(
     rollouts: list[Rollout],
     advantages: np.ndarray,
     rewards: np.ndarray,
-    position: int,
+    prompt_index: int,
     stds: tuple[float, dict[str, float]],
 ) -> list[Sample]:
     """The group's training samples: each rollout's sequences, with the rollout's advantage and reward, and the
@@ -429,7 +429,7 @@ def training_samples(
             advantage=float(a),
             model_version=group.model_version,
             group_id=group.group_id,
-            position=position,
+            prompt_index=prompt_index,
             group_samples=group_samples,
             rollout_id=rollout.rollout_id,
             created_at=time.time(),

@@ -26,14 +26,14 @@ class RolloutSettings:
     environment_factory: EnvironmentFactories | None = None
     harness: Harness | None = None
     dataset_start_index: int = 0
-    """The first prompt position to generate for (a resumed run's watermark)."""
+    """The first prompt index to generate for (a resumed run's watermark)."""
     received: frozenset[int] = frozenset()
     """Positions past `dataset_start_index` the trainer already holds (a resumed run, a restarted worker): not generated."""
     queued_tokens: float = 0.0
     """Tokens of the samples the trainer holds untrained: on the queue, as far as the allowance is concerned."""
     full_step_tokens: float = 0.0
     """The tokens one step consumes when every row is full: the allowance before the trainer's first step."""
-    num_positions: int | None = None
+    num_prompts: int | None = None
     """Where the prompt stream ends (epochs × rows), or None for an endless stream (max_steps decides)."""
     eval_dataset: Iterable[Mapping[str, Any]] | None = None
     """Prompts the trainer has evaluated (generated and scored, never trained) when it asks on `Channels.evaluate`."""

@@ -132,7 +132,7 @@ def worker_spec(
         received=point.received,
         queued_tokens=point.queued_tokens,
         full_step_tokens=full_step_tokens(token_budget, args.gradient_accumulation_steps, world_size),
-        num_positions=num_positions(args, spec.dataset),
+        num_prompts=num_prompts(args, spec.dataset),
         eval_dataset=spec.eval_dataset,
         server=server,
         adapter_name=adapter_name,
@@ -140,7 +140,7 @@ def worker_spec(
     return WorkerSpec(loop_cls=spec.loop_cls or AsyncRolloutLoop, settings=settings)
 
 
-def num_positions(args, dataset) -> int | None:
+def num_prompts(args, dataset) -> int | None:
     """Where the prompt stream ends: epochs × rows; None for an endless stream (max_steps decides, or environments
     sample their own tasks)."""
     if args.max_steps > 0 or dataset is None:

@@ -29,7 +29,7 @@ from tandem.model.distributed import Ranks
 from tandem.packing import PackedRow
 from tandem.rollout.worker import WorkerLost
 from tandem.runtime import embedded_server, server_checks, sync_check
-from tandem.runtime.rollout_inputs import num_positions, worker_spec
+from tandem.runtime.rollout_inputs import num_prompts, worker_spec
 from tandem.runtime.sample_source import POLL_S, ResumePoint, SampleSource
 from tandem.runtime.session import DYING_S, Session
 from tandem.runtime.step_rows import StepRows
@@ -183,7 +183,7 @@ class Runtime:
             resume=resume,
             staleness=self.staleness,
             token_budget=self.token_budget,
-            end_position=num_positions(args, spec.dataset),
+            num_prompts=num_prompts(args, spec.dataset),
             stall_timeout=args.stall_timeout,
             say=self.session.say,
         )
@@ -215,7 +215,7 @@ class Runtime:
 
     def trained(self, rows: list[PackedRow], step: int) -> int:
         """Step `step` trained `rows`: their samples leave the queue for good. Returns the first unfinished prompt
-        position (where a resumed run starts). Rank 0 only."""
+        prompt index (where a resumed run starts). Rank 0 only."""
         self.step = step
         self.source.trained([s for row in rows for s in row.samples])
         return self.source.ledger.watermark
@@ -454,7 +454,7 @@ class Runtime:
         return self.session.start_worker(spec, self.args.rollout_worker_timeout, self.version)
 
     def _replace_worker(self, lost: WorkerLost) -> None:
-        """Start a new worker where the lost one left off: from the watermark, leaving out the positions already
+        """Start a new worker where the lost one left off: from the watermark, leaving out the prompt indices already
         received, so nothing is generated twice; the groups it had in flight are generated again. Once per run."""
         if self.worker_replaced:
             raise lost
@@ -467,8 +467,8 @@ class Runtime:
         worker.channels.tokens_per_step.value = tokens_per_step
         self.source.replace_worker(worker, worker.channels)
         self.session.say(
-            f"{lost}. Restarted it from prompt position {point.dataset_start_index}, leaving out the "
-            f"{len(point.received)} positions past it already received; a second loss stops the run."
+            f"{lost}. Restarted it from prompt index {point.dataset_start_index}, leaving out the "
+            f"{len(point.received)} prompt indices past it already received; a second loss stops the run."
         )
 
 

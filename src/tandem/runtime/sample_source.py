@@ -5,7 +5,7 @@ too long for a row (`token_budget`) and the samples too stale to train (the stal
 whose samples was trained yet is dropped whole and generated again; the late samples of a group already
 partly trained are dropped alone, and finish its prompt), tells the worker
 which tokens have left the queue for good (its allowance), and keeps the ledger of finished prompt
-positions that a resumed run starts from. It does no I/O of its own: the inbox and the shared counters are passed
+prompt indices that a resumed run starts from. It does no I/O of its own: the inbox and the shared counters are passed
 in, so its rules are tested without processes. It calls nothing of its owner: `peek` never waits and `wait` reads one
 message, so the waiting loop, and what a lost worker or a dead server leads to, are the runtime's.
 """
@@ -86,11 +86,11 @@ class ResumePoint:
     holds beyond it. Saved with each checkpoint (a resumed run) and handed to a restarted worker."""
 
     dataset_start_index: int
-    """The first unfinished prompt position (the ledger's watermark), where the new worker's stream starts."""
+    """The first unfinished prompt index (the ledger's watermark), where the new worker's stream starts."""
     finished: list[int] = field(default_factory=list)
     """Positions past `dataset_start_index` that are finished (trained, dropped or skipped)."""
     remaining: dict[int, int] = field(default_factory=dict)
-    """Groups partly trained: their samples not yet in a row, by position."""
+    """Groups partly trained: their samples not yet in a row, by prompt index."""
     samples: list[Sample] = field(default_factory=list)
     """Samples received and not yet trained (the queue)."""
     in_rows: list[int] = field(default_factory=list)
@@ -99,7 +99,12 @@ class ResumePoint:
     @property
     def received(self) -> frozenset[int]:
         """Positions past `dataset_start_index` the worker must not generate again."""
-        return frozenset(self.finished) | self.remaining.keys() | {s.position for s in self.samples} | set(self.in_rows)
+        return (
+            frozenset(self.finished)
+            | self.remaining.keys()
+            | {s.prompt_index for s in self.samples}
+            | set(self.in_rows)
+        )
 
     @property
     def queued_tokens(self) -> float:
@@ -108,7 +113,7 @@ class ResumePoint:
 
 WorkerMessage = tuple[str, Any]
 """A message from the worker process: its kind and a payload whose type the kind says ("samples": a list of `Sample`,
-"skip": a prompt position, "metrics": a `MetricWindow` dict, "eval": (step, records), "say": text, "end": nothing)."""
+"skip": a prompt index, "metrics": a `MetricWindow` dict, "eval": (step, records), "say": text, "end": nothing)."""
 
 
 class Inbox(Protocol):
@@ -117,29 +122,29 @@ class Inbox(Protocol):
 
 
 class PositionLedger:
-    """Which prompt positions are finished (all their samples trained or discarded, or skipped); the
-    watermark — the first unfinished position — is where a resumed run starts."""
+    """Which prompt indices are finished (all their samples trained or discarded, or skipped); the
+    watermark — the first unfinished prompt index — is where a resumed run starts."""
 
     def __init__(self, start: int, finished=(), remaining: dict[int, int] | None = None):
         self.watermark = start
         self.remaining: dict[int, int] = dict(remaining or {})
         self.done: set[int] = set(finished)
         self.finished: list[int] = []
-        """Every position this run finished, in order (what it covered)."""
+        """Every prompt index this run finished, in order (what it covered)."""
 
-    def finish(self, position: int) -> None:
-        self.finished.append(position)
-        self.done.add(position)
+    def finish(self, prompt_index: int) -> None:
+        self.finished.append(prompt_index)
+        self.done.add(prompt_index)
         while self.watermark in self.done:
             self.done.remove(self.watermark)
             self.watermark += 1
 
     def consume(self, sample: Sample) -> None:
-        left = self.remaining.get(sample.position, sample.group_samples) - 1
-        self.remaining[sample.position] = left
+        left = self.remaining.get(sample.prompt_index, sample.group_samples) - 1
+        self.remaining[sample.prompt_index] = left
         if left == 0:
-            del self.remaining[sample.position]
-            self.finish(sample.position)
+            del self.remaining[sample.prompt_index]
+            self.finish(sample.prompt_index)
 
 
 class SampleSource:
@@ -160,7 +165,7 @@ class SampleSource:
         resume: ResumePoint,
         staleness: StalenessPolicy,
         token_budget: int,
-        end_position: int | None = None,
+        num_prompts: int | None = None,
         stall_timeout: float | None = None,
         say=lambda text: print(f"tandem: {text}", file=sys.stderr),
     ):
@@ -168,8 +173,8 @@ class SampleSource:
         self.worker_metrics = MetricWindow()
         self.ledger = PositionLedger(resume.dataset_start_index, resume.finished, resume.remaining)
         self.staleness, self.token_budget = staleness, token_budget
-        self.end_position = end_position
-        """Where the run's prompt positions end (None: an endless stream, max_steps decides)."""
+        self.num_prompts = num_prompts
+        """Where the run's prompt indices end (None: an endless stream, max_steps decides)."""
         self.buffer: deque[Sample] = deque(resume.samples)
         self.ended = False
         """The worker said it had nothing left to send (it sends more if asked to regenerate)."""
@@ -215,7 +220,7 @@ class SampleSource:
         kind, payload = message
         if kind == "samples":
             self.buffer.extend(payload)
-            self.pending.difference_update(s.position for s in payload)
+            self.pending.difference_update(s.prompt_index for s in payload)
         elif kind == "skip":
             self.pending.discard(payload)
             self.ledger.finish(payload)
@@ -256,8 +261,8 @@ class SampleSource:
 
     @property
     def finished(self) -> bool:
-        """Nothing more will come: every position of the run is finished, or the worker ended with none pending."""
-        if self.end_position is not None and self.ledger.watermark >= self.end_position:
+        """Nothing more will come: every prompt index of the run is finished, or the worker ended with none pending."""
+        if self.num_prompts is not None and self.ledger.watermark >= self.num_prompts:
             return True
         return self.ended and not self.pending
 
@@ -267,10 +272,10 @@ class SampleSource:
         while self.buffer:
             sample = self.buffer[0]
             stale = self.staleness.is_stale(model_version, sample.model_version)
-            if stale and sample.position in self.admitted:
+            if stale and sample.prompt_index in self.admitted:
                 self._discard("sample/dropped_stale_count")  # the rest of a group already partly trained
             elif stale:
-                self._drop_stale_group(sample.position)
+                self._drop_stale_group(sample.prompt_index)
             elif sample.num_tokens > self.token_budget:
                 warnings.warn(
                     f"a sample of {sample.num_tokens} tokens exceeds token_budget={self.token_budget}: dropped",
@@ -314,7 +319,7 @@ class SampleSource:
         return stall
 
     def peek_unit(self, model_version: int, same=None) -> list[Sample] | None:
-        """The next trainable sample, and with `same` (a key: the group's position, the rollout's id) the buffered
+        """The next trainable sample, and with `same` (a key: the group's prompt index, the rollout's id) the buffered
         samples after it that share its key (a group's samples arrive together); None when none is buffered."""
         first = self.peek(model_version)
         if first is None:
@@ -327,7 +332,7 @@ class SampleSource:
     def take(self) -> Sample:
         """Remove the sample `peek` returned: it is in a row now, so the worker may generate its tokens again."""
         sample = self.buffer.popleft()
-        self.admitted.add(sample.position)
+        self.admitted.add(sample.prompt_index)
         self.unpublished += sample.num_tokens
         return sample
 
@@ -363,8 +368,8 @@ class SampleSource:
 
     def _consume(self, sample: Sample) -> None:
         self.ledger.consume(sample)
-        if sample.position not in self.ledger.remaining:
-            self.admitted.discard(sample.position)
+        if sample.prompt_index not in self.ledger.remaining:
+            self.admitted.discard(sample.prompt_index)
 
     def _discard(self, counter: str) -> None:
         self.window.add(counter, 1)
@@ -372,14 +377,14 @@ class SampleSource:
         self.stall.oversize += counter == "batch/dropped_oversize_count"
         self._consume(self.take())
 
-    def _drop_stale_group(self, position: int) -> None:
-        """Every buffered sample of the group at `position` (they arrived together) leaves the queue; the worker
-        generates the position again, so it is not finished."""
-        stale = [s for s in self.buffer if s.position == position]
-        self.buffer = deque(s for s in self.buffer if s.position != position)
+    def _drop_stale_group(self, prompt_index: int) -> None:
+        """Every buffered sample of the group at `prompt_index` (they arrived together) leaves the queue; the worker
+        generates the prompt index again, so it is not finished."""
+        stale = [s for s in self.buffer if s.prompt_index == prompt_index]
+        self.buffer = deque(s for s in self.buffer if s.prompt_index != prompt_index)
         self.unpublished += sum(s.num_tokens for s in stale)
         self.window.add("sample/dropped_stale_count", len(stale))
         self.stall.stale += len(stale)
-        self.ledger.remaining.pop(position, None)
-        self.pending.add(position)
-        self.counters.retry.put(position)  # the worker generates it again
+        self.ledger.remaining.pop(prompt_index, None)
+        self.pending.add(prompt_index)
+        self.counters.retry.put(prompt_index)  # the worker generates it again

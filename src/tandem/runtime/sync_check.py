@@ -18,7 +18,7 @@ from tandem.generation.client import GenerationClient, ServerError, ServerProble
 from tandem.metrics.doctor import rounding_bound
 from tandem.model.distributed import Ranks
 from tandem.packing import TREE, pack
-from tandem.packing.logprobs import row_logprobs
+from tandem.packing.log_probs import row_log_probs
 from tandem.runtime.session import Session
 
 PROBE_TOKENS = 16
@@ -166,7 +166,7 @@ class SyncProbe:
                     raise ServerProblem(f"the weight sync check's request was refused: {error}") from None
                 raise
         self.completion, served = ranks.broadcast(answer)
-        ours = policy_logprobs(model, self.prompt, self.completion, kernel, layout)
+        ours = policy_log_probs(model, self.prompt, self.completion, kernel, layout)
         if ranks.main:
             try:
                 verdict = self.judge(name, served, ours), None
@@ -212,7 +212,7 @@ class SyncProbe:
         return gap
 
 
-def policy_logprobs(
+def policy_log_probs(
     model: torch.nn.Module, prompt_ids: list[int], completion_ids: list[int], kernel: str, layout: str = TREE
 ) -> torch.Tensor:
     """log π_θ of each completion token given what precedes it: the trainer's own forward of a row in the model's
@@ -225,7 +225,7 @@ def policy_logprobs(
         advantage=0.0,
         model_version=0,
         group_id=0,
-        position=0,
+        prompt_index=0,
         group_samples=1,
         rollout_id="sync-check",
         created_at=0.0,
@@ -234,7 +234,7 @@ def policy_logprobs(
     model.eval()
     try:
         with torch.no_grad():
-            return row_logprobs(model, pack([sample], layout=layout), kernel).log_probs.double().cpu()
+            return row_log_probs(model, pack([sample], layout=layout), kernel).log_probs.double().cpu()
     finally:
         model.train(was_training)
 

@@ -15,10 +15,10 @@ resumes from it. trainer_state.json also keeps transformers' best-checkpoint fie
 
 Every rank calls `save` and `load` (DCP is collective); rank 0 alone writes the small files. A checkpoint is
 written to a temporary folder and renamed into place, so a crash never leaves a half-written `checkpoint-N`.
-`rollout_state.json` holds the first prompt position not yet finished, the positions past it that are, and the groups
-partly trained; `rollout_queue.pt` the samples received and not yet trained. A resumed run starts its worker at that
-position, leaving out what the checkpoint holds, and trains the saved queue first: stopped and resumed, a run finishes
-every prompt position exactly once, as an uninterrupted one does.
+`rollout_state.json` holds the first prompt index not yet finished, the prompt indices past it that are, and the
+groups partly trained; `rollout_queue.pt` the samples received and not yet trained. A resumed run starts its worker at
+that prompt index, leaving out what the checkpoint holds, and trains the saved queue first: stopped and resumed, a run
+finishes every prompt index exactly once, as an uninterrupted one does.
 """
 
 import json
@@ -64,7 +64,7 @@ class TrainerState(transformers.TrainerState):
     model_version: int = 0
     """Weight syncs done: the policy version the server samples from."""
     dataset_start_index: int = 0
-    """The first prompt position not yet fully trained (where a resumed worker starts)."""
+    """The first prompt index not yet fully trained (where a resumed worker starts)."""
     num_tokens: int = 0
 
     @property
@@ -172,7 +172,7 @@ def save_resume_point(folder: Path, point: ResumePoint) -> None:
             {
                 "dataset_start_index": point.dataset_start_index,
                 "finished": point.finished,
-                "remaining": {str(position): left for position, left in point.remaining.items()},
+                "remaining": {str(prompt_index): left for prompt_index, left in point.remaining.items()},
             },
             indent=2,
         )
@@ -180,8 +180,9 @@ def save_resume_point(folder: Path, point: ResumePoint) -> None:
     torch.save([asdict(sample) for sample in point.samples], folder / "rollout_queue.pt")
 
 
-RENAMED_SAMPLE_FIELDS = {"logprobs": "behavior_log_probs", "sampler_top": "sampler_logprobs"}
-"""Sample fields as a queue saved before one name per concept spelled them (tandem 0.x checkpoints up to the reshaping)."""
+RENAMED_SAMPLE_FIELDS = {"logprobs": "behavior_log_probs", "sampler_top": "sampler_logprobs", "position": "prompt_index"}
+"""Sample fields as a queue saved before one name per concept spelled them (tandem 0.x checkpoints up to the reshaping,
+and `position` up to its naming as the prompt index)."""
 
 
 def load_resume_point(folder: Path) -> ResumePoint:
@@ -195,7 +196,7 @@ def load_resume_point(folder: Path) -> ResumePoint:
     return ResumePoint(
         rollout["dataset_start_index"],
         rollout.get("finished", []),
-        {int(position): left for position, left in rollout.get("remaining", {}).items()},
+        {int(prompt_index): left for prompt_index, left in rollout.get("remaining", {}).items()},
         samples,
     )
 

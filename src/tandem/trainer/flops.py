@@ -5,7 +5,7 @@ A decoder-only model's forward and backward over a row costs, in multiply-adds c
 made exact for tree packing):
 
     6 · N · T           the weight matmuls: N parameters outside the embedding and the head, T forwarded tokens
-    6 · H · V · P       the head, applied only at the P positions that predict trained tokens (packing/logprobs.py)
+    6 · H · V · P       the head, applied only at the P positions that predict trained tokens (packing/log_probs.py)
     12 · L · H · K      attention scores and values: L layers, K the keys every query sees (a row's `load`)
 
 Recomputation (gradient checkpointing) is not counted: MFU measures useful work.

@@ -18,7 +18,7 @@ from tandem.errors import UsageError
 from tandem.kernels import onednn_linear
 from tandem.model import architecture, distributed
 from tandem.packing import PADDED, tree_attention
-from tandem.packing.logprobs import check_head
+from tandem.packing.log_probs import check_head
 from tandem.tasks import TINY_MODEL_PATH
 
 IMAGE_PARTS = ("image", "image_url", "input_image")

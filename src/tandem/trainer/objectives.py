@@ -5,7 +5,7 @@ The trainer's step reads the same whatever the objective, on one rank or several
     records = objective.begin_step(rows, score)          # once per optimizer step, before any forward
     for micro_batch in micro_batches:
         for row in this rank's rows of micro_batch:
-            result = objective.row_loss(row, row_logprobs(model, row, ...), LossShare.of(micro_batch, ...))
+            result = objective.row_loss(row, row_log_probs(model, row, ...), LossShare.of(micro_batch, ...))
             result.loss.backward()                        # records += result.metrics
 
 `ClippedSurrogate` (`score_centering=False`) and `ScoreCentering` (the default) are
@@ -28,7 +28,7 @@ from tandem.losses.flash_reinforce import flash_reinforce_loss
 from tandem.losses.grpo import clipped_surrogate
 from tandem.losses.ratio import UNBOUNDED, TokenStats, importance_ratio
 from tandem.losses.score_centering import score_centered
-from tandem.packing.logprobs import TokenLogprobs
+from tandem.packing.log_probs import TokenLogProbs
 from tandem.packing.trie import PackedRow
 
 
@@ -54,18 +54,18 @@ class RowLoss:
 class Objective:
     """The loss of each packed row of an optimizer step; ClippedSurrogate, ScoreCentering, FlashReinforce."""
 
-    def begin_step(self, rows: list[PackedRow], score: Callable[[], list[TokenLogprobs]]) -> dict[str, list]:
+    def begin_step(self, rows: list[PackedRow], score: Callable[[], list[TokenLogProbs]]) -> dict[str, list]:
         """Once per optimizer step, before any row's forward; `rows` are the step's rows on every rank, and `score()`
         their no-grad forwards, in the same order. Returns step-level metric records. Per-token objectives need
         nothing here (and never call `score`)."""
         return {}
 
-    def row_loss(self, row: PackedRow, scored: TokenLogprobs, share: LossShare) -> RowLoss:
+    def row_loss(self, row: PackedRow, scored: TokenLogProbs, share: LossShare) -> RowLoss:
         """`scored` is the row's forward with gradients."""
         raise NotImplementedError
 
 
-def router_loss(scored: TokenLogprobs, coefficient: float, share: LossShare) -> tuple[torch.Tensor | float, dict]:
+def router_loss(scored: TokenLogProbs, coefficient: float, share: LossShare) -> tuple[torch.Tensor | float, dict]:
     """A mixture-of-experts row's load-balancing loss, scaled by the coefficient (the model's own by default) and
     averaged over the step's rows, and its unscaled value as a record; (0, {}) for a model without a router or with
     a coefficient of 0 (`aux_loss` is logged only where it trains)."""
@@ -94,13 +94,13 @@ class ClippedSurrogate(Objective):
         )
 
     def token_losses(
-        self, row: PackedRow, scored: TokenLogprobs, behavior: torch.Tensor, advantages: torch.Tensor
+        self, row: PackedRow, scored: TokenLogProbs, behavior: torch.Tensor, advantages: torch.Tensor
     ) -> tuple[torch.Tensor, TokenStats, dict[str, list]]:
         """Per-token losses, their statistics and any objective-specific records."""
         losses, stats = clipped_surrogate(scored.log_probs, behavior, advantages, **self.bounds)
         return losses, stats, {}
 
-    def row_loss(self, row: PackedRow, scored: TokenLogprobs, share: LossShare) -> RowLoss:
+    def row_loss(self, row: PackedRow, scored: TokenLogProbs, share: LossShare) -> RowLoss:
         device = scored.log_probs.device
         behavior, advantages = row.behavior_log_probs.to(device), row.advantages.to(device)
         losses, stats, metrics = self.token_losses(row, scored, behavior, advantages)
@@ -117,7 +117,7 @@ class ScoreCentering(ClippedSurrogate):
     with the importance-weighted score centred over the sampler's top `num_sampler_logprobs` tokens."""
 
     def token_losses(
-        self, row: PackedRow, scored: TokenLogprobs, behavior: torch.Tensor, advantages: torch.Tensor
+        self, row: PackedRow, scored: TokenLogProbs, behavior: torch.Tensor, advantages: torch.Tensor
     ) -> tuple[torch.Tensor, TokenStats, dict[str, list]]:
         if row.sampler_ids is None:
             raise UsageError(
@@ -151,7 +151,7 @@ class FlashReinforce(Objective):
     def from_config(cls, args: AsyncGRPOConfig, aux_loss_coef: float) -> "FlashReinforce":
         return cls(args.flash_delta, args.flash_negative_token_fraction, aux_loss_coef)
 
-    def begin_step(self, rows: list[PackedRow], score: Callable[[], list[TokenLogprobs]]) -> dict[str, list]:
+    def begin_step(self, rows: list[PackedRow], score: Callable[[], list[TokenLogProbs]]) -> dict[str, list]:
         scored = score()
         device = scored[0].log_probs.device
         layout = TrajectoryLayout.of(rows, device)
@@ -179,7 +179,7 @@ class FlashReinforce(Objective):
             "flash/retained_tokens_frac": [float(retained.sum() / policy.sum())],
         }
 
-    def row_loss(self, row: PackedRow, scored: TokenLogprobs, share: LossShare) -> RowLoss:
+    def row_loss(self, row: PackedRow, scored: TokenLogProbs, share: LossShare) -> RowLoss:
         if id(row) not in self.coefficients:
             raise RuntimeError("FlashReinforce.row_loss: this row was not among the rows passed to begin_step")
         log_probs = scored.log_probs

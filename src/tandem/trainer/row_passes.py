@@ -11,7 +11,7 @@ import torch
 from tandem.metrics.window import MetricWindow
 from tandem.model.distributed import Ranks
 from tandem.packing import PackedRow
-from tandem.packing.logprobs import TokenLogprobs, row_logprobs
+from tandem.packing.log_probs import TokenLogProbs, row_log_probs
 from tandem.trainer.objectives import LossShare, Objective
 
 
@@ -46,17 +46,17 @@ class RowPasses:
         rank = self.ranks.rank
         return [(micro_batch[rank], True)] if rank < len(micro_batch) else [(micro_batch[0], False)]
 
-    def forward(self, row: PackedRow) -> TokenLogprobs:
+    def forward(self, row: PackedRow) -> TokenLogProbs:
         """The row's log-probs at its trained positions, with gradients (bf16 autocast where configured)."""
         with torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else nullcontext():
-            return row_logprobs(self.model, row, self.kernel, self.temperature)
+            return row_log_probs(self.model, row, self.kernel, self.temperature)
 
-    def score(self, row: PackedRow) -> TokenLogprobs:
+    def score(self, row: PackedRow) -> TokenLogProbs:
         """The row's log-probs without gradients, in the model's own dtype."""
         with torch.no_grad():
-            return row_logprobs(self.model, row, self.kernel, self.temperature)
+            return row_log_probs(self.model, row, self.kernel, self.temperature)
 
-    def score_all(self, micro_batches: list[list[PackedRow]]) -> list[TokenLogprobs]:
+    def score_all(self, micro_batches: list[list[PackedRow]]) -> list[TokenLogProbs]:
         """Every row of the step scored without gradients, in order: each rank scores its own rows, then the ranks
         exchange their log-probs and entropies (what an objective that decides per trajectory needs)."""
         mine = [self.score(row) for micro_batch in micro_batches for row, _ in self.mine(micro_batch)]
@@ -64,7 +64,7 @@ class RowPasses:
             return mine
         exchanged = self.ranks.all_gather([(s.log_probs.cpu(), s.entropy.cpu()) for s in mine])
         return [
-            TokenLogprobs(*(t.to(self.device) for t in exchanged[rank][index]))
+            TokenLogProbs(*(t.to(self.device) for t in exchanged[rank][index]))
             for index, micro_batch in enumerate(micro_batches)
             for rank in range(len(micro_batch))
         ]

@@ -139,7 +139,7 @@ OPERATIONS = (
     ),
     Metric(
         "epoch",
-        "Passes over the training dataset so far: finished prompt positions over the dataset's length "
+        "Passes over the training dataset so far: finished prompt indices over the dataset's length "
         "(fractional). Only for datasets with a length.",
     ),
     # ---- evaluation -----------------------------------------------------------------------------------------------

@@ -34,14 +34,14 @@ def default_chunk_size(vocab_size: int) -> int:
 
 
 @dataclass
-class TokenLogprobs:
+class TokenLogProbs:
     log_probs: torch.Tensor  # [N] log π_θ(target), differentiable
     entropy: torch.Tensor  # [N] entropy of the (renormalised) distribution, detached
     extra: torch.Tensor | None = None  # [N, K] log-probs of `extra_ids` (the sampler's top-K), differentiable
     aux_loss: torch.Tensor | None = None  # MoE router load-balancing loss of the row (unscaled), differentiable
 
 
-def chunked_logprobs(
+def chunked_log_probs(
     hidden: torch.Tensor,
     head: torch.nn.Module,
     targets: torch.Tensor,
@@ -51,7 +51,7 @@ def chunked_logprobs(
     chunk_size: int | None = None,
     extra_ids: torch.Tensor | None = None,
     logits_scaling: float | None = None,
-) -> TokenLogprobs:
+) -> TokenLogProbs:
     """log softmax(head(hidden) / temperature)[target] for each of the N rows of `hidden` ([N, H]), and at
     `extra_ids` ([N, K]) when given. The model's own logits come first: divided by `logits_scaling` (Granite), then
     soft-capped (`softcap`, Gemma 2), in the order its forward computes them."""
@@ -61,14 +61,14 @@ def chunked_logprobs(
     if hidden.shape[0] == 0:  # no trained token: an empty result still attached to the graph, so backward() works
         empty = hidden.new_zeros(0, dtype=torch.float32)
         width = extra_ids.shape[1] if extra_ids is not None else 0
-        return TokenLogprobs(empty + hidden.sum() * 0, empty, hidden.new_zeros(0, width) + hidden.sum() * 0)
+        return TokenLogProbs(empty + hidden.sum() * 0, empty, hidden.new_zeros(0, width) + hidden.sum() * 0)
     settings = (temperature, sampling_mask, softcap, chunk_size, extra_ids, logits_scaling)
     if plain_linear(head):
-        return _linear_head_logprobs(hidden, head, targets, *settings)
-    return _checkpointed_logprobs(hidden, head, targets, *settings)
+        return _linear_head_log_probs(hidden, head, targets, *settings)
+    return _checkpointed_log_probs(hidden, head, targets, *settings)
 
 
-def _linear_head_logprobs(
+def _linear_head_log_probs(
     hidden: torch.Tensor,
     head: torch.nn.Linear,
     targets: torch.Tensor,
@@ -78,11 +78,11 @@ def _linear_head_logprobs(
     chunk_size: int,
     extra_ids: torch.Tensor | None,
     logits_scaling: float | None,
-) -> TokenLogprobs:
-    """`chunked_logprobs` through a plain Linear head: its backward written out (LinearHeadLogprobs)."""
+) -> TokenLogProbs:
+    """`chunked_log_probs` through a plain Linear head: its backward written out (LinearHeadLogProbs)."""
     extra = extra_ids if extra_ids is not None else targets.new_zeros(len(targets), 0)
     project = onednn_linear.projection(head)  # what head(x) computes
-    logprobs, entropy, scored = LinearHeadLogprobs.apply(
+    logprobs, entropy, scored = LinearHeadLogProbs.apply(
         hidden,
         head.weight,
         head.bias,
@@ -95,10 +95,10 @@ def _linear_head_logprobs(
         project,
         logits_scaling,
     )
-    return TokenLogprobs(logprobs, entropy, scored if extra_ids is not None else None)
+    return TokenLogProbs(logprobs, entropy, scored if extra_ids is not None else None)
 
 
-def _checkpointed_logprobs(
+def _checkpointed_log_probs(
     hidden: torch.Tensor,
     head: torch.nn.Module,
     targets: torch.Tensor,
@@ -108,8 +108,8 @@ def _checkpointed_logprobs(
     chunk_size: int,
     extra_ids: torch.Tensor | None,
     logits_scaling: float | None,
-) -> TokenLogprobs:
-    """`chunked_logprobs` through any other head (a LoRA-wrapped one): autograd, each chunk checkpointed."""
+) -> TokenLogProbs:
+    """`chunked_log_probs` through any other head (a LoRA-wrapped one): autograd, each chunk checkpointed."""
     parts = []
     for start in range(0, hidden.shape[0], chunk_size):
         part = slice(start, start + chunk_size)
@@ -125,7 +125,7 @@ def _checkpointed_logprobs(
         )
         parts.append(checkpoint(_chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk(*args))
     logprobs, entropy, extra = zip(*parts)
-    return TokenLogprobs(torch.cat(logprobs), torch.cat(entropy), torch.cat(extra) if extra_ids is not None else None)
+    return TokenLogProbs(torch.cat(logprobs), torch.cat(entropy), torch.cat(extra) if extra_ids is not None else None)
 
 
 def plain_linear(head: torch.nn.Module) -> TypeGuard[torch.nn.Linear]:
@@ -138,8 +138,8 @@ def plain_linear(head: torch.nn.Module) -> TypeGuard[torch.nn.Linear]:
     )
 
 
-class LinearHeadLogprobs(torch.autograd.Function):
-    """`chunked_logprobs` through a plain Linear head, its backward written out (§ log-softmax: d lp[t] / d logits =
+class LinearHeadLogProbs(torch.autograd.Function):
+    """`chunked_log_probs` through a plain Linear head, its backward written out (§ log-softmax: d lp[t] / d logits =
     onehot(t) - softmax): each chunk's logits are recomputed and turned into their gradient in place, and the weight
     gradient is accumulated into one buffer. Autograd with checkpointing kept about five chunk-sized temporaries and a
     second [vocab, hidden] gradient per chunk: 855 MiB against about 300 at 8192 tokens x 32k vocabulary (benchmarks)."""
@@ -172,7 +172,7 @@ class LinearHeadLogprobs(torch.autograd.Function):
         return logprobs, entropy, extra
 
     @staticmethod
-    def backward(ctx, grad_logprobs, _grad_entropy, grad_extra):
+    def backward(ctx, grad_log_probs, _grad_entropy, grad_extra):
         hidden, weight, bias, targets, extra_ids, kept = ctx.saved_tensors
         temperature, softcap, chunk_size, project, scaling = ctx.settings
         wants_hidden, wants_weight, wants_bias = ctx.needs_input_grad[:3]
@@ -184,7 +184,7 @@ class LinearHeadLogprobs(torch.autograd.Function):
                 project(hidden[part], weight, bias),
                 weight.dtype,
                 targets[part],
-                grad_logprobs[part],
+                grad_log_probs[part],
                 extra_ids[part],
                 grad_extra[part],
                 kept[part] if kept is not None else None,
@@ -233,7 +233,7 @@ def _logits_grad(logits, dtype, targets, grad_target, extra_ids, grad_extra, kep
 
 
 def _chunk(head, hidden, targets, temperature, kept, softcap, extra_ids, scaling=None):
-    """One chunk's log-probs at `targets` and `extra_ids`, and its entropy. Without autograd (LinearHeadLogprobs'
+    """One chunk's log-probs at `targets` and `extra_ids`, and its entropy. Without autograd (LinearHeadLogProbs'
     forward) every step runs in place, the same kernels on the same values: two chunk-sized buffers alive, not six."""
     rows, in_place = hidden.shape[0], not torch.is_grad_enabled()
     if rows < MIN_ROWS:  # as in the sampler: CPU matmuls with fewer rows round differently
@@ -260,9 +260,9 @@ def _chunk(head, hidden, targets, temperature, kept, softcap, extra_ids, scaling
     return chosen, entropy, extra
 
 
-def row_logprobs(
+def row_log_probs(
     model: torch.nn.Module, row: PackedRow, kernel: str, temperature: float = 1.0, chunk_size: int | None = None
-) -> TokenLogprobs:
+) -> TokenLogProbs:
     """Forward a row through `model` and score its loss terms: a tree row as one sequence under the tree mask
     (attention set to `tandem_tree`), a padded row as a batch of plain causal sequences (the model's own attention)."""
     device = next(model.parameters()).device
@@ -284,7 +284,7 @@ def row_logprobs(
     hidden = out.last_hidden_state[:, :width].flatten(0, 1)[row.predict_index.to(device)]
     kept = row.sampling_mask.to(device) if row.sampling_mask is not None else None
     top = row.sampler_ids.to(device) if row.sampler_ids is not None else None
-    scored = chunked_logprobs(
+    scored = chunked_log_probs(
         hidden,
         transformers_model(model).get_output_embeddings(),
         row.targets.to(device),
