@@ -594,15 +594,15 @@ def test_epoch_and_fractional_strategies_empty_cache_steps_memory_metrics_and_dd
 
 
 def test_nan_and_infinite_losses_are_left_out_of_the_logged_loss_unless_logging_nan_inf_filter_is_off():
-    from tandem.trainer.run_log import LogCounters, RunLog
+    from tandem.trainer.run_log import RunLog
     from tandem.trainer.step_metrics import StepTimes
 
     rows, times = (
         [pack([sample([5, 6, 7])])],
         StepTimes(total=1.0, rollout_wait=0.0, forward=0.5, forward_backward=0.8, optimizer=0.1),
     )
-    counters = LogCounters(num_input_tokens_seen=False, epoch_size=None, agent=False)
-    filtered, kept = RunLog(counters, keep_nonfinite=False), RunLog(counters, keep_nonfinite=True)
+    filtered = RunLog(AsyncGRPOConfig(logging_nan_inf_filter=True))
+    kept = RunLog(AsyncGRPOConfig(logging_nan_inf_filter=False))
     for log in (filtered, kept):
         for loss in (0.5, float("nan"), float("inf")):
             log.record_step(rows, 1, loss, 1.0, 1e-6, times)

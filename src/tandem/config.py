@@ -154,7 +154,7 @@ class AsyncGRPOConfig:
     resume_from_checkpoint: bool | str | None = None
     """train()'s default: True (the latest checkpoint in output_dir) or a checkpoint folder."""
     seed: int = 42
-    """Seeds the trainer's torch random state and, with each prompt's position, the seed of every generation request,
+    """Seeds the trainer's torch random state and, with each prompt's index, the seed of every generation request,
     so a rerun or a resumed run sends each prompt's requests with the same seeds. data_seed defaults to it."""
     data_seed: int | None = None
     """The seed of the prompt order with train_sampling_strategy 'random' (None: seed)."""

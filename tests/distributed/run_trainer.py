@@ -1,5 +1,5 @@
 """A small training run through the embedded server, as one process or under torchrun; rank 0 writes the prompt
-positions it trained to OUT/finished-TAG.json (also when the run is stopped by --crash-after).
+prompt indices it trained to OUT/finished-TAG.json (also when the run is stopped by --crash-after).
 
     [torchrun --standalone --nproc-per-node 2] tests/distributed/run_trainer.py OUT TAG [--crash-after N] [--resume]
         [--field value ...]   (AsyncGRPOConfig fields, read as YAML)

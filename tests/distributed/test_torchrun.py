@@ -132,7 +132,7 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks_each_way(tmp_path):
     )
     assert sorted(finished["third"]) == sorted(
         set(range(saved[4]["dataset_start_index"], prompts)) - set(saved[4]["finished"])
-    ), "the last resume finishes what its checkpoint had not, each position once"
+    ), "the last resume finishes what its checkpoint had not, each prompt once"
     assert set().union(*finished.values()) == set(range(prompts)), "no prompt of the epoch is skipped"
 
 

@@ -192,7 +192,7 @@ def test_a_group_that_can_only_arrive_stale_is_cancelled_and_generated_again_und
     assert time.monotonic() - start < 4, "the slow request was not waited for"
     assert sum(metrics["rollout/cancelled_stale_count"]) == 1
     versions = {s.prompt_index: s.model_version for kind, payload in messages if kind == "samples" for s in payload}
-    assert sorted(versions) == list(range(6)) and versions[2] == 1, "position 2 came back sampled from version 1"
+    assert sorted(versions) == list(range(6)) and versions[2] == 1, "prompt 2 came back sampled from version 1"
 
 
 def wrong_count(completions, **kwargs):

@@ -101,7 +101,7 @@ def test_a_group_beyond_max_staleness_is_dropped_counted_and_generated_again():
     source = source_of(("samples", stale + fresh), ("end", None), max_staleness=1)
     assert next_sample(source, 2) is fresh[0]
     assert source.window.get("sample/dropped_stale_count") == 2
-    assert source.regenerated == [0], "the worker is asked to generate position 0 again"
+    assert source.regenerated == [0], "the worker is asked to generate prompt 0 again"
     assert source.ledger.watermark == 0, "a stale drop does not finish the prompt: it was never trained"
     source.publish(tokens_per_step=0)
     assert source.counters.consumed_tokens.value == 2 * 5, "dropped samples leave the queue for good"
@@ -124,7 +124,7 @@ def test_a_late_sample_of_a_partly_trained_group_is_dropped_alone_and_finishes_t
     assert source.ledger.watermark == 1
 
 
-def test_every_position_finished_ends_the_run_without_waiting_for_the_worker():
+def test_every_prompt_finished_ends_the_run_without_waiting_for_the_worker():
     source = source_of(("samples", group(0, size=1)), end=1)
     source.trained([source.take()] if next_sample(source, 0) else [])
     assert next_sample(source, 0) is None and source.ledger.watermark == 1
@@ -151,7 +151,7 @@ def test_the_watermark_waits_for_every_sample_of_a_prompt_and_for_earlier_prompt
         next_sample(source, 0)
         source.take()
     source.trained([b[0], b[1], a[0]])
-    assert source.ledger.watermark == 0, "position 0 still has a sample in training"
+    assert source.ledger.watermark == 0, "prompt 0 still has a sample in training"
     source.publish(tokens_per_step=40)
     assert source.counters.tokens_per_step.value == 40
     source.trained([a[1]])
@@ -159,7 +159,7 @@ def test_the_watermark_waits_for_every_sample_of_a_prompt_and_for_earlier_prompt
 
 
 def test_the_ledger_runs_across_an_epoch_wrap_and_a_resume_starts_at_the_watermark():
-    # Dataset of 2 rows: positions 2 and 3 are epoch 1's rows 0 and 1.
+    # Dataset of 2 rows: prompt indices 2 and 3 are epoch 1's rows 0 and 1.
     source = source_of(("samples", group(1) + group(2)), ("skip", 3), ("end", None), start=1)
     while next_sample(source, 0) is not None:
         source.trained([source.take()])
@@ -174,7 +174,7 @@ def train_all(source, model_version=0):
         source.trained([source.take()])
 
 
-def test_a_resume_point_carries_the_queue_and_the_partly_trained_groups_so_no_position_finishes_twice():
+def test_a_resume_point_carries_the_queue_and_the_partly_trained_groups_so_no_prompt_finishes_twice():
     g0, g1, g2 = group(0), group(1), group(2)
     first = source_of(("samples", g0 + g1 + g2), ("skip", 3))
     first.drain()
@@ -187,7 +187,7 @@ def test_a_resume_point_carries_the_queue_and_the_partly_trained_groups_so_no_po
 
     resumed = source_of(("samples", group(4)), ("end", None), resume=point, end=5)
     train_all(resumed)
-    assert sorted(first.ledger.finished + resumed.ledger.finished) == [0, 1, 2, 3, 4], "each position finished once"
+    assert sorted(first.ledger.finished + resumed.ledger.finished) == [0, 1, 2, 3, 4], "each prompt finished once"
     assert resumed.ledger.watermark == 5
 
 
@@ -224,7 +224,7 @@ def test_a_lost_worker_raises_from_the_read_and_its_replacement_goes_on_from_the
     new_counters.evaluate.put = asked.append
     source.replace_worker(ListInbox(("samples", group(2)), ("end", None)), new_counters)
     assert asked == [(2, 1)], "the evaluation the lost worker did not answer is asked of the new one"
-    assert source.drain() == 4, "the queue survives the worker (2), and the new one sends position 2 (2)"
+    assert source.drain() == 4, "the queue survives the worker (2), and the new one sends prompt 2 (2)"
     train_all(source)
     assert source.window.get("rollout/worker_restart_count") == 1
     assert source.ledger.finished == [0, 1, 2]
@@ -280,7 +280,7 @@ def test_a_unit_is_the_run_of_samples_sharing_a_key_a_group_or_a_rollout():
     assert source.peek_unit(0) is None, "nothing read yet: the caller waits"
     source.drain()
     assert source.peek_unit(0) == [a[0]]
-    assert source.peek_unit(0, same=lambda s: s.prompt_index) == a, "the whole group of position 0"
+    assert source.peek_unit(0, same=lambda s: s.prompt_index) == a, "the whole group of prompt 0"
     assert source.peek_unit(0, same=lambda s: s.rollout_id) == a[:2], "one rollout of it"
 
 

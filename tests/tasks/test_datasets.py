@@ -34,7 +34,7 @@ def test_an_iterable_is_read_in_order_again_each_epoch_and_keeps_only_unfinished
         (1, 2, "2", False),
         (2, 0, "0", True),
     ]
-    assert stream.at(1).row["solution"] == "1", "a position generated again reads its row once more"
+    assert stream.at(1).row["solution"] == "1", "a prompt generated again reads its row once more"
     stream.forget_below(5)
     assert sorted(stream.kept) == [5, 6]
     with pytest.raises(RuntimeError, match="prompt 1 of the IterableDataset was read and forgotten"):
@@ -55,7 +55,7 @@ def test_a_dataset_with_a_length_is_indexed_in_order_or_shuffled_per_epoch():
     assert [shuffled.at(p).row_index for p in range(8)] == epoch_order(3, 0, 4) + epoch_order(3, 1, 4)
 
 
-def test_a_position_read_again_reads_the_dataset_once_and_hands_out_its_own_copy_of_the_row():
+def test_a_prompt_read_again_reads_the_dataset_once_and_hands_out_its_own_copy_of_the_row():
     class Counted(list):
         reads = 0
 

@@ -238,7 +238,7 @@ def test_stopped_and_resumed_at_three_random_points_a_run_finishes_every_prompt_
         finished += trainer.runtime.source.ledger.finished
         trained += getattr(trainer, "trained_rollouts", [])
     assert Counter(finished) == Counter(range(48)), (
-        f"stops {stops} (seed {seed}): positions finished twice {sorted(p for p, n in Counter(finished).items() if n > 1)}, "
+        f"stops {stops} (seed {seed}): prompts finished twice {sorted(p for p, n in Counter(finished).items() if n > 1)}, "
         f"never {sorted(set(range(48)) - set(finished))}"
     )
     assert max(Counter(trained).values()) == 1, f"stops {stops} (seed {seed}): a saved sample was trained twice"

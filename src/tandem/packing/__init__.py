@@ -1,4 +1,4 @@
-"""Tree packing: rows as prefix tries (trie.py), tree attention (tree_attention.py), chunked log-probs (logprobs.py)."""
+"""Tree packing: rows as prefix tries (trie.py), tree attention (tree_attention.py), chunked log-probs (log_probs.py)."""
 
 from tandem.packing.trie import LAYOUTS, PADDED, TREE, PackedRow, TrieRow, pack
 

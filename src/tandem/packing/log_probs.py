@@ -55,9 +55,10 @@ def chunked_log_probs(
     """log softmax(head(hidden) / temperature)[target] for each of the N rows of `hidden` ([N, H]), and at
     `extra_ids` ([N, K]) when given. The model's own logits come first: divided by `logits_scaling` (Granite), then
     soft-capped (`softcap`, Gemma 2), in the order its forward computes them."""
-    weight = head.weight  # a LoRA-wrapped head passes its base layer's through
-    assert isinstance(weight, torch.Tensor)
-    chunk_size = chunk_size or default_chunk_size(weight.shape[0])
+    if not chunk_size:
+        weight = head.weight  # a LoRA-wrapped head passes its base layer's through
+        assert isinstance(weight, torch.Tensor), "an output head holds its matrix as `weight`"
+        chunk_size = default_chunk_size(weight.shape[0])
     if hidden.shape[0] == 0:  # no trained token: an empty result still attached to the graph, so backward() works
         empty = hidden.new_zeros(0, dtype=torch.float32)
         width = extra_ids.shape[1] if extra_ids is not None else 0

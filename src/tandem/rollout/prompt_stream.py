@@ -29,7 +29,7 @@ class PromptRow:
 
 
 RECENT_ROWS = 4096
-"""Positions whose rows a PromptStream keeps: more than most runs have in flight (an evicted one is read again)."""
+"""Prompt indices whose rows a PromptStream keeps: more than most runs have in flight (an evicted one is read again)."""
 
 
 @functools.lru_cache(maxsize=4)

@@ -62,13 +62,13 @@ class RolloutScheduler:
         self.failure: BaseException | None = None
         self.records: dict[str, list] = defaultdict(list)
         self.retries: deque[int] = deque()
-        """Positions to generate again: groups the trainer dropped as stale, or whose LoRA version was unloaded."""
+        """Prompt indices to generate again: groups the trainer dropped as stale, or whose LoRA version was unloaded."""
         self.unscored = 0
         """Groups generated and not yet scored."""
         self.generating: dict[asyncio.Task, tuple[int, int]] = {}
         """Groups being generated: their task -> (policy version they sample from, prompt index)."""
         self.failed_once: set[int] = set()
-        """Positions whose group failed on the server once and is being generated again."""
+        """Prompt indices whose group failed on the server once and is being generated again."""
         self.failed_in_a_row: dict[str, int] = defaultdict(int)
         """Groups dropped in a row, by cause: a reward function's name, or "the server"."""
 
@@ -241,7 +241,12 @@ class RolloutScheduler:
             self.emit("skip", prompt_index)
             return
         group = self.generation.group(
-            row, self.prompts.at(prompt_index).row_index, group_id, version, episodes, self.generation.reconciled(episodes)
+            row,
+            self.prompts.at(prompt_index).row_index,
+            group_id,
+            version,
+            episodes,
+            self.generation.reconciled(episodes),
         )
         block = time.monotonic()
         self.unscored += 1
@@ -311,7 +316,7 @@ class RolloutScheduler:
         start = time.monotonic()
         self.failed_once.discard(prompt_index)
         try:
-            columns, rewards = await self._reward(group)
+            columns, _ = await self._reward(group)
         except scoring.RewardFailed as failed:
             self._drop_failed(
                 f"reward function {failed.name!r}",
@@ -328,6 +333,8 @@ class RolloutScheduler:
                 f"rollout ({len(rollouts)})"
             )
         self.record("rollout/score_s", time.monotonic() - start)
+        rewards = group.rewards  # as compute_advantages left them (a hook may set them anew)
+        assert rewards is not None, "scored above"
         kept = self.algorithm.keeps(rewards.tolist())
         record_group(self.record, group, columns, kept, self.eos_token_ids, self.config.log_completions)
         stds = group_stds(rewards, columns)

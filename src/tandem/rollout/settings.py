@@ -25,10 +25,11 @@ class RolloutSettings:
     tools: list | None = None
     environment_factory: EnvironmentFactories | None = None
     harness: Harness | None = None
+    """Another library's episodes (an OpenEnv harness, a verifiers environment), which its loop class runs."""
     dataset_start_index: int = 0
     """The first prompt index to generate for (a resumed run's watermark)."""
     received: frozenset[int] = frozenset()
-    """Positions past `dataset_start_index` the trainer already holds (a resumed run, a restarted worker): not generated."""
+    """Prompt indices past `dataset_start_index` the trainer already holds (a resumed run, a restarted worker): not generated."""
     queued_tokens: float = 0.0
     """Tokens of the samples the trainer holds untrained: on the queue, as far as the allowance is concerned."""
     full_step_tokens: float = 0.0

@@ -19,7 +19,6 @@ from transformers import PreTrainedTokenizerBase
 
 from tandem.config import AsyncGRPOConfig, mapping
 from tandem.contract.agents import EnvironmentFactories, Harness
-from tandem.contract.algorithms import algorithm_of
 from tandem.dataset_rows import Rows, RowTable
 from tandem.generation.client import EngineDead, ServerProblem, engine_died
 from tandem.generation.launcher import server_threads
@@ -84,7 +83,7 @@ class Runtime:
 
     def __init__(self, spec: RuntimeSpec):
         self.spec, self.args, self.ranks = spec, spec.args, spec.ranks
-        self.algorithm, self.staleness = algorithm_of(spec.args), spec.args.staleness_policy
+        self.staleness = spec.args.staleness_policy
         self.lora = spec.lora_rank is not None
         self.session = Session(spec.args.vllm_server_timeout, spec.args.vllm_server_api_key)
         self.preempted = threading.Event()
@@ -214,7 +213,7 @@ class Runtime:
         self.rows.limit_token_budget(budget)
 
     def trained(self, rows: list[PackedRow], step: int) -> int:
-        """Step `step` trained `rows`: their samples leave the queue for good. Returns the first unfinished prompt
+        """Step `step` trained `rows`: their samples leave the queue for good. Returns the first unfinished
         prompt index (where a resumed run starts). Rank 0 only."""
         self.step = step
         self.source.trained([s for row in rows for s in row.samples])

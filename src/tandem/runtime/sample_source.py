@@ -88,17 +88,17 @@ class ResumePoint:
     dataset_start_index: int
     """The first unfinished prompt index (the ledger's watermark), where the new worker's stream starts."""
     finished: list[int] = field(default_factory=list)
-    """Positions past `dataset_start_index` that are finished (trained, dropped or skipped)."""
+    """Prompt indices past `dataset_start_index` that are finished (trained, dropped or skipped)."""
     remaining: dict[int, int] = field(default_factory=dict)
     """Groups partly trained: their samples not yet in a row, by prompt index."""
     samples: list[Sample] = field(default_factory=list)
     """Samples received and not yet trained (the queue)."""
     in_rows: list[int] = field(default_factory=list)
-    """Positions whose samples sit in a row not trained yet (a worker replaced mid-step; never at a checkpoint)."""
+    """Prompt indices whose samples sit in a row not trained yet (a worker replaced mid-step; never at a checkpoint)."""
 
     @property
     def received(self) -> frozenset[int]:
-        """Positions past `dataset_start_index` the worker must not generate again."""
+        """Prompt indices past `dataset_start_index` the worker must not generate again."""
         return (
             frozenset(self.finished)
             | self.remaining.keys()
@@ -121,7 +121,7 @@ class Inbox(Protocol):
         """The next message from the worker, or None after `timeout_s`; raises if the worker failed."""
 
 
-class PositionLedger:
+class PromptLedger:
     """Which prompt indices are finished (all their samples trained or discarded, or skipped); the
     watermark — the first unfinished prompt index — is where a resumed run starts."""
 
@@ -171,7 +171,7 @@ class SampleSource:
     ):
         self.inbox, self.counters, self.window = inbox, counters, window
         self.worker_metrics = MetricWindow()
-        self.ledger = PositionLedger(resume.dataset_start_index, resume.finished, resume.remaining)
+        self.ledger = PromptLedger(resume.dataset_start_index, resume.finished, resume.remaining)
         self.staleness, self.token_budget = staleness, token_budget
         self.num_prompts = num_prompts
         """Where the run's prompt indices end (None: an endless stream, max_steps decides)."""
@@ -183,9 +183,9 @@ class SampleSource:
         when the groups it admits can still be trained, else when its sync ends (the runtime decides), and at once when the trainer has
         to wait for the worker (so a half-filled row never deadlocks the allowance)."""
         self.pending: set[int] = set()
-        """Positions sent back to the worker whose new group has not arrived yet."""
+        """Prompt indices sent back to the worker whose new group has not arrived yet."""
         self.admitted: set[int] = set(resume.remaining)
-        """Positions with a sample in a row already: their group is partly trained, so it is not generated again."""
+        """Prompt indices with a sample in a row already: their group is partly trained, so it is not generated again."""
         self.wait_s = 0.0
         """Total time spent waiting for the worker (a counter: a step reads its growth)."""
         self.last_said: float | None = None

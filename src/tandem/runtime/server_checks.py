@@ -32,7 +32,7 @@ def check(facts: ServerFacts, url: str, weights_dtype: str) -> None:
             f"the server at {url} decodes in {facts.dtype} and the trainer holds its weights in {weights_dtype}: "
             "the sampler's log-probs then differ from the trainer's by that rounding at every token (the "
             f"importance ratio drifts from 1 even at staleness 0). Start the server with --dtype {weights_dtype}.",
-            stacklevel=4,
+            stacklevel=5,
         )
 
 
@@ -49,7 +49,7 @@ def check_vllm(facts: ServerFacts, url: str) -> None:
             f"the server at {url} runs vLLM {facts.version or '(version unknown)'}; tandem was verified against "
             f"vLLM {oldest}-{newest} (the vLLM guide's table). Watch sampling/sampling_logp_difference/max in the "
             "first steps.",
-            stacklevel=4,
+            stacklevel=6,
         )
     unchunked = facts.max_num_seqs * facts.max_model_len
     if facts.device == "cpu" and facts.chunked_prefill_tokens is not None and facts.chunked_prefill_tokens < unchunked:
@@ -57,7 +57,7 @@ def check_vllm(facts: ServerFacts, url: str) -> None:
             f"vLLM's CPU build dies ('CPU Generator does not use offset') when a seeded request's prefill is "
             f"split over two steps, and tandem seeds every group. Restart the server at {url} with "
             f"--max-num-batched-tokens {unchunked} (max_num_seqs x max_model_len: no prefill is split).",
-            stacklevel=4,
+            stacklevel=6,
         )
 
 
@@ -68,7 +68,7 @@ def served_name(served: list[str], wanted: str) -> str:
     warnings.warn(
         f"the server does not serve a model named {wanted!r}; generating with {served[0]!r}, its first model. "
         "Start it with --served-model-name to silence this.",
-        stacklevel=4,
+        stacklevel=5,
     )
     return served[0]
 

@@ -259,7 +259,7 @@ def full_weights_sync(
             f"the server transfers weights over {backend}, which tandem does not drive (it drives nccl "
             "and gloo: tandem serve's, or vllm serve's with tandem's plugin); syncing through a folder it "
             "reloads instead, which needs a filesystem it shares with this trainer.",
-            stacklevel=5,  # the caller of choose_sync's caller
+            stacklevel=6,  # the user's call of train()
         )
     return reload_sync(control, Path(args.output_dir), run, served_name, ranks, facts, model)
 
@@ -289,7 +289,7 @@ def adapter_sync(
     if obstacle:
         warnings.warn(
             f"LoRA: syncing the merged model (every weight, every sync) instead of the adapter alone: {obstacle}",
-            stacklevel=5,  # the caller of choose_sync's caller
+            stacklevel=6,  # the user's call of train()
         )
         return reload_sync(control, output_dir, run, served_name, ranks, facts, model.get_base_model())
     slots = facts.adapters

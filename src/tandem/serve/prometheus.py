@@ -5,7 +5,7 @@ from collections.abc import Sequence
 from tandem.serve.prefix_cache import BLOCK_SIZE
 from tandem.serve.requests import EngineStats
 
-COUNTERS = [
+COUNTERS = (
     ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", "running"),
     ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", "waiting"),
     ("vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.", "preemptions_total"),
@@ -23,7 +23,7 @@ COUNTERS = [
         "Prefix cache hits, in terms of number of cached tokens.",
         "prefix_cache_hits_total",
     ),
-]
+)
 """vLLM's metrics that are one engine counter each: name, Prometheus type, vLLM's help text, EngineStats' field."""
 
 

@@ -180,7 +180,11 @@ def save_resume_point(folder: Path, point: ResumePoint) -> None:
     torch.save([asdict(sample) for sample in point.samples], folder / "rollout_queue.pt")
 
 
-RENAMED_SAMPLE_FIELDS = {"logprobs": "behavior_log_probs", "sampler_top": "sampler_logprobs", "position": "prompt_index"}
+RENAMED_SAMPLE_FIELDS = {
+    "logprobs": "behavior_log_probs",
+    "sampler_top": "sampler_logprobs",
+    "position": "prompt_index",
+}
 """Sample fields as a queue saved before one name per concept spelled them (tandem 0.x checkpoints up to the reshaping,
 and `position` up to its naming as the prompt index)."""
 

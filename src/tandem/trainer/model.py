@@ -4,6 +4,7 @@ would change), optionally wrapped with a trainable LoRA adapter."""
 
 import inspect
 import warnings
+from typing import cast
 
 import torch
 from peft import get_peft_model
@@ -53,7 +54,7 @@ def load_model(model, args: AsyncGRPOConfig) -> tuple[str, PreTrainedModel, str]
         }
         loaded = architecture.from_pretrained(name, **kwargs)
         if torch.cuda.is_available() and not args.use_cpu:
-            torch.nn.Module.to(loaded, "cuda")  # transformers' decorated `to` reads as unbound to a type checker
+            cast(torch.nn.Module, loaded).to("cuda")  # transformers' decorated `to` reads as unbound to a type checker
     elif isinstance(model, PreTrainedModel):
         name, loaded = model.name_or_path or "tandem-policy", model
     else:
@@ -69,7 +70,7 @@ def load_model(model, args: AsyncGRPOConfig) -> tuple[str, PreTrainedModel, str]
             "it trains on padded rows, one sequence per sample. A prompt shared by a group is computed once "
             "per rollout instead of once per row, and each row's samples are padded to its longest (the "
             "token budget counts the padding; batch/packing_ratio below 1 is what it costs).",
-            stacklevel=3,
+            stacklevel=4,
         )
     check_head(loaded)
     warn_dropout(loaded)
@@ -98,7 +99,7 @@ def warn_dropout(model: PreTrainedModel) -> None:
             f"the model's config drops units in training ({settings}), which the server's sampling does not: "
             "the trainer's log-probs are then not the sampler's policy, and the importance ratio drifts from 1 "
             f"even at staleness 0. Load it with them at 0 (model_init_kwargs: {{{', '.join(f'{n}: 0.0' for n in sorted(rates))}}}).",
-            stacklevel=3,
+            stacklevel=5,
         )
 
 
@@ -206,7 +207,7 @@ def prepare_processing_class(tokenizer, given: bool):
     text = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's tokenizer
     if given and getattr(text, "padding_side", "left") != "left":
         warnings.warn(
-            f"processing_class.padding_side={text.padding_side!r}: set to 'left', as the trainer requires", stacklevel=4
+            f"processing_class.padding_side={text.padding_side!r}: set to 'left', as the trainer requires", stacklevel=5
         )
     text.padding_side = "left"
     if text.pad_token is None:

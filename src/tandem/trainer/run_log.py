@@ -13,34 +13,19 @@ from tandem.trainer.step_metrics import StepTimes, record_step
 
 
 @dataclass
-class LogCounters:
-    """What a logged line carries besides the window: the run's counters, and the keys a window may leave empty."""
-
-    num_input_tokens_seen: bool
-    """include_num_input_tokens_seen is on: the line carries the count."""
-    epoch_size: int | None
-    """The dataset's length (None for a stream or environments): the line carries the epoch reached."""
-    agent: bool
-    """The run has tools or environments: `tools/failure_frequency` is NaN in a window without a call."""
-
-
-@dataclass
 class RunLog:
-    counters: LogCounters
-    keep_nonfinite: bool = False
-    """logging_nan_inf_filter=False: a NaN or infinite step loss is logged as the window's loss, as in transformers."""
+    args: AsyncGRPOConfig
+    """The run's settings, read as each step and each log is recorded: `logging_nan_inf_filter` (False: a NaN or
+    infinite step loss is logged as the window's loss, as in transformers) and `include_num_input_tokens_seen`."""
+    epoch_size: int | None = None
+    """The dataset's length (None for a stream or environments): a logged line carries the epoch reached."""
+    agent: bool = False
+    """The run has tools or environments: `tools/failure_frequency` is NaN in a window without a call."""
     window: MetricWindow = field(default_factory=MetricWindow)
     losses: list[float] = field(default_factory=list)
     reward_history: list[float] = field(default_factory=list)
     nonfinite_loss: float | None = None
-    """The window's last NaN or infinite loss, logged as its `loss` when keep_nonfinite."""
-
-    @classmethod
-    def of(cls, args: AsyncGRPOConfig, epoch_size: int | None, agent: bool) -> "RunLog":
-        """A run's log, from its settings: `epoch_size` the dataset's length, `agent` whether it has tools or
-        environments."""
-        counters = LogCounters(args.include_num_input_tokens_seen not in ("no", False), epoch_size, agent)
-        return cls(counters, keep_nonfinite=not args.logging_nan_inf_filter)
+    """The window's last NaN or infinite loss, logged as its `loss` when logging_nan_inf_filter is False."""
 
     @property
     def training_loss(self) -> float:
@@ -59,7 +44,7 @@ class RunLog:
         if math.isfinite(loss):
             self.losses.append(loss)
             self.window.add("loss", loss)
-        elif self.keep_nonfinite:  # as transformers: the logged loss and training_loss show it
+        elif not self.args.logging_nan_inf_filter:  # as transformers: the logged loss and training_loss show it
             self.nonfinite_loss = loss
             self.losses.append(loss)
         self.window.add("grad_norm", grad_norm)
@@ -70,16 +55,16 @@ class RunLog:
         """The window reduced into one logged line with the run's counters, and the completions it sampled to print;
         the window starts again empty."""
         examples = self.window.values.get("completions/examples")
-        metrics, counters = self.window.flush(), self.counters
+        metrics = self.window.flush()
         metrics["num_tokens"] = state.num_tokens
-        if counters.num_input_tokens_seen:
+        if self.args.include_num_input_tokens_seen not in ("no", False):
             metrics["num_input_tokens_seen"] = state.num_input_tokens_seen
         if self.nonfinite_loss is not None:
             metrics["loss"], self.nonfinite_loss = self.nonfinite_loss, None
         metrics["model_version"] = state.model_version
-        if counters.epoch_size is not None:
-            metrics["epoch"] = state.dataset_start_index / counters.epoch_size
-        if counters.agent:
+        if self.epoch_size is not None:
+            metrics["epoch"] = state.dataset_start_index / self.epoch_size
+        if self.agent:
             metrics.setdefault("tools/failure_frequency", math.nan)  # no call in the window
         if "reward" in metrics:
             self.reward_history.append(metrics["reward"])

@@ -127,7 +127,7 @@ def check_eval_dataset(eval_dataset, args: AsyncGRPOConfig, environments: bool) 
         warnings.warn(
             "an eval_dataset was given but eval_strategy='no' and eval_on_start=False: it is never evaluated. "
             "Set eval_strategy='steps' (every eval_steps steps) or eval_on_start=True.",
-            stacklevel=3,
+            stacklevel=4,
         )
     if is_iterable(eval_dataset):
         raise UsageError(

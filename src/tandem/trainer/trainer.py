@@ -98,7 +98,6 @@ class AsyncGRPOTrainer(CallbackMethods):
         inputs = check_inputs(args, train_dataset, eval_dataset, reward_funcs, tools, environment_factory, self.harness)
         self.dataset, self.eval_dataset, self.reward_funcs = inputs.dataset, inputs.eval_dataset, inputs.reward_funcs
         self.tools, self.environment_factory, self.harness = inputs.tools, inputs.environment_factory, inputs.harness
-        self.inputs = inputs
         self.ranks = distributed.join(args.ddp_timeout)  # this process's place among the torchrun ranks (or one of one)
         self.lora = peft_config is not None
         self.model_name, self.model, self.layout, self.tokenizer = load_policy(
@@ -129,7 +128,7 @@ class AsyncGRPOTrainer(CallbackMethods):
         self._configure(args)
         self.callbacks.event("on_init_end")
 
-    def _configure(self, args: AsyncGRPOConfig) -> None:
+    def _configure(self, args: AsyncGRPOConfig, trial: bool = False) -> None:
         """Build what comes from the settings training reads: the optimizer and its schedule (unless given), the
         objective, fresh counters and log, and the runtime. Done again for each hyperparameter-search trial, as
         transformers' train() does; the model trains on from where it is (transformers reloads it only through
@@ -137,11 +136,11 @@ class AsyncGRPOTrainer(CallbackMethods):
         self.args = self.callbacks.args = args
         self.state = self.callbacks.state = TrainerState()
         """transformers' TrainerState, filled in place (from a checkpoint when resuming): callbacks hold it."""
-        self.run_log = RunLog.of(args, self.epoch_size, self.inputs.agent)
+        self.run_log = RunLog(args, self.epoch_size, self.agent)
         """The metric window, each step's loss and each log's mean reward (trainer/run_log.py)."""
         if not self.optimizer_given:
             self.optimizer = make_optimizer(self.model, args)
-        if not self.optimizer_given or self.scheduler is None:
+        if self.scheduler is None or (trial and not self.optimizer_given):  # a given schedule is kept at first
             self.scheduler = make_scheduler(self.optimizer, args)
         self.callbacks.handler.optimizer, self.callbacks.handler.lr_scheduler = self.optimizer, self.scheduler
         self.passes.temperature = args.temperature
@@ -156,7 +155,7 @@ class AsyncGRPOTrainer(CallbackMethods):
         config fields set for this run (a hyperparameter search's trial, trainer/trial.py). `ignore_keys_for_eval`
         (model outputs left out of evaluation) does not apply here."""
         if trial is not None:
-            self._configure(trial_args(self.args, trial, optimizer_given=self.optimizer_given))
+            self._configure(trial_args(self.args, trial, optimizer_given=self.optimizer_given), trial=True)
         warn_train_arguments(ignore_keys_for_eval, self.device)
         check_sendable(self.reward_funcs, self.loop_cls)
         seed_run(self.args)
@@ -199,6 +198,11 @@ class AsyncGRPOTrainer(CallbackMethods):
     def reward_history(self) -> list[float]:
         """Each logged window's mean reward, in order."""
         return self.run_log.reward_history
+
+    @property
+    def agent(self) -> bool:
+        """The rollouts call tools or play environments."""
+        return bool(self.tools) or self.environment_factory is not None or self.harness is not None
 
     @property
     def epoch_size(self) -> int | None:
@@ -311,12 +315,11 @@ class AsyncGRPOTrainer(CallbackMethods):
         step_start = self.passes.clock()
         step = self.training_step(micro_batches)
         step_end = self.passes.clock()
-        with unless_preempted(
-            runtime.preempted
-        ):  # the last step's overlapped sync reads the weights the optimizer changes next
+        with unless_preempted(runtime.preempted):  # the last step's overlapped sync reads the weights stepped next
             runtime.wait_sync()
+        optimizer_start = self.passes.clock()
         grad_norm = self.optimizer_step()
-        optimizer_s, forward_backward_s = self.passes.clock() - step_end, step_end - step_start
+        optimizer_s, forward_backward_s = self.passes.clock() - optimizer_start, step_end - step_start
         epoch_ended = self._step_done(rows, runtime)
         if self.args.torch_empty_cache_steps and self.state.step % self.args.torch_empty_cache_steps == 0:
             empty_device_cache(self.device)
