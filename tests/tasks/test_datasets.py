@@ -25,7 +25,7 @@ def rows_of(n: int):
 def test_an_iterable_is_read_in_order_again_each_epoch_and_keeps_only_unfinished_rows():
     stream = PromptStream(IterableDataset.from_generator(rows_of, gen_kwargs={"n": 3}))
     got = [stream.at(p) for p in range(7)]
-    assert [(p.epoch, p.index, p.row["solution"], p.epoch_start) for p in got] == [
+    assert [(p.epoch, p.row_index, p.row["solution"], p.epoch_start) for p in got] == [
         (0, 0, "0", True),
         (0, 1, "1", False),
         (0, 2, "2", False),

@@ -9,7 +9,7 @@ sampler truncated the distribution (top-k / top-p) the log-softmax runs over its
 
 import sys
 from dataclasses import dataclass
-from typing import TypeGuard
+from typing import NamedTuple, TypeGuard
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -63,24 +63,28 @@ def chunked_log_probs(
         empty = hidden.new_zeros(0, dtype=torch.float32)
         width = extra_ids.shape[1] if extra_ids is not None else 0
         return TokenLogProbs(empty + hidden.sum() * 0, empty, hidden.new_zeros(0, width) + hidden.sum() * 0)
-    settings = (temperature, sampling_mask, softcap, chunk_size, extra_ids, logits_scaling)
+    settings = HeadSettings(temperature, sampling_mask, softcap, chunk_size, extra_ids, logits_scaling)
     if plain_linear(head):
-        return _linear_head_log_probs(hidden, head, targets, *settings)
-    return _checkpointed_log_probs(hidden, head, targets, *settings)
+        return _linear_head_log_probs(hidden, head, targets, settings)
+    return _checkpointed_log_probs(hidden, head, targets, settings)
+
+
+class HeadSettings(NamedTuple):
+    """How `chunked_log_probs` reads the head's logits (its arguments past the head and the targets)."""
+
+    temperature: float
+    sampling_mask: torch.Tensor | None
+    softcap: float | None
+    chunk_size: int
+    extra_ids: torch.Tensor | None
+    logits_scaling: float | None
 
 
 def _linear_head_log_probs(
-    hidden: torch.Tensor,
-    head: torch.nn.Linear,
-    targets: torch.Tensor,
-    temperature: float,
-    sampling_mask: torch.Tensor | None,
-    softcap: float | None,
-    chunk_size: int,
-    extra_ids: torch.Tensor | None,
-    logits_scaling: float | None,
+    hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor, settings: HeadSettings
 ) -> TokenLogProbs:
     """`chunked_log_probs` through a plain Linear head: its backward written out (LinearHeadLogProbs)."""
+    temperature, sampling_mask, softcap, chunk_size, extra_ids, logits_scaling = settings
     extra = extra_ids if extra_ids is not None else targets.new_zeros(len(targets), 0)
     project = onednn_linear.projection(head)  # what head(x) computes
     logprobs, entropy, scored = LinearHeadLogProbs.apply(
@@ -100,17 +104,10 @@ def _linear_head_log_probs(
 
 
 def _checkpointed_log_probs(
-    hidden: torch.Tensor,
-    head: torch.nn.Module,
-    targets: torch.Tensor,
-    temperature: float,
-    sampling_mask: torch.Tensor | None,
-    softcap: float | None,
-    chunk_size: int,
-    extra_ids: torch.Tensor | None,
-    logits_scaling: float | None,
+    hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, settings: HeadSettings
 ) -> TokenLogProbs:
     """`chunked_log_probs` through any other head (a LoRA-wrapped one): autograd, each chunk checkpointed."""
+    temperature, sampling_mask, softcap, chunk_size, extra_ids, logits_scaling = settings
     parts = []
     for start in range(0, hidden.shape[0], chunk_size):
         part = slice(start, start + chunk_size)
