@@ -310,6 +310,33 @@ class Server:
             pass
         return response
 
+    async def _streamed(
+        self,
+        http_request: web.Request,
+        req: protocol.CompletionRequest | protocol.ChatCompletionRequest,
+        ask: Ask,
+        adapter: str | None,
+        request_id: str,
+        name: str,
+        **shape,
+    ) -> web.StreamResponse:
+        """A completions or chat request answered as a stream: its engine requests, and the stream of its route's
+        chunks (`shape`: the completion's echoed prompt texts, or the chat's reply)."""
+        requests = self.prepare.engine_requests(ask, adapter)
+        stream_cls = ChatStream if isinstance(req, protocol.ChatCompletionRequest) else CompletionStream
+        stream = stream_cls(
+            req,
+            requests,
+            request_id,
+            name,
+            self.fingerprint,
+            self.text,
+            protocol.stop_strings(req.stop),
+            self.stream_options(req),
+            **shape,
+        )
+        return await self._stream(http_request, requests, stream)
+
     async def _read_openai(self, request: web.Request, model: type[OpenAIRequest]) -> OpenAIRequest:
         """A completions or chat body, with the server's default for `return_tokens_as_token_ids` filled in."""
         req = await protocol.read(request, model)
@@ -336,19 +363,7 @@ class Server:
         request_id = f"cmpl-{self._request_id(request, req.request_id)}"
         texts = self._prompt_texts(req.prompt, ask.prompts) if req.echo else [""] * len(ask.prompts)
         if req.stream:
-            requests = self.prepare.engine_requests(ask, adapter)
-            stream = CompletionStream(
-                req,
-                requests,
-                request_id,
-                name,
-                self.fingerprint,
-                self.text,
-                protocol.stop_strings(req.stop),
-                self.stream_options(req),
-                prompt_texts=texts,
-            )
-            return await self._stream(request, requests, stream)
+            return await self._streamed(request, req, ask, adapter, request_id, name, prompt_texts=texts)
         engine_requests = await self._generate(ask, adapter)
         return web.json_response(
             responses.completion_body(
@@ -385,19 +400,7 @@ class Server:
         request_id = f"chatcmpl-{self._request_id(request, req.request_id)}"
         reply = responses.ChatReply.of(req, self.args.response_role, self.text, tool_format)
         if req.stream:
-            requests = self.prepare.engine_requests(ask, adapter)
-            stream = ChatStream(
-                req,
-                requests,
-                request_id,
-                name,
-                self.fingerprint,
-                self.text,
-                protocol.stop_strings(req.stop),
-                self.stream_options(req),
-                reply=reply,
-            )
-            return await self._stream(request, requests, stream)
+            return await self._streamed(request, req, ask, adapter, request_id, name, reply=reply)
         (engine_request,) = await self._generate(ask, adapter)
         return web.json_response(
             responses.chat_body(
