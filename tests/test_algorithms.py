@@ -65,6 +65,8 @@ def test_the_step_and_the_objective_follow_the_fields_the_algorithm_reads():
         ("flash_reinforce", "num_sampler_logprobs", 20),
         ("flash_reinforce", "vllm_importance_sampling_clip_min", 0.1),
         ("flash_reinforce", "vllm_importance_sampling_clip_max", 2.0),
+        ("flash_reinforce", "vllm_importance_sampling_mode", "geometric_mask"),
+        ("flash_reinforce", "importance_sampling_level", "sequence"),
         ("grpo", "flash_delta", 0.01),
         ("grpo", "flash_negative_token_fraction", 0.5),
         ("grpo", "flash_batch_size", 8),

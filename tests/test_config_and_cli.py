@@ -37,6 +37,8 @@ def test_defaults_are_the_documented_ones():
         ("temperature", 0.0, "temperature=0.0"),
         ("num_generations", 1, "at least 2 generations"),
         ("vllm_importance_sampling_clip_max", 0.5, "never be masked"),
+        ("vllm_importance_sampling_mode", "sequence_clip", "must be one of token_mask, token_truncate"),
+        ("importance_sampling_level", "sequence", "set score_centering=False"),
         ("algorithm", "ppo", "must be one of"),
         (
             "report_to",

@@ -145,6 +145,8 @@ FIELD_TESTS = {
     "score_centering": "tests/trainer/test_objectives.py::test_make_objective_follows_the_config",
     "vllm_importance_sampling_clip_min": "tests/test_config_fields.py::test_the_objective_takes_its_bounds_and_flash_fields_from_the_config",
     "vllm_importance_sampling_clip_max": "tests/test_config_fields.py::test_the_objective_takes_its_bounds_and_flash_fields_from_the_config",
+    "vllm_importance_sampling_mode": "tests/test_config_fields.py::test_the_objective_takes_its_bounds_and_flash_fields_from_the_config",
+    "importance_sampling_level": "tests/test_config_fields.py::test_the_objective_takes_its_bounds_and_flash_fields_from_the_config",
     "num_sampler_logprobs": "tests/test_config_fields.py::test_the_sampling_fields_reach_every_request",
     "token_budget": "tests/trainer/test_trainer.py::test_samples_longer_than_the_token_budget_are_dropped_with_a_warning",
     "tree_attention_kernel": "tests/trainer/test_conventions.py::test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask",
@@ -388,7 +390,14 @@ def test_the_objective_takes_its_bounds_and_flash_fields_from_the_config():
     objective = make_objective(
         AsyncGRPOConfig(vllm_importance_sampling_clip_min=0.25, vllm_importance_sampling_clip_max=2.0), 0.0
     )
-    assert (objective.bounds["clip_min"], objective.bounds["clip_max"]) == (0.25, 2.0)
+    assert (objective.rule.clip_min, objective.rule.clip_max) == (0.25, 2.0)
+    gspo = make_objective(
+        AsyncGRPOConfig(
+            score_centering=False, importance_sampling_level="sequence", vllm_importance_sampling_mode="geometric_mask"
+        ),
+        0.0,
+    )
+    assert (gspo.rule.level, gspo.rule.mode) == ("sequence", "geometric_mask")
     flash = make_objective(
         AsyncGRPOConfig(algorithm="flash_reinforce", num_generations=1, flash_negative_token_fraction=0.3), 0.0
     )

@@ -279,11 +279,24 @@ class AsyncGRPOConfig:
     top num_sampler_logprobs tokens, so a constant advantage does not pull the policy toward the sampler. False: TRL's
     clipped surrogate with epsilon and epsilon_high. GRPO only (refused under FlashREINFORCE)."""
     vllm_importance_sampling_clip_min: float = 0.5
-    """Tokens whose policy/sampler probability ratio falls below this are masked out of the loss, not clipped
-    (sampling/masked_mean counts them). In [0, 1]; default 0.5. Lower it to keep more off-policy tokens."""
+    """C_min: tokens whose policy/sampler probability ratio falls below this are masked out of the loss, not clipped
+    (sampling/masked_mean counts them). In [0, 1]; default 0.5. Lower it to keep more off-policy tokens. The mask
+    modes of vllm_importance_sampling_mode read it; the truncate modes do not."""
     vllm_importance_sampling_clip_max: float = 5.0
-    """Tokens whose policy/sampler probability ratio rises above this are masked out of the loss. At least 1; default 5.
-    Lower it if a few tokens with large ratios destabilise training. GRPO only: FlashREINFORCE refuses both."""
+    """C_max: tokens whose policy/sampler probability ratio rises above this are masked out of the loss (the truncate
+    modes cap the ratio here instead). At least 1; default 5. Lower it if a few tokens with large ratios destabilise
+    training. GRPO only: FlashREINFORCE refuses both."""
+    vllm_importance_sampling_mode: str = "token_mask"
+    """The off-policy correction, TRL's name: which tokens keep their importance weight, and how much of it.
+    "token_mask" (default): a token whose ratio r leaves [C_min, C_max] is masked. "token_truncate": each token's
+    weight is min(r, C_max). "sequence_mask" / "sequence_truncate": the same on a sample's whole-sequence ratio (the
+    product of its tokens' r), for all its tokens. "geometric_mask": a sample is masked when the geometric mean of its
+    tokens' r leaves [C_min, C_max]. sampling/masked_tokens_frac and sampling/masked_sequences_frac count what it
+    masks. GRPO only."""
+    importance_sampling_level: str = "token"
+    """TRL's name. "token" (default): the trust region clips each token's ratio. "sequence": GSPO, every token of a
+    sample carries the geometric mean of its tokens' ratios (GSPO's paper uses epsilon about 3e-4 and epsilon_high
+    4e-4). "sequence" needs score_centering=False. GRPO only."""
     num_sampler_logprobs: int = 8
     """K: how many of the sampler's most likely tokens per position score centering averages over (vLLM returns at most
     20 unless started with a larger --max-logprobs). Default 8; raise it when sampling/sampler_mass, the probability

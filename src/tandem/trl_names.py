@@ -96,21 +96,15 @@ NO_USE: dict[str, tuple[tuple, str]] = {
     ),
     "reward_weights": ((None,), "reward functions are summed with weight 1: scale a function's scores inside it"),
     "num_iterations": ((1,), "each batch is trained once; the next one is already on the rollout queue"),
-    "importance_sampling_level": (
-        ("token",),
-        "importance ratios are per token (algorithm: flash_reinforce trusts whole sequences)",
-    ),
     "vllm_importance_sampling_correction": (
         (True,),
         "the loss always weights tokens by the sampler's log-probs, "
         "masking those outside [vllm_importance_sampling_clip_min, _max]",
     ),
-    "vllm_importance_sampling_mode": (
-        ("token_mask",),
-        "tokens whose ratio leaves [vllm_importance_sampling_clip_min, "
-        "_max] are masked one by one (TRL's 'token_mask')",
+    "vllm_importance_sampling_cap": (
+        (None,),
+        "the ratio's bounds are vllm_importance_sampling_clip_min and _max; the truncate modes cap at _max",
     ),
-    "vllm_importance_sampling_cap": ((None,), "the ratio's bounds are vllm_importance_sampling_clip_min and _max"),
     "off_policy_mask_threshold": (
         (None,),
         "off-policy tokens are masked by vllm_importance_sampling_clip_min / _max; "

@@ -1,16 +1,18 @@
 """Each objective's gradient equals its formula (float64, 1e-10) on hand-built inputs."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from tandem.losses import flash_reinforce_loss
 from tandem.losses.grpo import clipped_surrogate
+from tandem.losses.ratio import ImportanceSampling, off_policy_stats
 from tandem.losses.score_centering import score_centered
 
 F64 = torch.float64
-BOUNDS = {"epsilon_low": 0.2, "epsilon_high": 0.28, "clip_min": 0.5, "clip_max": 5.0}
+RULE = ImportanceSampling(epsilon_low=0.2, epsilon_high=0.28, clip_min=0.5, clip_max=5.0)
 
 
 def leaf(values):
@@ -24,8 +26,8 @@ def test_clipped_surrogate_gradient_is_masked_and_clipped_ratio_times_advantage(
     logprobs = leaf([math.log(r) for r in ratios])
     advantages = torch.tensor([1.0, 1.0, -1.0, 1.0, 2.0, -1.0], dtype=F64)
     at_max = torch.exp(logprobs[2].detach()).item()  # exp(log 5) is 5 - 1 ulp: the bound is set to exactly that
-    losses, stats = clipped_surrogate(logprobs, old, advantages, **(BOUNDS | {"clip_max": at_max}))
-    assert torch.exp(logprobs.detach())[1].item() == BOUNDS["clip_min"], "the C_min token sits exactly on the bound"
+    losses, stats = clipped_surrogate(logprobs, old, advantages, replace(RULE, clip_max=at_max))
+    assert torch.exp(logprobs.detach())[1].item() == RULE.clip_min, "the C_min token sits exactly on the bound"
     losses.sum().backward()
     # d/dlogp of -min(rA, clip(r)A) = -rA where the unclipped term is the minimum, else 0; masked outside [C_min, C_max]
     expected = [-1.1 * 1, -0.5 * 1, -at_max * -1, 0.0, 0.0, 0.0]
@@ -36,9 +38,7 @@ def test_clipped_surrogate_gradient_is_masked_and_clipped_ratio_times_advantage(
 def test_clip_ratio_counts_every_token_outside_the_trust_region_whatever_its_advantage_sign():
     ratios = torch.tensor([1.1, 0.5, 5.0, 0.4, 1.5, 0.7], dtype=F64)
     for sign in (1.0, -1.0):  # the clip is active for one sign only; clip_ratio/* counts both
-        _, stats = clipped_surrogate(
-            ratios.log(), torch.zeros(6, dtype=F64), torch.full((6,), sign, dtype=F64), **BOUNDS
-        )
+        _, stats = clipped_surrogate(ratios.log(), torch.zeros(6, dtype=F64), torch.full((6,), sign, dtype=F64), RULE)
         assert stats.above.tolist() == [False, False, True, False, True, False], "above 1 + epsilon_high = 1.28"
         assert stats.below.tolist() == [False, True, False, True, False, True], "below 1 - epsilon = 0.8"
 
@@ -59,7 +59,7 @@ def test_score_centering_gradient_matches_the_formula_through_a_softmax():
         advantages,
         policy.gather(1, top),
         sampler.gather(1, top),
-        **BOUNDS,
+        RULE,
     )
     losses.sum().backward()
 
@@ -70,7 +70,7 @@ def test_score_centering_gradient_matches_the_formula_through_a_softmax():
         return grad / temperature
 
     def f(r):
-        return r if BOUNDS["clip_min"] <= r <= BOUNDS["clip_max"] else 0.0
+        return r if RULE.clip_min <= r <= RULE.clip_max else 0.0
 
     expected = torch.zeros(2, 5, dtype=F64)
     for i in range(2):
@@ -87,7 +87,7 @@ def test_score_centering_masks_and_padding():
     logprobs, old = leaf([math.log(0.5)]), torch.zeros(1, dtype=F64)
     top = leaf([[math.log(0.5), math.log(0.9), 0.0]])
     top_sampler = torch.tensor([[0.0, math.log(0.1), float("-inf")]], dtype=F64)  # ratios 0.5 (in), 9 (out), pad
-    losses, stats, mass = score_centered(logprobs, old, torch.ones(1, dtype=F64), top, top_sampler, **BOUNDS)
+    losses, stats, mass = score_centered(logprobs, old, torch.ones(1, dtype=F64), top, top_sampler, RULE)
     losses.sum().backward()
     assert stats.in_bounds.tolist() == [True]
     assert logprobs.grad.tolist() == pytest.approx([-0.5], abs=1e-12)  # -A · m · r
@@ -126,16 +126,90 @@ def _losses(theta, chunk, every, sampler, centered):
     policy = theta.log_softmax(-1)
     ones = torch.ones(chunk.numel(), dtype=F64)
     if centered:
-        return score_centered(policy[chunk], sampler[chunk], ones, policy[every], sampler[every], **BOUNDS)[0]
-    return clipped_surrogate(
-        policy[chunk],
-        sampler[chunk],
-        ones,
-        epsilon_low=1e9,
-        epsilon_high=1e9,
-        clip_min=BOUNDS["clip_min"],
-        clip_max=BOUNDS["clip_max"],
-    )[0]
+        return score_centered(policy[chunk], sampler[chunk], ones, policy[every], sampler[every], RULE)[0]
+    return clipped_surrogate(policy[chunk], sampler[chunk], ones, replace(RULE, epsilon_low=1e9, epsilon_high=1e9))[0]
+
+
+# ---- off-policy corrections ----------------------------------------------------------------------
+# Two samples: sample 0's tokens have ratios 1.2, 0.9, 3.0 (ρ = 3.24, g = 1.48), sample 1's 0.6, 1.1 (ρ = 0.66,
+# g = 0.81); bounds [0.5, 1.4]. A trust region too wide to clip, so each token's gradient is -c_t·q_t·A.
+CORRECTION_RATIOS = [1.2, 0.9, 3.0, 0.6, 1.1]
+SEQUENCE = torch.tensor([0, 0, 0, 1, 1])
+WIDE = replace(RULE, epsilon_low=1e9, epsilon_high=1e9, clip_max=1.4)
+RHO0, RHO1 = 1.2 * 0.9 * 3.0, 0.6 * 1.1
+
+
+@pytest.mark.parametrize(
+    "mode, factors",
+    [
+        ("token_mask", [1, 1, 0, 1, 1]),
+        ("token_truncate", [1, 1, 1.4 / 3.0, 1, 1]),
+        ("sequence_mask", [0, 0, 0, 1, 1]),
+        ("sequence_truncate", [1.4 / RHO0] * 3 + [1, 1]),
+        ("geometric_mask", [0, 0, 0, 1, 1]),
+    ],
+)
+def test_each_correction_scales_a_tokens_gradient_by_its_factor(mode, factors):
+    logprobs = leaf([math.log(r) for r in CORRECTION_RATIOS])
+    advantages = torch.tensor([1.0, 1.0, 1.0, -2.0, -2.0], dtype=F64)
+    losses, stats = clipped_surrogate(
+        logprobs, torch.zeros(5, dtype=F64), advantages, replace(WIDE, mode=mode), SEQUENCE
+    )
+    losses.sum().backward()
+    factors = torch.tensor(factors, dtype=F64)
+    assert torch.allclose(stats.weight, factors, atol=1e-12), f"{mode}: c_t {stats.weight.tolist()}"
+    expected = -factors * torch.tensor(CORRECTION_RATIOS, dtype=F64) * advantages
+    assert torch.allclose(logprobs.grad, expected, atol=1e-10, rtol=0)
+
+
+def test_the_sequence_level_ratio_is_gspos_geometric_mean_with_its_gradient_over_the_sequence():
+    logprobs = leaf([math.log(r) for r in CORRECTION_RATIOS])
+    advantages = torch.tensor([1.0, 1.0, 1.0, -2.0, -2.0], dtype=F64)
+    gspo = replace(WIDE, clip_min=0.0, clip_max=math.inf, level="sequence")
+    losses, _ = clipped_surrogate(logprobs, torch.zeros(5, dtype=F64), advantages, gspo, SEQUENCE)
+    losses.sum().backward()
+    # L = -Σ_s |s|·g_s·A_s, and ∂g_s/∂log π_t = g_s/|s| for t in s: each token's gradient is -g_s·A_s.
+    g = [RHO0 ** (1 / 3)] * 3 + [RHO1**0.5] * 2
+    assert torch.allclose(logprobs.grad, -torch.tensor(g, dtype=F64) * advantages, atol=1e-10, rtol=0)
+    # With GSPO's narrow trust region sample 0 (g = 1.48 > 1 + 4e-4, A > 0) is clipped: no gradient.
+    logprobs.grad = None
+    narrow = replace(gspo, epsilon_low=3e-4, epsilon_high=4e-4)
+    losses, stats = clipped_surrogate(logprobs, torch.zeros(5, dtype=F64), advantages, narrow, SEQUENCE)
+    losses.sum().backward()
+    assert logprobs.grad[:3].tolist() == [0.0, 0.0, 0.0] and stats.above.tolist() == [True] * 3 + [False] * 2
+
+
+def test_score_centering_judges_each_alternative_by_a_token_correction():
+    """token_truncate: the sampled token (ratio 0.5) keeps c = 1; the alternative of ratio 9 is weighted 5/9."""
+    logprobs, old = leaf([math.log(0.5)]), torch.zeros(1, dtype=F64)
+    top = leaf([[math.log(0.5), math.log(0.9), 0.0]])
+    top_sampler = torch.tensor([[0.0, math.log(0.1), float("-inf")]], dtype=F64)
+    losses, _, _ = score_centered(
+        logprobs, old, torch.ones(1, dtype=F64), top, top_sampler, replace(RULE, mode="token_truncate")
+    )
+    losses.sum().backward()
+    assert logprobs.grad.tolist() == pytest.approx([-0.5], abs=1e-12)
+    assert top.grad.tolist()[0] == pytest.approx([0.5, 5 / 9 * 0.9, 0.0], abs=1e-12)
+
+
+def test_off_policy_statistics_are_their_formulas_and_exact_on_policy():
+    ratios = torch.tensor(CORRECTION_RATIOS, dtype=F64)
+    _, stats = clipped_surrogate(ratios.log(), torch.zeros(5, dtype=F64), torch.ones(5, dtype=F64), WIDE, SEQUENCE)
+    recorded = off_policy_stats(stats)
+    ((total, squares, count),) = recorded["sampling/effective_sample_size"]
+    assert total**2 / (count * squares) == pytest.approx(float(ratios.sum() ** 2 / (5 * (ratios**2).sum())), abs=1e-12)
+    assert recorded["sampling/mismatch_kl"] == pytest.approx((ratios - 1 - ratios.log()).tolist(), abs=1e-12)
+    assert recorded["sampling/masked_tokens_frac"] == [0.0, 0.0, 1.0, 0.0, 0.0]
+    assert recorded["sampling/masked_sequences_frac"] == [0.0, 0.0], "token_mask leaves part of each sample"
+    _, stats = clipped_surrogate(
+        ratios.log(), torch.zeros(5, dtype=F64), torch.ones(5, dtype=F64), replace(WIDE, mode="sequence_mask"), SEQUENCE
+    )
+    assert off_policy_stats(stats)["sampling/masked_sequences_frac"] == [1.0, 0.0]
+    on_policy = torch.full((5,), -0.7, dtype=torch.float32)
+    _, stats = clipped_surrogate(on_policy, on_policy, torch.ones(5), RULE, SEQUENCE)
+    recorded = off_policy_stats(stats)
+    ((total, squares, count),) = recorded["sampling/effective_sample_size"]
+    assert total**2 / (count * squares) == 1.0 and set(recorded["sampling/mismatch_kl"]) == {0.0}
 
 
 # ---- FlashREINFORCE ------------------------------------------------------------------------------

@@ -160,6 +160,23 @@ def test_sync_health_and_the_critical_ones():
     assert "no trainable sample" in verdicts(quiet_end, "run", "last window")
 
 
+def test_a_falling_effective_sample_size_or_a_growing_mismatch_names_a_correction_to_try():
+    on_policy = {"sampling/effective_sample_size": 1.0, "sampling/mismatch_kl": 0.0}
+    assert verdicts(run(on_policy), "sync") == ["healthy"]
+    falling = run(on_policy, {"sampling/effective_sample_size": 0.93})
+    assert verdicts(falling, "sync") == ["effective sample size falls"]
+    low = diagnose(run({"sampling/effective_sample_size": 0.8}), CONFIG)["last window"]
+    assert [f.verdict for f in low if f.area == "sync"] == ["effective sample size low"]
+    assert "vllm_importance_sampling_mode geometric_mask" in low[-1].knob
+    growing = run({"sampling/mismatch_kl": 1e-3}, {"sampling/mismatch_kl": 8e-3})
+    assert verdicts(growing, "sync") == ["mismatch grows"]
+    assert verdicts(run({"sampling/mismatch_kl": 5e-4}, {"sampling/mismatch_kl": 9e-4}), "sync") == ["healthy"], (
+        "under 1e-3 nats the mismatch is rounding"
+    )
+    told = diagnose(growing, CONFIG | {"vllm_importance_sampling_mode": "geometric_mask"})["whole run"]
+    assert "token_truncate (now geometric_mask)" in [f for f in told if f.area == "sync"][0].knob
+
+
 def test_a_log_prob_gap_beyond_rounding_at_staleness_zero_is_critical():
     drifted = {"sample/staleness_max": 0, "sampling/sampling_logp_difference/mean": 0.04}
     fp32 = {"compute_dtype": "float32"}

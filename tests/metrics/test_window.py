@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from tandem.metrics.catalogue import find
-from tandem.metrics.window import MAX, MEAN, MIN, RATE, SUM, MetricWindow, rule_for
+from tandem.metrics.window import MAX, MEAN, MIN, POOLED, RATE, SUM, MetricWindow, rule_for
 
 CATALOGUE = Path(__file__).with_name("catalogue.tsv")
 PLACEHOLDERS = {"{func}": ["accuracy_reward", "count_max_min"], "{tool}": ["search", "max_count"]}
@@ -67,6 +67,8 @@ def test_every_catalogue_name_has_its_documented_rule():
         ("batch/trained_tokens_per_step", MEAN),
         ("perf/wall_clock_trained_tokens_per_s", RATE),
         ("rewards/count_max_min/mean", MEAN),
+        ("sampling/effective_sample_size", POOLED),
+        ("sampling/mismatch_kl", MEAN),
     ],
 )
 def test_the_rule_reads_exact_words_of_the_last_part(name, rule):
@@ -95,3 +97,12 @@ def test_a_rate_takes_pairs_and_nothing_else_does():
         window.add("perf/step_s", (1, 2.0))
     window.extend({"completions/examples": [("prompt", "completion", 1.0)], "reward": [0.5]})
     assert window.flush() == {"reward": 0.5}, "examples are kept for printing, never logged"
+
+
+def test_an_effective_sample_size_pools_its_sums_over_the_window():
+    """(Σw)² / (N·Σw²) over every token of the window, not the mean of each record's: weights 1, 1 then 2, 0."""
+    window = MetricWindow()
+    window.add("sampling/effective_sample_size", (2.0, 2.0, 2), (2.0, 4.0, 2))
+    assert window.flush() == {"sampling/effective_sample_size": 16 / (4 * 6)}
+    with pytest.raises(ValueError, match="triples"):
+        window.add("sampling/effective_sample_size", 0.9)

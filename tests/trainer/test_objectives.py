@@ -11,12 +11,13 @@ import torch
 from tandem.config import AsyncGRPOConfig
 from tandem.contract.records import Sample
 from tandem.losses import flash_reinforce_loss
+from tandem.losses.ratio import ImportanceSampling
 from tandem.packing import pack
 from tandem.packing.log_probs import TokenLogProbs
 from tandem.trainer.objectives import ClippedSurrogate, FlashReinforce, LossShare, ScoreCentering, make_objective
 
 F64 = torch.float64
-BOUNDS = {"epsilon_low": 0.2, "epsilon_high": 0.28, "clip_min": 0.5, "clip_max": 5.0}
+RULE = ImportanceSampling(epsilon_low=0.2, epsilon_high=0.28, clip_min=0.5, clip_max=5.0)
 TOKEN_STATS = {
     "sampling/sampling_logp_difference/mean",
     "sampling/sampling_logp_difference/max",
@@ -30,6 +31,10 @@ TOKEN_STATS = {
     "clip_ratio/region_mean",
     "clip_ratio/low_min",
     "clip_ratio/high_max",
+    "sampling/effective_sample_size",
+    "sampling/mismatch_kl",
+    "sampling/masked_tokens_frac",
+    "sampling/masked_sequences_frac",
 }
 FLASH_STEP = {"flash/acceptance_rate", "flash/sequence_kl_mean", "flash/sequence_kl_max", "flash/retained_tokens_frac"}
 
@@ -91,7 +96,7 @@ def test_clipped_surrogate_is_the_masked_clipped_ratio_over_trained_tokens_and_r
     row = two_sample_row()
     old, advantages = row.behavior_log_probs.double(), row.advantages.double()
     forward = scored((old + torch.tensor(RATIOS, dtype=F64).log()).tolist())
-    result = ClippedSurrogate(BOUNDS, aux_loss_coef=0.1).row_loss(row, forward, LossShare(tokens=5 * 2, rows=2))
+    result = ClippedSurrogate(RULE, aux_loss_coef=0.1).row_loss(row, forward, LossShare(tokens=5 * 2, rows=2))
     result.loss.backward()
     ratio = torch.tensor(RATIOS, dtype=F64)
     clipped = ratio.clamp(0.8, 1.28)
@@ -122,7 +127,7 @@ def test_score_centering_subtracts_the_top_k_expectation():
     top_policy = top_sampler + torch.tensor([[1.2, 6.0], [0.9, 0.6], [1.0, 1.0]], dtype=F64).log()
     top_policy[2, 1] = -3.0
     forward = scored([-0.5 + math.log(1.2), -1.0 + math.log(0.9), -0.25], extra=top_policy.tolist())
-    result = ScoreCentering(BOUNDS, aux_loss_coef=0.0).row_loss(row, forward, LossShare.of([row], 1))
+    result = ScoreCentering(RULE, aux_loss_coef=0.0).row_loss(row, forward, LossShare.of([row], 1))
     result.loss.backward()
     ratio = torch.tensor([1.2, 0.9, 1.0], dtype=F64)  # every sampled token in bounds
     kept_top = torch.tensor([[1, 0], [1, 1], [1, 0]], dtype=F64) * top_policy.exp()  # m_v·π(v)
@@ -139,7 +144,7 @@ def test_score_centering_subtracts_the_top_k_expectation():
 def test_score_centering_without_the_samplers_top_logprobs_names_the_fix():
     row = two_sample_row()
     with pytest.raises(ValueError, match="logprobs=num_sampler_logprobs .or set score_centering=False"):
-        ScoreCentering(BOUNDS, aux_loss_coef=0.0).row_loss(row, scored([-0.5] * 5), LossShare.of([row], 1))
+        ScoreCentering(RULE, aux_loss_coef=0.0).row_loss(row, scored([-0.5] * 5), LossShare.of([row], 1))
 
 
 @pytest.mark.parametrize("objective", [ClippedSurrogate, ScoreCentering])
@@ -147,22 +152,22 @@ def test_the_router_loss_is_added_scaled_per_row_and_recorded_unscaled(objective
     tops = [None, {2: -0.5}, {3: -1.0}]
     row = pack([turn("a", [1, 2, 3], [0, 1, 1], advantage=0.0, behavior_log_probs=[0.0, -0.5, -1.0], top=tops)])
     forward = scored([-0.5, -1.0], extra=[[-0.5], [-1.0]], aux_loss=2.5)
-    result = objective(BOUNDS, aux_loss_coef=0.1).row_loss(row, forward, LossShare(tokens=2 * 4, rows=4))
+    result = objective(RULE, aux_loss_coef=0.1).row_loss(row, forward, LossShare(tokens=2 * 4, rows=4))
     result.loss.backward()
     assert result.loss.item() == pytest.approx(0.1 * 2.5 / 4, abs=1e-12)  # A = 0: the router loss alone
     assert forward.aux_loss.grad.item() == pytest.approx(0.1 / 4)
     assert result.metrics["aux_loss"] == [2.5]
-    without = objective(BOUNDS, aux_loss_coef=0.1).row_loss(
+    without = objective(RULE, aux_loss_coef=0.1).row_loss(
         row, scored([-0.5, -1.0], extra=[[-0.5], [-1.0]]), LossShare(tokens=2 * 4, rows=4)
     )
     assert "aux_loss" not in without.metrics and without.loss.item() == 0.0
-    off = objective(BOUNDS, aux_loss_coef=0.0).row_loss(
+    off = objective(RULE, aux_loss_coef=0.0).row_loss(
         row, scored([-0.5, -1.0], extra=[[-0.5], [-1.0]], aux_loss=2.5), LossShare(tokens=2 * 4, rows=4)
     )
     assert "aux_loss" not in off.metrics, "router_aux_loss_coef 0: the router loss trains nothing and is not logged"
 
 
-@pytest.mark.parametrize("objective", [ClippedSurrogate(BOUNDS, 0.0), ScoreCentering(BOUNDS, 0.0)])
+@pytest.mark.parametrize("objective", [ClippedSurrogate(RULE, 0.0), ScoreCentering(RULE, 0.0)])
 def test_per_token_objectives_need_nothing_before_the_rows(objective):
     assert objective.begin_step([two_sample_row()], no_scoring) == {}
 
@@ -173,7 +178,7 @@ def test_make_objective_follows_the_config(tmp_path):
         aux_loss_coef=0.01,
     )
     assert type(grpo) is ClippedSurrogate and grpo.aux_loss_coef == 0.01
-    assert grpo.bounds == {"epsilon_low": 0.1, "epsilon_high": 0.3, "clip_min": 0.5, "clip_max": 5.0}
+    assert grpo.rule == ImportanceSampling(epsilon_low=0.1, epsilon_high=0.3, clip_min=0.5, clip_max=5.0)
     assert type(make_objective(AsyncGRPOConfig(output_dir=str(tmp_path)), 0.0)) is ScoreCentering
     flash = make_objective(
         AsyncGRPOConfig(output_dir=str(tmp_path), algorithm="flash_reinforce", num_generations=1, flash_delta=0.01), 0.0

@@ -77,6 +77,9 @@ def test_at_staleness_zero_the_importance_ratio_is_one(tmp_path):
         assert r["sampling/sampling_logp_difference/max"] <= allowed, (
             "the trainer's log-probs differ from the sampler's"
         )
+        if exact_attention.ROWS_ROUND_ALIKE:  # an fp32 server: nothing to correct
+            assert (r["sampling/effective_sample_size"], r["sampling/mismatch_kl"]) == (1.0, 0.0)
+            assert r["sampling/masked_tokens_frac"] == r["sampling/masked_sequences_frac"] == 0.0
         # Tree packing: the group's rollouts share their prompt, so fewer tokens are forwarded than sampled.
         assert r["batch/packing_ratio"] > 1.5
         assert 0.3 < r["sampling/sampler_mass"] <= 1.0 + 1e-6, "score centering (the default) logs the top-K mass"
@@ -87,6 +90,30 @@ def test_at_staleness_zero_the_importance_ratio_is_one(tmp_path):
         )
         assert r["perf/fwd_s"] < r["perf/fwd_bwd_s"], "the step's forward passes are part of its forward + backward"
     assert rows[-1]["num_tokens"] == sum(r["batch/forwarded_tokens_per_step"] for r in rows)
+
+
+def test_gspo_with_a_sequence_correction_trains_and_logs_what_it_masked(tmp_path):
+    """GSPO's sequence-level ratio with sequence_truncate, from stale samples (max_staleness 2): the run trains, its
+    weights move, and the off-policy metrics are logged with every step."""
+    args = config(
+        tmp_path,
+        max_staleness=2,
+        max_steps=3,
+        score_centering=False,
+        importance_sampling_level="sequence",
+        vllm_importance_sampling_mode="sequence_truncate",
+        epsilon=3e-4,
+        epsilon_high=4e-4,
+    )
+    trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=small_dataset())
+    before = next(trainer.model.parameters()).detach().clone()
+    trainer.train()
+    assert not torch.equal(before, next(trainer.model.parameters()).detach()), "the weights did not move"
+    rows = [r for r in logged(tmp_path) if "sampling/effective_sample_size" in r]
+    assert len(rows) == 3
+    for r in rows:
+        assert 0 < r["sampling/effective_sample_size"] <= 1.0 + 1e-12 and r["sampling/mismatch_kl"] >= 0
+        assert r["sampling/masked_tokens_frac"] == 0.0, "a truncation scales tokens down, it masks none"
 
 
 @pytest.mark.skipif(onednn_linear.EXACT_ROWS is None, reason="oneDNN's rows do not round alike here (or no x86 oneDNN)")

@@ -26,7 +26,7 @@ def test_a_trials_fields_reach_the_optimizer_the_sampling_temperature_and_the_lo
     assert run.args.learning_rate == 3e-5 and run.optimizer.param_groups[0]["initial_lr"] == 3e-5
     assert run.callbacks.handler.optimizer is run.optimizer, "callbacks see the optimizer the trial built"
     assert run.passes.temperature == 0.7, "the trainer's log-probs at the trial's temperature, as the sampler's"
-    assert run.objective.bounds["epsilon_low"] == run.objective.bounds["epsilon_high"] == 0.1, "epsilon_high: epsilon's"
+    assert run.objective.rule.epsilon_low == run.objective.rule.epsilon_high == 0.1, "epsilon_high: epsilon's"
     assert run.runtime.logged, "the trial's runtime ran the step"
     again = run.train(trial={"learning_rate": 1e-5, "max_steps": 1})
     assert again.global_step == 1 and run.runtime.logged, "a second trial starts its counters from nothing"

@@ -20,6 +20,11 @@ if TYPE_CHECKING:
     from tandem.config import AsyncGRPOConfig
     from tandem.contract.records import Sample
 
+CORRECTION_MODES = ("token_mask", "token_truncate", "sequence_mask", "sequence_truncate", "geometric_mask")
+"""The off-policy corrections `vllm_importance_sampling_mode` chooses among (losses/ratio.py has their formulas)."""
+RATIO_LEVELS = ("token", "sequence")
+"""The values of `importance_sampling_level`: each token's own ratio, or GSPO's per-sequence one."""
+
 
 @dataclass(frozen=True)
 class Algorithm:
@@ -78,6 +83,8 @@ class GRPO(Algorithm):
             "num_sampler_logprobs",
             "vllm_importance_sampling_clip_min",
             "vllm_importance_sampling_clip_max",
+            "vllm_importance_sampling_mode",
+            "importance_sampling_level",
         }
     )
     drops_oversize_unit = False
@@ -104,6 +111,21 @@ class GRPO(Algorithm):
                 "vllm_importance_sampling_clip_max",
                 config.vllm_importance_sampling_clip_max >= 1,
                 "must be >= 1 (a ratio of 1 must never be masked)",
+            ),
+            (
+                "vllm_importance_sampling_mode",
+                config.vllm_importance_sampling_mode in CORRECTION_MODES,
+                f"must be one of {', '.join(CORRECTION_MODES)}",
+            ),
+            (
+                "importance_sampling_level",
+                config.importance_sampling_level in RATIO_LEVELS,
+                f"must be one of {', '.join(RATIO_LEVELS)}",
+            ),
+            (
+                "importance_sampling_level",
+                config.importance_sampling_level == "token" or not config.score_centering,
+                "'sequence' (GSPO) replaces the clipped surrogate's ratio: set score_centering=False with it",
             ),
         ]
 

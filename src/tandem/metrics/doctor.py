@@ -8,7 +8,8 @@ Four questions, each answered with the numbers behind it and the knob to turn:
   checkpointing), compute-bound (the first metric pair, perf/step_s against perf/fwd_bwd_s);
 - learning health: healthy, saturated at the top, stuck at the bottom, regression, collapse (zero-std groups, the
   reward of dropped groups, duplicates, entropy, truncations);
-- sync health: importance-ratio drift, stale drops, the sync's share of a step.
+- sync health: importance-ratio drift, stale drops, the sync's share of a step, the effective sample size and the
+  train/inference mismatch.
 A critical finding (the run is not learning or not valid) makes `tandem doctor` exit non-zero, so scripts can gate
 on it. Only the standard library: it reads files a run wrote.
 """
@@ -40,6 +41,13 @@ LAST_WINDOW = 0.2
 """The last window is this share of the run's logged lines (at least one)."""
 MIN_TREND_WINDOWS = 5
 """Logged lines each window needs before a fall of reward or entropy is called (regression, collapse)."""
+LOW_SAMPLE_SIZE = 0.9
+"""An effective sample size under this: a tenth of the batch's weight is lost to few tokens (VCPO, arXiv 2602.17616,
+reads a falling effective sample size as the sign of a coming collapse)."""
+SAMPLE_SIZE_FALL = 0.05
+"""An effective sample size that falls this much from one window to the next is falling."""
+MISMATCH_FLOOR = 1e-3
+"""A mismatch KL (nats per token) under this is rounding: float32 against float32 reads 0, bfloat16 about 1e-3."""
 
 
 @dataclass
@@ -276,11 +284,37 @@ def off_policy(rows: list[dict], config: dict) -> Finding | None:
     )
 
 
-def sync(rows: list[dict], config: dict) -> list[Finding]:
-    """Whether the sampler and the trainer stay close: the importance ratio, the log-prob gap at staleness 0, samples
-    dropped stale, the syncs' cost."""
+def off_policy_drift(before: list[dict], last: list[dict], config: dict) -> Finding | None:
+    """The sampler drifting from the trainer: the effective sample size low or falling, or the mismatch KL growing
+    (sampling/effective_sample_size, sampling/mismatch_kl), with the correction to try."""
+    size_before, size = mean(before, "sampling/effective_sample_size"), mean(last, "sampling/effective_sample_size")
+    kl_before, kl = mean(before, "sampling/mismatch_kl"), mean(last, "sampling/mismatch_kl")
+    mode = config.get("vllm_importance_sampling_mode", "token_mask")
+    knob = (
+        f"lower max_staleness (now {config.get('max_staleness', 4)}); try vllm_importance_sampling_mode "
+        f"{'token_truncate' if mode == 'geometric_mask' else 'geometric_mask'} (now {mode}); at staleness 0, give the "
+        "server the trainer's dtype"
+    )
+    if size is not None and (size < LOW_SAMPLE_SIZE or (size_before or 1.0) - size >= SAMPLE_SIZE_FALL):
+        falling = size_before is not None and size_before - size >= SAMPLE_SIZE_FALL
+        evidence = f"{size_before:.3f} -> {size:.3f}" if falling else f"{size:.3f}"
+        return Finding(
+            "sync",
+            "effective sample size falls" if falling else "effective sample size low",
+            f"sampling/effective_sample_size {evidence}",
+            knob,
+        )
+    if kl is not None and kl >= MISMATCH_FLOOR and kl >= 2 * (kl_before or 0.0):
+        return Finding("sync", "mismatch grows", f"sampling/mismatch_kl {nan_if_none(kl_before):.2g} -> {kl:.2g}", knob)
+    return None
+
+
+def sync(rows: list[dict], config: dict, drift: Finding | None = None) -> list[Finding]:
+    """Whether the sampler and the trainer stay close in `rows`: the importance ratio, the log-prob gap at staleness 0,
+    samples dropped stale, the syncs' cost, and the drift found between two windows (`off_policy_drift`)."""
     checks = [off_policy(rows, config), importance_ratio(rows, config), dropped_stale(rows, config)]
-    findings = [finding for finding in [*checks, sync_cost(rows, config)] if finding is not None]
+    checks += [sync_cost(rows, config), drift]
+    findings = [finding for finding in checks if finding is not None]
     ratio = mean(rows, "sampling/importance_sampling_ratio/mean")
     return findings or [Finding("sync", "healthy", f"mean ratio {nan_if_none(ratio):.3f}, no stale drops")]
 
@@ -354,13 +388,13 @@ def diagnose(rows: list[dict], config: dict) -> dict[str, list[Finding]]:
             bottleneck(last, config),
             trainer_step(last, config),
             learning(before, last, config),
-            *sync(last, config),
+            *sync(last, config, off_policy_drift(before, last, config)),
         ],
         "whole run": [
             bottleneck(rows, config),
             trainer_step(rows, config),
             learning(first, last, config),
-            *sync(rows, config),
+            *sync(rows, config, off_policy_drift(first, last, config)),
         ],
     }
     result = {label: [f for f in findings if f is not None] for label, findings in found.items()}

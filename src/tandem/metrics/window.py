@@ -5,6 +5,7 @@ exact tokens, never from substrings (`mean_terminated_length` is a mean although
 "min"):
 
     ends in `per_s`          rate: recorded as (amount, seconds) pairs, total amount / total seconds
+    `effective_sample_size`  pooled: recorded as (Σw, Σw², N) triples, (ΣΣw)² / (ΣN · ΣΣw²)
     a token `count`          summed
     a token `max` / `min`    the extreme
     anything else            the mean (a `_per_step` value is recorded once per step: the mean per step)
@@ -13,7 +14,9 @@ exact tokens, never from substrings (`mean_terminated_length` is a mean although
 import math
 from collections import defaultdict
 
-SUM, MAX, MIN, RATE, MEAN = "sum", "max", "min", "rate", "mean"
+SUM, MAX, MIN, RATE, POOLED, MEAN = "sum", "max", "min", "rate", "pooled", "mean"
+TUPLED = (RATE, POOLED)
+"""The rules whose values are recorded as tuples of sums."""
 EXAMPLES = "completions/examples"
 """(prompt, completion, reward) triples kept for the console's printout: never reduced or logged."""
 
@@ -23,6 +26,8 @@ def rule_for(name: str) -> str:
     tokens = name.rsplit("/", 1)[-1].split("_")
     if tokens[-2:] == ["per", "s"]:
         return RATE
+    if tokens[-3:] == ["effective", "sample", "size"]:
+        return POOLED
     if "count" in tokens:
         return SUM
     if "max" in tokens:
@@ -38,6 +43,9 @@ def reduce(name: str, values: list) -> float:
     if rule == RATE:
         amount, seconds = sum(v[0] for v in values), sum(v[1] for v in values)
         return amount / seconds if seconds > 0 else 0.0
+    if rule == POOLED:
+        total, squares, count = (sum(v[i] for v in values) for i in range(3))
+        return total**2 / (count * squares) if squares > 0 else float("nan")
     if rule == SUM:
         return float(sum(values))
     if rule == MAX:
@@ -48,13 +56,14 @@ def reduce(name: str, values: list) -> float:
 
 
 def check_values(name: str, values) -> None:
-    """A rate takes (amount, seconds) pairs and nothing else does; a mismatch is a recording mistake, named here
-    (the rollout loop checks its records when they are made, so that the error points at the code that made them)."""
-    rate = rule_for(name) == RATE
-    if name != EXAMPLES and any(isinstance(v, tuple) != rate for v in values):
+    """A rate takes (amount, seconds) pairs, an effective sample size (Σw, Σw², N) triples, and nothing else takes
+    tuples; a mismatch is a recording mistake, named here (the rollout loop checks its records when they are made,
+    so that the error points at the code that made them)."""
+    tupled = rule_for(name) in TUPLED
+    if name != EXAMPLES and any(isinstance(v, tuple) != tupled for v in values):
         raise ValueError(
-            f"metric {name!r}: rates (names ending in _per_s) are recorded as (amount, seconds) "
-            f"pairs and other metrics as numbers; got {values[:3]!r}"
+            f"metric {name!r}: rates (names ending in _per_s) are recorded as (amount, seconds) pairs, effective "
+            f"sample sizes as (Σw, Σw², N) triples and other metrics as numbers; got {values[:3]!r}"
         )
 
 

@@ -26,7 +26,7 @@ from tandem.contract.algorithms import algorithm_of
 from tandem.errors import UsageError
 from tandem.losses.flash_reinforce import flash_reinforce_loss
 from tandem.losses.grpo import clipped_surrogate
-from tandem.losses.ratio import UNBOUNDED, TokenStats, importance_ratio
+from tandem.losses.ratio import UNBOUNDED, ImportanceSampling, TokenStats, importance_ratio, off_policy_stats
 from tandem.losses.score_centering import score_centered
 from tandem.packing.log_probs import TokenLogProbs
 from tandem.packing.trie import PackedRow
@@ -77,27 +77,27 @@ def router_loss(scored: TokenLogProbs, coefficient: float, share: LossShare) -> 
 class ClippedSurrogate(Objective):
     """GRPO's clipped surrogate with masked importance sampling (losses/grpo.py)."""
 
-    def __init__(self, bounds: dict[str, float], aux_loss_coef: float):
-        self.bounds = bounds  # epsilon_low, epsilon_high, clip_min, clip_max
+    def __init__(self, rule: ImportanceSampling, aux_loss_coef: float):
+        self.rule = rule
         self.aux_loss_coef = aux_loss_coef
 
     @classmethod
     def from_config(cls, args: AsyncGRPOConfig, aux_loss_coef: float) -> "ClippedSurrogate":
-        return cls(
-            {
-                "epsilon_low": args.epsilon,
-                "epsilon_high": args.epsilon if args.epsilon_high is None else args.epsilon_high,
-                "clip_min": args.vllm_importance_sampling_clip_min,
-                "clip_max": args.vllm_importance_sampling_clip_max,
-            },
-            aux_loss_coef,
+        rule = ImportanceSampling(
+            epsilon_low=args.epsilon,
+            epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high,
+            clip_min=args.vllm_importance_sampling_clip_min,
+            clip_max=args.vllm_importance_sampling_clip_max,
+            mode=args.vllm_importance_sampling_mode,
+            level=args.importance_sampling_level,
         )
+        return cls(rule, aux_loss_coef)
 
     def token_losses(
         self, row: PackedRow, scored: TokenLogProbs, behavior: torch.Tensor, advantages: torch.Tensor
     ) -> tuple[torch.Tensor, TokenStats, dict[str, list]]:
         """Per-token losses, their statistics and any objective-specific records."""
-        losses, stats = clipped_surrogate(scored.log_probs, behavior, advantages, **self.bounds)
+        losses, stats = clipped_surrogate(scored.log_probs, behavior, advantages, self.rule, row.term_sample)
         return losses, stats, {}
 
     def row_loss(self, row: PackedRow, scored: TokenLogProbs, share: LossShare) -> RowLoss:
@@ -128,7 +128,7 @@ class ScoreCentering(ClippedSurrogate):
         assert row.sampler_logprobs is not None and scored.extra is not None, "set with the sampler's ids, and scored"
         sampler_logprobs = row.sampler_logprobs.to(behavior.device)
         losses, stats, mass = score_centered(
-            scored.log_probs, behavior, advantages, scored.extra, sampler_logprobs, **self.bounds
+            scored.log_probs, behavior, advantages, scored.extra, sampler_logprobs, self.rule, row.term_sample
         )
         return losses, stats, {"sampling/sampler_mass": mass.tolist()}
 
@@ -186,7 +186,7 @@ class FlashReinforce(Objective):
         router, recorded = router_loss(scored, self.aux_loss_coef, share)
         loss = (self.coefficients.pop(id(row)) * log_probs).sum() + router
         behavior = row.behavior_log_probs.to(log_probs.device)
-        _, stats = importance_ratio(log_probs.detach(), behavior, **UNBOUNDED)
+        _, stats = importance_ratio(log_probs.detach(), behavior, UNBOUNDED, row.term_sample)
         return RowLoss(loss, recorded | token_stats(row, log_probs.detach(), behavior, scored.entropy, stats))
 
 
@@ -209,7 +209,7 @@ def token_stats(
     """The loss and sampling diagnostics over a row's trained tokens."""
     diff = (log_probs - behavior).abs()
     low, high = stats.below.float().cpu(), stats.above.float().cpu()
-    return {
+    return off_policy_stats(stats) | {
         "sampling/sampling_logp_difference/mean": diff.tolist(),
         "sampling/sampling_logp_difference/max": [float(diff.max())],
         "sampling/importance_sampling_ratio/min": [float(stats.ratio.min())],

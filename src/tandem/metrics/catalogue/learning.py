@@ -177,10 +177,41 @@ LEARNING = (
     ),
     Metric(
         "sampling/masked_mean",
-        "Fraction of trained tokens left out of the loss because their importance ratio fell outside "
-        "[vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max] (masked importance sampling). 0 to 1.",
+        "Fraction of trained tokens whose importance ratio falls outside "
+        "[vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max], whatever the correction: the share "
+        "the default token_mask leaves out of the loss. 0 to 1.",
         "Near 0 is healthy; a growing share means the sampler and the trainer disagree (staleness, a dtype or "
         "log-prob mode mismatch).",
+    ),
+    Metric(
+        "sampling/effective_sample_size",
+        "The normalised effective sample size of the trained tokens' importance ratios, (Σr)² / (N·Σr²), pooled over "
+        "the window's tokens. 1 when the sampler and the trainer agree on every token; 1/N when one token carries "
+        "all the weight.",
+        "A fall below about 0.9 means the update leans on few tokens: the sampler drifts from the trainer (staleness, "
+        "a bfloat16 server); a steady fall precedes collapse. Lower max_staleness, or try "
+        "vllm_importance_sampling_mode geometric_mask or token_truncate.",
+    ),
+    Metric(
+        "sampling/mismatch_kl",
+        "The k3 estimate of KL(sampler ‖ trainer) over trained tokens: the mean of r - 1 - log r, r the importance "
+        "ratio. In nats; 0 when they agree.",
+        "At staleness 0 it measures the train/inference mismatch alone: about 1e-3 and above points at a dtype or "
+        "kernel difference between server and trainer; a growing value at fixed staleness, at the policy moving "
+        "faster than the samples arrive.",
+    ),
+    Metric(
+        "sampling/masked_tokens_frac",
+        "Fraction of trained tokens the off-policy correction (vllm_importance_sampling_mode) gives weight 0. Under "
+        "token_mask, the default, it equals sampling/masked_mean; the truncate modes mask nothing. 0 to 1.",
+        "Near 0 is healthy; above a few percent the correction throws away much of the batch.",
+    ),
+    Metric(
+        "sampling/masked_sequences_frac",
+        "Fraction of trained samples every token of which the correction gives weight 0 (a sequence mode masks "
+        "whole samples). 0 to 1.",
+        "A sequence mode masking more than about 10% of the samples: widen [vllm_importance_sampling_clip_min, _max] "
+        "or use geometric_mask, whose bound does not tighten with the sequence's length.",
     ),
     Metric(
         "sampling/sampler_mass",
