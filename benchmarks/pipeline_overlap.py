@@ -12,8 +12,10 @@ Each configuration (a server step delay and a max_staleness) is one row of the p
 processes sharing the machine's cores and once pinned (`--cores`): the trainer alone on its cores, as on a device of
 its own, and the server with the rollout worker on another (the server stands in for a GPU: it mostly sleeps). The last column is `tandem doctor`'s bottleneck for the
 asynchronous run. `--train-delay-s` slows every optimizer step, standing in for a slower trainer (a trainer-bound run).
+A row's staleness rule is the group's start version ("start") or, with `in_flight_weight_updates`, its tokens'
+("tokens"); the stale column is the share of the asynchronous run's generated rollouts dropped or cancelled as stale.
 
-    python benchmarks/pipeline_overlap.py [--steps 60] [--config STEP_DELAY_S MAX_STALENESS ...]
+    python benchmarks/pipeline_overlap.py [--steps 60] [--config STEP_DELAY_S MAX_STALENESS ...] [--in-flight]
                                           [--cores shared|pinned|both] [--train-delay-s S] [--weight-sync-steps N]
                                           [--max-num-seqs N] [--repeats 3] [--markdown PATH]
 """
@@ -36,8 +38,18 @@ from tandem.generation.launcher import EmbeddedServer
 from tandem.metrics import doctor
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
 
-CONFIGS = [(0.05, 2), (0.02, 1), (0.05, 4), (0.15, 2)]
-"""(step delay in seconds, max_staleness) of each row of the performance page's table."""
+CONFIGS = [
+    (0.05, 2, False),
+    (0.02, 1, False),
+    (0.05, 4, False),
+    (0.15, 2, False),
+    (0.05, 2, True),
+    (0.05, 3, False),
+    (0.02, 1, True),
+    (0.02, 2, False),
+]
+"""(step delay in seconds, max_staleness, in_flight_weight_updates) of each row of the performance page's table: the
+two tightest rows again with the staleness judged by the tokens, beside the start rule one version looser."""
 
 
 class TakeTurns(TrainerCallback):
@@ -109,6 +121,7 @@ def run(
     sync_steps: int = 1,
     max_num_seqs: int = 256,
     take_turns: bool = False,
+    in_flight: bool = False,
 ) -> dict:
     extra = [
         "--logprobs-mode",
@@ -143,6 +156,7 @@ def run(
             score_centering=False,
             save_strategy="no",
             weight_sync_steps=sync_steps,
+            in_flight_weight_updates=in_flight,
         )
         data = Dataset.from_list(arithmetic.make_rows(128, split="train", seed=1))
         try:
@@ -155,7 +169,16 @@ def run(
     # Measured from the end of the first step: the one-time start of the worker process is left out of both runs.
     wall = rows[-1]["time"] - rows[0]["time"]
     train = sum(r["perf/step_s"] - r["perf/rollout_wait_s"] for r in rows[1:])
-    return {"wall": wall, "train": train, "wait": sum(r["perf/rollout_wait_s"] for r in rows[1:])}
+    return {"wall": wall, "train": train, "wait": sum(r["perf/rollout_wait_s"] for r in rows[1:]), "stale": stale(rows)}
+
+
+def stale(rows: list[dict]) -> float:
+    """The share of a run's generated rollouts dropped as stale at the trainer or cancelled as stale in the worker (a
+    cancelled group's rollouts count as generated: their tokens were)."""
+    dropped = sum(r.get("sample/dropped_stale_count", 0) for r in rows)
+    cancelled = sum(r.get("rollout/cancelled_stale_count", 0) for r in rows) * 8  # num_generations
+    generated = sum(r.get("rollout/completions_count", 0) for r in rows) + cancelled
+    return (dropped + cancelled) / max(generated, 1)
 
 
 def bottleneck(folder: Path) -> str:
@@ -176,6 +199,7 @@ def compare(
     max_num_seqs: int,
     repeats: int,
     folder: Path,
+    in_flight: bool = False,
 ) -> list[str]:
     """`repeats` pairs of runs of one configuration, synchronous then asynchronous; returns its row of the performance page's table:
     the pair whose speed-up over the ideal is the median (a row moved by up to 0.2 of the ideal between single pairs),
@@ -192,6 +216,7 @@ def compare(
             sync_steps,
             max_num_seqs,
             take_turns=True,
+            in_flight=in_flight,
         )
         overlapped = run(
             slowed(AsyncGRPOTrainer, train_delay),
@@ -202,6 +227,7 @@ def compare(
             pinned,
             sync_steps,
             max_num_seqs,
+            in_flight=in_flight,
         )
         train = sync["train"]
         generate = sync["wall"] - train
@@ -214,13 +240,14 @@ def compare(
                 "async": overlapped["wall"],
                 "speedup": speedup,
                 "ideal": ideal,
+                "stale": overlapped["stale"],
                 "folder": folder / f"async-{repeat}",
             }
         )
         print(
             f"  pair {repeat + 1}: synchronous {sync['wall']:.1f}s ({train:.1f}s training), asynchronous "
-            f"{overlapped['wall']:.1f}s ({overlapped['wait']:.1f}s waiting for samples): {speedup / ideal:.2f} of the "
-            "ideal",
+            f"{overlapped['wall']:.1f}s ({overlapped['wait']:.1f}s waiting for samples, {overlapped['stale']:.1%} "
+            f"stale): {speedup / ideal:.2f} of the ideal",
             flush=True,
         )
     pair = sorted(pairs, key=lambda p: p["speedup"] / p["ideal"])[len(pairs) // 2]
@@ -231,6 +258,7 @@ def compare(
     )
     return [
         f"{delay:g} s, {staleness}{slower}",
+        "tokens" if in_flight else "start",
         "pinned" if pinned else "shared",
         f"{pair['generate']:.1f}",
         f"{pair['train']:.1f}",
@@ -239,6 +267,7 @@ def compare(
         f"{pair['speedup']:.2f}x",
         f"{pair['ideal']:.2f}x",
         f"{pair['speedup'] / pair['ideal']:.2f}",
+        f"{pair['stale']:.1%}",
         bottleneck(pair["folder"]),
     ]
 
@@ -258,7 +287,12 @@ def main() -> None:
         metavar=("STEP_DELAY_S", "MAX_STALENESS"),
         help="one row: the server's sleep after every decode step, and how far generation may run ahead "
         "(with slow rollouts it must cover their latency); repeatable. Default: the performance page's rows, "
-        + ", ".join(f"{d} {s}" for d, s in CONFIGS),
+        + ", ".join(f"{d} {s}{' (in-flight)' if f else ''}" for d, s, f in CONFIGS),
+    )
+    parser.add_argument(
+        "--in-flight",
+        action="store_true",
+        help="with --config: judge staleness by the tokens (in_flight_weight_updates) in those rows",
     )
     parser.add_argument(
         "--cores",
@@ -291,7 +325,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 1 or args.repeats % 2 == 0:
         parser.error(f"--repeats {args.repeats}: give an odd number (1, 3, 5), so that the median is one pair's")
-    configs = [(float(d), int(s)) for d, s in args.config] if args.config else CONFIGS
+    configs = [(float(d), int(s), args.in_flight) for d, s in args.config] if args.config else CONFIGS
     modes = {"shared": [False], "pinned": [True], "both": [False, True]}[args.cores]
     if True in modes and len(os.sched_getaffinity(0)) < 2:
         parser.error("--cores pinned needs at least 2 cores: the server on one, the trainer on the others")
@@ -300,11 +334,11 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (delay, staleness) in enumerate(configs):
+        for i, (delay, staleness, in_flight) in enumerate(configs):
             for pinned in modes:
                 print(
-                    f"step delay {delay} s, max_staleness {staleness}, {args.steps} steps, "
-                    f"{'pinned' if pinned else 'shared'} cores",
+                    f"step delay {delay} s, max_staleness {staleness}{', in-flight' if in_flight else ''}, "
+                    f"{args.steps} steps, {'pinned' if pinned else 'shared'} cores",
                     flush=True,
                 )
                 rows.append(
@@ -318,12 +352,14 @@ def main() -> None:
                         args.max_num_seqs,
                         args.repeats,
                         Path(tmp) / f"{i}-{pinned}",
+                        in_flight,
                     )
                 )
     emit(
         markdown_table(
             [
                 "step delay, max_staleness",
+                "judged by",
                 "cores",
                 "G (s)",
                 "T (s)",
@@ -332,9 +368,10 @@ def main() -> None:
                 "speed-up",
                 "ideal (G+T)/max(G,T)",
                 "speed-up / ideal",
+                "stale",
                 "doctor (asynchronous run)",
             ],
-            "rlrrrrrrrl",
+            "rllrrrrrrrrl",
             rows,
         ),
         args.markdown,

@@ -322,6 +322,11 @@ class AsyncGRPOConfig:
     """Policy versions (weight syncs) a sample may lag the trainer: older ones are dropped (a group not yet trained is
     generated again), and generation runs about this many steps of tokens ahead. Default 4, as in TRL; 0: on-policy.
     Raise it when the trainer waits for samples (perf/rollout_wait_s); lower it when many tokens are masked."""
+    in_flight_weight_updates: bool = False
+    """NeMo-RL's name. False (default): a sample's lag is counted from the version its group started on. True: a group
+    that runs across weight syncs is judged by its tokens, the mean version of the weights that sampled them, with
+    max_staleness as the bound, and is never cancelled for a sync (sample/token_lag_* show the lag). Needs tandem serve
+    with streamed weights (the embedded server has them) and full weights, not LoRA."""
     weight_sync_steps: int = 1
     """Optimizer steps between weight syncs to the server; each sync is one policy version, the unit of max_staleness.
     Raise it when syncing takes a large share of a step (tandem doctor says so), at the cost of staler samples."""
@@ -454,7 +459,7 @@ class AsyncGRPOConfig:
     @property
     def staleness_policy(self) -> StalenessPolicy:
         """Every rule `max_staleness` decides (tandem/contract/staleness.py)."""
-        return StalenessPolicy(self.max_staleness)
+        return StalenessPolicy(self.max_staleness, self.in_flight_weight_updates)
 
     @property
     def uses_truncated_sampling(self) -> bool:

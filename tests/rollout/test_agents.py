@@ -135,7 +135,7 @@ def test_tools_run_in_order_and_their_results_feed_the_next_turn():
 def test_a_clean_chain_of_turns_is_one_sample_training_only_the_generated_tokens():
     loop = make_loop([call("multiply", a=6, b=7), "42"], tools=[multiply])
     rollout = run(loop)
-    [sample], stats = reconcile(rollout.turns)
+    [sample], stats = reconcile(rollout.turns, version=0)
     assert stats.forks == 0, "the tiny template re-renders the history as it was generated"
     generated = sum(len(t.output_ids) for t in rollout.turns)
     assert sum(sample.trained) == generated == len(rollout.completion_ids), "tool output is context, never trained"
@@ -169,7 +169,7 @@ def test_the_iteration_cap_stops_a_rollout_that_keeps_calling_and_it_is_still_tr
     rollout = run(loop)
     assert len(rollout.turns) == 3 and rollout.tool_call_count == 2, "two tool-calling turns, then the cap"
     assert loop._scheduler.records["tools/loop_exhausted_frac"] == [1.0]
-    samples, _ = reconcile(rollout.turns)
+    samples, _ = reconcile(rollout.turns, version=0)
     assert sum(sum(s.trained) for s in samples) == len(rollout.completion_ids)
 
 

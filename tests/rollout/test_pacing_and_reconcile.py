@@ -113,17 +113,27 @@ def test_window_reduces_by_name():
 def test_turns_that_extend_the_held_tokens_make_one_sample():
     first = TurnRecord(prompt_ids=[1, 2], output_ids=[3, 4], output_log_probs=[-0.1, -0.2])
     second = TurnRecord(prompt_ids=[1, 2, 3, 4, 9, 9], output_ids=[5], output_log_probs=[-0.3])
-    [seq], stats = reconcile([first, second])
+    [seq], stats = reconcile([first, second], version=0)
     assert seq.input_ids == [1, 2, 3, 4, 9, 9, 5]
     assert seq.trained == [False, False, True, True, False, False, True], "tool results are context, never trained"
     assert seq.behavior_log_probs == [0.0, 0.0, -0.1, -0.2, 0.0, 0.0, -0.3]
     assert (stats.transitions, stats.forks) == (1, 0)
 
 
+def test_each_trained_token_keeps_the_policy_version_that_sampled_it():
+    """A sync between the first turn's two tokens; the second turn's record names no versions: the group's (2)."""
+    first = TurnRecord(
+        prompt_ids=[1, 2], output_ids=[3, 4], output_log_probs=[-0.1, -0.2], output_token_versions=[2, 3]
+    )
+    second = TurnRecord(prompt_ids=[1, 2, 3, 4, 9], output_ids=[5], output_log_probs=[-0.3])
+    [seq], _ = reconcile([first, second], version=2)
+    assert seq.token_versions == [-1, -1, 2, 3, -1, 2], "context tokens have no policy version"
+
+
 def test_a_re_rendered_history_forks_a_new_sample():
     first = TurnRecord(prompt_ids=[1, 2], output_ids=[3, 4], output_log_probs=[-0.1, -0.2])
     second = TurnRecord(prompt_ids=[1, 2, 7, 9], output_ids=[5], output_log_probs=[-0.3])
-    seqs, stats = reconcile([first, second])
+    seqs, stats = reconcile([first, second], version=0)
     assert [s.input_ids for s in seqs] == [[1, 2, 3, 4], [1, 2, 7, 9, 5]]
     assert sum(sum(s.trained) for s in seqs) == 3, "every generated token is trained exactly once"
     assert (stats.forks, stats.drift_tokens) == (1, [2])
@@ -134,7 +144,7 @@ def test_a_template_that_strips_earlier_reasoning_forks_at_the_reasoning_and_tra
     without its reasoning, as Qwen3's template does, so turn 2 starts a new sample from the whole new prompt."""
     first = TurnRecord(prompt_ids=[1, 2], output_ids=[7, 8, 9, 4], output_log_probs=[-0.1] * 4)
     second = TurnRecord(prompt_ids=[1, 2, 4, 5, 6], output_ids=[7, 9, 3], output_log_probs=[-0.2] * 3)
-    seqs, stats = reconcile([first, second])
+    seqs, stats = reconcile([first, second], version=0)
     assert [s.input_ids for s in seqs] == [[1, 2, 7, 8, 9, 4], [1, 2, 4, 5, 6, 7, 9, 3]]
     assert [s.trained for s in seqs] == [[False, False, True, True, True, True], [False] * 5 + [True] * 3], (
         "the re-rendered answer is context in the fork"
@@ -153,7 +163,7 @@ def test_every_generated_token_is_trained_in_exactly_one_sample(plan):
         output = [next(fresh) for _ in range(generated)]
         turns.append(TurnRecord(prompt_ids=prompt or [0], output_ids=output, output_log_probs=[-1.0] * generated))
         held = (prompt or [0]) + output
-    seqs, _ = reconcile(turns)
+    seqs, _ = reconcile(turns, version=0)
     trained = [t for s in seqs for t, is_trained in zip(s.input_ids, s.trained) if is_trained]
     generated = [t for turn in turns for t in turn.output_ids]
     assert sorted(trained) == sorted(generated), "each generated token once, context never"

@@ -4,6 +4,7 @@ vLLM 0.32.0 answered `/version` and `/server_info?config_format=json` on this ma
 import asyncio
 import tomllib
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,14 @@ from tandem.config import AsyncGRPOConfig
 from tandem.errors import UsageError
 from tandem.generation.client import ServerProblem
 from tandem.generation.server_facts import ServerFacts, facts_of, release
-from tandem.runtime.server_checks import NEWEST_VERIFIED_VLLM, OLDEST_VLLM, check, check_prompt_lengths, served_name
+from tandem.runtime.server_checks import (
+    NEWEST_VERIFIED_VLLM,
+    OLDEST_VLLM,
+    check,
+    check_in_flight,
+    check_prompt_lengths,
+    served_name,
+)
 from tandem.runtime.weight_sync import LoraSync, ReloadSync, choose_sync
 from tandem.tasks import TINY_MODEL_PATH
 
@@ -167,3 +175,18 @@ def test_a_server_without_lora_settings_or_context_length_is_read_as_such():
     assert vllm(lora={"max_loras": 2, "max_lora_rank": 8}).adapters.max_loras == 2
     with pytest.raises(ServerProblem, match="says no context length"):
         facts_of({"version": "0.32.0"}, {"vllm_config": {}}, [{"id": "m"}])
+
+
+def test_in_flight_weight_updates_need_a_server_that_labels_tokens_and_a_weight_stream():
+    """tandem serve with a weight stream labels each token; vLLM 0.32 labels none, a folder reload names no version,
+    and a LoRA request names one adapter version for its whole generation: each is refused, naming the fix."""
+    tandem = replace(vllm(), engine="tandem")
+    check_in_flight(True, tandem, URL, lora=False)
+    check_in_flight(False, vllm(), URL, lora=True)  # the setting off: nothing to check
+    with pytest.raises(NotImplementedError, match=r"\(vllm 0\.32\.0\) does not say which weights sampled each token"):
+        check_in_flight(True, vllm(), URL, lora=False)
+    reloading = replace(tandem, weight_transfer=None)
+    with pytest.raises(NotImplementedError, match=r"by a folder reload.*--weight-transfer-config"):
+        check_in_flight(True, reloading, URL, lora=False)
+    with pytest.raises(NotImplementedError, match="with LoRA"):
+        check_in_flight(True, tandem, URL, lora=True)

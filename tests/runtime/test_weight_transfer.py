@@ -13,7 +13,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tandem.generation.client import ControlClient, EngineDead, GenerationClient, ServerError, ServerProblem
+from tandem.generation.client import (
+    Completion,
+    ControlClient,
+    EngineDead,
+    GenerationClient,
+    ServerError,
+    ServerProblem,
+)
 from tandem.generation.launcher import EmbeddedProxy
 from tandem.kernels import onednn_linear
 from tandem.packing import tree_attention
@@ -320,12 +327,21 @@ def test_weight_versions_label_each_token_with_the_weights_that_sampled_it(token
         },
         "/inference/v1/generate": {"token_ids": prompt, "sampling_params": sampling},
     }
+
+    async def through_the_client() -> list[Completion]:  # as the rollout worker asks, for a group of version 3
+        client = GenerationClient(serve.url)
+        try:
+            return await client.complete(prompt, **sampling, return_weight_versions=True)
+        finally:
+            await client.close()
+
     try:
-        with asyncio.Runner() as run, concurrent.futures.ThreadPoolExecutor(3) as pool:
+        with asyncio.Runner() as run, concurrent.futures.ThreadPoolExecutor(4) as pool:
             control = ControlClient(serve.url)
             sync = TransferSync(control, run, TINY_MODEL_PATH, timeout_s=20)
             assert sync.connect() == 1
             answers = {path: pool.submit(serve.post, path, body) for path, body in bodies.items()}
+            client_answer = pool.submit(asyncio.run, through_the_client())
             time.sleep(0.8)  # about 16 of the 60 steps
             sync.push(trained_model(seed=1), 7)
             for path, answer in answers.items():
@@ -334,6 +350,12 @@ def test_weight_versions_label_each_token_with_the_weights_that_sampled_it(token
                 (first, second) = body["choices"][0]["weight_versions"]
                 assert first["version"] == "default" and second["version"] == "7", f"{path}: {first}, {second}"
                 assert first["start"] == 0 and 0 < first["end"] == second["start"] < second["end"] == 60, f"{path}"
+            [completion] = client_answer.result()
+            versions = completion.token_versions(default=3)
+            swapped = versions.index(7)
+            assert 0 < swapped and versions == [3] * swapped + [7] * (60 - swapped), (
+                "the server's first weights ('default') count as the group's version, the rest as the pushed one"
+            )
             status, body = serve.post("/v1/completions", {"prompt": prompt, **sampling})
             assert body["choices"][0]["weight_versions"] is None, "spans only when asked for"
             run.run(control.close())

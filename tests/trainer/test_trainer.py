@@ -92,6 +92,39 @@ def test_at_staleness_zero_the_importance_ratio_is_one(tmp_path):
     assert rows[-1]["num_tokens"] == sum(r["batch/forwarded_tokens_per_step"] for r in rows)
 
 
+def test_in_flight_weight_updates_judge_a_group_by_its_tokens_and_never_past_max_staleness(tmp_path):
+    """A server slowed to 50 ms a decode step, so that weight syncs land in the middle of 40-token generations: their
+    later tokens carry the newer version. No group trains past the bound its tokens allow, and the samples' tokens
+    carry the versions the server labelled them with (sample/mixed_tokens_frac counts those sampled after a swap)."""
+    external = ServerThread(
+        logprobs_mode="processed_logprobs",
+        max_logprobs=20,
+        weight_transfer_config='{"backend": "gloo"}',
+        step_delay_s=0.05,
+    )
+    try:
+        args = config(
+            tmp_path,
+            vllm_server_base_url=external.url,
+            max_staleness=1,
+            in_flight_weight_updates=True,
+            max_completion_length=40,
+            temperature=1.5,
+            max_steps=6,
+        )
+        AsyncGRPOTrainer(TINY_MODEL_PATH, accuracy_reward, args=args, train_dataset=small_dataset(48)).train()
+    finally:
+        external.close()
+    rows = [r for r in logged(tmp_path) if "sample/token_lag_mean" in r]
+    assert len(rows) == 6
+    for r in rows:
+        assert r["sample/token_lag_mean"] <= 1, f"a group trained past max_staleness by its tokens: {r}"
+        assert r["sample/token_lag_max"] <= r["sample/staleness_max"], "a token is never older than its group's start"
+    assert any(r["sample/mixed_tokens_frac"] > 0 for r in rows), (
+        "no token was sampled after a sync in its turn's middle: the test did not exercise in-flight updates"
+    )
+
+
 def test_gspo_with_a_sequence_correction_trains_and_logs_what_it_masked(tmp_path):
     """GSPO's sequence-level ratio with sequence_truncate, from stale samples (max_staleness 2): the run trains, its
     weights move, and the off-policy metrics are logged with every step."""

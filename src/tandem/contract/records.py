@@ -22,6 +22,9 @@ class TurnRecord:
     output_sampling_mask: list[list[int]] | None = None
     output_sampler_logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
+    output_token_versions: list[int] | None = None
+    """The policy version whose weights sampled each output token (a sync between two of them changes it); None: the
+    version the request named, for every token."""
 
 
 @dataclass
@@ -40,13 +43,15 @@ class Rollout:
 @dataclass
 class TrainingSequence:
     """A token sequence built from a rollout's turns: `trained[j]` marks sampled tokens to train on,
-    `behavior_log_probs[j]` their sampler log-prob (0.0 for context tokens)."""
+    `behavior_log_probs[j]` their sampler log-prob (0.0 for context tokens), `token_versions[j]` the policy version
+    that sampled them (-1 for context tokens)."""
 
     input_ids: list[int]
     trained: list[bool]
     behavior_log_probs: list[float]
     sampler_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     sampling_mask: list[list[int] | None] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -93,6 +98,26 @@ class Sample:
     """The std of the summed reward within the sample's group: reward_group_std, averaged over trained samples."""
     source_group_stds: dict[str, float] = field(default_factory=dict)
     """The same per reward source (rewards/{source}/group_std)."""
+    token_versions: list[int] = field(default_factory=list)
+    """The policy version that sampled each token (-1 for context tokens); empty: `model_version`, for every token."""
+    group_token_version: float | None = None
+    """The mean policy version of every token the sample's group generated: the version the staleness rule judges
+    the group by under in_flight_weight_updates. None: `model_version`."""
+
+    def trained_versions(self) -> list[int]:
+        """The policy version of each trained token."""
+        if not self.token_versions:
+            return [self.model_version] * self.num_trained
+        return [v for v, t in zip(self.token_versions, self.trained) if t]
+
+    def mixed_tokens(self) -> int:
+        """Trained tokens sampled after a weight swap in the middle of their own turn (a run of generated tokens): the
+        server kept the key-value cache the older weights computed, so no one version's weights give them exactly."""
+        count, first = 0, None
+        for version, trained in zip(self.token_versions, self.trained):
+            first = (version if first is None else first) if trained else None
+            count += trained and version != first
+        return count
 
     @property
     def num_tokens(self) -> int:

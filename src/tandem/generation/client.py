@@ -72,6 +72,22 @@ class Completion:
     stop_reason: int | str | None = None
     top_logprobs: list[dict[int, float]] | None = None
     sampling_mask: list[list[int]] | None = None
+    weight_versions: list[dict] | None = None
+    """Half-open spans of the tokens, each with the label of the weights that sampled it ({"version", "start", "end"});
+    None where the server does not say."""
+
+    def token_versions(self, default: int) -> list[int] | None:
+        """The policy version of each token from the spans (a label that is no version number, such as the server's
+        first weights' "default", counts as `default`); None without spans."""
+        if self.weight_versions is None:
+            return None
+        versions = [default] * len(self.token_ids)
+        for span in self.weight_versions:
+            label = str(span["version"])
+            versions[span["start"] : span["end"]] = [int(label) if label.isdigit() else default] * (
+                span["end"] - span["start"]
+            )
+        return versions
 
 
 @dataclass
@@ -203,9 +219,11 @@ class GenerationClient(_Http):
         seed: int | None = None,
         logprobs: int = 0,
         stop_token_ids: list[int] | None = None,
+        return_weight_versions: bool = False,
         **extra,
     ) -> list[Completion]:
-        """`/v1/completions` with a token-id prompt. Every sampling field is sent, so server defaults never apply."""
+        """`/v1/completions` with a token-id prompt. Every sampling field is sent, so server defaults never apply;
+        `return_weight_versions` (tandem serve's) asks which weights sampled each token."""
         body = {
             "prompt": list(prompt_ids),
             "max_tokens": max_tokens,
@@ -223,6 +241,8 @@ class GenerationClient(_Http):
             "skip_special_tokens": False,
             **extra,
         }
+        if return_weight_versions:
+            body["return_weight_versions"] = True
         if model is not None:
             body["model"] = model
         data = await self.post_json("/v1/completions", body)
@@ -267,6 +287,7 @@ class GenerationClient(_Http):
                     top_logprobs=[{t["token_id"]: t["logprob"] for t in e.get("top_logprobs") or []} for e in content]
                     or None,
                     sampling_mask=choice.get("sampling_mask"),
+                    weight_versions=choice.get("weight_versions"),
                 )
             )
         return completions
@@ -283,6 +304,7 @@ def _completion_choice(choice: dict, logprobs: int) -> Completion:
         finish_reason=choice.get("finish_reason"),
         stop_reason=choice.get("stop_reason"),
         top_logprobs=top,
+        weight_versions=choice.get("weight_versions"),
     )
 
 

@@ -60,6 +60,12 @@ class ServerFacts:
         return self.engine == "tandem"
 
     @property
+    def labels_token_versions(self) -> bool:
+        """Each generated token comes back with the label of the weights that sampled it (`return_weight_versions`);
+        vLLM 0.32 labels none, so its tokens are counted under the version their request started on."""
+        return self.engine == "tandem"
+
+    @property
     def loads_checkpoint_names(self) -> bool:
         """Streamed weights must carry the checkpoint's names and layouts (vLLM's loader), not the model's."""
         return self.engine == "vllm"

@@ -93,6 +93,9 @@ class Generation:
         """Whether requests go to /inference/v1/generate for each token's kept set (top-k / top-p)."""
         self.top_logprobs = algorithm_of(config).sampler_top_logprobs(config)
         """How many of the sampler's most likely tokens to ask for at each position (score centering needs them)."""
+        labels = settings.server is not None and settings.server.labels_token_versions
+        self.labels_versions = labels and not self.adapter_name
+        """Whether to ask which weights sampled each token (a LoRA request names its adapter's version instead)."""
 
     async def sample(self, prompt_ids: list[int], n: int) -> list[TurnRecord]:
         """`n` samples of one prompt in one request; the server seeds child i with seed + i. With top-k / top-p /
@@ -103,8 +106,11 @@ class Generation:
             sampling_params = {**settings, "skip_special_tokens": False}
             completions = await self.client.generate(prompt_ids, model=model, sampling_params=sampling_params)
         else:
-            completions = await self.client.complete(prompt_ids, model=model, **settings)
+            completions = await self.client.complete(
+                prompt_ids, model=model, **settings, return_weight_versions=self.labels_versions
+            )
         self.generated_tokens += sum(len(x.token_ids) for x in completions)
+        version = GROUP_VERSION.get()
         return [
             TurnRecord(
                 prompt_ids=list(prompt_ids),
@@ -113,6 +119,7 @@ class Generation:
                 output_sampler_logprobs=top_entries(x.top_logprobs, self.top_logprobs),
                 output_sampling_mask=x.sampling_mask,
                 finish_reason=x.finish_reason,
+                output_token_versions=x.token_versions(version) if self.labels_versions else None,
             )
             for x in completions
         ]
@@ -298,12 +305,13 @@ class Generation:
             self.rollouts_in_flight -= slots
             self.slot.notify_all()
 
-    def reconciled(self, episodes: list[Episode]) -> list[list]:
-        """Each rollout's turns as training sequences (forks where a re-rendered turn drifted), recorded."""
+    def reconciled(self, episodes: list[Episode], version: int) -> list[list]:
+        """Each rollout's turns as training sequences (forks where a re-rendered turn drifted), recorded; `version`:
+        the group's, for tokens whose turn does not say which weights sampled them."""
         sequences = []
         for episode in episodes:
             turns = episode.rollout.turns
-            seqs, stats = reconcile(turns)
+            seqs, stats = reconcile(turns, version)
             sequences.append(seqs)
             self.record("rollout/samples_per_rollout", len(seqs))
             self.record("rollout/turns_mean", len(turns))

@@ -15,7 +15,8 @@ class ReconcileStats:
     drift_tokens: list[int] = field(default_factory=list)
 
 
-def reconcile(turns: list[TurnRecord]) -> tuple[list[TrainingSequence], ReconcileStats]:
+def reconcile(turns: list[TurnRecord], version: int) -> tuple[list[TrainingSequence], ReconcileStats]:
+    """The turns' training sequences; `version` is the policy version of a turn's tokens that do not carry one."""
     sequences: list[TrainingSequence] = []
     stats = ReconcileStats()
     held: TrainingSequence | None = None
@@ -41,6 +42,7 @@ def reconcile(turns: list[TurnRecord]) -> tuple[list[TrainingSequence], Reconcil
             behavior_log_probs=turn.output_log_probs,
             sampler_logprobs=turn.output_sampler_logprobs,
             sampling_mask=turn.output_sampling_mask,
+            token_versions=turn.output_token_versions or [version] * len(turn.output_ids),
         )
     if held is not None:
         sequences.append(held)
@@ -48,7 +50,13 @@ def reconcile(turns: list[TurnRecord]) -> tuple[list[TrainingSequence], Reconcil
 
 
 def _extend(
-    seq: TrainingSequence, ids: list[int], trained, behavior_log_probs=None, sampler_logprobs=None, sampling_mask=None
+    seq: TrainingSequence,
+    ids: list[int],
+    trained,
+    behavior_log_probs=None,
+    sampler_logprobs=None,
+    sampling_mask=None,
+    token_versions=None,
 ) -> None:
     n = len(ids)
     seq.input_ids += list(ids)
@@ -56,6 +64,7 @@ def _extend(
     seq.behavior_log_probs += list(behavior_log_probs) if behavior_log_probs else [0.0] * n
     seq.sampler_logprobs += list(sampler_logprobs) if sampler_logprobs else [None] * n
     seq.sampling_mask += list(sampling_mask) if sampling_mask else [None] * n
+    seq.token_versions += list(token_versions) if token_versions else [-1] * n
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -127,7 +127,8 @@ class RolloutScheduler:
             await self.server.init_cap()
             background.append(asyncio.create_task(self.server.poll()))
             background.append(self._watch(asyncio.create_task(self._scorer())))
-            background.append(self._watch(asyncio.create_task(self._cancel_doomed())))
+            if self.staleness.cancels_running_groups:
+                background.append(self._watch(asyncio.create_task(self._cancel_doomed())))
             background.append(self._watch(asyncio.create_task(self._evaluations())))
             await self._dispatch_all()
             self._flush_records()
@@ -246,7 +247,7 @@ class RolloutScheduler:
             group_id,
             version,
             episodes,
-            self.generation.reconciled(episodes),
+            self.generation.reconciled(episodes, version),
         )
         block = time.monotonic()
         self.unscored += 1
@@ -428,6 +429,9 @@ def training_samples(
     """The group's training samples: each rollout's sequences, with the rollout's advantage and reward, and the
     group's reward stds (metrics averaged over trained samples)."""
     group_samples = sum(len(seqs) for seqs in group.completions_sequences)
+    versions = [
+        v for seqs in group.completions_sequences for s in seqs for v, t in zip(s.token_versions, s.trained) if t
+    ]
     return [
         Sample(
             input_ids=s.input_ids,
@@ -445,6 +449,8 @@ def training_samples(
             reward=float(r),
             group_reward_std=stds[0],
             source_group_stds=stds[1],
+            token_versions=s.token_versions,
+            group_token_version=sum(versions) / len(versions) if versions else None,
         )
         for rollout, seqs, a, r in zip(rollouts, group.completions_sequences, advantages, rewards)
         for s in seqs

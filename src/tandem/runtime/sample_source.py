@@ -271,7 +271,7 @@ class SampleSource:
         when none is buffered: then `wait` for the worker, unless the source is `finished`."""
         while self.buffer:
             sample = self.buffer[0]
-            stale = self.staleness.is_stale(model_version, sample.model_version)
+            stale = self.staleness.is_stale(model_version, self.staleness.version_of(sample))
             if stale and sample.prompt_index in self.admitted:
                 self._discard("sample/dropped_stale_count")  # the rest of a group already partly trained
             elif stale:

@@ -36,6 +36,31 @@ def check(facts: ServerFacts, url: str, weights_dtype: str) -> None:
         )
 
 
+def check_in_flight(in_flight: bool, facts: ServerFacts, url: str, lora: bool) -> None:
+    """in_flight_weight_updates judges a sample by the weights that sampled each token: the server must say which,
+    and each sync must tell it the version it swaps in (a weight stream does; a folder reload and a LoRA adapter,
+    which a request names for its whole generation, do not yet)."""
+    if not in_flight:
+        return
+    if lora:
+        raise NotImplementedError(
+            "in_flight_weight_updates=True with LoRA: a request names one adapter version for its whole generation, "
+            "so its tokens cannot move to a newer one; not implemented. Set in_flight_weight_updates=False."
+        )
+    if not facts.labels_token_versions:
+        raise NotImplementedError(
+            f"in_flight_weight_updates=True: the server at {url} ({facts.engine} {facts.version}) does not say which "
+            "weights sampled each token (return_weight_versions), and reading it from the stream is not implemented. "
+            "Use tandem serve, or set in_flight_weight_updates=False."
+        )
+    if facts.weight_transfer not in ("gloo", "nccl"):  # weight_sync.full_weights_sync then reloads a folder
+        raise NotImplementedError(
+            f"in_flight_weight_updates=True: the weights reach the server at {url} by a folder reload, which does not "
+            'label them with their version. Start it with --weight-transfer-config \'{"backend": "gloo"}\' (the '
+            "embedded server has it), or set in_flight_weight_updates=False."
+        )
+
+
 def check_vllm(facts: ServerFacts, url: str) -> None:
     found = facts.release
     oldest, newest = ".".join(map(str, OLDEST_VLLM)), ".".join(map(str, NEWEST_VERIFIED_VLLM))

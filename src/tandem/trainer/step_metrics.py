@@ -37,11 +37,15 @@ def input_tokens(rows: list[PackedRow], counted: str | bool) -> int:
 
 def record_samples(window: MetricWindow, rows: list[PackedRow], model_version: int) -> None:
     """Staleness, size and rewards of every sample the step trained (its time in the queue is the runtime's, at
-    take)."""
+    take), and the lag of each trained token behind the weights being trained."""
     for sample in (s for row in rows for s in row.samples):
         lag = staleness(model_version, sample.model_version)
         window.add("sample/staleness_mean", lag)
         window.add("sample/staleness_max", lag)
+        token_lags = [staleness(model_version, version) for version in sample.trained_versions()]
+        window.add("sample/token_lag_mean", *token_lags)
+        window.add("sample/token_lag_max", *token_lags)
+        window.add("sample/mixed_tokens_frac", sample.mixed_tokens() / max(sample.num_trained, 1))
         window.add("sample/forwarded_tokens_mean", sample.num_tokens)
         window.add("sample/forwarded_tokens_max", sample.num_tokens)
         window.add("sample/trained_tokens_mean", sample.num_trained)

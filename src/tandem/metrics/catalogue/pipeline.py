@@ -69,6 +69,25 @@ PIPELINE = (
     ),
     Metric("sample/staleness_max", "Largest staleness (policy versions) of a sample trained in the window."),
     Metric(
+        "sample/token_lag_mean",
+        "Policy versions between the weights being trained and those that sampled each trained token, averaged over "
+        "trained tokens. A sync in the middle of a generation makes its later tokens newer than the version its group "
+        "started on (sample/staleness_*, which counts from that start).",
+        "Below sample/staleness_mean by the share of tokens generated after a sync. Under in_flight_weight_updates "
+        "each group's mean is at most max_staleness.",
+    ),
+    Metric(
+        "sample/mixed_tokens_frac",
+        "Share of a trained sample's tokens sampled after a weight sync in the middle of their turn, averaged over "
+        "trained samples: the server kept the key-value cache the older weights computed, so they come from neither "
+        "version exactly (the importance ratio still uses the sampler's own log-probs). 0 to 1.",
+        "Grows with long generations and frequent syncs.",
+    ),
+    Metric(
+        "sample/token_lag_max",
+        "The largest lag, in policy versions, of any trained token in the window (see sample/token_lag_mean).",
+    ),
+    Metric(
         "sample/time_in_queue_s",
         "Seconds from a sample's scoring in the rollout worker to its placement in a training row, averaged over "
         "samples.",
