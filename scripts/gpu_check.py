@@ -7,10 +7,13 @@ One line per check: `ok`, `FAIL` (with the numbers), or `skipped: <why>`. Exit c
   1. tandem serve on the device in bf16: a completion of the tiny model, its tokens/s;
   2. the `flex` tree kernel: a packed row's log-probs against each sample's own forward (bf16 on CUDA);
   3. a short training run on the embedded server at staleness 0: the importance ratio, MFU;
-  4. vLLM's NCCL weight transfer into `vllm serve`: not run here (it needs vLLM built for CUDA beside the trainer).
+  4. an in-flight sync into bf16 `tandem serve` (its cache recomputed): a long generation with a weight update in its
+     middle, each token's served log-prob against the forward of the weights that sampled it;
+  5. vLLM's NCCL weight transfer into `vllm serve`: not run here (it needs vLLM built for CUDA beside the trainer).
 """
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -33,6 +36,7 @@ NEEDS = {
     "tandem serve (bf16)": ["transformers", "aiohttp", "pydantic", "safetensors"],
     "flex kernel: packed = unpacked": ["transformers"],
     "training at staleness 0": ["transformers", "peft", "datasets", "aiohttp", "pydantic", "math_verify", "rich"],
+    "in-flight sync, per token": ["transformers", "aiohttp", "pydantic", "safetensors"],
 }
 """What each check imports beyond torch: a machine without one says `skipped: <package> absent` for that check."""
 
@@ -41,29 +45,15 @@ def line(name: str, verdict: str) -> None:
     print(f"{name:<32} {verdict}", flush=True)
 
 
-def check_serve(device: str) -> bool:
-    """tandem serve on `device` in bf16 answers a completion; returns whether it did."""
+@contextlib.contextmanager
+def served(device: str, dtype: str, *flags: str):
+    """`tandem serve tiny` on `device` in `dtype`, its URL once it answers /health; its log tail on a failure."""
     from tandem.runtime.weight_transfer import free_port
 
     port = free_port("127.0.0.1")
+    command = [sys.executable, "-m", "tandem", "serve", "tiny", "--port", str(port), "--device", device]
     with tempfile.TemporaryFile() as log:
-        server = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tandem",
-                "serve",
-                "tiny",
-                "--port",
-                str(port),
-                "--device",
-                device,
-                "--dtype",
-                "bfloat16",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        server = subprocess.Popen([*command, "--dtype", dtype, *flags], stdout=log, stderr=subprocess.STDOUT)
         try:
             url, end = f"http://127.0.0.1:{port}", time.monotonic() + 120
             while time.monotonic() < end:
@@ -72,30 +62,93 @@ def check_serve(device: str) -> bool:
                     break
                 except OSError:
                     time.sleep(0.5)
-            body = json.dumps(
-                {"prompt": [1, 40, 41, 42], "max_tokens": 64, "n": 16, "ignore_eos": True, "seed": 0, "logprobs": 0}
-            ).encode()
-            start = time.perf_counter()
-            request = urllib.request.Request(
-                url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
-            )
-            answer = json.loads(urllib.request.urlopen(request, timeout=120).read())
-            seconds = time.perf_counter() - start
-            tokens = answer["usage"]["completion_tokens"]
-            dtype = json.loads(urllib.request.urlopen(url + "/server_info?config_format=json").read())["vllm_config"]
-            line(
-                "tandem serve (bf16)",
-                f"ok: {tokens} tokens in {seconds:.2f}s ({tokens / seconds:.0f} tok/s), "
-                f"dtype {dtype['model_config']['dtype']} on {dtype['device_config']['device']}",
-            )
-            return True
-        except Exception as exc:  # noqa: BLE001 - reported as the check's verdict
+            yield url
+        except Exception as exc:
             log.seek(0)
-            line("tandem serve (bf16)", f"FAIL: {exc!r}; log tail: {log.read().decode(errors='replace')[-600:]!r}")
-            return False
+            raise RuntimeError(f"{exc!r}; server log tail: {log.read().decode(errors='replace')[-600:]!r}") from exc
         finally:
             server.kill()
             server.wait()
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(request, timeout=120).read())
+
+
+def check_serve(device: str) -> bool:
+    """tandem serve on `device` in bf16 answers a completion; returns whether it did."""
+    with served(device, "bfloat16") as url:
+        body = {"prompt": [1, 40, 41, 42], "max_tokens": 64, "n": 16, "ignore_eos": True, "seed": 0, "logprobs": 0}
+        start = time.perf_counter()
+        answer = post(url + "/v1/completions", body)
+        seconds = time.perf_counter() - start
+        tokens = answer["usage"]["completion_tokens"]
+        dtype = json.loads(urllib.request.urlopen(url + "/server_info?config_format=json").read())["vllm_config"]
+    line(
+        "tandem serve (bf16)",
+        f"ok: {tokens} tokens in {seconds:.2f}s ({tokens / seconds:.0f} tok/s), "
+        f"dtype {dtype['model_config']['dtype']} on {dtype['device_config']['device']}",
+    )
+    return True
+
+
+def check_in_flight(device: str) -> bool:
+    """A 120-token generation on `tandem serve --recompute-kv-cache-after-weight-updates` (bf16 on CUDA) with a weight
+    update streamed in its middle: every token's served log-prob against the forward, on the same device and dtype,
+    of the weights its span names."""
+    import asyncio
+    import concurrent.futures
+
+    from transformers import AutoModelForCausalLM
+
+    from tandem.generation.client import ControlClient
+    from tandem.runtime.weight_transfer import TransferSync
+    from tandem.tasks import TINY_MODEL_PATH
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    name = str(dtype).removeprefix("torch.")
+    mean_bound, max_bound = (0.06, 0.5) if dtype == torch.bfloat16 else (1e-5, 1e-4)  # bf16 rounding, as the doctor's
+    first = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=dtype).to(device).eval()
+    pushed = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=dtype).to(device).eval()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in pushed.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    flags = ["--weight-transfer-config", '{"backend": "gloo"}', "--step-delay-s", "0.02"]
+    prompt = [1, 40, 41, 42]
+    body = {"prompt": prompt, "max_tokens": 120, "ignore_eos": True, "seed": 0, "logprobs": 0}
+    body |= {"return_token_ids": True, "return_weight_versions": True}
+    with served(device, name, *flags, "--recompute-kv-cache-after-weight-updates") as url:
+        with asyncio.Runner() as run, concurrent.futures.ThreadPoolExecutor(1) as pool:
+            control = ControlClient(url)
+            sync = TransferSync(control, run, "tiny", timeout_s=60)
+            sync.connect()
+            answer = pool.submit(post, url + "/v1/completions", body)
+            time.sleep(1.0)  # about 50 of the 120 steps
+            sync.push(pushed, 1)
+            choice = answer.result()["choices"][0]
+            run.run(control.close())
+    output, spans = choice["token_ids"], choice["weight_versions"]
+    if len(spans) != 2:
+        line("in-flight sync, per token", f"FAIL: the update did not land in the generation's middle: spans {spans}")
+        return False
+    cut = spans[0]["end"]
+
+    def log_probs(model) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + output], device=device)).logits[0, len(prompt) - 1 : -1]
+        return logits.float().log_softmax(-1).gather(1, torch.tensor(output, device=device)[:, None])[:, 0].cpu()
+
+    expected = torch.cat([log_probs(first)[:cut], log_probs(pushed)[cut:]])
+    gaps = (torch.tensor(choice["logprobs"]["token_logprobs"]) - expected).abs()
+    verdict = "ok" if gaps.mean() <= mean_bound and gaps.max() <= max_bound else "FAIL"
+    line(
+        "in-flight sync, per token",
+        f"{verdict}: update at token {cut} of {len(output)}; |served - forward of its version| mean "
+        f"{gaps.mean():.2e}, max {gaps.max():.2e} ({name}, allowed {mean_bound:g} / {max_bound:g})",
+    )
+    return verdict == "ok"
 
 
 def check_flex(device: str) -> bool:
@@ -204,6 +257,7 @@ def main() -> None:
         ("tandem serve (bf16)", check_serve),
         ("flex kernel: packed = unpacked", check_flex),
         ("training at staleness 0", check_training),
+        ("in-flight sync, per token", check_in_flight),
     ]:
         absent = [module for module in NEEDS[name] if importlib.util.find_spec(module) is None]
         if absent:

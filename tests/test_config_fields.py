@@ -147,6 +147,8 @@ FIELD_TESTS = {
     "vllm_importance_sampling_clip_max": "tests/test_config_fields.py::test_the_objective_takes_its_bounds_and_flash_fields_from_the_config",
     "vllm_importance_sampling_mode": "tests/test_config_fields.py::test_the_objective_takes_its_bounds_and_flash_fields_from_the_config",
     "importance_sampling_level": "tests/test_config_fields.py::test_the_objective_takes_its_bounds_and_flash_fields_from_the_config",
+    "in_flight_weight_updates": "tests/trainer/test_trainer.py::test_in_flight_weight_updates_judge_a_group_by_its_tokens_and_never_past_max_staleness",
+    "recompute_kv_cache_after_weight_updates": "tests/trainer/test_trainer.py::test_the_embedded_server_recomputes_its_cache_after_each_sync_when_asked",
     "num_sampler_logprobs": "tests/test_config_fields.py::test_the_sampling_fields_reach_every_request",
     "token_budget": "tests/trainer/test_trainer.py::test_samples_longer_than_the_token_budget_are_dropped_with_a_warning",
     "tree_attention_kernel": "tests/trainer/test_conventions.py::test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask",

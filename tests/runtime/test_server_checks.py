@@ -190,3 +190,14 @@ def test_in_flight_weight_updates_need_a_server_that_labels_tokens_and_a_weight_
         check_in_flight(True, reloading, URL, lora=False)
     with pytest.raises(NotImplementedError, match="with LoRA"):
         check_in_flight(True, tandem, URL, lora=True)
+
+
+def test_recomputing_the_cache_needs_a_tandem_serve_started_to_do_it():
+    tandem = replace(vllm(), engine="tandem")
+    check(replace(tandem, recomputes_kv_cache=True), URL, "float32", recompute_kv_cache=True)
+    with pytest.raises(UsageError, match="started without --recompute-kv-cache-after-weight-updates: set the field"):
+        check(tandem, URL, "float32", recompute_kv_cache=True)
+    with pytest.raises(UsageError, match="=False, but .* started with --recompute-kv-cache-after-weight-updates"):
+        check(replace(tandem, recomputes_kv_cache=True), URL, "float32")
+    with pytest.raises(NotImplementedError, match="is vllm 0.32.0; computing a running sequence's cache again"):
+        check(vllm(), URL, "float32", recompute_kv_cache=True)

@@ -361,3 +361,53 @@ def test_weight_versions_label_each_token_with_the_weights_that_sampled_it(token
             run.run(control.close())
     finally:
         serve.close()
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["recomputed cache", "kept cache"])
+def test_after_a_mid_generation_update_each_token_is_its_versions_exactly_when_the_cache_is_recomputed(
+    tokenizer, recompute
+):
+    """A 60-token generation with a weight update in its middle. With the cache computed again, every token's served
+    log-prob is the trainer's forward under the weights that sampled it (before the update the first weights', after
+    it the pushed ones'); kept, the tokens after the update read keys and values the old weights computed, and differ
+    from both."""
+    flags = ["--recompute-kv-cache-after-weight-updates"] if recompute else []
+    serve = ServeProcess("--weight-transfer-config", GLOO, "--step-delay-s", "0.05", *flags)
+    prompt = chat_prompt(tokenizer, "Count to fifty.")
+    body = {"prompt": prompt, "max_tokens": 60, "ignore_eos": True, "temperature": 1.0, "seed": 1, "logprobs": 0}
+    body |= {"return_token_ids": True, "return_weight_versions": True}
+    pushed = trained_model(seed=1)
+    try:
+        with asyncio.Runner() as run, concurrent.futures.ThreadPoolExecutor(1) as pool:
+            control = ControlClient(serve.url)
+            sync = TransferSync(control, run, TINY_MODEL_PATH, timeout_s=20)
+            assert sync.connect() == 1
+            answer = pool.submit(serve.post, "/v1/completions", body)
+            time.sleep(0.8)  # about 16 of the 60 steps
+            sync.push(pushed, 7)
+            status, served = answer.result()
+            run.run(control.close())
+    finally:
+        serve.close()
+    assert status == 200, served
+    choice = served["choices"][0]
+    spans = [(span["start"], span["end"]) for span in choice["weight_versions"]]
+    after = spans[0][1]
+    assert spans == [(0, after), (after, 60)] and 0 < after < 60, spans
+    output = choice["token_ids"]
+
+    def forward(model) -> torch.Tensor:
+        plain = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32)
+        plain.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            logits = plain(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1].double()
+        return logits.log_softmax(-1).gather(1, torch.tensor(output)[:, None])[:, 0]
+
+    first = forward(AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32))
+    expected = torch.cat([first[:after], forward(pushed)[after:]])
+    gaps = (torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float64) - expected).abs()
+    assert gaps[:after].max() < 1e-4, f"a token before the update differs from the first weights': {gaps[:after]}"
+    if recompute:
+        assert gaps[after:].max() < 1e-4, f"a token after the update differs from the pushed weights': {gaps[after:]}"
+    else:
+        assert gaps[after:].max() > 1e-3, "the kept cache should leave the tokens after the update between versions"

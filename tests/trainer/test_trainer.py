@@ -125,6 +125,16 @@ def test_in_flight_weight_updates_judge_a_group_by_its_tokens_and_never_past_max
     )
 
 
+def test_the_embedded_server_recomputes_its_cache_after_each_sync_when_asked(tmp_path):
+    """recompute_kv_cache_after_weight_updates reaches the embedded server, whose facts say so: no trained token is then
+    counted as sampled over an older version's cache."""
+    args = config(tmp_path, recompute_kv_cache_after_weight_updates=True, in_flight_weight_updates=True, max_steps=3)
+    trainer = AsyncGRPOTrainer("tiny", accuracy_reward, args=args, train_dataset=small_dataset())
+    trainer.train()
+    assert trainer.runtime.facts.recomputes_kv_cache
+    assert all(r["sample/mixed_tokens_frac"] == 0 for r in logged(tmp_path) if "sample/mixed_tokens_frac" in r)
+
+
 def test_gspo_with_a_sequence_correction_trains_and_logs_what_it_masked(tmp_path):
     """GSPO's sequence-level ratio with sequence_truncate, from stale samples (max_staleness 2): the run trains, its
     weights move, and the off-policy metrics are logged with every step."""

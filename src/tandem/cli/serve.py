@@ -133,6 +133,12 @@ def _serve_cache_and_transfer_options(p) -> None:
         default=600.0,
         help="seconds a weight-transfer collective may wait for the trainer before it fails (default 600)",
     )
+    p.add_argument(
+        "--recompute-kv-cache-after-weight-updates",
+        action="store_true",
+        help="after each weight update, compute the running sequences' keys and values again under the new weights, "
+        "so every token comes from one version's weights (default: keep the cache, as vLLM's pause keeps it)",
+    )
 
 
 def _serve_chat_and_response_options(p) -> None:

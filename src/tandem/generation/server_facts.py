@@ -52,6 +52,9 @@ class ServerFacts:
     """Sequences it decodes at once."""
     chunked_prefill_tokens: int | None
     """With chunked prefill, the most tokens a step prefills (a longer prompt is split over steps); None: never split."""
+    recomputes_kv_cache: bool = False
+    """It computes the running sequences' keys and values again after a weight update (tandem serve's
+    --recompute-kv-cache-after-weight-updates): each token then comes from one version's weights."""
 
     @property
     def stages_weights(self) -> bool:
@@ -142,6 +145,7 @@ def facts_of(version: dict, info: dict, models: list[dict]) -> ServerFacts:
         chunked_prefill_tokens=(
             int(scheduler.get("max_num_batched_tokens") or 0) if scheduler.get("enable_chunked_prefill") else None
         ),
+        recomputes_kv_cache=bool(_section(config, "cache_config").get("recompute_kv_cache_after_weight_updates")),
     )
 
 

@@ -73,6 +73,8 @@ def server_flags(args: AsyncGRPOConfig, model_name: str, served_dtype: str, lora
             "--weight-transfer-timeout-s",
             str(args.vllm_server_timeout),
         ]
+    if args.recompute_kv_cache_after_weight_updates:
+        flags += ["--recompute-kv-cache-after-weight-updates"]
     if args.embedded_server_host != "127.0.0.1":
         flags += ["--host", args.embedded_server_host]
     if args.vllm_server_api_key:

@@ -152,7 +152,7 @@ class Runtime:
             )
             control = session.connect(self.served_url)
             facts = session.run(read_facts(control))
-            server_checks.check(facts, self.served_url, spec.served_dtype)
+            server_checks.check(facts, self.served_url, spec.served_dtype, args.recompute_kv_cache_after_weight_updates)
             server_checks.check_in_flight(args.in_flight_weight_updates, facts, self.served_url, self.lora)
             self.probe.note_server_dtype(facts.dtype)  # rank 0 judges the probe
             served_name = server_checks.served_name(list(facts.served_names), spec.model_name)

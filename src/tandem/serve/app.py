@@ -144,6 +144,7 @@ class Server:
             step_delay_s=args.step_delay_s,
             prefix_caching=args.enable_prefix_caching,
             prefix_cache_max_tokens=args.prefix_cache_max_tokens,
+            recompute_kv_cache=args.recompute_kv_cache_after_weight_updates,
         )
 
     def _preparer(self) -> Preparer:

@@ -80,10 +80,19 @@ def kv_cache_for(model: torch.nn.Module, max_model_len: int) -> SlotKVCache:
     return SlotKVCache(len(layers), *shapes.pop(), max_model_len, param.dtype, param.device)
 
 
-def caches_for(model: torch.nn.Module, max_model_len: int, exact: bool, prefix_tokens: int | None):
+def caches_for(
+    model: torch.nn.Module, max_model_len: int, exact: bool, prefix_tokens: int | None, recompute: bool = False
+):
     """The slot KV cache, or each sequence's state for a model with recurrent layers; and the prefix cache of up to
-    `prefix_tokens` tokens (None: off, and always off with recurrent layers: no cached block holds their state)."""
+    `prefix_tokens` tokens (None: off, and always off with recurrent layers: no cached block holds their state).
+    `recompute`: the cache is computed again after each weight update, which transformers' own cannot be."""
     scanning = architecture.scanning_layers(model)
+    if scanning and recompute and not exact:
+        raise UsageError(
+            "--recompute-kv-cache-after-weight-updates: this model's recurrent layers decode through transformers' "
+            "own cache, which tandem serve cannot compute again; use --decode-mode exact (it forwards every "
+            "sequence whole each step, so each token comes from the weights of its step)"
+        )
     if not scanning:
         return kv_cache_for(model, max_model_len), PrefixCache(prefix_tokens) if prefix_tokens is not None else None
     if prefix_tokens is not None:
@@ -160,20 +169,20 @@ class Engine:
         step_delay_s: float = 0.0,
         prefix_caching: bool = True,
         prefix_cache_max_tokens: int | None = None,
+        recompute_kv_cache: bool = False,
     ):
         self.emission = Emission(logprobs_mode, eos_token_id, frozenset(extra_stop_token_ids), max_model_len)
         model = with_serving_kernels(model, exact)
         self.max_model_len, self.max_num_seqs, self.adapters, self.exact = max_model_len, max_num_seqs, adapters, exact
         self.delay, self.device = StepDelay(step_delay_s), next(model.parameters()).device
         bound = max_num_seqs * max_model_len if prefix_cache_max_tokens is None else prefix_cache_max_tokens
-        self.cache, self.prefix_cache = caches_for(model, max_model_len, exact, bound if prefix_caching else None)
+        prefix_tokens = bound if prefix_caching else None
+        self.cache, self.prefix_cache = caches_for(model, max_model_len, exact, prefix_tokens, recompute_kv_cache)
+        # keys and values to compute again after a weight update (a sequence forwarded whole each step has none)
+        self.recompute_kv_cache = recompute_kv_cache and isinstance(self.cache, SlotKVCache)
+        min_rows = _min_rows(model, exact)
         self.runner = ModelRunner(
-            model,
-            self.cache,
-            max_model_len=max_model_len,
-            min_rows=_min_rows(model, exact),
-            exact=exact,
-            adapters=adapters,
+            model, self.cache, max_model_len=max_model_len, min_rows=min_rows, exact=exact, adapters=adapters
         )
         """The forward passes (model_runner.py); it holds the model, which an adapter load may replace (peft wraps it)."""
         self.waiting: collections.deque[EngineRequest] = collections.deque()
@@ -299,6 +308,9 @@ class Engine:
         engine thread, between steps."""
         self.reset_prefix_cache()
         onednn_linear.forget(self.model)
+        if self.recompute_kv_cache and self.rows:  # the running sequences' next tokens: the new weights' exactly
+            histories = [(request.prompt + seq.output)[:n] for (request, seq), n in zip(self.rows, self.lengths)]
+            self.runner.recompute(histories, [request.adapter for request, _ in self.rows], self._adapters_in_use())
 
     # ---- engine thread -------------------------------------------------------------------
     def _loop(self) -> None:

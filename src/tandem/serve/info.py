@@ -138,6 +138,7 @@ class Info:
                 "num_gpu_blocks": stats.kv_capacity_tokens // BLOCK_SIZE,
                 "kv_cache_size_tokens": stats.kv_capacity_tokens,
                 "enable_prefix_caching": self.prefix_caching,
+                "recompute_kv_cache_after_weight_updates": self.args.recompute_kv_cache_after_weight_updates,
             },
             "scheduler_config": {"max_num_seqs": self.args.max_num_seqs},
             "parallel_config": {"data_parallel_size": 1, "tensor_parallel_size": 1, "pipeline_parallel_size": 1},

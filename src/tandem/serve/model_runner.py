@@ -15,6 +15,9 @@ from tandem.model import architecture
 from tandem.serve.kv_cache import SequenceStates, SlotKVCache
 from tandem.serve.lora import AdapterSet
 
+RECOMPUTE_ROWS = 16
+"""Running sequences whose cache is computed again in one forward after a weight update."""
+
 
 def filler_adapters(adapters: list[str | None], width: int, min_rows: int) -> list[str | None]:
     """The adapters of the filler sequences exact decoding adds: every matmul must see at least `min_rows` rows,
@@ -43,6 +46,14 @@ class ModelRunner:
         self.max_model_len, self.min_rows, self.exact = max_model_len, min_rows, exact
         """`min_rows`: rows every matmul gets, filler sequences added where a step has fewer (engine._min_rows)."""
         self.device = next(model.parameters()).device
+
+    def recompute(self, histories: list[list[int]], adapters: list[str | None], in_use: set[str]) -> None:
+        """The keys and values of rows 0..len(histories)-1 computed again from their whole histories, as a prefill
+        (after a weight update), RECOMPUTE_ROWS rows a forward to bound its memory."""
+        for start in range(0, len(histories), RECOMPUTE_ROWS):
+            stop = min(start + RECOMPUTE_ROWS, len(histories))
+            rows = histories[start:stop]
+            self.window_forward(rows, [len(h) for h in rows], slice(start, stop), adapters[start:stop], in_use)
 
     def window_forward(
         self,

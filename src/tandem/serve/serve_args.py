@@ -57,6 +57,9 @@ class ServeArgs:
     weight_transfer_config: str | None = None
     """JSON, as vLLM's flag: '{"backend": "gloo"}' enables the weight-transfer routes (serve/weight_receiver.py)."""
     weight_transfer_timeout_s: float = 600.0
+    recompute_kv_cache_after_weight_updates: bool = False
+    """Compute the running sequences' keys and values again after each weight update, so every token comes from one
+    version's weights (else the tokens after an update read the cache the older weights computed)."""
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     """Reads chat replies' tool calls into `message.tool_calls`, in one of the formats of tool_formats.py (vLLM's

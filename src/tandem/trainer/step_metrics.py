@@ -35,9 +35,11 @@ def input_tokens(rows: list[PackedRow], counted: str | bool) -> int:
     return sum(row.num_tokens for row in rows)
 
 
-def record_samples(window: MetricWindow, rows: list[PackedRow], model_version: int) -> None:
+def record_samples(window: MetricWindow, rows: list[PackedRow], model_version: int, kept_cache: bool = True) -> None:
     """Staleness, size and rewards of every sample the step trained (its time in the queue is the runtime's, at
-    take), and the lag of each trained token behind the weights being trained."""
+    take), the lag of each trained token behind the weights being trained, and the share sampled after a weight
+    update over the cache older weights computed (`kept_cache`: the server keeps it; else each token is one
+    version's)."""
     for sample in (s for row in rows for s in row.samples):
         lag = staleness(model_version, sample.model_version)
         window.add("sample/staleness_mean", lag)
@@ -45,7 +47,8 @@ def record_samples(window: MetricWindow, rows: list[PackedRow], model_version: i
         token_lags = [staleness(model_version, version) for version in sample.trained_versions()]
         window.add("sample/token_lag_mean", *token_lags)
         window.add("sample/token_lag_max", *token_lags)
-        window.add("sample/mixed_tokens_frac", sample.mixed_tokens() / max(sample.num_trained, 1))
+        mixed = sample.mixed_tokens() if kept_cache else 0
+        window.add("sample/mixed_tokens_frac", mixed / max(sample.num_trained, 1))
         window.add("sample/forwarded_tokens_mean", sample.num_tokens)
         window.add("sample/forwarded_tokens_max", sample.num_tokens)
         window.add("sample/trained_tokens_mean", sample.num_trained)
