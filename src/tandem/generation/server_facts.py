@@ -57,6 +57,12 @@ class ServerFacts:
     --recompute-kv-cache-after-weight-updates): each token then comes from one version's weights."""
 
     @property
+    def streams_weights(self) -> bool:
+        """Its weight-transfer backend is one tandem drives (gloo, nccl): weights are streamed to it, each update
+        labelled with its version; else they reach it as a folder it reloads."""
+        return self.weight_transfer in ("gloo", "nccl")
+
+    @property
     def stages_weights(self) -> bool:
         """A weight stream is staged and swapped in between two engine steps, generation going on meanwhile (tandem
         serve); else the server loads each tensor into the running model, and generation pauses (vLLM's plugin)."""

@@ -295,8 +295,8 @@ def off_policy_drift(before: list[dict], last: list[dict], config: dict) -> Find
         f"{'token_truncate' if mode == 'geometric_mask' else 'geometric_mask'} (now {mode}); at staleness 0, give the "
         "server the trainer's dtype"
     )
-    if size is not None and (size < LOW_SAMPLE_SIZE or (size_before or 1.0) - size >= SAMPLE_SIZE_FALL):
-        falling = size_before is not None and size_before - size >= SAMPLE_SIZE_FALL
+    falling = size is not None and size_before is not None and size_before - size >= SAMPLE_SIZE_FALL
+    if size is not None and (falling or size < LOW_SAMPLE_SIZE):
         evidence = f"{size_before:.3f} -> {size:.3f}" if falling else f"{size:.3f}"
         return Finding(
             "sync",

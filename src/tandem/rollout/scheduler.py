@@ -429,10 +429,7 @@ def training_samples(
     """The group's training samples: each rollout's sequences, with the rollout's advantage and reward, and the
     group's reward stds (metrics averaged over trained samples)."""
     group_samples = sum(len(seqs) for seqs in group.completions_sequences)
-    versions = [
-        v for seqs in group.completions_sequences for s in seqs for v, t in zip(s.token_versions, s.trained) if t
-    ]
-    return [
+    samples = [
         Sample(
             input_ids=s.input_ids,
             trained=s.trained,
@@ -450,8 +447,11 @@ def training_samples(
             group_reward_std=stds[0],
             source_group_stds=stds[1],
             token_versions=s.token_versions,
-            group_token_version=sum(versions) / len(versions) if versions else None,
         )
         for rollout, seqs, a, r in zip(rollouts, group.completions_sequences, advantages, rewards)
         for s in seqs
     ]
+    versions = [version for sample in samples for version in sample.trained_versions()]
+    for sample in samples:  # the group is judged as one (staleness.StalenessPolicy.version_of)
+        sample.group_token_version = sum(versions) / len(versions) if versions else None
+    return samples

@@ -66,7 +66,7 @@ def check_in_flight(in_flight: bool, facts: ServerFacts, url: str, lora: bool) -
             "weights sampled each token (return_weight_versions), and reading it from the stream is not implemented. "
             "Use tandem serve, or set in_flight_weight_updates=False."
         )
-    if facts.weight_transfer not in ("gloo", "nccl"):  # weight_sync.full_weights_sync then reloads a folder
+    if not facts.streams_weights:
         raise NotImplementedError(
             f"in_flight_weight_updates=True: the weights reach the server at {url} by a folder reload, which does not "
             'label them with their version. Start it with --weight-transfer-config \'{"backend": "gloo"}\' (the '

@@ -240,7 +240,7 @@ def full_weights_sync(
 ) -> TransferSync | ReloadSync:
     """Every weight: streamed when the server's weight-transfer backend is one tandem drives, else a folder reload."""
     backend = facts.weight_transfer
-    if backend in ("gloo", "nccl"):
+    if facts.streams_weights:
         plane = GlooPlane(stages=facts.stages_weights) if backend == "gloo" else nccl_plane(model)
         sync = TransferSync(
             control,

@@ -309,7 +309,7 @@ class Engine:
         self.reset_prefix_cache()
         onednn_linear.forget(self.model)
         if self.recompute_kv_cache and self.rows:  # the running sequences' next tokens: the new weights' exactly
-            histories = [(request.prompt + seq.output)[:n] for (request, seq), n in zip(self.rows, self.lengths)]
+            histories = [self._cached_tokens(i) for i in range(len(self.rows))]
             self.runner.recompute(histories, [request.adapter for request, _ in self.rows], self._adapters_in_use())
 
     # ---- engine thread -------------------------------------------------------------------
@@ -517,11 +517,15 @@ class Engine:
             self._touched[id(request)] = request
         self._retire({i for i, reason in zip(rows, reasons) if reason})
 
+    def _cached_tokens(self, row: int) -> list[int]:
+        """The tokens whose keys and values row `row` holds: its prompt and output, but the last sampled token."""
+        request, seq = self.rows[row]
+        return (request.prompt + seq.output)[: self.lengths[row]]
+
     def _retire(self, finished: set[int]) -> None:
         """Store the finished rows' blocks in the prefix cache (their last sampled token has no KV), then free the rows."""
         for i in finished:
-            request, seq = self.rows[i]
-            self._store_prefix(i, request, (request.prompt + seq.output)[: self.lengths[i]])
+            self._store_prefix(i, self.rows[i][0], self._cached_tokens(i))
         self._compact(finished)
 
     def _compact(self, finished: set[int]) -> None:
