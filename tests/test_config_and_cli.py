@@ -277,6 +277,21 @@ def test_a_bug_while_building_the_trainer_keeps_its_traceback_where_a_users_mist
         tandem.AsyncGRPOConfig(max_staleness=-1)
 
 
+def test_a_setting_the_server_cannot_serve_found_at_connect_is_one_line(monkeypatch, capsys):
+    """in_flight_weight_updates meets the server only once the run connects to it (inside train()): what it refuses
+    there ends the run in one line, as a recipe mistake does."""
+    import tandem
+
+    def connect_refuses(trainer, *args, **kwargs):
+        raise NotImplementedError("in_flight_weight_updates=True: the server at URL (vllm 0.32.0) does not say")
+
+    monkeypatch.setattr(tandem.AsyncGRPOTrainer, "train", connect_refuses)
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "examples/demo.yaml", "--in_flight_weight_updates", "true", "--max_steps", "2"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "in_flight_weight_updates=True: the server" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [

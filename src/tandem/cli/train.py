@@ -88,7 +88,8 @@ def run_train(ns: argparse.Namespace, overrides: list[str]) -> None:
         output = trainer.train()
         if recipe.config.push_to_hub and not trainer.runtime.preempted.is_set():
             trainer.push_to_hub()  # the final model, as a transformers script ends (checkpoints went as they were saved)
-    except UsageError as exc:  # no checkpoint to resume from; a prompt longer than the server's context
+    except (UsageError, NotImplementedError) as exc:  # no checkpoint to resume from; a prompt longer than the
+        # server's context; a setting the server found at connect cannot serve (in_flight_weight_updates on vLLM)
         user_error(f"tandem train: {ns.recipe}: {exc}")
     except ServerProblem as exc:  # a server that cannot be reached, refuses the run, or serves other weights
         user_error(f"tandem train: {exc}")
