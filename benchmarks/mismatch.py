@@ -3,8 +3,9 @@
 A GPU user's sampler and trainer never agree bit for bit: vLLM's bfloat16 kernels differ from the trainer's. On this
 CPU (it has avx512_bf16) the same happens in small:
 
-- `bf16 trainer + bf16 server`: `--bf16 true` (the sdpa tree kernel) with its embedded server in bfloat16;
-- `fp32 trainer, bf16 server`: the trainer in float32 behind `tandem serve --dtype bfloat16`.
+- `bf16 trainer, bf16 server`: the trainer's forward in bfloat16 (`--bf16 true`: autocast over float32 weights, the
+  sdpa tree kernel) behind `tandem serve --dtype bfloat16` (the weights themselves in bfloat16);
+- `fp32 trainer, bf16 server`: the trainer in float32 behind the same server.
 
 Each runs the demo (`examples/demo.yaml`, 300 steps) with every correction, at `max_staleness` 1 and 8:
 
@@ -28,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from contextlib import nullcontext
 from pathlib import Path
 
 from tables import add_markdown_flag, emit, markdown_table
@@ -54,9 +54,11 @@ CORRECTIONS = {
     ],
 }
 SETUPS = {
-    "bf16 trainer + bf16 server": ["--bf16", "true", "--tree_attention_kernel", "sdpa"],
-    "fp32 trainer, bf16 server": [],  # and a server of its own, started in bfloat16 (`run`)
+    "bf16 trainer, bf16 server": ["--bf16", "true", "--tree_attention_kernel", "sdpa"],
+    "fp32 trainer, bf16 server": [],
 }
+"""The trainer's flags; each run has a server of its own, started in bfloat16 (`run`): the embedded server would serve
+the trainer's float32 weights in float32, even under --bf16 true (an autocast)."""
 
 
 def run(setup: str, correction: str, staleness: int, steps: int, seed: int) -> list[dict]:
@@ -68,10 +70,8 @@ def run(setup: str, correction: str, staleness: int, steps: int, seed: int) -> l
     flags += ["--max_steps", str(steps), "--seed", str(seed), "--disable_tqdm", "true", "--save_strategy", "no"]
     served = ["--dtype", "bfloat16", "--logprobs-mode", "processed_logprobs", "--served-model-name", TINY_MODEL_PATH]
     served += ["--weight-transfer-config", '{"backend": "gloo"}']  # weights streamed, as to the embedded server
-    server = EmbeddedServer("tiny", extra_args=served) if setup.startswith("fp32") else nullcontext()
-    with tempfile.TemporaryDirectory() as out, server as started:
-        if started is not None:
-            flags += ["--vllm_server_base_url", started.url]
+    with tempfile.TemporaryDirectory() as out, EmbeddedServer("tiny", extra_args=served) as started:
+        flags += ["--vllm_server_base_url", started.url]
         command = [sys.executable, "-m", "tandem", "train", "examples/demo.yaml", "--output_dir", out, *flags]
         subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         logged = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
