@@ -6,7 +6,7 @@ import multiprocessing as mp
 import threading
 from contextlib import contextmanager
 
-from tandem.contract.channels import Doorbell
+from tandem.contract.channels import Doorbell, ServedVersions, versions_at
 
 
 def wait_for_a_wake_up(bell: Doorbell, listening, heard) -> None:
@@ -81,3 +81,28 @@ def test_rings_before_listening_are_heard_and_drained():
         return rang.is_set()
 
     assert asyncio.run(main()) is False
+
+
+def test_a_streamed_token_is_labelled_with_the_version_served_when_it_arrived():
+    """The trainer marks when each version began to be served; a token arriving later is that version's, one arriving
+    earlier the version before, and none is older than the version its request was sent under."""
+    served = ServedVersions(mp.get_context("spawn"))
+    served.mark(5, since=10.0)
+    served.mark(6, since=20.0)
+    timeline = served.timeline()
+    assert timeline == [(10.0, 5), (20.0, 6)]
+    assert versions_at(timeline, [9.0, 10.0, 19.9, 20.0, 30.0], floor=4) == [4, 5, 5, 6, 6]
+    assert versions_at(timeline, [9.0, 25.0], floor=6) == [6, 6], "a request sent under 6 samples nothing older"
+    assert versions_at([], [1.0, 2.0], floor=3) == [3, 3], "no sync yet: the request's own version"
+
+
+def test_the_versions_served_are_remembered_in_a_ring_the_newest_overwriting_the_oldest():
+    served = ServedVersions(mp.get_context("spawn"))
+    for version in range(ServedVersions.SLOTS + 3):
+        served.mark(version, since=float(version))
+    timeline = served.timeline()
+    assert (
+        len(timeline) == ServedVersions.SLOTS
+        and timeline[0] == (3.0, 3)
+        and timeline[-1][1] == ServedVersions.SLOTS + 2
+    )

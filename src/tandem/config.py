@@ -325,14 +325,15 @@ class AsyncGRPOConfig:
     in_flight_weight_updates: bool = False
     """NeMo-RL's name. False (default): a sample's lag is counted from the version its group started on. True: a group
     that runs across weight syncs is judged by its tokens, the mean version of the weights that sampled them, with
-    max_staleness as the bound, and is never cancelled for a sync (sample/token_lag_* show the lag). Needs tandem serve
-    with streamed weights (the embedded server has them) and full weights, not LoRA."""
+    max_staleness as the bound, and is never cancelled for a sync (sample/token_lag_* show the lag). tandem serve
+    labels each token (it needs streamed weights: the embedded server has them); vLLM's tokens are then streamed and
+    labelled by when they arrived. Full weights only, not LoRA."""
     recompute_kv_cache_after_weight_updates: bool = False
     """NeMo-RL's name. After each weight sync the server computes its running sequences' keys and values again, so
     each token comes from exactly one version's weights (sample/mixed_tokens_frac stays 0), at the cost of a prefill
-    of every running sequence per sync. False: the cache the older weights computed is kept, as vLLM's pause keeps
-    it. tandem serve only (the embedded server gets the flag; an external one must be started with
-    --recompute-kv-cache-after-weight-updates)."""
+    of every running sequence per sync. False: tandem serve keeps the cache the older weights computed. The embedded
+    server gets the flag; an external tandem serve must be started with --recompute-kv-cache-after-weight-updates.
+    vLLM always computes it again (its pause drops the running sequences' caches), whatever this says."""
     weight_sync_steps: int = 1
     """Optimizer steps between weight syncs to the server; each sync is one policy version, the unit of max_staleness.
     Raise it when syncing takes a large share of a step (tandem doctor says so), at the cost of staler samples."""

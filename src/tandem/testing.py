@@ -160,6 +160,8 @@ class ScriptedRuntime:
         """The policy versions the trainer synced, in order."""
         self.token_budgets: list[int] = []
         """The smaller token budgets auto_find_batch_size asked for, in order."""
+        self.recomputes_kv_cache = False
+        """As a server that keeps a running sequence's cache across a sync: tokens after it count as mixed."""
 
     def __enter__(self) -> "ScriptedRuntime":
         return self

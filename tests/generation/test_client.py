@@ -31,6 +31,48 @@ async def test_complete_returns_token_ids_and_sampler_logprobs(server, tokenizer
     )
 
 
+async def test_a_streamed_completion_is_the_same_completion_with_when_each_token_arrived(server, tokenizer):
+    """What the rollout worker asks of a server that cannot label its tokens' versions (vLLM): the tokens streamed, each
+    stamped with its arrival, joined per choice into what the plain request returns."""
+    prompt = chat_prompt(tokenizer, "Count to ten.")
+    settings = {"max_tokens": 12, "n": 2, "seed": 5, "logprobs": 2, "temperature": 1.0}
+    async with GenerationClient(server.url) as client:
+        plain = await client.complete(prompt, **settings)
+        before = time.monotonic()
+        streamed = await client.complete(prompt, **settings, stream=True)
+        after = time.monotonic()
+    for one, other in zip(plain, streamed, strict=True):
+        assert (one.token_ids, one.logprobs, one.top_logprobs) == (other.token_ids, other.logprobs, other.top_logprobs)
+        assert one.finish_reason == other.finish_reason and one.arrivals is None
+        assert len(other.arrivals) == len(other.token_ids)
+        assert before <= other.arrivals[0] and other.arrivals == sorted(other.arrivals) and other.arrivals[-1] <= after
+
+
+async def test_an_error_event_in_a_stream_is_raised_as_the_servers_error():
+    """A server that fails mid-stream sends an error event (vLLM's engine dying, one is its ENGINE_DEAD message)."""
+
+    async def failing(request):
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        chunk = '{"choices": [{"index": 0, "text": "a", "token_ids": [7], "logprobs": {"token_logprobs": [-0.5]}}]}'
+        await response.write(f"data: {chunk}\n\n".encode())
+        await response.write(f'data: {{"error": {{"message": "{ENGINE_DEAD}", "code": 500}}}}\n\n'.encode())
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", failing)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with GenerationClient(f"http://127.0.0.1:{port}") as client:
+            with pytest.raises(EngineDead, match="EngineCore encountered an issue"):
+                await client.complete([1, 2], max_tokens=4, stream=True)
+    finally:
+        await runner.cleanup()
+
+
 async def test_generate_returns_sampling_masks(mask_server):
     async with GenerationClient(mask_server.url) as client:
         completions = await client.generate(

@@ -2,6 +2,7 @@
 "says" is fixed, and the test checks what the loop runs, records and hands to the trainer."""
 
 import asyncio
+import multiprocessing as mp
 import time
 from types import SimpleNamespace
 
@@ -9,6 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tandem import AsyncGRPOConfig, AsyncRolloutLoop, TurnRecord
+from tandem.contract.channels import ServedVersions
 from tandem.rollout.environments import environment_tools, reset_prompt, validate_environments
 from tandem.rollout.reconcile import reconcile
 from tandem.rollout.settings import RolloutSettings
@@ -107,7 +109,8 @@ def make_loop(replies, tools=(), environment_factory=None, **config):
         tools=list(tools),
         environment_factory=environment_factory,
     )
-    loop = ScriptedLoop(settings, processing_class=TOKENIZER, channels=SimpleNamespace())
+    channels = SimpleNamespace(served=ServedVersions(mp.get_context("spawn")))  # the one channel generation reads
+    loop = ScriptedLoop(settings, processing_class=TOKENIZER, channels=channels)
     loop.replies = list(replies)
     return loop
 

@@ -177,27 +177,34 @@ def test_a_server_without_lora_settings_or_context_length_is_read_as_such():
         facts_of({"version": "0.32.0"}, {"vllm_config": {}}, [{"id": "m"}])
 
 
-def test_in_flight_weight_updates_need_a_server_that_labels_tokens_and_a_weight_stream():
-    """tandem serve with a weight stream labels each token; vLLM 0.32 labels none, a folder reload names no version,
-    and a LoRA request names one adapter version for its whole generation: each is refused, naming the fix."""
+def test_in_flight_weight_updates_need_labelled_tokens_and_full_weights():
+    """tandem serve with a weight stream labels each token and vLLM's are labelled by when they arrive; a folder reload
+    into tandem serve names no version, a LoRA request names one adapter version for its whole generation, and vLLM's
+    sampling masks come from a route that is not streamed: each is refused, naming the fix."""
+    in_flight = AsyncGRPOConfig(output_dir="/tmp/unused", in_flight_weight_updates=True)
+    top_k = AsyncGRPOConfig(output_dir="/tmp/unused", in_flight_weight_updates=True, top_k=5)
     tandem = replace(vllm(), engine="tandem")
-    check_in_flight(True, tandem, URL, lora=False)
-    check_in_flight(False, vllm(), URL, lora=True)  # the setting off: nothing to check
-    with pytest.raises(NotImplementedError, match=r"\(vllm 0\.32\.0\) does not say which weights sampled each token"):
-        check_in_flight(True, vllm(), URL, lora=False)
-    reloading = replace(tandem, weight_transfer=None)
+    check_in_flight(top_k, tandem, URL, lora=False)
+    check_in_flight(top_k, vllm(), URL, lora=False)  # no sampling masks: /v1/completions, streamed
+    check_in_flight(in_flight, replace(vllm(), weight_transfer=None), URL, lora=False)
+    check_in_flight(AsyncGRPOConfig(output_dir="/tmp/unused"), vllm(), URL, lora=True)  # off: nothing to check
     with pytest.raises(NotImplementedError, match=r"by a folder reload.*--weight-transfer-config"):
-        check_in_flight(True, reloading, URL, lora=False)
+        check_in_flight(in_flight, replace(tandem, weight_transfer=None), URL, lora=False)
     with pytest.raises(NotImplementedError, match="with LoRA"):
-        check_in_flight(True, tandem, URL, lora=True)
+        check_in_flight(in_flight, tandem, URL, lora=True)
+    masks = replace(vllm(), returns_sampling_masks=True)
+    check_in_flight(in_flight, masks, URL, lora=False)
+    with pytest.raises(NotImplementedError, match=r"top-k / top-p .* /inference/v1/generate, which is not streamed"):
+        check_in_flight(top_k, masks, URL, lora=False)
 
 
-def test_recomputing_the_cache_needs_a_tandem_serve_started_to_do_it():
-    tandem = replace(vllm(), engine="tandem")
+def test_recomputing_the_cache_needs_a_tandem_serve_started_to_do_it_and_vllm_always_does():
+    tandem = replace(vllm(), engine="tandem", recomputes_kv_cache=False)
     check(replace(tandem, recomputes_kv_cache=True), URL, "float32", recompute_kv_cache=True)
     with pytest.raises(UsageError, match="started without --recompute-kv-cache-after-weight-updates: set the field"):
         check(tandem, URL, "float32", recompute_kv_cache=True)
     with pytest.raises(UsageError, match="=False, but .* started with --recompute-kv-cache-after-weight-updates"):
         check(replace(tandem, recomputes_kv_cache=True), URL, "float32")
-    with pytest.raises(NotImplementedError, match="is vllm 0.32.0; computing a running sequence's cache again"):
-        check(vllm(), URL, "float32", recompute_kv_cache=True)
+    assert vllm().recomputes_kv_cache, "vLLM's keep-pause drops the running sequences' caches at every sync"
+    check(vllm(), URL, "float32", recompute_kv_cache=True)
+    check(vllm(), URL, "float32", recompute_kv_cache=False)  # it does so whatever the field says

@@ -28,7 +28,7 @@ from tandem.rewards import accuracy_reward
 from tandem.rollout.worker import WorkerError, WorkerLost
 from tandem.runtime.sample_source import StalledError
 from tandem.runtime.weight_sync import ReloadSync
-from tandem.runtime.weight_transfer import TransferSync
+from tandem.runtime.weight_transfer import TransferSync, no_one
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
 from tests.conftest import ServerThread
 
@@ -488,10 +488,10 @@ def test_against_a_bf16_server_the_probe_passes_rounding_and_stops_a_sync_that_n
     if not sync_reaches_the_server:
         push = ReloadSync.push
 
-        def connect_only(sync, model, version, announce=lambda version: None):
+        def connect_only(sync, model, version, announce=no_one):
             if version == 0:
                 return push(sync, model, version, announce)
-            announce(version)  # the rollouts are told of the new version, the server never loads it
+            announce(version, time.monotonic())  # the rollouts are told of the new version, the server never loads it
             return {}
 
         monkeypatch.setattr(ReloadSync, "push", connect_only)

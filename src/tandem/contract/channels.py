@@ -6,11 +6,13 @@ not answered for a while), ("error", traceback text), and ("server", message) wh
 good (vLLM's engine died, or it stayed away past vllm_server_timeout: no traceback, nothing to retry). The
 trainer puts on `retry` the prompt indices of groups it dropped as stale, to be generated again (the worker then
 sends their samples, and "end" once more), and on `evaluate` (step, policy version) to have the eval prompts generated and
-scored (the worker answers ("eval", (step, {name: [values]}))). It publishes the policy version and its token consumption in
-shared values, and rings `room` whenever it frees some; the worker beats `heartbeat` twice a second.
+scored (the worker answers ("eval", (step, {name: [values]}))). It publishes the policy version, when each version
+began to be served, and its token consumption in shared values, and rings `room` whenever it frees some; the worker
+beats `heartbeat` twice a second.
 """
 
 import asyncio
+import bisect
 import multiprocessing as mp
 import os
 from dataclasses import dataclass
@@ -59,6 +61,45 @@ class Doorbell:
             self.writer.close()
 
 
+class ServedVersions:
+    """When the server began to serve each recent policy version (monotonic seconds, one clock for every process of
+    the host), written by the trainer's sync just before generation resumes on the new weights. A server that cannot
+    say which weights sampled each token (vLLM) has its tokens labelled by when they arrived: a token that came after
+    version v's resume was sent is v's. One that left the engine before the pause but reached this process only after
+    the resume would be labelled one version too new: that takes vLLM's front end stalled for the whole sync (seen for
+    seconds on a loaded 2-core machine; the `vllm` tier checks each token's label against the weights' log-probs)."""
+
+    SLOTS = 64
+    """Versions remembered: a generation spanning more syncs than this labels its oldest tokens with the oldest kept."""
+
+    def __init__(self, context):
+        self.versions = context.Array("q", [-1] * self.SLOTS)
+        self.since = context.Array("d", [0.0] * self.SLOTS)
+
+    def mark(self, version: int, since: float) -> None:
+        """`version` is served from monotonic time `since` on."""
+        slot = version % self.SLOTS
+        with self.versions.get_lock():
+            self.versions[slot], self.since[slot] = version, since
+
+    def timeline(self) -> list[tuple[float, int]]:
+        """(since, version) of every remembered version, oldest first."""
+        with self.versions.get_lock():
+            marks = [(t, v) for v, t in zip(self.versions[:], self.since[:]) if v >= 0]
+        return sorted(marks)
+
+
+def versions_at(timeline: list[tuple[float, int]], arrivals: list[float], floor: int) -> list[int]:
+    """The version served when each token arrived (`timeline`: `ServedVersions.timeline()`), never older than `floor`
+    (the version the request was sent under)."""
+    times = [t for t, _ in timeline]
+    versions = []
+    for arrival in arrivals:
+        index = bisect.bisect_right(times, arrival) - 1
+        versions.append(max(floor, timeline[index][1]) if index >= 0 else floor)
+    return versions
+
+
 @dataclass
 class Channels:
     out: mp.Queue
@@ -75,6 +116,8 @@ class Channels:
     """Set by the worker as soon as its own code runs (before that, Python is still importing the main module)."""
     room: Doorbell
     """Rung by the trainer when it frees room in the queue (or publishes a new allowance): groups may start."""
+    served: ServedVersions
+    """When each recent policy version began to be served (labels a vLLM stream's tokens)."""
 
     @classmethod
     def create(cls, context) -> "Channels":
@@ -90,4 +133,5 @@ class Channels:
             stop=context.Event(),
             running=context.Event(),
             room=Doorbell(context),
+            served=ServedVersions(context),
         )

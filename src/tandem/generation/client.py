@@ -13,9 +13,13 @@ import json
 import random
 import re
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import aiohttp
+
+T = TypeVar("T")
 
 RETRY_STATUSES = (502, 503, 504)
 ENGINE_WATCH_S = 1.0
@@ -75,6 +79,8 @@ class Completion:
     weight_versions: list[dict] | None = None
     """Half-open spans of the tokens, each with the label of the weights that sampled it ({"version", "start", "end"});
     None where the server does not say."""
+    arrivals: list[float] | None = None
+    """When each token reached this process (monotonic seconds): a streamed request's; None otherwise."""
 
     def token_versions(self, default: int) -> list[int] | None:
         """The policy version of each token from the spans (a label that is no version number, such as the server's
@@ -157,6 +163,21 @@ class _Http:
         timeout_s: float | None = None,
     ) -> tuple[int, str]:
         """Send one request (retrying transient failures); returns (status, text) of a 2xx, raises ServerError otherwise."""
+        return await self.send(method, path, read_text, body=body, params=params, retry=retry, timeout_s=timeout_s)
+
+    async def send(
+        self,
+        method: str,
+        path: str,
+        read: Callable[[aiohttp.ClientResponse], Awaitable[T]],
+        *,
+        body: dict | None = None,
+        params: dict | None = None,
+        retry: bool = True,
+        timeout_s: float | None = None,
+    ) -> tuple[int, T]:
+        """`request` with a 2xx answer's body read by `read`; a transport error while it reads (a stream cut) is
+        retried as one before the answer: the whole request is sent again."""
         url = f"{self.base_url}{path}"
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None
         attempt, start = 0, time.monotonic()
@@ -165,13 +186,13 @@ class _Http:
             try:
                 async with self._client().request(method, url, json=body, params=params, timeout=timeout) as response:
                     self.down_since = None
-                    text = await response.text()
                     if response.status < 300:
-                        return response.status, text
+                        return response.status, await read(response)
+                    text = await response.text()
                     if not (may_retry and response.status in RETRY_STATUSES):
                         message = _error_message(text)
                         raise (EngineDead if ENGINE_DEAD in message else ServerError)(response.status, message, url)
-            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
+            except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
                 if self.down_since is None:
                     self.down_since, self.down_reason = time.monotonic(), repr(exc)
                 if not may_retry:
@@ -191,6 +212,34 @@ class _Http:
     async def post_json(self, path: str, body: dict | None = None, **kw) -> dict:
         _, text = await self.request("POST", path, body=body, **kw)
         return json_body(text)
+
+
+async def read_text(response: aiohttp.ClientResponse) -> str:
+    return await response.text()
+
+
+async def read_events(response: aiohttp.ClientResponse) -> list[tuple[float, dict]]:
+    """A server-sent event stream's `data:` events up to `[DONE]`, each with when it arrived (monotonic seconds). An
+    error event (the server failed mid-stream) raises it as the ServerError it would have answered."""
+    events: list[tuple[float, dict]] = []
+    async for line in response.content:
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[len(b"data:") :].strip()
+        if payload == b"[DONE]":
+            break
+        events.append((time.monotonic(), stream_event(payload, str(response.url))))
+    return events
+
+
+def stream_event(payload: bytes, url: str) -> dict:
+    """One event of a stream, or the error it carries raised."""
+    event = json.loads(payload)
+    error = event.get("error")
+    if isinstance(error, dict):
+        message = error.get("message", str(error))
+        raise (EngineDead if ENGINE_DEAD in message else ServerError)(int(error.get("code") or 500), message, url)
+    return event
 
 
 def _error_message(text: str) -> str:
@@ -220,10 +269,12 @@ class GenerationClient(_Http):
         logprobs: int = 0,
         stop_token_ids: list[int] | None = None,
         return_weight_versions: bool = False,
+        stream: bool = False,
         **extra,
     ) -> list[Completion]:
         """`/v1/completions` with a token-id prompt. Every sampling field is sent, so server defaults never apply;
-        `return_weight_versions` (tandem serve's) asks which weights sampled each token."""
+        `return_weight_versions` (tandem serve's) asks which weights sampled each token; `stream` has the tokens
+        streamed, each completion saying when each of its tokens arrived."""
         body = {
             "prompt": list(prompt_ids),
             "max_tokens": max_tokens,
@@ -245,6 +296,9 @@ class GenerationClient(_Http):
             body["return_weight_versions"] = True
         if model is not None:
             body["model"] = model
+        if stream:
+            _, events = await self.send("POST", "/v1/completions", read_events, body=body | {"stream": True})
+            return streamed_completions(events, n, logprobs)
         data = await self.post_json("/v1/completions", body)
         return [_completion_choice(c, logprobs) for c in data["choices"]]
 
@@ -293,13 +347,35 @@ class GenerationClient(_Http):
         return completions
 
 
+def streamed_completions(events: list[tuple[float, dict]], n: int, logprobs: int) -> list[Completion]:
+    """The `n` completions of a streamed `/v1/completions` answer: each choice's chunks (by `index`) joined, each token
+    stamped with when its chunk arrived."""
+    chunks: list[list[tuple[float, Completion]]] = [[] for _ in range(n)]
+    for arrived, event in events:
+        for choice in event.get("choices", []):
+            chunks[choice["index"]].append((arrived, _completion_choice(choice, logprobs)))
+    return [joined(parts, logprobs) for parts in chunks]
+
+
+def joined(parts: list[tuple[float, Completion]], logprobs: int) -> Completion:
+    """One choice's streamed chunks as one completion (the last chunk says why it finished)."""
+    return Completion(
+        token_ids=[token for _, part in parts for token in part.token_ids],
+        logprobs=[value for _, part in parts for value in part.logprobs],
+        finish_reason=next((part.finish_reason for _, part in reversed(parts) if part.finish_reason), None),
+        stop_reason=next((part.stop_reason for _, part in reversed(parts) if part.stop_reason is not None), None),
+        top_logprobs=[entry for _, part in parts for entry in part.top_logprobs or []] if logprobs else None,
+        arrivals=[arrived for arrived, part in parts for _ in part.token_ids],
+    )
+
+
 def _completion_choice(choice: dict, logprobs: int) -> Completion:
     lp = choice.get("logprobs") or {}
     top = None
     if logprobs and lp.get("top_logprobs") is not None:
         top = [{int(k.removeprefix("token_id:")): v for k, v in entry.items()} for entry in lp["top_logprobs"]]
     return Completion(
-        token_ids=choice["token_ids"],
+        token_ids=choice.get("token_ids") or [],
         logprobs=lp.get("token_logprobs") or [],
         finish_reason=choice.get("finish_reason"),
         stop_reason=choice.get("stop_reason"),

@@ -53,8 +53,10 @@ class ServerFacts:
     chunked_prefill_tokens: int | None
     """With chunked prefill, the most tokens a step prefills (a longer prompt is split over steps); None: never split."""
     recomputes_kv_cache: bool = False
-    """It computes the running sequences' keys and values again after a weight update (tandem serve's
-    --recompute-kv-cache-after-weight-updates): each token then comes from one version's weights."""
+    """It computes the running sequences' keys and values again after a weight update, so each token comes from one
+    version's weights: tandem serve started with --recompute-kv-cache-after-weight-updates; vLLM (0.30 on) always, its
+    pause (mode keep) dropping the running sequences' caches (its `clear_cache`, true by default) and computing them
+    again under the new weights when generation resumes."""
 
     @property
     def streams_weights(self) -> bool:
@@ -70,8 +72,9 @@ class ServerFacts:
 
     @property
     def labels_token_versions(self) -> bool:
-        """Each generated token comes back with the label of the weights that sampled it (`return_weight_versions`);
-        vLLM 0.32 labels none, so its tokens are counted under the version their request started on."""
+        """Each generated token comes back with the label of the weights that sampled it (`return_weight_versions`).
+        vLLM 0.32 labels none: under in_flight_weight_updates its tokens are streamed and labelled by when they arrived,
+        else counted under the version their request started on."""
         return self.engine == "tandem"
 
     @property
@@ -151,7 +154,8 @@ def facts_of(version: dict, info: dict, models: list[dict]) -> ServerFacts:
         chunked_prefill_tokens=(
             int(scheduler.get("max_num_batched_tokens") or 0) if scheduler.get("enable_chunked_prefill") else None
         ),
-        recomputes_kv_cache=bool(_section(config, "cache_config").get("recompute_kv_cache_after_weight_updates")),
+        recomputes_kv_cache="tandem_version" not in version
+        or bool(_section(config, "cache_config").get("recompute_kv_cache_after_weight_updates")),
     )
 
 

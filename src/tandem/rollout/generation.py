@@ -17,8 +17,9 @@ from typing import Any
 from tandem.chat.prompts import render_chat
 from tandem.chat.tool_calls import tool_schema
 from tandem.contract.algorithms import algorithm_of
+from tandem.contract.channels import ServedVersions, versions_at
 from tandem.contract.records import Rollout, RolloutGroup, TurnRecord
-from tandem.generation.client import GenerationClient
+from tandem.generation.client import Completion, GenerationClient
 from tandem.rollout.environments import (
     ROUTE_COLUMN,
     EnvironmentPool,
@@ -59,9 +60,12 @@ class Episode:
 
 
 class Generation:
-    def __init__(self, loop, settings: RolloutSettings, processing_class, whole_groups: bool, record):
+    def __init__(
+        self, loop, settings: RolloutSettings, processing_class, whole_groups: bool, record, served: ServedVersions
+    ):
         """`loop`: the user's AsyncRolloutLoop (its `generate_one` and `reply`); `whole_groups`: its generation hooks are
-        the defaults (loop.py's `samples_whole_groups`); `record(name, *values)`: the scheduler's metric records."""
+        the defaults (loop.py's `samples_whole_groups`); `record(name, *values)`: the scheduler's metric records;
+        `served`: when each policy version began to be served (the trainer's syncs write it)."""
         config = self.config = settings.config
         self.loop, self.record = loop, record
         self.model_name, self.adapter_name = settings.model_name, settings.adapter_name
@@ -96,6 +100,10 @@ class Generation:
         labels = settings.server is not None and settings.server.labels_token_versions
         self.labels_versions = labels and not self.adapter_name
         """Whether to ask which weights sampled each token (a LoRA request names its adapter's version instead)."""
+        self.served = served
+        self.streams_versions = config.in_flight_weight_updates and not self.labels_versions and not self.adapter_name
+        """A server that cannot say which weights sampled each token (vLLM) streams them instead, each token labelled
+        with the version served when it arrived (`ServedVersions`)."""
 
     async def sample(self, prompt_ids: list[int], n: int) -> list[TurnRecord]:
         """`n` samples of one prompt in one request; the server seeds child i with seed + i. With top-k / top-p /
@@ -107,10 +115,15 @@ class Generation:
             completions = await self.client.generate(prompt_ids, model=model, sampling_params=sampling_params)
         else:
             completions = await self.client.complete(
-                prompt_ids, model=model, **settings, return_weight_versions=self.labels_versions
+                prompt_ids,
+                model=model,
+                **settings,
+                return_weight_versions=self.labels_versions,
+                stream=self.streams_versions,
             )
         self.generated_tokens += sum(len(x.token_ids) for x in completions)
         version = GROUP_VERSION.get()
+        timeline = self.served.timeline() if self.streams_versions else []
         return [
             TurnRecord(
                 prompt_ids=list(prompt_ids),
@@ -119,10 +132,18 @@ class Generation:
                 output_sampler_logprobs=top_entries(x.top_logprobs, self.top_logprobs),
                 output_sampling_mask=x.sampling_mask,
                 finish_reason=x.finish_reason,
-                output_token_versions=x.token_versions(version) if self.labels_versions else None,
+                output_token_versions=self._token_versions(x, version, timeline),
             )
             for x in completions
         ]
+
+    def _token_versions(self, completion: Completion, version: int, timeline: list) -> list[int] | None:
+        """The policy version of each token: the server's labels, or by when it arrived; None: the request's."""
+        if self.labels_versions:
+            return completion.token_versions(version)
+        if completion.arrivals is not None:
+            return versions_at(timeline, completion.arrivals, floor=version)
+        return None
 
     def _sampling_settings(self, prompt_tokens: int, n: int) -> dict[str, Any]:
         """A request's sampling settings, as both endpoints name them: the config's, a seed drawn from the rollout's

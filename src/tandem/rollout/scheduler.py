@@ -40,7 +40,7 @@ class RolloutScheduler:
         defaults (loop.py's `samples_whole_groups`)."""
         self.loop, self.settings, self.channels = loop, settings, channels
         config = self.config = settings.config
-        self.generation = Generation(loop, settings, processing_class, whole_groups, self.record)
+        self.generation = Generation(loop, settings, processing_class, whole_groups, self.record, channels.served)
         self.prompts = PromptStream(
             settings.dataset,
             start=settings.dataset_start_index,

@@ -153,7 +153,7 @@ class Runtime:
             control = session.connect(self.served_url)
             facts = session.run(read_facts(control))
             server_checks.check(facts, self.served_url, spec.served_dtype, args.recompute_kv_cache_after_weight_updates)
-            server_checks.check_in_flight(args.in_flight_weight_updates, facts, self.served_url, self.lora)
+            server_checks.check_in_flight(args, facts, self.served_url, self.lora)
             self.probe.note_server_dtype(facts.dtype)  # rank 0 judges the probe
             served_name = server_checks.served_name(list(facts.served_names), spec.model_name)
             self.sync_strategy = choose_sync(
@@ -305,6 +305,11 @@ class Runtime:
         """Seconds waited for the worker so far (a counter: a step reads its growth)."""
         return self.source.wait_s
 
+    @property
+    def recomputes_kv_cache(self) -> bool:
+        """The server computes its running sequences' caches again at each sync: no token comes from mixed weights."""
+        return self.facts.recomputes_kv_cache
+
     def take_metrics(self) -> dict[str, list]:
         """The runtime's and the worker's records since the last call. Rank 0 only."""
         records = self.window.take()
@@ -342,9 +347,10 @@ class Runtime:
             )
         return timings
 
-    def _announce(self, version: int) -> None:
-        """Called by the sync once the server serves `version`: the groups started from now on sample from it."""
+    def _announce(self, version: int, since: float) -> None:
+        """The sync's word that the server serves `version` from monotonic time `since` on (ServedVersions)."""
         if self.session.worker is not None:
+            self.session.worker.channels.served.mark(version, since)
             self.session.worker.channels.model_version.value = version
 
     # ---- a server that died or went away --------------------------------------------------------------
@@ -415,7 +421,7 @@ class Runtime:
         if self.lora:
             self.sync_strategy.push(spec.model, version, announce=self._announce)
         else:
-            self._announce(version)
+            self._announce(version, time.monotonic())
         self.window.add("rollout/server_restart_count", 1)
         self.window.add("perf/server_restart_s", time.perf_counter() - start)
 

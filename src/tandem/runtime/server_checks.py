@@ -4,6 +4,7 @@ or refuse the run says so now and not at step 16.
 """
 
 import warnings
+from typing import TYPE_CHECKING
 
 from tandem.chat.prompts import check_conversational, render_chat
 from tandem.chat.tool_calls import tool_schema
@@ -11,6 +12,9 @@ from tandem.dataset_rows import first_rows, is_iterable
 from tandem.errors import UsageError
 from tandem.generation.client import ServerProblem
 from tandem.generation.server_facts import ServerFacts
+
+if TYPE_CHECKING:
+    from tandem.config import AsyncGRPOConfig
 
 PROMPTS_MEASURED = 1000
 """An IterableDataset's first rows whose prompts are checked against the server's context length (a streamed dataset
@@ -28,12 +32,7 @@ def check(facts: ServerFacts, url: str, weights_dtype: str, recompute_kv_cache: 
     run's recompute_kv_cache_after_weight_updates."""
     if facts.engine == "vllm":
         check_vllm(facts, url)
-    if recompute_kv_cache and facts.engine != "tandem":
-        raise NotImplementedError(
-            f"recompute_kv_cache_after_weight_updates=True: the server at {url} is {facts.engine} {facts.version}; "
-            "computing a running sequence's cache again after a weight update is tandem serve's. Set it to False."
-        )
-    if recompute_kv_cache != facts.recomputes_kv_cache:  # the run counts mixed tokens by it: it must be the server's
+    if facts.engine == "tandem" and recompute_kv_cache != facts.recomputes_kv_cache:  # vLLM always recomputes
         flag = "--recompute-kv-cache-after-weight-updates"
         raise UsageError(
             f"recompute_kv_cache_after_weight_updates={recompute_kv_cache}, but the server at {url} was started "
@@ -49,28 +48,28 @@ def check(facts: ServerFacts, url: str, weights_dtype: str, recompute_kv_cache: 
         )
 
 
-def check_in_flight(in_flight: bool, facts: ServerFacts, url: str, lora: bool) -> None:
-    """in_flight_weight_updates judges a sample by the weights that sampled each token: the server must say which,
-    and each sync must tell it the version it swaps in (a weight stream does; a folder reload and a LoRA adapter,
-    which a request names for its whole generation, do not yet)."""
-    if not in_flight:
+def check_in_flight(args: "AsyncGRPOConfig", facts: ServerFacts, url: str, lora: bool) -> None:
+    """in_flight_weight_updates judges a sample by the weights that sampled each token: tandem serve labels each token
+    with the version its weight stream named; vLLM's tokens are streamed and labelled by when they arrived. A LoRA
+    request names one adapter for its whole generation, so its tokens cannot move to a newer one."""
+    if not args.in_flight_weight_updates:
         return
     if lora:
         raise NotImplementedError(
             "in_flight_weight_updates=True with LoRA: a request names one adapter version for its whole generation, "
             "so its tokens cannot move to a newer one; not implemented. Set in_flight_weight_updates=False."
         )
-    if not facts.labels_token_versions:
-        raise NotImplementedError(
-            f"in_flight_weight_updates=True: the server at {url} ({facts.engine} {facts.version}) does not say which "
-            "weights sampled each token (return_weight_versions), and reading it from the stream is not implemented. "
-            "Use tandem serve, or set in_flight_weight_updates=False."
-        )
-    if not facts.streams_weights:
+    if facts.labels_token_versions and not facts.streams_weights:
         raise NotImplementedError(
             f"in_flight_weight_updates=True: the weights reach the server at {url} by a folder reload, which does not "
             'label them with their version. Start it with --weight-transfer-config \'{"backend": "gloo"}\' (the '
             "embedded server has it), or set in_flight_weight_updates=False."
+        )
+    if not facts.labels_token_versions and facts.returns_sampling_masks and args.uses_truncated_sampling:
+        raise NotImplementedError(
+            f"in_flight_weight_updates=True with top-k / top-p against {url}: its tokens' versions are read from a "
+            "stream of /v1/completions, and the sampling masks come from /inference/v1/generate, which is not "
+            "streamed; not implemented. Set in_flight_weight_updates=False, or sample without top-k / top-p."
         )
 
 

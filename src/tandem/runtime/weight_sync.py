@@ -12,7 +12,6 @@ talks to the server.
 import shutil
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -26,7 +25,7 @@ from tandem.generation.client import ControlClient, ServerProblem
 from tandem.generation.server_facts import ServerFacts
 from tandem.model.distributed import Ranks
 from tandem.model.model_folder import quiet_progress, save_model_folder
-from tandem.runtime.weight_transfer import GlooPlane, LoopRunner, TransferSync, VllmNcclPlane
+from tandem.runtime.weight_transfer import Announce, GlooPlane, LoopRunner, TransferSync, VllmNcclPlane, no_one
 
 if TYPE_CHECKING:
     from tandem.config import AsyncGRPOConfig
@@ -94,11 +93,9 @@ class ReloadSync:
         """What rollouts of `version` ask the server for: always the base model's name."""
         return self.served_name
 
-    def push(
-        self, model: torch.nn.Module, version: int, announce: Callable[[int], None] = lambda version: None
-    ) -> dict[str, float]:
-        """Publish `model` (merged, for a LoRA model) as `version`, then `announce(version)` to the rollouts; returns
-        the timing breakdown for perf/weight_sync_*."""
+    def push(self, model: torch.nn.Module, version: int, announce: Announce = no_one) -> dict[str, float]:
+        """Publish `model` (merged, for a LoRA model) as `version`, then announce it to the rollouts; returns the
+        timing breakdown for perf/weight_sync_*."""
         start = time.perf_counter()
         if isinstance(model, PeftModel):
             with torch.no_grad():
@@ -115,8 +112,9 @@ class ReloadSync:
         paused = time.perf_counter()
         run.run(control.reload_weights(str(target.resolve())))
         run.run(control.reset_prefix_cache())
+        since = time.monotonic()
         run.run(control.resume())
-        announce(version)
+        announce(version, since)
         done = time.perf_counter()
         for old in self.folder.glob("v*"):
             if old != target:
@@ -180,11 +178,9 @@ class LoraSync:
     def name_for(self, version: int) -> str:
         return ADAPTER_NAME.format(version=version)
 
-    def push(
-        self, model: torch.nn.Module, version: int, announce: Callable[[int], None] = lambda version: None
-    ) -> dict[str, float]:
-        """Load the adapter as a new name and `announce(version)` before the oldest is unloaded, so a rollout
-        that names an unloaded version always started before the announcement (and is skipped as stale)."""
+    def push(self, model: torch.nn.Module, version: int, announce: Announce = no_one) -> dict[str, float]:
+        """Load the adapter as a new name and announce it before the oldest is unloaded, so a rollout that names an
+        unloaded version always started before the announcement (and is skipped as stale)."""
         start = time.perf_counter()
         name = self.name_for(version)
         target = write_weights(model, self.folder, name, self.ranks)
@@ -192,7 +188,7 @@ class LoraSync:
             return {}
         control, run = leader(self.control, self.run)
         run.run(control.load_lora(name, str(target.resolve())))
-        announce(version)
+        announce(version, time.monotonic())  # requests name the adapter: none could sample from it before
         self.loaded.append(version)
         for old in self.unloaded:
             shutil.rmtree(self.folder / old, ignore_errors=True)

@@ -40,6 +40,15 @@ from tandem.serve.weight_receiver import PACKED_BUFFER_BYTES, RENDEZVOUS_S, Broa
 
 Tensors = Iterator[tuple[str, torch.Tensor]]
 T = TypeVar("T")
+Announce = Callable[[int, float], None]
+"""Told once the server serves a new version: (version, since), `since` the monotonic time just before generation
+could go on under it (a resume sent, or the update's finish for a server that swaps it in itself)."""
+
+
+def no_one(version: int, since: float) -> None:
+    """An announcement nobody hears (a sync outside a run: a test, the dry run)."""
+
+
 ENGINE_DEATH_CHECKS = 4
 """How many times, ENGINE_WATCH_S apart, a failed transfer asks /health whether the engine died."""
 
@@ -276,9 +285,7 @@ class TransferSync:
             ) from exc
         return workers
 
-    def push(
-        self, model: torch.nn.Module, version: int, announce: Callable[[int], None] = lambda version: None
-    ) -> dict[str, float]:
+    def push(self, model: torch.nn.Module, version: int, announce: Announce = no_one) -> dict[str, float]:
         """Stream every trained parameter to the server as `version` (every rank takes part in the gathers); a frozen part
         (a vision-language model's vision tower) keeps the weights the server loaded."""
         params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # tied weights once, as served
@@ -305,13 +312,13 @@ class TransferSync:
         paused = time.perf_counter()
         run.run(control.start_weight_update())
         self._transfer(version, announced, tensors)
+        since = time.monotonic()  # tandem serve swaps the update in between two steps after its finish
         run.run(control.finish_weight_update(str(version)))
-        if (
-            self.plane.pauses_generation
-        ):  # vLLM: its prefix cache outlives a transfer (tandem serve's swap drops its own)
+        if self.plane.pauses_generation:  # vLLM: its prefix cache outlives a transfer (tandem serve's drops its own)
             run.run(control.reset_prefix_cache())
+            since = time.monotonic()
             run.run(control.resume())
-        announce(version)
+        announce(version, since)
         done = time.perf_counter()
         return {
             "perf/weight_sync_s": done - start,
@@ -345,7 +352,7 @@ class TransferSync:
             raise failed(f"weight transfer of version {version} failed: {error}. {self.plane.after_failure}") from error
 
     def push_in_thread(
-        self, model: torch.nn.Module, version: int, announce: Callable[[int], None] = lambda version: None
+        self, model: torch.nn.Module, version: int, announce: Announce = no_one
     ) -> InThread[dict[str, float]]:
         """`push` on a thread of its own, with its own event loop and client, while the caller trains on: the caller's loop
         stays free for its own calls, and nothing may change the weights until the thread's `result`."""

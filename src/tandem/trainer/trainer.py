@@ -386,8 +386,7 @@ class AsyncGRPOTrainer(CallbackMethods):
             runtime.session.say(f"out of device memory: token_budget halved to {self.halved_budget}")
             self.halved_budget = None
         # their staleness against the policy they trained; no token is mixed where the server recomputes its cache
-        kept_cache = not self.args.recompute_kv_cache_after_weight_updates  # the server's way (server_checks.check)
-        record_samples(self.run_log.window, rows, state.model_version, kept_cache)
+        record_samples(self.run_log.window, rows, state.model_version, not runtime.recomputes_kv_cache)
         before, state.dataset_start_index = state.dataset_start_index, runtime.trained(rows, state.step)
         epochs = self.epoch_size
         return epochs is not None and state.dataset_start_index // epochs > before // epochs
