@@ -54,9 +54,9 @@ class ServerFacts:
     """With chunked prefill, the most tokens a step prefills (a longer prompt is split over steps); None: never split."""
     recomputes_kv_cache: bool = False
     """It computes the running sequences' keys and values again after a weight update, so each token comes from one
-    version's weights: tandem serve started with --recompute-kv-cache-after-weight-updates; vLLM (0.30 on) always, its
-    pause (mode keep) dropping the running sequences' caches (its `clear_cache`, true by default) and computing them
-    again under the new weights when generation resumes."""
+    version's weights: tandem serve started with --recompute-kv-cache-after-weight-updates; vLLM always (0.32
+    checked), its pause (mode keep) dropping the running sequences' caches (its `clear_cache`, true by default) and
+    computing them again under the new weights when generation resumes."""
 
     @property
     def streams_weights(self) -> bool:
