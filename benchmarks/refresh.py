@@ -28,7 +28,7 @@ README = ROOT / "README.md"
 BENCHMARKS = {  # in the page's order, with about how long each takes on the project's quiet 2-core machine
     "vs_trl": "~15 min",
     "pipeline_overlap": "~50 min",
-    "mismatch": "~90 min",
+    "mismatch": "~2.5 h",
     "packing": "~4 min",
     "packing_76m": "~9 min",
     "logprob_memory": "~2 min",
