@@ -41,6 +41,11 @@ class EngineDead(ServerError):
     """vLLM's engine process died: that server will never generate again (a server restarted in its place would)."""
 
 
+def server_error(status: int, message: str, url: str) -> ServerError:
+    """The error a server answered, as `EngineDead` when it says vLLM's engine died."""
+    return (EngineDead if ENGINE_DEAD in message else ServerError)(status, message, url)
+
+
 def engine_died(error: EngineDead) -> str:
     """What to tell the user when vLLM's engine died (its log has the cause)."""
     return (
@@ -191,7 +196,7 @@ class _Http:
                     text = await response.text()
                     if not (may_retry and response.status in RETRY_STATUSES):
                         message = _error_message(text)
-                        raise (EngineDead if ENGINE_DEAD in message else ServerError)(response.status, message, url)
+                        raise server_error(response.status, message, url)
             except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
                 if self.down_since is None:
                     self.down_since, self.down_reason = time.monotonic(), repr(exc)
@@ -238,7 +243,7 @@ def stream_event(payload: bytes, url: str) -> dict:
     error = event.get("error")
     if isinstance(error, dict):
         message = error.get("message", str(error))
-        raise (EngineDead if ENGINE_DEAD in message else ServerError)(int(error.get("code") or 500), message, url)
+        raise server_error(int(error.get("code") or 500), message, url)
     return event
 
 
