@@ -8,16 +8,17 @@ the speed-up, and the ideal (G + T) / max(G, T) from the synchronous run's own G
 pairs of runs (a single pair's ratio to the ideal moves by up to 0.2 on this 2-core machine) and shows the pair whose
 ratio is the median, every figure from that pair. The reward is
 the task's own integer check (math-verify would cost the worker CPU time the trainer then misses).
-Each configuration (a server step delay and a max_staleness) is one row of the printed table, once with the three
-processes sharing the machine's cores and once pinned (`--cores`): the trainer alone on its cores, as on a device of
-its own, and the server with the rollout worker on another (the server stands in for a GPU: it mostly sleeps). The last column is `tandem doctor`'s bottleneck for the
+Each configuration (a server step delay and a max_staleness) is one row of the printed table, pinned by default
+(`--cores`): the trainer alone on its cores, as on a device of its own, and the server with the rollout worker on
+another (the server stands in for a GPU: it mostly sleeps); `--cores shared` has the three processes share the
+machine's cores, `both` runs each row both ways. The last column is `tandem doctor`'s bottleneck for the
 asynchronous run. `--train-delay-s` slows every optimizer step, standing in for a slower trainer (a trainer-bound run).
 A row's staleness rule is the group's start version ("start") or, with `in_flight_weight_updates`, its tokens'
 ("tokens"); the stale column is the share of the asynchronous run's generated rollouts dropped or cancelled as stale.
 
     python benchmarks/pipeline_overlap.py [--steps 60] [--config STEP_DELAY_S MAX_STALENESS ...] [--in-flight]
-                                          [--cores shared|pinned|both] [--train-delay-s S] [--weight-sync-steps N]
-                                          [--max-num-seqs N] [--repeats 3] [--markdown PATH]
+                                          [--cores pinned|shared|both] [--train-delay-s S] [--weight-sync-steps N]
+                                          [--max-num-seqs N] [--repeats 5] [--markdown PATH]
 """
 
 import argparse
@@ -297,9 +298,9 @@ def main() -> None:
     parser.add_argument(
         "--cores",
         choices=["shared", "pinned", "both"],
-        default="both",
-        help="shared: the three processes share every core; pinned: the trainer alone on its cores, the server "
-        "and the rollout worker on another (separate devices); both (default): each row both ways",
+        default="pinned",
+        help="pinned (default): the trainer alone on its cores, the server and the rollout worker on another "
+        "(separate devices, as on GPUs); shared: the three processes share every core; both: each row both ways",
     )
     parser.add_argument(
         "--train-delay-s",
@@ -311,9 +312,9 @@ def main() -> None:
     parser.add_argument(
         "--repeats",
         type=int,
-        default=3,
+        default=5,
         help="pairs of runs of each row, an odd number; the table shows the pair of median ratio to the ideal "
-        "(default 3)",
+        "(default 5)",
     )
     parser.add_argument(
         "--max-num-seqs",

@@ -27,8 +27,9 @@ PAGE = ROOT / "docs" / "performance.md"
 README = ROOT / "README.md"
 BENCHMARKS = {  # in the page's order, with about how long each takes on the project's quiet 2-core machine
     "vs_trl": "~15 min",
-    "pipeline_overlap": "~50 min",
+    "pipeline_overlap": "~40 min",
     "mismatch": "~2.5 h",
+    "kv_cache_at_sync": "~5 min",
     "packing": "~4 min",
     "packing_76m": "~9 min",
     "logprob_memory": "~2 min",

@@ -115,11 +115,6 @@ def saved_with_tiny_tokenizer(model: torch.nn.Module, folder) -> str:
 
 
 @pytest.fixture(scope="session")
-def hybrid_path(tmp_path_factory) -> str:
-    return saved_with_tiny_tokenizer(tiny_hybrid(), tmp_path_factory.mktemp("hybrid"))
-
-
-@pytest.fixture(scope="session")
 def wide_path(tmp_path_factory) -> str:
     return saved_with_tiny_tokenizer(tiny_wide(), tmp_path_factory.mktemp("wide"))
 

@@ -100,7 +100,7 @@ def logged(tmp_path) -> list[dict]:
     return [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
 
 
-@pytest.mark.slow
+@pytest.mark.long  # the harness's parts below run in the default suite; verifiers' run is long as well
 def test_an_openenv_environment_trains_through_its_harness_with_the_samplers_own_tokens(tmp_path):
     args = AsyncGRPOConfig(
         output_dir=str(tmp_path),

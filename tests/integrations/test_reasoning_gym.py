@@ -60,6 +60,7 @@ def test_a_composite_of_weighted_tasks_scores_each_row_by_its_own_task():
         assert [g is None for g in got] == [task != score.task for task in rows[TASK]], "None: another task's row"
 
 
+@pytest.mark.long  # its scoring and rows are tested above, in the default suite
 def test_a_reasoning_gym_dataset_object_trains_with_its_tasks_rewards_through_the_worker(tmp_path):
     train = reasoning_gym.create_dataset("basic_arithmetic", **SMALL)
     held_out = reasoning_gym.create_dataset("basic_arithmetic", **{**SMALL, "size": 4, "seed": 99})

@@ -292,9 +292,9 @@ def test_a_second_train_call_checks_its_syncs_against_its_own_server(tmp_path):
     assert gaps == {1: 0.0, 2: 0.0, 3: 0.0, 4: 0.0}, "every sync of both runs is probed and served exactly"
 
 
-def test_stopped_and_resumed_at_three_random_points_a_run_finishes_every_prompt_exactly_once(tmp_path):
+def test_stopped_and_resumed_at_two_random_points_a_run_finishes_every_prompt_exactly_once(tmp_path):
     seed = random.randrange(1_000_000)
-    stops = sorted(random.Random(seed).sample(range(1, 5), 3))  # the epoch takes 5 steps or more
+    stops = sorted(random.Random(seed).sample(range(1, 5), 2))  # the epoch takes 5 steps or more
     data = small_dataset(48)
     # A small budget (about two groups a row) so the epoch takes more steps than the last stop.
     args = config(tmp_path, max_steps=-1, num_train_epochs=1, max_staleness=1, token_budget=100)

@@ -220,10 +220,7 @@ def missing_folder(model: str) -> str | None:
 
 
 def run_serve(ns: argparse.Namespace) -> None:
-    from tandem.httpapp import run_until_interrupted
-    from tandem.serve.app import start_server
-    from tandem.serve.serve_args import VLLM_PROTOCOL_VERSION, ServeArgs, check_tool_flags
-    from tandem.serve.weight_receiver import parse_config
+    from tandem.serve.transfer_config import parse_config
 
     if ns.return_sampling_mask and ns.logprobs_mode != "processed_logprobs":
         user_error("tandem serve: --return-sampling-mask needs --logprobs-mode processed_logprobs (as in vLLM).")
@@ -239,6 +236,10 @@ def run_serve(ns: argparse.Namespace) -> None:
         parse_config(ns.weight_transfer_config)
     except ValueError as exc:  # not JSON, or a backend tandem serve does not have
         user_error(f"tandem serve: {exc}")
+    from tandem.httpapp import run_until_interrupted  # torch and the engine: after the checks that need neither
+    from tandem.serve.app import start_server
+    from tandem.serve.serve_args import VLLM_PROTOCOL_VERSION, ServeArgs, check_tool_flags
+
     args = ServeArgs(**{k: v for k, v in vars(ns).items() if k != "command"})
     try:
         check_tool_flags(args)

@@ -45,7 +45,8 @@ from tandem.serve.serve_args import (
     sampling_defaults,
 )
 from tandem.serve.streaming import DONE, ChatStream, CompletionStream, Stream, StreamOptions, sse
-from tandem.serve.weight_receiver import Receiver, parse_config
+from tandem.serve.transfer_config import parse_config
+from tandem.serve.weight_receiver import Receiver
 
 logger = logging.getLogger("tandem.serve")
 OpenAIRequest = TypeVar("OpenAIRequest", protocol.CompletionRequest, protocol.ChatCompletionRequest)

@@ -21,7 +21,6 @@ from typing import Protocol, cast
 import torch
 import torch.distributed as dist
 
-BACKENDS = ("gloo",)
 INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size")
 PACKED_BUFFER_BYTES = 64 * 2**20
 """A packed buffer's default size: what the two sides hold beyond the weights during a transfer."""
@@ -62,26 +61,6 @@ def pack_chunks(sizes: list[int], buffer_bytes: int) -> list[range]:
             chunks.append(range(start, index + 1))
             start, filled = index + 1, 0
     return chunks + ([range(start, len(sizes))] if start < len(sizes) else [])
-
-
-def parse_config(text: str | None) -> dict | None:
-    """`--weight-transfer-config` as vLLM reads it (JSON); tandem serve's data plane is gloo."""
-    import json
-
-    if text is None:
-        return None
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(
-            f'--weight-transfer-config {text!r} is not JSON ({exc}): write \'{{"backend": "gloo"}}\''
-        ) from None
-    if not isinstance(config, dict) or config.get("backend", "nccl") not in BACKENDS:
-        raise ValueError(
-            f"--weight-transfer-config {text}: tandem serve transfers weights over gloo "
-            '(\'{"backend": "gloo"}\'); nccl is vllm serve\'s (on GPUs).'
-        )
-    return config
 
 
 @dataclass
