@@ -39,7 +39,8 @@ def python_api_warnings(monkeypatch):
     """A test that calls the command line's main() in this process leaves no trace on the next: the command line's
     warning format (warnings.showwarning, and TANDEM_COMMAND, which the rollout workers it starts read) is undone."""
     monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
-    monkeypatch.delenv(COMMAND_VARIABLE, raising=False)
+    monkeypatch.setenv(COMMAND_VARIABLE, "")  # recorded first, so that teardown removes one a test set, too
+    monkeypatch.delenv(COMMAND_VARIABLE)
 
 
 @pytest.fixture(scope="session")

@@ -66,7 +66,7 @@ def test_a_refused_field_set_to_anything_but_its_default_fails_with_the_reason(n
 FIELD_TESTS = {
     "output_dir": "tests/trainer/test_conventions.py::test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask",
     "per_device_train_batch_size": "tests/test_config_fields.py::test_per_device_train_batch_size_caps_the_samples_of_a_row",
-    "num_train_epochs": "tests/trainer/test_trainer.py::test_stopped_and_resumed_at_two_random_points_a_run_finishes_every_prompt_exactly_once",
+    "num_train_epochs": "tests/trainer/test_trainer.py::test_stopped_and_resumed_at_a_random_point_a_run_finishes_every_prompt_exactly_once",
     "max_steps": "tests/trainer/test_trainer.py::test_a_curriculum_loop_runs",
     "learning_rate": "tests/trainer/test_conventions.py::test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask",
     "lr_scheduler_type": "tests/test_config_fields.py::test_lr_scheduler_kwargs_reach_transformers_schedule_and_warmup_applies_to_constant",

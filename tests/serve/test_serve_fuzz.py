@@ -1,4 +1,4 @@
-"""The engine never dies of a request: 200 generated bodies, valid and not, to the generation, tokenizer and
+"""The engine never dies of a request: 150 generated bodies, valid and not, to the generation, tokenizer and
 control routes of a real `tandem serve` process. Each answer is a 2xx, or a 4xx in vLLM's error shape (a 500 only
 where vLLM answers one: a failed adapter load), and after every body `/health` and a plain completion still work.
 
@@ -20,7 +20,7 @@ from tests.conftest import ServeProcess
 from tests.serve.test_lora_and_reload import make_adapter
 
 VOCAB = 512
-EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", 200))
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", 150))
 ENGINE_STOPPED = "The generation engine has stopped"
 VLLM_500 = {"/v1/load_lora_adapter": "Call to add_lora method failed: "}
 """The routes where vLLM itself answers a refused body with a 500, and the start of its message."""

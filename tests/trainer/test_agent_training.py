@@ -109,6 +109,7 @@ class IncrementEnv:
         return self.counter
 
 
+@pytest.mark.long  # an environment trains in the default suite (the agent run of test_runs_write_the_documented_metrics)
 def test_a_self_sampling_environment_trains_without_a_dataset(tmp_path):
     trainer = AsyncGRPOTrainer(model="tiny", args=args(tmp_path, max_steps=2), environment_factory=IncrementEnv)
     assert trainer.train().global_step == 2

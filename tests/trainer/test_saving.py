@@ -40,6 +40,7 @@ def weights(model) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+@pytest.mark.long  # save_strategy, save_only_model and checkpoints are tested in parts in test_checkpoint.py
 def test_save_strategy_best_and_save_only_model_keep_the_best_model_and_load_best_model_at_end_loads_it(tmp_path):
     args = config(
         tmp_path,
