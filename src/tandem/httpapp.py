@@ -4,6 +4,8 @@ It imports only aiohttp, so the proxy, which uses it, stays free of torch and tr
 """
 
 import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -21,6 +23,47 @@ CONTROL_PATHS = (
 )
 """Routes that change what a server serves: tandem guards them with `--api-key` too (vLLM leaves them open), so a
 server bound beyond loopback cannot be paused or given weights by anyone who reaches it. Reads stay open."""
+
+
+QUERY_BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+"""The spellings of a boolean query parameter vLLM's server (FastAPI) accepts, case aside."""
+
+
+class BadQuery(ValueError):
+    """A query parameter with a value the route does not accept: its message names the parameter and the fix."""
+
+    def __init__(self, message: str, param: str, value: str):
+        super().__init__(message)
+        self.param, self.value = param, value
+
+
+@dataclass(frozen=True)
+class Pause:
+    """vLLM's `/pause?mode=abort|wait|keep&clear_cache=true|false`. Abort ends the running requests and wait lets them
+    finish, then the prefix cache is dropped unless `clear_cache` is false; keep freezes the running requests with
+    their cache, so `clear_cache` changes nothing there (as in vLLM)."""
+
+    mode: str = "abort"
+    clear_cache: bool = True
+
+    @classmethod
+    def from_query(cls, query: Mapping[str, str]) -> "Pause":
+        mode = query.get("mode", cls.mode)
+        if mode not in ("abort", "wait", "keep"):
+            raise BadQuery(f"Invalid pause mode {mode!r}: use abort, wait or keep.", "mode", mode)
+        raw = query.get("clear_cache")
+        if raw is not None and raw.lower() not in QUERY_BOOLS:
+            raise BadQuery(f"clear_cache must be true or false, not {raw!r}.", "clear_cache", raw)
+        return cls(mode, cls.clear_cache if raw is None else QUERY_BOOLS[raw.lower()])
+
+    @property
+    def drains(self) -> bool:
+        """The running requests end (abort) or finish (wait) before the server says it is paused."""
+        return self.mode != "keep"
+
+    @property
+    def drops_prefix_cache(self) -> bool:
+        return self.drains and self.clear_cache
 
 
 def error_body(status: int, message: str, type: str, param: str | None = None) -> dict:

@@ -118,6 +118,17 @@ async def test_routing_sticks_spreads_and_forgets_on_a_cache_reset():
         await post(s, url + "/v1/completions", {"model": "p", "prompt": prompt})
         async with s.get(url + "/proxy/stats") as r:
             assert (await r.json())["router"]["affinity"] == 6, "after a reset nobody holds the prompt"
+        for query, kept in [("mode=keep", True), ("mode=wait&clear_cache=false", True), ("mode=wait", False)]:
+            async with s.get(url + "/proxy/stats") as r:
+                before = (await r.json())["router"]["affinity"]
+            async with s.post(url + f"/pause?{query}") as r:
+                assert r.status == 200
+            await post(s, url + "/v1/completions", {"model": "p", "prompt": prompt})
+            async with s.get(url + "/proxy/stats") as r:
+                affinity = (await r.json())["router"]["affinity"]
+            assert affinity == before + kept, (
+                f"/pause?{query}: the router should {'keep' if kept else 'forget'} the cache"
+            )
         assert (await post(s, url + "/v1/completions", b"{not json"))[0] == 400
     await runner.cleanup()
     for r in replicas:

@@ -137,6 +137,28 @@ def test_a_reset_a_weight_reload_and_adapter_loads_and_unloads_each_drop_the_cac
         s.close()
 
 
+def test_pause_clears_the_cache_unless_clear_cache_is_false_as_in_vllm(server):
+    """vLLM's /pause drops the prefix cache after draining (abort, wait) unless `clear_cache=false`; keep freezes the
+    running sequences and leaves the cache alone. A value other than a boolean is a 400 naming it."""
+    prompt = list(range(100, 150))
+    complete(server, prompt, seed=0)
+
+    def hits_after_pause(query: str) -> float:
+        assert server.request("POST", f"/pause?{query}")[0] == 200, query
+        assert server.request("POST", "/resume")[0] == 200
+        before = counter(server, "vllm:prefix_cache_hits_total")
+        complete(server, prompt, seed=0)
+        return counter(server, "vllm:prefix_cache_hits_total") - before
+
+    assert hits_after_pause("mode=wait&clear_cache=false") == 48, "clear_cache=false dropped the cache"
+    assert hits_after_pause("mode=keep") == 48, "a pause in keep mode dropped the cache"
+    assert hits_after_pause("mode=abort&clear_cache=False") == 48, "clear_cache=False (any case) dropped the cache"
+    assert hits_after_pause("mode=wait") == 0, "a pause in wait mode kept the cache (vLLM's default clears it)"
+    status, body = server.request("POST", "/pause?mode=wait&clear_cache=maybe")
+    assert status == 400 and "clear_cache" in body["error"]["message"], body
+    assert server.get("/is_paused")[1] == {"is_paused": False}, "a refused pause paused the server"
+
+
 def run_in_one_step(engine, requests: list[EngineRequest]) -> None:
     """Submit while paused, so that every request is admitted into the same step."""
     engine.set_paused(True)

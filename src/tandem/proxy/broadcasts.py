@@ -9,8 +9,20 @@ import time
 
 from aiohttp import web
 
+from tandem.httpapp import BadQuery, Pause
 from tandem.proxy.messages import error, failed_on
 from tandem.proxy.replicas import Replicas, State, Upstream
+
+
+def empties_prefix_caches(request: web.Request) -> bool:
+    """Whether a broadcast empties each replica's prefix cache, so that the router forgets what each one held: a
+    reset, or a pause that drains (vLLM drops the cache then unless `clear_cache=false`)."""
+    if request.path == "/reset_prefix_cache":
+        return True
+    try:
+        return request.path == "/pause" and Pause.from_query(request.query).drops_prefix_cache
+    except BadQuery:  # every replica refuses it
+        return False
 
 
 class Broadcasts:
@@ -24,7 +36,7 @@ class Broadcasts:
         if not members:
             return error(502, f"proxy: every replica is down; {request.path} reached none")
         results = await self.replicas.send_all(request, raw, members)
-        if request.path == "/reset_prefix_cache":
+        if empties_prefix_caches(request):
             for upstream, (status, _, _) in zip(members, results):
                 if status == 200:
                     self.replicas.router.forget(self.replicas.upstreams.index(upstream))

@@ -14,6 +14,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from safetensors import safe_open
 
+from tandem.httpapp import BadQuery, Pause
 from tandem.kernels.openmp import in_passing_thread
 from tandem.serve import fields, protocol
 from tandem.serve.engine import Engine
@@ -93,15 +94,18 @@ class Control:
 
     # ---- pause -----------------------------------------------------------------------------------
     async def pause(self, request: web.Request) -> web.Response:
-        mode = request.query.get("mode", "abort")
-        if mode not in ("abort", "wait", "keep"):
-            return web.json_response({"error": f"Invalid pause mode {mode!r}: use abort, wait or keep."}, status=400)
-        self.pause_mode = mode
-        if mode == "abort":
+        try:
+            pause = Pause.from_query(request.query)
+        except BadQuery as exc:
+            raise bad_request(str(exc), exc.param, exc.value) from None
+        self.pause_mode = pause.mode
+        if pause.mode == "abort":
             self.engine.abort_all()
-        if mode in ("abort", "wait"):  # in-flight requests end (abort) or drain (wait) before we report paused
+        if pause.drains:  # in-flight requests end (abort) or finish (wait) before we report paused
             while not self.engine.idle():
                 await asyncio.sleep(0.01)
+        if pause.drops_prefix_cache:
+            await asyncio.wrap_future(self.engine.call(self.engine.reset_prefix_cache))
         self.engine.set_paused(True)
         return web.json_response({"status": "paused"})
 
