@@ -175,6 +175,13 @@ def test_a_falling_effective_sample_size_or_a_growing_mismatch_names_a_correctio
     )
     told = diagnose(growing, CONFIG | {"vllm_importance_sampling_mode": "geometric_mask"})["whole run"]
     assert "token_truncate (now geometric_mask)" in [f for f in told if f.area == "sync"][0].knob
+    flash = diagnose(growing, CONFIG | {"algorithm": "flash_reinforce", "flash_delta": 0.003})["whole run"]
+    knob = [f for f in flash if f.area == "sync"][0].knob
+    assert "lower flash_delta (now 0.003)" in knob and "vllm_importance_sampling_mode" not in knob, (
+        "FlashREINFORCE refuses GRPO's corrections: the doctor must not suggest them"
+    )
+    first_seen = run({}, {"sampling/mismatch_kl": 8e-3})  # logged from the run's second half on only
+    assert verdicts(first_seen, "sync") == ["healthy"], "a mismatch with nothing before it to compare has not grown"
 
 
 def test_a_log_prob_gap_beyond_rounding_at_staleness_zero_is_critical():

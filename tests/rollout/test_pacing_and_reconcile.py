@@ -120,6 +120,21 @@ def test_turns_that_extend_the_held_tokens_make_one_sample():
     assert (stats.transitions, stats.forks) == (1, 0)
 
 
+def test_a_turn_record_with_a_value_missing_for_a_token_is_refused_naming_the_field():
+    """A custom loop's record must give each output token its log-prob (0.0 would be made up), and every other
+    per-token field given must have one entry per token; untrained tokens need no log-prob."""
+    with pytest.raises(ValueError, match="output_log_probs has 1 values for 2 output_ids"):
+        TurnRecord(prompt_ids=[1], output_ids=[3, 4], output_log_probs=[-0.1])
+    with pytest.raises(ValueError, match="output_log_probs has 0 values for 2 output_ids"):
+        TurnRecord(prompt_ids=[1], output_ids=[3, 4])
+    with pytest.raises(ValueError, match="output_mask has 1 values for 2 output_ids"):
+        TurnRecord(prompt_ids=[1], output_ids=[3, 4], output_log_probs=[-0.1, -0.2], output_mask=[1])
+    with pytest.raises(ValueError, match="output_token_versions has 3 values"):
+        TurnRecord(prompt_ids=[1], output_ids=[3, 4], output_log_probs=[-0.1, -0.2], output_token_versions=[0, 1, 1])
+    untrained = TurnRecord(prompt_ids=[1], output_ids=[3, 4], output_mask=[0, 0])
+    assert reconcile([untrained], version=0)[0] == [], "an untrained turn makes no sample"
+
+
 def test_each_trained_token_keeps_the_policy_version_that_sampled_it():
     """A sync between the first turn's two tokens; the second turn's record names no versions: the group's (2)."""
     first = TurnRecord(

@@ -14,7 +14,7 @@ from tandem.generation.client import ControlClient, GenerationClient
 from tandem.generation.server_facts import facts_of
 from tandem.packing import tree_attention
 from tandem.runtime import sync_check
-from tandem.runtime.weight_sync import LoraSync, adapter_sync_obstacle, merged_state_dict
+from tandem.runtime.weight_sync import LoraSync, ReloadSync, adapter_sync_obstacle, merged_state_dict
 from tandem.tasks import TINY_MODEL_PATH
 from tests.conftest import chat_prompt, probe_gap
 
@@ -214,3 +214,31 @@ def test_moved_is_exact_where_the_server_is():
     assert sync_check.moved(new, new, reference) is True, "an exact server: any step that moved is seen"
     assert sync_check.moved(reference, new, reference) is False
     assert sync_check.moved(reference, reference, reference) is None, "a step that moved nothing cannot be judged"
+
+
+def test_a_reload_announces_the_new_version_before_generation_resumes(tmp_path):
+    """The rollouts label a streamed token by the version marked when it arrived: were the mark written after the resume,
+    a short request finishing in between would have its new tokens labelled with the old version."""
+    calls: list[str] = []
+
+    class Control:
+        async def pause(self, mode):
+            calls.append(f"pause {mode}")
+
+        async def reload_weights(self, path):
+            calls.append("reload")
+
+        async def reset_prefix_cache(self):
+            calls.append("reset")
+
+        async def resume(self):
+            calls.append("resume")
+
+    class Now:
+        def run(self, coroutine):
+            return asyncio.run(coroutine)
+
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32)
+    sync = ReloadSync(Control(), tmp_path, Now(), "tiny")
+    sync.push(model, 3, announce=lambda version, since: calls.append(f"announce {version}"))
+    assert calls == ["pause keep", "reload", "reset", "announce 3", "resume"]

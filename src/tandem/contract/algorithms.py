@@ -10,9 +10,9 @@ a FlashREINFORCE run with `epsilon=0.3` stops at once instead of training withou
 """
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from tandem.errors import UsageError
 
@@ -65,6 +65,11 @@ class Algorithm:
 
     def plan(self, config: "AsyncGRPOConfig", max_model_len: int, num_prompts: int | None) -> list[tuple[str, str]]:
         """(label, text) lines that `tandem train --dry-run` prints about what a run will train; none by default."""
+        return []
+
+    def drift_fixes(self, config: Mapping[str, Any]) -> list[str]:
+        """What `tandem doctor` suggests of this algorithm's own settings when the sampler drifts from the trainer
+        (`config`: the run's saved config), beside the staleness and the server's dtype."""
         return []
 
 
@@ -142,6 +147,11 @@ class GRPO(Algorithm):
     def objective(self, config):
         return "score_centering" if config.score_centering else "clipped_surrogate"
 
+    def drift_fixes(self, config):
+        mode = config.get("vllm_importance_sampling_mode", "token_mask")
+        other = "token_truncate" if mode == "geometric_mask" else "geometric_mask"
+        return [f"try vllm_importance_sampling_mode {other} (now {mode})"]
+
 
 @dataclass(frozen=True)
 class FlashREINFORCE(Algorithm):
@@ -186,6 +196,11 @@ class FlashREINFORCE(Algorithm):
 
     def objective(self, config):
         return "flash_reinforce"
+
+    def drift_fixes(self, config):
+        return [
+            f"lower flash_delta (now {config.get('flash_delta', 3e-3):g}), so that fewer drifted trajectories train"
+        ]
 
     def plan(self, config, max_model_len, num_prompts):
         """In FlashREINFORCE's terms: B prompts a step, one rollout each, one update per batch; episodes are rollouts."""

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tandem.errors import UsageError
+
 
 @dataclass
 class TurnRecord:
@@ -25,6 +27,30 @@ class TurnRecord:
     output_token_versions: list[int] | None = None
     """The policy version whose weights sampled each output token (a sync between two of them changes it); None: the
     version the request named, for every token."""
+
+    def __post_init__(self):
+        """Each per-token field holds one entry per output token. A custom loop's record with fewer would otherwise
+        train against made-up values (a missing log-prob read as 0.0 masks or inflates the token's ratio)."""
+        n = len(self.output_ids)
+        trained = self.output_mask is None or any(self.output_mask)
+        if len(self.output_log_probs) != n and (self.output_log_probs or trained):
+            raise UsageError(
+                f"TurnRecord: output_log_probs has {len(self.output_log_probs)} values for {n} output_ids. Each "
+                "generated token needs the log-prob its sampler gave it: ask the server for logprobs=0 and pass "
+                "them on (or set output_mask to 0 for tokens that are not to be trained)."
+            )
+        optional = {  # None (or, but for the mask, empty): not given
+            "output_mask": self.output_mask,
+            "output_sampling_mask": self.output_sampling_mask or None,
+            "output_sampler_logprobs": self.output_sampler_logprobs or None,
+            "output_token_versions": self.output_token_versions or None,
+        }
+        for name, values in optional.items():
+            if values is not None and len(values) != n:
+                raise UsageError(
+                    f"TurnRecord: {name} has {len(values)} values for {n} output_ids: give one per output token, "
+                    "or None."
+                )
 
 
 @dataclass

@@ -11,13 +11,16 @@ Four questions, each answered with the numbers behind it and the knob to turn:
 - sync health: importance-ratio drift, stale drops, the sync's share of a step, the effective sample size and the
   train/inference mismatch.
 A critical finding (the run is not learning or not valid) makes `tandem doctor` exit non-zero, so scripts can gate
-on it. Only the standard library: it reads files a run wrote.
+on it. It reads files a run wrote, with the standard library and the algorithms' own advice
+(`tandem.contract.algorithms`, which needs no torch).
 """
 
 import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+
+from tandem.contract.algorithms import ALGORITHMS
 
 RUN_CONFIG = "run_config.json"
 """The run's AsyncGRPOConfig, written to its output folder when it starts (a model saved there has config.json)."""
@@ -289,11 +292,13 @@ def off_policy_drift(before: list[dict], last: list[dict], config: dict) -> Find
     (sampling/effective_sample_size, sampling/mismatch_kl), with the correction to try."""
     size_before, size = mean(before, "sampling/effective_sample_size"), mean(last, "sampling/effective_sample_size")
     kl_before, kl = mean(before, "sampling/mismatch_kl"), mean(last, "sampling/mismatch_kl")
-    mode = config.get("vllm_importance_sampling_mode", "token_mask")
-    knob = (
-        f"lower max_staleness (now {config.get('max_staleness', 4)}); try vllm_importance_sampling_mode "
-        f"{'token_truncate' if mode == 'geometric_mask' else 'geometric_mask'} (now {mode}); at staleness 0, give the "
-        "server the trainer's dtype"
+    algorithm = ALGORITHMS.get(config.get("algorithm", "grpo"), ALGORITHMS["grpo"])
+    knob = "; ".join(
+        [
+            f"lower max_staleness (now {config.get('max_staleness', 4)})",
+            *algorithm.drift_fixes(config),
+            "at staleness 0, give the server the trainer's dtype",
+        ]
     )
     falling = size is not None and size_before is not None and size_before - size >= SAMPLE_SIZE_FALL
     if size is not None and (falling or size < LOW_SAMPLE_SIZE):
@@ -304,8 +309,8 @@ def off_policy_drift(before: list[dict], last: list[dict], config: dict) -> Find
             f"sampling/effective_sample_size {evidence}",
             knob,
         )
-    if kl is not None and kl >= MISMATCH_FLOOR and kl >= 2 * (kl_before or 0.0):
-        return Finding("sync", "mismatch grows", f"sampling/mismatch_kl {nan_if_none(kl_before):.2g} -> {kl:.2g}", knob)
+    if kl is not None and kl_before is not None and kl >= MISMATCH_FLOOR and kl >= 2 * kl_before:
+        return Finding("sync", "mismatch grows", f"sampling/mismatch_kl {kl_before:.2g} -> {kl:.2g}", knob)
     return None
 
 

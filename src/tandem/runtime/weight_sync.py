@@ -113,8 +113,8 @@ class ReloadSync:
         run.run(control.reload_weights(str(target.resolve())))
         run.run(control.reset_prefix_cache())
         since = time.monotonic()
+        announce(version, since)  # before the resume: a token sampled after it must find its version marked
         run.run(control.resume())
-        announce(version, since)
         done = time.perf_counter()
         for old in self.folder.glob("v*"):
             if old != target:

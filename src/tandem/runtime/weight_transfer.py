@@ -317,8 +317,9 @@ class TransferSync:
         if self.plane.pauses_generation:  # vLLM: its prefix cache outlives a transfer (tandem serve's drops its own)
             run.run(control.reset_prefix_cache())
             since = time.monotonic()
+        announce(version, since)  # before a resume: a token sampled after it must find its version marked
+        if self.plane.pauses_generation:
             run.run(control.resume())
-        announce(version, since)
         done = time.perf_counter()
         return {
             "perf/weight_sync_s": done - start,
