@@ -20,7 +20,11 @@ Each cell is the median of `--runs` runs (seeds 0, 1, ...): the reward of the fi
 until the mean reward of 20 steps first reaches 0.7, and the run's mean effective sample size and mismatch KL. With
 `--markdown`, the reward curves of the first run of each cell are plotted to docs/images/mismatch_reward.png.
 
-    python benchmarks/mismatch.py [--runs 3] [--steps 300] [--markdown PATH]
+The 60 runs take about 2.5 hours. Each finished run is kept in runs/benchmarks/mismatch.jsonl, so a refresh that was
+stopped goes on where it stopped: a run kept there is reused while the code it measured (src/, the demo's recipe, this
+script) is the same as at its commit, and `--fresh` measures every run again.
+
+    python benchmarks/mismatch.py [--runs 3] [--steps 300] [--fresh] [--markdown PATH]
 """
 
 import argparse
@@ -35,6 +39,10 @@ from tables import add_markdown_flag, emit, markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
 PLOT = ROOT / "docs" / "images" / "mismatch_reward.png"
+KEPT = ROOT / "runs" / "benchmarks" / "mismatch.jsonl"
+"""Each finished run: its cell, seed and steps, the commit it ran at, and its summary."""
+MEASURED = ["src", "examples/demo.yaml", "benchmarks/mismatch.py"]
+"""What a kept run measured: it is reused only while these are as they were at its commit."""
 WINDOW, TARGET = 20, 0.7
 STALENESS = (1, 8)
 CORRECTIONS = {
@@ -101,6 +109,34 @@ def summary(rows: list[dict]) -> dict:
     }
 
 
+def git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+
+
+def kept_runs() -> dict[tuple, dict]:
+    """The summaries of the runs kept in KEPT whose measured code is unchanged since their commit, by (setup,
+    max_staleness, correction, seed, steps)."""
+    if not KEPT.is_file():
+        return {}
+    unchanged: dict[str, bool] = {}
+    runs = {}
+    for line in KEPT.read_text().splitlines():
+        entry = json.loads(line)
+        commit = entry["commit"]
+        if commit not in unchanged:  # the working tree against the commit: uncommitted changes count too
+            unchanged[commit] = git("diff", "--quiet", commit, "--", *MEASURED).returncode == 0
+        if unchanged[commit]:
+            runs[tuple(entry["run"])] = entry["summary"]
+    return runs
+
+
+def keep(key: tuple, summary: dict) -> None:
+    KEPT.parent.mkdir(parents=True, exist_ok=True)
+    commit = git("rev-parse", "HEAD").stdout.strip()
+    with KEPT.open("a") as f:
+        f.write(json.dumps({"run": list(key), "commit": commit, "summary": summary}) + "\n")
+
+
 def median(runs: list[dict], key: str) -> float | None:
     values = [run[key] for run in runs]
     if key == "reached" and sum(v is None for v in values) * 2 > len(values):
@@ -138,20 +174,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--fresh", action="store_true", help="measure every run again, reusing none kept before")
     add_markdown_flag(parser)
     args = parser.parse_args()
+    kept = {} if args.fresh else kept_runs()
     cells: dict[tuple[str, int, str], list[dict]] = {}
     for setup in SETUPS:
         for staleness in STALENESS:
             for correction in CORRECTIONS:
                 runs = cells[setup, staleness, correction] = []
                 for seed in range(args.runs):
-                    runs.append(summary(run(setup, correction, staleness, args.steps, seed)))
-                    last = runs[-1]
+                    key = (setup, staleness, correction, seed, args.steps)
+                    reused = key in kept
+                    if not reused:
+                        kept[key] = summary(run(setup, correction, staleness, args.steps, seed))
+                        keep(key, kept[key])
+                    runs.append(last := kept[key])
                     print(
                         f"{setup}, max_staleness {staleness}, {correction}, run {seed + 1}/{args.runs}: reward "
                         f"{last['first']:.2f} -> {last['last']:.2f}, effective sample size {last['ess']:.4f}, "
-                        f"mismatch KL {last['kl']:.2e}",
+                        f"mismatch KL {last['kl']:.2e}" + (" (kept from an earlier refresh)" if reused else ""),
                         flush=True,
                     )
     rows = []

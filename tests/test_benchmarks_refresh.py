@@ -56,3 +56,48 @@ def test_the_performance_page_has_one_block_for_every_benchmark():
     for name in refresh.BENCHMARKS:
         refresh.replace_table(text, name, "| x |\n", "stamp")
         assert (ROOT / "benchmarks" / f"{name}.py").is_file()
+
+
+def test_the_mismatch_benchmark_goes_on_where_a_stopped_refresh_left_off(tmp_path, monkeypatch, capsys):
+    """Its 60 runs take hours: each finished run is kept, and reused while the code it measured is unchanged."""
+    import subprocess
+    import sys
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("mismatch", ROOT / "benchmarks" / "mismatch.py")
+    mismatch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mismatch)
+    monkeypatch.setattr(mismatch, "KEPT", tmp_path / "kept.jsonl")
+    measured = []
+
+    def run(setup, correction, staleness, steps, seed):
+        measured.append((setup, staleness, correction, seed))
+        return [{"reward": 0.5 + i / 100, "time": i, "perf/step_s": 1.0} | sampling for i in range(steps)]
+
+    sampling = {"sampling/effective_sample_size": 0.99, "sampling/mismatch_kl": 1e-3}
+    changed = False
+    monkeypatch.setattr(mismatch, "run", run)
+    monkeypatch.setattr(
+        mismatch,
+        "git",
+        lambda *args: subprocess.CompletedProcess(args, int(changed and args[0] == "diff"), stdout="c0ffee\n"),
+    )
+    monkeypatch.setattr(sys, "argv", ["mismatch.py", "--runs", "1", "--steps", "40"])
+    mismatch.main()
+    cells = len(mismatch.SETUPS) * len(mismatch.STALENESS) * len(mismatch.CORRECTIONS)
+    assert len(measured) == cells
+    first_table = capsys.readouterr().out.split("\n\n")[-1]
+    assert "| setup |" in first_table, first_table
+
+    mismatch.main()
+    assert len(measured) == cells, "a run kept from the first refresh was measured again"
+    out = capsys.readouterr().out
+    assert out.count("(kept from an earlier refresh)") == cells and out.split("\n\n")[-1] == first_table
+
+    changed = True  # the measured code differs from the kept runs' commit
+    mismatch.main()
+    assert len(measured) == 2 * cells, "a run of other code was reused"
+    monkeypatch.setattr(sys, "argv", ["mismatch.py", "--runs", "1", "--steps", "40", "--fresh"])
+    changed = False
+    mismatch.main()
+    assert len(measured) == 3 * cells, "--fresh reused a kept run"
