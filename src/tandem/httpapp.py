@@ -1,4 +1,5 @@
-"""HTTP plumbing shared by `tandem serve` and `tandem proxy`: vLLM's error body, its `--api-key` rule, start and run.
+"""HTTP plumbing shared by `tandem serve` and `tandem proxy`: vLLM's error body, its `--api-key` rule, its `/pause`
+query, start and run.
 
 It imports only aiohttp, so the proxy, which uses it, stays free of torch and transformers.
 """
