@@ -19,6 +19,7 @@ NEUTRAL = {
     "tandem.errors",
     "tandem.dataset_rows",
     "tandem.httpapp",
+    "tandem.network",
 }
 """Single modules any layer may use: the package itself (its version), plain settings, errors and small helpers."""
 

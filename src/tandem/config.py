@@ -253,9 +253,10 @@ class AsyncGRPOConfig:
     """TRL's port of the server to generate from, with vllm_server_host (8000 when only the host is given)."""
     embedded_server_host: str = "127.0.0.1"
     """The embedded tandem serve's bind address (0.0.0.0 to let other machines generate from it). tandem's own."""
-    weight_transfer_address: str = "127.0.0.1"
+    weight_transfer_address: str | None = None
     """Where servers with a weight-transfer backend reach the trainer's rank 0 to join its transfer group: an address of
-    this machine they can connect to (loopback for servers on this machine). tandem's own."""
+    this machine they can connect to. None: the address this machine's route to the server leaves from (loopback for a
+    server on this machine); set it when the servers reach this machine by another address. tandem's own."""
 
     # ---- the loss ----
     algorithm: str = "grpo"

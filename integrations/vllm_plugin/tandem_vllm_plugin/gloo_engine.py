@@ -11,6 +11,7 @@ experts is processed but not packed again: `pack_experts_when_processed` has it 
 """
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -24,6 +25,28 @@ from vllm.distributed.weight_transfer.base import (
 
 TIMEOUT_S = float(os.environ.get("TANDEM_WEIGHT_TRANSFER_TIMEOUT_S", "600"))
 """How long one broadcast may wait for the trainer before the update fails instead of hanging."""
+JOIN_S = 15.0
+"""How long joining the trainer's group may take: both ends are running, so a longer wait means one cannot reach the
+other (the trainer then names the direction, by this module's "cannot reach the trainer's rendezvous at")."""
+
+
+def address_toward(peer: str) -> str:
+    """This machine's address that the route to `peer` leaves from (a connected UDP socket sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((peer, 9))
+        return probe.getsockname()[0]
+
+
+def gloo_options(local_address: str, timeout: timedelta) -> dist.ProcessGroupGloo._Options:
+    """A gloo device bound to `local_address` (or to GLOO_SOCKET_IFNAME's interface when set): left to itself, gloo
+    advertises the hostname's address, 127.0.0.1 on many machines, which a trainer on another host cannot reach. The
+    same rule as tandem's own servers (tandem/network.py); this package runs in vLLM's environment, without tandem."""
+    options = dist.ProcessGroupGloo._Options()
+    chosen = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    create = dist.ProcessGroupGloo.create_device
+    options._devices = [create(interface=chosen) if chosen else create(hostname=local_address)]
+    options._timeout = timeout
+    return options
 
 
 @dataclass
@@ -92,16 +115,21 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         config = self.parallel_config
         rank = init_info.rank_offset + config.data_parallel_index * config.world_size + config.rank
-        rendezvous = timedelta(seconds=min(TIMEOUT_S, 120))
-        store = dist.TCPStore(
-            init_info.master_address,
-            init_info.master_port,
-            init_info.world_size,
-            is_master=False,
-            timeout=rendezvous,
-            wait_for_workers=False,
-        )
-        group = dist.ProcessGroupGloo(store, rank, init_info.world_size, rendezvous)
+        rendezvous = timedelta(seconds=min(TIMEOUT_S, JOIN_S))
+        address, port = init_info.master_address, init_info.master_port
+        local = address
+        try:
+            local = address_toward(address)
+            store = dist.TCPStore(
+                address, port, init_info.world_size, is_master=False, timeout=rendezvous, wait_for_workers=False
+            )
+        except (OSError, dist.DistNetworkError) as exc:
+            source = f" from {local}" if local != address else ""
+            raise dist.DistNetworkError(
+                f"this server cannot reach the trainer's rendezvous at {address}:{port}{source} within "
+                f"{rendezvous.seconds} s: {exc}"
+            ) from None
+        group = dist.ProcessGroupGloo(store, rank, init_info.world_size, gloo_options(local, rendezvous))
         group.set_timeout(timedelta(seconds=TIMEOUT_S))
         self.group = group
 

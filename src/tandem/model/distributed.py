@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.config_checks import reshard_after_forward
+from tandem.network import bind_torchrun_gloo
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,9 @@ def join(timeout_s: float) -> Ranks:
     if world_size == 1:
         return Ranks()
     if not dist.is_initialized():
+        # gloo (the CPU backend, and the object group beside NCCL) binds to the hostname's address unless told, and a
+        # hostname that resolves to 127.0.0.1 (many containers) cannot be reached from another host
+        bind_torchrun_gloo(os.environ.get("MASTER_ADDR", "127.0.0.1"))
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

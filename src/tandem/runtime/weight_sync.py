@@ -11,6 +11,7 @@ talks to the server.
 
 import shutil
 import time
+import urllib.parse
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
@@ -25,6 +26,7 @@ from tandem.generation.client import ControlClient, ServerProblem
 from tandem.generation.server_facts import ServerFacts
 from tandem.model.distributed import Ranks
 from tandem.model.model_folder import quiet_progress, save_model_folder
+from tandem.network import address_toward
 from tandem.runtime.weight_transfer import Announce, GlooPlane, LoopRunner, TransferSync, VllmNcclPlane, no_one
 
 if TYPE_CHECKING:
@@ -243,7 +245,7 @@ def full_weights_sync(
             run,
             served_name,
             ranks,
-            args.weight_transfer_address,
+            args.weight_transfer_address or address_toward(urllib.parse.urlsplit(control.base_url).hostname or ""),
             args.vllm_server_timeout,
             plane,
             checkpoint_names=facts.loads_checkpoint_names,

@@ -23,6 +23,7 @@ holds more than one layer's tensor beyond its shard (plus vLLM's packing buffers
 
 import asyncio
 import collections
+import re
 import socket
 import threading
 import time
@@ -36,7 +37,15 @@ from transformers.core_model_loading import revert_weight_conversion
 from tandem.errors import install_command
 from tandem.generation.client import ENGINE_WATCH_S, ControlClient, EngineDead, ServerProblem, engine_died
 from tandem.model.distributed import Ranks, full_tensor
-from tandem.serve.weight_receiver import PACKED_BUFFER_BYTES, RENDEZVOUS_S, BroadcastGroup, join_group
+from tandem.network import machine_addresses
+from tandem.serve.weight_receiver import (
+    JOIN_S,
+    PACKED_BUFFER_BYTES,
+    RENDEZVOUS_S,
+    UNREACHABLE,
+    BroadcastGroup,
+    join_group,
+)
 
 Tensors = Iterator[tuple[str, torch.Tensor]]
 T = TypeVar("T")
@@ -136,6 +145,44 @@ def control_call(
     return lambda: asyncio.run(main())
 
 
+def settle(calls: list[InThread[Any]], bound_s: float, grace_s: float = 5.0) -> None:
+    """Wait until every call has ended, or one failed and the others had `grace_s` more to end (their errors tell
+    what failed), or `bound_s` passed."""
+    end = time.monotonic() + bound_s
+    while not all(call.done for call in calls) and time.monotonic() < end:
+        if any(call.done and call.error is not None for call in calls):
+            end = min(end, time.monotonic() + grace_s)
+        time.sleep(0.02)
+
+
+def unjoined(url: str, rendezvous: str, asked: InThread[Any], opened: InThread[Any]) -> str:
+    """One line for a transfer group that did not form: which side could not reach which address, and the fix."""
+    server_said, own = str(asked.error or ""), str(opened.error or "")
+    if UNREACHABLE in server_said:
+        return (
+            f"weight transfer: the server cannot reach {rendezvous}, this trainer's weight_transfer_address (the "
+            f"server at {url} answered: {server_said}). Set weight_transfer_address to an address of this machine "
+            f"that the server's host can connect to (this machine has {', '.join(machine_addresses())}), and let "
+            "that host reach its ports."
+        )
+    for who, said in (("the server", server_said), ("this trainer", own)):
+        mesh = re.search(r"remote=\[([^\]]+)\]:?(\d*)", said) if "connectFullMesh" in said else None
+        if mesh:
+            return (
+                f"weight transfer: {who} cannot reach {mesh.group(1)}:{mesh.group(2)}, a gloo port of the group "
+                f"that met at {rendezvous} (the server at {url}). Let each host reach the other's ports, or set "
+                "GLOO_SOCKET_IFNAME on the side that gave that address to the interface of one the other can reach."
+            )
+    problems = "; ".join(
+        f"{who}: {error}" for who, error in (("the server", asked.error), ("this trainer", opened.error)) if error
+    )
+    return (
+        f"weight transfer: the server at {url} did not join the group at {rendezvous} "
+        f"({problems or 'no answer within the time to join'}). It must reach that address: set "
+        "weight_transfer_address to one of this machine's addresses the server can connect to, and open the port."
+    )
+
+
 class GlooPlane:
     """The gloo data plane: a torch.distributed group. Into tandem serve, which stages what arrives and swaps it in between
     two engine steps (generation goes on meanwhile), packed into a few byte buffers; or into vllm serve with tandem's
@@ -150,6 +197,9 @@ class GlooPlane:
             else "vllm serve may hold part of the new weights: restart it before training on."
         )
         self.init_fields = {"packed": True, "packed_buffer_size_bytes": buffer_bytes} if stages else {}
+
+    join_s = JOIN_S
+    """How long forming the group may take."""
 
     def open(self, address: str, port: int, world_size: int, timeout_s: float) -> None:
         self.group: BroadcastGroup = join_group(address, port, 0, world_size, timeout_s)
@@ -201,6 +251,8 @@ class VllmNcclPlane:
         "vllm serve's workers may still wait inside the broadcast, unable to take another update: restart "
         "the server (it serves the previous weights until then). This process's transfer group is unusable."
     )
+    join_s = RENDEZVOUS_S
+    """How long forming the group may take (NCCL's own set-up takes seconds)."""
     pauses_generation = True
     """vLLM loads each tensor into the running model as it arrives: generation must wait for the whole update."""
 
@@ -262,7 +314,9 @@ class TransferSync:
         return self.control, self.run
 
     def connect(self) -> int:
-        """Form the group with the server's workers (rank 0 only); returns how many joined."""
+        """Form the group with the server's workers (rank 0 only); returns how many joined. A server that cannot reach
+        `address`, or whose gloo address this machine cannot reach, stops the run in one line naming the direction,
+        within the plane's `join_s` (gloo: 15 s) of asking."""
         control, run = self._server()
         workers = run.run(control.world_size())
         port = free_port(self.address)
@@ -272,17 +326,11 @@ class TransferSync:
             "rank_offset": 1,
             "world_size": 1 + workers,
         } | self.plane.init_fields
-        call = InThread(control_call(control, self.timeout_s, lambda client: client.init_weight_transfer(info)))
-        try:
-            self.plane.open(self.address, port, 1 + workers, self.timeout_s)
-            call.result(self.timeout_s)
-        except Exception as exc:  # a setting to change, not a lost server: the run stops in one line
-            raise ServerProblem(
-                f"weight transfer: the server at {control.base_url} did not join the group at "
-                f"{self.address}:{port} ({exc}). It must reach that address: set "
-                "weight_transfer_address to one of this machine's addresses the server can connect "
-                "to, and open the port."
-            ) from exc
+        asked = InThread(control_call(control, self.timeout_s, lambda client: client.init_weight_transfer(info)))
+        opened = InThread(lambda: self.plane.open(self.address, port, 1 + workers, self.timeout_s))
+        settle([asked, opened], self.plane.join_s + 10)
+        if not (asked.done and opened.done) or asked.error or opened.error:
+            raise ServerProblem(unjoined(control.base_url, f"{self.address}:{port}", asked, opened))
         return workers
 
     def push(self, model: torch.nn.Module, version: int, announce: Announce = no_one) -> dict[str, float]:

@@ -21,6 +21,8 @@ from typing import Protocol, cast
 import torch
 import torch.distributed as dist
 
+from tandem.network import address_toward, gloo_options
+
 INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size")
 PACKED_BUFFER_BYTES = 64 * 2**20
 """A packed buffer's default size: what the two sides hold beyond the weights during a transfer."""
@@ -31,7 +33,12 @@ class TransferError(ValueError):
 
 
 RENDEZVOUS_S = 120.0
-"""How long joining may take: the members are started already, so a longer wait means one cannot reach the others."""
+"""How long an NCCL group may take to form (its members are started already; NCCL's own set-up takes seconds)."""
+JOIN_S = 15.0
+"""How long joining a gloo group may take: its members are running already (the server answered, the trainer holds the
+rendezvous), so a longer wait means one cannot reach another, and the run says so well within 30 s."""
+UNREACHABLE = "cannot reach the trainer's rendezvous at"
+"""The phrase of a server's error when it could not connect to the trainer (the trainer names the direction by it)."""
 
 
 class BroadcastGroup(Protocol):
@@ -41,12 +48,26 @@ class BroadcastGroup(Protocol):
 
 
 def join_group(address: str, port: int, rank: int, world_size: int, timeout_s: float) -> BroadcastGroup:
-    """A gloo group of `world_size` processes rendezvousing at address:port (rank 0 hosts the store); it returns
-    once all have joined, or fails after RENDEZVOUS_S. Every later collective fails after `timeout_s` instead of
-    hanging."""
-    rendezvous = timedelta(seconds=min(timeout_s, RENDEZVOUS_S))
-    store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=rendezvous, wait_for_workers=False)
-    group = dist.ProcessGroupGloo(store, rank, world_size, rendezvous)
+    """A gloo group of `world_size` processes rendezvousing at address:port; it returns once all have joined, or fails
+    after JOIN_S. Rank 0 hosts the store and binds its gloo device to `address`; the others bind theirs to the address
+    their route to it leaves from (network.py: never the hostname's, often 127.0.0.1). Every later collective fails
+    after `timeout_s` instead of hanging."""
+    rendezvous = timedelta(seconds=min(timeout_s, JOIN_S))
+    local = address
+    try:
+        if rank:
+            local = address_toward(address)
+        store = dist.TCPStore(
+            address, port, world_size, is_master=rank == 0, timeout=rendezvous, wait_for_workers=False
+        )
+    except (OSError, dist.DistNetworkError) as exc:
+        if rank == 0:
+            raise
+        source = f" from {local}" if local != address else ""
+        raise dist.DistNetworkError(
+            f"this server {UNREACHABLE} {address}:{port}{source} within {rendezvous.seconds} s: {exc}"
+        ) from None
+    group = dist.ProcessGroupGloo(store, rank, world_size, gloo_options(local, rendezvous))
     group.set_timeout(timedelta(seconds=timeout_s))
     return cast(BroadcastGroup, group)  # torch's stubs leave the collectives off the gloo backend it has at runtime
 
