@@ -252,7 +252,8 @@ class AsyncGRPOConfig:
     vllm_server_port: int | None = None
     """TRL's port of the server to generate from, with vllm_server_host (8000 when only the host is given)."""
     embedded_server_host: str = "127.0.0.1"
-    """The embedded tandem serve's bind address (0.0.0.0 to let other machines generate from it). tandem's own."""
+    """The embedded tandem serve's bind address. The rollout worker, on this machine, reaches it on loopback; 0.0.0.0 (or
+    one of this machine's addresses) lets clients on other machines generate from it too. tandem's own."""
     weight_transfer_address: str | None = None
     """Where servers with a weight-transfer backend reach the trainer's rank 0 to join its transfer group: an address of
     this machine they can connect to. None: the address this machine's route to the server leaves from (loopback for a

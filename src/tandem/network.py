@@ -23,6 +23,8 @@ def address_toward(peer: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
             probe.connect((peer, 9))
+        except socket.gaierror as exc:
+            raise OSError(f"cannot resolve {peer!r} ({exc})") from exc
         except OSError as exc:
             raise OSError(f"no route from this machine to {peer} ({exc})") from exc
         return probe.getsockname()[0]

@@ -3,6 +3,7 @@
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,34 @@ def metrics(run: Path) -> list[dict]:
 
 def check(done, what: str) -> None:
     assert done.returncode == 0, f"{what}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+
+
+def get_json(host, url: str, timeout_s: float = 10) -> dict:
+    """GET `url` from `host` (this test's own process has no route into the namespaces)."""
+    code = f"import urllib.request; print(urllib.request.urlopen({url!r}, timeout={timeout_s}).read().decode())"
+    done = host.run([sys.executable, "-c", code], timeout=timeout_s + 30)
+    check(done, f"GET {url} from {host.address}")
+    return json.loads(done.stdout)
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    end = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > end:
+            raise TimeoutError(f"{what} within {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def wait_healthy(host, url: str, timeout_s: float) -> None:
+    """Until `url`/health answers 200 from `host`."""
+    code = (
+        "import time, urllib.request\n"
+        f"end = time.monotonic() + {timeout_s}\n"
+        "while True:\n"
+        "    try:\n"
+        f"        if urllib.request.urlopen({url + '/health'!r}, timeout=2).status == 200: break\n"
+        "    except OSError:\n"
+        "        if time.monotonic() > end: raise\n"
+        "        time.sleep(1)\n"
+    )
+    check(host.run([sys.executable, "-c", code], timeout=timeout_s + 30), f"{url} answering /health")

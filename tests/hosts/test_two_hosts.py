@@ -52,3 +52,17 @@ def test_a_server_that_cannot_reach_the_trainer_stops_the_run_in_one_line_within
     ), done.stderr[-3000:]
     assert "weight_transfer_address" in last and "10.231.0.1" in last, "the fix names an address the server can reach"
     assert took < 30, f"the run took {took:.0f} s to say so"
+
+
+def test_a_trainer_with_no_route_to_the_server_says_so_at_once(network, tmp_path):
+    trainer, server = network(2)
+    url = serve(server, tmp_path / "serve.log")
+    trainer.blackhole(server.address)
+    started = time.monotonic()
+    done = trainer.run(tandem("train", recipe(tmp_path / "recipe.yaml", vllm_server_base_url=url)), timeout=120)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode != 0 and last.startswith(
+        f"tandem train: this machine cannot reach the generation server at {url}"
+    ), done.stderr[-3000:]
+    assert f"no route from this machine to {server.address}" in last
+    assert time.monotonic() - started < 30, "said before any wait for the server"

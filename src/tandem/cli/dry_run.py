@@ -156,6 +156,14 @@ def print_serve_commands(recipe, max_model_len: int, sized: str, agent: bool) ->
             )
         )
     print(shell_lines(serve_command(recipe, max_model_len, cpu=True)))
+    print(
+        comment(
+            "Then train with --vllm_server_base_url http://SERVER:8000. vllm serve listens on every address of its "
+            "machine (tandem serve and tandem proxy on 127.0.0.1 unless given --host); from another machine, SERVER "
+            "is its address, and the server connects back to this one for the weight stream (weight_transfer_address: "
+            "by default this machine's address on the route to SERVER)"
+        )
+    )
 
 
 def serve_command(recipe, max_model_len: int, cpu: bool) -> str:

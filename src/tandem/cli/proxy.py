@@ -2,7 +2,7 @@
 
 import argparse
 
-from tandem.cli.user_input import user_error
+from tandem.cli.user_input import listen_options, user_error
 
 
 def proxy_parser(sub) -> None:
@@ -13,10 +13,13 @@ def proxy_parser(sub) -> None:
         "adapter loads (all-or-nothing) to every replica.",
     )
     p.add_argument(
-        "--upstream", action="append", required=True, metavar="URL", help="a generation server (repeat for each)"
+        "--upstream",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a generation server's URL (repeat for each); on another machine, by its address there",
     )
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default 8000)")
+    listen_options(p)
     _proxy_routing_and_upstream_options(p)
 
 

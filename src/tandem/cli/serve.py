@@ -5,7 +5,7 @@ from pathlib import Path
 
 from tandem.chat.prompts import CONTENT_FORMATS
 from tandem.chat.tool_formats import FORMATS
-from tandem.cli.user_input import json_object, lora_module, switch, user_error
+from tandem.cli.user_input import json_object, listen_options, lora_module, switch, user_error
 from tandem.errors import UsageError
 from tandem.tasks import TINY_MODEL_PATH
 
@@ -19,8 +19,7 @@ def serve_parser(sub) -> None:
         "the reason; those that only tune vLLM's engine get one line saying so.",
     )
     p.add_argument("model", help="model directory (safetensors) or 'tiny'")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default 8000)")
+    listen_options(p)
     p.add_argument(
         "--max-model-len", type=int, default=None, help="context length (default: the model's max_position_embeddings)"
     )

@@ -15,6 +15,17 @@ def user_error(message: str) -> typing.NoReturn:
     sys.exit(2)
 
 
+def listen_options(p: argparse.ArgumentParser) -> None:
+    """--host and --port of a server command (tandem serve, tandem proxy)."""
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="bind address (default 127.0.0.1: this machine only; 0.0.0.0, or one of this machine's addresses, for "
+        "trainers and proxies on other machines)",
+    )
+    p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default 8000)")
+
+
 def switch(p: argparse.ArgumentParser, name: str, help: str, default: bool = False) -> None:
     """`--NAME` and vLLM 0.33's spellings of its opposite, `--no-NAME` and `--disable-X` for `--enable-X` (hidden)."""
     dest = name.replace("-", "_")

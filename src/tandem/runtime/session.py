@@ -23,6 +23,7 @@ from tandem.metrics import report
 from tandem.metrics.console import RunConsole
 from tandem.metrics.doctor import RUN_CONFIG
 from tandem.metrics.sinks import completion_rows, make_sinks
+from tandem.network import address_toward
 from tandem.rollout.worker import RolloutWorker, WorkerSpec
 from tandem.runtime import embedded_server
 
@@ -108,6 +109,14 @@ class Session:
         if self.server is not None:  # the embedded one: its start is ours to wait for
             self.run(control.wait_healthy(self.timeout_s))
             return control
+        host = urllib.parse.urlsplit(url).hostname or ""
+        try:  # no route at all is said at once, not waited out like a server that is still starting
+            address_toward(host)
+        except OSError as exc:
+            raise ServerProblem(
+                f"this machine cannot reach the generation server at {url}: {exc}. Check vllm_server_base_url, and "
+                f"that this machine has a route to {host}."
+            ) from None
         try:
             self.run(control.wait_healthy(min(self.timeout_s, QUICK_S)))
         except TimeoutError:  # an external server that is starting, or none: say what we wait for
