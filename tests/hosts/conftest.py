@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.hosts.network import Network, available
+from tests.hosts.network import Network, available, sweep
 
 PORT = 8100
 """Every host has its own ports: a fixed one is free on each."""
@@ -24,6 +24,7 @@ def network():
         if os.environ.get("CI"):
             pytest.fail(why)
         pytest.skip(why)
+    sweep()
     made: list[Network] = []
 
     def make(count: int):

@@ -11,6 +11,7 @@ and iproute2 (`ip netns`); `available()` says why not.
 """
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -36,6 +37,27 @@ def available() -> str | None:
         return f"network namespaces are not available here ({exc}): run as root with iproute2"
     ip("netns", "del", name)
     return None
+
+
+def sweep() -> None:
+    """Remove the namespaces a test process killed before its clean-up left behind (their tag names its process)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
+    for name in (line.split()[0] for line in listed if line.strip()):
+        tag = re.fullmatch(r"t(\d+)-(host\d+|switch)", name)
+        if tag and not any(int(pid) % 100000 == int(tag.group(1)) for pid in os.listdir("/proc") if pid.isdigit()):
+            remove_namespace(name)
+
+
+def remove_namespace(name: str, wait_s: float = 10) -> None:
+    """Kill whatever runs inside namespace `name`, then remove it."""
+    for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait_s
+    while subprocess.run(["ip", "netns", "del", name], capture_output=True).returncode and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 @dataclass
@@ -131,26 +153,14 @@ class Network:
                         os.killpg(process.pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-        for name in self.namespaces:
-            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
         for host in self.hosts:
             for process in host.processes:
                 try:
                     process.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     pass
-        deadline = time.monotonic() + 10
         for name in self.namespaces:
-            while True:
-                done = subprocess.run(["ip", "netns", "del", name], capture_output=True, text=True)
-                if done.returncode == 0 or time.monotonic() > deadline:
-                    break
-                time.sleep(0.2)
+            remove_namespace(name)
         self.namespaces.clear()
         for index in range(self.count):  # an end left outside by a build that failed halfway
             subprocess.run(["ip", "link", "del", f"{self.tag}h{index}"], capture_output=True)
