@@ -10,6 +10,7 @@ Leaving the block kills whatever still runs inside the namespaces and removes th
 and iproute2 (`ip netns`); `available()` says why not.
 """
 
+import itertools
 import os
 import re
 import signal
@@ -43,8 +44,9 @@ def sweep() -> None:
     """Remove the namespaces a test process killed before its clean-up left behind (their tag names its process)."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
     for name in (line.split()[0] for line in listed if line.strip()):
-        tag = re.fullmatch(r"t(\d+)-(host\d+|switch)", name)
-        if tag and not any(int(pid) % 100000 == int(tag.group(1)) for pid in os.listdir("/proc") if pid.isdigit()):
+        tag = re.fullmatch(r"t(\d+)n\d+-(host\d+|switch)|tandem-probe-(\d+)", name)
+        owner = tag and int(tag.group(1) or tag.group(3))
+        if owner and not any(int(pid) % 100000 == owner % 100000 for pid in os.listdir("/proc") if pid.isdigit()):
             remove_namespace(name)
 
 
@@ -60,6 +62,15 @@ def remove_namespace(name: str, wait_s: float = 10) -> None:
         time.sleep(0.2)
 
 
+LEFT_OUT = ("GLOO_SOCKET_IFNAME", "http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")
+"""Variables of this process that would change what a host does: a user's gloo interface, proxies for HTTP."""
+
+
+def environment(extra: dict[str, str] | None) -> dict[str, str]:
+    """A host's processes' environment: this process's without LEFT_OUT, plus `extra`."""
+    return {name: value for name, value in os.environ.items() if name not in LEFT_OUT} | (extra or {})
+
+
 @dataclass
 class Host:
     namespace: str
@@ -72,21 +83,16 @@ class Host:
 
     def popen(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
         """`argv` started on this host, its output to `log`."""
-        process = subprocess.Popen(
-            self.command(argv),
-            stdout=open(log, "wb"),
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
-        )
+        with open(log, "wb") as out:
+            process = subprocess.Popen(
+                self.command(argv), stdout=out, stderr=subprocess.STDOUT, env=environment(env), start_new_session=True
+            )
         self.processes.append(process)
         return process
 
     def run(self, argv: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         """`argv` run to its end on this host, its output captured."""
-        return subprocess.run(
-            self.command(argv), capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
-        )
+        return subprocess.run(self.command(argv), capture_output=True, text=True, timeout=timeout, env=environment(env))
 
     def add_address(self, address: str) -> None:
         """A second address on this host's interface."""
@@ -97,9 +103,13 @@ class Host:
         ip("-n", self.namespace, "route", "add", "blackhole", address)
 
 
+NETWORKS = itertools.count()
+
+
 class Network:
     def __init__(self, count: int):
-        self.count, self.tag = count, f"t{os.getpid() % 100000}"
+        # unique on this machine: a process's networks are numbered (names stay within 15 characters up to 99)
+        self.count, self.tag = count, f"t{os.getpid() % 100000}n{next(NETWORKS) % 100}"
         self.hosts: list[Host] = []
         self.namespaces: list[str] = []
 

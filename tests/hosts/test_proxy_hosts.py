@@ -50,7 +50,10 @@ def test_training_through_a_proxy_on_another_host_outlives_a_replica_killed_and_
     )
     run = trainer.popen(tandem("train", task), tmp_path / "train.log")
     logged = tmp_path / "run" / "metrics.jsonl"
-    wait_for(lambda: logged.exists() and len(metrics(tmp_path / "run")) >= 2, 300, "two steps trained")
+    wait_for(
+        lambda: run.poll() is not None or logged.exists() and len(metrics(tmp_path / "run")) >= 2, 300, "two steps"
+    )
+    assert run.poll() is None, (tmp_path / "train.log").read_text()[-4000:]
     os.killpg(started[1].pid, signal.SIGKILL)  # kill -9 of replica 1, mid-run
     started[1].wait()
     replica(1)  # back on its port a moment later

@@ -6,7 +6,7 @@ import pytest
 
 from tandem.contract.staleness import StalenessPolicy
 from tandem.runtime.weight_sync import lora_server_flags
-from tests.hosts.conftest import check, metrics, recipe, serve, tandem
+from tests.hosts.conftest import check, metrics, recipe, serve, tandem, wait_healthy
 
 pytestmark = pytest.mark.hosts
 
@@ -42,6 +42,7 @@ def test_a_server_that_cannot_reach_the_trainer_stops_the_run_in_one_line_within
     trainer.add_address("10.231.8.1")  # a second address of the trainer's host...
     server.blackhole("10.231.8.1")  # ...that the server's host cannot reach, while HTTP to the server works
     url = serve(server, tmp_path / "serve.log", "--weight-transfer-config", '{"backend": "gloo"}')
+    wait_healthy(trainer, url, 120)  # the run's 30 s start with the run, not with the server
     task = recipe(tmp_path / "recipe.yaml", vllm_server_base_url=url, weight_transfer_address="10.231.8.1")
     started = time.monotonic()
     done = trainer.run(tandem("train", task), timeout=120)
@@ -57,6 +58,7 @@ def test_a_server_that_cannot_reach_the_trainer_stops_the_run_in_one_line_within
 def test_a_trainer_with_no_route_to_the_server_says_so_at_once(network, tmp_path):
     trainer, server = network(2)
     url = serve(server, tmp_path / "serve.log")
+    wait_healthy(trainer, url, 120)
     trainer.blackhole(server.address)
     started = time.monotonic()
     done = trainer.run(tandem("train", recipe(tmp_path / "recipe.yaml", vllm_server_base_url=url)), timeout=120)

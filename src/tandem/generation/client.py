@@ -412,6 +412,14 @@ class ControlClient(_Http):
             "Is the generation server running and is the URL right?"
         )
 
+    async def replica_urls(self) -> list[str]:
+        """Behind tandem proxy, its replicas' URLs; [] from a server that is no proxy."""
+        try:
+            stats = await self.get_json("/proxy/stats", retry=False, timeout_s=5)
+        except (ServerError, ConnectionError):
+            return []
+        return [upstream["url"] for upstream in stats.get("upstreams", [])]
+
     async def _proxy_serving(self) -> bool:
         """tandem proxy's own view: at least one replica up."""
         try:

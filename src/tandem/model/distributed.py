@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.config_checks import reshard_after_forward
-from tandem.network import bind_torchrun_gloo
+from tandem.network import gloo_bound_toward
 
 
 @dataclass(frozen=True)
@@ -79,15 +79,15 @@ def join(timeout_s: float) -> Ranks:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return Ranks()
-    if not dist.is_initialized():
-        # gloo (the CPU backend, and the object group beside NCCL) binds to the hostname's address unless told, and a
-        # hostname that resolves to 127.0.0.1 (many containers) cannot be reached from another host
-        bind_torchrun_gloo(os.environ.get("MASTER_ADDR", "127.0.0.1"))
-        cuda = torch.cuda.is_available()
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
-    objects = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+    # gloo (the CPU backend, and the object group beside NCCL) binds to the hostname's address unless told, and a
+    # hostname that resolves to 127.0.0.1 (many containers) cannot be reached from another host
+    with gloo_bound_toward(os.environ.get("MASTER_ADDR", "127.0.0.1")):
+        if not dist.is_initialized():
+            cuda = torch.cuda.is_available()
+            if cuda:
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+        objects = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
     return Ranks(dist.get_rank(), dist.get_world_size(), objects)
 
 

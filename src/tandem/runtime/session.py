@@ -23,7 +23,7 @@ from tandem.metrics import report
 from tandem.metrics.console import RunConsole
 from tandem.metrics.doctor import RUN_CONFIG
 from tandem.metrics.sinks import completion_rows, make_sinks
-from tandem.network import address_toward
+from tandem.network import NoRoute, address_toward
 from tandem.rollout.worker import RolloutWorker, WorkerSpec
 from tandem.runtime import embedded_server
 
@@ -110,9 +110,9 @@ class Session:
             self.run(control.wait_healthy(self.timeout_s))
             return control
         host = urllib.parse.urlsplit(url).hostname or ""
-        try:  # no route at all is said at once, not waited out like a server that is still starting
+        try:  # no route at all is said at once, not waited out like a server still starting (or a name not yet known)
             address_toward(host)
-        except OSError as exc:
+        except NoRoute as exc:
             raise ServerProblem(
                 f"this machine cannot reach the generation server at {url}: {exc}. Check vllm_server_base_url, and "
                 f"that this machine has a route to {host}."

@@ -10,6 +10,7 @@ talks to the server.
 """
 
 import shutil
+import socket
 import time
 import urllib.parse
 import warnings
@@ -227,6 +228,16 @@ def choose_sync(
     return full_weights_sync(control, run, facts, served_name, model, args, ranks)
 
 
+def transfer_address(chosen: str | None, control: ControlClient, run: LoopRunner) -> str:
+    """Where the servers reach this trainer for the weight stream, as an IPv4 address: `chosen` (weight_transfer_address;
+    a name is resolved once, so that both ends mean the same address) or this machine's address on the route to what
+    joins the group, the server or, behind tandem proxy, its first replica (the replicas connect here, not the proxy)."""
+    if chosen:
+        return socket.gethostbyname(chosen)
+    replicas = run.run(control.replica_urls())
+    return address_toward(urllib.parse.urlsplit(replicas[0] if replicas else control.base_url).hostname or "")
+
+
 def full_weights_sync(
     control: ControlClient,
     run: LoopRunner,
@@ -245,7 +256,7 @@ def full_weights_sync(
             run,
             served_name,
             ranks,
-            args.weight_transfer_address or address_toward(urllib.parse.urlsplit(control.base_url).hostname or ""),
+            transfer_address(args.weight_transfer_address, control, run),
             args.vllm_server_timeout,
             plane,
             checkpoint_names=facts.loads_checkpoint_names,

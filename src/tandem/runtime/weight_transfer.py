@@ -41,12 +41,13 @@ from tandem.network import machine_addresses
 from tandem.serve.weight_receiver import (
     JOIN_S,
     PACKED_BUFFER_BYTES,
-    RENDEZVOUS_S,
     UNREACHABLE,
     BroadcastGroup,
     join_group,
 )
 
+NCCL_JOIN_S = 120.0
+"""How long vLLM's NCCL group may take to form (its members are started already; NCCL's own set-up takes seconds)."""
 Tensors = Iterator[tuple[str, torch.Tensor]]
 T = TypeVar("T")
 Announce = Callable[[int, float], None]
@@ -118,16 +119,22 @@ def first_failure(first: InThread[Any], second: InThread[Any], timeout_s: float)
     """Wait for two calls that wait on each other (the server's /update_weights and the broadcast it receives): the first
     error ends the wait at once (the other call, stuck on its peer, is left to its daemon thread). Each call is bounded
     by `timeout_s` itself; this wait's own bound, a little later, only backs them up."""
-    end = time.monotonic() + timeout_s + 10
-    while not (first.done and second.done):
-        for call in (first, second):
-            if call.done and call.error is not None:
-                raise call.error
-        if time.monotonic() > end:
-            raise TimeoutError(f"the server did not take the weights within {timeout_s:.0f}s")
-        time.sleep(0.02)
+    settle([first, second], timeout_s + 10, grace_s=0.0)
     for call in (first, second):
-        call.result(0)
+        if call.done and call.error is not None:
+            raise call.error
+    if not (first.done and second.done):
+        raise TimeoutError(f"the server did not take the weights within {timeout_s:.0f}s")
+
+
+def settle(calls: list[InThread[Any]], bound_s: float, grace_s: float = 5.0) -> None:
+    """Wait until every call has ended, or one failed and the others had `grace_s` more to end (their errors tell
+    what failed), or `bound_s` passed."""
+    end = time.monotonic() + bound_s
+    while not all(call.done for call in calls) and time.monotonic() < end:
+        if any(call.done and call.error is not None for call in calls):
+            end = min(end, time.monotonic() + grace_s)
+        time.sleep(0.02)
 
 
 def control_call(
@@ -145,39 +152,29 @@ def control_call(
     return lambda: asyncio.run(main())
 
 
-def settle(calls: list[InThread[Any]], bound_s: float, grace_s: float = 5.0) -> None:
-    """Wait until every call has ended, or one failed and the others had `grace_s` more to end (their errors tell
-    what failed), or `bound_s` passed."""
-    end = time.monotonic() + bound_s
-    while not all(call.done for call in calls) and time.monotonic() < end:
-        if any(call.done and call.error is not None for call in calls):
-            end = min(end, time.monotonic() + grace_s)
-        time.sleep(0.02)
-
-
-def unjoined(url: str, rendezvous: str, asked: InThread[Any], opened: InThread[Any]) -> str:
+def unjoined(url: str, group_address: str, asked: InThread[Any], opened: InThread[Any]) -> str:
     """One line for a transfer group that did not form: which side could not reach which address, and the fix."""
     server_said, own = str(asked.error or ""), str(opened.error or "")
     if UNREACHABLE in server_said:
         return (
-            f"weight transfer: the server cannot reach {rendezvous}, this trainer's weight_transfer_address (the "
+            f"weight transfer: the server cannot reach {group_address}, this trainer's weight_transfer_address (the "
             f"server at {url} answered: {server_said}). Set weight_transfer_address to an address of this machine "
-            f"that the server's host can connect to (this machine has {', '.join(machine_addresses())}), and let "
-            "that host reach its ports."
+            f"that the server's host can connect to (this machine has {', '.join(machine_addresses()) or 'none'} beside "
+            "loopback), and let that host reach its ports."
         )
     for who, said in (("the server", server_said), ("this trainer", own)):
         mesh = re.search(r"remote=\[([^\]]+)\]:?(\d*)", said) if "connectFullMesh" in said else None
         if mesh:
             return (
                 f"weight transfer: {who} cannot reach {mesh.group(1)}:{mesh.group(2)}, a gloo port of the group "
-                f"that met at {rendezvous} (the server at {url}). Let each host reach the other's ports, or set "
+                f"that met at {group_address} (the server at {url}). Let each host reach the other's ports, or set "
                 "GLOO_SOCKET_IFNAME on the side that gave that address to the interface of one the other can reach."
             )
     problems = "; ".join(
         f"{who}: {error}" for who, error in (("the server", asked.error), ("this trainer", opened.error)) if error
     )
     return (
-        f"weight transfer: the server at {url} did not join the group at {rendezvous} "
+        f"weight transfer: the server at {url} did not join the group at {group_address} "
         f"({problems or 'no answer within the time to join'}). It must reach that address: set "
         "weight_transfer_address to one of this machine's addresses the server can connect to, and open the port."
     )
@@ -251,7 +248,7 @@ class VllmNcclPlane:
         "vllm serve's workers may still wait inside the broadcast, unable to take another update: restart "
         "the server (it serves the previous weights until then). This process's transfer group is unusable."
     )
-    join_s = RENDEZVOUS_S
+    join_s = NCCL_JOIN_S
     """How long forming the group may take (NCCL's own set-up takes seconds)."""
     pauses_generation = True
     """vLLM loads each tensor into the running model as it arrives: generation must wait for the whole update."""
@@ -269,7 +266,7 @@ class VllmNcclPlane:
     def open(self, address: str, port: int, world_size: int, timeout_s: float) -> None:
         rendezvous = {"master_address": address, "master_port": port, "world_size": world_size}
         opening = InThread(self._on_device(lambda: self.nccl_common.trainer_init(rendezvous)))
-        self.group = opening.result(min(timeout_s, RENDEZVOUS_S), "the server's workers did not join the NCCL group")
+        self.group = opening.result(min(timeout_s, NCCL_JOIN_S), "the server's workers did not join the NCCL group")
 
     def send(self, tensors: Tensors, timeout_s: float) -> None:
         sending = InThread(

@@ -32,8 +32,6 @@ class TransferError(ValueError):
     """A weight-transfer call that does not fit the protocol's state or the served model (answered 400)."""
 
 
-RENDEZVOUS_S = 120.0
-"""How long an NCCL group may take to form (its members are started already; NCCL's own set-up takes seconds)."""
 JOIN_S = 15.0
 """How long joining a gloo group may take: its members are running already (the server answered, the trainer holds the
 rendezvous), so a longer wait means one cannot reach another, and the run says so well within 30 s."""
