@@ -107,7 +107,9 @@ def test_a_run_evaluates_logs_and_optimizes_the_way_transformers_users_ask(tmp_p
     assert abs(train_rows[0]["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-3
     assert train_rows[-1]["model_version"] == 2, "weight_sync_steps=2: two syncs in four steps"
     assert all(row["batch/microbatches_per_step"] == 2 for row in train_rows), "gradient_accumulation_steps"
-    assert trainer.kernel == "sdpa" and watcher.addresses == {"localhost"}
+    assert trainer.kernel == "sdpa" and watcher.addresses == {"127.0.0.1"}, (
+        "weight_transfer_address 'localhost', resolved once: both ends of the group mean the same address"
+    )
     assert "on http://localhost:" in (tmp_path / "run" / "server.log").read_text(), "embedded_server_host"
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
     tables = re.split(r" completions *\n", capsys.readouterr().err)[1:]
