@@ -191,6 +191,22 @@ class ServerThread(HttpCalls):
         self.thread.join(timeout=30)
 
 
+STREAMED_REPLICA = [
+    "--served-model-name",
+    TINY_MODEL_PATH,
+    "--logprobs-mode",
+    "processed_logprobs",
+    "--max-logprobs",
+    "20",
+    "--weight-transfer-config",
+    '{"backend": "gloo"}',
+    "--weight-transfer-timeout-s",
+    "30",
+]
+"""`tandem serve` flags of a tiny-model replica behind tandem proxy that takes the trainer's weights over the gloo
+stream (a failed transfer gives up after 30 s)."""
+
+
 class ServeProcess(HttpCalls):
     """`tandem serve tiny FLAGS...` as its own process, what users run; `process` is the launcher's ServerProcess."""
 

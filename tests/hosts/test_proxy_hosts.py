@@ -7,22 +7,10 @@ import signal
 import pytest
 
 from tandem.tasks import TINY_MODEL_PATH
+from tests.conftest import STREAMED_REPLICA
 from tests.hosts.conftest import get_json, metrics, recipe, tandem, wait_for
 
 pytestmark = pytest.mark.hosts
-
-REPLICA = [
-    "--served-model-name",
-    TINY_MODEL_PATH,
-    "--logprobs-mode",
-    "processed_logprobs",
-    "--max-logprobs",
-    "20",
-    "--weight-transfer-config",
-    '{"backend": "gloo"}',
-    "--weight-transfer-timeout-s",
-    "30",
-]
 
 
 def test_training_through_a_proxy_on_another_host_outlives_a_replica_killed_and_brought_back(network, tmp_path):
@@ -31,7 +19,7 @@ def test_training_through_a_proxy_on_another_host_outlives_a_replica_killed_and_
 
     def replica(index: int):
         port = urls[index].rsplit(":", 1)[1]
-        flags = ["--host", replicas.address, "--port", port, *REPLICA]
+        flags = ["--host", replicas.address, "--port", port, *STREAMED_REPLICA]
         log = tmp_path / f"replica{index}.log"
         return replicas.popen(tandem("serve", TINY_MODEL_PATH, *flags), log, env={"OMP_NUM_THREADS": "1"})
 

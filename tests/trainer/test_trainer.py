@@ -30,7 +30,7 @@ from tandem.runtime.sample_source import StalledError
 from tandem.runtime.weight_sync import ReloadSync
 from tandem.runtime.weight_transfer import TransferSync, no_one
 from tandem.tasks import TINY_MODEL_PATH, arithmetic
-from tests.conftest import ServerThread
+from tests.conftest import STREAMED_REPLICA, ServerThread
 
 pytestmark = pytest.mark.slow
 
@@ -752,18 +752,7 @@ def test_a_replica_killed_behind_the_proxy_is_left_out_then_brought_to_the_curre
     """Trainer -> tandem proxy -> two tandem serve replicas receiving weights over gloo. Replica 1 dies after step 2:
     the next sync is refused (409) and the trainer forms the transfer group with replica 0 alone; replica 1 comes back
     behind, the next sync forms the group with both, and it serves again. Every sync is checked and staleness is 0."""
-    flags = [
-        "--served-model-name",
-        TINY_MODEL_PATH,
-        "--logprobs-mode",
-        "processed_logprobs",
-        "--max-logprobs",
-        "20",
-        "--weight-transfer-config",
-        '{"backend": "gloo"}',
-        "--weight-transfer-timeout-s",
-        "30",
-    ]
+    flags = STREAMED_REPLICA
     replicas = [
         EmbeddedServer(TINY_MODEL_PATH, log_path=tmp_path / f"replica{i}.log", extra_args=flags) for i in range(2)
     ]
