@@ -4,7 +4,11 @@ import os
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from tandem import network
+from tandem.errors import UsageError
+from tandem.runtime.weight_sync import transfer_address
 from tandem.runtime.weight_transfer import unjoined
 from tandem.serve.weight_receiver import UNREACHABLE
 
@@ -50,3 +54,9 @@ def test_a_group_that_did_not_form_is_said_by_the_side_that_could_not_reach_the_
 def test_the_vllm_plugin_says_an_unreachable_trainer_in_the_words_the_trainer_reads():
     plugin = Path(__file__).parents[1] / "integrations" / "vllm_plugin" / "tandem_vllm_plugin" / "gloo_engine.py"
     assert UNREACHABLE in plugin.read_text(), "the plugin runs without tandem: its message must carry the phrase itself"
+
+
+def test_a_weight_transfer_address_that_is_not_this_machines_is_a_usage_error_naming_it():
+    with pytest.raises(UsageError, match=r"weight_transfer_address='192\.0\.2\.1': .*Give an address of this machine"):
+        transfer_address("192.0.2.1", control=None, run=None)  # a documentation address: no machine holds it
+    assert transfer_address("localhost", control=None, run=None) == "127.0.0.1", "a name, resolved once"

@@ -23,12 +23,21 @@ from peft.tuners.lora import LoraLayer
 from transformers import PreTrainedModel
 
 from tandem.contract.staleness import StalenessPolicy
+from tandem.errors import UsageError
 from tandem.generation.client import ControlClient, ServerProblem
 from tandem.generation.server_facts import ServerFacts
 from tandem.model.distributed import Ranks
 from tandem.model.model_folder import quiet_progress, save_model_folder
-from tandem.network import address_toward
-from tandem.runtime.weight_transfer import Announce, GlooPlane, LoopRunner, TransferSync, VllmNcclPlane, no_one
+from tandem.network import address_toward, machine_addresses
+from tandem.runtime.weight_transfer import (
+    Announce,
+    GlooPlane,
+    LoopRunner,
+    TransferSync,
+    VllmNcclPlane,
+    free_port,
+    no_one,
+)
 
 if TYPE_CHECKING:
     from tandem.config import AsyncGRPOConfig
@@ -233,7 +242,15 @@ def transfer_address(chosen: str | None, control: ControlClient, run: LoopRunner
     a name is resolved once, so that both ends mean the same address) or this machine's address on the route to what
     joins the group, the server or, behind tandem proxy, its first replica (the replicas connect here, not the proxy)."""
     if chosen:
-        return socket.gethostbyname(chosen)
+        try:
+            address = socket.gethostbyname(chosen)
+            free_port(address)  # one of this machine's: the trainer listens there
+        except OSError as exc:
+            raise UsageError(
+                f"weight_transfer_address={chosen!r}: {exc}. Give an address of this machine that the servers can "
+                f"reach (it has {', '.join(machine_addresses()) or 'none'} beside loopback), or leave it unset."
+            ) from None
+        return address
     replicas = run.run(control.replica_urls())
     return address_toward(urllib.parse.urlsplit(replicas[0] if replicas else control.base_url).hostname or "")
 
